@@ -1,0 +1,53 @@
+#include "runtime/threads.h"
+
+#include <sched.h>
+#include <unistd.h>
+
+#include <ATen/Parallel.h>
+#include <cstdlib>
+#include <cstring>
+
+#include "runtime/error.h"
+
+namespace memtune {
+
+void reexec_with_passive_omp_wait(char** argv) {
+  if (std::getenv("OMP_WAIT_POLICY") != nullptr) return;
+  if (std::getenv("MEMTUNE_NO_REEXEC") != nullptr) return;
+  setenv("OMP_WAIT_POLICY", "passive", 1);
+  execv("/proc/self/exe", argv);
+  // exec failed (no /proc?): carry on with the slower default rather than stop.
+}
+
+int affinity_cpu_count() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0) {
+    int n = CPU_COUNT(&set);
+    if (n > 0) return n;
+  }
+  long n = sysconf(_SC_NPROCESSORS_ONLN);
+  return n > 0 ? static_cast<int>(n) : 1;
+}
+
+std::string configure_threads(int requested) {
+  int n = 0;
+  std::string source;
+  if (requested > 0) {
+    n = requested;
+    source = "runtime.num_threads";
+  } else if (const char* env = std::getenv("OMP_NUM_THREADS"); env && *env) {
+    n = std::atoi(env);
+    MEMTUNE_CHECK(n > 0, "OMP_NUM_THREADS='", env, "' is not a positive integer");
+    source = "OMP_NUM_THREADS";
+  } else {
+    n = affinity_cpu_count();
+    source = "CPU affinity";
+  }
+  at::set_num_threads(n);
+  const char* wait = std::getenv("OMP_WAIT_POLICY");
+  return str_cat("threads: ", n, " intra-op (from ", source, "), OpenMP wait policy ",
+                 wait ? wait : "default (spin)");
+}
+
+}  // namespace memtune

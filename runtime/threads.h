@@ -1,0 +1,20 @@
+#pragma once
+// CPU threading: how many intra-op threads LibTorch uses, and how its OpenMP threads wait.
+#include <string>
+
+namespace memtune {
+
+// OpenMP reads OMP_WAIT_POLICY once, when the library loads, so it cannot be changed from
+// main(). With the default spin-wait, LibTorch's OpenMP threads and OpenBLAS's pthreads
+// fight over the cores and a training step runs about 2x slower. When the variable is
+// unset, this sets it to "passive" and re-executes the program (argv unchanged); when it
+// is already set (by the user or by the re-exec), it returns. Call first thing in main().
+void reexec_with_passive_omp_wait(char** argv);
+
+// Sets LibTorch's intra-op threads: `requested` when > 0, else OMP_NUM_THREADS when set,
+// else the number of CPUs in this process's affinity mask. Returns a line for the log.
+std::string configure_threads(int requested);
+
+int affinity_cpu_count();
+
+}  // namespace memtune

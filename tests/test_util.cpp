@@ -1,0 +1,72 @@
+#include "test_util.h"
+
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include <ATen/Context.h>
+
+namespace memtune::testing {
+
+fs::path temp_dir(const std::string& tag) {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  std::string name = info ? std::string(info->test_suite_name()) + "." + info->name() : "test";
+  for (char& c : name)
+    if (c == '/') c = '_';
+  if (!tag.empty()) name += "." + tag;
+  fs::path dir = fs::path(MEMTUNE_BUILD_DIR) / "test-tmp" / name;
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+CommandResult run(const std::string& command, int timeout_s) {
+  std::string wrapped = "timeout -k 10 " + std::to_string(timeout_s) + " sh -c '" + [&] {
+    std::string escaped;
+    for (char c : command) escaped += (c == '\'') ? std::string("'\\''") : std::string(1, c);
+    return escaped;
+  }() + "' 2>&1";
+  CommandResult result;
+  FILE* pipe = popen(wrapped.c_str(), "r");
+  if (!pipe) return result;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), pipe)) > 0) result.output.append(buf.data(), n);
+  int status = pclose(pipe);
+  if (WIFEXITED(status))
+    result.exit_code = WEXITSTATUS(status);
+  else if (WIFSIGNALED(status))
+    result.exit_code = 128 + WTERMSIG(status);
+  return result;
+}
+
+std::string memtune_bin() { return MEMTUNE_BIN; }
+fs::path source_dir() { return MEMTUNE_SOURCE_DIR; }
+std::string python() { return "/usr/bin/python3"; }
+
+bool python_torch_available() {
+  static int cached = -1;
+  if (cached < 0) cached = run(python() + " -c 'import torch'", 120).exit_code == 0;
+  return cached == 1;
+}
+
+std::string read_file(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+void write_file(const fs::path& path, const std::string& text) {
+  if (path.has_parent_path()) fs::create_directories(path.parent_path());
+  std::ofstream out(path, std::ios::binary);
+  out << text;
+}
+
+bool cuda_available() { return at::hasCUDA(); }
+
+}  // namespace memtune::testing

@@ -1,0 +1,42 @@
+#pragma once
+// Helpers shared by memtune's tests: temporary directories, running the real command,
+// and the paths of the source tree and the build.
+#include <filesystem>
+#include <string>
+#include <vector>
+
+namespace memtune::testing {
+
+namespace fs = std::filesystem;
+
+// A fresh, empty directory under the build tree, named after the running test.
+fs::path temp_dir(const std::string& tag = "");
+
+struct CommandResult {
+  int exit_code = -1;   // the process's exit status, or 128 + signal
+  std::string output;   // stdout and stderr together
+};
+
+// Runs `command` through /bin/sh with a time limit; output captured.
+CommandResult run(const std::string& command, int timeout_s = 600);
+
+// The built memtune binary, the source tree, and Debian's python3 (with python3-torch).
+std::string memtune_bin();
+fs::path source_dir();
+std::string python();  // "/usr/bin/python3"
+bool python_torch_available();
+
+std::string read_file(const fs::path& path);
+void write_file(const fs::path& path, const std::string& text);
+
+}  // namespace memtune::testing
+
+// GPU tests are named *_CUDA and skip themselves at run time without a GPU.
+#define MEMTUNE_SKIP_WITHOUT_CUDA()                                     \
+  do {                                                                  \
+    if (!::memtune::testing::cuda_available()) GTEST_SKIP() << "no CUDA device"; \
+  } while (0)
+
+namespace memtune::testing {
+bool cuda_available();
+}
