@@ -1,1 +1,1 @@
-// placeholder, replaced as the layer lands
+// placeholder until trainer/config.cpp lands

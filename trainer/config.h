@@ -1,0 +1,205 @@
+#pragma once
+// memtune's configuration: typed structs per concern, in the shape users know from Hugging
+// Face / bitsandbytes / PEFT. Each field is declared once: its default here, its YAML name
+// and help text in the struct's fields() visitor; parsing, validation, --help-config and the
+// effective config written to output_dir/config.yaml all come from that visitor.
+// YAML is parsed in trainer/config.cpp and nowhere else.
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "runtime/units.h"
+
+namespace memtune::trainer {
+
+// bitsandbytes' BitsAndBytesConfig keys.
+struct QuantizationConfig {
+  bool load_in_4bit = false;                  // NF4 base weights for the linear layers
+  bool load_in_8bit = false;                  // accepted key; refused when true (not supported)
+  std::string bnb_4bit_compute_dtype = "auto";  // auto|float32|float16|bfloat16: base matmul dtype
+  std::string bnb_4bit_quant_type = "nf4";    // nf4 only (fp4 refused)
+  bool bnb_4bit_use_double_quant = true;      // quantize the absmax values too (~4.127 bits/param)
+  std::string bnb_4bit_quant_storage = "uint8";  // storage dtype of the packed codes
+  int blocksize = 64;                         // elements per absmax block, power of 2 in 32..4096
+
+  template <class F> void fields(F&& f);
+};
+
+// `gradient_checkpointing: true|false` or `{policy: all|every_n|layers, n: 2, layers: [1,3]}`.
+struct CheckpointingConfig {
+  std::string policy = "none";  // none|all|every_n|layers
+  int n = 2;                    // every_n: layers 0, n, 2n, ... are checkpointed
+  std::vector<int> layers;      // layers: these layer indices are checkpointed
+  bool enabled() const { return policy != "none"; }
+};
+
+// `device_map: auto|cpu|cuda:0` or a map from module prefixes to devices
+// (`model.layers.0-15: cuda:0`, `lm_head: cpu`, a device being cuda:N, cpu or offload).
+struct DeviceMapConfig {
+  std::string single = "auto";                              // when entries is empty
+  std::vector<std::pair<std::string, std::string>> entries;  // prefix -> device, in order
+};
+
+struct ModelConfig {
+  std::string name_or_path = "tiny-llama";  // HF model dir (config.json + safetensors) or preset
+  std::string architecture;                 // registered architecture for a preset; empty: from the preset or config.json
+  std::string tokenizer;                    // tokenizer file or dir; empty: name_or_path's own
+  std::string torch_dtype = "auto";         // auto|float32|float16|bfloat16: dense weight dtype
+  QuantizationConfig quantization_config;
+  DeviceMapConfig device_map;
+  std::map<std::string, SizeSpec> max_memory;  // device -> budget for device_map: auto
+  bool low_cpu_mem_usage = true;            // stream tensors one at a time while loading
+  std::string attn_implementation = "auto";  // auto|eager|sdpa
+  uint64_t init_seed = 0;                   // seed for presets' random initialisation
+
+  template <class F> void fields(F&& f);
+};
+
+// PEFT's LoraConfig keys.
+struct LoraConfig {
+  int r = 8;                          // rank of A [r,in] and B [out,r]
+  double lora_alpha = 16;             // scaling = lora_alpha / r (or / sqrt(r) with use_rslora)
+  double lora_dropout = 0.0;          // dropout on the adapter's input
+  std::vector<std::string> target_modules = {"all-linear"};  // names, one regex, or all-linear
+  std::vector<std::string> exclude_modules;
+  std::vector<int> layers_to_transform;  // empty: every layer
+  bool use_rslora = false;
+  std::string init_lora_weights = "true";  // true (kaiming-uniform A, zero B) | gaussian
+  std::string bias = "none";               // none only
+  std::vector<std::string> modules_to_save;  // trained in full and saved with the adapter
+  bool fan_in_fan_out = false;             // weights stored [in,out] (GPT-2 Conv1D); auto-set for gpt2
+  std::string task_type = "CAUSAL_LM";
+
+  template <class F> void fields(F&& f);
+};
+
+struct TrainingConfig {
+  std::string output_dir = "runs/memtune";
+  std::string finetune = "lora";              // lora|full
+  int per_device_train_batch_size = 1;        // micro-batch rows; kAuto: from the estimate
+  int per_device_eval_batch_size = 1;
+  int gradient_accumulation_steps = 1;        // micro-batches per optimizer step
+  CheckpointingConfig gradient_checkpointing;
+  bool fp16 = false;                          // fp16 autocast with dynamic loss scaling
+  bool bf16 = false;                          // bf16 autocast
+  double learning_rate = 2e-4;
+  double num_train_epochs = 1;
+  int64_t max_steps = -1;                     // > 0 overrides num_train_epochs
+  std::string lr_scheduler_type = "linear";   // constant|constant_with_warmup|linear|cosine
+  double warmup_ratio = 0;
+  int64_t warmup_steps = 0;                   // > 0 overrides warmup_ratio
+  double weight_decay = 0;
+  double adam_beta1 = 0.9;
+  double adam_beta2 = 0.999;
+  double adam_epsilon = 1e-8;
+  std::string optim = "adamw_torch";          // adamw_torch|adamw|sgd
+  double momentum = 0;                        // sgd only
+  double max_grad_norm = 1.0;                 // <= 0: no clipping
+  int64_t logging_steps = 1;
+  int64_t save_steps = 0;                     // 0: only at the end
+  int save_total_limit = 0;                   // 0: keep all checkpoints
+  int64_t eval_steps = 0;                     // 0: no periodic evaluation
+  uint64_t seed = 42;
+  std::string resume_from_checkpoint;         // empty | latest | path to checkpoints/step-N
+  double fp16_init_scale = 65536;             // loss scaler start
+  int64_t fp16_growth_interval = 2000;        // good steps before the scale doubles
+  bool group_by_length = false;
+  // Accepted for compatibility with HF TrainingArguments; they change nothing here.
+  bool dataloader_pin_memory = true;
+  int dataloader_num_workers = 0;
+  bool remove_unused_columns = true;
+  std::string report_to = "none";
+
+  static constexpr int kAuto = -1;  // per_device_train_batch_size: auto
+  template <class F> void fields(F&& f);
+};
+
+struct DataConfig {
+  std::string train_file;                 // .jsonl, .bin (llm.c tokens), .txt, or a directory of .txt
+  std::string eval_file;                  // empty: eval_split of the training data, or none
+  double eval_split = 0;                  // share of training samples held out for evaluation
+  std::string format = "auto";            // auto|text|instruction|chat|tokens|plain
+  std::string template_name = "alpaca";   // chat/instruction template: llama-3|chatml|alpaca
+  std::string chat_template;              // a template string; overrides template_name
+  std::string text_field = "text";
+  int max_seq_length = 512;
+  bool pack_sequences = true;
+  std::string truncation = "right";       // right|drop
+  bool train_on_prompt = false;           // false: prompt tokens are not in the loss
+  bool skip_invalid = false;              // skip (and count) malformed lines instead of failing
+  bool add_eos_token = true;
+  bool shuffle = true;
+  std::string cache_dir;                  // empty: output_dir/../.cache/tokenized
+
+  template <class F> void fields(F&& f);
+};
+
+struct OnOomConfig {
+  double shrink_factor = 0.5;     // micro-batch *= factor on OOM (at least one less)
+  int max_retries = 16;           // attempts of one step before giving up
+  bool checkpoint_more = true;    // ladder at micro-batch 1: checkpoint more layers
+  bool offload_layers = true;     // then offload layers through the device map
+  template <class F> void fields(F&& f);
+};
+
+struct MemoryConfig {
+  SizeSpec device_limit;                 // emulate a device of this size (CPU budget allocator / CUDA fraction)
+  double warning_threshold = 0.85;       // of the limit: log suggestions
+  double critical_threshold = 0.90;      // release cached memory
+  double emergency_threshold = 0.95;     // shrink the micro-batch before an OOM
+  OnOomConfig on_oom;
+  int64_t grow_after_steps = 50;         // steps under grow_threshold before trying a larger micro-batch
+  double grow_threshold = 0.6;           // peak share of the limit that counts as headroom
+  bool supervise = true;                 // false: an OOM stops the run
+  std::string inject_oom;                // testing: "step:phase[:rank]" list, e.g. "3:backward,5:optimizer"
+
+  template <class F> void fields(F&& f);
+};
+
+struct RuntimeConfig {
+  std::string device = "auto";  // auto|cpu|cuda|cuda:N
+  int num_threads = 0;          // 0: OMP_NUM_THREADS or the CPUs of this process's affinity
+  std::string log_level = "info";
+  template <class F> void fields(F&& f);
+};
+
+struct DistributedConfig {
+  std::string backend = "auto";   // auto (nccl on CUDA, gloo on CPU)|gloo|nccl
+  double timeout = 300;           // seconds for each collective
+  int64_t bucket_size_mb = 25;    // gradient buckets
+  template <class F> void fields(F&& f);
+};
+
+struct Config {
+  ModelConfig model;
+  LoraConfig lora;
+  TrainingConfig training;
+  DataConfig data;
+  MemoryConfig memory;
+  RuntimeConfig runtime;
+  DistributedConfig distributed;
+  std::string source;  // where it came from (file name), for messages
+
+  template <class F> void fields(F&& f);
+};
+
+// Parses YAML text (strict: unknown keys, wrong types and impossible values throw UserError
+// naming the key path, line:column, the value and the nearest known key), then applies
+// `overrides` ("training.learning_rate=1e-4", values typed as in YAML), then validates.
+Config parse_config(const std::string& yaml_text, const std::string& source,
+                    const std::vector<std::string>& overrides = {});
+Config load_config(const std::filesystem::path& path, const std::vector<std::string>& overrides = {});
+
+// The effective config as YAML; parse_config(to_yaml(c)) == c.
+std::string to_yaml(const Config& config);
+// Every key with its type, default and help, for `memtune train --help-config`.
+std::string config_help();
+// Lines to log once: keys accepted for compatibility that change nothing in this run.
+std::vector<std::string> compatibility_notes(const Config& config);
+
+bool operator==(const Config& a, const Config& b);
+
+}  // namespace memtune::trainer
