@@ -139,6 +139,7 @@ int64_t cpu_peak_bytes() { return g_peak.load(); }
 
 void set_cpu_memory_limit(int64_t bytes) {
   TORCH_CHECK(bytes >= 0, "CPU memory limit must be >= 0 bytes, got ", bytes);
+  if (bytes > 0) install_cpu_budget_allocator();  // a limit only binds once installed
   g_limit = bytes;
 }
 int64_t cpu_memory_limit() { return g_limit.load(); }
@@ -147,6 +148,7 @@ void reset_cpu_peak() { g_peak = g_allocated.load(); }
 
 void inject_oom_after(int64_t allocations) {
   TORCH_CHECK(allocations >= 0, "inject_oom_after: allocations must be >= 0, got ", allocations);
+  install_cpu_budget_allocator();
   g_inject_countdown = allocations;
 }
 void inject_oom_on_next_alloc() { inject_oom_after(0); }
