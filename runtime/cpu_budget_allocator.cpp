@@ -106,15 +106,20 @@ struct BudgetAllocator final : c10::Allocator {
   MEMTUNE_ALLOCATOR_COPY_DATA
 };
 
-BudgetAllocator g_allocator;  // static lifetime, as SetCPUAllocator requires
+// Never destroyed: SetCPUAllocator needs static lifetime, and static destructors that run
+// after this file's may still allocate.
+BudgetAllocator* budget_allocator() {
+  static auto* allocator = new BudgetAllocator();
+  return allocator;
+}
 
 }  // namespace
 
 void install_cpu_budget_allocator() {
   static std::once_flag once;
   std::call_once(once, [] {
-    c10::SetCPUAllocator(&g_allocator, kPriority);
-    TORCH_CHECK(c10::GetCPUAllocator() == &g_allocator,
+    c10::SetCPUAllocator(budget_allocator(), kPriority);
+    TORCH_CHECK(c10::GetCPUAllocator() == budget_allocator(),
                 "CPU budget allocator: c10::SetCPUAllocator kept another allocator "
                 "(one registered with a priority above ", static_cast<int>(kPriority), ")");
     g_installed = true;
