@@ -843,6 +843,86 @@ def _rand_lora(cfg, targets, r, alpha, rslora, seed, tmp):
     return Lora(tmp, cfg)
 
 
+def naive_numpy_forward(cfg, base, ids, pos, seg):
+    """A second, loop-per-token/head numpy implementation of one row (selftest only): written
+    from the definitions, sharing nothing with Forward but inv_freq."""
+    P = {k: v.double().numpy() for k, v in base.items()}
+    T, H = len(ids), cfg.hidden
+    nq, nkv, d = cfg.heads, cfg.kv_heads, cfg.head_dim
+
+    def ln(x, w, b):
+        mu = x.mean()
+        return (x - mu) / np.sqrt(((x - mu) ** 2).mean() + cfg.eps) * w + b
+
+    def rms(x, w):
+        return w * x / np.sqrt((x ** 2).mean() + cfg.eps)
+
+    def rope(x, p):  # x (d,): pair i with i + d/2
+        inv = rope_inv_freq(cfg).double().numpy()
+        out = x.copy()
+        for i in range(d // 2):
+            a = p * inv[i]
+            out[i] = x[i] * math.cos(a) - x[i + d // 2] * math.sin(a)
+            out[i + d // 2] = x[i + d // 2] * math.cos(a) + x[i] * math.sin(a)
+        return out
+
+    def attn_row(qs, ks, vs, t, scale, kv_of):
+        o = []
+        for h in range(len(qs[0])):
+            keys = [u for u in range(T) if u == t or (u <= t and seg[u] == seg[t] and seg[u] >= 0)]
+            sc = np.array([qs[t][h] @ ks[u][kv_of(h)] * scale for u in keys])
+            w = np.exp(sc - sc.max())
+            w /= w.sum()
+            o.append(sum(wi * vs[u][kv_of(h)] for wi, u in zip(w, keys)))
+        return np.concatenate(o)
+
+    if cfg.family == "gpt2":
+        x = [P["transformer.wte.weight"][ids[t]] + P["transformer.wpe.weight"][pos[t]]
+             for t in range(T)]
+        for i in range(cfg.layers):
+            pre = f"transformer.h.{i}."
+            qkv = [ln(x[t], P[pre + "ln_1.weight"], P[pre + "ln_1.bias"])
+                   @ P[pre + "attn.c_attn.weight"] + P[pre + "attn.c_attn.bias"] for t in range(T)]
+            qs = [[r[h * d:(h + 1) * d] for h in range(nq)] for r in qkv]
+            ks = [[r[H + h * d:H + (h + 1) * d] for h in range(nq)] for r in qkv]
+            vs = [[r[2 * H + h * d:2 * H + (h + 1) * d] for h in range(nq)] for r in qkv]
+            a = [attn_row(qs, ks, vs, t, d ** -0.5, lambda h: h) for t in range(T)]
+            x = [x[t] + a[t] @ P[pre + "attn.c_proj.weight"] + P[pre + "attn.c_proj.bias"]
+                 for t in range(T)]
+            for t in range(T):
+                hdn = ln(x[t], P[pre + "ln_2.weight"], P[pre + "ln_2.bias"]) \
+                    @ P[pre + "mlp.c_fc.weight"] + P[pre + "mlp.c_fc.bias"]
+                hdn = 0.5 * hdn * (1 + np.tanh(math.sqrt(2 / math.pi) * (hdn + 0.044715 * hdn ** 3)))
+                x[t] = x[t] + hdn @ P[pre + "mlp.c_proj.weight"] + P[pre + "mlp.c_proj.bias"]
+        head = P.get("lm_head.weight", P["transformer.wte.weight"])
+        return np.stack([ln(x[t], P["transformer.ln_f.weight"], P["transformer.ln_f.bias"]) @ head.T
+                         for t in range(T)])
+
+    def lin(name, v):
+        y = P[name + ".weight"] @ v
+        return y + P[name + ".bias"] if name + ".bias" in P else y
+
+    x = [P["model.embed_tokens.weight"][ids[t]] for t in range(T)]
+    for i in range(cfg.layers):
+        pre = f"model.layers.{i}.self_attn."
+        hs = [rms(x[t], P[f"model.layers.{i}.input_layernorm.weight"]) for t in range(T)]
+        qs = [[rope(lin(pre + "q_proj", hs[t])[h * d:(h + 1) * d], pos[t]) for h in range(nq)]
+              for t in range(T)]
+        ks = [[rope(lin(pre + "k_proj", hs[t])[h * d:(h + 1) * d], pos[t]) for h in range(nkv)]
+              for t in range(T)]
+        vs = [[lin(pre + "v_proj", hs[t])[h * d:(h + 1) * d] for h in range(nkv)] for t in range(T)]
+        rep = nq // nkv
+        x = [x[t] + lin(pre + "o_proj", attn_row(qs, ks, vs, t, d ** -0.5, lambda h: h // rep))
+             for t in range(T)]
+        pre = f"model.layers.{i}."
+        for t in range(T):
+            hn = rms(x[t], P[pre + "post_attention_layernorm.weight"])
+            g, u = lin(pre + "mlp.gate_proj", hn), lin(pre + "mlp.up_proj", hn)
+            x[t] = x[t] + lin(pre + "mlp.down_proj", g / (1 + np.exp(-g)) * u)
+    head = P.get("lm_head.weight", P["model.embed_tokens.weight"])
+    return np.stack([rms(x[t], P["model.norm.weight"]) @ head.T for t in range(T)])
+
+
 def selftest():
     import tempfile
     torch.manual_seed(0)
@@ -961,6 +1041,18 @@ def selftest():
               worst < 1e-10 and abs(tot / n - loss.item()) < 1e-10, f"({worst:.1e})")
         check(f"no NaN/inf in logits with padding ({name})", bool(torch.isfinite(logits).all()))
 
+    # 5b. a second implementation (numpy, loops per token and head) gives the same logits.
+    for name, kw in variants[:2] + variants[3:]:
+        cfg, base = _model(12, **kw)
+        logits, _, _ = run_forward(cfg, base, batch, want_grad=False)
+        worst = 0.0
+        for r in range(3):
+            want = naive_numpy_forward(cfg, base, *(batch[k][r].tolist() for k in
+                                                    ("input_ids", "position_ids", "segment_ids")))
+            real = batch["segment_ids"][r] >= 0
+            worst = max(worst, close(logits[r][real], torch.from_numpy(want)[real], 1e-6)[0])
+        check(f"Forward == naive numpy loops ({name})", worst < 1e-6, f"(max rel {worst:.1e})")
+
     # 6. causality and padding: changing a later token / adding padding leaves earlier logits.
     cfg, base = _model(2)
     ids = torch.randint(0, 40, (1, 10))
@@ -978,6 +1070,16 @@ def selftest():
           torch.equal(l0[:, :7], l1[:, :7]) and not torch.allclose(l0[:, 7:], l1[:, 7:]))
     check("trailing padding leaves real logits unchanged",
           float((padded[:, :10] - l0).abs().max()) < 1e-12)
+
+    # Mistral sliding window W: with one layer, logits at t see tokens t-W+1 .. t only.
+    cfg, base = _model(13, mistral=True, layers=1, sliding_window=3)
+    f = Forward(cfg, {k: v.double() for k, v in base.items()})
+    a0 = f(**one)
+    ids3 = ids.clone()
+    ids3[0, 4] = (ids3[0, 4] + 1) % 40
+    a1 = f(ids3, one["position_ids"], one["segment_ids"])
+    check("mistral sliding_window: key t-W is out of reach, t-W+1 is in",
+          torch.equal(a0[:, 7:], a1[:, 7:]) and not torch.allclose(a0[:, 6], a1[:, 6]))
 
     # 7. GQA == MHA whose k/v heads are the kv heads repeated (kv head j serves query heads
     #    j*n_rep ... j*n_rep + n_rep - 1, HF's repeat_kv order).
