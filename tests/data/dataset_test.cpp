@@ -1,9 +1,13 @@
 // Datasets against hand-computed examples: a byte tokenizer (id = byte value, bos 256,
 // eos 257) makes every id and target predictable from the text.
+#include <algorithm>
+#include <cctype>
 #include <cstring>
 #include <fstream>
+#include <functional>
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "data/chat_template.h"
 #include "data/dataset.h"
@@ -446,4 +450,37 @@ TEST(DatasetBadInput, UnreadableFileIsAnError) {
   EXPECT_NE(not_file.find("not a regular file"), std::string::npos) << not_file;
   o.format = "jsonl";
   EXPECT_NE(error_of([&] { Dataset(dir, &tok, o); }).find("unknown format 'jsonl'"), std::string::npos);
+}
+
+// ---- bundled data (examples/data, made by tools/make_bundled_data.py) ----
+
+TEST(BundledData, TaskFilesLoadAndTheirAnswersAreRight) {
+  const fs::path dir = memtune::testing::source_dir() / "examples/data";
+  auto o = opts(64, true);
+  Dataset train(dir / "tasks_train.jsonl", &tok, o);
+  EXPECT_EQ(train.format(), "instruction");
+  EXPECT_EQ(train.stats().documents, 3000);
+  EXPECT_EQ(train.stats().truncated + train.stats().skipped_invalid, 0);
+
+  // Check every eval answer independently of the generator.
+  std::ifstream in(dir / "tasks_eval.jsonl");
+  int lines = 0;
+  for (std::string line; std::getline(in, line); ++lines) {
+    const auto j = nlohmann::json::parse(line);
+    const std::string ins = j["instruction"], out = j["output"], task = j["task"];
+    const std::string arg = ins.substr(ins.find(": ") + 2);
+    std::string want = arg;
+    if (task == "reverse") want.assign(arg.rbegin(), arg.rend());
+    else if (task == "upper") for (char& c : want) c = static_cast<char>(std::toupper(c));
+    else if (task == "sort") std::sort(want.begin(), want.end());
+    else want = std::to_string(std::stoi(arg.substr(0, arg.find('+'))) + std::stoi(arg.substr(arg.find('+') + 1)));
+    EXPECT_EQ(out, want) << line;
+  }
+  EXPECT_EQ(lines, 200);
+
+  Dataset blocks(dir / "corpus.txt", &tok, opts(1024));
+  Dataset texts(dir / "corpus.jsonl", &tok, opts(1024));
+  EXPECT_EQ(blocks.stats().documents, 60);
+  EXPECT_EQ(texts.stats().documents, 60);
+  EXPECT_EQ(blocks.sample(7).input_ids, texts.sample(7).input_ids);
 }
