@@ -484,3 +484,26 @@ TEST(BundledData, TaskFilesLoadAndTheirAnswersAreRight) {
   EXPECT_EQ(texts.stats().documents, 60);
   EXPECT_EQ(blocks.sample(7).input_ids, texts.sample(7).input_ids);
 }
+
+TEST(Dataset, ChatAlpacaMultiTurn) {
+  const auto path = file("c.jsonl",
+                         R"({"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "q1"}, )"
+                         R"({"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"}, )"
+                         R"({"role": "assistant", "content": "a2"}]})"
+                         "\n");
+  Dataset ds(path, &tok, opts(256));
+  const std::string first = "S\n\n### Instruction:\nq1\n\n### Response:\n";
+  const std::string second = "\n\n### Instruction:\nq2\n\n### Response:\n";
+  const auto ids = cat(cat(cat(cat({kBos}, bytes(first)), bytes("a1")), bytes(second)), bytes("a2"));
+  const Sample s = ds.sample(0);
+  ASSERT_EQ(s.input_ids, ids);
+  std::vector<int32_t> want(ids.size(), X);
+  const size_t a1 = 1 + first.size(), a2 = a1 + 2 + second.size();
+  want[a1 - 1] = 'a';
+  want[a1] = '1';
+  want[a2 - 1] = 'a';
+  want[a2] = '2';
+  want[a2 + 1] = kEos;
+  EXPECT_EQ(s.targets, want);
+  EXPECT_EQ(ds.sample_length(0), static_cast<int64_t>(ids.size()));
+}
