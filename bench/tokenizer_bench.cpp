@@ -45,13 +45,24 @@ std::vector<std::string> make_corpus(size_t target_bytes) {
   return docs;
 }
 
+// The source tree, from the CMakeCache.txt of the build this binary belongs to.
+fs::path source_dir() {
+  const fs::path build = fs::read_symlink("/proc/self/exe").parent_path().parent_path();
+  std::ifstream cache(build / "CMakeCache.txt");
+  for (std::string line; std::getline(cache, line);) {
+    const std::string key = "memtune_SOURCE_DIR:STATIC=";
+    if (line.rfind(key, 0) == 0) return line.substr(key.size());
+  }
+  return fs::current_path();
+}
+
 double cpu_seconds() { return static_cast<double>(std::clock()) / CLOCKS_PER_SEC; }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   const double mb = argc > 1 ? std::atof(argv[1]) : 50.0;
-  const fs::path src = fs::path(__FILE__).parent_path().parent_path();  // the source tree
+  const fs::path src = source_dir();
   const auto docs = make_corpus(static_cast<size_t>(mb * 1e6));
   size_t bytes = 0;
   for (const auto& d : docs) bytes += d.size();
