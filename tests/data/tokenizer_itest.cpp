@@ -76,7 +76,10 @@ std::string divergence(const data::Tokenizer& tok, const std::vector<int32_t>& g
   return "first difference at id " + std::to_string(k) + ": memtune " + around(got) + "| library " + around(want);
 }
 
-void compare_with_library(const fs::path& dir, const std::vector<std::string>& corpus = tokenizer_corpus()) {
+// memtune's tokenizer loaded from `ours` (default: `dir`) against the library on dir's
+// tokenizer.json.
+void compare_with_library(const fs::path& dir, const std::vector<std::string>& corpus = tokenizer_corpus(),
+                          const fs::path& ours = {}) {
   std::string why;
   if (!node_ready(why)) {
     if (why == "node is not installed") GTEST_SKIP() << why;
@@ -85,7 +88,7 @@ void compare_with_library(const fs::path& dir, const std::vector<std::string>& c
   ASSERT_TRUE(fs::exists(dir / "tokenizer.json")) << dir;
   const auto expected = reference(dir / "tokenizer.json", corpus, temp_dir());
   ASSERT_EQ(expected.size(), corpus.size());
-  const auto tok = data::Tokenizer::load(dir);
+  const auto tok = data::Tokenizer::load(ours.empty() ? dir : ours);
   int bad = 0;
   for (size_t i = 0; i < corpus.size() && bad < 10; ++i) {
     const auto& x = corpus[i];
@@ -120,6 +123,17 @@ TEST(TokenizerLibrary, Llama2) {
 
 TEST(TokenizerLibrary, TinyTokenizer) {
   compare_with_library(source_dir() / "examples" / "tiny-tokenizer");
+}
+
+// A SentencePiece .model written from the Llama-2-style tokenizer.json (same pieces, scores
+// in merge order) must tokenize as the library does with the tokenizer.json.
+TEST(TokenizerLibrary, SentencePieceModelLlama2) {
+  const fs::path dir = reference_dir() / "node_modules" / "@lenml" / "tokenizer-llama2" / "models";
+  const fs::path model = temp_dir("spm") / "tokenizer.model";
+  auto r = run(python() + " " + (reference_dir() / "make_sp_model.py").string() + " '" +
+               (dir / "tokenizer.json").string() + "' '" + model.string() + "' 2>&1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  compare_with_library(dir, tokenizer_corpus(), model);
 }
 
 // Every code point of the BMP (surrogates and private use left out) and the emoji blocks,
