@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -123,6 +124,53 @@ TEST(TokenizerLibrary, Llama2) {
 
 TEST(TokenizerLibrary, TinyTokenizer) {
   compare_with_library(source_dir() / "examples" / "tiny-tokenizer");
+}
+
+// Variants of the real files with the other pre-tokenizers and decoders that released
+// tokenizers use (Metaspace as in Mistral and newer Llama-2-style files; GPT-2's ByteLevel
+// regex with and without a prefix space); the library reads the same modified file.
+fs::path variant(const fs::path& dir, const std::string& tag, const std::function<void(json&)>& edit) {
+  std::ifstream in(dir / "tokenizer.json", std::ios::binary);
+  json j = json::parse(in);
+  edit(j);
+  const fs::path out = temp_dir(tag);
+  std::ofstream(out / "tokenizer.json", std::ios::binary) << j.dump();
+  return out;
+}
+
+const std::string kMeta = "\xE2\x96\x81";
+
+TEST(TokenizerLibrary, MetaspaceFirstNoSplit) {
+  const fs::path dir = reference_dir() / "node_modules" / "@lenml" / "tokenizer-llama2" / "models";
+  compare_with_library(variant(dir, "meta_first", [](json& j) {
+    j["normalizer"] = nullptr;
+    j["pre_tokenizer"] = {{"type", "Metaspace"}, {"replacement", kMeta}, {"prepend_scheme", "first"}, {"split", false}};
+    j["decoder"] = {{"type", "Metaspace"}, {"replacement", kMeta}, {"prepend_scheme", "first"}, {"split", false}};
+  }));
+}
+
+TEST(TokenizerLibrary, MetaspaceAlwaysSplit) {
+  const fs::path dir = reference_dir() / "node_modules" / "@lenml" / "tokenizer-llama2" / "models";
+  compare_with_library(variant(dir, "meta_always", [](json& j) {
+    j["normalizer"] = nullptr;
+    j["pre_tokenizer"] = {{"type", "Metaspace"}, {"replacement", kMeta}, {"prepend_scheme", "always"}, {"split", true}};
+    j["decoder"] = {{"type", "Metaspace"}, {"replacement", kMeta}, {"prepend_scheme", "always"}, {"split", true}};
+  }));
+}
+
+TEST(TokenizerLibrary, Gpt2ByteLevelRegex) {
+  const fs::path dir = reference_dir() / "node_modules" / "@lenml" / "tokenizer-llama3" / "models";
+  compare_with_library(variant(dir, "gpt2", [](json& j) {
+    j["pre_tokenizer"] = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", true}};
+    j["model"]["ignore_merges"] = false;
+  }));
+}
+
+TEST(TokenizerLibrary, Gpt2ByteLevelPrefixSpace) {
+  const fs::path dir = reference_dir() / "node_modules" / "@lenml" / "tokenizer-llama3" / "models";
+  compare_with_library(variant(dir, "gpt2_prefix", [](json& j) {
+    j["pre_tokenizer"] = {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}};
+  }));
 }
 
 // A SentencePiece .model written from the Llama-2-style tokenizer.json (same pieces, scores
