@@ -1,7 +1,9 @@
 #include "data/sentencepiece_tokenizer.h"
 
+#include <algorithm>
 #include <array>
 #include <cstring>
+#include <limits>
 #include <queue>
 #include <unordered_map>
 
@@ -93,7 +95,13 @@ struct SentencePieceTokenizer::Impl {
 
   void parse(std::string_view data);
   std::string normalize(std::string_view s) const;
+  size_t max_piece_bytes = 0;
+  float min_score = std::numeric_limits<float>::max();  // over normal pieces
+
   void encode_bpe(const std::string& s, std::vector<int32_t>& out) const;
+  void encode_unigram(const std::string& s, std::vector<int32_t>& out) const;
+  // Pieces that Viterbi / merges may produce.
+  bool usable(int32_t id) const { return pieces[id].type == kNormal || pieces[id].type == kUserDefined; }
 };
 
 void SentencePieceTokenizer::Impl::parse(std::string_view data) {
@@ -133,9 +141,9 @@ void SentencePieceTokenizer::Impl::parse(std::string_view data) {
     }
   }
   MEMTUNE_CHECK(!pieces.empty(), origin, ": no pieces; not a SentencePiece .model file?");
-  MEMTUNE_CHECK(model_type == 2, origin, ": SentencePiece model type ",
-                model_type == 1 ? "unigram" : model_type == 3 ? "word" : model_type == 4 ? "char" : "unknown",
-                " is not supported; memtune reads BPE .model files (Llama 2, Mistral). Use the model's "
+  MEMTUNE_CHECK(model_type == 1 || model_type == 2, origin, ": SentencePiece model type ",
+                model_type == 3 ? "word" : model_type == 4 ? "char" : std::to_string(model_type),
+                " is not supported; memtune reads BPE and unigram .model files. Use the model's "
                 "tokenizer.json if it has one");
   MEMTUNE_CHECK(charsmap.empty(), origin, ": a precompiled normalization charsmap is not supported; use the "
                 "model's tokenizer.json if it has one");
@@ -144,6 +152,10 @@ void SentencePieceTokenizer::Impl::parse(std::string_view data) {
     const auto& p = pieces[i];
     ids.emplace(p.text, static_cast<int32_t>(i));
     if (p.type == kUnknown) unk_id = static_cast<int32_t>(i);
+    if (p.type == kNormal) {
+      min_score = std::min(min_score, p.score);
+      max_piece_bytes = std::max(max_piece_bytes, p.text.size());
+    }
     if ((p.type == kControl || p.type == kUnknown || p.type == kUserDefined) && !p.text.empty()) {
       specials.push_back(&p);
       special_first[static_cast<uint8_t>(p.text[0])] = true;
@@ -229,6 +241,52 @@ void SentencePieceTokenizer::Impl::encode_bpe(const std::string& s, std::vector<
   }
 }
 
+// sentencepiece's unigram: the segmentation with the highest total score (Viterbi); a
+// character no piece covers is <unk> with score min_score - 10, consecutive ones fused,
+// or its bytes with byte fallback.
+void SentencePieceTokenizer::Impl::encode_unigram(const std::string& s, std::vector<int32_t>& out) const {
+  constexpr float kUnkPenalty = 10.0f;
+  const size_t n = s.size();
+  std::vector<double> best(n + 1, -1e300);
+  std::vector<size_t> from(n + 1, 0);
+  std::vector<int32_t> via(n + 1, -1);  // piece id, or -1 for <unk>
+  best[0] = 0;
+  for (size_t i = 0; i < n;) {
+    const size_t clen = std::max(1, utf8::valid_length(s, i));
+    if (best[i] > -1e300) {
+      bool single = false;
+      for (size_t len = 1; len <= max_piece_bytes && i + len <= n; ++len) {
+        if (i + len < n && (static_cast<uint8_t>(s[i + len]) & 0xC0) == 0x80) continue;  // mid-character
+        auto it = ids.find(s.substr(i, len));
+        if (it == ids.end() || !usable(it->second)) continue;
+        if (len == clen) single = true;
+        const double sc = best[i] + pieces[it->second].score;
+        if (sc > best[i + len]) { best[i + len] = sc; from[i + len] = i; via[i + len] = it->second; }
+      }
+      if (!single) {
+        const double sc = best[i] + (min_score - kUnkPenalty);
+        if (sc > best[i + clen]) { best[i + clen] = sc; from[i + clen] = i; via[i + clen] = -1; }
+      }
+    }
+    i += clen;
+  }
+  std::vector<std::pair<size_t, int32_t>> path;  // (start, id or -1)
+  for (size_t e = n; e > 0; e = from[e]) path.emplace_back(from[e], via[e]);
+  std::reverse(path.begin(), path.end());
+  bool last_unk = false;
+  for (size_t k = 0; k < path.size(); ++k) {
+    auto [start, id] = path[k];
+    if (id >= 0) { out.push_back(id); last_unk = false; continue; }
+    const size_t end = k + 1 < path.size() ? path[k + 1].first : n;
+    if (byte_fallback) {
+      for (size_t b = start; b < end; ++b) out.push_back(byte_ids[static_cast<uint8_t>(s[b])]);
+    } else if (!last_unk) {
+      out.push_back(unk_id);
+    }
+    last_unk = !byte_fallback;
+  }
+}
+
 SentencePieceTokenizer::SentencePieceTokenizer(const std::string& bytes, const std::string& origin)
     : impl_(std::make_unique<Impl>()) {
   impl_->origin = origin;
@@ -252,7 +310,10 @@ std::vector<int32_t> SentencePieceTokenizer::encode(std::string_view text, bool 
   // Control, unknown and user-defined pieces in the text: leftmost-longest, kept whole.
   size_t emitted = 0;
   auto flush_text = [&](size_t end) {
-    if (end > emitted) impl_->encode_bpe(impl_->normalize(std::string_view(t).substr(emitted, end - emitted)), out);
+    if (end <= emitted) return;
+    const std::string norm = impl_->normalize(std::string_view(t).substr(emitted, end - emitted));
+    if (impl_->model_type == 1) impl_->encode_unigram(norm, out);
+    else impl_->encode_bpe(norm, out);
   };
   for (size_t i = 0; i < t.size();) {
     if (!impl_->special_first[static_cast<uint8_t>(t[i])]) { ++i; continue; }

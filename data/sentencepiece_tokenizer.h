@@ -2,7 +2,7 @@
 // SentencePiece .model files (a protobuf ModelProto), read by memtune's own wire-format
 // parser: Debian's libsentencepiece links protobuf-lite, which clashes with LibTorch's
 // protobuf. BPE-type models are encoded as sentencepiece does (highest-score merge first,
-// leftmost among equals), with byte fallback; Unigram models are refused for now.
+// leftmost among equals) and unigram models by Viterbi over piece scores, with byte fallback.
 // Control and user-defined pieces found in the text are kept whole, as transformers does.
 #include <memory>
 #include <string>

@@ -184,6 +184,22 @@ TEST(TokenizerLibrary, SentencePieceModelLlama2) {
   compare_with_library(dir, tokenizer_corpus(), model);
 }
 
+// A unigram model written twice from the same pieces and scores: as a SentencePiece .model
+// (read by memtune) and as a tokenizer.json with a Unigram model (read by the library).
+// Inputs holding literal "<0x" are left out: the library's Unigram matches the text of
+// byte pieces, sentencepiece never does.
+TEST(TokenizerLibrary, SentencePieceUnigram) {
+  const fs::path dir = reference_dir() / "node_modules" / "@lenml" / "tokenizer-llama2" / "models";
+  const fs::path out = temp_dir("unigram");
+  auto r = run(python() + " " + (reference_dir() / "make_unigram_pair.py").string() + " '" +
+               (dir / "tokenizer.json").string() + "' '" + out.string() + "' 2>&1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::vector<std::string> corpus;
+  for (const auto& s : tokenizer_corpus())
+    if (s.find("<0x") == std::string::npos) corpus.push_back(s);
+  compare_with_library(out, corpus, out / "tokenizer.model");
+}
+
 // Every code point of the BMP (surrogates and private use left out) and the emoji blocks,
 // each next to letters, digits, spaces and itself: the regex classes (\s, \p{L}, \p{N})
 // of PCRE2 against those of the library's Oniguruma.

@@ -279,14 +279,24 @@ TEST(SentencePiece, BpeMergesHighestScoreFirst) {
   EXPECT_EQ(tok->eos_id, 2);
 }
 
-TEST(SentencePiece, BadModelsAreRefusedWithTheReason) {
+TEST(SentencePiece, UnigramTakesTheBestTotalScore) {
   const fs::path f = temp_dir() / "tokenizer.model";
   write_file(f, sp_model(1));
+  auto tok = data::Tokenizer::load(f);
+  // "▁ab": [▁ab] -3 beats [▁a][b] -14 and [▁][ab] -11.
+  EXPECT_EQ(tok->encode("ab", false), (Ids{8}));
+  // "▁ba": [▁][b][a] is the only path (-33); "c" is <unk>, and "cc" one fused <unk>.
+  EXPECT_EQ(tok->encode("ba cc", false), (Ids{3, 5, 4, 3, 0}));
+}
+
+TEST(SentencePiece, BadModelsAreRefusedWithTheReason) {
+  const fs::path f = temp_dir() / "tokenizer.model";
+  write_file(f, sp_model(3));
   try {
     data::Tokenizer::load(f);
-    FAIL() << "unigram accepted";
+    FAIL() << "word model accepted";
   } catch (const UserError& e) {
-    EXPECT_NE(std::string(e.what()).find("unigram is not supported"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("word is not supported"), std::string::npos) << e.what();
   }
   write_file(f, "\x0a\xff\xff\xff garbage");
   try {
