@@ -87,7 +87,13 @@ class Regex {
     size_t start = 0;
     while (start <= s.size()) {
       const int rc = pcre2_match(code_, subject, s.size(), start, PCRE2_NO_UTF_CHECK, md.get(), nullptr);
-      if (rc < 0) break;
+      if (rc == PCRE2_ERROR_NOMATCH) break;
+      if (rc < 0) {  // e.g. a resource limit: never drop text silently
+        std::array<PCRE2_UCHAR, 256> msg{};
+        pcre2_get_error_message(rc, msg.data(), msg.size());
+        fail("tokenizer regex failed at byte ", start, " of a ", s.size(), "-byte piece: ",
+             reinterpret_cast<const char*>(msg.data()));
+      }
       const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md.get());
       if (ov[1] > ov[0]) {
         out.emplace_back(ov[0], ov[1]);

@@ -310,3 +310,21 @@ TEST(SentencePiece, BadModelsAreRefusedWithTheReason) {
 
 }  // namespace
 }  // namespace memtune::testing
+
+namespace memtune::testing {
+namespace {
+
+// Very long runs of one character class go through the regexes and BPE whole:
+// decode(encode(x)) == x for the byte-level tiny tokenizer.
+TEST(Tokenizer, LongRunsRoundTrip) {
+  auto tok = data::Tokenizer::load(source_dir() / "examples" / "tiny-tokenizer");
+  for (const std::string unit : {" ", "a", "\n", "1", "\t ", "!?", "\xE4\xBD\xA0", "ab "}) {
+    std::string x;
+    while (x.size() < 300000) x += unit;
+    const auto ids = tok->encode(x, false);
+    EXPECT_EQ(tok->decode(ids, false), x) << "unit " << unit;
+  }
+}
+
+}  // namespace
+}  // namespace memtune::testing
