@@ -54,6 +54,8 @@ void bench_dequantize() {
               100.0 * t_copy / t_deq);
   std::printf("  nf4 -> bf16            %7.2f GB/s of output  (%.2f Gelem/s)\n", bytes / 2 / t_bf16 / 1e9,
               n / t_bf16 / 1e9);
+  double t_quant = time_median([&] { memtune::nf4_quantize(src.view({rows, cols}), 64, true); }, 3);
+  std::printf("  quantize fp32 -> nf4   %7.2f Gelem/s (%.2f s for this tensor)\n", n / t_quant / 1e9, t_quant);
 }
 
 void bench_linear(int64_t out, int64_t in, int64_t tokens) {
@@ -113,6 +115,7 @@ void bench_linear(int64_t out, int64_t in, int64_t tokens) {
 }  // namespace
 
 int main() {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // figures appear as they are measured
   at::set_num_threads(2);
   bench_dequantize();
   bench_linear(4096, 4096, 512);
