@@ -105,7 +105,7 @@ INSTANTIATE_TEST_SUITE_P(Phases, InjectedOom, ::testing::Values("forward", "back
 TEST(Supervisor, GrowsBackAndUndoesAFailedGrow) {
   // A roomy budget so steps count as headroom; OOM at step 0 shrinks 4 -> 2; after 2 good
   // steps it grows to 4; an OOM injected at that step sends it back to 2, waiting longer.
-  TrainRun r = train(temp_dir(), "memory.device_limit=8GiB memory.inject_oom=0:forward,3:forward memory.grow_after_steps=2 "
+  TrainRun r = train(temp_dir(), "memory.device_limit=8GiB memory.inject_oom=0:forward,2:forward memory.grow_after_steps=2 "
                             "memory.grow_threshold=0.9");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto kinds = event_kinds(r.out);
@@ -144,9 +144,10 @@ TEST(Supervisor, TooSmallForMicroBatchOneStopsWithAReportAndKeepsTheCheckpoint) 
   auto last = rows(first.out).back()["memory"]["cpu"];
   const int64_t base = last["allocated"].get<int64_t>(), peak = last["peak"].get<int64_t>();
   ASSERT_GT(peak, base);
+  // A fresh run in the same output_dir under that budget: it must stop, and leave the
+  // first run's checkpoint as it was.
   auto r = run(memtune_bin() + " train " + (d / "config.yaml.in").string() + " " + shape +
-               " training.max_steps=4 training.resume_from_checkpoint=latest memory.device_limit=" +
-               std::to_string(base + (peak - base) / 4));
+               " training.max_steps=4 memory.device_limit=" + std::to_string(base + (peak - base) / 2));
   EXPECT_EQ(r.exit_code, 3) << r.output;
   EXPECT_NE(r.output.find("What was tried"), std::string::npos) << r.output;
   fs::path ck = trainer::latest_checkpoint(first.out);
