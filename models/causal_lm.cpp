@@ -8,6 +8,7 @@
 #include "runtime/activation_checkpoint.h"
 #include "runtime/error.h"
 #include "runtime/nf4.h"
+#include "runtime/offload.h"
 
 namespace memtune::models {
 
@@ -120,6 +121,74 @@ void CausalLM::set_compute_dtype(at::ScalarType dtype) {
   for (auto& l : linears_) l->compute_dtype = dtype;
 }
 
+namespace {
+
+NF4Tensor map_nf4(const NF4Tensor& q, const std::function<at::Tensor(const at::Tensor&)>& f) {
+  NF4Tensor out = q;
+  out.packed = f(q.packed);
+  out.absmax = f(q.absmax);
+  out.nested_absmax = f(q.nested_absmax);
+  out.nested_quant_map = f(q.nested_quant_map);
+  return out;
+}
+
+// Fetches an offloaded layer's weights for the duration of its forward.
+class LayerFetch {
+ public:
+  LayerFetch(std::vector<TensorSlot>& slots, int layer, const c10::Device& device) {
+    auto fetch = [&](const at::Tensor& t) { return fetch_from_offload(t, device); };
+    for (auto& s : slots) {
+      if (s.layer != layer) continue;
+      if (s.role == TensorRole::kLinearWeight && s.linear->quantized()) {
+        quantized_.emplace_back(s.linear, s.linear->qweight());
+        s.linear->set_quantized(std::make_shared<NF4Tensor>(map_nf4(*s.linear->qweight(), fetch)));
+      } else if (s.tensor->defined()) {
+        dense_.emplace_back(s.tensor, *s.tensor);
+        *s.tensor = fetch(*s.tensor);
+      }
+    }
+  }
+  ~LayerFetch() {
+    for (auto& [linear, q] : quantized_) linear->set_quantized(q);
+    for (auto& [slot, t] : dense_) *slot = t;
+  }
+
+ private:
+  std::vector<std::pair<Linear*, std::shared_ptr<const NF4Tensor>>> quantized_;
+  std::vector<std::pair<at::Tensor*, at::Tensor>> dense_;
+};
+
+}  // namespace
+
+void CausalLM::set_offloaded(int layer, bool off) {
+  if (offloaded_.size() < static_cast<size_t>(spec_.num_layers)) offloaded_.resize(spec_.num_layers, false);
+  if (offloaded_[layer] == off) return;
+  const c10::Device device = head_weight().device();
+  auto move = [&](const at::Tensor& t) { return off ? to_offload_storage(t) : fetch_from_offload(t, device); };
+  at::NoGradGuard no_grad;
+  for (auto& s : slots_) {
+    if (s.layer != layer) continue;
+    if (s.role == TensorRole::kLinearWeight && s.linear->quantized())
+      s.linear->set_quantized(std::make_shared<NF4Tensor>(map_nf4(*s.linear->qweight(), move)));
+    else if (s.tensor->defined()) {
+      const bool trainable = s.tensor->requires_grad();
+      MEMTUNE_CHECK(!trainable, "offload: ", s.name, " is trainable; only frozen base weights can be offloaded");
+      *s.tensor = move(*s.tensor);
+    }
+  }
+  offloaded_[layer] = off;
+}
+
+int64_t CausalLM::layer_weight_bytes(int layer) const {
+  int64_t bytes = 0;
+  for (const auto& s : slots_) {
+    if (s.layer != layer) continue;
+    if (s.role == TensorRole::kLinearWeight && s.linear->quantized()) bytes += s.linear->qweight()->storage_bytes();
+    else if (s.tensor->defined()) bytes += s.tensor->numel() * static_cast<int64_t>(s.tensor->element_size());
+  }
+  return bytes;
+}
+
 ForwardOutput CausalLM::forward(const data::Batch& batch, const ForwardOptions& options) {
   const at::Device device = head_weight().device();
   data::Batch b = batch;
@@ -132,9 +201,14 @@ ForwardOutput CausalLM::forward(const data::Batch& batch, const ForwardOptions& 
 
   at::Tensor x = embed(b.input_ids, b.position_ids);  // (B,T,C)
   for (int i = 0; i < spec_.num_layers; ++i) {
-    const bool ckpt = i < static_cast<int>(options.checkpoint_layers.size()) && options.checkpoint_layers[i];
+    const bool off = offloaded(i);
+    const bool ckpt = off || (i < static_cast<int>(options.checkpoint_layers.size()) && options.checkpoint_layers[i]);
     // The context is captured by value: a checkpointed layer reruns during backward.
-    BlockFn fn = [this, i, ctx](const at::Tensor& h) { return layer(i, h, ctx); };
+    BlockFn fn = [this, i, ctx, off, device](const at::Tensor& h) {
+      if (!off) return layer(i, h, ctx);
+      LayerFetch fetched(slots_, i, device);
+      return layer(i, h, ctx);
+    };
     x = ckpt ? checkpoint(fn, x, layer_trainable(i)) : fn(x);
   }
   x = final_norm(x);
@@ -142,7 +216,7 @@ ForwardOutput CausalLM::forward(const data::Batch& batch, const ForwardOptions& 
   ForwardOutput out;
   const int64_t C = x.size(-1);
   out.loss_sum = linear_cross_entropy_sum(x.reshape({-1, C}), head_weight(), b.targets.reshape({-1}),
-                                          options.loss_chunk_rows);
+                                          options.loss_chunk_rows, &out.correct_tokens);
   out.target_tokens = (b.targets != data::kIgnoreIndex).sum().item<int64_t>();
   if (options.return_logits) out.logits = at::matmul(x.to(at::kFloat), head_weight().to(at::kFloat).t());
   return out;

@@ -51,6 +51,7 @@ struct ForwardOptions {
 struct ForwardOutput {
   at::Tensor loss_sum;       // fp32 scalar: sum of next-token cross-entropy over targets
   int64_t target_tokens = 0; // targets counted in loss_sum
+  int64_t correct_tokens = 0; // targets that are the model's most likely next token
   at::Tensor logits;         // (B,T,V) fp32 when asked for
 };
 
@@ -87,6 +88,13 @@ class CausalLM {
 
   ForwardOutput forward(const data::Batch& batch, const ForwardOptions& options);
 
+  // Offloading: the layer's base weights move to host memory outside the device budget and
+  // are fetched just before the layer runs (and again when it reruns in backward: an
+  // offloaded layer is always checkpointed). Adapters stay where they are.
+  void set_offloaded(int layer, bool offloaded);
+  bool offloaded(int layer) const { return layer < static_cast<int>(offloaded_.size()) && offloaded_[layer]; }
+  int64_t layer_weight_bytes(int layer) const;
+
   // Pieces an architecture provides.
   virtual at::Tensor embed(const at::Tensor& input_ids, const at::Tensor& position_ids) = 0;  // (B,T,C)
   virtual LayerContext layer_context(const data::Batch& batch) = 0;
@@ -100,6 +108,7 @@ class CausalLM {
   Linear& add_linear(std::unique_ptr<Linear> linear, int layer);
 
   ModelSpec spec_;
+  std::vector<bool> offloaded_;
   std::vector<TensorSlot> slots_;
   std::vector<std::unique_ptr<Linear>> linears_;
   at::ScalarType compute_dtype_ = at::kFloat;

@@ -90,6 +90,8 @@ std::unique_ptr<CausalLM> load_hf_model(const fs::path& dir, const LoadOptions& 
       } else {
         *slot.tensor = view.to(options.dense_dtype, /*non_blocking=*/false, /*copy=*/true);
       }
+      view.reset();
+      ckpt.evict(stored);  // the file's pages leave this process's resident memory
     }
     if (options.on_tensor) options.on_tensor(slot.name, ++done, total);
   }

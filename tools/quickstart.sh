@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
-# The quickstart on a fresh machine: set-up, build, then QLoRA fine-tuning of a tiny model
-# on the bundled tasks (configs/quickstart.yaml). Extra arguments are config overrides.
+# The quickstart on a fresh machine: set-up, build, a tiny base model (configs/quickstart-base.yaml),
+# then its QLoRA fine-tuning on the bundled tasks (configs/quickstart.yaml). Extra arguments
+# are overrides for the second stage.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 bash "$root/tools/build.sh" --target memtune
 cd "$root"
-"${BUILD_DIR:-$root/build}/memtune" train configs/quickstart.yaml "$@"
+memtune="${BUILD_DIR:-$root/build}/memtune"
+# Stage 1: a tiny base model learns the bundled English corpus (full training, dense).
+[ -f runs/quickstart-base/model/config.json ] || "$memtune" train configs/quickstart-base.yaml
+# Stage 2: QLoRA of that base on the bundled instruction tasks.
+"$memtune" train configs/quickstart.yaml "$@"

@@ -11,6 +11,7 @@ packages=(
   libpcre2-dev
   python3-torch python3-numpy                # independent references in tests
   gnuplot-nox                                # memtune report's plots
+  time                                       # peak-memory measurements in tests
 )
 
 missing=()

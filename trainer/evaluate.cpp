@@ -16,6 +16,7 @@ EvalResult evaluate(models::CausalLM& model, const data::Dataset& dataset, int64
   const int64_t n = max_rows < 0 ? dataset.size() : std::min(max_rows, dataset.size());
   const int32_t pad = 0;
   double sum = 0;
+  int64_t correct = 0;
   EvalResult r;
   models::ForwardOptions opts;
   for (int64_t i = 0; i < n; i += micro_batch) {
@@ -25,7 +26,9 @@ EvalResult evaluate(models::CausalLM& model, const data::Dataset& dataset, int64
     models::ForwardOutput out = model.forward(b, opts);
     sum += out.loss_sum.item<double>();
     r.tokens += out.target_tokens;
+    correct += out.correct_tokens;
   }
+  r.token_accuracy = r.tokens > 0 ? static_cast<double>(correct) / static_cast<double>(r.tokens) : 0.0;
   r.loss = r.tokens > 0 ? sum / static_cast<double>(r.tokens) : 0.0;
   r.perplexity = std::exp(r.loss);
   return r;

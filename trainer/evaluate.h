@@ -15,6 +15,7 @@ struct EvalResult {
   double loss = 0;        // mean cross-entropy per target token
   double perplexity = 0;  // exp(loss)
   int64_t tokens = 0;     // target tokens counted
+  double token_accuracy = 0;  // share of targets that are the most likely next token
 };
 
 // `max_rows` < 0: every sample. Runs without gradients, `micro_batch` samples at a time.

@@ -18,6 +18,7 @@
 #include "data/dataset.h"
 #include "data/sampler.h"
 #include "data/tokenizer.h"
+#include "models/device_map.h"
 #include "models/hf_model.h"
 #include "models/peft.h"
 #include "runtime/atomic_file.h"
@@ -178,16 +179,20 @@ TrainResult train(const Config& c) {
   install_cpu_budget_allocator();
   c10::Device device = resolve_device(c.runtime.device);
   MemoryBackend& mem = memory_backend(device);
-  int64_t limit = 0;
-  if (c.memory.device_limit.is_set()) {
-    limit = c.memory.device_limit.resolve(mem.stats().total);
-    mem.set_limit(limit);
-    spdlog::info("memory: {} limited to {} (memory.device_limit)", mem.device(), format_bytes(limit));
-  }
+  const int64_t limit = c.memory.device_limit.is_set() ? c.memory.device_limit.resolve(mem.stats().total) : 0;
 
   ModelBundle bundle = setup_model(c);
   models::CausalLM& model = *bundle.model;
   for (const auto& n : bundle.notes) spdlog::info("{}", n);
+  spdlog::info("{}", models::apply_device_map(model, c.model.device_map.single, c.model.device_map.entries, device,
+                                              limit));
+  // The budget applies once the model is placed: loading goes through host memory, and
+  // offloaded layers live outside the device (as on a GPU).
+  if (limit > 0) {
+    mem.set_limit(limit);
+    spdlog::info("memory: {} limited to {} (memory.device_limit), {} in use after placing the model", mem.device(),
+                 format_bytes(limit), format_bytes(mem.stats().allocated));
+  }
   const int64_t load_peak = mem.stats().peak;
 
   MEMTUNE_CHECK(!c.data.train_file.empty(), "data.train_file: not set (a .jsonl, .bin or .txt file)");
@@ -248,6 +253,8 @@ TrainResult train(const Config& c) {
         }
       return "";
     });
+  if (c.memory.on_oom.offload_layers)
+    supervisor.add_ladder_rung("offload layers", [&] { return models::offload_one_more_layer(model); });
   supervisor.set_report([&] {
     return str_cat("memory limit ", limit ? format_bytes(limit) : std::string("none"), ", load peak ",
                    format_bytes(load_peak), ". Try a smaller data.max_seq_length, load_in_4bit, fewer LoRA targets, "
@@ -321,8 +328,13 @@ TrainResult train(const Config& c) {
   auto run_eval = [&](const char* when) {
     if (!eval_set) return;
     EvalResult r = evaluate(model, *eval_set, c.training.per_device_eval_batch_size);
-    spdlog::info("eval ({}): loss {:.4f}, perplexity {:.2f}, {} tokens", when, r.loss, r.perplexity, r.tokens);
-    metrics << json{{"step", step}, {"eval_loss", r.loss}, {"eval_perplexity", r.perplexity}, {"eval_tokens", r.tokens}}.dump()
+    spdlog::info("eval ({}): loss {:.4f}, perplexity {:.2f}, token accuracy {:.1f}%, {} tokens", when, r.loss,
+                 r.perplexity, 100.0 * r.token_accuracy, r.tokens);
+    metrics << json{{"step", step},
+                    {"eval_loss", r.loss},
+                    {"eval_perplexity", r.perplexity},
+                    {"eval_token_accuracy", r.token_accuracy},
+                    {"eval_tokens", r.tokens}}.dump()
             << "\n";
     metrics.flush();
   };
@@ -335,7 +347,10 @@ TrainResult train(const Config& c) {
     metrics << json{{"step", step}, {"accuracy", a.share()}, {"accuracy_rows", a.total}}.dump() << "\n";
     metrics.flush();
   };
-  if (step == 0) run_accuracy("before training");
+  if (step == 0) {
+    run_eval("before training");
+    run_accuracy("before training");
+  }
 
   const auto t_start = std::chrono::steady_clock::now();
   int64_t tokens_done = 0, steps_this_run = 0;

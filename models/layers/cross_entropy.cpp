@@ -13,7 +13,7 @@ using torch::autograd::variable_list;
 struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
                             const at::Tensor& targets, int64_t chunk, bool grad_hidden,
-                            bool grad_weight) {
+                            bool grad_weight, int64_t* correct) {
     at::Tensor rows = (targets != -100).nonzero().squeeze(1);  // trained rows only
     at::Tensor h_all = hidden.index_select(0, rows);
     at::Tensor t_all = targets.index_select(0, rows);
@@ -29,6 +29,7 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
       at::Tensor logits = at::matmul(h, w.t());              // (n,V) fp32
       at::Tensor lse = at::logsumexp(logits, 1, true);       // (n,1)
       total.add_((lse - logits.gather(1, t)).sum());
+      if (correct) *correct += (logits.argmax(1, true) == t).sum().item<int64_t>();
       if (!grad_hidden && !grad_weight) continue;
       at::Tensor g = logits.sub_(lse).exp_();                // softmax, in place of the logits
       g.scatter_add_(1, t, at::full({i1 - i0, 1}, -1.0f, g.options()));
@@ -50,19 +51,19 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
     at::Tensor go = grads[0];
     at::Tensor dh = saved[0].defined() ? saved[0] * go.to(saved[0].scalar_type()) : at::Tensor();
     at::Tensor dw = saved[1].defined() ? saved[1] * go.to(saved[1].scalar_type()) : at::Tensor();
-    return {dh, dw, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dh, dw, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 }  // namespace
 
 at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& weight,
-                                    const at::Tensor& targets, int64_t chunk_rows) {
+                                    const at::Tensor& targets, int64_t chunk_rows, int64_t* correct) {
   TORCH_CHECK(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1),
               "linear_cross_entropy_sum: hidden (N,C), weight (V,C)");
   const bool grad = at::GradMode::is_enabled();
   return LinearCrossEntropy::apply(hidden, weight, targets.to(at::kLong), chunk_rows,
-                                   grad && hidden.requires_grad(), grad && weight.requires_grad());
+                                   grad && hidden.requires_grad(), grad && weight.requires_grad(), correct);
 }
 
 }  // namespace memtune::models

@@ -12,7 +12,9 @@ namespace memtune::models {
 // The gradients w.r.t. hidden and weight are computed during the forward, chunk by chunk
 // (the loss is a sum, so d loss / d logits is known then), and only scaled in backward:
 // peak extra memory is one chunk of logits, and no logits are recomputed.
+// `correct` (optional) receives how many trained rows have their target as the argmax.
 at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& weight,
-                                    const at::Tensor& targets, int64_t chunk_rows = 1024);
+                                    const at::Tensor& targets, int64_t chunk_rows = 1024,
+                                    int64_t* correct = nullptr);
 
 }  // namespace memtune::models

@@ -1,0 +1,27 @@
+#include "runtime/offload.h"
+
+#include <cstdlib>
+#include <cstring>
+
+#include <ATen/ATen.h>
+
+#include "runtime/error.h"
+
+namespace memtune {
+
+at::Tensor to_offload_storage(const at::Tensor& t) {
+  if (!t.defined()) return t;
+  at::Tensor src = t.detach().to(c10::kCPU).contiguous();
+  const size_t bytes = static_cast<size_t>(src.numel()) * src.element_size();
+  void* p = std::malloc(std::max<size_t>(bytes, 1));
+  MEMTUNE_CHECK(p != nullptr, "offload: host memory exhausted while offloading ", bytes, " bytes");
+  std::memcpy(p, src.data_ptr(), bytes);
+  return at::from_blob(p, src.sizes(), src.strides(), [](void* q) { std::free(q); }, src.options());
+}
+
+at::Tensor fetch_from_offload(const at::Tensor& t, const c10::Device& device) {
+  if (!t.defined()) return t;
+  return t.to(device, /*non_blocking=*/false, /*copy=*/true);
+}
+
+}  // namespace memtune
