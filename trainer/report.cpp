@@ -207,17 +207,29 @@ std::string gp_quote(const std::string& s) {
 
 std::string num(double v) { return std::isfinite(v) ? fmt::format("{:.10g}", v) : "NaN"; }
 
-struct MemoryUnit {
-  double bytes;
-  const char* name;
+// The memory plot's scale: the limit is drawn unless it is so far above the use that the
+// curves would lie flat on the axis; then it is named in the title instead.
+struct MemoryScale {
+  double unit = 1024.0 * 1024;  // bytes per plotted unit
+  const char* unit_name = "MiB";
+  double top = 0;               // bytes: top of the y axis before the margin
+  bool draw_limit = false;
+  double limit = 0;             // bytes, largest of the devices'; 0: none
 };
 
-MemoryUnit memory_unit(const RunMetrics& m) {
-  double top = 0;
-  for (const auto& s : m.steps)
-    for (const auto& [d, v] : s.memory) top = std::max({top, std::isfinite(v.peak) ? v.peak : 0.0, v.limit});
-  if (top >= 1024.0 * 1024 * 1024) return {1024.0 * 1024 * 1024, "GiB"};
-  return {1024.0 * 1024, "MiB"};
+MemoryScale memory_scale(const RunMetrics& m) {
+  MemoryScale s;
+  double used = 0;
+  for (const auto& st : m.steps)
+    for (const auto& [d, v] : st.memory) {
+      for (double x : {v.peak, v.allocated})
+        if (std::isfinite(x)) used = std::max(used, x);
+      s.limit = std::max(s.limit, v.limit);
+    }
+  s.draw_limit = s.limit > 0 && s.limit <= 4 * used;
+  s.top = s.draw_limit ? std::max(used, s.limit) : used;
+  if (s.top >= 1024.0 * 1024 * 1024) s.unit = 1024.0 * 1024 * 1024, s.unit_name = "GiB";
+  return s;
 }
 
 std::vector<std::string> devices(const RunMetrics& m) {
@@ -234,12 +246,13 @@ std::string gnuplot_script(const RunMetrics& m, const fs::path& out, const Repor
   g << "set terminal pngcairo size " << o.width << "," << o.height << " noenhanced font \"sans,10\"\n";
   g << "set grid lc rgb \"#dddddd\"\nset key outside right top\nset xlabel \"step\"\n";
 
-  int64_t x0 = m.steps.front().step, x1 = m.steps.back().step;
-  for (const auto& e : m.evals) x0 = std::min(x0, e.step), x1 = std::max(x1, e.step);
-  if (x0 == x1) --x0, ++x1;
+  // From step 0 (before training), so sparse logging (logging_steps) still shows the start.
+  int64_t x0 = 0, x1 = m.steps.back().step;
+  for (const auto& e : m.evals) x1 = std::max(x1, e.step);
+  if (x1 <= x0) x1 = x0 + 1;
   g << "set xrange [" << x0 << ":" << x1 << "]\n";
 
-  const MemoryUnit unit = memory_unit(m);
+  const MemoryScale scale = memory_scale(m);
   const std::vector<std::string> devs = devices(m);
   // step loss lr tokens_per_s micro_batch, then allocated peak limit per device (in unit)
   g << "$steps << EOD\n";
@@ -252,8 +265,8 @@ std::string gnuplot_script(const RunMetrics& m, const fs::path& out, const Repor
         g << " NaN NaN NaN";
         continue;
       }
-      g << " " << num(it->second.allocated / unit.bytes) << " " << num(it->second.peak / unit.bytes) << " "
-        << (it->second.limit > 0 ? num(it->second.limit / unit.bytes) : "NaN");
+      g << " " << num(it->second.allocated / scale.unit) << " " << num(it->second.peak / scale.unit) << " "
+        << (it->second.limit > 0 ? num(it->second.limit / scale.unit) : "NaN");
     }
     g << "\n";
   }
@@ -355,7 +368,7 @@ std::string gnuplot_script(const RunMetrics& m, const fs::path& out, const Repor
       items.push_back(fmt::format("$steps using 1:{} with lines lw 2 lc rgb {} title {}", col, c, gp_quote(d + " allocated")));
     if (any(field(&DeviceMemory::peak)))
       items.push_back(fmt::format("$steps using 1:{} with lines lw 2 dt 3 lc rgb {} title {}", col + 1, c, gp_quote(d + " peak")));
-    if (any([&](const StepRow& s) {
+    if (scale.draw_limit && any([&](const StepRow& s) {
           auto it = s.memory.find(d);
           return it == s.memory.end() || it->second.limit <= 0 ? NAN : it->second.limit;
         }))
@@ -367,12 +380,12 @@ std::string gnuplot_script(const RunMetrics& m, const fs::path& out, const Repor
     g << "set y2range [0:" << num(1.25 * static_cast<double>(most)) << "]\nset y2label \"micro-batch\"\nset y2tics\nset ytics nomirror\n";
     items.push_back("$steps using 1:5 axes x1y2 with steps lw 1 lc rgb \"#999999\" title \"micro-batch\"");
   }
-  double top = 0;  // room above the limit line, which would hide in the frame
-  for (const auto& st : m.steps)
-    for (const auto& [d, v] : st.memory)
-      top = std::max({top, std::isfinite(v.peak) ? v.peak : 0.0, std::isfinite(v.allocated) ? v.allocated : 0.0, v.limit});
-  if (top > 0) g << "set yrange [0:" << num(1.1 * top / unit.bytes) << "]\n";
-  plot("memory.png", "memory", std::string("memory (") + unit.name + ")", items);
+  // Room above the limit line, which would hide in the frame.
+  if (scale.top > 0) g << "set yrange [0:" << num(1.1 * scale.top / scale.unit) << "]\n";
+  const std::string title = scale.limit > 0 && !scale.draw_limit
+                                ? "memory (limit " + format_bytes(static_cast<int64_t>(scale.limit)) + ", off the scale)"
+                                : std::string("memory");
+  plot("memory.png", title.c_str(), std::string("memory (") + scale.unit_name + ")", items);
   return g.str();
 }
 
