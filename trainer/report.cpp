@@ -242,7 +242,7 @@ std::vector<std::string> devices(const RunMetrics& m) {
 
 std::string gnuplot_script(const RunMetrics& m, const fs::path& out, const ReportOptions& o) {
   std::ostringstream g;
-  g << "# memtune report: plots of metrics.jsonl (gnuplot " << "5)\n";
+  g << "# memtune report: plots of metrics.jsonl (gnuplot 5)\n";
   g << "set terminal pngcairo size " << o.width << "," << o.height << " noenhanced font \"sans,10\"\n";
   g << "set grid lc rgb \"#dddddd\"\nset key outside right top\nset xlabel \"step\"\n";
 
