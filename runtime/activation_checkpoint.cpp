@@ -37,7 +37,9 @@ void set_rng_state(const c10::Device& device, const at::Tensor& state) {
 }
 
 struct Checkpoint : public torch::autograd::Function<Checkpoint> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, variable_list trainable,
+  // `trainable` as a TensorList: autograd counts each as an input (a std::vector would be
+  // taken as a non-tensor argument, and a block whose x needs no grad would get none).
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, at::TensorList trainable,
                             c10::intrusive_ptr<BlockHolder> holder) {
     holder->device = x.device();
     holder->rng_state = get_rng_state(holder->device);
@@ -95,7 +97,7 @@ at::Tensor checkpoint(const BlockFn& fn, const at::Tensor& x, const std::vector<
   if (!at::GradMode::is_enabled()) return fn(x);
   auto holder = c10::make_intrusive<BlockHolder>();
   holder->fn = fn;
-  return Checkpoint::apply(x, variable_list(trainable.begin(), trainable.end()), holder);
+  return Checkpoint::apply(x, at::TensorList(trainable), holder);
 }
 
 }  // namespace memtune
