@@ -49,6 +49,8 @@ void add_estimate_command(CLI::App& app) {
     }
     const int64_t max_mb = max_micro_batch(in, budget);
     const int64_t max_t = max_seq_length(in, budget);
+    const bool is_auto = c.training.per_device_train_batch_size == trainer::TrainingConfig::kAuto;
+    const int64_t auto_mb = is_auto ? trainer::auto_micro_batch(c, in, budget, int64_t{1} << 20) : 0;
     const int64_t min_peak = estimate_peak(trainer::with_every_saving([&] {
       EstimateInput one = in;
       one.micro_batch = 1;
@@ -72,6 +74,7 @@ void add_estimate_command(CLI::App& app) {
                           {"max_micro_batch", max_mb},
                           {"max_seq_length", max_t},
                           {"trainable_parameters", e.trainable_parameters},
+                          {"auto_micro_batch", is_auto ? nlohmann::json(auto_mb) : nlohmann::json(nullptr)},
                           {"components", components}};
       std::cout << j.dump(2) << "\n";
       return;
@@ -92,6 +95,9 @@ void add_estimate_command(CLI::App& app) {
     std::printf("longest sequence that fits: %lld (at micro-batch %lld)\n", static_cast<long long>(max_t),
                 static_cast<long long>(in.micro_batch));
     std::printf("with every layer checkpointed at micro-batch 1: %s\n", format_bytes(min_peak).c_str());
+    if (is_auto)
+      std::printf("per_device_train_batch_size: auto starts at %lld (under %.0f%% of the device)\n",
+                  static_cast<long long>(auto_mb), 100 * c.memory.warning_threshold);
   });
 }
 

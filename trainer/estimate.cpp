@@ -114,6 +114,12 @@ EstimateInput with_every_saving(EstimateInput in) {
   return in;
 }
 
+int64_t auto_micro_batch(const Config& c, const EstimateInput& in, int64_t budget, int64_t cap) {
+  const int64_t under = static_cast<int64_t>(static_cast<double>(budget) * c.memory.warning_threshold);
+  cap = std::max<int64_t>(1, cap);
+  return std::clamp<int64_t>(max_micro_batch(in, under, cap), 1, cap);
+}
+
 void check_fits(const Config& c, const models::ModelSpec& spec, int64_t budget) {
   const EstimateInput best = with_every_saving(estimate_input(c, spec, 1));
   const int64_t peak = estimate_peak(best);

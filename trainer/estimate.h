@@ -26,6 +26,11 @@ EstimateInput estimate_input(const Config& config, const models::ModelSpec& spec
 // The same input with every saving enabled: every layer checkpointed.
 EstimateInput with_every_saving(EstimateInput in);
 
+// per_device_train_batch_size: auto: the largest micro-batch whose estimated peak stays
+// under memory.warning_threshold of `budget` (the supervisor absorbs the estimate's error),
+// between 1 and `cap` (the dataset's rows).
+int64_t auto_micro_batch(const Config& config, const EstimateInput& in, int64_t budget, int64_t cap);
+
 // Refuses (MemoryExhausted, a UserError) a run whose estimated peak at micro-batch 1 with every layer
 // checkpointed exceeds `budget` bytes, saying what would fit: load_in_4bit, a shorter
 // data.max_seq_length, fewer layers' adapters, or a device of the needed size.
