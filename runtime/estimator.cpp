@@ -346,8 +346,20 @@ class Planner {
     add("gradients", e.gradients, str_cat(trainable, " trainable parameters, fp32"));
     add("optimizer states", e.optimizer_states, m_.optimizer == "sgd" ? "sgd: momentum buffer" : "adamw: exp_avg, exp_avg_sq");
     add("optimizer workspace", e.optimizer_workspace, "the largest trainable tensor, fp32");
-    for (int i = 0; i < L; ++i)
-      add(str_cat("activations: layer ", i), e.activations_per_layer[i], checkpointed(i) ? "checkpointed: its input" : "kept for backward");
+    // Runs of layers that keep the same bytes the same way are one line.
+    for (int i = 0; i < L;) {
+      int j = i;
+      while (j + 1 < L && e.activations_per_layer[j + 1] == e.activations_per_layer[i] &&
+             checkpointed(j + 1) == checkpointed(i))
+        ++j;
+      const std::string how = checkpointed(i) ? "checkpointed: its input" : "kept for backward";
+      if (j == i)
+        add(str_cat("activations: layer ", i), e.activations_per_layer[i], how);
+      else
+        add(str_cat("activations: layers ", i, "-", j), e.activations_per_layer[i] * (j - i + 1),
+            str_cat(format_bytes(e.activations_per_layer[i]), " each, ", how));
+      i = j + 1;
+    }
     add("activations: final norm, rotary, batch", final_norm + rotary + batch, "");
     add("logits and loss", e.loss, str_cat("chunks of ", chunk, " rows x ", V, " fp32 logits"));
     add("recompute (checkpointed layer)", e.recompute, "one layer rebuilt in backward");

@@ -75,6 +75,7 @@ void add_estimate_command(CLI::App& app) {
                           {"max_seq_length", max_t},
                           {"trainable_parameters", e.trainable_parameters},
                           {"auto_micro_batch", is_auto ? nlohmann::json(auto_mb) : nlohmann::json(nullptr)},
+                          {"activations_per_layer", e.activations_per_layer},
                           {"components", components}};
       std::cout << j.dump(2) << "\n";
       return;

@@ -13,6 +13,7 @@
 #include "models/lora.h"
 #include "runtime/cpu_budget_allocator.h"
 #include "runtime/nf4.h"
+#include "runtime/units.h"
 #include "test_util.h"
 #include "trainer/config.h"
 #include "trainer/estimate.h"
@@ -226,6 +227,31 @@ TEST(EstimateCommand, AutoMicroBatchStartsFromTheEstimate) {
   json m = json::parse(line);
   EXPECT_EQ(m["micro_batch"], want) << line;
   EXPECT_LE(m["memory"]["cpu"]["peak"].get<int64_t>(), limit) << line;
+}
+
+TEST(EstimateCommand, WarningSuggestsCheckpointingWithTheEstimatedSaving) {
+  fs::path d = temp_dir();
+  write_file(d / "c.yaml", config_yaml(d / "out"));
+  const int64_t none = estimate_json(d / "c.yaml", "")["peak_bytes"].get<int64_t>();
+  const int64_t all = estimate_json(d / "c.yaml", "training.gradient_checkpointing=true")["peak_bytes"].get<int64_t>();
+  ASSERT_LT(all, none);
+  // A limit twice the estimate and a warning threshold of 30 %: the step's peak warns.
+  auto r = run(memtune_bin() + " train " + (d / "c.yaml").string() +
+                   " training.max_steps=1 memory.warning_threshold=0.3 memory.device_limit=" + std::to_string(2 * none),
+               300);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::ifstream in(d / "out/metrics.jsonl");
+  std::string line, detail;
+  while (std::getline(in, line)) {
+    json m = json::parse(line);
+    if (m.contains("events"))
+      for (const auto& e : m["events"])
+        if (e["kind"] == "warning") detail = e["detail"].get<std::string>();
+  }
+  EXPECT_NE(detail.find("gradient_checkpointing every layer would save about " + format_bytes(none - all) +
+                        " by the estimate"),
+            std::string::npos)
+      << detail;
 }
 
 }  // namespace
