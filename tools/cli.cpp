@@ -50,6 +50,7 @@ int memtune_main(int argc, char** argv) {
   add_mem_command(app);
   add_tokenize_command(app);
   add_report_command(app);
+  add_estimate_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -13,5 +13,6 @@ void add_model_commands(CLI::App& app);  // init-model, merge, quantize, generat
 void add_mem_command(CLI::App& app);
 void add_tokenize_command(CLI::App& app);
 void add_report_command(CLI::App& app);
+void add_estimate_command(CLI::App& app);
 
 }  // namespace memtune::cli

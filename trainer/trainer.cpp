@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -30,6 +31,7 @@
 #include "runtime/threads.h"
 #include "runtime/units.h"
 #include "trainer/accuracy.h"
+#include "trainer/estimate.h"
 #include "trainer/evaluate.h"
 #include "trainer/grad_scaler.h"
 #include "trainer/model_setup.h"
@@ -181,6 +183,15 @@ TrainResult train(const Config& c) {
   MemoryBackend& mem = memory_backend(device);
   const int64_t limit = c.memory.device_limit.is_set() ? c.memory.device_limit.resolve(mem.stats().total) : 0;
 
+  // Plan memory before allocating it: refuse a run that cannot fit even at micro-batch 1
+  // with every layer checkpointed, and log the estimate of the configured one.
+  const int64_t budget = limit > 0 ? limit : mem.stats().total;
+  const models::ModelSpec spec = model_spec(c);
+  check_fits(c, spec, budget);
+  const EstimateInput plan = estimate_input(c, spec);
+  spdlog::info("memory plan: estimated peak {} at micro-batch {} x {} tokens, budget {} (memtune estimate)",
+               format_bytes(estimate_peak(plan)), plan.micro_batch, plan.seq_length, format_bytes(budget));
+
   ModelBundle bundle = setup_model(c);
   models::CausalLM& model = *bundle.model;
   for (const auto& n : bundle.notes) spdlog::info("{}", n);
@@ -207,9 +218,14 @@ TrainResult train(const Config& c) {
   if (!c.data.eval_file.empty()) eval_set = std::make_unique<data::Dataset>(c.data.eval_file, bundle.tokenizer.get(), dopts);
 
   const int32_t pad_id = bundle.tokenizer && bundle.tokenizer->pad_id ? *bundle.tokenizer->pad_id : 0;
-  const int64_t micro_cfg = c.training.per_device_train_batch_size == TrainingConfig::kAuto
-                                ? 1
-                                : c.training.per_device_train_batch_size;
+  int64_t micro_cfg = c.training.per_device_train_batch_size;
+  if (micro_cfg == TrainingConfig::kAuto) {
+    micro_cfg = auto_micro_batch(c, plan, budget, train_set.size());
+    EstimateInput at = plan;
+    at.micro_batch = micro_cfg;
+    spdlog::info("per_device_train_batch_size: auto -> {} (estimated peak {}, under {:.0f}% of {})", micro_cfg,
+                 format_bytes(estimate_peak(at)), 100 * c.memory.warning_threshold, format_bytes(budget));
+  }
   const int64_t samples_per_step = micro_cfg * c.training.gradient_accumulation_steps;
   data::Sampler sampler(train_set.size(), c.training.seed, c.data.shuffle, 0, 1);
   const int64_t steps_per_epoch = sampler.steps_per_epoch(samples_per_step);
@@ -434,8 +450,14 @@ TrainResult train(const Config& c) {
     supervisor.observe_peak(step - 1, limit > 0 ? static_cast<double>(step_peak) / static_cast<double>(limit) : 0.0,
                             [&] { mem.release_cached(); },
                             [&]() -> std::string {
-                              if (std::count(ckpt_layers.begin(), ckpt_layers.end(), false) > 0)
-                                return "gradient_checkpointing on every layer would lower the activation memory";
+                              if (std::count(ckpt_layers.begin(), ckpt_layers.end(), false) > 0) {
+                                EstimateInput now = plan;
+                                now.micro_batch = supervisor.micro_batch();
+                                now.checkpoint_layers = ckpt_layers;
+                                const int64_t saved = estimate_peak(now) - estimate_peak(with_every_saving(now));
+                                return str_cat("gradient_checkpointing every layer would save about ",
+                                               format_bytes(saved), " by the estimate");
+                              }
                               return "a smaller data.max_seq_length or per_device_train_batch_size would lower it";
                             });
     const double loss = loss_sum / static_cast<double>(std::max<int64_t>(1, step_tokens));

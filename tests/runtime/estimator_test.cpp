@@ -1,0 +1,210 @@
+// The memory estimator's counts against hand-computed sizes and nf4_quantize's real
+// storage, its monotonicity, and the consistency of max_micro_batch / max_seq_length with
+// the peak it predicts. (Agreement with measured peaks: tests/trainer/estimate_itest.cpp
+// and bench/estimator_accuracy.cpp.)
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include "runtime/estimator.h"
+#include "runtime/nf4.h"
+
+namespace memtune {
+namespace {
+
+const EstimateComponent* find(const Estimate& e, const std::string& name) {
+  for (const auto& c : e.components)
+    if (c.name == name) return &c;
+  return nullptr;
+}
+
+// llama: V 32, C 8, F 16, 2 layers, 2 heads of 4, 1 kv head, untied.
+EstimateInput small_llama() {
+  EstimateInput in;
+  in.family = "llama";
+  in.vocab_size = 32;
+  in.hidden_size = 8;
+  in.intermediate_size = 16;
+  in.num_layers = 2;
+  in.num_heads = 2;
+  in.num_kv_heads = 1;
+  in.head_dim = 4;
+  in.lora_r = 2;
+  in.lora_projections = {"q_proj", "v_proj"};
+  in.micro_batch = 1;
+  in.seq_length = 8;
+  return in;
+}
+
+TEST(Estimator, Nf4BytesByHand) {
+  // 1000 elements, blocksize 64: 16 blocks; 500 code bytes.
+  EXPECT_EQ(nf4_storage_bytes(1000, 64, false), 500 + 16 * 4);
+  // Double quant: 16 uint8 absmax codes, 1 fp32 nested absmax, the 256-entry fp32 map.
+  EXPECT_EQ(nf4_storage_bytes(1000, 64, true), 500 + 16 + 4 + 1024);
+  // 4096 x 4096 at 64: 262144 blocks -> 1024 nested blocks.
+  EXPECT_EQ(nf4_storage_bytes(4096LL * 4096, 64, true), 8388608 + 262144 + 4096 + 1024);
+  EXPECT_EQ(nf4_storage_bytes(7, 32, false), 4 + 4);  // odd count: ceil(n/2) code bytes
+}
+
+TEST(Estimator, Nf4BytesEqualTheQuantizedTensors) {
+  for (auto shape : std::vector<std::vector<int64_t>>{{64, 64}, {100, 37}, {513, 260}, {3, 5}})
+    for (int64_t bs : {32, 64, 256})
+      for (bool dq : {false, true}) {
+        at::Tensor w = at::randn(shape);
+        NF4Tensor q = nf4_quantize(w, bs, dq);
+        EXPECT_EQ(nf4_storage_bytes(w.numel(), bs, dq), q.storage_bytes())
+            << shape[0] << "x" << shape[1] << " blocksize " << bs << " dq " << dq;
+      }
+}
+
+TEST(Estimator, WeightsLoraGradientsAndOptimizerByHand) {
+  EstimateInput in = small_llama();
+  Estimate e = estimate_memory(in);
+  // Dense: embed 32*8 + head 32*8 + norms (2 per layer + final) 5*8 = 552; projections per
+  // layer q 64 + k 32 + v 32 + o 64 + gate 128 + up 128 + down 128 = 576, x2 layers.
+  EXPECT_EQ(e.weights_dense, (552 + 2 * 576) * 4);
+  EXPECT_EQ(e.weights_nf4, 0);
+  // LoRA r=2: q 2*(8+8) + v 2*(8+4) = 56 per layer.
+  EXPECT_EQ(e.trainable_parameters, 112);
+  EXPECT_EQ(e.lora_parameters, 112 * 4);
+  EXPECT_EQ(e.gradients, 112 * 4);
+  EXPECT_EQ(e.optimizer_states, 2 * 112 * 4);
+  EXPECT_EQ(e.optimizer_workspace, 16 * 4);  // largest adapter matrix: q's A or B, 2 x 8
+  ASSERT_NE(find(e, "weights: dense"), nullptr);
+  EXPECT_EQ(find(e, "weights: dense")->bytes, e.weights_dense);
+
+  in.load_in_4bit = true;
+  in.blocksize = 32;
+  in.double_quant = false;
+  e = estimate_memory(in);
+  const int64_t nf4 = [] {
+    int64_t b = 0;
+    for (int64_t n : {64, 32, 32, 64, 128, 128, 128}) b += n / 2 + (n + 31) / 32 * 4;
+    return 2 * b;
+  }();
+  EXPECT_EQ(e.weights_nf4, nf4);
+  EXPECT_EQ(e.weights_dense, 552 * 4);
+
+  in.optimizer = "sgd";
+  EXPECT_EQ(estimate_memory(in).optimizer_states, 112 * 4);
+
+  // Full fine-tuning: every base tensor is trained (fp32), none NF4.
+  in.load_in_4bit = false;
+  in.finetune = "full";
+  in.optimizer = "adamw";
+  e = estimate_memory(in);
+  EXPECT_EQ(e.trainable_parameters, 552 + 2 * 576);
+  EXPECT_EQ(e.optimizer_states, 2 * 4 * (552 + 2 * 576));
+  EXPECT_EQ(e.optimizer_workspace, 32 * 8 * 4);  // the embedding
+}
+
+TEST(Estimator, Gpt2WeightsByHand) {
+  EstimateInput in;
+  in.family = "gpt2";
+  in.vocab_size = 50;
+  in.hidden_size = 8;
+  in.intermediate_size = 32;
+  in.num_layers = 1;
+  in.num_heads = 2;
+  in.num_kv_heads = 2;
+  in.head_dim = 4;
+  in.max_position_embeddings = 16;
+  in.tie_word_embeddings = true;
+  in.lora_projections = {"c_attn"};
+  in.lora_r = 4;
+  const Estimate e = estimate_memory(in);
+  // wte 400 + wpe 128 + ln 4*8 + ln_f 16 + biases 24+8+32+8 + c_attn 192 + c_proj 64 + fc 256 + proj 256.
+  EXPECT_EQ(e.weights_dense, (400 + 128 + 32 + 16 + 72 + 192 + 64 + 256 + 256) * 4);
+  EXPECT_EQ(e.trainable_parameters, 4 * (8 + 24));
+}
+
+TEST(Estimator, MoreCheckpointingLowersThePeak) {
+  EstimateInput in = small_llama();
+  in.num_layers = 6;
+  in.hidden_size = 64;
+  in.intermediate_size = 172;
+  in.num_heads = 4;
+  in.num_kv_heads = 2;
+  in.head_dim = 16;
+  in.seq_length = 256;
+  in.micro_batch = 2;
+  in.lora_projections = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+  std::vector<int64_t> peak;
+  for (int checkpointed = 0; checkpointed <= 6; ++checkpointed) {
+    in.checkpoint_layers.assign(6, false);
+    for (int i = 0; i < checkpointed; ++i) in.checkpoint_layers[i] = true;
+    const Estimate e = estimate_memory(in);
+    peak.push_back(e.peak_bytes);
+    EXPECT_EQ(e.recompute > 0, checkpointed > 0);
+  }
+  // Each layer checkpointed below the top lowers the peak. The top layer is rebuilt as soon
+  // as backward starts, so checkpointing it too saves only in the forward.
+  for (int k = 0; k + 1 < 6; ++k) EXPECT_LT(peak[k + 1], peak[k]) << k + 1 << " layers checkpointed";
+  EXPECT_LT(peak[6], peak[0]);
+  // none > every 2nd layer > all.
+  in.checkpoint_layers = {true, false, true, false, true, false};
+  const int64_t every2 = estimate_peak(in);
+  EXPECT_LT(every2, peak[0]);
+  EXPECT_GT(every2, peak[6]);
+}
+
+TEST(Estimator, LargerShapesRaiseThePeak) {
+  EstimateInput in = small_llama();
+  int64_t previous = 0;
+  for (int64_t b : {1, 2, 3, 4, 8, 16}) {
+    in.micro_batch = b;
+    const int64_t p = estimate_peak(in);
+    EXPECT_GT(p, previous) << "micro-batch " << b;
+    previous = p;
+  }
+  in.micro_batch = 1;
+  previous = 0;
+  for (int64_t t : {8, 64, 512, 1024}) {
+    in.seq_length = t;
+    const int64_t p = estimate_peak(in);
+    EXPECT_GT(p, previous) << "length " << t;
+    previous = p;
+  }
+}
+
+TEST(Estimator, MaxMicroBatchIsTheLargestThatFits) {
+  EstimateInput in = small_llama();
+  in.seq_length = 128;
+  for (int64_t budget : {int64_t{200} << 10, int64_t{1} << 20, int64_t{5} << 20, int64_t{50} << 20}) {
+    const int64_t b = max_micro_batch(in, budget);
+    EstimateInput x = in;
+    if (b == 0) {
+      x.micro_batch = 1;
+      EXPECT_GT(estimate_peak(x), budget);
+      continue;
+    }
+    x.micro_batch = b;
+    EXPECT_LE(estimate_peak(x), budget);
+    x.micro_batch = b + 1;
+    EXPECT_GT(estimate_peak(x), budget) << "budget " << budget;
+  }
+  in.micro_batch = 1;
+  EXPECT_EQ(max_micro_batch(in, estimate_peak(in) - 1), 0);
+  EXPECT_EQ(max_micro_batch(in, estimate_peak(in)), 1);
+}
+
+TEST(Estimator, MaxSeqLengthIsTheLargestThatFits) {
+  EstimateInput in = small_llama();
+  in.micro_batch = 2;
+  in.max_position_embeddings = 4096;
+  in.seq_length = 64;
+  const int64_t budget = estimate_peak(in) * 3;
+  const int64_t t = max_seq_length(in, budget);
+  ASSERT_GT(t, 64);
+  EXPECT_EQ(t % 8, 0);
+  EstimateInput x = in;
+  x.seq_length = t;
+  EXPECT_LE(estimate_peak(x), budget);
+  x.seq_length = t + 8;
+  EXPECT_GT(estimate_peak(x), budget);
+  // Capped by the model's positions.
+  EXPECT_EQ(max_seq_length(in, int64_t{1} << 40), 4096);
+}
+
+}  // namespace
+}  // namespace memtune

@@ -1,0 +1,258 @@
+// The memory estimate against the real model and the real command: what a forward keeps
+// for backward and a step's peak measured with the CPU budget allocator, the NF4 bytes of
+// the loaded model, `memtune estimate --json`, the pre-load refusal and the auto micro-batch.
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include "data/batch.h"
+#include "models/hf_model.h"
+#include "models/lora.h"
+#include "runtime/cpu_budget_allocator.h"
+#include "runtime/nf4.h"
+#include "runtime/units.h"
+#include "test_util.h"
+#include "trainer/config.h"
+#include "trainer/estimate.h"
+#include "trainer/model_setup.h"
+#include "trainer/optimizer.h"
+
+namespace memtune::testing {
+namespace {
+
+using nlohmann::json;
+
+std::string config_yaml(const fs::path& out, const std::string& model = "tiny-llama", bool nf4 = true) {
+  fs::path src = source_dir();
+  return "model:\n"
+         "  name_or_path: " + model + "\n"
+         "  tokenizer: " + (src / "examples/tiny-tokenizer").string() + "\n"
+         "  quantization_config: {load_in_4bit: " + (nf4 ? "true" : "false") + "}\n"
+         "lora: {r: 4, lora_alpha: 8}\n"
+         "training:\n"
+         "  output_dir: " + out.string() + "\n"
+         "  per_device_train_batch_size: 2\n"
+         "  max_steps: 2\n"
+         "data:\n"
+         "  train_file: " + (src / "examples/data/tasks_train.jsonl").string() + "\n"
+         "  format: instruction\n"
+         "  max_seq_length: 128\n"
+         "  cache_dir: " + (out.parent_path() / "cache").string() + "\n";
+}
+
+json estimate_json(const fs::path& cfg, const std::string& args) {
+  auto r = run(memtune_bin() + " estimate " + cfg.string() + " --json " + args, 120);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  const size_t at = r.output.find('{');
+  if (at == std::string::npos) return json::object();
+  return json::parse(r.output.substr(at, r.output.rfind('}') - at + 1));
+}
+
+data::Sample row(int64_t T, int64_t V, int64_t seed) {
+  data::Sample s;
+  for (int64_t t = 0; t < T; ++t) {
+    s.input_ids.push_back(static_cast<int32_t>((seed * 7919 + t * 31) % V));
+    s.targets.push_back(static_cast<int32_t>((seed * 104729 + t * 17 + 3) % V));
+    s.position_ids.push_back(static_cast<int32_t>(t));
+    s.segment_ids.push_back(0);
+  }
+  return s;
+}
+
+struct Measured {
+  int64_t kept_after_forward = 0;  // allocated after forward minus before it
+  int64_t step_peak = 0;           // over forward, backward, norm and update
+  int64_t nf4_bytes = 0;           // of the loaded projections
+};
+
+// One trainer-like step on the model trainer::setup_model would build for `c`.
+Measured measure(const trainer::Config& c, const models::ModelSpec& spec) {
+  install_cpu_budget_allocator();
+  Measured m;
+  std::unique_ptr<models::CausalLM> model = models::init_random_model(spec, 0);
+  const auto& q = c.model.quantization_config;
+  if (q.load_in_4bit)
+    for (models::Linear* l : model->linears()) l->quantize(q.blocksize, q.bnb_4bit_use_double_quant);
+  for (models::Linear* l : model->linears())
+    if (l->quantized()) m.nf4_bytes += l->qweight()->storage_bytes();
+  if (c.training.finetune == "lora")
+    models::apply_lora(*model, trainer::lora_options(c.lora), trainer::lora_targets(c.lora));
+  else
+    models::make_all_trainable(*model);
+  trainer::Optimizer optimizer(model->trainable_parameters(), {});
+  std::vector<data::Sample> samples;
+  for (int64_t b = 0; b < c.training.per_device_train_batch_size; ++b)
+    samples.push_back(row(c.data.max_seq_length, spec.vocab_size, b));
+  models::ForwardOptions fo;
+  fo.training = true;
+  fo.checkpoint_layers = trainer::checkpoint_plan(c.training.gradient_checkpointing, spec.num_layers);
+  ScopedPeakReset peak;
+  {
+    data::Batch batch = data::collate(samples, 8, 0);
+    const int64_t before = cpu_allocated_bytes() - batch.input_ids.numel() * 8 * 4;
+    models::ForwardOutput out = model->forward(batch, fo);
+    m.kept_after_forward = cpu_allocated_bytes() - before;
+    (out.loss_sum / static_cast<double>(batch.target_tokens)).backward();
+  }
+  trainer::grad_norm(optimizer.params());
+  optimizer.step(1e-4);
+  m.step_peak = peak.peak();
+  return m;
+}
+
+double rel(int64_t predicted, int64_t measured) {
+  return (static_cast<double>(predicted) - static_cast<double>(measured)) / static_cast<double>(measured);
+}
+
+struct Shape {
+  std::string name;
+  std::vector<std::string> overrides;
+};
+
+class EstimateVsModel : public ::testing::TestWithParam<Shape> {};
+
+TEST_P(EstimateVsModel, KeptActivationsAndPeakAgreeWithTheAllocator) {
+  trainer::Config c = trainer::parse_config("{}", "test", GetParam().overrides);
+  const models::ModelSpec spec = trainer::model_spec(c);
+  const Estimate e = estimate_memory(trainer::estimate_input(c, spec));
+  const Measured m = measure(c, spec);
+  EXPECT_NEAR(rel(e.after_forward, m.kept_after_forward), 0.0, 0.10)
+      << "kept after forward: estimated " << e.after_forward << ", measured " << m.kept_after_forward;
+  EXPECT_NEAR(rel(e.peak_bytes, m.step_peak), 0.0, 0.10)
+      << "step peak: estimated " << e.peak_bytes << ", measured " << m.step_peak;
+  EXPECT_EQ(e.weights_nf4, m.nf4_bytes);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, EstimateVsModel,
+    ::testing::Values(
+        Shape{"llama_nf4_lora_none", {"model.name_or_path=tiny-llama", "model.quantization_config.load_in_4bit=true",
+                                      "data.max_seq_length=128", "training.per_device_train_batch_size=2"}},
+        Shape{"llama_dense_lora_all", {"model.name_or_path=tiny-llama", "data.max_seq_length=256",
+                                       "training.per_device_train_batch_size=2", "training.gradient_checkpointing=true"}},
+        Shape{"gpt2_nf4_qv_every2", {"model.name_or_path=tiny-gpt2", "model.quantization_config.load_in_4bit=true",
+                                     "lora.target_modules=[c_attn]", "data.max_seq_length=256",
+                                     "training.gradient_checkpointing={policy: every_n, n: 2}"}},
+        Shape{"gpt2_full", {"model.name_or_path=tiny-gpt2", "training.finetune=full", "data.max_seq_length=128",
+                            "training.per_device_train_batch_size=2"}}),
+    [](const ::testing::TestParamInfo<Shape>& info) { return info.param.name; });
+
+TEST(EstimateCommand, JsonHasThePeakTheBreakdownAndWhatFits) {
+  fs::path d = temp_dir();
+  write_file(d / "c.yaml", config_yaml(d / "out"));
+  json j = estimate_json(d / "c.yaml", "--device-memory 256MiB");
+  ASSERT_TRUE(j.contains("peak_bytes")) << j.dump();
+  ASSERT_TRUE(j.contains("max_micro_batch"));
+  ASSERT_TRUE(j.contains("max_seq_length"));
+  ASSERT_TRUE(j["components"].is_array());
+  EXPECT_EQ(j["micro_batch"], 2);
+  EXPECT_EQ(j["seq_length"], 128);
+  EXPECT_EQ(j["budget_bytes"], int64_t{256} << 20);
+  const int64_t peak = j["peak_bytes"].get<int64_t>();
+  EXPECT_EQ(peak, std::max({j["forward_peak_bytes"].get<int64_t>(), j["backward_peak_bytes"].get<int64_t>(),
+                            j["optimizer_peak_bytes"].get<int64_t>()}));
+  bool nf4 = false;
+  for (const auto& k : j["components"]) nf4 = nf4 || k["name"] == "weights: NF4";
+  EXPECT_TRUE(nf4) << j.dump();
+  EXPECT_GT(j["max_micro_batch"].get<int64_t>(), 2);
+
+  // The device exactly as large as the configured run's peak: micro-batch 2 is the largest.
+  json at = estimate_json(d / "c.yaml", "--device-memory " + std::to_string(peak));
+  EXPECT_EQ(at["max_micro_batch"], 2) << at.dump();
+  EXPECT_EQ(at["fits"], true);
+  json below = estimate_json(d / "c.yaml", "--device-memory " + std::to_string(peak - 1));
+  EXPECT_EQ(below["max_micro_batch"], 1) << below.dump();
+  EXPECT_EQ(below["fits"], false);
+
+  // key=value overrides as for train; memory.device_limit is the default budget.
+  json four = estimate_json(d / "c.yaml", "training.per_device_train_batch_size=4 memory.device_limit=100MiB");
+  EXPECT_EQ(four["micro_batch"], 4);
+  EXPECT_GT(four["peak_bytes"].get<int64_t>(), peak);
+  EXPECT_EQ(four["budget_bytes"], int64_t{100} << 20);
+  EXPECT_EQ(four["budget_from"], "memory.device_limit");
+
+  auto table = run(memtune_bin() + " estimate " + (d / "c.yaml").string() + " --device-memory 256MiB", 120);
+  EXPECT_EQ(table.exit_code, 0) << table.output;
+  EXPECT_NE(table.output.find("predicted peak"), std::string::npos) << table.output;
+  EXPECT_NE(table.output.find("largest micro-batch that fits"), std::string::npos) << table.output;
+}
+
+TEST(EstimateCommand, PreLoadCheckRefusesARunThatCannotFitAndSaysWhatWould) {
+  fs::path d = temp_dir();
+  write_file(d / "c.yaml", config_yaml(d / "out", "tiny-llama", /*nf4=*/false));
+  json min = estimate_json(d / "c.yaml", "training.per_device_train_batch_size=1 training.gradient_checkpointing=true");
+  const int64_t need = min["peak_bytes"].get<int64_t>();
+  ASSERT_GT(need, 0);
+  auto r = run(memtune_bin() + " train " + (d / "c.yaml").string() + " memory.device_limit=" + std::to_string(need - 4096),
+               300);
+  EXPECT_EQ(r.exit_code, 3) << r.output;
+  EXPECT_NE(r.output.find("cannot fit"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("load_in_4bit: true"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("data.max_seq_length: "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("a device with at least"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("base weights:"), std::string::npos) << "the model was loaded:\n" << r.output;
+  // At the estimate's size it starts (and the supervisor takes it from there).
+  auto ok = run(memtune_bin() + " train " + (d / "c.yaml").string() +
+                    " training.max_steps=1 training.per_device_train_batch_size=1 training.gradient_checkpointing=true"
+                    " memory.device_limit=" +
+                    std::to_string(need + need / 2),
+                300);
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
+}
+
+TEST(EstimateCommand, AutoMicroBatchStartsFromTheEstimate) {
+  fs::path d = temp_dir();
+  write_file(d / "c.yaml", config_yaml(d / "out"));
+  const int64_t limit = int64_t{40} << 20;
+  const std::string args = "training.per_device_train_batch_size=auto memory.device_limit=" + std::to_string(limit);
+  json e = estimate_json(d / "c.yaml", args);
+  const int64_t want = e["auto_micro_batch"].get<int64_t>();
+  ASSERT_GT(want, 1) << e.dump();
+  // The largest micro-batch under the warning threshold (85 %) by the estimate's own table.
+  json under = estimate_json(d / "c.yaml", "--device-memory " + std::to_string(static_cast<int64_t>(limit * 0.85)));
+  EXPECT_EQ(under["max_micro_batch"], want) << under.dump();
+  auto r = run(memtune_bin() + " train " + (d / "c.yaml").string() +
+                   " training.per_device_train_batch_size=auto training.max_steps=1 memory.device_limit=" +
+                   std::to_string(limit),
+               300);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("per_device_train_batch_size: auto -> " + std::to_string(want) + " ("), std::string::npos)
+      << r.output;
+  std::ifstream in(d / "out/metrics.jsonl");
+  std::string line;
+  ASSERT_TRUE(std::getline(in, line));
+  json m = json::parse(line);
+  EXPECT_EQ(m["micro_batch"], want) << line;
+  EXPECT_LE(m["memory"]["cpu"]["peak"].get<int64_t>(), limit) << line;
+}
+
+TEST(EstimateCommand, WarningSuggestsCheckpointingWithTheEstimatedSaving) {
+  fs::path d = temp_dir();
+  write_file(d / "c.yaml", config_yaml(d / "out"));
+  const int64_t none = estimate_json(d / "c.yaml", "")["peak_bytes"].get<int64_t>();
+  const int64_t all = estimate_json(d / "c.yaml", "training.gradient_checkpointing=true")["peak_bytes"].get<int64_t>();
+  ASSERT_LT(all, none);
+  // A limit twice the estimate and a warning threshold of 30 %: the step's peak warns.
+  auto r = run(memtune_bin() + " train " + (d / "c.yaml").string() +
+                   " training.max_steps=1 memory.warning_threshold=0.3 memory.device_limit=" + std::to_string(2 * none),
+               300);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::ifstream in(d / "out/metrics.jsonl");
+  std::string line, detail;
+  while (std::getline(in, line)) {
+    json m = json::parse(line);
+    if (m.contains("events"))
+      for (const auto& e : m["events"])
+        if (e["kind"] == "warning") detail = e["detail"].get<std::string>();
+  }
+  EXPECT_NE(detail.find("gradient_checkpointing every layer would save about " + format_bytes(none - all) +
+                        " by the estimate"),
+            std::string::npos)
+      << detail;
+}
+
+}  // namespace
+}  // namespace memtune::testing

@@ -1,0 +1,105 @@
+// memtune estimate CONFIG [--device-memory SIZE] [--json] [key=value ...]: the memory plan of
+// a training step (weights by storage, LoRA, gradients, optimizer states, activations per
+// layer, loss, workspace), the predicted peak, and the largest micro-batch and sequence
+// length that fit the device.
+#include <cstdio>
+#include <iostream>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "runtime/memory.h"
+#include "runtime/units.h"
+#include "tools/commands.h"
+#include "trainer/config.h"
+#include "trainer/estimate.h"
+#include "trainer/model_setup.h"
+
+namespace memtune::cli {
+
+void add_estimate_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand("estimate", "predict a training run's peak memory and what fits the device");
+  struct Args {
+    std::string config;
+    std::vector<std::string> overrides;
+    std::string device_memory;
+    bool json = false;
+  };
+  auto a = std::make_shared<Args>();
+  cmd->add_option("config", a->config, "the YAML config (see configs/)")->required();
+  cmd->add_option("overrides", a->overrides, "key=value overrides, as for train");
+  cmd->add_option("--device-memory", a->device_memory,
+                  "device size to fit (e.g. 6GiB); default memory.device_limit, else the device's total");
+  cmd->add_flag("--json", a->json, "one JSON object instead of a table");
+  cmd->callback([a] {
+    const trainer::Config c = trainer::load_config(a->config, a->overrides);
+    const models::ModelSpec spec = trainer::model_spec(c);
+    const EstimateInput in = trainer::estimate_input(c, spec);
+    const Estimate e = estimate_memory(in);
+
+    const int64_t total = memory_backend(trainer::resolve_device(c.runtime.device)).stats().total;
+    int64_t budget = total;
+    std::string budget_from = "the device's total";
+    if (!a->device_memory.empty()) {
+      budget = parse_size(a->device_memory, "--device-memory").resolve(total);
+      budget_from = "--device-memory";
+    } else if (c.memory.device_limit.is_set()) {
+      budget = c.memory.device_limit.resolve(total);
+      budget_from = "memory.device_limit";
+    }
+    const int64_t max_mb = max_micro_batch(in, budget);
+    const int64_t max_t = max_seq_length(in, budget);
+    const bool is_auto = c.training.per_device_train_batch_size == trainer::TrainingConfig::kAuto;
+    const int64_t auto_mb = is_auto ? trainer::auto_micro_batch(c, in, budget, int64_t{1} << 20) : 0;
+    const int64_t min_peak = estimate_peak(trainer::with_every_saving([&] {
+      EstimateInput one = in;
+      one.micro_batch = 1;
+      return one;
+    }()));
+
+    if (a->json) {
+      nlohmann::json components = nlohmann::json::array();
+      for (const auto& k : e.components) components.push_back({{"name", k.name}, {"bytes", k.bytes}, {"note", k.note}});
+      nlohmann::json j = {{"model", c.model.name_or_path},
+                          {"micro_batch", in.micro_batch},
+                          {"seq_length", in.seq_length},
+                          {"peak_bytes", e.peak_bytes},
+                          {"forward_peak_bytes", e.forward_peak},
+                          {"backward_peak_bytes", e.backward_peak},
+                          {"optimizer_peak_bytes", e.optimizer_peak},
+                          {"minimum_peak_bytes", min_peak},
+                          {"budget_bytes", budget},
+                          {"budget_from", budget_from},
+                          {"fits", e.peak_bytes <= budget},
+                          {"max_micro_batch", max_mb},
+                          {"max_seq_length", max_t},
+                          {"trainable_parameters", e.trainable_parameters},
+                          {"auto_micro_batch", is_auto ? nlohmann::json(auto_mb) : nlohmann::json(nullptr)},
+                          {"activations_per_layer", e.activations_per_layer},
+                          {"components", components}};
+      std::cout << j.dump(2) << "\n";
+      return;
+    }
+    std::printf("memory estimate: %s, micro-batch %lld x %lld tokens, finetune %s%s\n", c.model.name_or_path.c_str(),
+                static_cast<long long>(in.micro_batch), static_cast<long long>(in.seq_length), in.finetune.c_str(),
+                in.load_in_4bit ? ", NF4 base" : "");
+    for (const auto& k : e.components)
+      std::printf("  %-38s %12s  %s\n", k.name.c_str(), format_bytes(k.bytes).c_str(), k.note.c_str());
+    std::printf("  %-38s %12s\n", "peak in forward", format_bytes(e.forward_peak).c_str());
+    std::printf("  %-38s %12s\n", "peak in backward", format_bytes(e.backward_peak).c_str());
+    std::printf("  %-38s %12s\n", "peak in optimizer", format_bytes(e.optimizer_peak).c_str());
+    std::printf("predicted peak: %s (%s)\n", format_bytes(e.peak_bytes).c_str(),
+                e.peak_bytes <= budget ? "fits" : "does NOT fit");
+    std::printf("device memory: %s (%s)\n", format_bytes(budget).c_str(), budget_from.c_str());
+    std::printf("largest micro-batch that fits: %lld (at %lld tokens)\n", static_cast<long long>(max_mb),
+                static_cast<long long>(in.seq_length));
+    std::printf("longest sequence that fits: %lld (at micro-batch %lld)\n", static_cast<long long>(max_t),
+                static_cast<long long>(in.micro_batch));
+    std::printf("with every layer checkpointed at micro-batch 1: %s\n", format_bytes(min_peak).c_str());
+    if (is_auto)
+      std::printf("per_device_train_batch_size: auto starts at %lld (under %.0f%% of the device)\n",
+                  static_cast<long long>(auto_mb), 100 * c.memory.warning_threshold);
+  });
+}
+
+}  // namespace memtune::cli

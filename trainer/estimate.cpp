@@ -1,0 +1,146 @@
+#include "trainer/estimate.h"
+
+#include <algorithm>
+#include <filesystem>
+
+#include <c10/core/ScalarType.h>
+
+#include "models/causal_lm.h"
+#include "models/hf_model.h"
+#include "models/lora.h"
+#include "models/registry.h"
+#include "runtime/error.h"
+#include "runtime/supervisor.h"
+#include "runtime/units.h"
+#include "trainer/model_setup.h"
+
+namespace memtune::trainer {
+
+namespace fs = std::filesystem;
+
+models::ModelSpec model_spec(const Config& c) {
+  if (fs::is_directory(c.model.name_or_path)) return models::read_hf_config(c.model.name_or_path);
+  std::optional<models::ModelSpec> spec = models::preset(c.model.name_or_path);
+  if (!spec) {
+    std::string names;
+    for (const auto& n : models::preset_names()) names += (names.empty() ? "" : ", ") + n;
+    fail("model.name_or_path: '", c.model.name_or_path, "' is neither a directory with config.json nor a preset (",
+         names, ")");
+  }
+  if (!c.model.architecture.empty()) spec->architecture = c.model.architecture;
+  return *spec;
+}
+
+std::vector<bool> checkpoint_plan(const CheckpointingConfig& c, int64_t layers) {
+  std::vector<bool> out(static_cast<size_t>(layers), false);
+  for (int64_t i = 0; i < layers; ++i) {
+    if (c.policy == "all") out[i] = true;
+    else if (c.policy == "every_n") out[i] = i % c.n == 0;
+  }
+  if (c.policy == "layers")
+    for (int l : c.layers)
+      if (l >= 0 && l < layers) out[l] = true;
+  return out;
+}
+
+namespace {
+
+// The estimator's short name of a projection: llama's last component; gpt2's c_attn, c_fc,
+// attn.c_proj, mlp.c_proj.
+std::string short_name(const std::string& module) {
+  const size_t last = module.rfind('.');
+  std::string tail = module.substr(last + 1);
+  if (tail != "c_proj") return tail;
+  const size_t prev = module.rfind('.', last - 1);
+  return module.substr(prev + 1);
+}
+
+}  // namespace
+
+EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_t micro_batch) {
+  EstimateInput in;
+  in.family = s.is_gpt2() ? "gpt2" : "llama";
+  in.vocab_size = s.vocab_size;
+  in.hidden_size = s.hidden_size;
+  in.intermediate_size = s.intermediate_size;
+  in.num_layers = s.num_layers;
+  in.num_heads = s.num_heads;
+  in.num_kv_heads = s.num_kv_heads;
+  in.head_dim = s.head_dim;
+  in.max_position_embeddings = s.max_position_embeddings;
+  in.tie_word_embeddings = s.tie_word_embeddings;
+  in.qkv_bias = s.attention_bias;
+  in.o_bias = s.attention_bias && s.model_type != "qwen2";
+
+  const auto& q = c.model.quantization_config;
+  in.load_in_4bit = q.load_in_4bit;
+  in.double_quant = q.bnb_4bit_use_double_quant;
+  in.blocksize = q.blocksize;
+  in.dense_bytes = 4;  // dense tensors are kept in fp32 (models::LoadOptions::dense_dtype)
+
+  in.finetune = c.training.finetune;
+  in.lora_r = c.lora.r;
+  in.lora_dropout = c.lora.lora_dropout;
+  if (in.finetune == "lora") {
+    // The model's own list of projections (built without weights), matched as PEFT does.
+    std::unique_ptr<models::CausalLM> structure = models::build_model(s);
+    const models::LoraTargets targets = lora_targets(c.lora);
+    in.lora_layers.assign(static_cast<size_t>(s.num_layers), false);
+    for (const auto& slot : structure->tensors()) {
+      if (slot.role != models::TensorRole::kLinearWeight || slot.layer < 0) continue;
+      if (!models::lora_targets(targets, slot.linear->name(), slot.layer)) continue;
+      in.lora_layers[slot.layer] = true;
+      const std::string n = short_name(slot.linear->name());
+      if (std::find(in.lora_projections.begin(), in.lora_projections.end(), n) == in.lora_projections.end())
+        in.lora_projections.push_back(n);
+    }
+  }
+
+  in.micro_batch = micro_batch > 0 ? micro_batch
+                   : c.training.per_device_train_batch_size == TrainingConfig::kAuto
+                       ? 1
+                       : c.training.per_device_train_batch_size;
+  in.seq_length = c.data.max_seq_length;
+  in.checkpoint_layers = checkpoint_plan(c.training.gradient_checkpointing, s.num_layers);
+  in.optimizer = c.training.optim == "sgd" ? "sgd" : "adamw";
+  std::string note;
+  in.compute_bytes =
+      static_cast<int64_t>(c10::elementSize(resolve_compute_dtype(c, resolve_device(c.runtime.device), &note)));
+  return in;
+}
+
+EstimateInput with_every_saving(EstimateInput in) {
+  in.checkpoint_layers.assign(static_cast<size_t>(in.num_layers), true);
+  return in;
+}
+
+int64_t auto_micro_batch(const Config& c, const EstimateInput& in, int64_t budget, int64_t cap) {
+  const int64_t under = static_cast<int64_t>(static_cast<double>(budget) * c.memory.warning_threshold);
+  cap = std::max<int64_t>(1, cap);
+  return std::clamp<int64_t>(max_micro_batch(in, under, cap), 1, cap);
+}
+
+void check_fits(const Config& c, const models::ModelSpec& spec, int64_t budget) {
+  const EstimateInput best = with_every_saving(estimate_input(c, spec, 1));
+  const int64_t peak = estimate_peak(best);
+  if (peak <= budget) return;
+  std::string would;
+  if (!best.load_in_4bit && best.finetune == "lora") {
+    EstimateInput q = best;
+    q.load_in_4bit = true;
+    const int64_t p = estimate_peak(q);
+    would += str_cat("; model.quantization_config.load_in_4bit: true (estimated ", format_bytes(p),
+                     p <= budget ? ", fits" : ", still too large", ")");
+  }
+  const int64_t t = max_seq_length(best, budget);
+  if (t > 0) would += str_cat("; data.max_seq_length: ", t, " (the longest that fits)");
+  would += str_cat("; a device with at least ", format_bytes(peak), " (memory.device_limit)");
+  // MemoryExhausted (exit code 3), as when the supervisor runs out of rungs: nothing loaded.
+  throw MemoryExhausted(str_cat(
+      "memory: this run cannot fit in ", format_bytes(budget), ": the estimate at micro-batch 1 with every layer "
+      "checkpointed is ", format_bytes(peak), " (", c.model.name_or_path, ", data.max_seq_length ", c.data.max_seq_length,
+      ", ", best.load_in_4bit ? "4-bit" : "dense", " weights, finetune ", best.finetune,
+      "). What was tried: the estimate before loading the model (memtune estimate). What would fit", would));
+}
+
+}  // namespace memtune::trainer

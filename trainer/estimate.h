@@ -1,0 +1,39 @@
+#pragma once
+// The memory estimate of a configured run (runtime/estimator.h), built from the config and
+// the model's shape before anything is loaded: `memtune estimate`, the auto micro-batch, the
+// pre-load check and the monitor's suggestions all ask here.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "models/model_spec.h"
+#include "runtime/estimator.h"
+#include "trainer/config.h"
+
+namespace memtune::trainer {
+
+// The model's shape as model.name_or_path names it: config.json of a Hugging Face directory,
+// else the preset (model.architecture applied). Reads no weights.
+models::ModelSpec model_spec(const Config& config);
+
+// Layers recomputed in backward under a gradient_checkpointing policy.
+std::vector<bool> checkpoint_plan(const CheckpointingConfig& c, int64_t layers);
+
+// The estimator's input for this config and shape: micro_batch <= 0 takes the config's
+// per_device_train_batch_size (1 when auto); sequence length is data.max_seq_length.
+EstimateInput estimate_input(const Config& config, const models::ModelSpec& spec, int64_t micro_batch = 0);
+
+// The same input with every saving enabled: every layer checkpointed.
+EstimateInput with_every_saving(EstimateInput in);
+
+// per_device_train_batch_size: auto: the largest micro-batch whose estimated peak stays
+// under memory.warning_threshold of `budget` (the supervisor absorbs the estimate's error),
+// between 1 and `cap` (the dataset's rows).
+int64_t auto_micro_batch(const Config& config, const EstimateInput& in, int64_t budget, int64_t cap);
+
+// Refuses (MemoryExhausted, a UserError) a run whose estimated peak at micro-batch 1 with every layer
+// checkpointed exceeds `budget` bytes, saying what would fit: load_in_4bit, a shorter
+// data.max_seq_length, fewer layers' adapters, or a device of the needed size.
+void check_fits(const Config& config, const models::ModelSpec& spec, int64_t budget);
+
+}  // namespace memtune::trainer
