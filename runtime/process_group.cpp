@@ -65,6 +65,10 @@ struct ProcessGroup::Impl {
   c10::intrusive_ptr<c10d::Store> store;  // the TCPStore; arrival marks live here
   c10::intrusive_ptr<Backend> backend;
   int64_t seq = 0;
+  // allreduce_sum's flat buffers, kept while the tensors' layout stays the same (gradients
+  // every step): no allocation in the reduction after the first call.
+  std::vector<int64_t> flat_layout;
+  std::vector<at::Tensor> flats;
 
   std::string arrival_key(int64_t s, int r) const { return str_cat("memtune/arrived/", s, "/", r); }
 
@@ -235,17 +239,32 @@ void ProcessGroup::allreduce_sum(const std::vector<at::Tensor>& tensors) {
     list.back().push_back(t);
     bytes += t.numel() * static_cast<int64_t>(t.element_size());
   }
+  std::vector<int64_t> layout;
+  for (const auto& [dtype, list] : buckets)
+    for (const auto& bucket : list) {
+      layout.push_back(static_cast<int64_t>(dtype));
+      for (const auto& t : bucket) layout.push_back(t.numel());
+      layout.push_back(-1);
+    }
+  if (layout != m.flat_layout) {
+    m.flats.clear();
+    m.flat_layout = layout;
+    for (const auto& [dtype, list] : buckets)
+      for (const auto& bucket : list) {
+        int64_t numel = 0;
+        for (const auto& t : bucket) numel += t.numel();
+        m.flats.push_back(at::empty({numel}, at::TensorOptions().dtype(dtype).device(m.device)));
+      }
+  }
   m.collective("allreduce_sum", [&] {
-    std::vector<std::pair<at::Tensor, const std::vector<at::Tensor>*>> flats;
+    std::vector<const std::vector<at::Tensor>*> order;
     std::vector<WorkPtr> works;
     c10d::AllreduceOptions opts;
     opts.reduceOp = c10d::ReduceOp::SUM;
     opts.timeout = m.timeout;
-    for (auto& [dtype, list] : buckets) {
+    for (const auto& [dtype, list] : buckets) {
       for (const auto& bucket : list) {
-        int64_t numel = 0;
-        for (const auto& t : bucket) numel += t.numel();
-        at::Tensor flat = at::empty({numel}, at::TensorOptions().dtype(dtype).device(m.device));
+        at::Tensor& flat = m.flats[order.size()];
         int64_t offset = 0;
         for (const auto& t : bucket) {
           flat.narrow(0, offset, t.numel()).copy_(t.reshape({-1}));
@@ -253,20 +272,19 @@ void ProcessGroup::allreduce_sum(const std::vector<at::Tensor>& tensors) {
         }
         std::vector<at::Tensor> one{flat};
         works.push_back(m.backend->allreduce(one, opts));
-        flats.emplace_back(flat, &bucket);
+        order.push_back(&bucket);
       }
     }
     for (size_t i = 0; i < works.size(); ++i) {
       m.wait(works[i]);
       int64_t offset = 0;
-      for (const auto& t : *flats[i].second) {
-        t.copy_(flats[i].first.narrow(0, offset, t.numel()).view(t.sizes()));
+      for (const auto& t : *order[i]) {
+        t.copy_(m.flats[i].narrow(0, offset, t.numel()).view(t.sizes()));
         offset += t.numel();
       }
     }
   });
 }
-
 
 std::vector<int64_t> ProcessGroup::allreduce(std::vector<int64_t> values, ReduceOp op) {
   return impl_->reduce_small(std::move(values), op, c10::kLong);

@@ -42,7 +42,8 @@ class ProcessGroup {
 
   // Sums the tensors in place over all ranks. Tensors are grouped by dtype and flattened
   // into buckets of about bucket_size_mb (one flat buffer per bucket: copy in, allreduce,
-  // copy out); the buckets' reductions run concurrently.
+  // copy out); the buckets' reductions run concurrently. The flat buffers are kept while
+  // the list's layout stays the same, so later calls allocate nothing.
   void allreduce_sum(const std::vector<at::Tensor>& tensors);
 
   // Element-wise reduction of a small vector over all ranks.

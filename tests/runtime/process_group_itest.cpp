@@ -78,6 +78,10 @@ void collectives_scenario(ProcessGroup& pg) {
   for (size_t i = 0; i < tensors.size(); ++i) {
     EXPECT_TRUE(at::allclose(tensors[i].to(at::kDouble), expected[i], 1e-6, 1e-6)) << "tensor " << i;
   }
+  // Again through the kept buffers.
+  for (auto& t : tensors) t.fill_(r + 1);
+  pg.allreduce_sum(tensors);
+  for (size_t i = 0; i < tensors.size(); ++i) EXPECT_EQ(tensors[i].min().item<double>(), tri) << "tensor " << i;
   EXPECT_EQ(pg.allreduce(std::vector<int64_t>{r, -r, 10 * r + 1}, ReduceOp::max),
             (std::vector<int64_t>{w - 1, 0, 10 * (w - 1) + 1}));
   EXPECT_EQ(pg.allreduce(std::vector<int64_t>{r, -r}, ReduceOp::min), (std::vector<int64_t>{0, -(w - 1)}));
