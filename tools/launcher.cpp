@@ -130,6 +130,14 @@ class Group {
       pump(50);
       reap();
     }
+    // A grandchild may still hold a pipe open: keep what was read, close the rest.
+    for (auto& w : workers_) {
+      if (w.fd >= 0) {
+        close(w.fd);
+        w.fd = -1;
+      }
+      if (console_ && !w.partial.empty()) echo(w, "\n");
+    }
   }
 
   const Worker& worker(int i) const { return workers_[i]; }
