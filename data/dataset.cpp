@@ -201,7 +201,7 @@ Dataset::Dataset(const fs::path& path, const Tokenizer* tokenizer, DatasetOption
                 " format needs a tokenizer");
   load(path, tokenizer);
   stats_.documents = docs_.size();
-  stats_.tokens = static_cast<int64_t>(docs_.tokens.size());
+  stats_.tokens = docs_.offsets.back() - docs_.offsets.front();
   stats_.skipped_invalid = docs_.skipped_invalid;
   MEMTUNE_CHECK(stats_.documents > 0, "dataset ", path.string(), " is empty: no documents",
                 docs_.skipped_invalid ? str_cat(" (", docs_.skipped_invalid, " invalid records skipped)") : "",
@@ -231,34 +231,31 @@ Dataset::Dataset(const fs::path& path, const Tokenizer* tokenizer, DatasetOption
 void Dataset::load(const fs::path& path, const Tokenizer* tokenizer) {
   const auto& o = options_;
   if (format_ == "tokens") {
-    TokenFile file(path);
-    std::vector<int32_t> all;
-    file.copy_to(all);
-    if (tokenizer) {
-      for (size_t i = 0; i < all.size(); ++i)
-        MEMTUNE_CHECK(all[i] < tokenizer->vocab_size(), path.string(), ": token ", i, " is ", all[i],
+    // Tokens stay in the mapped file: documents are ranges of it.
+    token_file_ = std::make_shared<TokenFile>(path);
+    const TokenFile& f = *token_file_;
+    const int64_t n = f.size();
+    const std::optional<int32_t> sep = tokenizer ? tokenizer->eos_id : std::nullopt;
+    bool has_sep = false;
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t v = f[i];
+      if (tokenizer)
+        MEMTUNE_CHECK(v < static_cast<uint64_t>(tokenizer->vocab_size()), path.string(), ": token ", i, " is ", v,
                       ", outside the tokenizer's vocabulary of ", tokenizer->vocab_size(),
                       "; was the file written with another tokenizer?");
+      has_sep |= sep && v == static_cast<uint32_t>(*sep);
     }
-    const std::optional<int32_t> sep = tokenizer ? tokenizer->eos_id : std::nullopt;
-    flat_stream_ = !sep || std::find(all.begin(), all.end(), *sep) == all.end();
+    flat_stream_ = !has_sep;
     if (flat_stream_) {
-      docs_.tokens = std::move(all);
-      if (!docs_.tokens.empty()) docs_.offsets.push_back(static_cast<int64_t>(docs_.tokens.size()));
+      if (n > 0) docs_.offsets.push_back(n);
       return;
     }
-    // Documents end with (and include) the separator; a lone separator (llm.c writes one
-    // before each document, so the file starts with one) is no document.
-    const int64_t n = static_cast<int64_t>(all.size());
-    docs_.tokens.reserve(all.size());
-    for (int64_t start = 0, i = 0; i < n; ++i) {
-      if (all[i] != *sep && i + 1 < n) continue;
-      if (!(i == start && all[i] == *sep)) {
-        docs_.tokens.insert(docs_.tokens.end(), all.begin() + start, all.begin() + i + 1);
-        docs_.offsets.push_back(static_cast<int64_t>(docs_.tokens.size()));
-      }
-      start = i + 1;
-    }
+    // Documents end with (and include) the separator. llm.c writes one before each
+    // document: a separator opening the file belongs to no document.
+    separator_ = sep;
+    docs_.offsets[0] = f[0] == static_cast<uint32_t>(*sep) ? 1 : 0;
+    for (int64_t i = docs_.offsets[0]; i < n; ++i)
+      if (f[i] == static_cast<uint32_t>(*sep) || i + 1 == n) docs_.offsets.push_back(i + 1);
     return;
   }
 
@@ -361,7 +358,7 @@ void Dataset::load(const fs::path& path, const Tokenizer* tokenizer) {
 void Dataset::build_rows() {
   const int64_t T = options_.max_seq_length;
   if (flat_stream_) {  // one stream: windows of T whose targets run on into the next window
-    const int64_t n = static_cast<int64_t>(docs_.tokens.size());
+    const int64_t n = docs_.size() > 0 ? docs_.length(0) : 0;
     for (int64_t b = 0; b < n; b += T) {
       spans_.push_back({0, b, std::min(T, n - b)});
       row_begin_.push_back(static_cast<int64_t>(spans_.size()));
@@ -370,7 +367,8 @@ void Dataset::build_rows() {
     int64_t row_len = 0;
     for (int64_t d = 0; d < docs_.size(); ++d) {
       int64_t len = docs_.length(d);
-      if (len == 0) continue;
+      // Empty, or a lone separator (two in a row in a token file): no document.
+      if (len == 0 || (len == 1 && separator_ && token(docs_.offsets[d]) == *separator_)) continue;
       if (len > T) {
         if (options_.truncation == "drop") {
           ++stats_.dropped;
@@ -412,10 +410,10 @@ Sample Dataset::sample(int64_t i) const {
     const Span& s = spans_[r];
     const int64_t base = docs_.offsets[s.doc], n = docs_.length(s.doc);
     for (int64_t k = s.begin; k < s.begin + s.length; ++k) {
-      out.input_ids.push_back(docs_.tokens[base + k]);
+      out.input_ids.push_back(token(base + k));
       int32_t target = kIgnoreIndex;
       if (k + 1 < n) {
-        if (docs_.is_trained(base + k + 1)) target = docs_.tokens[base + k + 1];
+        if (docs_.is_trained(base + k + 1)) target = token(base + k + 1);
       } else if (eos_target_ && docs_.is_trained(base + k)) {
         target = *eos_target_;
       }
@@ -435,9 +433,9 @@ int64_t Dataset::sample_length(int64_t i) const {
 
 std::vector<uint32_t> Dataset::token_stream(std::optional<int32_t> separator) const {
   std::vector<uint32_t> out;
-  out.reserve(docs_.tokens.size() + (separator ? docs_.size() : 0));
+  out.reserve(stats_.tokens + (separator ? docs_.size() : 0));
   for (int64_t d = 0; d < docs_.size(); ++d) {
-    for (int64_t i = docs_.offsets[d]; i < docs_.offsets[d + 1]; ++i) out.push_back(docs_.tokens[i]);
+    for (int64_t i = docs_.offsets[d]; i < docs_.offsets[d + 1]; ++i) out.push_back(token(i));
     if (separator) out.push_back(*separator);
   }
   return out;

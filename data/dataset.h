@@ -26,12 +26,14 @@
 // tokenization; max_seq_length, packing, truncation and add_eos_token are not in the key.
 #include <cstdint>
 #include <filesystem>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "data/batch.h"
 #include "data/document_cache.h"
+#include "data/token_file.h"
 
 namespace memtune::data {
 
@@ -78,7 +80,12 @@ class Dataset {
   const DatasetStats& stats() const { return stats_; }
   const std::string& format() const { return format_; }  // the resolved format
   bool from_cache() const { return from_cache_; }
+  // Token files keep their tokens in the mapped file: there documents().tokens is empty
+  // and token(i) reads the file.
   const Documents& documents() const { return docs_; }
+  int32_t token(int64_t i) const {
+    return token_file_ ? static_cast<int32_t>((*token_file_)[i]) : docs_.tokens[i];
+  }
 
   // Documents back to back, each followed by `separator` when given: the stream that
   // `memtune tokenize --out` writes with write_token_file.
@@ -100,6 +107,8 @@ class Dataset {
   std::vector<int64_t> row_begin_{0};  // sample i is spans_[row_begin_[i], row_begin_[i+1])
   DatasetStats stats_;
   bool from_cache_ = false;
+  std::shared_ptr<const TokenFile> token_file_;  // the mapped token file (tokens format)
+  std::optional<int32_t> separator_;             // token files: the eos that ends documents
   bool flat_stream_ = false;  // a token file without separators: one stream cut into rows
 };
 

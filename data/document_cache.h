@@ -9,7 +9,8 @@
 
 namespace memtune::data {
 
-// Documents stored back to back: document d is tokens[offsets[d], offsets[d+1]).
+// Documents stored back to back: document d is tokens[offsets[d], offsets[d+1]) (a
+// token file's documents index the mapped file instead, and may start past 0).
 struct Documents {
   std::vector<int32_t> tokens;
   std::vector<uint8_t> trained;   // per token: 1 when it is a target; empty: all trained

@@ -54,12 +54,6 @@ TokenFile::TokenFile(const std::filesystem::path& path)
 
 TokenFile::~TokenFile() = default;
 
-uint32_t TokenFile::operator[](int64_t i) const {
-  const unsigned char* p = tokens_ + i * width_;
-  return width_ == 2 ? uint32_t(p[0]) | uint32_t(p[1]) << 8
-                     : uint32_t(p[0]) | uint32_t(p[1]) << 8 | uint32_t(p[2]) << 16 | uint32_t(p[3]) << 24;
-}
-
 void TokenFile::copy_to(std::vector<int32_t>& out) const {
   out.reserve(out.size() + count_);
   for (int64_t i = 0; i < count_; ++i) out.push_back(static_cast<int32_t>((*this)[i]));

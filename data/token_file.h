@@ -28,7 +28,11 @@ class TokenFile {
 
   int64_t size() const { return count_; }              // tokens
   int bytes_per_token() const { return width_; }       // 2 or 4
-  uint32_t operator[](int64_t i) const;
+  uint32_t operator[](int64_t i) const {
+    const unsigned char* p = tokens_ + i * width_;
+    return width_ == 2 ? uint32_t(p[0]) | uint32_t(p[1]) << 8
+                       : uint32_t(p[0]) | uint32_t(p[1]) << 8 | uint32_t(p[2]) << 16 | uint32_t(p[3]) << 24;
+  }
   void copy_to(std::vector<int32_t>& out) const;       // appends all tokens
 
  private:

@@ -303,11 +303,24 @@ TEST(Dataset, TokenFileSplitsDocumentsAtEos) {
   EXPECT_EQ(ds.sample(2).input_ids, (std::vector<int32_t>{6}));
   EXPECT_EQ(ds.sample(2).targets, (std::vector<int32_t>{X}));
   EXPECT_EQ(ds.stats().target_tokens, 5);
+  EXPECT_EQ(ds.stats().tokens, 8);
+
+  // Two separators in a row: the second is no document.
+  const fs::path q2 = temp_dir("twice") / "t.bin";
+  memtune::data::write_token_file(q2, {1, kEos, kEos, 2, kEos}, 258);
+  Dataset twice(q2, &tok, opts(16, false));
+  ASSERT_EQ(twice.size(), 2);
+  EXPECT_EQ(twice.sample(1).input_ids, (std::vector<int32_t>{2, kEos}));
 
   // Round trip through token_stream.
   const fs::path q = temp_dir("rt") / "e.bin";
   const auto stream = ds.token_stream(kEos);
   EXPECT_EQ(stream, (std::vector<uint32_t>{1, 2, 3, kEos, kEos, 4, 5, kEos, kEos, 6, kEos}));
+  memtune::data::write_token_file(q, stream, 258);
+  Dataset back(q, &tok, opts(16, false));
+  ASSERT_EQ(back.size(), 3);
+  for (int64_t i = 0; i < 2; ++i) EXPECT_EQ(back.sample(i).input_ids, ds.sample(i).input_ids);
+  EXPECT_EQ(back.sample(2).input_ids, (std::vector<int32_t>{6, kEos}));
 }
 
 TEST(Dataset, TokenFileWithoutTokenizerIsOneStreamInRows) {
