@@ -49,6 +49,7 @@ int memtune_main(int argc, char** argv) {
   add_model_commands(app);
   add_mem_command(app);
   add_tokenize_command(app);
+  add_launch_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

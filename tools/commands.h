@@ -12,5 +12,6 @@ void add_train_command(CLI::App& app);
 void add_model_commands(CLI::App& app);  // init-model, merge, quantize, generate, eval
 void add_mem_command(CLI::App& app);
 void add_tokenize_command(CLI::App& app);
+void add_launch_command(CLI::App& app);  // launch: torchrun-style workers (tools/launcher.h)
 
 }  // namespace memtune::cli
