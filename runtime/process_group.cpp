@@ -147,6 +147,8 @@ ProcessGroup::ProcessGroup(const DistEnv& env, const ProcessGroupOptions& option
   MEMTUNE_CHECK(env.world_size >= 1 && env.rank >= 0 && env.rank < env.world_size, "rank ", env.rank,
                 " is not in [0, ", env.world_size, ")");
   m.timeout = std::chrono::milliseconds(static_cast<int64_t>(options.timeout_s * 1000));
+  const double join_s = options.join_timeout_s > 0 ? options.join_timeout_s : options.timeout_s;
+  const auto join_timeout = std::chrono::milliseconds(static_cast<int64_t>(join_s * 1000));
   m.device = c10::Device(options.device);
   std::string backend = options.backend;
   if (backend == "auto") backend = m.device.is_cuda() ? "nccl" : "gloo";
@@ -163,12 +165,12 @@ ProcessGroup::ProcessGroup(const DistEnv& env, const ProcessGroupOptions& option
   store_options.isServer = env.rank == 0;
   store_options.numWorkers = static_cast<std::size_t>(env.world_size);
   store_options.waitWorkers = true;
-  store_options.timeout = m.timeout;
+  store_options.timeout = join_timeout;
   try {
     m.store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, store_options);
   } catch (const std::exception& e) {
     fail("distributed: rank ", env.rank, " of ", env.world_size, " could not join the rendezvous at ", env.master_addr,
-         ":", env.master_port, " within ", options.timeout_s, " s (", env.rank == 0 ? "hosting it" : "connecting to rank 0",
+         ":", env.master_port, " within ", join_s, " s (", env.rank == 0 ? "hosting it" : "connecting to rank 0",
          "): ", message_of(e), ". Hint: every rank must start with the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE");
   }
   // Every rank marks itself joined and waits for the others, so a missing one is named.
@@ -176,7 +178,7 @@ ProcessGroup::ProcessGroup(const DistEnv& env, const ProcessGroupOptions& option
   for (int r = 0; r < env.world_size; ++r) joined.push_back(str_cat("memtune/joined/", r));
   try {
     m.store->set(joined[env.rank], std::vector<uint8_t>{1});
-    m.store->wait(joined, m.timeout);
+    m.store->wait(joined, join_timeout);
   } catch (const std::exception& e) {
     std::string missing;
     try {
@@ -186,7 +188,7 @@ ProcessGroup::ProcessGroup(const DistEnv& env, const ProcessGroupOptions& option
       missing = "unknown (the store is unreachable)";
     }
     fail("distributed: rank ", env.rank, " of ", env.world_size, " could not join the rendezvous at ", env.master_addr,
-         ":", env.master_port, " within ", options.timeout_s, " s: rank(s) ", missing,
+         ":", env.master_port, " within ", join_s, " s: rank(s) ", missing,
          " did not join. Hint: start every rank (torchrun, memtune launch or srun) with the same WORLD_SIZE, "
          "MASTER_ADDR and MASTER_PORT");
   }

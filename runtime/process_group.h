@@ -20,7 +20,8 @@ namespace memtune {
 
 struct ProcessGroupOptions {
   std::string backend = "auto";  // auto (nccl on CUDA devices, gloo on CPU)|gloo|nccl
-  double timeout_s = 300;        // each collective, and the rendezvous
+  double timeout_s = 300;        // each collective
+  double join_timeout_s = 0;     // the rendezvous (ranks start at different times); 0: timeout_s
   int64_t bucket_size_mb = 25;   // allreduce_sum flattens tensors into buckets of this size
   std::string device = "cpu";    // "cpu" or "cuda:<local_rank>": where collectives run
 };

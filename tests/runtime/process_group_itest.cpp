@@ -119,7 +119,7 @@ void timeout_scenario(ProcessGroup& pg) {
   EXPECT_NE(message.find(str_cat("rank ", w - 1, " did not arrive")), std::string::npos) << message;
   EXPECT_NE(message.find("allreduce (collective #1)"), std::string::npos) << message;
   EXPECT_GE(waited, 1.5);
-  EXPECT_LT(waited, 5.0);
+  EXPECT_LT(waited, 10.0);  // 2 s timeout plus the diagnosis, on a loaded machine
   std::this_thread::sleep_for(std::chrono::seconds(1));  // rank 0 keeps the store up for the others
 }
 
@@ -131,6 +131,7 @@ TEST(ProcessGroupWorker, Run) {
   ProcessGroupOptions options;
   options.bucket_size_mb = 1;
   options.timeout_s = std::string(scenario) == "timeout" ? 2 : 30;
+  options.join_timeout_s = 60;  // the workers may start seconds apart on a loaded machine
   ProcessGroup pg(DistEnv::from_environment(), options);
   EXPECT_EQ(pg.backend(), "gloo");
   if (std::string(scenario) == "collectives") collectives_scenario(pg);
