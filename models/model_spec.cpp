@@ -1,6 +1,7 @@
 #include "models/model_spec.h"
 
 #include <cmath>
+#include <map>
 #include <set>
 
 #include "runtime/error.h"
@@ -69,6 +70,7 @@ const std::set<std::string>& modelled_keys() {
 ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
   MEMTUNE_CHECK(c.is_object(), where, ": config.json must be a JSON object");
   ModelSpec s;
+  s.architecture.clear();
   if (c.contains("architectures") && c["architectures"].is_array() && !c["architectures"].empty())
     s.architecture = c["architectures"][0].get<std::string>();
   s.model_type = get_or<std::string>(c, "model_type", "", where);
@@ -78,6 +80,14 @@ ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
     else if (s.architecture.rfind("Qwen2", 0) == 0) s.model_type = "qwen2";
     else s.model_type = "llama";
   }
+  if (s.architecture.empty()) {
+    static const std::map<std::string, std::string> by_type = {{"llama", "LlamaForCausalLM"},
+                                                               {"mistral", "MistralForCausalLM"},
+                                                               {"qwen2", "Qwen2ForCausalLM"},
+                                                               {"gpt2", "GPT2LMHeadModel"}};
+    auto it = by_type.find(s.model_type);
+    if (it != by_type.end()) s.architecture = it->second;
+  }
   s.vocab_size = require_int(c, {"vocab_size"}, where);
   s.hidden_size = require_int(c, {"hidden_size", "n_embd"}, where);
   s.num_layers = require_int(c, {"num_hidden_layers", "n_layer"}, where);
@@ -85,7 +95,6 @@ ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
   s.num_kv_heads = get_or<int64_t>(c, "num_key_value_heads", s.num_heads, where);
   s.head_dim = get_or<int64_t>(c, "head_dim", s.num_heads > 0 ? s.hidden_size / s.num_heads : 0, where);
   if (s.is_gpt2()) {
-    s.architecture = s.architecture.empty() ? "GPT2LMHeadModel" : s.architecture;
     s.intermediate_size = get_or<int64_t>(c, "n_inner", 4 * s.hidden_size, where);
     s.max_position_embeddings = require_int(c, {"n_positions", "max_position_embeddings"}, where);
     s.norm_eps = get_or<double>(c, "layer_norm_epsilon", 1e-5, where);

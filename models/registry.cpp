@@ -45,8 +45,9 @@ std::unique_ptr<CausalLM> build_model(const ModelSpec& spec) {
   ArchitectureBuilder builder;
   {
     std::lock_guard<std::mutex> lock(table_mutex());
-    auto it = table().find(spec.architecture);
-    if (it == table().end()) it = table().find(spec.model_type);
+    // The architecture decides; model_type only when config.json names none (a checkpoint
+    // of an unregistered architecture must not load into a look-alike family).
+    auto it = spec.architecture.empty() ? table().find(spec.model_type) : table().find(spec.architecture);
     if (it != table().end()) builder = it->second;
   }
   if (!builder) {

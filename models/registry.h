@@ -19,8 +19,8 @@ using ArchitectureBuilder = std::function<std::unique_ptr<CausalLM>(const ModelS
 void register_architecture(const std::string& name, ArchitectureBuilder builder);
 std::vector<std::string> registered_architectures();
 
-// Builds the model's structure (no tensor memory yet) for spec.architecture, or failing
-// that spec.model_type. Throws UserError listing the registered names when neither is known.
+// Builds the model's structure (no tensor memory yet) for spec.architecture (spec.model_type
+// when the architecture is empty). Throws UserError listing the registered names when neither is known.
 std::unique_ptr<CausalLM> build_model(const ModelSpec& spec);
 
 struct ArchitectureRegistrar {

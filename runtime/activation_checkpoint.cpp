@@ -5,76 +5,56 @@
 #include <ATen/ATen.h>
 #include <ATen/core/Generator.h>
 #include <torch/csrc/autograd/autograd.h>
-#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
 
 namespace memtune {
 
 namespace {
 
-using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-struct BlockHolder : torch::CustomClassHolder {
-  BlockFn fn;
-  at::Tensor rng_state;
-  c10::Device device = c10::kCPU;
-};
-
-at::Generator generator_for(const c10::Device& device) {
-  return at::globalContext().defaultGenerator(device);
-}
-
 at::Tensor get_rng_state(const c10::Device& device) {
-  at::Generator gen = generator_for(device);
+  at::Generator gen = at::globalContext().defaultGenerator(device);
   std::lock_guard<std::mutex> lock(gen.mutex());
   return gen.get_state();
 }
 
 void set_rng_state(const c10::Device& device, const at::Tensor& state) {
-  at::Generator gen = generator_for(device);
+  at::Generator gen = at::globalContext().defaultGenerator(device);
   std::lock_guard<std::mutex> lock(gen.mutex());
   gen.set_state(state);
 }
 
-struct Checkpoint : public torch::autograd::Function<Checkpoint> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, variable_list trainable,
-                            c10::intrusive_ptr<BlockHolder> holder) {
-    holder->device = x.device();
-    holder->rng_state = get_rng_state(holder->device);
-    at::Tensor y;
-    {
-      at::NoGradGuard no_grad;
-      y = holder->fn(x);
-    }
-    ctx->saved_data["block"] = c10::IValue::make_capsule(holder);
-    ctx->saved_data["x_needs_grad"] = x.requires_grad();
-    variable_list saved = {x};
-    saved.insert(saved.end(), trainable.begin(), trainable.end());
-    ctx->save_for_backward(saved);
-    return y;
-  }
+// The backward node of a checkpointed block. Its inputs are the block's input and every
+// trainable tensor inside it, so their gradients flow through the node whatever the input
+// needs (a custom autograd Function cannot take a list of tensors as inputs on 1.13).
+struct CheckpointBackward : public torch::autograd::Node {
+  BlockFn fn;
+  at::Tensor x;                    // detached block input: all that is kept
+  std::vector<at::Tensor> trainable;
+  at::Tensor rng_state;            // the forward's generator state, for dropout replay
+  c10::Device device = c10::kCPU;
+  bool x_needs_grad = false;
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto holder = c10::static_intrusive_pointer_cast<BlockHolder>(ctx->saved_data["block"].toCapsule());
-    const bool x_needs_grad = ctx->saved_data["x_needs_grad"].toBool();
-    variable_list saved = ctx->get_saved_variables();
-    at::Tensor x = saved[0].detach().requires_grad_(x_needs_grad);
-    variable_list trainable(saved.begin() + 1, saved.end());
+  std::string name() const override { return "memtune::CheckpointBackward"; }
 
+  variable_list apply(variable_list&& grads) override {
+    TORCH_CHECK(fn, "checkpointed block: backward ran twice (retain_graph is not supported)");
+    at::Tensor input = x.detach().requires_grad_(x_needs_grad);
     // Rerun with the forward's random state, then give the generator back its own.
-    at::Tensor current = get_rng_state(holder->device);
-    set_rng_state(holder->device, holder->rng_state);
+    at::Tensor current = get_rng_state(device);
+    set_rng_state(device, rng_state);
     at::Tensor y;
     {
       at::AutoGradMode grad_mode(true);
-      y = holder->fn(x);
+      y = fn(input);
     }
-    set_rng_state(holder->device, current);
+    set_rng_state(device, current);
 
     variable_list inputs;
-    if (x_needs_grad) inputs.push_back(x);
-    for (const auto& t : trainable)
-      if (t.requires_grad()) inputs.push_back(t);
+    if (x_needs_grad) inputs.push_back(input);
+    for (const auto& t : trainable) inputs.push_back(t);
     variable_list computed;
     if (!inputs.empty() && y.requires_grad())
       computed = torch::autograd::grad({y}, inputs, {grads[0]}, /*retain_graph=*/false,
@@ -82,10 +62,15 @@ struct Checkpoint : public torch::autograd::Function<Checkpoint> {
     variable_list out;
     size_t k = 0;
     out.push_back(x_needs_grad && k < computed.size() ? computed[k++] : at::Tensor());
-    for (const auto& t : trainable)
-      out.push_back(t.requires_grad() && k < computed.size() ? computed[k++] : at::Tensor());
-    out.push_back(at::Tensor());  // holder
+    for (size_t i = 0; i < trainable.size(); ++i) out.push_back(k < computed.size() ? computed[k++] : at::Tensor());
+    release_variables();
     return out;
+  }
+
+  void release_variables() override {
+    fn = nullptr;
+    x.reset();
+    trainable.clear();
   }
 };
 
@@ -93,9 +78,27 @@ struct Checkpoint : public torch::autograd::Function<Checkpoint> {
 
 at::Tensor checkpoint(const BlockFn& fn, const at::Tensor& x, const std::vector<at::Tensor>& trainable) {
   if (!at::GradMode::is_enabled()) return fn(x);
-  auto holder = c10::make_intrusive<BlockHolder>();
-  holder->fn = fn;
-  return Checkpoint::apply(x, variable_list(trainable.begin(), trainable.end()), holder);
+  std::vector<at::Tensor> needs;
+  for (const auto& t : trainable)
+    if (t.requires_grad()) needs.push_back(t);
+  if (!x.requires_grad() && needs.empty()) return fn(x);
+
+  auto node = std::shared_ptr<CheckpointBackward>(new CheckpointBackward(), torch::autograd::deleteNode);
+  node->device = x.device();
+  node->rng_state = get_rng_state(node->device);
+  at::Tensor y;
+  {
+    at::NoGradGuard no_grad;
+    y = fn(x);
+  }
+  node->fn = fn;
+  node->x = x.detach();
+  node->x_needs_grad = x.requires_grad();
+  node->trainable = needs;
+  node->add_next_edge(torch::autograd::impl::gradient_edge(x));
+  for (const auto& t : needs) node->add_next_edge(torch::autograd::impl::gradient_edge(t));
+  torch::autograd::set_history(y, node);
+  return y;
 }
 
 }  // namespace memtune

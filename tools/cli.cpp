@@ -62,6 +62,11 @@ int memtune_main(int argc, char** argv) {
     return 2;
   } catch (const c10::Error& e) {
     spdlog::error("{}", e.what_without_backtrace());
+    if (compat::is_out_of_memory(e)) {
+      spdlog::error("out of memory outside a training step (loading the model, its state or the data): "
+                    "raise memory.device_limit, or use load_in_4bit and a smaller model");
+      return 3;
+    }
     return 1;
   } catch (const std::exception& e) {
     spdlog::error("{}", e.what());

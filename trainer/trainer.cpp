@@ -475,7 +475,7 @@ TrainResult train(const Config& c) {
     const double step_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const MemoryStats ms = mem.stats();
     step_peak = std::max(step_peak, ms.peak);
-    supervisor.observe_peak(step, limit > 0 ? static_cast<double>(step_peak) / static_cast<double>(limit) : 0.0,
+    supervisor.observe_peak(step - 1, limit > 0 ? static_cast<double>(step_peak) / static_cast<double>(limit) : 0.0,
                             [&] { mem.release_cached(); },
                             [&]() -> std::string {
                               if (std::count(ckpt_layers.begin(), ckpt_layers.end(), false) > 0)

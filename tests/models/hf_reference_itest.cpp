@@ -19,7 +19,7 @@ using models::CausalLM;
 
 std::string ref_script() { return (source_dir() / "tests/reference/hf_reference.py").string(); }
 
-void ref(const std::string& args) {
+void run_ref(const std::string& args) {
   auto r = run(python() + " " + ref_script() + " " + args, 600);
   ASSERT_EQ(r.exit_code, 0) << args << "\n" << r.output;
 }
@@ -53,9 +53,9 @@ TEST_P(HfReference, LogitsLossAndGradientsMatch) {
   if (!python_torch_available()) GTEST_SKIP() << "python3-torch not installed";
   const Case& c = GetParam();
   fs::path dir = temp_dir();
-  ref("init " + c.init_args + " --out " + (dir / "model").string() + " --seed 3");
-  ref("make-batch --out " + (dir / "batch.safetensors").string() + " --vocab 256 --rows 3 --seq 24 --seed 5");
-  ref("forward --model " + (dir / "model").string() + " --batch " + (dir / "batch.safetensors").string() +
+  run_ref("init " + c.init_args + " --out " + (dir / "model").string() + " --seed 3");
+  run_ref("make-batch --out " + (dir / "batch.safetensors").string() + " --vocab 256 --rows 3 --seq 24 --seed 5");
+  run_ref("forward --model " + (dir / "model").string() + " --batch " + (dir / "batch.safetensors").string() +
       " --out " + (dir / "ref.safetensors").string());
 
   auto model = models::load_hf_model(dir / "model", {});
@@ -108,12 +108,12 @@ TEST_P(HfReferenceLora, AdapterGradientsMatch) {
   if (!python_torch_available()) GTEST_SKIP() << "python3-torch not installed";
   const Case& c = GetParam();
   fs::path dir = temp_dir();
-  ref("init " + c.init_args + " --out " + (dir / "model").string() + " --seed 4");
+  run_ref("init " + c.init_args + " --out " + (dir / "model").string() + " --seed 4");
   const bool gpt2 = c.init_args.find("gpt2") != std::string::npos;
-  ref("init-lora --model " + (dir / "model").string() + " --out " + (dir / "adapter").string() +
+  run_ref("init-lora --model " + (dir / "model").string() + " --out " + (dir / "adapter").string() +
       " --r 4 --alpha 8 --seed 6 --targets " + (gpt2 ? "c_attn,c_fc" : "q_proj,v_proj,down_proj"));
-  ref("make-batch --out " + (dir / "batch.safetensors").string() + " --vocab 256 --rows 2 --seq 20 --seed 7");
-  ref("forward --model " + (dir / "model").string() + " --batch " + (dir / "batch.safetensors").string() +
+  run_ref("make-batch --out " + (dir / "batch.safetensors").string() + " --vocab 256 --rows 2 --seq 20 --seed 7");
+  run_ref("forward --model " + (dir / "model").string() + " --batch " + (dir / "batch.safetensors").string() +
       " --lora " + (dir / "adapter").string() + " --out " + (dir / "ref.safetensors").string());
 
   auto model = models::load_hf_model(dir / "model", {});

@@ -39,13 +39,13 @@ std::string config(const fs::path& out, int seq = 64) {
          "  cache_dir: " + (out.parent_path() / "cache").string() + "\n";
 }
 
-struct Run {
+struct TrainRun {
   int exit_code;
   std::string output;
   fs::path out;
 };
 
-Run train(const fs::path& dir, const std::string& overrides, int seq = 64) {
+TrainRun train(const fs::path& dir, const std::string& overrides, int seq = 64) {
   fs::create_directories(dir);
   write_file(dir / "config.yaml.in", config(dir / "out", seq));
   auto r = run(memtune_bin() + " train " + (dir / "config.yaml.in").string() + " " + overrides, 600);
@@ -88,9 +88,9 @@ class InjectedOom : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(InjectedOom, RunCompletesAndEqualsTheSmallerMicroBatchFromTheStart) {
   fs::path d = temp_dir();
-  Run ref = train(d / "ref", "training.per_device_train_batch_size=2 training.gradient_accumulation_steps=4");
+  TrainRun ref = train(d / "ref", "training.per_device_train_batch_size=2 training.gradient_accumulation_steps=4");
   ASSERT_EQ(ref.exit_code, 0) << ref.output;
-  Run oom = train(d / "oom", "memory.inject_oom=0:" + GetParam() + " memory.grow_after_steps=1000");
+  TrainRun oom = train(d / "oom", "memory.inject_oom=0:" + GetParam() + " memory.grow_after_steps=1000");
   ASSERT_EQ(oom.exit_code, 0) << oom.output;
   auto kinds = event_kinds(oom.out);
   ASSERT_GE(kinds.size(), 2u) << oom.output;
@@ -105,7 +105,7 @@ INSTANTIATE_TEST_SUITE_P(Phases, InjectedOom, ::testing::Values("forward", "back
 TEST(Supervisor, GrowsBackAndUndoesAFailedGrow) {
   // A roomy budget so steps count as headroom; OOM at step 0 shrinks 4 -> 2; after 2 good
   // steps it grows to 4; an OOM injected at that step sends it back to 2, waiting longer.
-  Run r = train(temp_dir(), "memory.device_limit=8GiB memory.inject_oom=0:forward,3:forward memory.grow_after_steps=2 "
+  TrainRun r = train(temp_dir(), "memory.device_limit=8GiB memory.inject_oom=0:forward,2:forward memory.grow_after_steps=2 "
                             "memory.grow_threshold=0.9");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto kinds = event_kinds(r.out);
@@ -118,14 +118,14 @@ TEST(Supervisor, RealBudgetSettlesOnAMicroBatchThatFitsWithTheSameLosses) {
   fs::path d = temp_dir();
   const std::string shape = "training.per_device_train_batch_size=16 training.gradient_accumulation_steps=1 "
                             "data.max_seq_length=256 training.max_steps=3";
-  Run ref = train(d / "ref", shape + " training.per_device_train_batch_size=1 training.gradient_accumulation_steps=16");
+  TrainRun ref = train(d / "ref", shape + " training.per_device_train_batch_size=1 training.gradient_accumulation_steps=16");
   ASSERT_EQ(ref.exit_code, 0) << ref.output;
   // The budget: the micro-batch-1 run's peak plus a little; 16 rows at once cannot fit.
   int64_t peak1 = 0;
   for (const auto& r : rows(ref.out)) peak1 = std::max<int64_t>(peak1, r["memory"]["cpu"]["peak"].get<int64_t>());
   ASSERT_GT(peak1, 0);
   const int64_t limit = peak1 + peak1 / 4;
-  Run fit = train(d / "fit", shape + " memory.device_limit=" + std::to_string(limit) + " memory.grow_after_steps=1000");
+  TrainRun fit = train(d / "fit", shape + " memory.device_limit=" + std::to_string(limit) + " memory.grow_after_steps=1000");
   ASSERT_EQ(fit.exit_code, 0) << fit.output;
   auto r = rows(fit.out);
   EXPECT_LT(r.back()["micro_batch"].get<int64_t>(), 16);
@@ -137,16 +137,17 @@ TEST(Supervisor, TooSmallForMicroBatchOneStopsWithAReportAndKeepsTheCheckpoint) 
   fs::path d = temp_dir();
   const std::string shape = "data.max_seq_length=256 training.per_device_train_batch_size=1 "
                             "training.gradient_accumulation_steps=4 training.gradient_checkpointing=true";
-  Run first = train(d, shape + " training.max_steps=2");
+  TrainRun first = train(d, shape + " training.max_steps=2");
   ASSERT_EQ(first.exit_code, 0) << first.output;
   // Between what stays allocated across steps (weights, optimizer) and one row's peak with
   // every layer checkpointed: the model fits, no micro-batch does.
   auto last = rows(first.out).back()["memory"]["cpu"];
   const int64_t base = last["allocated"].get<int64_t>(), peak = last["peak"].get<int64_t>();
   ASSERT_GT(peak, base);
+  // A fresh run in the same output_dir under that budget: it must stop, and leave the
+  // first run's checkpoint as it was.
   auto r = run(memtune_bin() + " train " + (d / "config.yaml.in").string() + " " + shape +
-               " training.max_steps=4 training.resume_from_checkpoint=latest memory.device_limit=" +
-               std::to_string(base + (peak - base) / 4));
+               " training.max_steps=4 memory.device_limit=" + std::to_string(base + (peak - base) / 2));
   EXPECT_EQ(r.exit_code, 3) << r.output;
   EXPECT_NE(r.output.find("What was tried"), std::string::npos) << r.output;
   fs::path ck = trainer::latest_checkpoint(first.out);
