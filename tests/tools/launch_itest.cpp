@@ -168,7 +168,7 @@ TEST(Launch, TwoProcessesEqualOneProcessOnTheGlobalBatch) {
   fs::path one_cfg = write_config(d / "one"), two_cfg = write_config(d / "two");
   auto one = run(memtune_bin() + " train " + one_cfg.string() + " training.per_device_train_batch_size=4", 300);
   ASSERT_EQ(one.exit_code, 0) << one.output;
-  auto two = run(launch_cmd("--nproc-per-node 2", two_cfg, ""), 300);
+  auto two = run(launch_cmd("--nproc-per-node 2 --tee --log-dir " + (d / "logs").string(), two_cfg, ""), 300);
   ASSERT_EQ(two.exit_code, 0) << two.output;
   auto a = step_losses(d / "one/out"), b = step_losses(d / "two/out");
   ASSERT_EQ(a.size(), 4u);
@@ -178,6 +178,9 @@ TEST(Launch, TwoProcessesEqualOneProcessOnTheGlobalBatch) {
   // Both ranks logged, with their prefix; only rank 0 wrote the run's files.
   EXPECT_NE(two.output.find("[rank 1]"), std::string::npos) << two.output;
   EXPECT_NE(two.output.find("distributed: rank 1 of 2"), std::string::npos) << two.output;
+  EXPECT_NE(read_file(d / "logs/attempt_0/rank_1.log").find("distributed: rank 1 of 2"), std::string::npos);
+  EXPECT_NE(read_file(d / "logs/attempt_0/rank_0.log").find("adapter (PEFT format)"), std::string::npos);
+  EXPECT_EQ(read_file(d / "logs/attempt_0/rank_1.log").find("adapter (PEFT format)"), std::string::npos);
 }
 
 TEST(Launch, ThreeProcessesEqualOneProcessOnTheGlobalBatch) {
