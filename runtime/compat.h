@@ -70,3 +70,18 @@ inline bool is_out_of_memory(const std::exception& e) {
 }
 
 }  // namespace memtune::compat
+
+// c10d: ProcessGroupGloo and ProcessGroupNCCL derive from c10d::ProcessGroup in 1.13 and
+// from c10d::Backend since 2.0 (ProcessGroup became a dispatcher over backends). memtune
+// holds the backend object directly; its collectives have the same signatures in both.
+namespace c10d {
+class ProcessGroup;
+class Backend;
+}  // namespace c10d
+namespace memtune::compat {
+#if MEMTUNE_TORCH_AT_LEAST(2, 0)
+using C10dBackend = c10d::Backend;
+#else
+using C10dBackend = c10d::ProcessGroup;
+#endif
+}  // namespace memtune::compat

@@ -51,6 +51,7 @@ int memtune_main(int argc, char** argv) {
   add_tokenize_command(app);
   add_report_command(app);
   add_estimate_command(app);
+  add_launch_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -14,5 +14,6 @@ void add_mem_command(CLI::App& app);
 void add_tokenize_command(CLI::App& app);
 void add_report_command(CLI::App& app);
 void add_estimate_command(CLI::App& app);
+void add_launch_command(CLI::App& app);  // launch: torchrun-style workers (tools/launcher.h)
 
 }  // namespace memtune::cli

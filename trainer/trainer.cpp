@@ -24,9 +24,11 @@
 #include "models/peft.h"
 #include "runtime/atomic_file.h"
 #include "runtime/cpu_budget_allocator.h"
+#include "runtime/dist_env.h"
 #include "runtime/error.h"
 #include "runtime/log.h"
 #include "runtime/memory.h"
+#include "runtime/process_group.h"
 #include "runtime/supervisor.h"
 #include "runtime/threads.h"
 #include "runtime/units.h"
@@ -152,6 +154,17 @@ std::vector<bool> checkpoint_layers(const CheckpointingConfig& c, int64_t layers
   return out;
 }
 
+// distributed: each rank's dropout draws of a step come from (seed, step, rank), so every
+// rank resumes exactly from a checkpoint that holds only rank 0's generator.
+void seed_cpu_rng(uint64_t seed, int64_t step, int rank) {
+  uint64_t x = seed ^ (static_cast<uint64_t>(step) * 0x9E3779B97F4A7C15ull) ^ (static_cast<uint64_t>(rank) << 48);
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_current_seed(x ^ (x >> 31));
+}
+
 at::Tensor cpu_rng_state() {
   at::Generator gen = at::detail::getDefaultCPUGenerator();
   std::lock_guard<std::mutex> lock(gen.mutex());
@@ -169,17 +182,32 @@ void set_cpu_rng_state(const at::Tensor& s) {
 TrainResult train(const Config& c) {
   const fs::path out_dir(c.training.output_dir);
   fs::create_directories(out_dir);
-  init_logging({c.runtime.log_level, (out_dir / "train.log").string(), -1, true});
+  // distributed: this process's rank (torchrun, memtune launch or srun); rank 0 writes the run's files.
+  const DistEnv dist = DistEnv::from_environment();
+  const bool writer = dist.rank == 0;
+  init_logging({c.runtime.log_level, writer ? (out_dir / "train.log").string() : std::string(),
+                dist.enabled() ? dist.rank : -1, true});
   spdlog::info("memtune train: {}", c.source);
   spdlog::info("{}", configure_threads(c.runtime.num_threads));
   const std::string config_yaml = to_yaml(c);
-  write_file_atomic(out_dir / "config.yaml", config_yaml);
+  if (writer) write_file_atomic(out_dir / "config.yaml", config_yaml);
   spdlog::debug("effective config:\n{}", config_yaml);
   for (const auto& note : compatibility_notes(c)) log_once(note, note);
 
   // Memory: count every CPU byte from here on; a device_limit emulates a smaller device.
   install_cpu_budget_allocator();
   c10::Device device = resolve_device(c.runtime.device);
+  // distributed: each rank on its LOCAL_RANK device; the group joins before the model loads.
+  if (dist.enabled() && device.is_cuda()) device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(dist.local_rank));
+  std::unique_ptr<ProcessGroup> pg;
+  if (dist.enabled()) {
+    ProcessGroupOptions po;
+    po.backend = c.distributed.backend;
+    po.timeout_s = c.distributed.timeout;
+    po.bucket_size_mb = c.distributed.bucket_size_mb;
+    po.device = device.str();
+    pg = std::make_unique<ProcessGroup>(dist, po);
+  }
   MemoryBackend& mem = memory_backend(device);
   const int64_t limit = c.memory.device_limit.is_set() ? c.memory.device_limit.resolve(mem.stats().total) : 0;
 
@@ -227,8 +255,9 @@ TrainResult train(const Config& c) {
                  format_bytes(estimate_peak(at)), 100 * c.memory.warning_threshold, format_bytes(budget));
   }
   const int64_t samples_per_step = micro_cfg * c.training.gradient_accumulation_steps;
-  data::Sampler sampler(train_set.size(), c.training.seed, c.data.shuffle, 0, 1);
-  const int64_t steps_per_epoch = sampler.steps_per_epoch(samples_per_step);
+  // samples_per_step is per rank; a step trains on world_size times as many.
+  data::Sampler sampler(train_set.size(), c.training.seed, c.data.shuffle, dist.rank, dist.world_size);
+  const int64_t steps_per_epoch = sampler.steps_per_epoch(samples_per_step * dist.world_size);
   const int64_t total_steps = c.training.max_steps > 0
                                   ? c.training.max_steps
                                   : std::max<int64_t>(1, static_cast<int64_t>(std::ceil(c.training.num_train_epochs *
@@ -245,6 +274,10 @@ TrainResult train(const Config& c) {
   oo.weight_decay = c.training.weight_decay;
   oo.momentum = c.training.momentum;
   Optimizer optimizer(model.trainable_parameters(), oo);
+  if (pg) {  // distributed: every rank starts from rank 0's trainable weights
+    at::NoGradGuard no_grad;
+    for (const auto& [name, t] : optimizer.params()) pg->broadcast(t, 0);
+  }
   GradScaler scaler(c.training.fp16, c.training.fp16_init_scale, c.training.fp16_growth_interval);
 
   std::vector<bool> ckpt_layers = checkpoint_layers(c.training.gradient_checkpointing, model.num_layers());
@@ -260,6 +293,7 @@ TrainResult train(const Config& c) {
   so.critical = c.memory.critical_threshold;
   so.emergency = c.memory.emergency_threshold;
   Supervisor supervisor(so);
+  if (pg) supervisor.set_agreement([&](bool oom, int64_t micro) { return pg->agree(oom, micro); });
   if (c.memory.on_oom.checkpoint_more)
     supervisor.add_ladder_rung("checkpoint more layers", [&]() -> std::string {
       for (size_t i = 0; i < ckpt_layers.size(); ++i)
@@ -312,8 +346,9 @@ TrainResult train(const Config& c) {
   std::signal(SIGTERM, on_stop_signal);
   g_stop_signal.store(0);
 
-  std::ofstream metrics(out_dir / "metrics.jsonl", step > 0 ? std::ios::app : std::ios::trunc);
-  OomInjector injector(c.memory.inject_oom, 0);
+  std::ofstream metrics;
+  if (writer) metrics.open(out_dir / "metrics.jsonl", step > 0 ? std::ios::app : std::ios::trunc);
+  OomInjector injector(c.memory.inject_oom, dist.rank);
   const bool tty = isatty(STDERR_FILENO);
   spdlog::info("training: {} steps ({} per epoch), {} samples per step, micro-batch {} x {}, checkpointing {}/{} layers",
                total_steps, steps_per_epoch, samples_per_step, supervisor.micro_batch(), supervisor.accumulation(),
@@ -329,6 +364,10 @@ TrainResult train(const Config& c) {
     step_peak = std::max(step_peak, p);
   };
   auto save_checkpoint = [&]() {
+    if (!writer) {  // distributed: rank 0 writes, the others wait for it
+      pg->barrier();
+      return fs::path();
+    }
     json state = {{"step", step},
                   {"sampler", sampler.state()},
                   {"scaler", scaler.state()},
@@ -339,6 +378,7 @@ TrainResult train(const Config& c) {
                                           config_yaml, c.training.save_total_limit);
     result.checkpoint = p.string();
     spdlog::info("checkpoint: {}", p.string());
+    if (pg) pg->barrier();
     return p;
   };
   auto run_eval = [&](const char* when) {
@@ -368,6 +408,9 @@ TrainResult train(const Config& c) {
     run_accuracy("before training");
   }
 
+  // distributed: [loss sum, stop requested] reduced with the gradients (no extra collective).
+  at::Tensor dist_extra = at::zeros({2}, at::kDouble);
+  bool dist_stop = false;
   const auto t_start = std::chrono::steady_clock::now();
   int64_t tokens_done = 0, steps_this_run = 0;
   while (step < total_steps) {
@@ -380,6 +423,9 @@ TrainResult train(const Config& c) {
       samples.push_back(train_set.sample(i));
       step_tokens += samples.back().target_tokens();
     }
+    // distributed: every micro-batch's loss is scaled by the target tokens of the GLOBAL step.
+    if (pg) step_tokens = pg->allreduce(std::vector<int64_t>{step_tokens}, ReduceOp::sum)[0];
+    if (pg) seed_cpu_rng(c.training.seed, step, dist.rank);
     const at::Tensor rng = cpu_rng_state();
     double loss_sum = 0;
     double norm = 0;
@@ -416,6 +462,19 @@ TrainResult train(const Config& c) {
       }
     };
     stages.prepare = [&] {
+      if (pg) {  // distributed: sum the gradients over ranks before unscale and clipping
+        std::vector<at::Tensor> grads;
+        for (const auto& [name, t] : params) {
+          if (!t.grad().defined()) t.mutable_grad() = at::zeros_like(t);
+          grads.push_back(t.grad());
+        }
+        dist_extra.data_ptr<double>()[0] = loss_sum;
+        dist_extra.data_ptr<double>()[1] = g_stop_signal.load() ? 1 : 0;
+        grads.push_back(dist_extra);
+        pg->allreduce_sum(grads);
+        loss_sum = dist_extra.data_ptr<double>()[0];
+        dist_stop = dist_extra.data_ptr<double>()[1] > 0;
+      }
       mem.reset_peak();
       injector.at(step, "optimizer");
       found_inf = !scaler.unscale(params);
@@ -495,7 +554,8 @@ TrainResult train(const Config& c) {
     }
     if (c.training.eval_steps > 0 && step % c.training.eval_steps == 0) run_eval("periodic");
     if (c.training.save_steps > 0 && step % c.training.save_steps == 0 && step < total_steps) save_checkpoint();
-    if (int sig = g_stop_signal.load()) {
+    // distributed: stop only when the ranks agreed in this step's reduction, all at once.
+    if (int sig = pg ? (dist_stop ? (g_stop_signal.load() ? g_stop_signal.load() : SIGTERM) : 0) : g_stop_signal.load()) {
       if (tty) std::fprintf(stderr, "\n");
       save_checkpoint();
       spdlog::warn("stopped by signal {} at step {}; resume with training.resume_from_checkpoint=latest", sig, step);
@@ -508,7 +568,8 @@ TrainResult train(const Config& c) {
   run_eval("final");
   run_accuracy("after training");
 
-  if (c.training.finetune == "lora") {
+  if (!writer) {  // distributed: only rank 0 saves
+  } else if (c.training.finetune == "lora") {
     models::save_adapter(model, bundle.adapter, out_dir / "adapter");
     spdlog::info("adapter (PEFT format): {}", (out_dir / "adapter").string());
   } else {
@@ -525,7 +586,8 @@ TrainResult train(const Config& c) {
                                supervisor.accumulation(), "\n", "skipped steps (fp16 overflow): ", scaler.skipped_steps(),
                                "\n", "events:\n");
   for (const auto& h : supervisor.history()) report += "  " + h + "\n";
-  write_file_atomic(out_dir / "memory_report.txt", report);
+  if (writer) write_file_atomic(out_dir / "memory_report.txt", report);
+  if (pg) pg->barrier();  // distributed: the others return once rank 0 has written everything
   spdlog::info("done: {} steps, last loss {:.4f}, {:.0f} tokens/s, peak memory {}", step, result.last_loss,
                static_cast<double>(tokens_done) / std::max(1e-9, elapsed),
                format_bytes(std::max({phase_peak[0], phase_peak[1], phase_peak[2], load_peak})));

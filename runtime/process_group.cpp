@@ -1,0 +1,328 @@
+#include "runtime/process_group.h"
+
+#include <chrono>
+#include <map>
+#include <utility>
+
+#include <ATen/ATen.h>
+#include <spdlog/spdlog.h>
+
+// ProcessGroupGloo.hpp is guarded by the define LibTorch's own build sets.
+#ifndef USE_C10D_GLOO
+#define USE_C10D_GLOO
+#endif
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "runtime/compat.h"
+#include "runtime/error.h"
+#ifdef MEMTUNE_CUDA
+#include "runtime/cuda/process_group_nccl.h"
+#endif
+
+namespace memtune {
+namespace {
+
+using Backend = compat::C10dBackend;
+using WorkPtr = decltype(std::declval<Backend&>().barrier());
+
+// c10::Error's what() carries a backtrace in 1.13: keep the message only.
+std::string message_of(const std::exception& e) {
+  if (auto* c10_error = dynamic_cast<const c10::Error*>(&e)) return c10_error->what_without_backtrace();
+  return e.what();
+}
+
+bool is_loopback(const std::string& host) {
+  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
+}
+
+std::shared_ptr<::gloo::transport::Device> gloo_device(const DistEnv& env) {
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname) {
+    return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
+  }
+  if (is_loopback(env.master_addr)) return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
+  return c10d::ProcessGroupGloo::createDefaultDevice();
+}
+
+c10d::ReduceOp to_c10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum: return c10d::ReduceOp::SUM;
+    case ReduceOp::max: return c10d::ReduceOp::MAX;
+    case ReduceOp::min: return c10d::ReduceOp::MIN;
+  }
+  return c10d::ReduceOp::SUM;
+}
+
+}  // namespace
+
+struct ProcessGroup::Impl {
+  DistEnv env;
+  ProcessGroupOptions options;
+  std::chrono::milliseconds timeout{0};
+  c10::Device device{c10::kCPU};
+  std::string backend_name;
+  c10::intrusive_ptr<c10d::Store> store;  // the TCPStore; arrival marks live here
+  c10::intrusive_ptr<Backend> backend;
+  int64_t seq = 0;
+  // allreduce_sum's flat buffers, kept while the tensors' layout stays the same (gradients
+  // every step): no allocation in the reduction after the first call.
+  std::vector<int64_t> flat_layout;
+  std::vector<at::Tensor> flats;
+
+  std::string arrival_key(int64_t s, int r) const { return str_cat("memtune/arrived/", s, "/", r); }
+
+  // Marks this rank's arrival at the next collective, runs it, and turns a failure into an
+  // error naming the ranks that never arrived.
+  template <class Fn>
+  void collective(const char* what, Fn&& fn) {
+    const int64_t s = seq++;
+    try {
+      store->set(arrival_key(s, env.rank), std::vector<uint8_t>{1});
+    } catch (const std::exception& e) {
+      fail("distributed: rank ", env.rank, " cannot reach the rendezvous store at ", env.master_addr, ":",
+           env.master_port, " before ", what, " #", s, " (rank 0 hosts it; has it exited?): ", message_of(e));
+    }
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      fail(diagnose(what, s, message_of(e)));
+    }
+  }
+
+  std::string diagnose(const char* what, int64_t s, const std::string& cause) const {
+    std::string missing;
+    int n_missing = 0;
+    try {
+      for (int r = 0; r < env.world_size; ++r) {
+        if (!store->check({arrival_key(s, r)})) {
+          missing += str_cat(n_missing++ ? ", " : "", r);
+        }
+      }
+    } catch (const std::exception& e) {
+      missing = str_cat("unknown (the store at ", env.master_addr, ":", env.master_port,
+                        " is unreachable, so rank 0 has probably exited)");
+      n_missing = -1;
+    }
+    std::string who = n_missing == 0
+                          ? std::string("every rank arrived, so a peer failed or exited during it")
+                          : str_cat(n_missing == 1 ? "rank " : "ranks ", missing, " did not arrive");
+    return str_cat("distributed: ", what, " (collective #", s, ") failed on rank ", env.rank, " of ",
+                   env.world_size, " within distributed.timeout=", options.timeout_s, " s: ", who,
+                   ". Cause: ", cause,
+                   ". Hint: look at the other ranks' logs; raise distributed.timeout if a rank is just slow");
+  }
+
+  void wait(const WorkPtr& work) { work->wait(timeout); }
+
+  at::Tensor small(at::Tensor cpu) { return device.is_cpu() ? cpu : cpu.to(device); }
+
+  template <class T>
+  std::vector<T> reduce_small(std::vector<T> values, ReduceOp op, c10::ScalarType dtype) {
+    if (values.empty()) return values;
+    at::Tensor cpu = at::empty({static_cast<int64_t>(values.size())}, at::TensorOptions().dtype(dtype));
+    std::copy(values.begin(), values.end(), cpu.data_ptr<T>());
+    at::Tensor t = small(cpu);
+    collective("allreduce", [&] {
+      c10d::AllreduceOptions opts;
+      opts.reduceOp = to_c10d(op);
+      opts.timeout = timeout;
+      std::vector<at::Tensor> one{t};
+      wait(backend->allreduce(one, opts));
+    });
+    at::Tensor back = t.to(c10::kCPU).contiguous();
+    std::copy(back.data_ptr<T>(), back.data_ptr<T>() + values.size(), values.begin());
+    return values;
+  }
+};
+
+ProcessGroup::ProcessGroup(const DistEnv& env, const ProcessGroupOptions& options)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  m.env = env;
+  m.options = options;
+  MEMTUNE_CHECK(options.timeout_s > 0, "distributed.timeout=", options.timeout_s, " must be positive (seconds)");
+  MEMTUNE_CHECK(options.bucket_size_mb > 0, "distributed.bucket_size_mb=", options.bucket_size_mb,
+                " must be positive");
+  MEMTUNE_CHECK(env.world_size >= 1 && env.rank >= 0 && env.rank < env.world_size, "rank ", env.rank,
+                " is not in [0, ", env.world_size, ")");
+  m.timeout = std::chrono::milliseconds(static_cast<int64_t>(options.timeout_s * 1000));
+  const double join_s = options.join_timeout_s > 0 ? options.join_timeout_s : options.timeout_s;
+  const auto join_timeout = std::chrono::milliseconds(static_cast<int64_t>(join_s * 1000));
+  m.device = c10::Device(options.device);
+  std::string backend = options.backend;
+  if (backend == "auto") backend = m.device.is_cuda() ? "nccl" : "gloo";
+  MEMTUNE_CHECK(backend == "gloo" || backend == "nccl", "distributed.backend='", options.backend,
+                "' is unknown (use auto, gloo or nccl)");
+  MEMTUNE_CHECK(backend != "nccl" || m.device.is_cuda(), "distributed.backend=nccl needs CUDA devices; this run is on ",
+                options.device, ". Hint: distributed.backend=gloo (or auto)");
+  MEMTUNE_CHECK(backend != "gloo" || m.device.is_cpu(), "distributed.backend=gloo runs collectives on the CPU; this run is on ",
+                options.device, ". Hint: distributed.backend=nccl (or auto)");
+  m.backend_name = backend;
+
+  c10d::TCPStoreOptions store_options;
+  store_options.port = static_cast<std::uint16_t>(env.master_port);
+  store_options.isServer = env.rank == 0;
+  store_options.numWorkers = static_cast<std::size_t>(env.world_size);
+  store_options.waitWorkers = true;
+  store_options.timeout = join_timeout;
+  try {
+    m.store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, store_options);
+  } catch (const std::exception& e) {
+    fail("distributed: rank ", env.rank, " of ", env.world_size, " could not join the rendezvous at ", env.master_addr,
+         ":", env.master_port, " within ", join_s, " s (", env.rank == 0 ? "hosting it" : "connecting to rank 0",
+         "): ", message_of(e), ". Hint: every rank must start with the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE");
+  }
+  // Every rank marks itself joined and waits for the others, so a missing one is named.
+  std::vector<std::string> joined;
+  for (int r = 0; r < env.world_size; ++r) joined.push_back(str_cat("memtune/joined/", r));
+  try {
+    m.store->set(joined[env.rank], std::vector<uint8_t>{1});
+    m.store->wait(joined, join_timeout);
+  } catch (const std::exception& e) {
+    std::string missing;
+    try {
+      for (int r = 0; r < env.world_size; ++r)
+        if (!m.store->check({joined[r]})) missing += str_cat(missing.empty() ? "" : ", ", r);
+    } catch (const std::exception&) {
+      missing = "unknown (the store is unreachable)";
+    }
+    fail("distributed: rank ", env.rank, " of ", env.world_size, " could not join the rendezvous at ", env.master_addr,
+         ":", env.master_port, " within ", join_s, " s: rank(s) ", missing,
+         " did not join. Hint: start every rank (torchrun, memtune launch or srun) with the same WORLD_SIZE, "
+         "MASTER_ADDR and MASTER_PORT");
+  }
+  auto pg_store = c10::make_intrusive<c10d::PrefixStore>("memtune/pg", m.store);
+  try {
+    if (backend == "gloo") {
+      auto gloo_options = c10d::ProcessGroupGloo::Options::create(m.timeout);
+      gloo_options->devices.push_back(gloo_device(env));
+      gloo_options->threads = 2;
+      m.backend = c10::make_intrusive<c10d::ProcessGroupGloo>(pg_store, env.rank, env.world_size, gloo_options);
+    } else {
+#ifdef MEMTUNE_CUDA
+      m.backend = make_nccl_backend(pg_store, env.rank, env.world_size, m.timeout);
+#else
+      fail("distributed.backend=nccl: this memtune was built without CUDA");
+#endif
+    }
+  } catch (const UserError&) {
+    throw;
+  } catch (const std::exception& e) {
+    fail("distributed: rank ", env.rank, " could not connect the ", backend, " process group of ", env.world_size,
+         " ranks within ", options.timeout_s, " s: ", message_of(e));
+  }
+  spdlog::info("distributed: rank {} of {} (local {} of {}), {} over {}:{}, timeout {} s", env.rank, env.world_size,
+               env.local_rank, env.local_world_size, backend, env.master_addr, env.master_port, options.timeout_s);
+}
+
+ProcessGroup::~ProcessGroup() = default;
+
+int ProcessGroup::rank() const { return impl_->env.rank; }
+int ProcessGroup::world_size() const { return impl_->env.world_size; }
+const std::string& ProcessGroup::backend() const { return impl_->backend_name; }
+int64_t ProcessGroup::sequence() const { return impl_->seq; }
+
+void ProcessGroup::allreduce_sum(const std::vector<at::Tensor>& tensors) {
+  Impl& m = *impl_;
+  const int64_t bucket_bytes = m.options.bucket_size_mb << 20;
+  // Buckets of same-dtype tensors, in the given order (the same on every rank).
+  std::map<c10::ScalarType, std::vector<std::vector<at::Tensor>>> buckets;
+  std::map<c10::ScalarType, int64_t> filled;
+  for (const auto& t : tensors) {
+    TORCH_CHECK(t.defined(), "allreduce_sum: undefined tensor (every rank must pass the same list)");
+    TORCH_CHECK(t.device() == m.device, "allreduce_sum: tensor on ", t.device(), ", the group runs on ", m.device);
+    auto& list = buckets[t.scalar_type()];
+    int64_t& bytes = filled[t.scalar_type()];
+    if (list.empty() || bytes >= bucket_bytes) {
+      list.emplace_back();
+      bytes = 0;
+    }
+    list.back().push_back(t);
+    bytes += t.numel() * static_cast<int64_t>(t.element_size());
+  }
+  std::vector<int64_t> layout;
+  for (const auto& [dtype, list] : buckets)
+    for (const auto& bucket : list) {
+      layout.push_back(static_cast<int64_t>(dtype));
+      for (const auto& t : bucket) layout.push_back(t.numel());
+      layout.push_back(-1);
+    }
+  if (layout != m.flat_layout) {
+    m.flats.clear();
+    m.flat_layout = layout;
+    for (const auto& [dtype, list] : buckets)
+      for (const auto& bucket : list) {
+        int64_t numel = 0;
+        for (const auto& t : bucket) numel += t.numel();
+        m.flats.push_back(at::empty({numel}, at::TensorOptions().dtype(dtype).device(m.device)));
+      }
+  }
+  m.collective("allreduce_sum", [&] {
+    std::vector<const std::vector<at::Tensor>*> order;
+    std::vector<WorkPtr> works;
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    opts.timeout = m.timeout;
+    for (const auto& [dtype, list] : buckets) {
+      for (const auto& bucket : list) {
+        at::Tensor& flat = m.flats[order.size()];
+        int64_t offset = 0;
+        for (const auto& t : bucket) {
+          flat.narrow(0, offset, t.numel()).copy_(t.reshape({-1}));
+          offset += t.numel();
+        }
+        std::vector<at::Tensor> one{flat};
+        works.push_back(m.backend->allreduce(one, opts));
+        order.push_back(&bucket);
+      }
+    }
+    for (size_t i = 0; i < works.size(); ++i) {
+      m.wait(works[i]);
+      int64_t offset = 0;
+      for (const auto& t : *order[i]) {
+        t.copy_(m.flats[i].narrow(0, offset, t.numel()).view(t.sizes()));
+        offset += t.numel();
+      }
+    }
+  });
+}
+
+std::vector<int64_t> ProcessGroup::allreduce(std::vector<int64_t> values, ReduceOp op) {
+  return impl_->reduce_small(std::move(values), op, c10::kLong);
+}
+
+std::vector<double> ProcessGroup::allreduce(std::vector<double> values, ReduceOp op) {
+  return impl_->reduce_small(std::move(values), op, c10::kDouble);
+}
+
+void ProcessGroup::broadcast(const at::Tensor& tensor, int root) {
+  Impl& m = *impl_;
+  TORCH_CHECK(root >= 0 && root < m.env.world_size, "broadcast: root ", root, " out of range");
+  at::Tensor t = tensor.device() == m.device && tensor.is_contiguous() ? tensor : tensor.to(m.device).contiguous();
+  m.collective("broadcast", [&] {
+    c10d::BroadcastOptions opts;
+    opts.rootRank = root;
+    opts.timeout = m.timeout;
+    std::vector<at::Tensor> one{t};
+    m.wait(m.backend->broadcast(one, opts));
+  });
+  if (!t.is_same(tensor)) tensor.copy_(t);
+}
+
+void ProcessGroup::barrier() {
+  Impl& m = *impl_;
+  m.collective("barrier", [&] {
+    c10d::BarrierOptions opts;
+    opts.timeout = m.timeout;
+    m.wait(m.backend->barrier(opts));
+  });
+}
+
+std::pair<bool, int64_t> ProcessGroup::agree(bool oom, int64_t proposal) {
+  // max(flag), max(-proposal) = -min(proposal): one collective.
+  auto r = allreduce(std::vector<int64_t>{oom ? 1 : 0, -proposal}, ReduceOp::max);
+  return {r[0] != 0, -r[1]};
+}
+
+}  // namespace memtune

@@ -1,0 +1,290 @@
+// `memtune launch` end to end with 2 and 3 CPU processes on 127.0.0.1 (Gloo): data
+// parallel equals one process on the same global batch; a killed worker stops the group
+// (or restarts it and the run ends where an uninterrupted one does); an OOM on one rank
+// shrinks every rank; SIGTERM to the launcher checkpoints every worker. Each run is tiny
+// (tiny-llama, 64 tokens) and bounded by a time limit.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
+#include <thread>
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include "models/io/safetensors.h"
+#include "runtime/error.h"
+#include "test_util.h"
+#include "trainer/train_state.h"
+
+namespace memtune::testing {
+namespace {
+
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+std::string base_config(const fs::path& out) {
+  fs::path src = source_dir();
+  return "model:\n"
+         "  name_or_path: tiny-llama\n"
+         "  tokenizer: " + (src / "examples/tiny-tokenizer").string() + "\n"
+         "  quantization_config: {load_in_4bit: true, bnb_4bit_compute_dtype: auto}\n"
+         "lora: {r: 4, lora_alpha: 8, lora_dropout: 0.0, target_modules: all-linear}\n"
+         "training:\n"
+         "  output_dir: " + out.string() + "\n"
+         "  per_device_train_batch_size: 2\n"
+         "  gradient_accumulation_steps: 1\n"
+         "  learning_rate: 1.0e-3\n"
+         "  max_steps: 4\n"
+         "  logging_steps: 1\n"
+         "  lr_scheduler_type: linear\n"
+         "  warmup_steps: 1\n"
+         "  seed: 7\n"
+         "data:\n"
+         "  train_file: " + (src / "examples/data/tasks_train.jsonl").string() + "\n"
+         "  format: instruction\n"
+         "  max_seq_length: 64\n"
+         "  cache_dir: " + (out.parent_path() / "cache").string() + "\n"
+         "distributed: {timeout: 60}\n";
+}
+
+fs::path write_config(const fs::path& dir) {
+  fs::create_directories(dir);
+  write_file(dir / "config.yaml.in", base_config(dir / "out"));
+  return dir / "config.yaml.in";
+}
+
+std::string launch_cmd(const std::string& flags, const fs::path& config, const std::string& overrides) {
+  return memtune_bin() + " launch --standalone --stop-timeout 5 " + flags + " -- train " + config.string() + " " +
+         overrides;
+}
+
+std::vector<json> metrics(const fs::path& out) {
+  std::vector<json> rows;
+  std::ifstream in(out / "metrics.jsonl");
+  std::string line;
+  while (std::getline(in, line))
+    if (!line.empty() && line.back() == '}') rows.push_back(json::parse(line));
+  return rows;
+}
+
+std::vector<double> step_losses(const fs::path& out) {
+  std::vector<double> l;
+  for (const auto& m : metrics(out))
+    if (m.contains("loss")) l.push_back(m["loss"].get<double>());
+  return l;
+}
+
+std::map<std::string, at::Tensor> tensors(const fs::path& file) {
+  std::map<std::string, at::Tensor> out;
+  models::SafetensorsFile f(file);
+  for (const auto& n : f.names()) out[n] = f.load(n);
+  return out;
+}
+
+void expect_same_tensors(const fs::path& a, const fs::path& b, double tol) {
+  auto ta = tensors(a), tb = tensors(b);
+  ASSERT_EQ(ta.size(), tb.size());
+  ASSERT_FALSE(ta.empty());
+  for (const auto& [name, t] : ta) {
+    ASSERT_TRUE(tb.count(name)) << name;
+    double scale = std::max(1.0, t.abs().max().item<double>());
+    EXPECT_LE((t - tb[name]).abs().max().item<double>(), tol * scale) << name;
+  }
+}
+
+void expect_same_losses(const std::vector<double>& a, const std::vector<double>& b, double tol) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], tol * std::max(1.0, std::abs(b[i]))) << "step " << i;
+}
+
+// A launcher in the background, its output in `log`.
+struct Background {
+  pid_t pid = -1;
+  fs::path log;
+
+  Background(const std::string& cmd, fs::path log_file) : log(std::move(log_file)) {
+    pid = fork();
+    if (pid == 0) {
+      execl("/bin/sh", "sh", "-c", ("exec " + cmd + " > " + log.string() + " 2>&1").c_str(), nullptr);
+      _exit(127);
+    }
+  }
+  ~Background() {
+    if (pid > 0) {
+      kill(pid, SIGKILL);
+      waitpid(pid, nullptr, 0);
+    }
+  }
+
+  // Exit status (128 + signal when killed), or -1 when still running after `limit_s`.
+  int wait(double limit_s) {
+    auto deadline = Clock::now() + std::chrono::duration<double>(limit_s);
+    while (Clock::now() < deadline) {
+      int status = 0;
+      if (waitpid(pid, &status, WNOHANG) == pid) {
+        pid = -1;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return -1;
+  }
+
+  // The pid of the worker with RANK=rank among the launcher's children, or -1.
+  pid_t worker(int rank) const {
+    for (const auto& entry : fs::directory_iterator("/proc")) {
+      const std::string name = entry.path().filename();
+      if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+      std::string stat = read_file(entry.path() / "stat");
+      size_t close = stat.rfind(')');
+      if (close == std::string::npos) continue;
+      int ppid = 0;
+      char state = 0;
+      if (sscanf(stat.c_str() + close + 1, " %c %d", &state, &ppid) != 2 || ppid != pid) continue;
+      std::string env = read_file(entry.path() / "environ");
+      if (env.find(std::string("\0RANK=", 6) + std::to_string(rank) + '\0') != std::string::npos ||
+          env.rfind("RANK=" + std::to_string(rank) + '\0', 0) == 0)
+        return std::stoi(name);
+    }
+    return -1;
+  }
+};
+
+bool wait_for(const std::function<bool()>& cond, double limit_s) {
+  auto deadline = Clock::now() + std::chrono::duration<double>(limit_s);
+  while (Clock::now() < deadline) {
+    if (cond()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return false;
+}
+
+TEST(Launch, TwoProcessesEqualOneProcessOnTheGlobalBatch) {
+  fs::path d = temp_dir();
+  fs::path one_cfg = write_config(d / "one"), two_cfg = write_config(d / "two");
+  auto one = run(memtune_bin() + " train " + one_cfg.string() + " training.per_device_train_batch_size=4", 300);
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  auto two = run(launch_cmd("--nproc-per-node 2 --tee --log-dir " + (d / "logs").string(), two_cfg, ""), 300);
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  auto a = step_losses(d / "one/out"), b = step_losses(d / "two/out");
+  ASSERT_EQ(a.size(), 4u);
+  expect_same_losses(a, b, 1e-5);
+  expect_same_tensors(d / "one/out/adapter/adapter_model.safetensors", d / "two/out/adapter/adapter_model.safetensors",
+                      1e-5);
+  // Both ranks logged, with their prefix; only rank 0 wrote the run's files.
+  EXPECT_NE(two.output.find("[rank 1]"), std::string::npos) << two.output;
+  EXPECT_NE(two.output.find("distributed: rank 1 of 2"), std::string::npos) << two.output;
+  EXPECT_NE(read_file(d / "logs/attempt_0/rank_1.log").find("distributed: rank 1 of 2"), std::string::npos);
+  EXPECT_NE(read_file(d / "logs/attempt_0/rank_0.log").find("adapter (PEFT format)"), std::string::npos);
+  EXPECT_EQ(read_file(d / "logs/attempt_0/rank_1.log").find("adapter (PEFT format)"), std::string::npos);
+}
+
+TEST(Launch, ThreeProcessesEqualOneProcessOnTheGlobalBatch) {
+  // 1 sample per rank and step, 3 ranks, against 3 per step in one process.
+  fs::path d = temp_dir();
+  fs::path one_cfg = write_config(d / "one"), three_cfg = write_config(d / "three");
+  auto one = run(memtune_bin() + " train " + one_cfg.string() + " training.per_device_train_batch_size=3", 300);
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  auto three = run(launch_cmd("--nproc-per-node 3", three_cfg, "training.per_device_train_batch_size=1"), 300);
+  ASSERT_EQ(three.exit_code, 0) << three.output;
+  expect_same_losses(step_losses(d / "one/out"), step_losses(d / "three/out"), 1e-5);
+  expect_same_tensors(d / "one/out/adapter/adapter_model.safetensors",
+                      d / "three/out/adapter/adapter_model.safetensors", 1e-5);
+}
+
+TEST(Launch, KilledWorkerStopsTheOthersAndIsNamed) {
+  fs::path d = temp_dir();
+  fs::path cfg = write_config(d);
+  Background launcher(launch_cmd("--nproc-per-node 2", cfg, "training.max_steps=100000"), d / "log");
+  ASSERT_TRUE(wait_for([&] { return metrics(d / "out").size() >= 2; }, 120)) << read_file(d / "log");
+  pid_t victim = launcher.worker(1);
+  ASSERT_GT(victim, 0);
+  auto t0 = Clock::now();
+  kill(victim, SIGKILL);
+  int code = launcher.wait(5 + 10);  // --stop-timeout 5, plus a few seconds
+  double took = std::chrono::duration<double>(Clock::now() - t0).count();
+  std::string log = read_file(d / "log");
+  ASSERT_NE(code, -1) << "the launcher did not stop within 15 s\n" << log;
+  EXPECT_EQ(code, 1) << log;
+  EXPECT_LT(took, 15.0);
+  EXPECT_NE(log.find("rank 1 (local rank 1"), std::string::npos) << log;
+  EXPECT_NE(log.find("killed by signal 9 (SIGKILL)"), std::string::npos) << log;
+  EXPECT_NE(log.find("Last lines of"), std::string::npos) << log;
+  EXPECT_EQ(launcher.worker(0), -1) << "rank 0 still runs";
+}
+
+TEST(Launch, RestartAfterAKilledWorkerEndsWithTheUninterruptedAdapter) {
+  fs::path d = temp_dir();
+  const std::string steps = "training.max_steps=40 training.save_steps=3";
+  fs::path straight_cfg = write_config(d / "straight"), cfg = write_config(d / "killed");
+  auto straight = run(launch_cmd("--nproc-per-node 2", straight_cfg, steps), 300);
+  ASSERT_EQ(straight.exit_code, 0) << straight.output;
+
+  Background launcher(launch_cmd("--nproc-per-node 2 --max-restarts 1", cfg, steps), d / "killed/log");
+  ASSERT_TRUE(wait_for([&] { return fs::exists(d / "killed/out/checkpoints/step-3"); }, 120))
+      << read_file(d / "killed/log");
+  pid_t victim = launcher.worker(1);
+  ASSERT_GT(victim, 0);
+  kill(victim, SIGKILL);
+  int code = launcher.wait(300);
+  std::string log = read_file(d / "killed/log");
+  ASSERT_EQ(code, 0) << log;
+  EXPECT_NE(log.find("restarting the workers (restart 1 of 1)"), std::string::npos) << log;
+  EXPECT_NE(log.find("resumed from"), std::string::npos) << log;
+  expect_same_tensors(d / "straight/out/adapter/adapter_model.safetensors",
+                      d / "killed/out/adapter/adapter_model.safetensors", 1e-5);
+}
+
+TEST(Launch, OomOnOneRankShrinksEveryRank) {
+  fs::path d = temp_dir();
+  fs::path clean_cfg = write_config(d / "clean"), cfg = write_config(d / "oom");
+  auto clean = run(launch_cmd("--nproc-per-node 2", clean_cfg, ""), 300);
+  ASSERT_EQ(clean.exit_code, 0) << clean.output;
+  auto r = run(launch_cmd("--nproc-per-node 2", cfg, "memory.inject_oom=2:backward:1"), 300);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto rows = metrics(d / "oom/out");
+  ASSERT_EQ(rows.size(), 4u);
+  // Rank 0 writes the metrics and never ran out of memory itself: it shrank by agreement.
+  EXPECT_EQ(rows[1]["micro_batch"], 2);
+  EXPECT_EQ(rows[2]["micro_batch"], 1) << rows[2].dump();
+  EXPECT_NE(r.output.find("[rank 1]"), std::string::npos);
+  // Shrinking changes the split, not the math.
+  expect_same_losses(step_losses(d / "clean/out"), step_losses(d / "oom/out"), 1e-5);
+}
+
+TEST(Launch, SigtermCheckpointsEveryWorkerAndARelaunchResumes) {
+  fs::path d = temp_dir();
+  fs::path cfg = write_config(d);
+  const std::string steps = "training.max_steps=100000";
+  Background launcher(launch_cmd("--nproc-per-node 2", cfg, steps), d / "log");
+  ASSERT_TRUE(wait_for([&] { return metrics(d / "out").size() >= 3; }, 120)) << read_file(d / "log");
+  pid_t w0 = launcher.worker(0), w1 = launcher.worker(1);
+  ASSERT_GT(w0, 0);
+  ASSERT_GT(w1, 0);
+  kill(launcher.pid, SIGTERM);
+  int code = launcher.wait(60);
+  std::string log = read_file(d / "log");
+  ASSERT_EQ(code, 128 + SIGTERM) << log;
+  EXPECT_NE(log.find("[rank 0]: "), std::string::npos);
+  // Both workers stopped by the signal, after one checkpoint written by rank 0.
+  EXPECT_NE(kill(w0, 0), 0);
+  EXPECT_NE(kill(w1, 0), 0);
+  fs::path ck = trainer::latest_checkpoint(d / "out");
+  ASSERT_FALSE(ck.empty()) << log;
+  const int64_t stopped_at = std::stoll(ck.filename().string().substr(5));
+  EXPECT_GE(stopped_at, 3);
+  // A relaunch continues from it and runs a few more steps.
+  auto r = run(launch_cmd("--nproc-per-node 2", cfg,
+                          str_cat("training.max_steps=", stopped_at + 2, " training.resume_from_checkpoint=latest")),
+               300);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
+  EXPECT_TRUE(fs::exists(d / "out/adapter/adapter_model.safetensors"));
+}
+
+}  // namespace
+}  // namespace memtune::testing
