@@ -5,8 +5,10 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/api/include/torch/version.h>
 
+#include <cstddef>
 #include <exception>
 #include <string>
+#include <utility>
 
 #define MEMTUNE_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) ||          \
@@ -26,9 +28,35 @@
 #define MEMTUNE_ALLOCATOR_COPY_DATA
 #endif
 
+// c10::Allocator::allocate() is const in 1.13 and lost its const in 2.x. Declaring both
+// overloads, each forwarding to `impl`, overrides whichever one the found version has.
+#define MEMTUNE_ALLOCATOR_ALLOCATE(impl)                                     \
+  c10::DataPtr allocate(std::size_t n) const { return impl(n); }           \
+  c10::DataPtr allocate(std::size_t n) { return impl(n); }
+
+// CUDACachingAllocator::getDeviceStats() returns c10::cuda::CUDACachingAllocator::DeviceStats
+// up to 2.4 and c10::CachingDeviceAllocator::DeviceStats from 2.5, and StatType moved from
+// c10::cuda::CUDACachingAllocator to c10::CachingAllocator. The fields kept their names and
+// AGGREGATE stayed index 0 of each StatArray: callers take the result as `auto` and index
+// the aggregate with compat::kCudaStatAggregate.
+
 namespace memtune::compat {
 
 inline std::string torch_version() { return TORCH_VERSION; }
+
+// Throws c10::OutOfMemoryError carrying `msg`. 1.13 symbolizes a backtrace eagerly when an
+// error is built from a source location (milliseconds per throw), so there the error is
+// built without one; from 2.2 the backtrace is lazy and C10_THROW_ERROR is cheap.
+[[noreturn]] inline void throw_out_of_memory(std::string msg) {
+#if MEMTUNE_TORCH_AT_LEAST(2, 2)
+  C10_THROW_ERROR(OutOfMemoryError, std::move(msg));
+#else
+  throw c10::OutOfMemoryError(std::move(msg), std::string());
+#endif
+}
+
+// Index of StatType::AGGREGATE in a CUDA caching allocator StatArray (see above).
+constexpr std::size_t kCudaStatAggregate = 0;
 
 // True for an out-of-memory error from any device: the c10 type, which 1.13 and later
 // throw from the caching allocators and memtune's budget allocator, or the message of

@@ -63,7 +63,9 @@ struct LoraConfig {
   int r = 8;                          // rank of A [r,in] and B [out,r]
   double lora_alpha = 16;             // scaling = lora_alpha / r (or / sqrt(r) with use_rslora)
   double lora_dropout = 0.0;          // dropout on the adapter's input
-  std::vector<std::string> target_modules = {"all-linear"};  // names, one regex, or all-linear
+  // all-linear, or module names. An entry matches a module whose name ends with it, or that it
+  // matches in full as a regex: YAML's single string (PEFT: a regex) becomes a one-element list.
+  std::vector<std::string> target_modules = {"all-linear"};
   std::vector<std::string> exclude_modules;
   std::vector<int> layers_to_transform;  // empty: every layer
   bool use_rslora = false;
@@ -192,6 +194,8 @@ struct Config {
 Config parse_config(const std::string& yaml_text, const std::string& source,
                     const std::vector<std::string>& overrides = {});
 Config load_config(const std::filesystem::path& path, const std::vector<std::string>& overrides = {});
+// Refuses impossible values (parse_config calls it; for configs built or changed in code).
+void validate(const Config& config);
 
 // The effective config as YAML; parse_config(to_yaml(c)) == c.
 std::string to_yaml(const Config& config);
@@ -200,6 +204,8 @@ std::string config_help();
 // Lines to log once: keys accepted for compatibility that change nothing in this run.
 std::vector<std::string> compatibility_notes(const Config& config);
 
+// Every key compared (not `source`).
 bool operator==(const Config& a, const Config& b);
+inline bool operator!=(const Config& a, const Config& b) { return !(a == b); }
 
 }  // namespace memtune::trainer

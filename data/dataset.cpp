@@ -1,0 +1,444 @@
+#include "data/dataset.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <memory>
+
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+
+#include "data/chat_template.h"
+#include "data/mapped_file.h"
+#include "data/token_file.h"
+#include "data/tokenizer.h"
+#include "runtime/error.h"
+#include "runtime/log.h"
+
+namespace memtune::data {
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+const char* kInstructionShape =
+    "the instruction format expects {\"instruction\": string, \"input\": string (optional), \"output\": string}";
+const char* kChatShape = "the chat format expects {\"messages\": [{\"role\": string, \"content\": string}, ...]}";
+
+std::string hex64(uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+bool is_blank(std::string_view s) {
+  return std::all_of(s.begin(), s.end(), [](char c) { return c == ' ' || c == '\t' || c == '\r' || c == '\n'; });
+}
+
+// Calls f(line_number, line) for each line of `text` (1-based; '\r' of CRLF removed).
+template <class F> void for_each_line(std::string_view text, F&& f) {
+  int64_t number = 0;
+  size_t pos = 0;
+  while (pos < text.size()) {
+    size_t end = text.find('\n', pos);
+    if (end == std::string_view::npos) end = text.size();
+    std::string_view line = text.substr(pos, end - pos);
+    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+    if (!f(++number, line)) return;
+    pos = end + 1;
+  }
+}
+
+std::string excerpt(std::string_view line, size_t at) {
+  const size_t from = at > 30 ? at - 30 : 0;
+  std::string s(line.substr(from, 60));
+  return (from > 0 ? "..." : "") + s + (from + 60 < line.size() ? "..." : "");
+}
+
+const char* json_type(const json& j) { return j.type_name(); }
+
+// A record that cannot be used: its message (without file:line).
+struct Invalid {
+  std::string message;
+};
+
+std::string string_field(const json& j, const char* field, const char* shape, bool optional = false) {
+  const auto it = j.find(field);
+  if (it == j.end() || (optional && it->is_null())) {
+    if (optional) return {};
+    throw Invalid{str_cat("field '", field, "' is missing; ", shape)};
+  }
+  if (!it->is_string()) throw Invalid{str_cat("field '", field, "' is a ", json_type(*it), ", not a string; ", shape)};
+  return it->get<std::string>();
+}
+
+std::vector<Message> chat_messages(const json& j) {
+  const auto it = j.find("messages");
+  if (it == j.end()) throw Invalid{str_cat("field 'messages' is missing; ", kChatShape)};
+  if (!it->is_array() || it->empty())
+    throw Invalid{str_cat("field 'messages' is ", it->is_array() ? "empty" : str_cat("a ", json_type(*it)),
+                          "; ", kChatShape)};
+  std::vector<Message> out;
+  for (size_t i = 0; i < it->size(); ++i) {
+    const json& m = (*it)[i];
+    if (!m.is_object()) throw Invalid{str_cat("messages[", i, "] is a ", json_type(m), ", not an object; ", kChatShape)};
+    for (const char* key : {"role", "content"}) {
+      const auto f = m.find(key);
+      if (f == m.end()) throw Invalid{str_cat("messages[", i, "] has no field '", key, "'; ", kChatShape)};
+      if (!f->is_string())
+        throw Invalid{str_cat("messages[", i, "].", key, " is a ", json_type(*f), ", not a string; ", kChatShape)};
+    }
+    out.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
+  }
+  return out;
+}
+
+// Encodes pieces (adjacent text pieces of equal `trained` merged first) without special
+// tokens; special ids are inserted as they are.
+void encode_pieces(const std::vector<TemplatePiece>& pieces, const Tokenizer& tok, std::vector<int32_t>& ids,
+                   std::vector<uint8_t>& mask) {
+  ids.clear();
+  mask.clear();
+  std::string text;
+  bool text_trained = false;
+  auto flush = [&] {
+    if (text.empty()) return;
+    for (int32_t id : tok.encode(text, false)) {
+      ids.push_back(id);
+      mask.push_back(text_trained);
+    }
+    text.clear();
+  };
+  for (const auto& p : pieces) {
+    if (p.special) {
+      flush();
+      ids.push_back(*p.special);
+      mask.push_back(p.trained);
+    } else {
+      if (!text.empty() && p.trained != text_trained) flush();
+      text_trained = p.trained;
+      text += p.text;
+    }
+  }
+  flush();
+}
+
+void encode_text(std::string_view text, const Tokenizer& tok, std::vector<int32_t>& ids, std::vector<uint8_t>& mask) {
+  ids = tok.encode(text, true);
+  mask.assign(ids.size(), 1);
+}
+
+std::vector<fs::path> plain_files(const fs::path& path) {
+  std::vector<fs::path> files;
+  if (!fs::is_directory(path)) return {path};
+  for (const auto& e : fs::directory_iterator(path))
+    if (e.is_regular_file() && e.path().extension() == ".txt") files.push_back(e.path());
+  std::sort(files.begin(), files.end());
+  MEMTUNE_CHECK(!files.empty(), "dataset ", path.string(), ": the directory holds no .txt files",
+                "; the plain format reads a .txt file or a directory of .txt files");
+  return files;
+}
+
+}  // namespace
+
+std::string detect_format(const fs::path& path, const std::string& text_field) {
+  std::error_code ec;
+  MEMTUNE_CHECK(fs::exists(path, ec), "dataset file ", path.string(), " does not exist; check data.train_file");
+  if (fs::is_directory(path, ec) || path.extension() == ".txt") return "plain";
+  if (path.extension() == ".bin") return "tokens";
+  MappedFile file(path);
+  std::string found;
+  for_each_line(file.view(), [&](int64_t, std::string_view line) {
+    if (is_blank(line)) return true;
+    const json j = json::parse(line, nullptr, false);
+    if (j.is_discarded() || !j.is_object()) return true;
+    if (j.contains("messages")) found = "chat";
+    else if (j.contains("instruction") || j.contains("output")) found = "instruction";
+    else if (j.contains(text_field)) found = "text";
+    else {
+      std::string keys;
+      for (const auto& kv : j.items()) keys += (keys.empty() ? "" : ", ") + kv.key();
+      fail("dataset ", path.string(), ": cannot tell the format from the first record's keys (", keys,
+           "); expected 'messages' (chat), 'instruction'/'output' (instruction) or '", text_field,
+           "' (text); set data.format or data.text_field");
+    }
+    return false;
+  });
+  MEMTUNE_CHECK(!found.empty(), "dataset ", path.string(), " holds no valid JSON object line",
+                " (empty dataset); expected JSONL, a .bin token file, or .txt");
+  return found;
+}
+
+uint64_t tokenizer_fingerprint(const Tokenizer& tok) {
+  uint64_t h = kFnv1aOffset;
+  auto mix = [&h](int64_t v) { h = fnv1a64(std::string_view(reinterpret_cast<const char*>(&v), sizeof v), h); };
+  mix(tok.vocab_size());
+  mix(tok.bos_id.value_or(-1));
+  mix(tok.eos_id.value_or(-1));
+  mix(tok.pad_id.value_or(-1));
+  for (int64_t i = 0; i < tok.vocab_size(); ++i) {
+    try {
+      h = fnv1a64(tok.id_to_token(static_cast<int32_t>(i)), h);
+    } catch (const std::exception&) {
+      mix(-2);  // a hole in the vocabulary
+    }
+    mix(-3);
+  }
+  for (int32_t id : tok.encode("Hello, World! 123 naïve 東京 \n\t  <|x|> ok", true)) mix(id);
+  return h;
+}
+
+Dataset::Dataset(const fs::path& path, const Tokenizer* tokenizer, DatasetOptions options)
+    : options_(std::move(options)) {
+  const auto& o = options_;
+  static const char* kFormats[] = {"auto", "text", "instruction", "chat", "tokens", "plain"};
+  MEMTUNE_CHECK(std::find(std::begin(kFormats), std::end(kFormats), o.format) != std::end(kFormats),
+                "data.format: unknown format '", o.format, "'; expected auto, text, instruction, chat, tokens or plain");
+  MEMTUNE_CHECK(o.truncation == "right" || o.truncation == "drop", "data.truncation: '", o.truncation,
+                "'; expected right or drop");
+  MEMTUNE_CHECK(o.max_seq_length > 0, "data.max_seq_length: ", o.max_seq_length, " must be positive");
+  format_ = o.format == "auto" ? detect_format(path, o.text_field) : o.format;
+  MEMTUNE_CHECK(tokenizer || format_ == "tokens", "dataset ", path.string(), ": the ", format_,
+                " format needs a tokenizer");
+  load(path, tokenizer);
+  stats_.documents = docs_.size();
+  stats_.tokens = docs_.offsets.back() - docs_.offsets.front();
+  stats_.skipped_invalid = docs_.skipped_invalid;
+  MEMTUNE_CHECK(stats_.documents > 0, "dataset ", path.string(), " is empty: no documents",
+                docs_.skipped_invalid ? str_cat(" (", docs_.skipped_invalid, " invalid records skipped)") : "",
+                "; check data.train_file and data.format (", format_, ")");
+
+  if (format_ != "tokens" && o.add_eos_token) {
+    if (tokenizer->eos_id) eos_target_ = tokenizer->eos_id;
+    else log_once("dataset-no-eos", "data.add_eos_token: the tokenizer has no eos token; documents end without one");
+  }
+  build_rows();
+  MEMTUNE_CHECK(size() > 0, "dataset ", path.string(), ": all ", stats_.dropped,
+                " documents are longer than data.max_seq_length (", o.max_seq_length,
+                ") and were dropped; raise max_seq_length or set data.truncation: right");
+
+  spdlog::info("dataset {}: {} format, {} documents, {} tokens -> {} samples, {} target tokens{}", path.string(),
+               format_, stats_.documents, stats_.tokens, stats_.samples, stats_.target_tokens,
+               from_cache_ ? " (tokenized cache)" : "");
+  if (stats_.truncated || stats_.dropped)
+    spdlog::warn("dataset {}: {} documents longer than max_seq_length {} {}", path.string(),
+                 stats_.truncated + stats_.dropped, o.max_seq_length,
+                 o.truncation == "right" ? "were truncated (data.truncation: right)"
+                                         : "were dropped (data.truncation: drop)");
+  if (stats_.skipped_invalid)
+    spdlog::warn("dataset {}: {} invalid records skipped (data.skip_invalid)", path.string(), stats_.skipped_invalid);
+}
+
+void Dataset::load(const fs::path& path, const Tokenizer* tokenizer) {
+  const auto& o = options_;
+  if (format_ == "tokens") {
+    // Tokens stay in the mapped file: documents are ranges of it.
+    token_file_ = std::make_shared<TokenFile>(path);
+    const TokenFile& f = *token_file_;
+    const int64_t n = f.size();
+    const std::optional<int32_t> sep = tokenizer ? tokenizer->eos_id : std::nullopt;
+    bool has_sep = false;
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t v = f[i];
+      if (tokenizer)
+        MEMTUNE_CHECK(v < static_cast<uint64_t>(tokenizer->vocab_size()), path.string(), ": token ", i, " is ", v,
+                      ", outside the tokenizer's vocabulary of ", tokenizer->vocab_size(),
+                      "; was the file written with another tokenizer?");
+      has_sep |= sep && v == static_cast<uint32_t>(*sep);
+    }
+    flat_stream_ = !has_sep;
+    if (flat_stream_) {
+      if (n > 0) docs_.offsets.push_back(n);
+      return;
+    }
+    // Documents end with (and include) the separator. llm.c writes one before each
+    // document: a separator opening the file belongs to no document.
+    separator_ = sep;
+    docs_.offsets[0] = f[0] == static_cast<uint32_t>(*sep) ? 1 : 0;
+    for (int64_t i = docs_.offsets[0]; i < n; ++i)
+      if (f[i] == static_cast<uint32_t>(*sep) || i + 1 == n) docs_.offsets.push_back(i + 1);
+    return;
+  }
+
+  // JSONL and plain text: map, hash, look in the cache, else tokenize.
+  const std::vector<fs::path> files = format_ == "plain" ? plain_files(path) : std::vector<fs::path>{path};
+  std::vector<std::unique_ptr<MappedFile>> maps;
+  uint64_t content = kFnv1aOffset;
+  for (const auto& f : files) {
+    maps.push_back(std::make_unique<MappedFile>(f));
+    content = fnv1a64(f.filename().string(), content);
+    content = fnv1a64(maps.back()->view(), content);
+  }
+  std::string key = str_cat("memtune tokenized documents v1\nformat=", format_, "\nfile=", hex64(content),
+                            "\ntokenizer=", hex64(tokenizer_fingerprint(*tokenizer)),
+                            "\ntrain_on_prompt=", o.train_on_prompt, "\nskip_invalid=", o.skip_invalid, "\n");
+  if (format_ == "text") key += "text_field=" + o.text_field + "\n";
+  if (format_ == "instruction" || format_ == "chat")
+    key += o.chat_template.empty() ? "template=" + o.template_name + "\n" : "chat_template=" + o.chat_template + "\n";
+  fs::path cache_path;
+  if (!o.cache_dir.empty()) {
+    cache_path = fs::path(o.cache_dir) / (path.filename().string() + "." + hex64(fnv1a64(key)) + ".docs");
+    if (read_document_cache(cache_path, key, docs_)) {
+      from_cache_ = true;
+      return;
+    }
+    std::error_code ec;
+    if (fs::exists(cache_path, ec))
+      spdlog::warn("dataset cache {} is damaged or stale; tokenizing again", cache_path.string());
+  }
+
+  std::vector<int32_t> ids;
+  std::vector<uint8_t> mask;
+  if (format_ == "plain") {
+    for (size_t f = 0; f < files.size(); ++f) {
+      std::string_view text = maps[f]->view();
+      if (files.size() > 1) {  // one document per file
+        while (!text.empty() && (text.back() == '\n' || text.back() == '\r')) text.remove_suffix(1);
+        if (text.empty()) continue;
+        encode_text(text, *tokenizer, ids, mask);
+        if (!ids.empty()) docs_.add(ids, mask);
+        continue;
+      }
+      std::string block;  // one document per blank-line block: its lines joined by '\n'
+      auto flush = [&] {
+        if (!block.empty()) {
+          encode_text(block, *tokenizer, ids, mask);
+          if (!ids.empty()) docs_.add(ids, mask);
+        }
+        block.clear();
+      };
+      for_each_line(text, [&](int64_t, std::string_view line) {
+        if (is_blank(line)) flush();
+        else block += (block.empty() ? "" : "\n") + std::string(line);
+        return true;
+      });
+      flush();
+    }
+  } else {
+    const ChatTemplate tmpl = o.chat_template.empty() ? ChatTemplate::builtin(o.template_name)
+                                                      : ChatTemplate::parse(o.chat_template);
+    const std::string name = path.string();
+    for_each_line(maps[0]->view(), [&](int64_t line_no, std::string_view line) {
+      if (is_blank(line)) return true;
+      try {
+        json j;
+        try {
+          j = json::parse(line);
+        } catch (const json::parse_error& e) {
+          throw Invalid{str_cat("malformed JSON (", e.what(), ") near: ", excerpt(line, e.byte ? e.byte - 1 : 0))};
+        }
+        if (!j.is_object()) throw Invalid{str_cat("a JSON ", json_type(j), ", not an object, near: ", excerpt(line, 0))};
+        if (format_ == "text") {
+          encode_text(string_field(j, o.text_field.c_str(),
+                                   ("the text format expects {\"" + o.text_field + "\": string}").c_str()),
+                      *tokenizer, ids, mask);
+        } else if (format_ == "instruction") {
+          const std::string instruction = string_field(j, "instruction", kInstructionShape);
+          const std::string input = string_field(j, "input", kInstructionShape, true);
+          const std::string output = string_field(j, "output", kInstructionShape);
+          encode_pieces(tmpl.render_instruction(instruction, input, output, tokenizer->bos_id, tokenizer->eos_id,
+                                                o.train_on_prompt),
+                        *tokenizer, ids, mask);
+        } else {
+          encode_pieces(tmpl.render(chat_messages(j), tokenizer->bos_id, tokenizer->eos_id, o.train_on_prompt),
+                        *tokenizer, ids, mask);
+        }
+      } catch (const Invalid& bad) {
+        MEMTUNE_CHECK(o.skip_invalid, name, ":", line_no, ": ", bad.message,
+                      "; fix the line, or set data.skip_invalid: true to skip and count such lines");
+        if (docs_.skipped_invalid++ < 5) spdlog::warn("{}:{}: skipped: {}", name, line_no, bad.message);
+        return true;
+      }
+      if (!ids.empty()) docs_.add(ids, mask);
+      return true;
+    });
+  }
+  if (!cache_path.empty() && docs_.size() > 0) write_document_cache(cache_path, key, docs_);
+}
+
+void Dataset::build_rows() {
+  const int64_t T = options_.max_seq_length;
+  if (flat_stream_) {  // one stream: windows of T whose targets run on into the next window
+    const int64_t n = docs_.size() > 0 ? docs_.length(0) : 0;
+    for (int64_t b = 0; b < n; b += T) {
+      spans_.push_back({0, b, std::min(T, n - b)});
+      row_begin_.push_back(static_cast<int64_t>(spans_.size()));
+    }
+  } else {
+    int64_t row_len = 0;
+    for (int64_t d = 0; d < docs_.size(); ++d) {
+      int64_t len = docs_.length(d);
+      // Empty, or a lone separator (two in a row in a token file): no document.
+      if (len == 0 || (len == 1 && separator_ && token(docs_.offsets[d]) == *separator_)) continue;
+      if (len > T) {
+        if (options_.truncation == "drop") {
+          ++stats_.dropped;
+          continue;
+        }
+        ++stats_.truncated;
+        len = T;
+      }
+      if (row_len > 0 && (!options_.pack_sequences || row_len + len > T)) {
+        row_begin_.push_back(static_cast<int64_t>(spans_.size()));
+        row_len = 0;
+      }
+      spans_.push_back({d, 0, len});
+      row_len += len;
+    }
+    if (row_len > 0) row_begin_.push_back(static_cast<int64_t>(spans_.size()));
+  }
+  stats_.samples = size();
+  for (const Span& s : spans_) stats_.target_tokens += span_targets(s);
+}
+
+int64_t Dataset::span_targets(const Span& s) const {
+  const int64_t base = docs_.offsets[s.doc], n = docs_.length(s.doc);
+  int64_t count = 0;
+  for (int64_t k = s.begin; k < s.begin + s.length; ++k)
+    count += k + 1 < n ? docs_.is_trained(base + k + 1) : (eos_target_ && docs_.is_trained(base + k));
+  return count;
+}
+
+Sample Dataset::sample(int64_t i) const {
+  TORCH_CHECK(i >= 0 && i < size(), "Dataset::sample: index ", i, " outside [0, ", size(), ")");
+  Sample out;
+  const int64_t length = sample_length(i);
+  out.input_ids.reserve(length);
+  out.targets.reserve(length);
+  out.position_ids.reserve(length);
+  out.segment_ids.reserve(length);
+  for (int64_t r = row_begin_[i]; r < row_begin_[i + 1]; ++r) {
+    const Span& s = spans_[r];
+    const int64_t base = docs_.offsets[s.doc], n = docs_.length(s.doc);
+    for (int64_t k = s.begin; k < s.begin + s.length; ++k) {
+      out.input_ids.push_back(token(base + k));
+      int32_t target = kIgnoreIndex;
+      if (k + 1 < n) {
+        if (docs_.is_trained(base + k + 1)) target = token(base + k + 1);
+      } else if (eos_target_ && docs_.is_trained(base + k)) {
+        target = *eos_target_;
+      }
+      out.targets.push_back(target);
+      out.position_ids.push_back(static_cast<int32_t>(k - s.begin));
+      out.segment_ids.push_back(static_cast<int32_t>(r - row_begin_[i]));
+    }
+  }
+  return out;
+}
+
+int64_t Dataset::sample_length(int64_t i) const {
+  int64_t length = 0;
+  for (int64_t r = row_begin_[i]; r < row_begin_[i + 1]; ++r) length += spans_[r].length;
+  return length;
+}
+
+std::vector<uint32_t> Dataset::token_stream(std::optional<int32_t> separator) const {
+  std::vector<uint32_t> out;
+  out.reserve(stats_.tokens + (separator ? docs_.size() : 0));
+  for (int64_t d = 0; d < docs_.size(); ++d) {
+    for (int64_t i = docs_.offsets[d]; i < docs_.offsets[d + 1]; ++i) out.push_back(token(i));
+    if (separator) out.push_back(*separator);
+  }
+  return out;
+}
+
+}  // namespace memtune::data

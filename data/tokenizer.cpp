@@ -1,0 +1,102 @@
+#include "data/tokenizer.h"
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "data/bpe_tokenizer.h"
+#include "runtime/error.h"
+
+namespace memtune::data {
+
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+std::string read_all(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  MEMTUNE_CHECK(in, path.string(), ": cannot open the tokenizer file");
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// A special token in tokenizer_config.json: a string, an AddedToken object, or null.
+std::optional<std::string> token_string(const json& cfg, const char* key) {
+  if (!cfg.contains(key)) return std::nullopt;
+  const json& v = cfg[key];
+  if (v.is_string()) return v.get<std::string>();
+  if (v.is_object() && v.contains("content") && v["content"].is_string()) return v["content"].get<std::string>();
+  return std::nullopt;
+}
+
+void apply_config(Tokenizer& tok, const fs::path& path) {
+  json cfg;
+  try {
+    cfg = json::parse(read_all(path));
+  } catch (const json::parse_error& e) {
+    fail(path.string(), ": not valid JSON (", e.what(), ")");
+  }
+  MEMTUNE_CHECK(cfg.is_object(), path.string(), ": expected a JSON object");
+  auto resolve = [&](const char* key) -> std::optional<int32_t> {
+    auto s = token_string(cfg, key);
+    if (!s) return std::nullopt;
+    auto id = tok.token_to_id(*s);
+    MEMTUNE_CHECK(id.has_value(), path.string(), ": ", key, " \"", *s, "\" is not a token of the tokenizer");
+    return id;
+  };
+  if (auto id = resolve("bos_token")) tok.bos_id = id;
+  if (auto id = resolve("eos_token")) tok.eos_id = id;
+  if (auto id = resolve("pad_token")) tok.pad_id = id;
+  if (cfg.contains("chat_template")) {
+    const json& t = cfg["chat_template"];
+    if (t.is_string()) {
+      tok.chat_template = t.get<std::string>();
+    } else if (t.is_array()) {  // [{name, template}, ...]: the "default" one, else the first
+      for (const auto& e : t) {
+        if (tok.chat_template.empty() || e.value("name", "") == "default")
+          tok.chat_template = e.value("template", "");
+      }
+    }
+  }
+  // add_bos_token / add_eos_token, when given, decide the special tokens of encode(), as
+  // transformers' Llama tokenizers rebuild their post-processor from them.
+  auto* bpe = dynamic_cast<BpeTokenizer*>(&tok);
+  if (cfg.contains("add_bos_token") || cfg.contains("add_eos_token")) {
+    const bool add_bos = cfg.value("add_bos_token", false) && tok.bos_id;
+    const bool add_eos = cfg.value("add_eos_token", false) && tok.eos_id;
+    std::vector<int32_t> prefix, suffix;
+    if (add_bos) prefix.push_back(*tok.bos_id);
+    if (add_eos) suffix.push_back(*tok.eos_id);
+    if (bpe) bpe->set_special_affixes(prefix, suffix);
+  }
+}
+
+}  // namespace
+
+std::unique_ptr<Tokenizer> Tokenizer::load(const fs::path& path) {
+  MEMTUNE_CHECK(fs::exists(path), path.string(), ": no such tokenizer file or directory",
+                "; give a tokenizer.json, a SentencePiece .model, or a directory holding one");
+  fs::path file = path;
+  if (fs::is_directory(path)) {
+    if (fs::exists(path / "tokenizer.json")) {
+      file = path / "tokenizer.json";
+    } else if (fs::exists(path / "tokenizer.model")) {
+      file = path / "tokenizer.model";
+    } else {
+      fail(path.string(), ": directory holds neither tokenizer.json nor tokenizer.model");
+    }
+  }
+  std::unique_ptr<Tokenizer> tok;
+  if (file.extension() == ".model") {
+    fail(file.string(), ": SentencePiece .model files are not supported yet; use the model's tokenizer.json");
+  } else {
+    tok = std::make_unique<BpeTokenizer>(read_all(file), file.string());
+  }
+  const fs::path cfg = file.parent_path() / "tokenizer_config.json";
+  if (fs::exists(cfg)) apply_config(*tok, cfg);
+  return tok;
+}
+
+}  // namespace memtune::data

@@ -1,0 +1,152 @@
+#include "models/layers/linear4bit.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <algorithm>
+#include <string>
+
+#include "runtime/error.h"
+
+namespace memtune::models {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Bytes of one dequantized panel of W: a few MiB stays in the last-level cache while its
+// GEMM runs, and is the only dense piece of W alive at any time.
+constexpr int64_t kPanelBytes = int64_t{4} << 20;
+
+int64_t panel_rows(const NF4Tensor& q, at::ScalarType dt) {
+  const int64_t in = q.shape[1];
+  return std::max<int64_t>(1, kPanelBytes / (in * static_cast<int64_t>(c10::elementSize(dt))));
+}
+
+bool use_panels(const NF4Tensor& q, Nf4MatmulPath path) {
+  if (!q.device().is_cpu()) return false;  // elsewhere: tensor-op dequantize, one GEMM
+  return path != Nf4MatmulPath::kDequantizeThenMatmul;
+}
+
+// y [M, out] = x [M, in] @ deq(W)^T
+at::Tensor matmul_wt(const at::Tensor& x, const NF4Tensor& q, at::ScalarType ct, Nf4MatmulPath path) {
+  if (!use_panels(q, path)) return at::mm(x, memtune::nf4_dequantize(q, ct).t());
+  const int64_t out = q.shape[0], in = q.shape[1], rows = panel_rows(q, ct);
+  at::Tensor y = at::empty({x.size(0), out}, x.options());
+  at::Tensor buf = at::empty({std::min(rows, out) * in}, x.options());
+  for (int64_t r0 = 0; r0 < out; r0 += rows) {
+    const int64_t r = std::min(rows, out - r0);
+    at::Tensor panel = buf.narrow(0, 0, r * in);
+    memtune::nf4_dequantize_range_into(q, r0 * in, r * in, panel);
+    at::Tensor y_cols = y.narrow(1, r0, r);  // strided (ld = out): BLAS writes it in place
+    at::mm_out(y_cols, x, panel.view({r, in}).t());
+  }
+  return y;
+}
+
+// gx [M, in] = g [M, out] @ deq(W)
+at::Tensor matmul_w(const at::Tensor& g, const NF4Tensor& q, at::ScalarType ct, Nf4MatmulPath path) {
+  if (!use_panels(q, path)) return at::mm(g, memtune::nf4_dequantize(q, ct));
+  const int64_t out = q.shape[0], in = q.shape[1], rows = panel_rows(q, ct);
+  at::Tensor gx = at::zeros({g.size(0), in}, g.options());
+  at::Tensor buf = at::empty({std::min(rows, out) * in}, g.options());
+  for (int64_t r0 = 0; r0 < out; r0 += rows) {
+    const int64_t r = std::min(rows, out - r0);
+    at::Tensor panel = buf.narrow(0, 0, r * in);
+    memtune::nf4_dequantize_range_into(q, r0 * in, r * in, panel);
+    gx.addmm_(g.narrow(1, r0, r), panel.view({r, in}));
+  }
+  return gx;
+}
+
+// The quantized state travels through saved_data as IValues (tensors share storage).
+void save_nf4(AutogradContext* ctx, const NF4Tensor& q) {
+  auto& s = ctx->saved_data;
+  s["packed"] = q.packed;
+  s["absmax"] = q.absmax;
+  s["nested_absmax"] = q.nested_absmax;
+  s["nested_quant_map"] = q.nested_quant_map;
+  s["nested_offset"] = static_cast<double>(q.nested_offset);
+  s["shape"] = q.shape;
+  s["blocksize"] = q.blocksize;
+  s["double_quant"] = q.double_quant;
+  s["dtype"] = static_cast<int64_t>(q.dtype);
+}
+
+NF4Tensor load_nf4(AutogradContext* ctx) {
+  auto& s = ctx->saved_data;
+  NF4Tensor q;
+  q.packed = s["packed"].toTensor();
+  q.absmax = s["absmax"].toTensor();
+  q.nested_absmax = s["nested_absmax"].toTensor();
+  q.nested_quant_map = s["nested_quant_map"].toTensor();
+  q.nested_offset = static_cast<float>(s["nested_offset"].toDouble());
+  q.shape = s["shape"].toIntVector();
+  q.blocksize = s["blocksize"].toInt();
+  q.double_quant = s["double_quant"].toBool();
+  q.dtype = static_cast<at::ScalarType>(s["dtype"].toInt());
+  return q;
+}
+
+class Linear4bitFunction : public torch::autograd::Function<Linear4bitFunction> {
+ public:
+  // x (..., in); bias [out] or undefined. W is no autograd input: it gets no gradient.
+  // bias travels as an optional: LibTorch 1.13's Function::apply rejects undefined tensors.
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const c10::optional<at::Tensor>& bias_opt,
+                            const NF4Tensor* w, at::ScalarType ct, Nf4MatmulPath path) {
+    const at::Tensor bias = bias_opt.has_value() ? *bias_opt : at::Tensor();
+    const int64_t in = w->shape[1], out = w->shape[0];
+    at::Tensor x2 = x.reshape({-1, in}).to(ct);
+    at::Tensor y = matmul_wt(x2, *w, ct, path);
+    if (bias.defined()) y.add_(bias.to(ct));
+    save_nf4(ctx, *w);
+    ctx->saved_data["compute_dtype"] = static_cast<int64_t>(ct);
+    ctx->saved_data["path"] = static_cast<int64_t>(path);
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
+    ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
+    ctx->saved_data["has_bias"] = bias.defined();
+    ctx->saved_data["bias_dtype"] = static_cast<int64_t>(bias.defined() ? bias.scalar_type() : ct);
+    std::vector<int64_t> y_sizes = x.sizes().vec();
+    y_sizes.back() = out;
+    return y.view(y_sizes);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const NF4Tensor w = load_nf4(ctx);
+    const auto ct = static_cast<at::ScalarType>(ctx->saved_data["compute_dtype"].toInt());
+    const auto path = static_cast<Nf4MatmulPath>(ctx->saved_data["path"].toInt());
+    at::Tensor g = grad_outputs[0].reshape({-1, w.shape[0]}).to(ct);
+    at::Tensor grad_x, grad_b;
+    if (ctx->needs_input_grad(0)) {
+      grad_x = matmul_w(g, w, ct, path)
+                   .view(ctx->saved_data["x_sizes"].toIntVector())
+                   .to(static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt()));
+    }
+    // Edges exist only for tensor inputs: x, then bias when given.
+    if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(1)) {
+      grad_b = g.sum(0).to(static_cast<at::ScalarType>(ctx->saved_data["bias_dtype"].toInt()));
+    }
+    // One gradient per forward input: x, bias, and none for the non-tensor arguments.
+    return {grad_x, grad_b, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor linear4bit(const at::Tensor& x, const std::shared_ptr<const NF4Tensor>& w, const at::Tensor& bias,
+                      at::ScalarType compute_dtype, Nf4MatmulPath path) {
+  MEMTUNE_CHECK(w != nullptr, "linear4bit: no NF4 weight given");
+  MEMTUNE_CHECK(w->shape.size() == 2, "linear4bit: NF4 weight must be 2-D [out, in], got ", w->shape.size(), " dims");
+  const int64_t out = w->shape[0], in = w->shape[1];
+  MEMTUNE_CHECK(x.dim() >= 1 && x.size(-1) == in, "linear4bit: input's last dim is ",
+                x.dim() ? x.size(-1) : 0, ", the weight [", out, ", ", in, "] needs ", in);
+  MEMTUNE_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == out), "linear4bit: bias has shape ",
+                bias.defined() ? bias.sizes() : at::IntArrayRef{}, ", expected [", out, "]");
+  MEMTUNE_CHECK(x.device() == w->device(), "linear4bit: input on ", x.device(), " but the NF4 weight on ",
+                w->device(), "; move them to one device");
+  c10::optional<at::Tensor> bias_opt;
+  if (bias.defined()) bias_opt = bias;
+  return Linear4bitFunction::apply(x, bias_opt, w.get(), compute_dtype, path);
+}
+
+}  // namespace memtune::models

@@ -1,0 +1,174 @@
+#include "runtime/cpu_budget_allocator.h"
+
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <utility>
+
+#include "runtime/compat.h"
+
+namespace memtune {
+namespace {
+
+constexpr std::size_t kAlignment = 64;
+constexpr std::size_t kHeader = 64;  // holds the block's size; keeps data 64-byte aligned
+// Above c10's default CPU allocator (0) and the mobile one (100 where it exists).
+constexpr uint8_t kPriority = 200;
+
+// Plain atomics: constant-initialized and trivially destructible, so storage freed during
+// static destruction still finds them.
+std::atomic<int64_t> g_allocated{0};
+std::atomic<int64_t> g_peak{0};
+std::atomic<int64_t> g_limit{0};
+std::atomic<int64_t> g_live{0};
+std::atomic<int64_t> g_total{0};
+std::atomic<int64_t> g_ooms{0};
+std::atomic<int64_t> g_inject_countdown{-1};  // < 0: disarmed
+std::atomic<bool> g_installed{false};
+
+void raise_peak(int64_t value) {
+  int64_t p = g_peak.load(std::memory_order_relaxed);
+  while (value > p && !g_peak.compare_exchange_weak(p, value, std::memory_order_relaxed)) {
+  }
+}
+
+[[noreturn]] void throw_oom(int64_t n, int64_t in_use, int64_t limit, const char* why) {
+  g_ooms.fetch_add(1, std::memory_order_relaxed);
+  std::string msg = "CPU out of memory. Tried to allocate " + format_oom_size(n) + "; " +
+                    format_oom_size(in_use) + " in use";
+  if (limit > 0) msg += " of " + format_oom_size(limit) + " limit";
+  msg += std::string(" (") + why + ")";
+  compat::throw_out_of_memory(std::move(msg));
+}
+
+// True when the injection hook fires on this allocation (and disarms it).
+bool injection_fires() {
+  int64_t v = g_inject_countdown.load(std::memory_order_relaxed);
+  while (v >= 0) {
+    if (g_inject_countdown.compare_exchange_weak(v, v - 1, std::memory_order_relaxed))
+      return v == 0;
+  }
+  return false;
+}
+
+void budget_delete(void* data) {
+  if (data == nullptr) return;
+  char* base = static_cast<char*>(data) - kHeader;
+  int64_t n = 0;
+  std::memcpy(&n, base, sizeof n);
+  g_allocated.fetch_sub(n, std::memory_order_relaxed);
+  g_live.fetch_sub(1, std::memory_order_relaxed);
+  std::free(base);
+}
+
+c10::DataPtr budget_allocate(std::size_t nbytes) {
+  const c10::Device cpu(c10::DeviceType::CPU);
+  if (nbytes == 0) return {nullptr, nullptr, &budget_delete, cpu};
+  TORCH_CHECK(nbytes <= static_cast<std::size_t>(std::numeric_limits<int64_t>::max()) - kHeader,
+              "CPU budget allocator: impossible size ", nbytes);
+  const auto n = static_cast<int64_t>(nbytes);
+  if (injection_fires())
+    throw_oom(n, g_allocated.load(std::memory_order_relaxed), g_limit.load(), "injected by inject_oom_after");
+
+  // Reserve n bytes under the budget before touching the system allocator.
+  const int64_t limit = g_limit.load(std::memory_order_relaxed);
+  int64_t cur = g_allocated.load(std::memory_order_relaxed);
+  int64_t next = 0;
+  do {
+    next = cur + n;
+    if (limit > 0 && next > limit) throw_oom(n, cur, limit, "budget set by memory.device_limit");
+  } while (!g_allocated.compare_exchange_weak(cur, next, std::memory_order_relaxed));
+  raise_peak(next);
+
+  void* base = nullptr;
+  if (posix_memalign(&base, kAlignment, nbytes + kHeader) != 0) {
+    g_allocated.fetch_sub(n, std::memory_order_relaxed);
+    throw_oom(n, cur, limit, "the system refused the allocation");
+  }
+  std::memcpy(base, &n, sizeof n);
+  g_live.fetch_add(1, std::memory_order_relaxed);
+  g_total.fetch_add(1, std::memory_order_relaxed);
+  void* data = static_cast<char*>(base) + kHeader;
+  // Context == data: a "simple" DataPtr, so raw_allocate() and copy-on-write work.
+  return {data, data, &budget_delete, cpu};
+}
+
+struct BudgetAllocator final : c10::Allocator {
+  MEMTUNE_ALLOCATOR_ALLOCATE(budget_allocate)
+  c10::DeleterFnPtr raw_deleter() const override { return &budget_delete; }
+  MEMTUNE_ALLOCATOR_COPY_DATA
+};
+
+BudgetAllocator g_allocator;  // static lifetime, as SetCPUAllocator requires
+
+}  // namespace
+
+void install_cpu_budget_allocator() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    c10::SetCPUAllocator(&g_allocator, kPriority);
+    TORCH_CHECK(c10::GetCPUAllocator() == &g_allocator,
+                "CPU budget allocator: c10::SetCPUAllocator kept another allocator "
+                "(one registered with a priority above ", static_cast<int>(kPriority), ")");
+    g_installed = true;
+  });
+}
+
+bool cpu_budget_allocator_installed() { return g_installed.load(); }
+
+CpuAllocatorCounters cpu_allocator_counters() {
+  CpuAllocatorCounters c;
+  c.allocated = g_allocated.load();
+  c.peak = g_peak.load();
+  c.limit = g_limit.load();
+  c.live_allocations = g_live.load();
+  c.total_allocations = g_total.load();
+  c.ooms = g_ooms.load();
+  return c;
+}
+
+int64_t cpu_allocated_bytes() { return g_allocated.load(); }
+int64_t cpu_peak_bytes() { return g_peak.load(); }
+
+void set_cpu_memory_limit(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0, "CPU memory limit must be >= 0 bytes, got ", bytes);
+  g_limit = bytes;
+}
+int64_t cpu_memory_limit() { return g_limit.load(); }
+
+void reset_cpu_peak() { g_peak = g_allocated.load(); }
+
+void inject_oom_after(int64_t allocations) {
+  TORCH_CHECK(allocations >= 0, "inject_oom_after: allocations must be >= 0, got ", allocations);
+  g_inject_countdown = allocations;
+}
+void inject_oom_on_next_alloc() { inject_oom_after(0); }
+void cancel_injected_oom() { g_inject_countdown = -1; }
+
+// Same thresholds and precision as format_size() in c10/cuda/CUDACachingAllocator.cpp.
+std::string format_oom_size(int64_t bytes) {
+  char buf[48];
+  const double b = static_cast<double>(bytes);
+  if (bytes <= 1024)
+    std::snprintf(buf, sizeof buf, "%lld bytes", static_cast<long long>(bytes));
+  else if (bytes <= 1048576)
+    std::snprintf(buf, sizeof buf, "%.2f KiB", b / 1024.0);
+  else if (bytes <= 1073741824LL)
+    std::snprintf(buf, sizeof buf, "%.2f MiB", b / 1048576.0);
+  else
+    std::snprintf(buf, sizeof buf, "%.2f GiB", b / 1073741824.0);
+  return buf;
+}
+
+ScopedPeakReset::ScopedPeakReset() : saved_peak_(g_peak.load()) { reset_cpu_peak(); }
+ScopedPeakReset::~ScopedPeakReset() { raise_peak(saved_peak_); }
+int64_t ScopedPeakReset::peak() const { return g_peak.load(); }
+
+}  // namespace memtune

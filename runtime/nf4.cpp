@@ -1,0 +1,585 @@
+#include "runtime/nf4.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define MEMTUNE_NF4_X86 1
+#endif
+
+#include "runtime/error.h"
+
+// Numerics follow bitsandbytes' CUDA kernels (csrc: kQuantizeBlockwise, dQuantizeNF4,
+// dQuantize, kDequantizeBlockwise): x * (1.0f / absmax) in fp32, codes by strict ">"
+// against fp32 midpoints, dequantized value code * absmax in fp32 (no fused multiply-add:
+// this file is built without -mfma and the AVX2 path does not enable it).
+
+namespace memtune {
+namespace {
+
+constexpr std::array<float, 16> kCodebook = {
+    -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
+    -0.28444138169288635f, -0.18477343022823334f, -0.09105003625154495f, 0.0f,
+    0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f, 0.33791524171829224f,
+    0.44070982933044434f, 0.5626170039176941f, 0.7229568362236023f, 1.0f};
+
+// Midpoints between neighbouring codes, as bitsandbytes' dQuantizeNF4 decision tree has them.
+constexpr std::array<float, 15> kThresholds = {
+    -0.8480964004993439f, -0.6106329262256622f, -0.4599952697753906f, -0.33967943489551544f,
+    -0.23460740596055984f, -0.13791173323988914f, -0.045525018125772476f, 0.03979014977812767f,
+    0.1202552504837513f, 0.2035212516784668f, 0.2920137718319893f, 0.3893125355243683f,
+    0.5016634166240692f, 0.6427869200706482f, 0.8614784181118011f};
+
+constexpr uint8_t kZeroCode = 7;  // index of 0.0 in the codebook
+
+// Code of a value already scaled to [-1, 1]: the number of midpoints it exceeds.
+inline uint8_t nf4_code(float x) {
+  uint8_t c = 0;
+  for (float t : kThresholds) c += (x > t) ? 1 : 0;
+  return c;
+}
+
+// bitsandbytes' dQuantize<0>: binary search over the sorted 256-entry map, then the nearer
+// neighbour by an fp32 midpoint. Ported step for step so ties resolve as there.
+uint8_t dynamic_code(const float* code, float x) {
+  int pivot = 127, upper_pivot = 255, lower_pivot = 0;
+  float lower = -1.0f, upper = 1.0f;
+  float val = code[pivot];
+  for (int i = 64; i > 0; i >>= 1) {
+    if (x > val) {
+      lower_pivot = pivot;
+      lower = val;
+      pivot += i;
+    } else {
+      upper_pivot = pivot;
+      upper = val;
+      pivot -= i;
+    }
+    val = code[pivot];
+  }
+  if (upper_pivot == 255) upper = code[upper_pivot];
+  if (lower_pivot == 0) lower = code[lower_pivot];
+  if (x > val) {
+    float midpoint = (upper + val) * 0.5f;
+    return static_cast<uint8_t>(x > midpoint ? upper_pivot : pivot);
+  }
+  float midpoint = (lower + val) * 0.5f;
+  return static_cast<uint8_t>(x < midpoint ? lower_pivot : pivot);
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+const char* dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "float32";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    default: return nullptr;
+  }
+}
+
+bool supported_float(at::ScalarType t) { return dtype_name(t) != nullptr; }
+
+// fp32 absmax of blocks [b0, b1) into out.
+void absmax_range(const NF4Tensor& q, int64_t b0, int64_t b1, float* out) {
+  if (!q.double_quant) {
+    std::memcpy(out, q.absmax.data_ptr<float>() + b0, sizeof(float) * (b1 - b0));
+    return;
+  }
+  const uint8_t* codes = q.absmax.data_ptr<uint8_t>();
+  const float* map = q.nested_quant_map.data_ptr<float>();
+  const float* nested = q.nested_absmax.data_ptr<float>();
+  const float offset = q.nested_offset;
+  for (int64_t b = b0; b < b1; ++b) {
+    float v = map[codes[b]] * nested[b / kNf4NestedBlocksize];
+    out[b - b0] = v + offset;  // two roundings, as bitsandbytes (dequantize, then += offset)
+  }
+}
+
+// ---- CPU dequantization kernels -------------------------------------------------------
+
+// Elements 2k, 2k+1 of `nbytes` packed bytes, times s, into o (2 * nbytes floats).
+void pairs_scalar(const uint8_t* p, int64_t nbytes, float s, float* o) {
+  for (int64_t k = 0; k < nbytes; ++k) {
+    o[2 * k] = kCodebook[p[k] >> 4] * s;
+    o[2 * k + 1] = kCodebook[p[k] & 15] * s;
+  }
+}
+
+#ifdef MEMTUNE_NF4_X86
+// 8 nibble indices (low 8 bytes of idx) -> 8 codebook values times scale.
+__attribute__((target("avx2"), always_inline)) inline __m256 lookup8(__m128i idx, __m256 lut_lo,
+                                                                      __m256 lut_hi, __m256 scale) {
+  __m256i i = _mm256_cvtepu8_epi32(idx);
+  __m256 a = _mm256_permutevar8x32_ps(lut_lo, i);
+  __m256 b = _mm256_permutevar8x32_ps(lut_hi, i);
+  __m256 use_hi = _mm256_castsi256_ps(_mm256_slli_epi32(i, 28));  // bit 3 -> sign bit
+  return _mm256_mul_ps(_mm256_blendv_ps(a, b, use_hi), scale);
+}
+
+__attribute__((target("avx2"))) void pairs_avx2(const uint8_t* p, int64_t nbytes, float s,
+                                                float* o) {
+  const __m256 lut_lo = _mm256_loadu_ps(kCodebook.data());
+  const __m256 lut_hi = _mm256_loadu_ps(kCodebook.data() + 8);
+  const __m256 scale = _mm256_set1_ps(s);
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  int64_t k = 0;
+  for (; k + 16 <= nbytes; k += 16) {
+    __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k));
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+    __m128i lo = _mm_and_si128(bytes, low4);
+    __m128i e0 = _mm_unpacklo_epi8(hi, lo);  // elements 0..15 of these 32
+    __m128i e1 = _mm_unpackhi_epi8(hi, lo);  // elements 16..31
+    float* d = o + 2 * k;
+    _mm256_storeu_ps(d, lookup8(e0, lut_lo, lut_hi, scale));
+    _mm256_storeu_ps(d + 8, lookup8(_mm_srli_si128(e0, 8), lut_lo, lut_hi, scale));
+    _mm256_storeu_ps(d + 16, lookup8(e1, lut_lo, lut_hi, scale));
+    _mm256_storeu_ps(d + 24, lookup8(_mm_srli_si128(e1, 8), lut_lo, lut_hi, scale));
+  }
+  pairs_scalar(p + k, nbytes - k, s, o + 2 * k);
+}
+
+bool cpu_has_avx2() {
+  static const bool has = __builtin_cpu_supports("avx2");
+  return has;
+}
+#endif
+
+void pairs(const uint8_t* p, int64_t nbytes, float s, float* o) {
+#ifdef MEMTUNE_NF4_X86
+  if (cpu_has_avx2()) return pairs_avx2(p, nbytes, s, o);
+#endif
+  pairs_scalar(p, nbytes, s, o);
+}
+
+// Elements [a, z) of the flattened tensor, all in one block with scale s, into o (fp32).
+void segment_fp32(const uint8_t* packed, int64_t a, int64_t z, float s, float* o) {
+  int64_t i = a;
+  if (i < z && (i & 1)) {
+    *o++ = kCodebook[packed[i >> 1] & 15] * s;
+    ++i;
+  }
+  int64_t npairs = (z - i) / 2;
+  pairs(packed + (i >> 1), npairs, s, o);
+  o += 2 * npairs;
+  i += 2 * npairs;
+  if (i < z) *o = kCodebook[packed[i >> 1] >> 4] * s;
+}
+
+template <class T>
+void dequantize_range_cpu(const NF4Tensor& q, int64_t begin, int64_t count, T* out) {
+  if (count <= 0) return;
+  const int64_t bs = q.blocksize;
+  const uint8_t* packed = q.packed.data_ptr<uint8_t>();
+  const int64_t end = begin + count;
+  const int64_t b_first = begin / bs, b_last = (end - 1) / bs + 1;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / bs);
+  at::parallel_for(b_first, b_last, grain, [&](int64_t b0, int64_t b1) {
+    std::vector<float> scales(b1 - b0);
+    absmax_range(q, b0, b1, scales.data());
+    std::vector<float> tmp;
+    if (!std::is_same<T, float>::value) tmp.resize(bs);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t a = std::max(begin, b * bs), z = std::min(end, (b + 1) * bs);
+      T* dst = out + (a - begin);
+      if constexpr (std::is_same<T, float>::value) {
+        segment_fp32(packed, a, z, scales[b - b0], dst);
+      } else {
+        segment_fp32(packed, a, z, scales[b - b0], tmp.data());
+        for (int64_t k = 0; k < z - a; ++k) dst[k] = static_cast<T>(tmp[k]);  // round to nearest even
+      }
+    }
+  });
+}
+
+void check_state(const NF4Tensor& q) {
+  TORCH_CHECK(q.packed.defined() && q.packed.scalar_type() == at::kByte && q.packed.is_contiguous(),
+              "NF4Tensor: packed must be a contiguous uint8 tensor");
+  TORCH_CHECK(q.packed.numel() == ceil_div(q.numel(), 2), "NF4Tensor: packed has ", q.packed.numel(),
+              " bytes, expected ", ceil_div(q.numel(), 2));
+  TORCH_CHECK(q.absmax.defined() && q.absmax.numel() == q.nblocks() && q.absmax.is_contiguous(),
+              "NF4Tensor: absmax must hold one entry per block");
+  if (q.double_quant) {
+    TORCH_CHECK(q.absmax.scalar_type() == at::kByte, "NF4Tensor: double-quantized absmax must be uint8");
+    TORCH_CHECK(q.nested_absmax.defined() && q.nested_absmax.scalar_type() == at::kFloat &&
+                    q.nested_absmax.numel() == ceil_div(q.nblocks(), kNf4NestedBlocksize),
+                "NF4Tensor: nested_absmax must be fp32 [ceil(nblocks/256)]");
+    TORCH_CHECK(q.nested_quant_map.defined() && q.nested_quant_map.scalar_type() == at::kFloat &&
+                    q.nested_quant_map.numel() == 256,
+                "NF4Tensor: nested_quant_map must be fp32 [256]");
+  } else {
+    TORCH_CHECK(q.absmax.scalar_type() == at::kFloat, "NF4Tensor: absmax must be fp32");
+  }
+}
+
+}  // namespace
+
+const std::array<float, 16>& nf4_codebook() { return kCodebook; }
+
+at::Tensor nf4_dynamic_map() {
+  // create_dynamic_map(signed=True, max_exponent_bits=7, total_bits=8): for i in 0..6,
+  // 2^i means of linspace(0.1, 1, 2^i + 1) (fp32), times +-10^(i-6); then 0 and 1.0; sorted.
+  static const at::Tensor map = [] {
+    static const double kScale[7] = {1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0};
+    std::vector<float> data;
+    for (int i = 0; i < 7; ++i) {
+      at::Tensor b = at::linspace(0.1, 1.0, (int64_t{1} << i) + 1, at::TensorOptions(at::kFloat));
+      const float* bp = b.data_ptr<float>();
+      const float s = static_cast<float>(kScale[i]);
+      std::vector<float> means;
+      for (int64_t k = 0; k + 1 < b.numel(); ++k) means.push_back((bp[k] + bp[k + 1]) / 2.0f);
+      for (float m : means) data.push_back(s * m);
+      for (float m : means) data.push_back(-s * m);
+    }
+    data.push_back(0.0f);
+    data.push_back(1.0f);
+    TORCH_CHECK(data.size() == 256, "dynamic map has ", data.size(), " values");
+    std::sort(data.begin(), data.end());
+    return at::tensor(data, at::TensorOptions(at::kFloat));
+  }();
+  return map;
+}
+
+int64_t NF4Tensor::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+int64_t NF4Tensor::nblocks() const { return ceil_div(numel(), blocksize); }
+
+int64_t NF4Tensor::storage_bytes() const {
+  auto bytes = [](const at::Tensor& t) { return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0; };
+  return bytes(packed) + bytes(absmax) + bytes(nested_absmax) + bytes(nested_quant_map);
+}
+
+double nf4_bits_per_parameter(const NF4Tensor& q) {
+  const int64_t n = q.numel();
+  return n == 0 ? 0.0 : 8.0 * static_cast<double>(q.storage_bytes()) / static_cast<double>(n);
+}
+
+NF4Tensor nf4_quantize(const at::Tensor& w, int64_t blocksize, bool double_quant, const std::string& name) {
+  const std::string what = name.empty() ? std::string("tensor") : "tensor '" + name + "'";
+  MEMTUNE_CHECK(w.defined(), "nf4_quantize: ", what, " is undefined");
+  MEMTUNE_CHECK(supported_float(w.scalar_type()), "nf4_quantize: ", what, " has dtype ",
+                w.scalar_type(), "; NF4 quantizes float32, float16 or bfloat16 weights");
+  MEMTUNE_CHECK(blocksize >= 32 && blocksize <= 4096 && (blocksize & (blocksize - 1)) == 0,
+                "nf4_quantize: blocksize ", blocksize, " for ", what,
+                " is not a power of two in [32, 4096]; bitsandbytes uses 64");
+
+  at::Tensor x = w.detach().to(at::kCPU).to(at::kFloat).contiguous();
+  const int64_t n = x.numel();
+  const float* xp = x.data_ptr<float>();
+  int64_t bad = 0, first_bad = -1;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(xp[i])) {
+      if (first_bad < 0) first_bad = i;
+      ++bad;
+    }
+  }
+  MEMTUNE_CHECK(bad == 0, "nf4_quantize: ", what, " holds ", bad, " non-finite value(s) (inf/nan), first at flat index ",
+                first_bad, " (value ", first_bad >= 0 ? xp[first_bad] : 0.0f,
+                "); fix the checkpoint or the training run that produced it before quantizing");
+
+  NF4Tensor q;
+  q.shape = w.sizes().vec();
+  q.blocksize = blocksize;
+  q.double_quant = double_quant;
+  q.dtype = w.scalar_type();
+  const int64_t nb = q.nblocks();
+  q.packed = at::empty({ceil_div(n, 2)}, at::TensorOptions(at::kByte));
+  at::Tensor absmax = at::empty({nb}, at::TensorOptions(at::kFloat));
+  uint8_t* pp = q.packed.data_ptr<uint8_t>();
+  float* ap = absmax.data_ptr<float>();
+
+  at::parallel_for(0, nb, std::max<int64_t>(1, 16384 / blocksize), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t a = b * blocksize, z = std::min(n, a + blocksize);
+      float m = -FLT_MAX;
+      for (int64_t i = a; i < z; ++i) m = std::fmax(m, std::fabs(xp[i]));
+      ap[b] = m;
+      const float r = 1.0f / m;
+      auto code = [&](int64_t i) -> uint8_t {
+        if (i >= z) return nf4_code(0.0f);  // padding nibble of an odd-length tensor
+        return m == 0.0f ? kZeroCode : nf4_code(xp[i] * r);
+      };
+      for (int64_t i = a; i < z; i += 2) pp[i >> 1] = static_cast<uint8_t>((code(i) << 4) | code(i + 1));
+    }
+  });
+
+  if (!double_quant) {
+    q.absmax = absmax;
+  } else {
+    // offset = absmax.mean(); (absmax - offset) quantized in blocks of 256 over the map.
+    const float offset = absmax.mean().item<float>();
+    q.nested_offset = offset;
+    q.nested_quant_map = nf4_dynamic_map().clone();
+    const float* map = q.nested_quant_map.data_ptr<float>();
+    const int64_t nb2 = ceil_div(nb, kNf4NestedBlocksize);
+    q.nested_absmax = at::empty({nb2}, at::TensorOptions(at::kFloat));
+    q.absmax = at::empty({nb}, at::TensorOptions(at::kByte));
+    float* np = q.nested_absmax.data_ptr<float>();
+    uint8_t* cp = q.absmax.data_ptr<uint8_t>();
+    for (int64_t c = 0; c < nb2; ++c) {
+      const int64_t a = c * kNf4NestedBlocksize, z = std::min(nb, a + kNf4NestedBlocksize);
+      float m = -FLT_MAX;
+      for (int64_t i = a; i < z; ++i) m = std::fmax(m, std::fabs(ap[i] - offset));
+      np[c] = m;
+      const float r = 1.0f / m;  // m == 0: x is nan and dQuantize returns 0; code[0] * 0 == 0
+      for (int64_t i = a; i < z; ++i) cp[i] = dynamic_code(map, (ap[i] - offset) * r);
+    }
+  }
+
+  if (!w.device().is_cpu()) {
+    const auto dev = w.device();
+    q.packed = q.packed.to(dev);
+    q.absmax = q.absmax.to(dev);
+    if (double_quant) {
+      q.nested_absmax = q.nested_absmax.to(dev);
+      q.nested_quant_map = q.nested_quant_map.to(dev);
+    }
+  }
+  return q;
+}
+
+at::Tensor nf4_absmax_fp32(const NF4Tensor& q) {
+  check_state(q);
+  if (!q.double_quant) return q.absmax;
+  if (q.device().is_cpu()) {
+    at::Tensor out = at::empty({q.nblocks()}, at::TensorOptions(at::kFloat));
+    absmax_range(q, 0, q.nblocks(), out.data_ptr<float>());
+    return out;
+  }
+  at::Tensor scale = q.nested_absmax.repeat_interleave(kNf4NestedBlocksize).narrow(0, 0, q.nblocks());
+  at::Tensor v = q.nested_quant_map.index_select(0, q.absmax.to(at::kLong)) * scale;
+  return v + q.nested_offset;
+}
+
+void nf4_dequantize_range_into(const NF4Tensor& q, int64_t begin, int64_t count, at::Tensor& out) {
+  check_state(q);
+  TORCH_CHECK(q.device().is_cpu() && out.device().is_cpu(), "nf4_dequantize_range_into: CPU only");
+  TORCH_CHECK(begin >= 0 && count >= 0 && begin + count <= q.numel(), "nf4_dequantize_range_into: range [",
+              begin, ", ", begin + count, ") outside ", q.numel(), " elements");
+  TORCH_CHECK(out.is_contiguous() && out.numel() == count, "nf4_dequantize_range_into: out must be contiguous with ",
+              count, " elements");
+  switch (out.scalar_type()) {
+    case at::kFloat: return dequantize_range_cpu(q, begin, count, out.data_ptr<float>());
+    case at::kBFloat16: return dequantize_range_cpu(q, begin, count, out.data_ptr<c10::BFloat16>());
+    case at::kHalf: return dequantize_range_cpu(q, begin, count, out.data_ptr<c10::Half>());
+    default: TORCH_CHECK(false, "nf4_dequantize_range_into: unsupported out dtype ", out.scalar_type());
+  }
+}
+
+at::Tensor nf4_dequantize_generic(const NF4Tensor& q, at::ScalarType out_dtype) {
+  check_state(q);
+  const int64_t n = q.numel(), bs = q.blocksize, nb = q.nblocks();
+  const auto opts = q.packed.options();
+  at::Tensor hi = at::bitwise_right_shift(q.packed, 4);
+  at::Tensor lo = at::bitwise_and(q.packed, 15);
+  at::Tensor idx = at::stack({hi, lo}, 1).reshape({-1}).to(at::kLong);  // [2 * ceil(n/2)]
+  at::Tensor codebook = at::tensor(std::vector<float>(kCodebook.begin(), kCodebook.end()),
+                                   opts.dtype(at::kFloat));
+  at::Tensor values = codebook.index_select(0, idx);
+  const int64_t padded = nb * bs;
+  if (values.numel() < padded) values = at::constant_pad_nd(values, {0, padded - values.numel()});
+  values = values.narrow(0, 0, padded).view({nb, bs});
+  at::Tensor out = (values * nf4_absmax_fp32(q).unsqueeze(1)).view({-1}).narrow(0, 0, n);
+  return out.to(out_dtype).view(q.shape);
+}
+
+at::Tensor nf4_dequantize(const NF4Tensor& q, at::ScalarType out_dtype) {
+  MEMTUNE_CHECK(supported_float(out_dtype), "nf4_dequantize: output dtype ", out_dtype,
+                " is not float32, float16 or bfloat16 (bnb_4bit_compute_dtype)");
+  if (!q.device().is_cpu()) return nf4_dequantize_generic(q, out_dtype);
+  at::Tensor out = at::empty({q.numel()}, at::TensorOptions(out_dtype));
+  nf4_dequantize_range_into(q, 0, q.numel(), out);
+  return out.view(q.shape);
+}
+
+// ---- bitsandbytes serialization -------------------------------------------------------
+
+std::string python_float_repr(double v) {
+  if (std::isnan(v)) return "NaN";  // json.dumps spellings
+  if (std::isinf(v)) return v > 0 ? "Infinity" : "-Infinity";
+  if (v == 0.0) return std::signbit(v) ? "-0.0" : "0.0";
+  // Shortest round-trip digits, then Python's repr layout: fixed for 1e-4 <= |v| < 1e16.
+  char buf[64];
+  int prec = 1;
+  for (; prec <= 17; ++prec) {
+    std::snprintf(buf, sizeof buf, "%.*e", prec - 1, v);
+    if (std::strtod(buf, nullptr) == v) break;
+  }
+  std::string s = buf;
+  const bool neg = s[0] == '-';
+  if (neg) s.erase(0, 1);
+  const size_t epos = s.find('e');
+  const int exp = std::atoi(s.c_str() + epos + 1);
+  std::string digits;
+  for (size_t i = 0; i < epos; ++i)
+    if (s[i] != '.') digits += s[i];
+  while (digits.size() > 1 && digits.back() == '0') digits.pop_back();
+  std::string out;
+  if (exp < -4 || exp >= 16) {
+    out = digits.substr(0, 1);
+    if (digits.size() > 1) out += "." + digits.substr(1);
+    char e[16];
+    std::snprintf(e, sizeof e, "e%c%02d", exp < 0 ? '-' : '+', std::abs(exp));
+    out += e;
+  } else if (exp < 0) {
+    out = "0." + std::string(-exp - 1, '0') + digits;
+  } else if (static_cast<int>(digits.size()) <= exp + 1) {
+    out = digits + std::string(exp + 1 - digits.size(), '0') + ".0";
+  } else {
+    out = digits.substr(0, exp + 1) + "." + digits.substr(exp + 1);
+  }
+  return neg ? "-" + out : out;
+}
+
+namespace {
+
+std::string json_state(const NF4Tensor& q) {
+  // Key order and separators of json.dumps(QuantState.as_dict(packed=True)'s non-tensor items).
+  std::string s = "{\"quant_type\": \"nf4\", \"blocksize\": " + std::to_string(q.blocksize) +
+                  ", \"dtype\": \"" + dtype_name(q.dtype) + "\", \"shape\": [";
+  for (size_t i = 0; i < q.shape.size(); ++i) s += (i ? ", " : "") + std::to_string(q.shape[i]);
+  s += "]";
+  if (q.double_quant) {
+    s += ", \"nested_blocksize\": " + std::to_string(kNf4NestedBlocksize) +
+         ", \"nested_dtype\": \"float32\", \"nested_offset\": " + python_float_repr(q.nested_offset);
+  }
+  return s + "}";
+}
+
+at::Tensor bytes_tensor(const std::string& s) {
+  at::Tensor t = at::empty({static_cast<int64_t>(s.size())}, at::TensorOptions(at::kByte));
+  std::memcpy(t.data_ptr<uint8_t>(), s.data(), s.size());
+  return t;
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, at::Tensor>> nf4_to_bnb(const std::string& weight_name, const NF4Tensor& q) {
+  check_state(q);
+  const std::string& w = weight_name;
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  out.emplace_back(w, q.packed.view({-1, 1}));
+  out.emplace_back(w + ".absmax", q.absmax);
+  out.emplace_back(w + ".quant_map",
+                   at::tensor(std::vector<float>(kCodebook.begin(), kCodebook.end()), q.packed.options().dtype(at::kFloat)));
+  if (q.double_quant) {
+    out.emplace_back(w + ".nested_absmax", q.nested_absmax);
+    out.emplace_back(w + ".nested_quant_map", q.nested_quant_map);
+  }
+  out.emplace_back(w + ".quant_state.bitsandbytes__nf4", bytes_tensor(json_state(q)).to(q.device()));
+  return out;
+}
+
+bool is_bnb_nf4(const std::vector<std::string>& keys, const std::string& weight_name) {
+  const std::string key = weight_name + ".quant_state.bitsandbytes__nf4";
+  return std::find(keys.begin(), keys.end(), key) != keys.end();
+}
+
+NF4Tensor nf4_from_bnb(const std::function<at::Tensor(const std::string&)>& get, const std::string& weight_name) {
+  const std::string& w = weight_name;
+  auto need = [&](const std::string& key) {
+    at::Tensor t = get(key);
+    MEMTUNE_CHECK(t.defined(), "bitsandbytes state of '", w, "': key '", key,
+                  "' is missing; the checkpoint is incomplete or not a bitsandbytes 4-bit one");
+    return t;
+  };
+  const std::string state_key = w + ".quant_state.bitsandbytes__nf4";
+  at::Tensor state = get(state_key);
+  if (!state.defined()) {
+    MEMTUNE_CHECK(!get(w + ".quant_state.bitsandbytes__fp4").defined(), "bitsandbytes state of '", w,
+                  "' is FP4 (quant_state.bitsandbytes__fp4); memtune reads NF4 only",
+                  "; re-quantize with bnb_4bit_quant_type: nf4");
+    need(state_key);
+  }
+  state = state.to(at::kCPU).contiguous();
+  MEMTUNE_CHECK(state.scalar_type() == at::kByte, "bitsandbytes state '", state_key, "' has dtype ",
+                state.scalar_type(), ", expected uint8 bytes of JSON");
+  const std::string text(reinterpret_cast<const char*>(state.data_ptr<uint8_t>()), state.numel());
+  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  MEMTUNE_CHECK(j.is_object(), "bitsandbytes state '", state_key, "' is not a JSON object: '", text, "'");
+  auto field = [&](const char* k) -> const nlohmann::json& {
+    MEMTUNE_CHECK(j.contains(k), "bitsandbytes state '", state_key, "' lacks field '", k, "': ", text);
+    return j.at(k);
+  };
+  MEMTUNE_CHECK(field("quant_type") == "nf4", "bitsandbytes state '", state_key, "' has quant_type ",
+                field("quant_type").dump(), "; memtune reads nf4 only");
+
+  NF4Tensor q;
+  const auto& bs = field("blocksize");
+  MEMTUNE_CHECK(bs.is_number_integer(), "bitsandbytes state '", state_key, "': blocksize ", bs.dump(), " is not an integer");
+  q.blocksize = bs.get<int64_t>();
+  MEMTUNE_CHECK(q.blocksize >= 32 && q.blocksize <= 4096 && (q.blocksize & (q.blocksize - 1)) == 0,
+                "bitsandbytes state '", state_key, "': blocksize ", q.blocksize, " is not a power of two in [32, 4096]");
+  const std::string dt = field("dtype").is_string() ? field("dtype").get<std::string>() : field("dtype").dump();
+  if (dt == "float32") q.dtype = at::kFloat;
+  else if (dt == "float16") q.dtype = at::kHalf;
+  else if (dt == "bfloat16") q.dtype = at::kBFloat16;
+  else memtune::fail("bitsandbytes state '", state_key, "': dtype '", dt, "' is not float32, float16 or bfloat16");
+  const auto& shape = field("shape");
+  MEMTUNE_CHECK(shape.is_array(), "bitsandbytes state '", state_key, "': shape ", shape.dump(), " is not a list");
+  for (const auto& d : shape) {
+    MEMTUNE_CHECK(d.is_number_integer() && d.get<int64_t>() >= 0, "bitsandbytes state '", state_key, "': shape ",
+                  shape.dump(), " holds a non-integer or negative size");
+    q.shape.push_back(d.get<int64_t>());
+  }
+  const int64_t n = q.numel(), nb = q.nblocks();
+
+  at::Tensor packed = need(w);
+  if (packed.scalar_type() != at::kByte) packed = packed.contiguous().view({-1}).view(at::kByte);  // quant_storage
+  MEMTUNE_CHECK(packed.numel() == ceil_div(n, 2), "bitsandbytes weight '", w, "' has ", packed.numel(),
+                " bytes but its shape ", shape.dump(), " needs ", ceil_div(n, 2));
+  q.packed = packed.contiguous().view({-1});
+
+  at::Tensor qmap = need(w + ".quant_map").to(at::kCPU, at::kFloat).contiguous();
+  bool is_nf4_map = qmap.numel() == 16;
+  for (int64_t i = 0; is_nf4_map && i < 16; ++i) is_nf4_map = qmap.data_ptr<float>()[i] == kCodebook[i];
+  MEMTUNE_CHECK(is_nf4_map, "bitsandbytes '", w, ".quant_map' is not the NF4 codebook (",
+                qmap.numel(), " values); the weight was quantized with another 4-bit type");
+
+  q.double_quant = j.contains("nested_offset") || get(w + ".nested_absmax").defined();
+  at::Tensor absmax = need(w + ".absmax").contiguous().view({-1});
+  MEMTUNE_CHECK(absmax.numel() == nb, "bitsandbytes '", w, ".absmax' has ", absmax.numel(), " entries; shape ",
+                shape.dump(), " with blocksize ", q.blocksize, " has ", nb, " blocks");
+  if (!q.double_quant) {
+    MEMTUNE_CHECK(absmax.scalar_type() == at::kFloat, "bitsandbytes '", w, ".absmax' has dtype ",
+                  absmax.scalar_type(), " without double quantization; expected float32");
+    q.absmax = absmax;
+    return q;
+  }
+  MEMTUNE_CHECK(absmax.scalar_type() == at::kByte, "bitsandbytes '", w, ".absmax' has dtype ", absmax.scalar_type(),
+                " with double quantization; expected uint8 codes");
+  q.absmax = absmax;
+  MEMTUNE_CHECK(field("nested_blocksize") == kNf4NestedBlocksize, "bitsandbytes state '", state_key,
+                "': nested_blocksize ", field("nested_blocksize").dump(), " is not 256");
+  MEMTUNE_CHECK(field("nested_dtype") == "float32", "bitsandbytes state '", state_key, "': nested_dtype ",
+                field("nested_dtype").dump(), " is not \"float32\"");
+  MEMTUNE_CHECK(field("nested_offset").is_number(), "bitsandbytes state '", state_key, "': nested_offset ",
+                field("nested_offset").dump(), " is not a number");
+  q.nested_offset = static_cast<float>(field("nested_offset").get<double>());
+  q.nested_absmax = need(w + ".nested_absmax").contiguous().view({-1});
+  MEMTUNE_CHECK(q.nested_absmax.scalar_type() == at::kFloat && q.nested_absmax.numel() == ceil_div(nb, kNf4NestedBlocksize),
+                "bitsandbytes '", w, ".nested_absmax' is ", q.nested_absmax.scalar_type(), " [", q.nested_absmax.numel(),
+                "], expected float32 [", ceil_div(nb, kNf4NestedBlocksize), "]");
+  q.nested_quant_map = need(w + ".nested_quant_map").contiguous().view({-1});
+  MEMTUNE_CHECK(q.nested_quant_map.scalar_type() == at::kFloat && q.nested_quant_map.numel() == 256, "bitsandbytes '",
+                w, ".nested_quant_map' is ", q.nested_quant_map.scalar_type(), " [", q.nested_quant_map.numel(),
+                "], expected float32 [256]");
+  return q;
+}
+
+}  // namespace memtune

@@ -1,0 +1,95 @@
+#pragma once
+// NF4 4-bit weights, byte for byte as bitsandbytes stores them (quantize_4bit with
+// quant_type "nf4", optional double quantization of the absmax values), and the
+// serialized form of its checkpoints ("-bnb-4bit" models).
+//
+// Layout of a tensor of n elements, flattened row-major, in blocks of `blocksize`:
+//   packed  uint8 [ceil(n/2)]: code of element 2k in the HIGH nibble, 2k+1 in the low one
+//   absmax  per block max|x|: fp32 [nblocks], or with double quantization uint8 codes of
+//           (absmax - nested_offset) in blocks of 256 over the signed dynamic map, each
+//           256-block scaled by nested_absmax (fp32 [ceil(nblocks/256)]).
+// Dequantized value: nf4_codebook()[code] * absmax (fp32), cast to the output dtype.
+#include <ATen/core/Tensor.h>
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace memtune {
+
+// bitsandbytes' NF4 codebook; index = 4-bit code.
+const std::array<float, 16>& nf4_codebook();
+
+// bitsandbytes' create_dynamic_map(signed=True, max_exponent_bits=7, total_bits=8):
+// 256 sorted fp32 values, the map double quantization uses.
+at::Tensor nf4_dynamic_map();
+
+constexpr int64_t kNf4NestedBlocksize = 256;  // bitsandbytes' fixed double-quant block
+
+struct NF4Tensor {
+  at::Tensor packed;            // uint8 [ceil(n/2)], first element in the HIGH nibble
+  at::Tensor absmax;            // fp32 [nblocks] when !double_quant, else uint8 [nblocks]
+  at::Tensor nested_absmax;     // fp32 [ceil(nblocks/256)] (double_quant only)
+  at::Tensor nested_quant_map;  // fp32 [256] dynamic map (double_quant only)
+  float nested_offset = 0.0f;   // mean of the fp32 absmax values (double_quant only)
+  std::vector<int64_t> shape;   // original shape
+  int64_t blocksize = 64;
+  bool double_quant = true;
+  at::ScalarType dtype = at::kFloat;  // original dtype
+
+  int64_t numel() const;
+  int64_t nblocks() const;
+  // Bytes of every tensor held (packed, absmax, nested_absmax, nested_quant_map).
+  int64_t storage_bytes() const;
+  at::Device device() const { return packed.device(); }
+};
+
+// Quantizes a float32/float16/bfloat16 tensor. `name` only labels error messages.
+// Throws UserError on inf/nan (count and first flat index) and on a blocksize that is not
+// a power of two in [32, 4096]. A CUDA tensor is quantized on the CPU and the result moved
+// back to its device. An all-zero block gets the code of 0.0 for every element.
+NF4Tensor nf4_quantize(const at::Tensor& w, int64_t blocksize = 64, bool double_quant = true,
+                       const std::string& name = "");
+
+// Dequantizes to shape q.shape in out_dtype (fp32 math, then one cast). The CPU kernel is
+// vectorized (AVX2 when the CPU has it) and parallel; other devices use tensor ops.
+at::Tensor nf4_dequantize(const NF4Tensor& q, at::ScalarType out_dtype);
+
+// Elements [begin, begin + count) of the flattened tensor into `out` (contiguous CPU
+// tensor of `count` elements, fp32/bf16/fp16). For fused use: a panel of rows at a time.
+void nf4_dequantize_range_into(const NF4Tensor& q, int64_t begin, int64_t count, at::Tensor& out);
+
+// The device-generic path (tensor ops only; runs wherever q lives). Exposed for tests.
+at::Tensor nf4_dequantize_generic(const NF4Tensor& q, at::ScalarType out_dtype);
+
+// The fp32 absmax per block ([nblocks]), undoing double quantization when present.
+at::Tensor nf4_absmax_fp32(const NF4Tensor& q);
+
+// Storage in bits per parameter: 8 * storage_bytes() / numel() (about 4.127 with double
+// quantization at blocksize 64 for large tensors, 4.5 without).
+double nf4_bits_per_parameter(const NF4Tensor& q);
+
+// bitsandbytes' state-dict entries for a weight named e.g.
+// "model.layers.0.self_attn.q_proj.weight": the weight itself (uint8 [ceil(n/2), 1]),
+// .absmax, .quant_map, [.nested_absmax, .nested_quant_map], and
+// .quant_state.bitsandbytes__nf4 (uint8 bytes of the JSON that QuantState.as_dict(packed=True)
+// writes, field order and number format as Python's json.dumps).
+std::vector<std::pair<std::string, at::Tensor>> nf4_to_bnb(const std::string& weight_name,
+                                                           const NF4Tensor& q);
+
+// Reads the entries nf4_to_bnb writes (or bitsandbytes wrote); `get` returns the tensor of
+// a key, or an undefined tensor when the key is absent. Throws UserError naming the key on
+// missing entries, non-nf4 quant types, and sizes that do not agree with the JSON state.
+NF4Tensor nf4_from_bnb(const std::function<at::Tensor(const std::string&)>& get,
+                       const std::string& weight_name);
+
+// True when `keys` hold bitsandbytes' NF4 state for weight_name.
+bool is_bnb_nf4(const std::vector<std::string>& keys, const std::string& weight_name);
+
+// Python's repr() of a double (shortest round-trip digits), as json.dumps writes floats.
+std::string python_float_repr(double v);
+
+}  // namespace memtune

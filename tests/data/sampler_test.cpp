@@ -1,0 +1,106 @@
+#include <algorithm>
+#include <set>
+#include <sstream>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "data/sampler.h"
+#include "runtime/error.h"
+#include "test_util.h"
+
+using memtune::data::Sampler;
+using memtune::data::SamplerState;
+
+TEST(Sampler, Splitmix64MatchesPublishedOutputs) {
+  // splitmix64 from seed 1234567: the sequence published with the algorithm's reference code.
+  uint64_t s = 1234567;
+  const uint64_t want[] = {6457827717110365317ULL, 3203168211198807973ULL, 9817491932198370423ULL,
+                           4593380528125082431ULL, 16408922859458223821ULL};
+  for (uint64_t w : want) EXPECT_EQ(memtune::data::splitmix64(s), w);
+}
+
+TEST(Sampler, PermutationMatchesPythonReference) {
+  namespace t = memtune::testing;
+  for (auto [n, seed, epoch] : {std::tuple<int64_t, uint64_t, int64_t>{10, 42, 0}, {37, 42, 3}, {1000, 7, 1}}) {
+    const auto r = t::run(t::python() + " " + (t::source_dir() / "tests/reference/sampler_permutation.py").string() +
+                          " " + std::to_string(n) + " " + std::to_string(seed) + " " + std::to_string(epoch));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    std::istringstream in(r.output);
+    std::vector<int64_t> want;
+    for (int64_t v; in >> v;) want.push_back(v);
+    EXPECT_EQ(Sampler::permutation(n, seed, epoch), want) << "n=" << n << " seed=" << seed << " epoch=" << epoch;
+  }
+}
+
+TEST(Sampler, EpochsAreDifferentPermutations) {
+  const auto a = Sampler::permutation(50, 1, 0), b = Sampler::permutation(50, 1, 1), c = Sampler::permutation(50, 2, 0);
+  EXPECT_NE(a, b);
+  EXPECT_NE(a, c);
+  auto sorted = a;
+  std::sort(sorted.begin(), sorted.end());
+  for (int64_t i = 0; i < 50; ++i) EXPECT_EQ(sorted[i], i);
+}
+
+TEST(Sampler, CrossesEpochsWithoutShuffle) {
+  Sampler s(5, 0, /*shuffle=*/false);
+  EXPECT_EQ(s.next(7), (std::vector<int64_t>{0, 1, 2, 3, 4, 0, 1}));
+  EXPECT_EQ(s.epoch(), 1);
+}
+
+TEST(Sampler, SaveRestoreLosesAndRepeatsNothing) {
+  const int64_t n = 23;
+  Sampler a(n, 99);
+  std::vector<int64_t> seen = a.next(9);
+  // Checkpoint through JSON, as training checkpoints store it.
+  const nlohmann::json saved = a.state();
+  Sampler b(n, /*seed ignored on restore=*/12345);
+  b.restore(saved.get<SamplerState>());
+  const auto rest = b.next(n - 9 + 5);  // the rest of epoch 0 and 5 of epoch 1
+  seen.insert(seen.end(), rest.begin(), rest.begin() + (n - 9));
+  std::set<int64_t> unique(seen.begin(), seen.end());
+  EXPECT_EQ(unique.size(), static_cast<size_t>(n));  // each sample of epoch 0 exactly once
+  EXPECT_EQ(seen, Sampler::permutation(n, 99, 0));
+  // The resumed run continues exactly as the uninterrupted one.
+  const auto uninterrupted = a.next(n - 9 + 5);
+  EXPECT_EQ(rest, uninterrupted);
+  const auto epoch1 = Sampler::permutation(n, 99, 1);
+  EXPECT_EQ(std::vector<int64_t>(rest.end() - 5, rest.end()), std::vector<int64_t>(epoch1.begin(), epoch1.begin() + 5));
+  EXPECT_EQ(b.epoch(), 1);
+}
+
+TEST(Sampler, TwoRankShardsAreDisjointAndCoverTheEpoch) {
+  const int64_t n = 11;  // odd: the last entry of each epoch's permutation is dropped
+  Sampler r0(n, 5, true, 0, 2), r1(n, 5, true, 1, 2);
+  EXPECT_EQ(r0.per_rank(), 5);
+  const auto a = r0.next(5), b = r1.next(5);
+  const auto perm = Sampler::permutation(n, 5, 0);
+  std::set<int64_t> all(a.begin(), a.end());
+  for (int64_t v : b) EXPECT_EQ(all.count(v), 0u) << v;
+  all.insert(b.begin(), b.end());
+  EXPECT_EQ(all, std::set<int64_t>(perm.begin(), perm.begin() + 10));
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_EQ(a[i], perm[2 * i]);
+    EXPECT_EQ(b[i], perm[2 * i + 1]);
+  }
+  // Both ranks hold the same state, and move to epoch 1 together.
+  EXPECT_EQ(r0.state().offset, 10);
+  EXPECT_EQ(r1.state().offset, 10);
+  EXPECT_EQ(r0.next(1)[0], Sampler::permutation(n, 5, 1)[0]);
+  EXPECT_EQ(r1.next(1)[0], Sampler::permutation(n, 5, 1)[1]);
+}
+
+TEST(Sampler, StepsPerEpoch) {
+  Sampler s(100, 0, true, 1, 2);  // 50 per rank
+  EXPECT_EQ(s.steps_per_epoch(8), 12);   // 100 / 8
+  EXPECT_EQ(s.steps_per_epoch(200), 1);
+  EXPECT_THROW(s.steps_per_epoch(3), memtune::UserError);  // not a multiple of 2 ranks
+}
+
+TEST(Sampler, BadStatesAreErrors) {
+  Sampler s(10, 0, true, 0, 2);
+  EXPECT_THROW(s.restore({0, 3, 0}), memtune::UserError);   // odd offset under 2 ranks
+  EXPECT_THROW(s.restore({0, 12, 0}), memtune::UserError);  // past the epoch
+  EXPECT_THROW((nlohmann::json{{"epoch", 1}, {"seed", 2}}.get<SamplerState>()), memtune::UserError);
+  EXPECT_THROW(Sampler(1, 0, true, 0, 2), memtune::UserError);  // fewer samples than ranks
+}

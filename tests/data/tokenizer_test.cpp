@@ -1,0 +1,234 @@
+// Hand-checkable cases on small tokenizer.json files written here: merges by rank, the
+// byte-level alphabet, byte fallback with the Llama 2 normalizers and decoders, added
+// tokens, special tokens, tokenizer_config.json, NFC, and errors on bad files.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "data/tokenizer.h"
+#include "data/unicode_nfc.h"
+#include "runtime/error.h"
+#include "test_util.h"
+
+namespace memtune::testing {
+namespace {
+
+using json = nlohmann::json;
+using Ids = std::vector<int32_t>;
+
+std::unique_ptr<data::Tokenizer> load_json(const json& j, const std::string& tag, const json& config = json()) {
+  const fs::path dir = temp_dir(tag);
+  write_file(dir / "tokenizer.json", j.dump());
+  if (!config.is_null()) write_file(dir / "tokenizer_config.json", config.dump());
+  return data::Tokenizer::load(dir);
+}
+
+// A character-level BPE over {a, b, c} with the given merges; no pre-tokenizer.
+json abc_tokenizer(const json& merges) {
+  return {{"model",
+           {{"type", "BPE"},
+            {"vocab", {{"a", 0}, {"b", 1}, {"c", 2}, {"ab", 3}, {"bc", 4}, {"abc", 5}, {"aa", 6}}},
+            {"merges", merges}}}};
+}
+
+TEST(Tokenizer, MergesApplyInRankOrder) {
+  // "abc": with (b c) ranked first the result is [a][bc]; with (a b) first, [ab][c].
+  EXPECT_EQ(load_json(abc_tokenizer({"b c", "a b"}), "bc_first")->encode("abc", false), (Ids{0, 4}));
+  EXPECT_EQ(load_json(abc_tokenizer({"a b", "b c"}), "ab_first")->encode("abc", false), (Ids{3, 2}));
+  // Merges continue on merged symbols: (b c) then (a bc) -> [abc].
+  EXPECT_EQ(load_json(abc_tokenizer({"b c", "a b", "a bc"}), "chain")->encode("abc", false), (Ids{5}));
+  // Equal ranks resolve leftmost first: "aaa" -> [aa][a].
+  EXPECT_EQ(load_json(abc_tokenizer({"a a"}), "left")->encode("aaa", false), (Ids{6, 0}));
+  // The newer [a, b] list form reads the same as "a b".
+  EXPECT_EQ(load_json(abc_tokenizer(json::array({json::array({"b", "c"}), json::array({"a", "b"})})), "list")
+                ->encode("abcab", false),
+            (Ids{0, 4, 3}));
+}
+
+// GPT-2's byte -> character table, written out from its definition: printable Latin-1
+// bytes stand for themselves, the other 68 take U+0100.. in byte order.
+std::vector<std::string> gpt2_byte_chars() {
+  std::vector<std::string> t(256);
+  int n = 0;
+  for (int b = 0; b < 256; ++b) {
+    const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || b >= 0xAE;
+    const int cp = printable ? b : 256 + n++;
+    std::string s;
+    if (cp < 0x80) {
+      s += static_cast<char>(cp);
+    } else {
+      s += static_cast<char>(0xC0 | (cp >> 6));
+      s += static_cast<char>(0x80 | (cp & 0x3F));
+    }
+    t[b] = s;
+  }
+  return t;
+}
+
+json byte_level_tokenizer(const json& extra_vocab, const json& merges) {
+  json vocab = json::object();
+  const auto chars = gpt2_byte_chars();
+  for (int b = 0; b < 256; ++b) vocab[chars[b]] = b;
+  for (auto it = extra_vocab.begin(); it != extra_vocab.end(); ++it) vocab[it.key()] = it.value();
+  return {{"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", true}}},
+          {"decoder", {{"type", "ByteLevel"}}},
+          {"added_tokens",
+           {{{"id", 300}, {"content", "<|end|>"}, {"special", true}, {"normalized", false}},
+            {{"id", 301}, {"content", "<|x|>"}, {"special", false}, {"normalized", false}}}},
+          {"post_processor",
+           {{"type", "TemplateProcessing"},
+            {"single", {{{"SpecialToken", {{"id", "<|end|>"}}}}, {{"Sequence", {{"id", "A"}}}}}},
+            {"special_tokens", {{"<|end|>", {{"id", "<|end|>"}, {"ids", {300}}, {"tokens", {"<|end|>"}}}}}}}},
+          {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", merges}}}};
+}
+
+TEST(Tokenizer, ByteLevelMapsEveryByte) {
+  auto tok = load_json(byte_level_tokenizer(json::object(), json::array()), "bytes");
+  // Known entries of the table: space is 'Ġ' (U+0120), newline 'Ċ' (U+010A), NUL 'Ā'.
+  EXPECT_EQ(tok->id_to_token(' '), "\xC4\xA0");
+  EXPECT_EQ(tok->id_to_token('\n'), "\xC4\x8A");
+  EXPECT_EQ(tok->id_to_token(0), "\xC4\x80");
+  EXPECT_EQ(tok->id_to_token('A'), "A");
+  // With no merges every byte of the UTF-8 text is its own id (= the byte value).
+  std::string text = "A\tz~ \x01\x7f";
+  text += "\xC3\xA9\xE4\xBD\xA0\xF0\x9F\x98\x80";  // é 你 😀
+  Ids want;
+  for (char c : text) want.push_back(static_cast<uint8_t>(c));
+  EXPECT_EQ(tok->encode(text, false), want);
+  EXPECT_EQ(tok->decode(want, false), text);
+  // Every byte value decodes back; an invalid sequence decodes to U+FFFD.
+  for (int b = 0; b < 128; ++b) EXPECT_EQ(tok->decode({b}, false), std::string(1, static_cast<char>(b)));
+  EXPECT_EQ(tok->decode({0xFF}, false), "\xEF\xBF\xBD");
+  EXPECT_EQ(tok->decode({0xE4, 0xBD}, false), "\xEF\xBF\xBD");
+  EXPECT_EQ(tok->vocab_size(), 302);
+}
+
+TEST(Tokenizer, AddedTokensAreNeverSplit) {
+  // Merges for "Ġ<", "<|" exist, yet an added token's text stays one id.
+  auto tok = load_json(byte_level_tokenizer({{"<|", 256}, {"\xC4\xA0<", 257}},
+                                            json::array({"< |", "\xC4\xA0 <"})),
+                       "added");
+  EXPECT_EQ(tok->encode("a<|end|>b", false), (Ids{'a', 300, 'b'}));
+  EXPECT_EQ(tok->encode("<|x|><|end|>", false), (Ids{301, 300}));
+  // Not an added token: ordinary BPE. The regex splits " <|" from "en"; (< |) ranks before
+  // (Ġ <), so " <|" becomes [Ġ][<|].
+  EXPECT_EQ(tok->encode(" <|en", false), (Ids{' ', 256, 'e', 'n'}));
+  // Special tokens: the post-processor's bos, and skip_special_tokens in decode.
+  EXPECT_EQ(tok->encode("a", true), (Ids{300, 'a'}));
+  EXPECT_EQ(tok->decode({300, 'a', 301}, false), "<|end|>a<|x|>");
+  EXPECT_EQ(tok->decode({300, 'a', 301}, true), "a<|x|>");
+  EXPECT_EQ(tok->token_to_id("<|x|>"), 301);
+  EXPECT_FALSE(tok->token_to_id("<|nope|>").has_value());
+}
+
+TEST(Tokenizer, ByteFallbackWithLlama2Normalizers) {
+  json vocab = {{"<unk>", 0}, {"<s>", 1}, {"</s>", 2}};
+  for (int b = 0; b < 256; ++b) {
+    char name[8];
+    std::snprintf(name, sizeof name, "<0x%02X>", b);
+    vocab[name] = 3 + b;
+  }
+  const std::string sp = "\xE2\x96\x81";  // ▁
+  vocab[sp] = 259;
+  vocab["h"] = 260;
+  vocab["i"] = 261;
+  vocab[sp + "h"] = 262;
+  vocab[sp + "hi"] = 263;
+  json j = {{"normalizer",
+             {{"type", "Sequence"},
+              {"normalizers",
+               {{{"type", "Prepend"}, {"prepend", sp}},
+                {{"type", "Replace"}, {"pattern", {{"String", " "}}}, {"content", sp}}}}}},
+            {"decoder",
+             {{"type", "Sequence"},
+              {"decoders",
+               {{{"type", "Replace"}, {"pattern", {{"String", sp}}}, {"content", " "}},
+                {{"type", "ByteFallback"}},
+                {{"type", "Fuse"}},
+                {{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}}}}}},
+            {"added_tokens", {{{"id", 1}, {"content", "<s>"}, {"special", true}, {"normalized", false}}}},
+            {"model",
+             {{"type", "BPE"},
+              {"vocab", vocab},
+              {"merges", {sp + " h", sp + "h i"}},
+              {"unk_token", "<unk>"},
+              {"byte_fallback", true}}}};
+  auto tok = load_json(j, "fallback", json{{"bos_token", "<s>"}, {"eos_token", "</s>"}, {"add_bos_token", true}});
+  // "hi ☃": ▁hi, ▁, then the three bytes of ☃ (E2 98 83) as <0xXX> tokens.
+  const Ids want = {263, 259, 3 + 0xE2, 3 + 0x98, 3 + 0x83};
+  EXPECT_EQ(tok->encode("hi \xE2\x98\x83", false), want);
+  EXPECT_EQ(tok->decode(want, false), "hi \xE2\x98\x83");
+  // add_bos_token from tokenizer_config.json; decode keeps or skips <s>.
+  EXPECT_EQ(tok->encode("hi", true), (Ids{1, 263}));
+  EXPECT_EQ(tok->bos_id, 1);
+  EXPECT_EQ(tok->eos_id, 2);
+  EXPECT_FALSE(tok->pad_id.has_value());
+  EXPECT_EQ(tok->decode({1, 263}, true), "hi");
+  // Lone bytes that are not valid UTF-8 decode to one U+FFFD each.
+  EXPECT_EQ(tok->decode({263, 3 + 0xE2, 3 + 0x98}, false), "hi\xEF\xBF\xBD\xEF\xBF\xBD");
+  EXPECT_EQ(tok->encode("", false), Ids{});
+}
+
+TEST(Tokenizer, ConfigReadsSpecialsAndChatTemplate) {
+  const fs::path tiny = source_dir() / "examples" / "tiny-tokenizer";
+  auto tok = data::Tokenizer::load(tiny);
+  EXPECT_EQ(tok->bos_id, tok->token_to_id("<|begin_of_text|>"));
+  EXPECT_EQ(tok->eos_id, tok->token_to_id("<|end_of_text|>"));
+  EXPECT_EQ(tok->pad_id, tok->token_to_id("<|pad|>"));
+  EXPECT_NE(tok->chat_template.find("<|im_start|>"), std::string::npos);
+  EXPECT_EQ(tok->vocab_size(), 1024);
+  // 256 byte tokens first: id = byte value.
+  EXPECT_EQ(tok->token_to_id("A"), 65);
+  const auto ids = tok->encode("Hi", true);
+  ASSERT_FALSE(ids.empty());
+  EXPECT_EQ(ids.front(), *tok->bos_id);
+}
+
+TEST(Tokenizer, NfcComposesAndReorders) {
+  EXPECT_EQ(data::nfc("e\xCC\x81"), "\xC3\xA9");                          // e + U+0301 -> é
+  EXPECT_EQ(data::nfc("\xE2\x84\xAB"), "\xC3\x85");                       // Angstrom sign -> Å
+  EXPECT_EQ(data::nfc("e\xCC\x82\xCC\xA3"), "\xE1\xBB\x87");              // e + ^ + dot below -> ệ
+  EXPECT_EQ(data::nfc("\xE1\x84\x80\xE1\x85\xA1\xE1\x86\xA8"), "\xEA\xB0\x81");  // jamo -> 각
+  EXPECT_EQ(data::nfc("plain ascii"), "plain ascii");
+}
+
+std::string load_error(const std::string& tokenizer_json, const std::string& tag) {
+  const fs::path dir = temp_dir(tag);
+  write_file(dir / "tokenizer.json", tokenizer_json);
+  try {
+    data::Tokenizer::load(dir / "tokenizer.json");
+  } catch (const UserError& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+TEST(Tokenizer, BadFilesNameTheFileAndTheProblem) {
+  std::string e = load_error("{ this is not json", "notjson");
+  EXPECT_NE(e.find("tokenizer.json"), std::string::npos) << e;
+  EXPECT_NE(e.find("not valid JSON"), std::string::npos) << e;
+
+  e = load_error(R"({"model": {"type": "WordPiece", "vocab": {"a": 0}}})", "wordpiece");
+  EXPECT_NE(e.find("tokenizer.json"), std::string::npos) << e;
+  EXPECT_NE(e.find("model type \"WordPiece\" is not supported"), std::string::npos) << e;
+
+  e = load_error(R"({"model": {"type": "BPE", "vocab": {"a": 0}}})", "nomerges");
+  EXPECT_NE(e.find("tokenizer.json"), std::string::npos) << e;
+  EXPECT_NE(e.find("model.merges is missing"), std::string::npos) << e;
+
+  e = load_error(R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": ["a b"]}})", "badmerge");
+  EXPECT_NE(e.find("merge 0"), std::string::npos) << e;
+
+  e = load_error(R"({"version": "1.0"})", "nomodel");
+  EXPECT_NE(e.find("no \"model\""), std::string::npos) << e;
+
+  try {
+    data::Tokenizer::load(temp_dir("missing") / "nope.json");
+    FAIL() << "no error for a missing file";
+  } catch (const UserError& err) {
+    EXPECT_NE(std::string(err.what()).find("nope.json"), std::string::npos) << err.what();
+  }
+}
+
+}  // namespace
+}  // namespace memtune::testing

@@ -1,0 +1,1338 @@
+#!/usr/bin/python3
+"""Independent reference of Hugging Face transformers' causal-LM semantics (Llama, Mistral, Qwen2,
+GPT-2) and PEFT LoRA, written from the algorithms with plain torch (no transformers, no safetensors
+package). memtune's C++ tests run it on Debian's /usr/bin/python3 (torch 1.13 + numpy) to make
+fixtures at test time and to get the values memtune must reproduce.
+
+Usage (all files are safetensors unless .json):
+  hf_reference.py init --arch llama|gpt2 --out DIR --seed N [--layers 2 --hidden 64 --heads 4
+      --kv-heads 2 --intermediate 128 --vocab 256 --max-pos 128 --head-dim D --rope-theta 10000
+      --rope-scaling JSON --rope-parameters --tie --attention-bias --mlp-bias --qwen2 --mistral
+      --sliding-window W --eps E --init-std S --save-dtype float32|bfloat16|float16]
+  hf_reference.py init-lora --model DIR --out ADAPTER_DIR --seed N [--r 4 --alpha 8
+      --targets q_proj,v_proj --rslora]
+  hf_reference.py make-batch --out BATCH --vocab V --seed N [--rows 2 --seq 16 --max-docs 3
+      --min-doc 2 --ignore-frac 0.1 --pad]
+  hf_reference.py forward --model DIR --batch BATCH --out OUT [--lora ADAPTER_DIR]
+      [--dtype float64|float32] [--no-grad]
+  hf_reference.py train --model DIR --batch BATCH --lora ADAPTER_DIR --steps N --out OUT.json
+      [--out-tensors FINAL --lr 1e-3 --weight-decay 0.0 --betas 0.9,0.999 --eps 1e-8
+       --max-grad-norm 0 --dtype float64|float32]
+  hf_reference.py selftest
+
+Batch tensors (int64, shape (B,T)): input_ids; targets (already shifted: the token to predict
+after position t, -100 = ignored); position_ids (restart at 0 per packed document); segment_ids
+(document index within the row, -1 on padding). A query attends to keys that are at or before it
+AND in the same segment (segment >= 0); every query also attends to itself, so padding rows give
+finite (but meaningless) values: compare logits only where segment_ids >= 0.
+
+forward writes: logits (B,T,V) f32, loss () f32 = mean cross-entropy over targets != -100, and
+"<HF name>.grad" f32 for every parameter (or, with --lora, "<PEFT key>.grad" for the LoRA tensors
+only). Compute dtype is float64 by default. Kept exactly as HF: RoPE cos/sin tables are computed in
+fp32 (HF forces fp32 there) and then cast to the compute dtype; RMSNorm/softmax run in
+max(fp32, compute dtype).
+"""
+import argparse
+import json
+import math
+import os
+import re
+import struct
+import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+IGNORE = -100
+
+# ----------------------------------------------------------------------------- safetensors
+
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+_DTYPE_ARG = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+              "float16": torch.float16}
+
+
+def _tensor_bytes(t):
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return t.numpy().astype(t.numpy().dtype.newbyteorder("<"), copy=False).tobytes()
+
+
+def save_safetensors(path, tensors, metadata=None):
+    """tensors: dict name -> tensor (insertion order kept)."""
+    header, blobs, off = {}, [], 0
+    for name, t in tensors.items():
+        b = _tensor_bytes(t)
+        header[name] = {"dtype": _ST_NAMES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [off, off + len(b)]}
+        blobs.append(b)
+        off += len(b)
+    if metadata is not None:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    h = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    h += b" " * ((8 - len(h) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)))
+        f.write(h)
+        for b in blobs:
+            f.write(b)
+
+
+def load_safetensors(path):
+    with open(path, "rb") as f:
+        data = f.read()
+    if len(data) < 8:
+        raise ValueError(f"{path}: too short for a safetensors file")
+    (n,) = struct.unpack("<Q", data[:8])
+    if 8 + n > len(data):
+        raise ValueError(f"{path}: header length {n} past end of file")
+    header = json.loads(data[8:8 + n].decode("utf-8"))
+    body = memoryview(data)[8 + n:]
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dt = _ST_DTYPES[info["dtype"]]
+        b, e = info["data_offsets"]
+        shape = info["shape"]
+        count = int(np.prod(shape)) if shape else 1
+        esize = torch.empty((), dtype=dt).element_size()
+        if e - b != count * esize or e > len(body):
+            raise ValueError(f"{path}: tensor {name}: bad byte range {b}..{e}")
+        raw = bytearray(body[b:e])
+        if count == 0:
+            t = torch.empty(shape, dtype=dt)
+        else:
+            t = torch.frombuffer(raw, dtype=dt).reshape(shape).clone()
+        out[name] = t
+    return out
+
+
+def write_json(path, obj):
+    with open(path, "w") as f:
+        f.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+# ----------------------------------------------------------------------------- config
+
+class Cfg:
+    """The fields of an HF config.json that the forward pass needs."""
+
+    def __init__(self, d):
+        self.raw = d
+        mt = d.get("model_type")
+        archs = d.get("architectures") or []
+        if mt is None and archs:
+            mt = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                  "Qwen2ForCausalLM": "qwen2", "GPT2LMHeadModel": "gpt2"}.get(archs[0])
+        if mt not in ("llama", "mistral", "qwen2", "gpt2"):
+            raise ValueError(f"unsupported model_type {mt!r} (architectures {archs})")
+        self.model_type = mt
+        self.family = "gpt2" if mt == "gpt2" else "llama"
+        if self.family == "gpt2":
+            self.hidden = d["n_embd"]
+            self.layers = d["n_layer"]
+            self.heads = d["n_head"]
+            self.kv_heads = self.heads
+            self.head_dim = self.hidden // self.heads
+            self.inner = d.get("n_inner") or 4 * self.hidden
+            self.vocab = d["vocab_size"]
+            self.max_pos = d["n_positions"]
+            self.eps = d.get("layer_norm_epsilon", 1e-5)
+            self.act = d.get("activation_function", "gelu_new")
+            if self.act not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
+                raise ValueError(f"unsupported activation_function {self.act!r}")
+            self.tie = d.get("tie_word_embeddings", True)
+            self.scale_attn_weights = d.get("scale_attn_weights", True)
+            self.scale_by_layer = d.get("scale_attn_by_inverse_layer_idx", False)
+            return
+        self.hidden = d["hidden_size"]
+        self.layers = d["num_hidden_layers"]
+        self.heads = d["num_attention_heads"]
+        self.kv_heads = d.get("num_key_value_heads") or self.heads
+        if self.heads % self.kv_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        self.head_dim = d.get("head_dim") or self.hidden // self.heads
+        self.inter = d["intermediate_size"]
+        self.vocab = d["vocab_size"]
+        self.max_pos = d.get("max_position_embeddings", 2048)
+        self.eps = d.get("rms_norm_eps", 1e-6)
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {d.get('hidden_act')!r}")
+        self.tie = d.get("tie_word_embeddings", False)
+        if mt == "llama":
+            self.qkv_bias = self.o_bias = bool(d.get("attention_bias", False))
+            self.mlp_bias = bool(d.get("mlp_bias", False))
+        elif mt == "qwen2":  # Qwen2Attention: q/k/v bias=True, o_proj bias=False (hard-coded)
+            self.qkv_bias, self.o_bias, self.mlp_bias = True, False, False
+        else:  # Mistral: no biases
+            self.qkv_bias = self.o_bias = self.mlp_bias = False
+        self.sliding_window = None
+        if mt == "mistral":
+            self.sliding_window = d.get("sliding_window")
+        elif mt == "qwen2" and d.get("use_sliding_window", False):
+            raise ValueError("qwen2 use_sliding_window is not supported by the reference")
+        # RoPE: newer configs nest everything in rope_parameters; older ones use top-level
+        # rope_theta + rope_scaling ("type" is the old spelling of "rope_type").
+        rp = d.get("rope_parameters")
+        if rp:
+            self.rope_theta = float(rp.get("rope_theta", d.get("rope_theta", 10000.0)))
+            scaling = dict(rp)
+        else:
+            self.rope_theta = float(d.get("rope_theta", 10000.0))
+            scaling = dict(d.get("rope_scaling") or {})
+        self.rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if self.rope_type not in ("default", "linear", "llama3"):
+            raise ValueError(f"rope_type {self.rope_type!r} is not supported by the reference")
+        if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ValueError("partial_rotary_factor != 1 is not supported by the reference")
+        self.rope_scaling = scaling
+
+
+def load_model(model_dir):
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = Cfg(json.load(f))
+    path = os.path.join(model_dir, "model.safetensors")
+    if os.path.exists(path):
+        tensors = load_safetensors(path)
+    else:
+        with open(os.path.join(model_dir, "model.safetensors.index.json")) as f:
+            index = json.load(f)
+        tensors = {}
+        for shard in sorted(set(index["weight_map"].values())):
+            tensors.update(load_safetensors(os.path.join(model_dir, shard)))
+    if cfg.family == "gpt2":  # the original gpt2 checkpoints lack the "transformer." prefix
+        tensors = {(k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k): v
+                   for k, v in tensors.items()
+                   if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+    expected = param_shapes(cfg)
+    if cfg.tie:
+        tensors.pop("lm_head.weight", None)
+    missing = [k for k in expected if k not in tensors]
+    unexpected = [k for k in tensors if k not in expected]
+    if missing or unexpected:
+        raise ValueError(f"{model_dir}: missing tensors {missing[:8]}, unexpected {unexpected[:8]}")
+    for k, shape in expected.items():
+        if list(tensors[k].shape) != list(shape):
+            raise ValueError(f"{model_dir}: {k} has shape {list(tensors[k].shape)}, want {shape}")
+    return cfg, {k: tensors[k] for k in expected}
+
+
+def param_shapes(cfg):
+    """HF parameter names -> shapes, in HF's module order (lm_head absent when tied)."""
+    s = {}
+    H, V = cfg.hidden, cfg.vocab
+    if cfg.family == "gpt2":
+        s["transformer.wte.weight"] = [V, H]
+        s["transformer.wpe.weight"] = [cfg.max_pos, H]
+        for i in range(cfg.layers):
+            p = f"transformer.h.{i}."
+            s[p + "ln_1.weight"] = [H]
+            s[p + "ln_1.bias"] = [H]
+            s[p + "attn.c_attn.weight"] = [H, 3 * H]  # Conv1D: [in, out]
+            s[p + "attn.c_attn.bias"] = [3 * H]
+            s[p + "attn.c_proj.weight"] = [H, H]
+            s[p + "attn.c_proj.bias"] = [H]
+            s[p + "ln_2.weight"] = [H]
+            s[p + "ln_2.bias"] = [H]
+            s[p + "mlp.c_fc.weight"] = [H, cfg.inner]
+            s[p + "mlp.c_fc.bias"] = [cfg.inner]
+            s[p + "mlp.c_proj.weight"] = [cfg.inner, H]
+            s[p + "mlp.c_proj.bias"] = [H]
+        s["transformer.ln_f.weight"] = [H]
+        s["transformer.ln_f.bias"] = [H]
+        if not cfg.tie:
+            s["lm_head.weight"] = [V, H]
+        return s
+    d, nq, nkv, I = cfg.head_dim, cfg.heads, cfg.kv_heads, cfg.inter
+    s["model.embed_tokens.weight"] = [V, H]
+    for i in range(cfg.layers):
+        p = f"model.layers.{i}."
+        for name, out, inp, bias in (("q_proj", nq * d, H, cfg.qkv_bias),
+                                     ("k_proj", nkv * d, H, cfg.qkv_bias),
+                                     ("v_proj", nkv * d, H, cfg.qkv_bias),
+                                     ("o_proj", H, nq * d, cfg.o_bias)):
+            s[p + f"self_attn.{name}.weight"] = [out, inp]
+            if bias:
+                s[p + f"self_attn.{name}.bias"] = [out]
+        for name, out, inp in (("gate_proj", I, H), ("up_proj", I, H), ("down_proj", H, I)):
+            s[p + f"mlp.{name}.weight"] = [out, inp]
+            if cfg.mlp_bias:
+                s[p + f"mlp.{name}.bias"] = [out]
+        s[p + "input_layernorm.weight"] = [H]
+        s[p + "post_attention_layernorm.weight"] = [H]
+    s["model.norm.weight"] = [H]
+    if not cfg.tie:
+        s["lm_head.weight"] = [V, H]
+    return s
+
+
+def linear_modules(cfg):
+    """Module name -> (in_features, out_features, is_conv1d) for every LoRA-able layer."""
+    m = {}
+    shapes = param_shapes(cfg)
+    for k, shape in shapes.items():
+        if not k.endswith(".weight") or len(shape) != 2 or "wte" in k or "wpe" in k \
+                or "embed_tokens" in k:
+            continue
+        name = k[:-len(".weight")]
+        if cfg.family == "gpt2" and name != "lm_head":
+            m[name] = (shape[0], shape[1], True)
+        else:
+            m[name] = (shape[1], shape[0], False)
+    if cfg.tie:
+        m["lm_head"] = (cfg.hidden, cfg.vocab, False)
+    return m
+
+
+# ----------------------------------------------------------------------------- LoRA (PEFT)
+
+def peft_target_matches(name, targets):
+    """PEFT check_target_module_exists: a str is a full regex match; a list matches the
+    exact name or a '.'-suffix of it. 'all-linear' = every linear layer but the output layer."""
+    if isinstance(targets, str):
+        if targets == "all-linear":
+            return name != "lm_head"
+        return re.fullmatch(targets, name) is not None
+    return name in targets or any(name.endswith("." + t) for t in targets)
+
+
+class Lora:
+    def __init__(self, adapter_dir, cfg):
+        with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
+            self.config = c = json.load(f)
+        if c.get("peft_type", "LORA") != "LORA":
+            raise ValueError(f"peft_type {c.get('peft_type')} is not LORA")
+        for key in ("rank_pattern", "alpha_pattern"):
+            if c.get(key):
+                raise ValueError(f"{key} is not supported by the reference")
+        if c.get("layers_to_transform") is not None:
+            raise ValueError("layers_to_transform is not supported by the reference")
+        if c.get("bias", "none") != "none":
+            raise ValueError("LoRA bias other than 'none' is not supported by the reference")
+        self.r = int(c["r"])
+        alpha = float(c["lora_alpha"])
+        self.scaling = alpha / math.sqrt(self.r) if c.get("use_rslora") else alpha / self.r
+        raw = load_safetensors(os.path.join(adapter_dir, "adapter_model.safetensors"))
+        self.tensors = {}  # PEFT key -> tensor
+        for k, v in raw.items():
+            k = k.replace(".lora_A.default.weight", ".lora_A.weight") \
+                 .replace(".lora_B.default.weight", ".lora_B.weight")
+            self.tensors[k] = v
+        self.modules = {}  # module name -> (A key, B key)
+        lin = linear_modules(cfg)
+        targets = c["target_modules"]
+        for name, (fin, fout, _) in lin.items():
+            if not peft_target_matches(name, targets):
+                continue
+            a = f"base_model.model.{name}.lora_A.weight"
+            b = f"base_model.model.{name}.lora_B.weight"
+            if a not in self.tensors or b not in self.tensors:
+                raise ValueError(f"adapter lacks {a} / {b}")
+            if list(self.tensors[a].shape) != [self.r, fin] or \
+                    list(self.tensors[b].shape) != [fout, self.r]:
+                raise ValueError(f"{name}: lora_A {list(self.tensors[a].shape)} lora_B "
+                                 f"{list(self.tensors[b].shape)}, want [{self.r},{fin}] "
+                                 f"[{fout},{self.r}]")
+            self.modules[name] = (a, b)
+        used = {k for ab in self.modules.values() for k in ab}
+        extra = [k for k in self.tensors if k not in used]
+        if extra:
+            raise ValueError(f"adapter tensors match no target module: {extra[:8]}")
+        if not self.modules:
+            raise ValueError(f"target_modules {targets} match no layer")
+
+
+# ----------------------------------------------------------------------------- model math
+
+def rope_inv_freq(cfg):
+    """inv_freq as HF computes it (fp32), with linear / llama3 scaling applied."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    sc = cfg.rope_scaling
+    if cfg.rope_type == "linear":
+        inv_freq = inv_freq / float(sc["factor"])
+    elif cfg.rope_type == "llama3":
+        factor = float(sc["factor"])
+        low, high = float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+        old_ctx = float(sc["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_cos_sin(cfg, position_ids, dtype):
+    inv = rope_inv_freq(cfg)  # (d/2,) fp32
+    freqs = position_ids.float()[..., None] * inv[None, None, :]  # (B,T,d/2) fp32 like HF
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def rms_norm(x, w, eps):
+    dt = x.dtype
+    up = torch.float64 if dt == torch.float64 else torch.float32
+    h = x.to(up)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(dt)
+
+
+def gelu_new(x):
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+def attention_mask(segment_ids, sliding_window=None):
+    """(B,1,T,T) bool: causal, same segment (>= 0), within the window; diagonal always on."""
+    T = segment_ids.shape[1]
+    q = torch.arange(T)[:, None]
+    k = torch.arange(T)[None, :]
+    causal = (k <= q)
+    if sliding_window is not None:
+        causal = causal & (k > q - sliding_window)
+    seg = segment_ids
+    same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] >= 0)
+    m = (causal[None] & same) | torch.eye(T, dtype=torch.bool)[None]
+    return m[:, None]
+
+
+def attend(q, k, v, mask, scale):
+    """q (B,H,T,d), k/v (B,H,T,d) already repeated; softmax in max(fp32, dtype)."""
+    dt = q.dtype
+    up = torch.float64 if dt == torch.float64 else torch.float32
+    s = torch.matmul(q, k.transpose(2, 3)) * scale
+    s = s.to(up).masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s, dim=-1).to(dt)
+    return torch.matmul(p, v)
+
+
+def repeat_kv(x, n_rep):
+    b, nkv, t, d = x.shape
+    if n_rep == 1:
+        return x
+    return x[:, :, None].expand(b, nkv, n_rep, t, d).reshape(b, nkv * n_rep, t, d)
+
+
+class Forward:
+    """Functional forward over a dict of parameters (HF names) plus optional LoRA tensors."""
+
+    def __init__(self, cfg, params, lora=None, lora_params=None):
+        self.cfg, self.p, self.lora, self.lp = cfg, params, lora, lora_params
+
+    def linear(self, name, x):
+        conv1d = self.cfg.family == "gpt2" and name != "lm_head"
+        w = self.p["transformer.wte.weight" if self.cfg.family == "gpt2" else
+                   "model.embed_tokens.weight"] if (name == "lm_head" and self.cfg.tie) \
+            else self.p[name + ".weight"]
+        y = torch.matmul(x, w) if conv1d else torch.matmul(x, w.t())
+        b = self.p.get(name + ".bias")
+        if b is not None:
+            y = y + b
+        if self.lora is not None and name in self.lora.modules:
+            a_key, b_key = self.lora.modules[name]
+            A, B = self.lp[a_key], self.lp[b_key]
+            y = y + torch.matmul(torch.matmul(x, A.t()), B.t()) * self.lora.scaling
+        return y
+
+    def __call__(self, input_ids, position_ids, segment_ids):
+        if self.cfg.family == "gpt2":
+            return self.gpt2(input_ids, position_ids, segment_ids)
+        return self.llama(input_ids, position_ids, segment_ids)
+
+    def llama(self, input_ids, position_ids, segment_ids):
+        c, p = self.cfg, self.p
+        B, T = input_ids.shape
+        h = p["model.embed_tokens.weight"][input_ids]
+        cos, sin = rope_cos_sin(c, position_ids, h.dtype)
+        cos, sin = cos[:, None], sin[:, None]
+        mask = attention_mask(segment_ids, c.sliding_window)
+        d, nq, nkv = c.head_dim, c.heads, c.kv_heads
+        for i in range(c.layers):
+            pre = f"model.layers.{i}."
+            x = rms_norm(h, p[pre + "input_layernorm.weight"], c.eps)
+            q = self.linear(pre + "self_attn.q_proj", x).view(B, T, nq, d).transpose(1, 2)
+            k = self.linear(pre + "self_attn.k_proj", x).view(B, T, nkv, d).transpose(1, 2)
+            v = self.linear(pre + "self_attn.v_proj", x).view(B, T, nkv, d).transpose(1, 2)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            k, v = repeat_kv(k, nq // nkv), repeat_kv(v, nq // nkv)
+            o = attend(q, k, v, mask, d ** -0.5)
+            o = o.transpose(1, 2).reshape(B, T, nq * d)
+            h = h + self.linear(pre + "self_attn.o_proj", o)
+            x = rms_norm(h, p[pre + "post_attention_layernorm.weight"], c.eps)
+            g = self.linear(pre + "mlp.gate_proj", x)
+            u = self.linear(pre + "mlp.up_proj", x)
+            h = h + self.linear(pre + "mlp.down_proj", F.silu(g) * u)
+        h = rms_norm(h, p["model.norm.weight"], c.eps)
+        return self.linear("lm_head", h)
+
+    def gpt2(self, input_ids, position_ids, segment_ids):
+        c, p = self.cfg, self.p
+        B, T = input_ids.shape
+        H, nh, d = c.hidden, c.heads, c.head_dim
+        h = p["transformer.wte.weight"][input_ids] + p["transformer.wpe.weight"][position_ids]
+        mask = attention_mask(segment_ids)
+        act = gelu_new if c.act in ("gelu_new", "gelu_pytorch_tanh") else F.gelu
+        for i in range(c.layers):
+            pre = f"transformer.h.{i}."
+            x = F.layer_norm(h, (H,), p[pre + "ln_1.weight"], p[pre + "ln_1.bias"], c.eps)
+            qkv = self.linear(pre + "attn.c_attn", x)
+            q, k, v = qkv.split(H, dim=2)
+            q, k, v = (t.view(B, T, nh, d).transpose(1, 2) for t in (q, k, v))
+            scale = (d ** -0.5) if c.scale_attn_weights else 1.0
+            if c.scale_by_layer:
+                scale = scale / float(i + 1)
+            o = attend(q, k, v, mask, scale).transpose(1, 2).reshape(B, T, H)
+            h = h + self.linear(pre + "attn.c_proj", o)
+            x = F.layer_norm(h, (H,), p[pre + "ln_2.weight"], p[pre + "ln_2.bias"], c.eps)
+            h = h + self.linear(pre + "mlp.c_proj", act(self.linear(pre + "mlp.c_fc", x)))
+        h = F.layer_norm(h, (H,), p["transformer.ln_f.weight"], p["transformer.ln_f.bias"], c.eps)
+        return self.linear("lm_head", h)
+
+
+def causal_lm_loss(logits, targets):
+    """Mean cross-entropy over targets != -100 (targets already shifted)."""
+    if int((targets != IGNORE).sum()) == 0:
+        raise ValueError("batch has no targets (all -100): the mean loss is undefined")
+    up = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    return F.cross_entropy(logits.to(up).reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                           ignore_index=IGNORE, reduction="mean")
+
+
+def load_batch(path):
+    b = load_safetensors(path)
+    for k in ("input_ids", "targets", "position_ids", "segment_ids"):
+        if k not in b:
+            raise ValueError(f"{path}: missing {k}")
+        b[k] = b[k].to(torch.int64)
+    shape = b["input_ids"].shape
+    for k in ("targets", "position_ids", "segment_ids"):
+        if b[k].shape != shape:
+            raise ValueError(f"{path}: {k} shape {list(b[k].shape)} != input_ids {list(shape)}")
+    return b
+
+
+def run_forward(cfg, base, batch, lora=None, lora_tensors=None, dtype=torch.float64,
+                want_grad=True):
+    """Returns (logits, loss, grads dict name -> grad) with grads for base params (no LoRA) or
+    for the LoRA tensors (with LoRA)."""
+    params = {}
+    for k, v in base.items():
+        t = v.to(dtype)
+        if want_grad and lora is None:
+            t.requires_grad_(True)
+        params[k] = t
+    lp = None
+    if lora is not None:
+        lp = {}
+        for k, v in lora_tensors.items():
+            t = v.to(dtype)
+            if want_grad:
+                t.requires_grad_(True)
+            lp[k] = t
+    fwd = Forward(cfg, params, lora, lp)
+    with torch.set_grad_enabled(want_grad):
+        logits = fwd(batch["input_ids"], batch["position_ids"], batch["segment_ids"])
+        loss = causal_lm_loss(logits, batch["targets"])
+    grads = {}
+    if want_grad:
+        leaves = lp if lora is not None else params
+        names = list(leaves)
+        gs = torch.autograd.grad(loss, [leaves[n] for n in names], allow_unused=True)
+        for n, g in zip(names, gs):
+            grads[n] = torch.zeros_like(leaves[n]) if g is None else g
+    return logits.detach(), loss.detach(), grads
+
+
+# ----------------------------------------------------------------------------- init
+
+def _gen(seed):
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+def init_params(cfg, seed, init_std=None):
+    """Random weights. Default std 0.8/sqrt(fan_in) so attention is far from uniform and every
+    term matters; norm weights U(0.6, 1.4), biases N(0, 0.1)."""
+    g = _gen(seed)
+    out = {}
+    for name, shape in param_shapes(cfg).items():
+        if name.endswith("norm.weight") or re.search(r"ln_\w+\.weight$", name):
+            t = 0.6 + 0.8 * torch.rand(shape, generator=g, dtype=torch.float64)
+        elif name.endswith(".bias"):
+            t = 0.1 * torch.randn(shape, generator=g, dtype=torch.float64)
+        else:
+            if init_std is not None:
+                std = init_std
+            elif cfg.family == "gpt2" and name.endswith(".weight") and "wte" not in name \
+                    and "wpe" not in name and name != "lm_head.weight":
+                std = 0.8 / math.sqrt(shape[0])  # Conv1D [in, out]
+            else:
+                std = 0.8 / math.sqrt(shape[1])  # Linear [out, in] / embedding [V, H]
+            t = std * torch.randn(shape, generator=g, dtype=torch.float64)
+        out[name] = t.float()
+    return out
+
+
+def make_config(a):
+    arch = a.arch
+    if arch == "gpt2":
+        heads = a.heads or 4
+        return {
+            "activation_function": "gelu_new",
+            "architectures": ["GPT2LMHeadModel"],
+            "attn_pdrop": 0.0,
+            "bos_token_id": a.vocab - 1,
+            "embd_pdrop": 0.0,
+            "eos_token_id": a.vocab - 1,
+            "initializer_range": 0.02,
+            "layer_norm_epsilon": a.eps if a.eps is not None else 1e-5,
+            "model_type": "gpt2",
+            "n_embd": a.hidden,
+            "n_head": heads,
+            "n_inner": a.intermediate,
+            "n_layer": a.layers,
+            "n_positions": a.max_pos,
+            "reorder_and_upcast_attn": False,
+            "resid_pdrop": 0.0,
+            "scale_attn_by_inverse_layer_idx": False,
+            "scale_attn_weights": True,
+            "summary_activation": None,
+            "summary_first_dropout": 0.0,
+            "summary_proj_to_labels": True,
+            "summary_type": "cls_index",
+            "summary_use_proj": True,
+            "tie_word_embeddings": True,
+            "torch_dtype": a.save_dtype,
+            "transformers_version": "4.46.0",
+            "use_cache": True,
+            "vocab_size": a.vocab,
+        }
+    heads = a.heads or 4
+    kv = a.kv_heads or (2 if heads % 2 == 0 else heads)
+    head_dim = a.head_dim or a.hidden // heads
+    scaling = json.loads(a.rope_scaling) if a.rope_scaling else None
+    kind = "qwen2" if a.qwen2 else "mistral" if a.mistral else "llama"
+    c = {
+        "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                           "qwen2": "Qwen2ForCausalLM"}[kind]],
+        "attention_dropout": 0.0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "hidden_act": "silu",
+        "hidden_size": a.hidden,
+        "initializer_range": 0.02,
+        "intermediate_size": a.intermediate or 2 * a.hidden,
+        "max_position_embeddings": a.max_pos,
+        "model_type": kind,
+        "num_attention_heads": heads,
+        "num_hidden_layers": a.layers,
+        "num_key_value_heads": kv,
+        "rms_norm_eps": a.eps if a.eps is not None else 1e-6,
+        "tie_word_embeddings": bool(a.tie),
+        "torch_dtype": a.save_dtype,
+        "transformers_version": "4.46.0",
+        "use_cache": True,
+        "vocab_size": a.vocab,
+    }
+    if kind == "llama":
+        c.update({"attention_bias": bool(a.attention_bias), "mlp_bias": bool(a.mlp_bias),
+                  "pretraining_tp": 1, "head_dim": head_dim})
+    elif kind == "mistral":
+        c.update({"head_dim": head_dim, "sliding_window": a.sliding_window})
+    else:
+        c.update({"max_window_layers": a.layers, "sliding_window": a.sliding_window or 4096,
+                  "use_sliding_window": False})
+        if a.head_dim:
+            c["head_dim"] = head_dim
+    if a.rope_parameters:
+        rp = {"rope_theta": a.rope_theta, "rope_type": "default"}
+        if scaling:
+            rp.update(scaling)
+            rp["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
+            rp.pop("type", None)
+        c["rope_parameters"] = rp
+    else:
+        c["rope_theta"] = a.rope_theta
+        c["rope_scaling"] = scaling
+    return c
+
+
+def cmd_init(a):
+    os.makedirs(a.out, exist_ok=True)
+    conf = make_config(a)
+    cfg = Cfg(conf)
+    params = init_params(cfg, a.seed, a.init_std)
+    dt = _DTYPE_ARG[a.save_dtype]
+    write_json(os.path.join(a.out, "config.json"), conf)
+    save_safetensors(os.path.join(a.out, "model.safetensors"),
+                     {k: v.to(dt) for k, v in params.items()}, {"format": "pt"})
+    print(f"wrote {a.out}: {len(params)} tensors, "
+          f"{sum(v.numel() for v in params.values())} parameters")
+
+
+def cmd_init_lora(a):
+    cfg, _ = load_model(a.model)
+    targets = a.targets if a.targets == "all-linear" or "," not in a.targets and \
+        any(ch in a.targets for ch in "*.|()[]") else a.targets.split(",")
+    lin = linear_modules(cfg)
+    names = [n for n in lin if peft_target_matches(n, targets)]
+    if not names:
+        raise SystemExit(f"--targets {a.targets} match no layer of {a.model}")
+    g = _gen(a.seed)
+    tensors = {}
+    for n in names:
+        fin, fout, _ = lin[n]
+        A = torch.randn(a.r, fin, generator=g, dtype=torch.float64) / math.sqrt(fin)
+        B = 0.25 * torch.randn(fout, a.r, generator=g, dtype=torch.float64) / math.sqrt(a.r)
+        tensors[f"base_model.model.{n}.lora_A.weight"] = A.float()
+        tensors[f"base_model.model.{n}.lora_B.weight"] = B.float()
+    conv = any(lin[n][2] for n in names)
+    conf = {
+        "alpha_pattern": {}, "auto_mapping": None,
+        "base_model_name_or_path": os.path.abspath(a.model),
+        "bias": "none", "fan_in_fan_out": bool(conv), "inference_mode": False,
+        "init_lora_weights": True, "layers_pattern": None, "layers_to_transform": None,
+        "lora_alpha": int(a.alpha) if float(a.alpha).is_integer() else a.alpha, "lora_dropout": 0.0, "modules_to_save": None,
+        "peft_type": "LORA", "r": a.r, "rank_pattern": {}, "revision": None,
+        "target_modules": targets, "task_type": "CAUSAL_LM", "use_dora": False,
+        "use_rslora": bool(a.rslora),
+    }
+    os.makedirs(a.out, exist_ok=True)
+    write_json(os.path.join(a.out, "adapter_config.json"), conf)
+    save_safetensors(os.path.join(a.out, "adapter_model.safetensors"), tensors, {"format": "pt"})
+    print(f"wrote {a.out}: {len(names)} LoRA modules")
+
+
+def make_batch(rows, seq, vocab, seed, max_docs=3, min_doc=2, ignore_frac=0.1, pad=True):
+    """Packed rows: documents back to back, positions restarting, the last token of each
+    document predicting nothing, some targets masked, trailing padding on some rows."""
+    rng = np.random.default_rng(seed)
+    ids = np.zeros((rows, seq), np.int64)
+    tgt = np.full((rows, seq), IGNORE, np.int64)
+    pos = np.zeros((rows, seq), np.int64)
+    seg = np.full((rows, seq), -1, np.int64)
+    for r in range(rows):
+        used = seq - (int(rng.integers(1, max(2, seq // 4))) if pad and r % 2 == 1 else 0)
+        ndocs = int(rng.integers(1, max_docs + 1))
+        cuts = sorted(rng.choice(np.arange(min_doc, max(min_doc + 1, used - min_doc + 1)),
+                                 size=min(ndocs - 1, max(0, used // min_doc - 1)),
+                                 replace=False).tolist()) if ndocs > 1 else []
+        cuts = [c for i, c in enumerate(cuts) if c - (cuts[i - 1] if i else 0) >= min_doc
+                and used - c >= min_doc]
+        bounds = [0] + cuts + [used]
+        for s_i in range(len(bounds) - 1):
+            b, e = bounds[s_i], bounds[s_i + 1]
+            doc = rng.integers(0, vocab, size=e - b)
+            ids[r, b:e] = doc
+            pos[r, b:e] = np.arange(e - b)
+            seg[r, b:e] = s_i
+            tgt[r, b:e - 1] = doc[1:]
+        ids[r, used:] = 0
+    drop = (rng.random((rows, seq)) < ignore_frac) & (tgt != IGNORE)
+    tgt[drop] = IGNORE
+    if (tgt != IGNORE).sum() == 0:
+        tgt[0, 0] = ids[0, 1]
+    return {k: torch.from_numpy(v) for k, v in
+            (("input_ids", ids), ("targets", tgt), ("position_ids", pos), ("segment_ids", seg))}
+
+
+def cmd_make_batch(a):
+    b = make_batch(a.rows, a.seq, a.vocab, a.seed, a.max_docs, a.min_doc, a.ignore_frac, a.pad)
+    save_safetensors(a.out, b)
+    print(f"wrote {a.out}: {a.rows}x{a.seq}, {int((b['targets'] != IGNORE).sum())} targets")
+
+
+def cmd_forward(a):
+    cfg, base = load_model(a.model)
+    batch = load_batch(a.batch)
+    lora = Lora(a.lora, cfg) if a.lora else None
+    logits, loss, grads = run_forward(cfg, base, batch, lora, lora.tensors if lora else None,
+                                      _DTYPE_ARG[a.dtype], not a.no_grad)
+    out = {"logits": logits.float(), "loss": loss.float().reshape(())}
+    for k, g in grads.items():
+        out[k + ".grad"] = g.float()
+    save_safetensors(a.out, out)
+    print(f"loss {loss.item():.10g}")
+
+
+def cmd_train(a):
+    cfg, base = load_model(a.model)
+    batch = load_batch(a.batch)
+    lora = Lora(a.lora, cfg)
+    dtype = _DTYPE_ARG[a.dtype]
+    names = list(lora.tensors)
+    master = {k: lora.tensors[k].float().clone().requires_grad_(True) for k in names}
+    betas = tuple(float(x) for x in a.betas.split(","))
+    opt = torch.optim.AdamW([master[k] for k in names], lr=a.lr, betas=betas, eps=a.eps,
+                            weight_decay=a.weight_decay)
+    params = {k: v.to(dtype) for k, v in base.items()}
+    losses = []
+    for step in range(a.steps + 1):
+        lp = {k: master[k].to(dtype) for k in names}  # fp32 leaves, grads come back as fp32
+        fwd = Forward(cfg, params, lora, lp)
+        with torch.set_grad_enabled(step < a.steps):
+            logits = fwd(batch["input_ids"], batch["position_ids"], batch["segment_ids"])
+            loss = causal_lm_loss(logits, batch["targets"])
+        losses.append(loss.item())
+        if step == a.steps:
+            break
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if a.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_([master[k] for k in names], a.max_grad_norm)
+        opt.step()
+        print(f"step {step} loss {losses[-1]:.10g}")
+    print(f"final loss {losses[-1]:.10g}")
+    write_json(a.out, {"losses": losses[:-1], "final_loss": losses[-1], "steps": a.steps,
+                       "lr": a.lr, "betas": list(betas), "eps": a.eps,
+                       "weight_decay": a.weight_decay, "max_grad_norm": a.max_grad_norm})
+    if a.out_tensors:
+        save_safetensors(a.out_tensors, {k: master[k].detach() for k in names},
+                         {"format": "pt"})
+
+
+# ----------------------------------------------------------------------------- selftest
+
+class _Args:
+    def __init__(self, **kw):
+        d = dict(arch="llama", layers=2, hidden=32, heads=4, kv_heads=2, intermediate=48,
+                 vocab=40, max_pos=64, head_dim=None, rope_theta=10000.0, rope_scaling=None,
+                 rope_parameters=False, tie=False, attention_bias=False, mlp_bias=False,
+                 qwen2=False, mistral=False, sliding_window=None, eps=None,
+                 save_dtype="float32")
+        d.update(kw)
+        self.__dict__.update(d)
+
+
+def _model(seed=0, **kw):
+    cfg = Cfg(make_config(_Args(**kw)))
+    return cfg, init_params(cfg, seed)
+
+
+def _rand_lora(cfg, targets, r, alpha, rslora, seed, tmp):
+    lin = linear_modules(cfg)
+    g = _gen(seed)
+    t = {}
+    for n in lin:
+        if peft_target_matches(n, targets):
+            fin, fout, _ = lin[n]
+            t[f"base_model.model.{n}.lora_A.weight"] = torch.randn(r, fin, generator=g) / fin ** .5
+            t[f"base_model.model.{n}.lora_B.weight"] = 0.3 * torch.randn(fout, r, generator=g)
+    os.makedirs(tmp, exist_ok=True)
+    write_json(os.path.join(tmp, "adapter_config.json"),
+               {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "use_rslora": rslora,
+                "target_modules": targets, "bias": "none"})
+    save_safetensors(os.path.join(tmp, "adapter_model.safetensors"), t)
+    return Lora(tmp, cfg)
+
+
+def naive_numpy_forward(cfg, base, ids, pos, seg):
+    """A second, loop-per-token/head numpy implementation of one row (selftest only): written
+    from the definitions, sharing nothing with Forward but inv_freq."""
+    P = {k: v.double().numpy() for k, v in base.items()}
+    T, H = len(ids), cfg.hidden
+    nq, nkv, d = cfg.heads, cfg.kv_heads, cfg.head_dim
+
+    def ln(x, w, b):
+        mu = x.mean()
+        return (x - mu) / np.sqrt(((x - mu) ** 2).mean() + cfg.eps) * w + b
+
+    def rms(x, w):
+        return w * x / np.sqrt((x ** 2).mean() + cfg.eps)
+
+    def rope(x, p):  # x (d,): pair i with i + d/2
+        inv = rope_inv_freq(cfg).double().numpy()
+        out = x.copy()
+        for i in range(d // 2):
+            a = p * inv[i]
+            out[i] = x[i] * math.cos(a) - x[i + d // 2] * math.sin(a)
+            out[i + d // 2] = x[i + d // 2] * math.cos(a) + x[i] * math.sin(a)
+        return out
+
+    def attn_row(qs, ks, vs, t, scale, kv_of):
+        o = []
+        for h in range(len(qs[0])):
+            keys = [u for u in range(T) if u == t or (u <= t and seg[u] == seg[t] and seg[u] >= 0)]
+            sc = np.array([qs[t][h] @ ks[u][kv_of(h)] * scale for u in keys])
+            w = np.exp(sc - sc.max())
+            w /= w.sum()
+            o.append(sum(wi * vs[u][kv_of(h)] for wi, u in zip(w, keys)))
+        return np.concatenate(o)
+
+    if cfg.family == "gpt2":
+        x = [P["transformer.wte.weight"][ids[t]] + P["transformer.wpe.weight"][pos[t]]
+             for t in range(T)]
+        for i in range(cfg.layers):
+            pre = f"transformer.h.{i}."
+            qkv = [ln(x[t], P[pre + "ln_1.weight"], P[pre + "ln_1.bias"])
+                   @ P[pre + "attn.c_attn.weight"] + P[pre + "attn.c_attn.bias"] for t in range(T)]
+            qs = [[r[h * d:(h + 1) * d] for h in range(nq)] for r in qkv]
+            ks = [[r[H + h * d:H + (h + 1) * d] for h in range(nq)] for r in qkv]
+            vs = [[r[2 * H + h * d:2 * H + (h + 1) * d] for h in range(nq)] for r in qkv]
+            a = [attn_row(qs, ks, vs, t, d ** -0.5, lambda h: h) for t in range(T)]
+            x = [x[t] + a[t] @ P[pre + "attn.c_proj.weight"] + P[pre + "attn.c_proj.bias"]
+                 for t in range(T)]
+            for t in range(T):
+                hdn = ln(x[t], P[pre + "ln_2.weight"], P[pre + "ln_2.bias"]) \
+                    @ P[pre + "mlp.c_fc.weight"] + P[pre + "mlp.c_fc.bias"]
+                hdn = 0.5 * hdn * (1 + np.tanh(math.sqrt(2 / math.pi) * (hdn + 0.044715 * hdn ** 3)))
+                x[t] = x[t] + hdn @ P[pre + "mlp.c_proj.weight"] + P[pre + "mlp.c_proj.bias"]
+        head = P.get("lm_head.weight", P["transformer.wte.weight"])
+        return np.stack([ln(x[t], P["transformer.ln_f.weight"], P["transformer.ln_f.bias"]) @ head.T
+                         for t in range(T)])
+
+    def lin(name, v):
+        y = P[name + ".weight"] @ v
+        return y + P[name + ".bias"] if name + ".bias" in P else y
+
+    x = [P["model.embed_tokens.weight"][ids[t]] for t in range(T)]
+    for i in range(cfg.layers):
+        pre = f"model.layers.{i}.self_attn."
+        hs = [rms(x[t], P[f"model.layers.{i}.input_layernorm.weight"]) for t in range(T)]
+        qs = [[rope(lin(pre + "q_proj", hs[t])[h * d:(h + 1) * d], pos[t]) for h in range(nq)]
+              for t in range(T)]
+        ks = [[rope(lin(pre + "k_proj", hs[t])[h * d:(h + 1) * d], pos[t]) for h in range(nkv)]
+              for t in range(T)]
+        vs = [[lin(pre + "v_proj", hs[t])[h * d:(h + 1) * d] for h in range(nkv)] for t in range(T)]
+        rep = nq // nkv
+        x = [x[t] + lin(pre + "o_proj", attn_row(qs, ks, vs, t, d ** -0.5, lambda h: h // rep))
+             for t in range(T)]
+        pre = f"model.layers.{i}."
+        for t in range(T):
+            hn = rms(x[t], P[pre + "post_attention_layernorm.weight"])
+            g, u = lin(pre + "mlp.gate_proj", hn), lin(pre + "mlp.up_proj", hn)
+            x[t] = x[t] + lin(pre + "mlp.down_proj", g / (1 + np.exp(-g)) * u)
+    head = P.get("lm_head.weight", P["model.embed_tokens.weight"])
+    return np.stack([rms(x[t], P["model.norm.weight"]) @ head.T for t in range(T)])
+
+
+def selftest():
+    import tempfile
+    torch.manual_seed(0)
+    tmp = tempfile.mkdtemp(prefix="hf_reference_selftest_")
+    failures = []
+
+    def check(name, ok, detail=""):
+        print(f"{'ok  ' if ok else 'FAIL'} {name} {detail}")
+        if not ok:
+            failures.append(name)
+
+    def close(a, b, tol):
+        a, b = a.double(), b.double()
+        return float((a - b).abs().max() / max(float(b.abs().max()), 1e-30)), \
+            bool(torch.allclose(a, b, rtol=tol, atol=tol * float(b.abs().max())))
+
+    # 1. safetensors round trip (all dtypes, a scalar, an empty tensor); header padded to 8.
+    ts = {"f64": torch.randn(3, 2, dtype=torch.float64), "f32": torch.randn(5),
+          "bf16": torch.randn(4, 3).bfloat16(), "f16": torch.randn(2).half(),
+          "i64": torch.arange(-3, 3), "i32": torch.arange(4, dtype=torch.int32),
+          "u8": torch.arange(7, dtype=torch.uint8), "b": torch.tensor([True, False]),
+          "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3)}
+    p = os.path.join(tmp, "rt.safetensors")
+    save_safetensors(p, ts, {"format": "pt"})
+    back = load_safetensors(p)
+    with open(p, "rb") as f:
+        (hn,) = struct.unpack("<Q", f.read(8))
+    check("safetensors round trip", hn % 8 == 0 and all(
+        back[k].dtype == v.dtype and back[k].shape == v.shape and torch.equal(back[k], v)
+        for k, v in ts.items()))
+
+    # 2. llama3 rope scaling against values worked out by hand per frequency (Llama 3.1 values).
+    cfg = Cfg(make_config(_Args(hidden=128, heads=1, kv_heads=1, rope_theta=500000.0,
+                                rope_scaling=json.dumps({"rope_type": "llama3", "factor": 8.0,
+                                                         "low_freq_factor": 1.0,
+                                                         "high_freq_factor": 4.0,
+                                                         "original_max_position_embeddings": 8192}))))
+    got = rope_inv_freq(cfg).double()
+    worst, kinds = 0.0, set()
+    for i in range(64):
+        f = 1.0 / 500000.0 ** (2 * i / 128)
+        wl = 2 * math.pi / f
+        if wl < 8192 / 4:      # high frequency: unchanged
+            want, kind = f, "high"
+        elif wl > 8192 / 1:    # low frequency: divided by factor
+            want, kind = f / 8, "low"
+        else:                  # in between: interpolate in 1/wavelength
+            s = (8192 / wl - 1) / (4 - 1)
+            want, kind = (1 - s) * f / 8 + s * f, "mid"
+        kinds.add(kind)
+        worst = max(worst, abs(got[i].item() - want) / want)
+    check("llama3 inv_freq vs hand values", worst < 1e-6 and kinds == {"high", "low", "mid"},
+          f"(max rel {worst:.2e})")
+    check("llama3 keeps the highest frequency, divides the lowest by 8",
+          abs(got[0].item() - 1.0) < 1e-7 and
+          abs(got[63].item() * 8 - 500000.0 ** (-126 / 128)) < 1e-6 * 500000.0 ** (-126 / 128))
+
+    # 3. rotate_half RoPE == rotating the pairs (i, i + d/2) by pos * inv_freq[i], norm kept.
+    cfg = Cfg(make_config(_Args(hidden=16, heads=1, kv_heads=1)))
+    pos = torch.tensor([[0, 3, 17]])
+    cos, sin = rope_cos_sin(cfg, pos, torch.float64)
+    x = torch.randn(1, 3, 16, dtype=torch.float64)
+    y = x * cos + rotate_half(x) * sin
+    inv = rope_inv_freq(cfg).double()
+    z = torch.complex(x[..., :8], x[..., 8:]) * torch.exp(1j * pos[..., None].double() * inv)
+    want = torch.cat((z.real, z.imag), -1)
+    err, _ = close(y, want, 1e-6)
+    check("rotate_half RoPE == complex rotation of (i, i+d/2)", err < 1e-6, f"({err:.1e})")
+    # relative-position property: <R(m)q, R(n)k> depends on m - n only.
+    q, k = torch.randn(16, dtype=torch.float64), torch.randn(16, dtype=torch.float64)
+    c2, s2 = rope_cos_sin(cfg, torch.tensor([[5, 2, 25, 22]]), torch.float64)
+    r = [q * c2[0, 0] + rotate_half(q) * s2[0, 0], k * c2[0, 1] + rotate_half(k) * s2[0, 1],
+         q * c2[0, 2] + rotate_half(q) * s2[0, 2], k * c2[0, 3] + rotate_half(k) * s2[0, 3]]
+    check("RoPE scores depend on relative position", abs(float(r[0] @ r[1] - r[2] @ r[3])) < 1e-5)
+
+    # 4. linear scaling == default RoPE at positions / factor.
+    cl = Cfg(make_config(_Args(hidden=16, heads=1, kv_heads=1,
+                               rope_scaling='{"type": "linear", "factor": 4.0}')))
+    p4 = torch.tensor([[0, 4, 8, 36]])
+    cl_cos, _ = rope_cos_sin(cl, p4, torch.float64)
+    emb = (p4.double() / 4.0)[..., None] * rope_inv_freq(cfg).double()
+    check("linear rope scaling == positions / factor",
+          float((cl_cos - torch.cat((emb, emb), -1).cos()).abs().max()) < 1e-6)
+    # rope_parameters (newer format) == top-level rope_theta/rope_scaling (older format).
+    sc = '{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, ' \
+         '"high_freq_factor": 4.0, "original_max_position_embeddings": 128}'
+    old = Cfg(make_config(_Args(rope_theta=5000.0, rope_scaling=sc)))
+    new = Cfg(make_config(_Args(rope_theta=5000.0, rope_scaling=sc, rope_parameters=True)))
+    check("rope_parameters == rope_theta + rope_scaling",
+          "rope_theta" not in new.raw and torch.equal(rope_inv_freq(old), rope_inv_freq(new)))
+
+    # 5. packed rows == each document run alone (llama GQA + bias + llama3, qwen2, gpt2).
+    variants = [("llama gqa bias llama3", dict(attention_bias=True, rope_scaling=sc)),
+                ("qwen2 tied", dict(qwen2=True, tie=True, kv_heads=1)),
+                ("mistral", dict(mistral=True, heads=2, kv_heads=2, head_dim=24)),
+                ("gpt2", dict(arch="gpt2", intermediate=None, kv_heads=None))]
+    batch = make_batch(3, 20, 40, seed=1)
+    for name, kw in variants:
+        cfg, base = _model(1, **kw)
+        logits, loss, _ = run_forward(cfg, base, batch, want_grad=False)
+        worst, tot, n = 0.0, 0.0, 0
+        for r in range(3):
+            for s in range(int(batch["segment_ids"][r].max()) + 1):
+                idx = (batch["segment_ids"][r] == s).nonzero().flatten()
+                one = {k: v[r:r + 1, idx] for k, v in batch.items()}
+                one["segment_ids"] = torch.zeros_like(one["segment_ids"])
+                l1 = Forward(cfg, {k: v.double() for k, v in base.items()})(
+                    one["input_ids"], one["position_ids"], one["segment_ids"])
+                worst = max(worst, float((l1[0] - logits[r, idx]).abs().max()))
+                m = one["targets"] != IGNORE
+                if m.any():
+                    tot += float(F.cross_entropy(l1[0][m[0]], one["targets"][0][m[0]],
+                                                 reduction="sum"))
+                    n += int(m.sum())
+        check(f"packed == separate documents ({name})",
+              worst < 1e-10 and abs(tot / n - loss.item()) < 1e-10, f"({worst:.1e})")
+        check(f"no NaN/inf in logits with padding ({name})", bool(torch.isfinite(logits).all()))
+
+    # 5b. a second implementation (numpy, loops per token and head) gives the same logits.
+    for name, kw in variants[:2] + variants[3:]:
+        cfg, base = _model(12, **kw)
+        logits, _, _ = run_forward(cfg, base, batch, want_grad=False)
+        worst = 0.0
+        for r in range(3):
+            want = naive_numpy_forward(cfg, base, *(batch[k][r].tolist() for k in
+                                                    ("input_ids", "position_ids", "segment_ids")))
+            real = batch["segment_ids"][r] >= 0
+            worst = max(worst, close(logits[r][real], torch.from_numpy(want)[real], 1e-6)[0])
+        check(f"Forward == naive numpy loops ({name})", worst < 1e-6, f"(max rel {worst:.1e})")
+
+    # 6. causality and padding: changing a later token / adding padding leaves earlier logits.
+    cfg, base = _model(2)
+    ids = torch.randint(0, 40, (1, 10))
+    one = {"input_ids": ids, "position_ids": torch.arange(10)[None],
+           "segment_ids": torch.zeros(1, 10, dtype=torch.long)}
+    f = Forward(cfg, {k: v.double() for k, v in base.items()})
+    l0 = f(**one)
+    ids2 = ids.clone()
+    ids2[0, 7] = (ids2[0, 7] + 1) % 40
+    l1 = f(ids2, one["position_ids"], one["segment_ids"])
+    padded = f(torch.cat((ids, torch.zeros(1, 5, dtype=torch.long)), 1),
+               torch.cat((one["position_ids"], torch.zeros(1, 5, dtype=torch.long)), 1),
+               torch.cat((one["segment_ids"], -torch.ones(1, 5, dtype=torch.long)), 1))
+    check("causal: a later token does not change earlier logits",
+          torch.equal(l0[:, :7], l1[:, :7]) and not torch.allclose(l0[:, 7:], l1[:, 7:]))
+    check("trailing padding leaves real logits unchanged",
+          float((padded[:, :10] - l0).abs().max()) < 1e-12)
+
+    # Mistral sliding window W: with one layer, logits at t see tokens t-W+1 .. t only.
+    cfg, base = _model(13, mistral=True, layers=1, sliding_window=3)
+    f = Forward(cfg, {k: v.double() for k, v in base.items()})
+    a0 = f(**one)
+    ids3 = ids.clone()
+    ids3[0, 4] = (ids3[0, 4] + 1) % 40
+    a1 = f(ids3, one["position_ids"], one["segment_ids"])
+    check("mistral sliding_window: key t-W is out of reach, t-W+1 is in",
+          torch.equal(a0[:, 7:], a1[:, 7:]) and not torch.allclose(a0[:, 6], a1[:, 6]))
+
+    # 7. GQA == MHA whose k/v heads are the kv heads repeated (kv head j serves query heads
+    #    j*n_rep ... j*n_rep + n_rep - 1, HF's repeat_kv order).
+    cfg_g, base_g = _model(3, heads=4, kv_heads=2)
+    cfg_m = Cfg(make_config(_Args(heads=4, kv_heads=4)))
+    base_m = dict(base_g)
+    d = cfg_g.head_dim
+    for i in range(cfg_g.layers):
+        for w in ("k_proj", "v_proj"):
+            key = f"model.layers.{i}.self_attn.{w}.weight"
+            base_m[key] = base_g[key].view(2, 1, d, -1).expand(2, 2, d, -1).reshape(4 * d, -1)
+    lg, _, _ = run_forward(cfg_g, base_g, batch, want_grad=False)
+    lm, _, _ = run_forward(cfg_m, base_m, batch, want_grad=False)
+    err, _ = close(lg, lm, 1e-12)
+    check("GQA == MHA with repeated kv weights", err < 1e-12, f"({err:.1e})")
+    base_bad = dict(base_m)
+    for i in range(cfg_g.layers):  # interleaved repeat (the wrong order) must differ
+        for w in ("k_proj", "v_proj"):
+            key = f"model.layers.{i}.self_attn.{w}.weight"
+            base_bad[key] = base_g[key].view(1, 2, d, -1).expand(2, 2, d, -1).reshape(4 * d, -1)
+    lb, _, _ = run_forward(cfg_m, base_bad, batch, want_grad=False)
+    check("GQA head order matters (test is sensitive)", close(lg, lb, 1e-6)[0] > 1e-3)
+
+    # 8. LoRA == merged weights (Linear: W + s B A; Conv1D: W + s (B A)^T), rslora scaling.
+    for name, kw, targets, rs in (
+            ("llama", {}, ["q_proj", "v_proj", "down_proj", "lm_head"], False),
+            ("llama rslora", {"tie": True}, "all-linear", True),
+            ("gpt2", dict(arch="gpt2", intermediate=None), ["c_attn", "c_fc", "c_proj"], False)):
+        cfg, base = _model(4, **kw)
+        lora = _rand_lora(cfg, targets, 3, 6.0, rs, 5, os.path.join(tmp, name.replace(" ", "_")))
+        want_scale = 6.0 / math.sqrt(3) if rs else 2.0
+        ll, _, _ = run_forward(cfg, base, batch, lora, lora.tensors, want_grad=False)
+        merged = {k: v.double() for k, v in base.items()}
+        lin = linear_modules(cfg)
+        for mod, (ak, bk) in lora.modules.items():
+            delta = want_scale * lora.tensors[bk].double() @ lora.tensors[ak].double()
+            key = mod + ".weight"
+            if mod == "lm_head" and cfg.tie:  # untie to merge into the head only
+                merged["lm_head.weight"] = merged["model.embed_tokens.weight"].clone()
+            merged[key] = merged[key] + (delta.t() if lin[mod][2] else delta)
+        cfg_u = cfg
+        if cfg.tie and "lm_head.weight" in merged:
+            cfg_u = Cfg(dict(cfg.raw, tie_word_embeddings=False))
+        lmg = Forward(cfg_u, merged)(batch["input_ids"], batch["position_ids"],
+                                     batch["segment_ids"])
+        err, _ = close(ll, lmg, 1e-10)
+        check(f"LoRA == merged weights ({name}, {len(lora.modules)} modules)", err < 1e-10,
+              f"({err:.1e})")
+
+    # 9. autograd gradients == central finite differences (float64), base and LoRA params.
+    small = make_batch(2, 9, 40, seed=6)
+    for name, kw in (("llama", dict(attention_bias=True, rope_scaling=sc, layers=1)),
+                     ("gpt2", dict(arch="gpt2", intermediate=None, layers=1))):
+        cfg, base = _model(7, **kw)
+        _, _, grads = run_forward(cfg, base, small)
+        gen = torch.Generator().manual_seed(8)
+        worst = 0.0
+        for key in list(base)[::max(1, len(base) // 9)]:
+            flat = base[key].double().reshape(-1)
+            for _ in range(2):
+                j = int(torch.randint(0, flat.numel(), (1,), generator=gen))
+                vals = []
+                for h in (1e-5, -1e-5):
+                    pb = dict(base)
+                    pb[key] = base[key].double().reshape(-1).clone()
+                    pb[key][j] += h
+                    pb[key] = pb[key].reshape(base[key].shape)
+                    vals.append(run_forward(cfg, pb, small, want_grad=False)[1].item())
+                fd = (vals[0] - vals[1]) / 2e-5
+                ag = grads[key].reshape(-1)[j].item()
+                worst = max(worst, abs(fd - ag) / max(abs(ag), 1e-4))
+        check(f"gradients == finite differences ({name})", worst < 1e-5, f"(max rel {worst:.1e})")
+    cfg, base = _model(9, layers=1)
+    lora = _rand_lora(cfg, ["q_proj", "o_proj", "up_proj"], 2, 4.0, False, 10,
+                      os.path.join(tmp, "fdlora"))
+    _, _, grads = run_forward(cfg, base, small, lora, lora.tensors)
+    worst = 0.0
+    for key in lora.tensors:
+        j = 1
+        vals = []
+        for h in (1e-5, -1e-5):
+            lt = {k: v.double().clone() for k, v in lora.tensors.items()}
+            lt[key].view(-1)[j] += h
+            vals.append(run_forward(cfg, base, small, lora, lt, want_grad=False)[1].item())
+        fd = (vals[0] - vals[1]) / 2e-5
+        ag = grads[key].reshape(-1)[j].item()
+        worst = max(worst, abs(fd - ag) / max(abs(ag), 1e-4))
+    check("LoRA gradients == finite differences", worst < 1e-5 and len(grads) == 6,
+          f"(max rel {worst:.1e})")
+
+    # 10. RMSNorm by its definition; gelu_new by its formula against erf GELU's neighbourhood.
+    x = torch.randn(3, 8, dtype=torch.float32)
+    w = torch.rand(8) + 0.5
+    want = w.double() * x.double() / torch.sqrt((x.double() ** 2).mean(-1, keepdim=True) + 1e-6)
+    check("RMSNorm definition", float((rms_norm(x, w, 1e-6).double() - want).abs().max()) < 1e-5)
+    xs = torch.linspace(-4, 4, 81, dtype=torch.float64)
+    check("gelu_new close to exact GELU (tanh approximation)",
+          float((gelu_new(xs) - F.gelu(xs)).abs().max()) < 1e-3 and
+          abs(gelu_new(torch.tensor(1.0, dtype=torch.float64)).item() - 0.8411919906082768) < 1e-12)
+
+    # 11. AdamW (train) == the update written out by hand for one step.
+    g = torch.randn(5, dtype=torch.float64)
+    p0 = torch.randn(5, dtype=torch.float64)
+    pt = p0.clone().float().requires_grad_(True)
+    opt = torch.optim.AdamW([pt], lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    pt.grad = g.float()
+    opt.step()
+    m, v = 0.1 * g, 0.01 * g * g
+    want = p0 * (1 - 0.01 * 0.1) - 0.01 * (m / 0.1) / (torch.sqrt(v / 0.01) + 1e-8)
+    check("torch AdamW step == hand formula", float((pt.double() - want).abs().max()) < 1e-6)
+
+    # 12. float32 compute agrees with float64 (what memtune's fp32 comparisons can expect).
+    cfg, base = _model(11, rope_scaling=sc)
+    l64, s64, g64 = run_forward(cfg, base, batch)
+    l32, s32, g32 = run_forward(cfg, base, batch, dtype=torch.float32)
+    errs = [close(l32, l64, 1e-4)[0], abs(s32.item() - s64.item()) / abs(s64.item())] + \
+        [close(g32[k], g64[k], 1e-4)[0] for k in g64]
+    check("float32 forward/backward == float64 within 1e-4", max(errs) < 1e-4,
+          f"(max rel {max(errs):.1e})")
+
+    # 13. files written by init / init-lora load back and run through the CLI paths.
+    for arch, extra in (("llama", ["--qwen2", "--tie"]), ("gpt2", [])):
+        mdir = os.path.join(tmp, "m_" + arch)
+        main(["init", "--arch", arch, "--out", mdir, "--seed", "3", "--hidden", "32",
+              "--vocab", "64"] + extra)
+        adir = os.path.join(tmp, "a_" + arch)
+        main(["init-lora", "--model", mdir, "--out", adir, "--seed", "4",
+              "--targets", "c_attn,c_proj" if arch == "gpt2" else "q_proj,v_proj"])
+        bpath = os.path.join(tmp, "b.safetensors")
+        main(["make-batch", "--out", bpath, "--vocab", "64", "--seed", "5"])
+        opath = os.path.join(tmp, "o.safetensors")
+        main(["forward", "--model", mdir, "--batch", bpath, "--out", opath, "--lora", adir])
+        o = load_safetensors(opath)
+        with open(os.path.join(adir, "adapter_config.json")) as fh:
+            ac = json.load(fh)
+        check(f"CLI init/init-lora/forward ({arch})",
+              o["logits"].dtype == torch.float32 and o["loss"].shape == () and
+              all(k.endswith(".lora_A.weight.grad") or k.endswith(".lora_B.weight.grad")
+                  for k in o if k not in ("logits", "loss")) and
+              all(float(v.abs().max()) > 0 for k, v in o.items() if k.endswith(".grad")) and
+              ac["fan_in_fan_out"] == (arch == "gpt2"))
+        jpath = os.path.join(tmp, "t.json")
+        main(["train", "--model", mdir, "--batch", bpath, "--lora", adir, "--steps", "5",
+              "--lr", "0.01", "--out", jpath, "--out-tensors", os.path.join(tmp, "t.safetensors")])
+        with open(jpath) as fh:
+            tj = json.load(fh)
+        check(f"CLI train lowers the loss ({arch})", tj["final_loss"] < tj["losses"][0],
+              f"({tj['losses'][0]:.4f} -> {tj['final_loss']:.4f})")
+
+    import shutil
+    shutil.rmtree(tmp, ignore_errors=True)
+    print("selftest:", "FAILED " + ", ".join(failures) if failures else "all passed")
+    return 1 if failures else 0
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("init")
+    p.add_argument("--arch", choices=["llama", "gpt2"], required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=None, help="default 4")
+    p.add_argument("--kv-heads", type=int, default=None, help="llama default 2")
+    p.add_argument("--intermediate", type=int, default=None,
+                   help="llama default 2*hidden; gpt2 n_inner (null = 4*hidden)")
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--max-pos", type=int, default=128)
+    p.add_argument("--head-dim", type=int, default=None)
+    p.add_argument("--rope-theta", type=float, default=10000.0)
+    p.add_argument("--rope-scaling", default=None, help='JSON, e.g. {"rope_type":"llama3",...}')
+    p.add_argument("--rope-parameters", action="store_true",
+                   help="write the newer rope_parameters dict instead of rope_theta/rope_scaling")
+    p.add_argument("--tie", action="store_true")
+    p.add_argument("--attention-bias", action="store_true")
+    p.add_argument("--mlp-bias", action="store_true")
+    p.add_argument("--qwen2", action="store_true")
+    p.add_argument("--mistral", action="store_true")
+    p.add_argument("--sliding-window", type=int, default=None)
+    p.add_argument("--eps", type=float, default=None, help="rms_norm_eps / layer_norm_epsilon")
+    p.add_argument("--init-std", type=float, default=None,
+                   help="constant std for weights (default 0.8/sqrt(fan_in))")
+    p.add_argument("--save-dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+
+    p = sub.add_parser("init-lora")
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--r", type=int, default=4)
+    p.add_argument("--alpha", type=float, default=8)
+    p.add_argument("--targets", default="q_proj,v_proj",
+                   help="comma list, 'all-linear', or a regex (PEFT target_modules)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rslora", action="store_true")
+
+    p = sub.add_parser("make-batch")
+    p.add_argument("--out", required=True)
+    p.add_argument("--vocab", type=int, required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rows", type=int, default=2)
+    p.add_argument("--seq", type=int, default=16)
+    p.add_argument("--max-docs", type=int, default=3)
+    p.add_argument("--min-doc", type=int, default=2)
+    p.add_argument("--ignore-frac", type=float, default=0.1)
+    p.add_argument("--no-pad", dest="pad", action="store_false",
+                   help="no trailing padding (default: odd rows end in padding)")
+
+    p = sub.add_parser("forward")
+    p.add_argument("--model", required=True)
+    p.add_argument("--batch", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--lora", default=None)
+    p.add_argument("--dtype", choices=["float64", "float32"], default="float64")
+    p.add_argument("--no-grad", action="store_true")
+
+    p = sub.add_parser("train")
+    p.add_argument("--model", required=True)
+    p.add_argument("--batch", required=True)
+    p.add_argument("--lora", required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--out", required=True, help="JSON with per-step losses")
+    p.add_argument("--out-tensors", default=None, help="final LoRA tensors (PEFT keys, f32)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--betas", default="0.9,0.999")
+    p.add_argument("--eps", type=float, default=1e-8)
+    p.add_argument("--max-grad-norm", type=float, default=0.0, help="0 = no clipping")
+    p.add_argument("--dtype", choices=["float64", "float32"], default="float64")
+
+    sub.add_parser("selftest")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    if a.cmd == "init":
+        if a.arch == "gpt2" and (a.qwen2 or a.mistral or a.kv_heads):
+            ap.error("--qwen2/--mistral/--kv-heads are llama-family options")
+        if a.qwen2 and a.mistral:
+            ap.error("--qwen2 and --mistral exclude each other")
+        return cmd_init(a)
+    if a.cmd == "init-lora":
+        return cmd_init_lora(a)
+    if a.cmd == "make-batch":
+        return cmd_make_batch(a)
+    if a.cmd == "forward":
+        return cmd_forward(a)
+    if a.cmd == "train":
+        return cmd_train(a)
+    return selftest()
+
+
+if __name__ == "__main__":
+    sys.exit(main() or 0)

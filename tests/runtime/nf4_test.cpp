@@ -1,0 +1,420 @@
+// NF4 against an independent reference (tests/reference/nf4_reference.py, NumPy, written
+// from bitsandbytes' algorithm) byte for byte, plus cases worked out here from the algorithm.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include "runtime/error.h"
+#include "runtime/nf4.h"
+#include "test_util.h"
+
+namespace {
+
+namespace mt = memtune::testing;
+using memtune::NF4Tensor;
+
+std::string read_bytes(const mt::fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  EXPECT_TRUE(in.good()) << p;
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// The raw bytes of a contiguous tensor.
+std::string bytes_of(const at::Tensor& t) {
+  at::Tensor c = t.to(at::kCPU).contiguous();
+  return std::string(static_cast<const char*>(c.data_ptr()), c.numel() * c.element_size());
+}
+
+at::Tensor tensor_from(const std::string& bytes, at::ScalarType dt, std::vector<int64_t> shape) {
+  at::Tensor t = at::empty(shape, at::TensorOptions(dt));
+  EXPECT_EQ(static_cast<size_t>(t.numel() * t.element_size()), bytes.size());
+  std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
+  return t;
+}
+
+struct RefCase {
+  std::string name, dtype, json;
+  int64_t blocksize = 0;
+  bool double_quant = false;
+  uint32_t offset_bits = 0;
+  std::vector<int64_t> shape;
+};
+
+class Nf4Reference : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (!mt::python_torch_available()) return;
+    dir_ = new mt::fs::path(mt::fs::path(MEMTUNE_BUILD_DIR) / "test-tmp" / "nf4_reference");
+    mt::fs::remove_all(*dir_);
+    auto r = mt::run(mt::python() + " " + (mt::source_dir() / "tests/reference/nf4_reference.py").string() + " " +
+                     dir_->string());
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+  }
+  void SetUp() override {
+    if (!mt::python_torch_available()) GTEST_SKIP() << "python3 with torch is not installed";
+  }
+  static std::vector<RefCase> cases() {
+    std::vector<RefCase> out;
+    std::istringstream lines(read_bytes(*dir_ / "cases.txt"));
+    std::string line;
+    while (std::getline(lines, line)) {
+      std::istringstream f(line);
+      RefCase c;
+      f >> c.name >> c.dtype >> c.blocksize >> c.double_quant >> c.offset_bits >> c.json;
+      for (char& ch : c.json)
+        if (ch == '\x01') ch = ' ';
+      int64_t d;
+      while (f >> d) c.shape.push_back(d);
+      out.push_back(c);
+    }
+    return out;
+  }
+  static at::ScalarType dtype_of(const std::string& s) {
+    return s == "float16" ? at::kHalf : s == "bfloat16" ? at::kBFloat16 : at::kFloat;
+  }
+  static at::Tensor input(const RefCase& c) {
+    return tensor_from(read_bytes(*dir_ / (c.name + ".input")), dtype_of(c.dtype), c.shape);
+  }
+  static mt::fs::path* dir_;
+};
+mt::fs::path* Nf4Reference::dir_ = nullptr;
+
+TEST_F(Nf4Reference, QuantizeMatchesByteForByte) {
+  auto all = cases();
+  ASSERT_GE(all.size(), 8u);
+  for (const auto& c : all) {
+    SCOPED_TRACE(c.name);
+    NF4Tensor q = memtune::nf4_quantize(input(c), c.blocksize, c.double_quant);
+    EXPECT_EQ(q.shape, c.shape);
+    EXPECT_EQ(q.dtype, dtype_of(c.dtype));
+    EXPECT_EQ(q.packed.numel(), (q.numel() + 1) / 2);
+    EXPECT_TRUE(bytes_of(q.packed) == read_bytes(*dir_ / (c.name + ".packed"))) << "packed codes differ";
+    EXPECT_TRUE(bytes_of(q.absmax) == read_bytes(*dir_ / (c.name + ".absmax"))) << "absmax differs";
+    if (c.double_quant) {
+      EXPECT_EQ(q.absmax.scalar_type(), at::kByte);
+      EXPECT_TRUE(bytes_of(q.nested_absmax) == read_bytes(*dir_ / (c.name + ".nested_absmax")));
+      uint32_t bits;
+      std::memcpy(&bits, &q.nested_offset, 4);
+      EXPECT_EQ(bits, c.offset_bits) << "offset " << q.nested_offset;
+      EXPECT_TRUE(bytes_of(q.nested_quant_map) == read_bytes(*dir_ / "dynamic_map"));
+    } else {
+      EXPECT_EQ(q.absmax.scalar_type(), at::kFloat);
+    }
+    // Dequantized fp32 values, bit for bit.
+    at::Tensor deq = memtune::nf4_dequantize(q, at::kFloat);
+    EXPECT_EQ(deq.sizes().vec(), c.shape);
+    EXPECT_TRUE(bytes_of(deq) == read_bytes(*dir_ / (c.name + ".deq"))) << "dequantized values differ";
+    // The JSON bitsandbytes packs, as Python's json.dumps writes it.
+    for (const auto& [key, t] : memtune::nf4_to_bnb("m.w.weight", q))
+      if (key == "m.w.weight.quant_state.bitsandbytes__nf4") {
+        EXPECT_EQ(bytes_of(t), c.json);
+      }
+  }
+}
+
+TEST_F(Nf4Reference, DequantizePathsAgree) {
+  for (const auto& c : cases()) {
+    SCOPED_TRACE(c.name);
+    NF4Tensor q = memtune::nf4_quantize(input(c), c.blocksize, c.double_quant);
+    for (auto dt : {at::kFloat, at::kBFloat16, at::kHalf}) {
+      at::Tensor fast = memtune::nf4_dequantize(q, dt);
+      at::Tensor generic = memtune::nf4_dequantize_generic(q, dt);
+      EXPECT_EQ(fast.scalar_type(), dt);
+      EXPECT_TRUE(bytes_of(fast) == bytes_of(generic)) << dt;
+      // One rounding from the fp32 value (round to nearest even).
+      EXPECT_TRUE(bytes_of(fast) == bytes_of(memtune::nf4_dequantize(q, at::kFloat).to(dt))) << dt;
+    }
+    // Ranges starting and ending mid-byte and mid-block.
+    at::Tensor full = memtune::nf4_dequantize(q, at::kFloat).reshape({-1});
+    const int64_t n = q.numel();
+    for (auto [b, len] : std::vector<std::pair<int64_t, int64_t>>{{0, n}, {1, n - 2}, {3, 70}, {n - 1, 1}, {n / 2 + 1, n / 3}}) {
+      at::Tensor part = at::empty({len}, at::TensorOptions(at::kFloat));
+      memtune::nf4_dequantize_range_into(q, b, len, part);
+      EXPECT_TRUE(at::equal(part, full.narrow(0, b, len))) << b << "+" << len;
+    }
+  }
+}
+
+// ---- cases worked out from the algorithm ---------------------------------------------
+
+// Codes of a flattened tensor, high nibble first.
+std::vector<int> codes_of(const NF4Tensor& q) {
+  std::vector<int> out;
+  at::Tensor p = q.packed.contiguous();
+  for (int64_t i = 0; i < p.numel(); ++i) {
+    out.push_back(p.data_ptr<uint8_t>()[i] >> 4);
+    out.push_back(p.data_ptr<uint8_t>()[i] & 15);
+  }
+  out.resize(q.numel());
+  return out;
+}
+
+TEST(Nf4, CodebookValuesAndMidpoints) {
+  const auto& cb = memtune::nf4_codebook();
+  EXPECT_EQ(cb[0], -1.0f);
+  EXPECT_EQ(cb[7], 0.0f);
+  EXPECT_EQ(cb[15], 1.0f);
+  // bitsandbytes' dQuantizeNF4 compares against these fp32 literals, the midpoints of
+  // neighbouring codes (a few land one fp32 step off the fp32 midpoint).
+  const float mids[15] = {-0.8480964004993439f, -0.6106329262256622f, -0.4599952697753906f,
+                          -0.33967943489551544f, -0.23460740596055984f, -0.13791173323988914f,
+                          -0.045525018125772476f, 0.03979014977812767f, 0.1202552504837513f,
+                          0.2035212516784668f, 0.2920137718319893f, 0.3893125355243683f,
+                          0.5016634166240692f, 0.6427869200706482f, 0.8614784181118011f};
+  for (int i = 0; i < 15; ++i) {
+    const double exact = (static_cast<double>(cb[i]) + cb[i + 1]) / 2;
+    EXPECT_LE(std::fabs(mids[i] - exact), std::fabs(std::nextafter(mids[i], 2.0f) - mids[i])) << i;
+  }
+  // One block with absmax exactly 1 (so x * (1/absmax) == x): each code value, each
+  // midpoint (a tie goes to the lower code: the kernel compares with ">"), and the floats
+  // just above (upper code) and below (lower code) it.
+  std::vector<float> x;
+  std::vector<int> want;
+  for (int i = 0; i < 16; ++i) {
+    x.push_back(cb[i]);
+    want.push_back(i);
+  }
+  for (int i = 0; i < 15; ++i) {
+    x.push_back(mids[i]);
+    want.push_back(i);
+    x.push_back(std::nextafter(mids[i], 2.0f));
+    want.push_back(i + 1);
+    x.push_back(std::nextafter(mids[i], -2.0f));
+    want.push_back(i);
+  }
+  x.push_back(-0.0f);  // negative zero codes as zero
+  want.push_back(7);
+  while (x.size() % 64) {
+    // 0.5 is 0.0593 from 0.44070983 (code 12) and 0.0626 from 0.56261700 (code 13).
+    x.push_back(0.5f);
+    want.push_back(12);
+  }
+  at::Tensor t = at::tensor(x, at::TensorOptions(at::kFloat));
+  NF4Tensor q = memtune::nf4_quantize(t, 64, false);
+  EXPECT_EQ(codes_of(q), want);
+  at::Tensor deq = memtune::nf4_dequantize(q, at::kFloat);
+  for (int i = 0; i < 16; ++i) EXPECT_EQ(deq[i].item<float>(), cb[i]);
+}
+
+TEST(Nf4, ScalingUsesReciprocalOfAbsmax) {
+  // Block [4, v]: v * (1/4) lands on the value the kernel compares.
+  const float absmax = 4.0f;
+  std::vector<float> x = {absmax, -absmax, 0.3f, -1.7f};
+  NF4Tensor q = memtune::nf4_quantize(at::tensor(x, at::TensorOptions(at::kFloat)), 32, false);
+  auto codes = codes_of(q);
+  EXPECT_EQ(codes[0], 15);
+  EXPECT_EQ(codes[1], 0);
+  // 0.3/4 = 0.075 -> between 0.0398 and 0.1203 -> code 8; -1.7/4 = -0.425 -> between
+  // -0.46 and -0.3397 -> code 3.
+  EXPECT_EQ(codes[2], 8);
+  EXPECT_EQ(codes[3], 3);
+  EXPECT_EQ(q.absmax.item<float>(), absmax);
+}
+
+TEST(Nf4, AllZeroBlockAndPartialBlock) {
+  // Block 0 all zero, block 1 random, block 2 a partial (odd) tail.
+  at::Tensor x = at::randn({64 * 2 + 7});
+  x.narrow(0, 0, 64).zero_();
+  x[3] = -0.0f;
+  for (bool dq : {false, true}) {
+    NF4Tensor q = memtune::nf4_quantize(x, 64, dq);
+    auto codes = codes_of(q);
+    for (int i = 0; i < 64; ++i) ASSERT_EQ(codes[i], 7) << i;
+    // The padding nibble of the odd tail is the code of 0.0.
+    EXPECT_EQ(q.packed[q.packed.numel() - 1].item<uint8_t>() & 15, 7);
+    EXPECT_EQ(q.nblocks(), 3);
+    at::Tensor absmax = memtune::nf4_absmax_fp32(q);
+    at::Tensor tail = x.narrow(0, 128, 7);
+    if (!dq) {
+      EXPECT_EQ(absmax[0].item<float>(), 0.0f);
+      EXPECT_EQ(absmax[2].item<float>(), tail.abs().max().item<float>());  // its own absmax
+    }
+    at::Tensor deq = memtune::nf4_dequantize(q, at::kFloat);
+    EXPECT_TRUE(at::all(deq.narrow(0, 0, 64) == 0).item<bool>());
+  }
+}
+
+TEST(Nf4, RejectsNonFiniteWithCountAndIndex) {
+  at::Tensor x = at::randn({10, 20});
+  x[3][4] = std::numeric_limits<float>::infinity();
+  x[7][1] = std::nanf("");
+  try {
+    memtune::nf4_quantize(x, 64, true, "layers.0.q_proj.weight");
+    FAIL() << "no error";
+  } catch (const memtune::UserError& e) {
+    std::string m = e.what();
+    EXPECT_NE(m.find("2 non-finite"), std::string::npos) << m;
+    EXPECT_NE(m.find("flat index 64"), std::string::npos) << m;
+    EXPECT_NE(m.find("layers.0.q_proj.weight"), std::string::npos) << m;
+  }
+  EXPECT_THROW(memtune::nf4_quantize(at::randn({64}), 48), memtune::UserError);
+  EXPECT_THROW(memtune::nf4_quantize(at::randn({64}), 8192), memtune::UserError);
+  EXPECT_THROW(memtune::nf4_quantize(at::randn({64}).to(at::kDouble), 64), memtune::UserError);
+}
+
+TEST(Nf4, DequantizeErrorBound) {
+  // |x - deq| <= absmax * (largest half gap between neighbouring codes), plus the error of
+  // the reconstructed absmax under double quantization.
+  const auto& cb = memtune::nf4_codebook();
+  float half_gap = 0;
+  for (int i = 0; i < 15; ++i) half_gap = std::max(half_gap, (cb[i + 1] - cb[i]) / 2);
+  at::Tensor x = at::randn({256, 192}) * at::rand({256, 1}) * 3;
+  for (bool dq : {false, true}) {
+    NF4Tensor q = memtune::nf4_quantize(x, 64, dq);
+    at::Tensor deq = memtune::nf4_dequantize(q, at::kFloat).view({-1, 64});
+    at::Tensor xb = x.view({-1, 64});
+    at::Tensor true_absmax = xb.abs().amax(1, true);
+    at::Tensor recon = memtune::nf4_absmax_fp32(q).unsqueeze(1);
+    at::Tensor bound = true_absmax * half_gap * 1.0001 + (recon - true_absmax).abs();
+    EXPECT_TRUE(at::all((deq - xb).abs() <= bound).item<bool>()) << "dq=" << dq;
+    if (dq) {
+      // The 8-bit dynamic map steps by at most (1 - 0.1) / 64 of the 256-block's scale
+      // near its top, so absmax comes back within half of that times nested_absmax.
+      at::Tensor nested = q.nested_absmax.repeat_interleave(256).narrow(0, 0, q.nblocks()).unsqueeze(1);
+      EXPECT_TRUE(at::all((recon - true_absmax).abs() <= nested * (0.9 / 64 / 2) * 1.001).item<bool>());
+    }
+  }
+}
+
+// ---- bitsandbytes serialization ------------------------------------------------------
+
+std::map<std::string, at::Tensor> as_map(const std::vector<std::pair<std::string, at::Tensor>>& v) {
+  return std::map<std::string, at::Tensor>(v.begin(), v.end());
+}
+
+TEST(Nf4, BnbRoundTrip) {
+  at::Tensor x = at::randn({96, 80}).to(at::kBFloat16);
+  for (bool dq : {true, false}) {
+    NF4Tensor q = memtune::nf4_quantize(x, 64, dq);
+    const std::string w = "model.layers.0.self_attn.q_proj.weight";
+    auto entries = memtune::nf4_to_bnb(w, q);
+    auto m = as_map(entries);
+    std::vector<std::string> keys;
+    for (auto& e : entries) keys.push_back(e.first);
+    std::vector<std::string> want = {w, w + ".absmax", w + ".quant_map"};
+    if (dq) {
+      want.push_back(w + ".nested_absmax");
+      want.push_back(w + ".nested_quant_map");
+    }
+    want.push_back(w + ".quant_state.bitsandbytes__nf4");
+    EXPECT_EQ(keys, want);
+    EXPECT_EQ(m[w].sizes().vec(), (std::vector<int64_t>{96 * 80 / 2, 1}));
+    EXPECT_EQ(m[w].scalar_type(), at::kByte);
+    at::Tensor qm = m[w + ".quant_map"];
+    ASSERT_EQ(qm.numel(), 16);
+    for (int i = 0; i < 16; ++i) EXPECT_EQ(qm[i].item<float>(), memtune::nf4_codebook()[i]);
+    EXPECT_TRUE(memtune::is_bnb_nf4(keys, w));
+    EXPECT_FALSE(memtune::is_bnb_nf4(keys, "model.layers.0.self_attn.k_proj.weight"));
+
+    NF4Tensor back = memtune::nf4_from_bnb(
+        [&](const std::string& k) { return m.count(k) ? m[k] : at::Tensor(); }, w);
+    EXPECT_EQ(back.shape, q.shape);
+    EXPECT_EQ(back.blocksize, 64);
+    EXPECT_EQ(back.dtype, at::kBFloat16);
+    EXPECT_EQ(back.double_quant, dq);
+    EXPECT_TRUE(at::equal(back.packed, q.packed));
+    EXPECT_TRUE(at::equal(back.absmax, q.absmax));
+    if (dq) {
+      EXPECT_EQ(back.nested_offset, q.nested_offset);  // JSON repr round-trips the float
+      EXPECT_TRUE(at::equal(back.nested_absmax, q.nested_absmax));
+      EXPECT_TRUE(at::equal(back.nested_quant_map, q.nested_quant_map));
+    }
+    EXPECT_TRUE(at::equal(memtune::nf4_dequantize(back, at::kFloat), memtune::nf4_dequantize(q, at::kFloat)));
+  }
+}
+
+TEST(Nf4, BnbJsonLayout) {
+  NF4Tensor q = memtune::nf4_quantize(at::ones({4, 64}).to(at::kHalf), 64, false);
+  auto m = as_map(memtune::nf4_to_bnb("w", q));
+  EXPECT_EQ(bytes_of(m["w.quant_state.bitsandbytes__nf4"]),
+            R"({"quant_type": "nf4", "blocksize": 64, "dtype": "float16", "shape": [4, 64]})");
+  EXPECT_EQ(m["w.absmax"].scalar_type(), at::kFloat);
+}
+
+TEST(Nf4, BnbRejectsInconsistentState) {
+  NF4Tensor q = memtune::nf4_quantize(at::randn({32, 64}), 64, true);
+  const std::string w = "m.weight";
+  auto load = [&](std::map<std::string, at::Tensor> m) {
+    return memtune::nf4_from_bnb([&](const std::string& k) { return m.count(k) ? m[k] : at::Tensor(); }, w);
+  };
+  auto expect_error = [&](std::map<std::string, at::Tensor> m, const std::string& needle) {
+    try {
+      load(m);
+      ADD_FAILURE() << "no error for " << needle;
+    } catch (const memtune::UserError& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  auto good = as_map(memtune::nf4_to_bnb(w, q));
+  EXPECT_NO_THROW(load(good));
+
+  auto m = good;
+  m.erase(w + ".nested_absmax");
+  expect_error(m, "m.weight.nested_absmax");
+
+  m = good;
+  m[w + ".absmax"] = good[w + ".absmax"].narrow(0, 0, 10);
+  expect_error(m, "absmax' has 10 entries");
+
+  m = good;
+  m[w] = good[w].narrow(0, 0, 100);
+  expect_error(m, "needs 1024");
+
+  m = good;
+  auto json = bytes_of(good[w + ".quant_state.bitsandbytes__nf4"]);
+  auto set_json = [&](std::string from, std::string to) {
+    std::string s = json;
+    s.replace(s.find(from), from.size(), to);
+    m[w + ".quant_state.bitsandbytes__nf4"] = at::tensor(std::vector<uint8_t>(s.begin(), s.end()), at::kByte);
+  };
+  set_json("\"nf4\"", "\"fp4\"");
+  expect_error(m, "quant_type \"fp4\"");
+  m = good;
+  set_json("[32, 64]", "[32, 65]");
+  expect_error(m, "needs 1040");
+  m = good;
+  set_json("\"blocksize\": 64", "\"blocksize\": 48");
+  expect_error(m, "blocksize 48");
+
+  m = good;
+  m.erase(w + ".quant_state.bitsandbytes__nf4");
+  m[w + ".quant_state.bitsandbytes__fp4"] = good[w + ".quant_state.bitsandbytes__nf4"];
+  expect_error(m, "FP4");
+
+  m = good;
+  m[w + ".quant_map"] = at::linspace(-1, 1, 16);
+  expect_error(m, "not the NF4 codebook");
+}
+
+TEST(Nf4, BitsPerParameter) {
+  const int64_t rows = 4096, cols = 4096, n = rows * cols;
+  NF4Tensor dq = memtune::nf4_quantize(at::randn({rows, cols}), 64, true);
+  const int64_t nb = n / 64, nb2 = (nb + 255) / 256;
+  // packed n/2 bytes + one uint8 code per block + fp32 per 256 blocks + fp32[256] map.
+  const double want = 8.0 * (n / 2 + nb + 4 * nb2 + 4 * 256) / n;
+  EXPECT_DOUBLE_EQ(memtune::nf4_bits_per_parameter(dq), want);
+  EXPECT_NEAR(memtune::nf4_bits_per_parameter(dq), 4.127, 0.001);
+  NF4Tensor plain = memtune::nf4_quantize(at::randn({rows, 64}), 64, false);
+  EXPECT_DOUBLE_EQ(memtune::nf4_bits_per_parameter(plain), 4.5);
+}
+
+TEST(Nf4, PythonFloatRepr) {
+  // Expected strings from CPython's repr().
+  const std::vector<std::pair<double, std::string>> cases = {
+      {1e-05, "1e-05"}, {0.0001, "0.0001"}, {1.5e-05, "1.5e-05"}, {123.0, "123.0"},
+      {1e16, "1e+16"}, {0.1, "0.1"}, {static_cast<double>(0.1f), "0.10000000149011612"},
+      {12345678901234567.0, "1.2345678901234568e+16"}, {0.00012345, "0.00012345"}, {2.5, "2.5"},
+      {1e22, "1e+22"}, {5e-324, "5e-324"}, {100.0, "100.0"}, {0.0, "0.0"},
+      {static_cast<double>(3.3e-3f), "0.0032999999821186066"}};
+  for (const auto& [v, s] : cases) EXPECT_EQ(memtune::python_float_repr(v), s);
+}
+
+}  // namespace

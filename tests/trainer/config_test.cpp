@@ -1,0 +1,820 @@
+// The YAML config: the forms users write, strict errors (key path, line:column, value, hint),
+// overrides, the round trip through to_yaml, help, and every YAML file under configs/.
+// Expected line:column positions are counted in the YAML text itself (at() below), not taken
+// from the parser.
+#include <gtest/gtest.h>
+#include <yaml-cpp/yaml.h>
+
+#include <functional>
+#include <set>
+
+#include "runtime/error.h"
+#include "test_util.h"
+#include "trainer/config.h"
+
+namespace {
+
+using memtune::SizeSpec;
+using memtune::trainer::Config;
+using memtune::trainer::parse_config;
+using memtune::trainer::TrainingConfig;
+namespace fs = std::filesystem;
+
+// "bad.yaml:LINE:COL" of `token`, searched from the first occurrence of `needle` (1-based).
+std::string at(const std::string& yaml, const std::string& needle, const std::string& token) {
+  size_t pos = yaml.find(needle);
+  EXPECT_NE(pos, std::string::npos) << needle;
+  pos = yaml.find(token, pos);
+  EXPECT_NE(pos, std::string::npos) << token;
+  size_t line = 1 + std::count(yaml.begin(), yaml.begin() + pos, '\n');
+  size_t line_start = yaml.rfind('\n', pos);
+  size_t col = pos - (line_start == std::string::npos ? 0 : line_start + 1) + 1;
+  return "bad.yaml:" + std::to_string(line) + ":" + std::to_string(col);
+}
+
+std::string error_of(const std::string& yaml, const std::vector<std::string>& overrides = {}) {
+  try {
+    parse_config(yaml, "bad.yaml", overrides);
+  } catch (const memtune::UserError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "accepted:\n" << yaml;
+  return "";
+}
+
+#define EXPECT_HAS(text, part) \
+  EXPECT_NE((text).find(part), std::string::npos) << "expected '" << (part) << "' in: " << (text)
+
+// The value at `needle`/`token` is refused: "bad.yaml:L:C: key: invalid value 'value': reason".
+std::string expect_invalid(const std::string& yaml, const std::string& needle, const std::string& token,
+                           const std::string& key, const std::string& value, const std::string& reason) {
+  std::string e = error_of(yaml);
+  EXPECT_HAS(e, at(yaml, needle, token) + ": " + key + ": invalid value '" + value + "': ");
+  EXPECT_HAS(e, reason);
+  return e;
+}
+
+// A wrong type: "bad.yaml:L:C: key: expected type, got 'value'".
+void expect_wrong_type(const std::string& yaml, const std::string& needle, const std::string& token,
+                       const std::string& key, const std::string& type, const std::string& value) {
+  std::string e = error_of(yaml);
+  EXPECT_HAS(e, at(yaml, needle, token) + ": " + key + ": expected " + type + ", got '" + value + "'");
+}
+
+Config parse(const std::string& yaml, const std::vector<std::string>& overrides = {}) {
+  return parse_config(yaml, "test.yaml", overrides);
+}
+
+// ---- The config users know ----
+
+TEST(Config, MemoryOptimizedYamlFromTheIssueParses) {
+  auto c = memtune::trainer::load_config(memtune::testing::source_dir() / "tests/trainer/fixtures/memory_optimized.yaml");
+  EXPECT_TRUE(c.model.quantization_config.load_in_4bit);
+  EXPECT_EQ(c.model.quantization_config.bnb_4bit_compute_dtype, "float16");
+  EXPECT_EQ(c.model.quantization_config.bnb_4bit_quant_type, "nf4");
+  EXPECT_TRUE(c.model.quantization_config.bnb_4bit_use_double_quant);
+  EXPECT_EQ(c.model.device_map.single, "auto");
+  EXPECT_TRUE(c.model.device_map.entries.empty());
+  EXPECT_TRUE(c.model.low_cpu_mem_usage);
+  EXPECT_EQ(c.training.per_device_train_batch_size, 1);
+  EXPECT_EQ(c.training.gradient_accumulation_steps, 8);
+  EXPECT_EQ(c.training.gradient_checkpointing.policy, "all");
+  EXPECT_TRUE(c.training.fp16);
+  EXPECT_FALSE(c.training.bf16);
+  EXPECT_FALSE(c.training.dataloader_pin_memory);
+  EXPECT_EQ(c.training.dataloader_num_workers, 0);
+  EXPECT_FALSE(c.training.remove_unused_columns);
+  EXPECT_EQ(c.data.max_seq_length, 1024);
+  EXPECT_TRUE(c.data.pack_sequences);
+  EXPECT_HAS(c.source, "memory_optimized.yaml");
+}
+
+TEST(Config, EmptyTextAndEmptySectionsGiveDefaults) {
+  EXPECT_TRUE(parse("") == Config());
+  EXPECT_TRUE(parse("lora:\ntraining:\n") == Config());
+}
+
+TEST(Config, SpecialFormsFixture) {
+  auto c = memtune::trainer::load_config(memtune::testing::source_dir() / "tests/trainer/fixtures/special_forms.yaml");
+  EXPECT_EQ(c.model.torch_dtype, "bfloat16");
+  EXPECT_EQ(c.model.quantization_config.bnb_4bit_compute_dtype, "bfloat16");
+  ASSERT_EQ(c.model.device_map.entries.size(), 4u);
+  EXPECT_EQ(c.model.device_map.entries[0], std::make_pair(std::string("model.embed_tokens"), std::string("cuda:0")));
+  EXPECT_EQ(c.model.device_map.entries[3], std::make_pair(std::string("lm_head"), std::string("offload")));
+  EXPECT_EQ(c.model.max_memory.at("cuda:0").bytes, 20LL << 30);
+  EXPECT_DOUBLE_EQ(c.model.max_memory.at("cpu").fraction, 0.5);
+  EXPECT_EQ(c.lora.target_modules, (std::vector<std::string>{"q_proj", "k_proj", "v_proj", "o_proj"}));
+  EXPECT_EQ(c.training.per_device_train_batch_size, TrainingConfig::kAuto);
+  EXPECT_EQ(c.training.gradient_checkpointing.policy, "every_n");
+  EXPECT_EQ(c.training.gradient_checkpointing.n, 2);
+  EXPECT_DOUBLE_EQ(c.training.learning_rate, 1e-4);
+  EXPECT_EQ(c.training.resume_from_checkpoint, "latest");
+  EXPECT_EQ(c.memory.device_limit.bytes, 6LL << 30);
+  EXPECT_DOUBLE_EQ(c.memory.on_oom.shrink_factor, 0.5);
+  EXPECT_EQ(c.memory.on_oom.max_retries, 8);
+}
+
+TEST(Config, GradientCheckpointingForms) {
+  EXPECT_EQ(parse("training: {gradient_checkpointing: true}").training.gradient_checkpointing.policy, "all");
+  EXPECT_EQ(parse("training: {gradient_checkpointing: false}").training.gradient_checkpointing.policy, "none");
+  EXPECT_FALSE(parse("training: {gradient_checkpointing: false}").training.gradient_checkpointing.enabled());
+  auto layers = parse("training:\n  gradient_checkpointing: {policy: layers, layers: [1, 3]}\n").training.gradient_checkpointing;
+  EXPECT_EQ(layers.policy, "layers");
+  EXPECT_EQ(layers.layers, (std::vector<int>{1, 3}));
+  auto every = parse("training:\n  gradient_checkpointing:\n    n: 3\n").training.gradient_checkpointing;
+  EXPECT_EQ(every.policy, "every_n");  // n alone means every_n
+  EXPECT_EQ(every.n, 3);
+}
+
+TEST(Config, DeviceMapForms) {
+  auto one = parse("model: {device_map: cuda:0}").model.device_map;
+  EXPECT_EQ(one.single, "cuda:0");
+  EXPECT_TRUE(one.entries.empty());
+  EXPECT_EQ(parse("model: {device_map: cpu}").model.device_map.single, "cpu");
+  // Order as written, not sorted; HF's integer devices mean cuda:N.
+  auto map = parse("model:\n  device_map:\n    lm_head: cpu\n    model.layers.0-3: 1\n    model.embed: cuda:0\n").model.device_map;
+  ASSERT_EQ(map.entries.size(), 3u);
+  EXPECT_EQ(map.entries[0].first, "lm_head");
+  EXPECT_EQ(map.entries[1], std::make_pair(std::string("model.layers.0-3"), std::string("cuda:1")));
+  EXPECT_EQ(map.entries[2].first, "model.embed");
+}
+
+TEST(Config, MaxMemoryAndDeviceLimitSizes) {
+  auto c = parse("model:\n  max_memory: {cuda:0: 20GiB, cpu: 64GiB}\nmemory:\n  device_limit: 512MiB\n");
+  EXPECT_EQ(c.model.max_memory.at("cuda:0").bytes, 20LL * 1024 * 1024 * 1024);
+  EXPECT_EQ(c.model.max_memory.at("cpu").bytes, 64LL * 1024 * 1024 * 1024);
+  EXPECT_EQ(c.memory.device_limit.bytes, 512LL * 1024 * 1024);
+  auto hf = parse("model:\n  max_memory: {0: \"20GiB\"}\nmemory: {device_limit: 0.9}\n");
+  EXPECT_EQ(hf.model.max_memory.at("cuda:0").bytes, 20LL << 30);
+  EXPECT_DOUBLE_EQ(hf.memory.device_limit.fraction, 0.9);
+  EXPECT_FALSE(parse("memory: {device_limit: null}").memory.device_limit.is_set());
+}
+
+TEST(Config, TargetModulesForms) {
+  EXPECT_EQ(parse("lora: {target_modules: all-linear}").lora.target_modules, (std::vector<std::string>{"all-linear"}));
+  EXPECT_EQ(parse("lora: {target_modules: [q_proj, v_proj]}").lora.target_modules,
+            (std::vector<std::string>{"q_proj", "v_proj"}));
+  auto regex = parse("lora:\n  target_modules: '.*\\.(q_proj|v_proj)'\n");
+  EXPECT_EQ(regex.lora.target_modules, (std::vector<std::string>{".*\\.(q_proj|v_proj)"}));
+  auto notes = memtune::trainer::compatibility_notes(regex);
+  ASSERT_EQ(notes.size(), 1u);
+  EXPECT_HAS(notes[0], "lora.target_modules");
+  EXPECT_HAS(notes[0], "regex");
+}
+
+TEST(Config, BatchSizeAuto) {
+  EXPECT_EQ(parse("training: {per_device_train_batch_size: auto}").training.per_device_train_batch_size,
+            TrainingConfig::kAuto);
+}
+
+TEST(Config, ComputeDtypeAliasesAreNormalised) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"float16", "float16"},   {"torch.float16", "float16"}, {"fp16", "float16"},      {"half", "float16"},
+      {"bf16", "bfloat16"},     {"bfloat16", "bfloat16"},     {"torch.bfloat16", "bfloat16"},
+      {"fp32", "float32"},      {"float32", "float32"},       {"torch.float32", "float32"}, {"auto", "auto"}};
+  for (const auto& [written, meant] : cases) {
+    auto c = parse("model:\n  quantization_config:\n    bnb_4bit_compute_dtype: " + written + "\n");
+    EXPECT_EQ(c.model.quantization_config.bnb_4bit_compute_dtype, meant) << written;
+  }
+}
+
+TEST(Config, ResumeFromCheckpointForms) {
+  auto resume = [](const std::string& v) {
+    return parse("training:\n  resume_from_checkpoint: " + v + "\n").training.resume_from_checkpoint;
+  };
+  EXPECT_EQ(resume("latest"), "latest");
+  EXPECT_EQ(resume("true"), "latest");
+  EXPECT_EQ(resume("false"), "");
+  EXPECT_EQ(resume("runs/a/checkpoints/step-20"), "runs/a/checkpoints/step-20");
+  EXPECT_EQ(resume("null"), "");
+  EXPECT_EQ(resume(""), "");
+  EXPECT_EQ(parse("model:\n  tokenizer:\n").model.tokenizer, "");  // empty value where a string is expected
+}
+
+// ---- Strict errors ----
+
+TEST(ConfigErrors, UnknownKeyNamesNearestInExactForm) {
+  const std::string yaml = "training:\n  gradient_acumulation_steps: 8\n";
+  EXPECT_EQ(error_of(yaml), "bad.yaml:2:3: training.gradient_acumulation_steps: unknown key (did you mean "
+                            "gradient_accumulation_steps?)");
+}
+
+TEST(ConfigErrors, UnknownKeyInNestedMappingNamesNearestThere) {
+  const std::string yaml = "model:\n  quantization_config:\n    load_in_4bit: true\n    bnb_4bit_quant_typ: nf4\n";
+  EXPECT_EQ(error_of(yaml), at(yaml, "bnb_4bit_quant_typ", "bnb") +
+                                ": model.quantization_config.bnb_4bit_quant_typ: unknown key (did you mean "
+                                "bnb_4bit_quant_type?)");
+}
+
+TEST(ConfigErrors, UnknownSectionNamesNearestSection) {
+  EXPECT_EQ(error_of("trainig:\n  fp16: true\n"), "bad.yaml:1:1: trainig: unknown key (did you mean training?)");
+}
+
+TEST(ConfigErrors, UnknownKeyInsideCheckpointingMap) {
+  const std::string yaml = "training:\n  gradient_checkpointing: {polcy: all}\n";
+  EXPECT_EQ(error_of(yaml), at(yaml, "polcy", "polcy") +
+                                ": training.gradient_checkpointing.polcy: unknown key (did you mean policy?)");
+}
+
+TEST(ConfigErrors, DuplicateKey) {
+  const std::string yaml = "lora:\n  r: 8\n  r: 16\n";
+  std::string e = error_of(yaml);
+  EXPECT_HAS(e, "bad.yaml:3:3: lora.r: duplicate key (first at line 2)");
+}
+
+TEST(ConfigErrors, YamlSyntaxErrorHasLineAndColumn) {
+  std::string e = error_of("training:\n  fp16: [true\n");
+  EXPECT_HAS(e, "bad.yaml:");
+  EXPECT_HAS(e, "not valid YAML");
+}
+
+TEST(ConfigErrors, TopLevelMustBeAMapping) {
+  std::string e = error_of("- model\n- lora\n");
+  EXPECT_HAS(e, "bad.yaml:1:1: config: expected a mapping, got '[model, lora]'");
+}
+
+TEST(ConfigErrors, WrongTypeNumber) {
+  const std::string yaml = "training:\n  learning_rate: fast\n";
+  expect_wrong_type(yaml, "learning_rate: fast", "fast", "training.learning_rate", "number", "fast");
+}
+
+TEST(ConfigErrors, WrongTypeInteger) {
+  const std::string yaml = "training:\n  gradient_accumulation_steps: 2.5\n";
+  expect_wrong_type(yaml, "gradient_accumulation_steps: 2.5", "2.5", "training.gradient_accumulation_steps",
+                    "integer", "2.5");
+}
+
+TEST(ConfigErrors, WrongTypeBool) {
+  const std::string yaml = "training:\n  fp16: maybe\n";
+  expect_wrong_type(yaml, "fp16: maybe", "maybe", "training.fp16", "bool", "maybe");
+}
+
+TEST(ConfigErrors, WrongTypeListWhereNumber) {
+  const std::string yaml = "lora:\n  lora_alpha: [16]\n";
+  expect_wrong_type(yaml, "lora_alpha", "[16]", "lora.lora_alpha", "number", "[16]");
+}
+
+TEST(ConfigErrors, WrongTypeSectionNotAMapping) {
+  const std::string yaml = "lora: 16\n";
+  expect_wrong_type(yaml, "lora: 16", "16", "lora", "a mapping", "16");
+}
+
+TEST(ConfigErrors, WrongTypeListElementNamesIndex) {
+  const std::string yaml = "lora:\n  layers_to_transform: [1, x]\n";
+  expect_wrong_type(yaml, "[1, x]", "x", "lora.layers_to_transform[1]", "integer", "x");
+}
+
+TEST(ConfigErrors, BatchSizeWordOtherThanAuto) {
+  const std::string yaml = "training:\n  per_device_train_batch_size: many\n";
+  expect_wrong_type(yaml, "per_device_train_batch_size", "many", "training.per_device_train_batch_size",
+                    "integer|auto", "many");
+}
+
+TEST(ConfigErrors, BatchSizeZero) {
+  const std::string yaml = "training:\n  per_device_train_batch_size: 0\n";
+  expect_invalid(yaml, "per_device_train_batch_size: 0", "0", "training.per_device_train_batch_size", "0",
+                 "at least 1, or auto");
+}
+
+TEST(ConfigErrors, BatchSizeNegative) {
+  const std::string yaml = "training:\n  per_device_train_batch_size: -4\n";
+  expect_invalid(yaml, "per_device_train_batch_size", "-4", "training.per_device_train_batch_size", "-4",
+                 "at least 1, or auto");
+}
+
+TEST(ConfigErrors, EvalBatchSizeZero) {
+  const std::string yaml = "training:\n  per_device_eval_batch_size: 0\n";
+  expect_invalid(yaml, "per_device_eval_batch_size", "0", "training.per_device_eval_batch_size", "0", "at least 1");
+}
+
+TEST(ConfigErrors, LearningRateNegative) {
+  const std::string yaml = "training:\n  learning_rate: -1e-4\n";
+  expect_invalid(yaml, "learning_rate", "-1e-4", "training.learning_rate", "-1e-4", "must be > 0");
+}
+
+TEST(ConfigErrors, LearningRateZero) {
+  const std::string yaml = "training:\n  learning_rate: 0\n";
+  expect_invalid(yaml, "learning_rate", "0", "training.learning_rate", "0", "must be > 0");
+}
+
+TEST(ConfigErrors, LoraRankZero) {
+  const std::string yaml = "lora:\n  r: 0\n";
+  expect_invalid(yaml, "r: 0", "0", "lora.r", "0", "rank must be at least 1");
+}
+
+TEST(ConfigErrors, LoraAlphaZero) {
+  const std::string yaml = "lora:\n  lora_alpha: 0\n";
+  expect_invalid(yaml, "lora_alpha", "0", "lora.lora_alpha", "0", "must be > 0");
+}
+
+TEST(ConfigErrors, LoraAlphaNegative) {
+  const std::string yaml = "lora:\n  lora_alpha: -16\n";
+  expect_invalid(yaml, "lora_alpha", "-16", "lora.lora_alpha", "-16", "must be > 0");
+}
+
+TEST(ConfigErrors, LoraDropoutOne) {
+  const std::string yaml = "lora:\n  lora_dropout: 1.0\n";
+  expect_invalid(yaml, "lora_dropout", "1.0", "lora.lora_dropout", "1.0", "[0, 1)");
+}
+
+TEST(ConfigErrors, LoraDropoutNegative) {
+  const std::string yaml = "lora:\n  lora_dropout: -0.1\n";
+  expect_invalid(yaml, "lora_dropout", "-0.1", "lora.lora_dropout", "-0.1", "[0, 1)");
+}
+
+TEST(ConfigErrors, Fp16AndBf16BothTrue) {
+  const std::string yaml = "training:\n  fp16: true\n  bf16: true\n";
+  expect_invalid(yaml, "bf16: true", "true", "training.bf16", "true", "fp16 and bf16 are both true");
+}
+
+TEST(ConfigErrors, QuantTypeUnknown) {
+  const std::string yaml = "model:\n  quantization_config:\n    bnb_4bit_quant_type: nf3\n";
+  std::string e = expect_invalid(yaml, "bnb_4bit_quant_type", "nf3", "model.quantization_config.bnb_4bit_quant_type",
+                                 "nf3", "unknown quant type");
+  EXPECT_HAS(e, "did you mean nf4?");
+}
+
+TEST(ConfigErrors, QuantTypeFp4OnlyNf4) {
+  const std::string yaml = "model:\n  quantization_config:\n    bnb_4bit_quant_type: fp4\n";
+  expect_invalid(yaml, "bnb_4bit_quant_type", "fp4", "model.quantization_config.bnb_4bit_quant_type", "fp4",
+                 "only nf4 is supported");
+}
+
+TEST(ConfigErrors, LoadIn8bitRefused) {
+  const std::string yaml = "model:\n  quantization_config:\n    load_in_8bit: true\n";
+  expect_invalid(yaml, "load_in_8bit", "true", "model.quantization_config.load_in_8bit", "true",
+                 "8-bit weights are not supported");
+}
+
+TEST(ConfigErrors, UnknownComputeDtype) {
+  const std::string yaml = "model:\n  quantization_config:\n    bnb_4bit_compute_dtype: float8\n";
+  expect_invalid(yaml, "bnb_4bit_compute_dtype", "float8", "model.quantization_config.bnb_4bit_compute_dtype",
+                 "float8", "expected one of auto|float32|float16|bfloat16");
+}
+
+TEST(ConfigErrors, BlocksizeNotPowerOfTwo) {
+  const std::string yaml = "model:\n  quantization_config:\n    blocksize: 100\n";
+  expect_invalid(yaml, "blocksize", "100", "model.quantization_config.blocksize", "100", "power of two in 32..4096");
+}
+
+TEST(ConfigErrors, BlocksizeBelowRange) {
+  const std::string yaml = "model:\n  quantization_config:\n    blocksize: 16\n";
+  expect_invalid(yaml, "blocksize", "16", "model.quantization_config.blocksize", "16", "power of two in 32..4096");
+}
+
+TEST(ConfigErrors, BlocksizeAboveRange) {
+  const std::string yaml = "model:\n  quantization_config:\n    blocksize: 8192\n";
+  expect_invalid(yaml, "blocksize", "8192", "model.quantization_config.blocksize", "8192", "power of two in 32..4096");
+}
+
+TEST(ConfigErrors, ThresholdsNotIncreasing) {
+  const std::string yaml = "memory:\n  warning_threshold: 0.85\n  critical_threshold: 0.8\n";
+  expect_invalid(yaml, "critical_threshold", "0.8", "memory.critical_threshold", "0.8",
+                 "thresholds must increase in (0, 1]: warning (0.85) < critical");
+}
+
+TEST(ConfigErrors, ThresholdAboveOne) {
+  const std::string yaml = "memory:\n  emergency_threshold: 1.5\n";
+  expect_invalid(yaml, "emergency_threshold", "1.5", "memory.emergency_threshold", "1.5",
+                 "thresholds must increase in (0, 1]");
+}
+
+TEST(ConfigErrors, ThresholdZero) {
+  const std::string yaml = "memory:\n  warning_threshold: 0\n";
+  expect_invalid(yaml, "warning_threshold", "0", "memory.warning_threshold", "0", "(0, 1]");
+}
+
+TEST(ConfigErrors, ShrinkFactorOne) {
+  const std::string yaml = "memory:\n  on_oom:\n    shrink_factor: 1\n";
+  expect_invalid(yaml, "shrink_factor", "1", "memory.on_oom.shrink_factor", "1", "(0, 1)");
+}
+
+TEST(ConfigErrors, ShrinkFactorZero) {
+  const std::string yaml = "memory:\n  on_oom: {shrink_factor: 0}\n";
+  expect_invalid(yaml, "shrink_factor", "0", "memory.on_oom.shrink_factor", "0", "(0, 1)");
+}
+
+TEST(ConfigErrors, UnknownScheduler) {
+  const std::string yaml = "training:\n  lr_scheduler_type: cosin\n";
+  std::string e = expect_invalid(yaml, "lr_scheduler_type", "cosin", "training.lr_scheduler_type", "cosin",
+                                 "expected one of constant|constant_with_warmup|linear|cosine");
+  EXPECT_HAS(e, "(did you mean cosine?)");
+}
+
+TEST(ConfigErrors, UnknownOptim) {
+  const std::string yaml = "training:\n  optim: paged_adamw_8bit\n";
+  expect_invalid(yaml, "optim", "paged", "training.optim", "paged_adamw_8bit", "expected one of adamw_torch|adamw|sgd");
+}
+
+TEST(ConfigErrors, UnknownFinetune) {
+  const std::string yaml = "training:\n  finetune: qlora\n";
+  expect_invalid(yaml, "finetune", "qlora", "training.finetune", "qlora", "expected one of lora|full");
+}
+
+TEST(ConfigErrors, UnknownTruncation) {
+  const std::string yaml = "data:\n  truncation: left\n";
+  expect_invalid(yaml, "truncation", "left", "data.truncation", "left", "expected one of right|drop");
+}
+
+TEST(ConfigErrors, UnknownFormat) {
+  const std::string yaml = "data:\n  format: csv\n";
+  expect_invalid(yaml, "format", "csv", "data.format", "csv", "expected one of auto|text|instruction|chat|tokens|plain");
+}
+
+TEST(ConfigErrors, UnknownCheckpointingPolicy) {
+  const std::string yaml = "training:\n  gradient_checkpointing: {policy: some, n: 2}\n";
+  expect_invalid(yaml, "policy", "some", "training.gradient_checkpointing.policy", "some",
+                 "expected one of none|all|every_n|layers");
+}
+
+TEST(ConfigErrors, WarmupRatioAboveOne) {
+  const std::string yaml = "training:\n  warmup_ratio: 1.5\n";
+  expect_invalid(yaml, "warmup_ratio", "1.5", "training.warmup_ratio", "1.5", "[0, 1]");
+}
+
+TEST(ConfigErrors, WarmupRatioNegative) {
+  const std::string yaml = "training:\n  warmup_ratio: -0.1\n";
+  expect_invalid(yaml, "warmup_ratio", "-0.1", "training.warmup_ratio", "-0.1", "[0, 1]");
+}
+
+TEST(ConfigErrors, MaxSeqLengthBelowEight) {
+  const std::string yaml = "data:\n  max_seq_length: 4\n";
+  expect_invalid(yaml, "max_seq_length", "4", "data.max_seq_length", "4", "at least 8");
+}
+
+TEST(ConfigErrors, GradientAccumulationZero) {
+  const std::string yaml = "training:\n  gradient_accumulation_steps: 0\n";
+  expect_invalid(yaml, "gradient_accumulation_steps", "0", "training.gradient_accumulation_steps", "0", "at least 1");
+}
+
+TEST(ConfigErrors, MaxStepsZero) {
+  const std::string yaml = "training:\n  max_steps: 0\n";
+  expect_invalid(yaml, "max_steps", "0", "training.max_steps", "0", "-1");
+}
+
+TEST(ConfigErrors, BiasNotNone) {
+  const std::string yaml = "lora:\n  bias: all\n";
+  expect_invalid(yaml, "bias", "all", "lora.bias", "all", "expected one of none");
+}
+
+TEST(ConfigErrors, EveryNBelowOne) {
+  const std::string yaml = "training:\n  gradient_checkpointing: {policy: every_n, n: 0}\n";
+  expect_invalid(yaml, "n: 0", "0", "training.gradient_checkpointing.n", "0", "n >= 1");
+}
+
+TEST(ConfigErrors, LayersPolicyWithEmptyList) {
+  const std::string yaml = "training:\n  gradient_checkpointing: {policy: layers, layers: []}\n";
+  expect_invalid(yaml, "layers: []", "[]", "training.gradient_checkpointing.layers", "[]", "list of layer indices");
+}
+
+TEST(ConfigErrors, LayersPolicyWithoutList) {
+  const std::string yaml = "training:\n  gradient_checkpointing: {policy: layers}\n";
+  std::string e = error_of(yaml);
+  // No layers key: the error points at the checkpointing map.
+  EXPECT_HAS(e, at(yaml, "gradient_checkpointing", "{") + ": training.gradient_checkpointing.layers: invalid value '[]'");
+}
+
+TEST(ConfigErrors, RuntimeDeviceNotADevice) {
+  const std::string yaml = "runtime:\n  device: gpu\n";
+  expect_invalid(yaml, "device", "gpu", "runtime.device", "gpu", "expected auto, cpu, cuda or cuda:N");
+}
+
+TEST(ConfigErrors, RuntimeDeviceBadIndex) {
+  const std::string yaml = "runtime:\n  device: cuda:x\n";
+  expect_invalid(yaml, "device", "cuda:x", "runtime.device", "cuda:x", "expected auto, cpu, cuda or cuda:N");
+}
+
+TEST(ConfigErrors, DeviceMapStringNotADevice) {
+  const std::string yaml = "model:\n  device_map: tpu\n";
+  expect_invalid(yaml, "device_map", "tpu", "model.device_map", "tpu", "expected auto, cpu, cuda, cuda:N");
+}
+
+TEST(ConfigErrors, DeviceMapEntryNotADevice) {
+  const std::string yaml = "model:\n  device_map:\n    model.layers: cuda:0\n    lm_head: disk\n";
+  expect_invalid(yaml, "lm_head", "disk", "model.device_map.lm_head", "disk", "expected cuda, cuda:N, cpu or offload");
+}
+
+TEST(ConfigErrors, MaxMemoryKeyNotADevice) {
+  const std::string yaml = "model:\n  max_memory: {gpu0: 20GiB}\n";
+  expect_invalid(yaml, "max_memory", "20GiB", "model.max_memory.gpu0", "20GiB", "must be a device");
+}
+
+TEST(ConfigErrors, BadSizeNamesKeyAndPlace) {
+  const std::string yaml = "memory:\n  device_limit: 6 parsecs\n";
+  std::string e = error_of(yaml);
+  EXPECT_HAS(e, at(yaml, "device_limit", "6") + ": memory.device_limit: unknown unit 'parsecs' in '6 parsecs'");
+}
+
+// ---- Overrides ----
+
+TEST(ConfigOverrides, TypedLikeYaml) {
+  auto c = parse("training:\n  learning_rate: 2e-4\n",
+                 {"training.learning_rate=1e-4", "lora.target_modules=[q_proj,v_proj]", "memory.device_limit=6GiB",
+                  "training.gradient_checkpointing={policy: every_n, n: 2}", "model.max_memory.cuda:0=20GiB",
+                  "model.device_map=cuda:0", "training.per_device_train_batch_size=auto", "lora.r=4",
+                  "training.resume_from_checkpoint="});
+  EXPECT_DOUBLE_EQ(c.training.learning_rate, 1e-4);
+  EXPECT_EQ(c.lora.target_modules, (std::vector<std::string>{"q_proj", "v_proj"}));
+  EXPECT_EQ(c.memory.device_limit.bytes, 6LL << 30);
+  EXPECT_EQ(c.training.gradient_checkpointing.policy, "every_n");
+  EXPECT_EQ(c.training.gradient_checkpointing.n, 2);
+  EXPECT_EQ(c.model.max_memory.at("cuda:0").bytes, 20LL << 30);
+  EXPECT_EQ(c.model.device_map.single, "cuda:0");
+  EXPECT_EQ(c.training.per_device_train_batch_size, TrainingConfig::kAuto);
+  EXPECT_EQ(c.lora.r, 4);
+  EXPECT_EQ(c.training.resume_from_checkpoint, "");
+}
+
+TEST(ConfigOverrides, WholeSectionAsFlowMap) {
+  auto c = parse("lora: {r: 8, lora_alpha: 16}\n", {"lora={r: 32}"});
+  EXPECT_EQ(c.lora.r, 32);
+  EXPECT_DOUBLE_EQ(c.lora.lora_alpha, 16);
+}
+
+TEST(ConfigOverrides, UnknownKeyPathSaysDidYouMean) {
+  EXPECT_EQ(error_of("", {"training.gradient_acumulation_steps=4"}),
+            "override 'training.gradient_acumulation_steps=4': training.gradient_acumulation_steps: unknown key "
+            "(did you mean gradient_accumulation_steps?)");
+  EXPECT_EQ(error_of("", {"trainng.learning_rate=1"}),
+            "override 'trainng.learning_rate=1': trainng: unknown key (did you mean training?)");
+}
+
+TEST(ConfigOverrides, PathThroughALeafIsUnknown) {
+  std::string e = error_of("", {"training.learning_rate.x=1"});
+  EXPECT_HAS(e, "override 'training.learning_rate.x=1': training.learning_rate.x: unknown key");
+}
+
+TEST(ConfigOverrides, MalformedWithoutEquals) {
+  EXPECT_HAS(error_of("", {"training.learning_rate"}), "override 'training.learning_rate': expected key=value");
+  EXPECT_HAS(error_of("", {"=3"}), "override '=3': expected key=value");
+}
+
+TEST(ConfigOverrides, WrongTypeNamesOverride) {
+  EXPECT_EQ(error_of("", {"training.learning_rate=fast"}),
+            "override 'training.learning_rate=fast': training.learning_rate: expected number, got 'fast'");
+}
+
+TEST(ConfigOverrides, ImpossibleValueNamesOverride) {
+  std::string e = error_of("training:\n  per_device_train_batch_size: 4\n", {"training.per_device_train_batch_size=0"});
+  EXPECT_HAS(e, "override 'training.per_device_train_batch_size=0': training.per_device_train_batch_size: invalid value '0'");
+}
+
+// ---- Round trip, equality, help, notes ----
+
+// Every field differs from its default, except where only one value is valid.
+Config every_field_changed() {
+  Config c;
+  auto& m = c.model;
+  m.name_or_path = "models/llama-3-8b";
+  m.architecture = "llama";
+  m.tokenizer = "tok/tokenizer.json";
+  m.torch_dtype = "bfloat16";
+  m.quantization_config.load_in_4bit = true;
+  m.quantization_config.bnb_4bit_compute_dtype = "float16";
+  m.quantization_config.bnb_4bit_use_double_quant = false;
+  m.quantization_config.blocksize = 128;
+  m.device_map.entries = {{"model.layers.0-15", "cuda:0"}, {"model.layers.16-31", "cpu"}, {"lm_head", "offload"}};
+  m.max_memory["cuda:0"] = memtune::parse_size("20GiB");
+  m.max_memory["cpu"] = memtune::parse_size("0.75");
+  m.low_cpu_mem_usage = false;
+  m.attn_implementation = "sdpa";
+  m.init_seed = 7;
+  auto& l = c.lora;
+  l.r = 16;
+  l.lora_alpha = 32.5;
+  l.lora_dropout = 0.05;
+  l.target_modules = {"q_proj", "v_proj"};
+  l.exclude_modules = {"lm_head"};
+  l.layers_to_transform = {0, 2};
+  l.use_rslora = true;
+  l.init_lora_weights = "gaussian";
+  l.modules_to_save = {"embed_tokens"};
+  l.fan_in_fan_out = true;
+  auto& t = c.training;
+  t.output_dir = "runs/a #1: 'test'";  // needs quoting in YAML
+  t.finetune = "full";
+  t.per_device_train_batch_size = TrainingConfig::kAuto;
+  t.per_device_eval_batch_size = 4;
+  t.gradient_accumulation_steps = 8;
+  t.gradient_checkpointing.policy = "every_n";
+  t.gradient_checkpointing.n = 3;
+  t.fp16 = true;
+  t.learning_rate = 1.5e-4 / 3;  // not a short decimal: needs all 17 digits
+  t.num_train_epochs = 2.5;
+  t.max_steps = 100;
+  t.lr_scheduler_type = "cosine";
+  t.warmup_ratio = 0.1;
+  t.warmup_steps = 10;
+  t.weight_decay = 0.01;
+  t.adam_beta1 = 0.85;
+  t.adam_beta2 = 0.95;
+  t.adam_epsilon = 1e-6;
+  t.optim = "sgd";
+  t.momentum = 0.9;
+  t.max_grad_norm = 0.3;
+  t.logging_steps = 5;
+  t.save_steps = 50;
+  t.save_total_limit = 3;
+  t.eval_steps = 25;
+  t.seed = 18446744073709551615ull;
+  t.resume_from_checkpoint = "runs/x/checkpoints/step-50";
+  t.fp16_init_scale = 1024;
+  t.fp16_growth_interval = 100;
+  t.group_by_length = true;
+  t.dataloader_pin_memory = false;
+  t.dataloader_num_workers = 2;
+  t.remove_unused_columns = false;
+  t.report_to = "wandb";
+  auto& d = c.data;
+  d.train_file = "data/train.jsonl";
+  d.eval_file = "data/eval.jsonl";
+  d.eval_split = 0.05;
+  d.format = "chat";
+  d.template_name = "chatml";
+  d.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}";
+  d.text_field = "content";
+  d.max_seq_length = 1024;
+  d.pack_sequences = false;
+  d.truncation = "drop";
+  d.train_on_prompt = true;
+  d.skip_invalid = true;
+  d.add_eos_token = false;
+  d.shuffle = false;
+  d.cache_dir = "cache/tok";
+  auto& mem = c.memory;
+  mem.device_limit = memtune::parse_size("6GiB");
+  mem.warning_threshold = 0.8;
+  mem.critical_threshold = 0.88;
+  mem.emergency_threshold = 0.97;
+  mem.on_oom.shrink_factor = 0.25;
+  mem.on_oom.max_retries = 4;
+  mem.on_oom.checkpoint_more = false;
+  mem.on_oom.offload_layers = false;
+  mem.grow_after_steps = 20;
+  mem.grow_threshold = 0.5;
+  mem.supervise = false;
+  mem.inject_oom = "3:backward,5:optimizer:1";
+  c.runtime.device = "cuda:1";
+  c.runtime.num_threads = 2;
+  c.runtime.log_level = "debug";
+  c.distributed.backend = "gloo";
+  c.distributed.timeout = 60.5;
+  c.distributed.bucket_size_mb = 50;
+  return c;
+}
+
+// The second variant: the other forms of the fields the first cannot change at once.
+Config every_field_changed_b() {
+  Config c = every_field_changed();
+  c.training.fp16 = false;
+  c.training.bf16 = true;
+  c.training.gradient_checkpointing.policy = "layers";
+  c.training.gradient_checkpointing.layers = {1, 3};
+  c.model.device_map = {};
+  c.model.device_map.single = "cuda:1";
+  return c;
+}
+
+// Key path -> value (flow YAML) of every leaf of a written config, read with yaml-cpp.
+std::map<std::string, std::string> leaves(const std::string& yaml) {
+  std::map<std::string, std::string> out;
+  std::function<void(const YAML::Node&, const std::string&)> walk = [&](const YAML::Node& n, const std::string& p) {
+    if (n.IsMap() && n.Style() != YAML::EmitterStyle::Flow && !p.empty() && p != "model.device_map") {
+      for (const auto& kv : n) walk(kv.second, p + "." + kv.first.Scalar());
+      return;
+    }
+    if (n.IsMap() && p.empty()) {
+      for (const auto& kv : n) walk(kv.second, kv.first.Scalar());
+      return;
+    }
+    YAML::Emitter e;
+    e.SetMapFormat(YAML::Flow);
+    e.SetSeqFormat(YAML::Flow);
+    e << n;
+    out[p] = e.c_str();
+  };
+  walk(YAML::Load(yaml), "");
+  return out;
+}
+
+// Keys with one valid value: they cannot differ from the default in a valid config.
+const std::set<std::string> kSingleValued = {
+    "model.quantization_config.load_in_8bit", "model.quantization_config.bnb_4bit_quant_type",
+    "model.quantization_config.bnb_4bit_quant_storage", "lora.bias", "lora.task_type"};
+
+TEST(ConfigRoundTrip, EveryFieldChangedIsComplete) {
+  auto defaults = leaves(to_yaml(Config()));
+  auto a = leaves(to_yaml(every_field_changed()));
+  auto b = leaves(to_yaml(every_field_changed_b()));
+  EXPECT_EQ(defaults.size(), 95u);  // the leaves config.h declares: a new key belongs in every_field_changed()
+  for (const auto& [path, value] : defaults) {
+    if (kSingleValued.count(path)) continue;
+    EXPECT_TRUE(a.at(path) != value || b.at(path) != value) << path << " is never changed from " << value;
+  }
+}
+
+TEST(ConfigRoundTrip, ParseOfToYamlGivesTheSameConfig) {
+  for (const Config& c : {every_field_changed(), every_field_changed_b(), Config()}) {
+    std::string yaml = to_yaml(c);
+    Config back = parse_config(yaml, "written.yaml");
+    EXPECT_TRUE(back == c) << yaml << "\n--- read back as ---\n" << to_yaml(back);
+    EXPECT_EQ(to_yaml(back), yaml);
+  }
+  EXPECT_DOUBLE_EQ(parse_config(to_yaml(every_field_changed()), "w").training.learning_rate, 1.5e-4 / 3);
+  EXPECT_EQ(parse_config(to_yaml(every_field_changed()), "w").training.seed, 18446744073709551615ull);
+}
+
+TEST(ConfigRoundTrip, EqualityComparesEveryKey) {
+  // Each key of the changed config, set alone by an override on the defaults, makes a difference.
+  const Config defaults;
+  auto base = leaves(to_yaml(defaults));
+  std::set<std::string> tried;
+  for (const Config& changed : {every_field_changed(), every_field_changed_b()}) {
+    for (const auto& [path, value] : leaves(to_yaml(changed))) {
+      if (base.at(path) == value) continue;
+      tried.insert(path);
+      Config one = parse_config("", "x", {path + "=" + value});
+      EXPECT_FALSE(one == defaults) << path << "=" << value << " is not compared";
+      EXPECT_TRUE(one == one);
+    }
+  }
+  EXPECT_EQ(tried.size(), base.size() - kSingleValued.size());
+  Config other_source = defaults;
+  other_source.source = "elsewhere.yaml";
+  EXPECT_TRUE(other_source == defaults);
+}
+
+TEST(ConfigRoundTrip, ToYamlWritesEveryKeyNested) {
+  auto keys = leaves(to_yaml(Config()));
+  for (const char* k : {"model.quantization_config.bnb_4bit_compute_dtype", "training.gradient_checkpointing",
+                        "memory.on_oom.shrink_factor", "memory.device_limit", "model.max_memory",
+                        "distributed.bucket_size_mb", "runtime.log_level", "data.cache_dir"})
+    EXPECT_TRUE(keys.count(k)) << k;
+  EXPECT_EQ(keys.at("training.learning_rate"), "0.0002");
+  EXPECT_EQ(keys.at("training.gradient_checkpointing"), "false");
+  EXPECT_EQ(keys.at("memory.device_limit"), "~");
+}
+
+TEST(ConfigHelp, ContainsEveryKeyWithTypeDefaultAndHelp) {
+  const std::string help = memtune::trainer::config_help();
+  for (const auto& [path, value] : leaves(to_yaml(Config()))) EXPECT_HAS(help, "  " + path + " (");
+  EXPECT_HAS(help, "training.learning_rate (number, default: 0.0002)\n      peak learning rate");
+  EXPECT_HAS(help, "training.per_device_train_batch_size (integer|auto, default: 1)");
+  EXPECT_HAS(help, "model.quantization_config.blocksize (integer, default: 64)");
+  EXPECT_HAS(help, "memory.device_limit (size, default: null)");
+  EXPECT_HAS(help, "lora.target_modules (string or list of strings, default: [all-linear])");
+}
+
+TEST(ConfigNotes, CompatibilityKeysSayTheyChangeNothing) {
+  auto c = memtune::trainer::load_config(memtune::testing::source_dir() / "tests/trainer/fixtures/memory_optimized.yaml");
+  auto notes = memtune::trainer::compatibility_notes(c);
+  ASSERT_EQ(notes.size(), 2u);
+  EXPECT_HAS(notes[0], "training.dataloader_pin_memory: accepted for compatibility;");
+  EXPECT_EQ(notes[1], "training.remove_unused_columns: accepted for compatibility; memtune builds its own "
+                      "batches, so it changes nothing");
+  auto more = memtune::trainer::compatibility_notes(
+      parse("training: {dataloader_num_workers: 4, report_to: wandb}"));
+  ASSERT_EQ(more.size(), 2u);
+  EXPECT_HAS(more[0], "training.dataloader_num_workers: accepted for compatibility;");
+  EXPECT_HAS(more[1], "training.report_to: accepted for compatibility;");
+  EXPECT_TRUE(memtune::trainer::compatibility_notes(Config()).empty());
+}
+
+TEST(ConfigValidate, RefusesConfigsBuiltInCode) {
+  Config c;
+  c.lora.r = 0;
+  c.source = "built";
+  try {
+    memtune::trainer::validate(c);
+    FAIL() << "accepted r = 0";
+  } catch (const memtune::UserError& e) {
+    EXPECT_EQ(std::string(e.what()), "built: lora.r: invalid value '0': the rank must be at least 1");
+  }
+}
+
+// ---- The project's own configs ----
+
+TEST(ConfigFiles, EveryYamlUnderConfigsValidatesAndRoundTrips) {
+  const fs::path root = memtune::testing::source_dir();
+  ASSERT_TRUE(fs::is_directory(root / "configs")) << root / "configs";
+  int checked = 0;
+  for (const fs::path& dir : {root / "configs", root / "tests/trainer/fixtures"}) {
+    for (const auto& entry : fs::directory_iterator(dir)) {
+      if (entry.path().extension() != ".yaml") continue;
+      SCOPED_TRACE(entry.path().string());
+      Config c;
+      try {
+        c = memtune::trainer::load_config(entry.path());
+      } catch (const memtune::UserError& e) {
+        ADD_FAILURE() << e.what();
+        continue;
+      }
+      Config back = parse_config(to_yaml(c), entry.path().string());
+      EXPECT_TRUE(back == c) << to_yaml(c);
+      ++checked;
+    }
+  }
+  EXPECT_GE(checked, 2);
+}
+
+}  // namespace

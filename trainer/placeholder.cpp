@@ -1,1 +1,0 @@
-// placeholder until trainer/config.cpp lands
