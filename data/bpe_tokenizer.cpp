@@ -22,11 +22,46 @@ namespace {
 using json = nlohmann::json;
 
 // ---------------------------------------------------------------------------------------
+// Unicode White_Space, which \s means in Oniguruma (the library's engine). PCRE2's \s also
+// takes U+180E (Perl's old horizontal space), so patterns get this class spelled out.
+const char* kWhiteSpace =
+    "\\t\\n\\x{0B}\\f\\r \\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}";
+
+// \s -> [White_Space] and \S -> [^White_Space] outside classes; \s inside a class -> its
+// members. (\S inside a class is left to PCRE2.)
+std::string spell_out_whitespace(const std::string& p) {
+  std::string out;
+  bool in_class = false;
+  for (size_t i = 0; i < p.size(); ++i) {
+    const char c = p[i];
+    if (c == '\\' && i + 1 < p.size()) {
+      const char e = p[i + 1];
+      if (e == 's') out += in_class ? std::string(kWhiteSpace) : "[" + std::string(kWhiteSpace) + "]";
+      else if (e == 'S' && !in_class) out += "[^" + std::string(kWhiteSpace) + "]";
+      else { out += c; out += e; }
+      ++i;
+      continue;
+    }
+    if (!in_class && c == '[') {
+      in_class = true;
+      out += c;
+      if (i + 1 < p.size() && p[i + 1] == '^') out += p[++i];
+      if (i + 1 < p.size() && p[i + 1] == ']') out += p[++i];  // a literal ] first
+      continue;
+    }
+    if (in_class && c == ']') in_class = false;
+    out += c;
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------
 // Regex: PCRE2 with UTF and UCP, so \p{L}, \p{N} and \s are Unicode-aware as in the
 // Oniguruma engine the tokenizers library uses.
 class Regex {
  public:
-  Regex(const std::string& pattern, const std::string& where) {
+  Regex(const std::string& original, const std::string& where) {
+    const std::string pattern = spell_out_whitespace(original);
     int err = 0;
     PCRE2_SIZE offset = 0;
     code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
@@ -35,7 +70,7 @@ class Regex {
       std::array<PCRE2_UCHAR, 256> msg{};
       pcre2_get_error_message(err, msg.data(), msg.size());
       fail(where, ": regex does not compile at offset ", offset, ": ",
-           reinterpret_cast<const char*>(msg.data()), " (pattern ", json(pattern).dump(), ")");
+           reinterpret_cast<const char*>(msg.data()), " (pattern ", json(original).dump(), ")");
     }
     pcre2_jit_compile(code_, PCRE2_JIT_COMPLETE);  // falls back to the interpreter on failure
   }
@@ -52,7 +87,13 @@ class Regex {
     size_t start = 0;
     while (start <= s.size()) {
       const int rc = pcre2_match(code_, subject, s.size(), start, PCRE2_NO_UTF_CHECK, md.get(), nullptr);
-      if (rc < 0) break;
+      if (rc == PCRE2_ERROR_NOMATCH) break;
+      if (rc < 0) {  // e.g. a resource limit: never drop text silently
+        std::array<PCRE2_UCHAR, 256> msg{};
+        pcre2_get_error_message(rc, msg.data(), msg.size());
+        fail("tokenizer regex failed at byte ", start, " of a ", s.size(), "-byte piece: ",
+             reinterpret_cast<const char*>(msg.data()));
+      }
       const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md.get());
       if (ov[1] > ov[0]) {
         out.emplace_back(ov[0], ov[1]);

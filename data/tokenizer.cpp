@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "data/bpe_tokenizer.h"
+#include "data/sentencepiece_tokenizer.h"
 #include "runtime/error.h"
 
 namespace memtune::data {
@@ -63,6 +64,7 @@ void apply_config(Tokenizer& tok, const fs::path& path) {
   // add_bos_token / add_eos_token, when given, decide the special tokens of encode(), as
   // transformers' Llama tokenizers rebuild their post-processor from them.
   auto* bpe = dynamic_cast<BpeTokenizer*>(&tok);
+  auto* sp = dynamic_cast<SentencePieceTokenizer*>(&tok);
   if (cfg.contains("add_bos_token") || cfg.contains("add_eos_token")) {
     const bool add_bos = cfg.value("add_bos_token", false) && tok.bos_id;
     const bool add_eos = cfg.value("add_eos_token", false) && tok.eos_id;
@@ -70,6 +72,7 @@ void apply_config(Tokenizer& tok, const fs::path& path) {
     if (add_bos) prefix.push_back(*tok.bos_id);
     if (add_eos) suffix.push_back(*tok.eos_id);
     if (bpe) bpe->set_special_affixes(prefix, suffix);
+    if (sp) sp->set_special_affixes(prefix, suffix);
   }
 }
 
@@ -90,7 +93,7 @@ std::unique_ptr<Tokenizer> Tokenizer::load(const fs::path& path) {
   }
   std::unique_ptr<Tokenizer> tok;
   if (file.extension() == ".model") {
-    fail(file.string(), ": SentencePiece .model files are not supported yet; use the model's tokenizer.json");
+    tok = std::make_unique<SentencePieceTokenizer>(read_all(file), file.string());
   } else {
     tok = std::make_unique<BpeTokenizer>(read_all(file), file.string());
   }

@@ -65,6 +65,7 @@ void clear_dead_temporary(const fs::path& temp) {
 
 void fsync_tree(const fs::path& root) {
   for (const auto& entry : fs::recursive_directory_iterator(root)) {
+    if (entry.is_symlink()) continue;  // its target is not ours to sync
     if (entry.is_regular_file() || entry.is_directory()) fsync_path(entry.path());
   }
   fsync_path(root);
@@ -197,8 +198,8 @@ void AtomicDirectory::commit() {
       err = rename_with_flags(temp_, final_, 0);
     }
     MEMTUNE_CHECK(err != EEXIST && err != ENOTEMPTY, "checkpoint directory ", final_,
-                  " appeared while it was being written; it was not replaced (the new one is"
-                  " left at ", temp_, ")");
+                  " appeared while it was being written; it was not replaced",
+                  "; write each checkpoint from one place");
     MEMTUNE_CHECK(err == 0, "renaming ", temp_, " to ", final_, " failed: ", std::strerror(err));
   } else if (!fs::exists(final_)) {
     const int err = rename_with_flags(temp_, final_, 0);

@@ -106,15 +106,20 @@ struct BudgetAllocator final : c10::Allocator {
   MEMTUNE_ALLOCATOR_COPY_DATA
 };
 
-BudgetAllocator g_allocator;  // static lifetime, as SetCPUAllocator requires
+// Never destroyed: SetCPUAllocator needs static lifetime, and static destructors that run
+// after this file's may still allocate.
+BudgetAllocator* budget_allocator() {
+  static auto* allocator = new BudgetAllocator();
+  return allocator;
+}
 
 }  // namespace
 
 void install_cpu_budget_allocator() {
   static std::once_flag once;
   std::call_once(once, [] {
-    c10::SetCPUAllocator(&g_allocator, kPriority);
-    TORCH_CHECK(c10::GetCPUAllocator() == &g_allocator,
+    c10::SetCPUAllocator(budget_allocator(), kPriority);
+    TORCH_CHECK(c10::GetCPUAllocator() == budget_allocator(),
                 "CPU budget allocator: c10::SetCPUAllocator kept another allocator "
                 "(one registered with a priority above ", static_cast<int>(kPriority), ")");
     g_installed = true;
@@ -139,6 +144,7 @@ int64_t cpu_peak_bytes() { return g_peak.load(); }
 
 void set_cpu_memory_limit(int64_t bytes) {
   TORCH_CHECK(bytes >= 0, "CPU memory limit must be >= 0 bytes, got ", bytes);
+  if (bytes > 0) install_cpu_budget_allocator();  // a limit only binds once installed
   g_limit = bytes;
 }
 int64_t cpu_memory_limit() { return g_limit.load(); }
@@ -147,6 +153,7 @@ void reset_cpu_peak() { g_peak = g_allocated.load(); }
 
 void inject_oom_after(int64_t allocations) {
   TORCH_CHECK(allocations >= 0, "inject_oom_after: allocations must be >= 0, got ", allocations);
+  install_cpu_budget_allocator();
   g_inject_countdown = allocations;
 }
 void inject_oom_on_next_alloc() { inject_oom_after(0); }

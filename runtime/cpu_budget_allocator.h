@@ -35,7 +35,7 @@ int64_t cpu_allocated_bytes();
 int64_t cpu_peak_bytes();
 
 // Budget in bytes; 0 removes it. A limit below the current use is allowed: the next
-// allocation fails.
+// allocation fails. Setting a limit (or an injection below) installs the allocator.
 void set_cpu_memory_limit(int64_t bytes);
 int64_t cpu_memory_limit();
 void reset_cpu_peak();  // peak := allocated

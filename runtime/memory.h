@@ -18,8 +18,9 @@ struct MemoryStats {
   int64_t peak = 0;         // highest `allocated` since start or the last reset_peak()
   int64_t limit = 0;        // budget set by set_limit(); 0 = none
   int64_t total = 0;        // device capacity (CPU: the host's MemTotal)
-  int64_t free = 0;         // what may still be allocated: CUDA: cudaMemGetInfo free;
-                            // CPU: MemAvailable, capped by limit - allocated when limited
+  int64_t free = 0;         // what may still be taken: CUDA: cudaMemGetInfo free, capped
+                            // by limit - reserved; CPU: MemAvailable, capped by
+                            // limit - allocated (when a limit is set)
   int64_t alloc_count = 0;  // live allocations (blocks not yet freed)
 };
 

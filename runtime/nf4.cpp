@@ -163,6 +163,36 @@ void pairs(const uint8_t* p, int64_t nbytes, float s, float* o) {
   pairs_scalar(p, nbytes, s, o);
 }
 
+// codes[i] = nf4_code(x[i] * r) for i < len.
+void codes_scalar(const float* x, int64_t len, float r, uint8_t* codes) {
+  for (int64_t i = 0; i < len; ++i) codes[i] = nf4_code(x[i] * r);
+}
+
+#ifdef MEMTUNE_NF4_X86
+__attribute__((target("avx2"))) void codes_avx2(const float* x, int64_t len, float r, uint8_t* codes) {
+  __m256 th[15];
+  for (int j = 0; j < 15; ++j) th[j] = _mm256_set1_ps(kThresholds[j]);
+  const __m256 scale = _mm256_set1_ps(r);
+  int64_t i = 0;
+  for (; i + 8 <= len; i += 8) {
+    __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + i), scale);
+    __m256i c = _mm256_setzero_si256();
+    for (int j = 0; j < 15; ++j)  // each true compare is -1
+      c = _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(v, th[j], _CMP_GT_OQ)));
+    __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packus_epi16(w, w));
+  }
+  codes_scalar(x + i, len - i, r, codes + i);
+}
+#endif
+
+void block_codes(const float* x, int64_t len, float r, uint8_t* codes) {
+#ifdef MEMTUNE_NF4_X86
+  if (cpu_has_avx2()) return codes_avx2(x, len, r, codes);
+#endif
+  codes_scalar(x, len, r, codes);
+}
+
 // Elements [a, z) of the flattened tensor, all in one block with scale s, into o (fp32).
 void segment_fp32(const uint8_t* packed, int64_t a, int64_t z, float s, float* o) {
   int64_t i = a;
@@ -175,6 +205,51 @@ void segment_fp32(const uint8_t* packed, int64_t a, int64_t z, float s, float* o
   o += 2 * npairs;
   i += 2 * npairs;
   if (i < z) *o = kCodebook[packed[i >> 1] >> 4] * s;
+}
+
+// fp32 -> bf16 / fp16, round to nearest even (values are finite).
+template <class T>
+void convert_scalar(const float* src, int64_t n, T* dst) {
+  for (int64_t k = 0; k < n; ++k) dst[k] = static_cast<T>(src[k]);
+}
+
+#ifdef MEMTUNE_NF4_X86
+__attribute__((target("avx2"))) void convert_bf16_avx2(const float* src, int64_t n, c10::BFloat16* dst) {
+  const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7FFF);
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) {
+    __m256i b = _mm256_castps_si256(_mm256_loadu_ps(src + k));
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), one);
+    __m256i hi = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(bias, lsb)), 16);
+    __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + k), packed);
+  }
+  convert_scalar(src + k, n - k, dst + k);
+}
+
+__attribute__((target("avx2,f16c"))) void convert_half_f16c(const float* src, int64_t n, c10::Half* dst) {
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) {
+    __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + k), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + k), h);
+  }
+  convert_scalar(src + k, n - k, dst + k);
+}
+#endif
+
+void convert(const float* src, int64_t n, c10::BFloat16* dst) {
+#ifdef MEMTUNE_NF4_X86
+  if (cpu_has_avx2()) return convert_bf16_avx2(src, n, dst);
+#endif
+  convert_scalar(src, n, dst);
+}
+
+void convert(const float* src, int64_t n, c10::Half* dst) {
+#ifdef MEMTUNE_NF4_X86
+  static const bool f16c = __builtin_cpu_supports("f16c");
+  if (cpu_has_avx2() && f16c) return convert_half_f16c(src, n, dst);
+#endif
+  convert_scalar(src, n, dst);
 }
 
 template <class T>
@@ -197,7 +272,7 @@ void dequantize_range_cpu(const NF4Tensor& q, int64_t begin, int64_t count, T* o
         segment_fp32(packed, a, z, scales[b - b0], dst);
       } else {
         segment_fp32(packed, a, z, scales[b - b0], tmp.data());
-        for (int64_t k = 0; k < z - a; ++k) dst[k] = static_cast<T>(tmp[k]);  // round to nearest even
+        convert(tmp.data(), z - a, dst);
       }
     }
   });
@@ -307,14 +382,17 @@ NF4Tensor nf4_quantize(const at::Tensor& w, int64_t blocksize, bool double_quant
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t a = b * blocksize, z = std::min(n, a + blocksize);
       float m = -FLT_MAX;
-      for (int64_t i = a; i < z; ++i) m = std::fmax(m, std::fabs(xp[i]));
+      for (int64_t i = a; i < z; ++i) m = std::max(m, std::fabs(xp[i]));  // finite: no nan rules needed
       ap[b] = m;
-      const float r = 1.0f / m;
-      auto code = [&](int64_t i) -> uint8_t {
-        if (i >= z) return nf4_code(0.0f);  // padding nibble of an odd-length tensor
-        return m == 0.0f ? kZeroCode : nf4_code(xp[i] * r);
-      };
-      for (int64_t i = a; i < z; i += 2) pp[i >> 1] = static_cast<uint8_t>((code(i) << 4) | code(i + 1));
+      const int64_t len = z - a;
+      uint8_t codes[4096 + 1];
+      if (m == 0.0f) {
+        std::memset(codes, kZeroCode, len);
+      } else {
+        block_codes(xp + a, len, 1.0f / m, codes);
+      }
+      codes[len] = nf4_code(0.0f);  // padding nibble of an odd-length tensor
+      for (int64_t i = 0; i < len; i += 2) pp[(a + i) >> 1] = static_cast<uint8_t>((codes[i] << 4) | codes[i + 1]);
     }
   });
 

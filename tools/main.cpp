@@ -1,7 +1,3 @@
-#include <iostream>
-#include "runtime/compat.h"
-#include "runtime/threads.h"
-int main(int argc, char** argv) {
-  memtune::reexec_with_passive_omp_wait(argv);
-  std::cout << memtune::configure_threads(0) << " torch " << memtune::compat::torch_version() << "\n";
-}
+#include "tools/cli.h"
+
+int main(int argc, char** argv) { return memtune::cli::memtune_main(argc, argv); }

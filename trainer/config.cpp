@@ -111,6 +111,9 @@ void TrainingConfig::fields(F&& f) {
   f("save_steps", save_steps, "checkpoint every this many steps; 0: only at the end");
   f("save_total_limit", save_total_limit, "checkpoints kept; 0: all");
   f("eval_steps", eval_steps, "evaluate every this many steps; 0: no periodic evaluation");
+  f("eval_accuracy_rows", eval_accuracy_rows,
+    "> 0: before and after training, greedy exact-match accuracy on this many records of the "
+    "instruction eval file");
   f("seed", seed, "seed of the sampler, dropout and LoRA initialisation");
   f("resume_from_checkpoint", resume_from_checkpoint,
     "latest (or true): the newest checkpoint in output_dir; a checkpoints/step-N path; empty: none",
@@ -882,6 +885,7 @@ void validate(const TrainingConfig& t, const std::string& p, const Checker& c) {
   c.check(t.save_steps >= 0, p + ".save_steps", t.save_steps, "must be >= 0 (0: only at the end)");
   c.check(t.save_total_limit >= 0, p + ".save_total_limit", t.save_total_limit, "must be >= 0 (0: keep all)");
   c.check(t.eval_steps >= 0, p + ".eval_steps", t.eval_steps, "must be >= 0 (0: no periodic evaluation)");
+  c.check(t.eval_accuracy_rows >= 0, p + ".eval_accuracy_rows", t.eval_accuracy_rows, "must be >= 0");
   c.check(t.fp16_init_scale > 0, p + ".fp16_init_scale", t.fp16_init_scale, "must be > 0");
   c.check(t.fp16_growth_interval >= 1, p + ".fp16_growth_interval", t.fp16_growth_interval, "must be at least 1");
   c.check(t.dataloader_num_workers >= 0, p + ".dataloader_num_workers", t.dataloader_num_workers, "must be >= 0");

@@ -104,6 +104,7 @@ struct TrainingConfig {
   int64_t save_steps = 0;                     // 0: only at the end
   int save_total_limit = 0;                   // 0: keep all checkpoints
   int64_t eval_steps = 0;                     // 0: no periodic evaluation
+  int64_t eval_accuracy_rows = 0;             // > 0: exact-match accuracy on this many eval records (instruction data)
   uint64_t seed = 42;
   std::string resume_from_checkpoint;         // empty | latest | path to checkpoints/step-N
   double fp16_init_scale = 65536;             // loss scaler start

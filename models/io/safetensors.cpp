@@ -110,10 +110,12 @@ std::string safetensors_dtype_name(at::ScalarType dtype) {
 // ---- reading ----
 
 struct SafetensorsFile::Mapping {
+  int fd = -1;  // kept open for load()'s pread
   const uint8_t* data = nullptr;
   size_t size = 0;
   ~Mapping() {
     if (data != nullptr) ::munmap(const_cast<uint8_t*>(data), size);
+    if (fd >= 0) ::close(fd);
   }
 };
 
@@ -124,25 +126,18 @@ SafetensorsFile& SafetensorsFile::operator=(SafetensorsFile&&) noexcept = defaul
 SafetensorsFile::SafetensorsFile(const fs::path& path) : path_(path) {
   const std::string file = str_cat("safetensors file ", path, ": ");
   auto mapping = std::make_shared<Mapping>();
-  {
-    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    MEMTUNE_CHECK(fd >= 0, "cannot open safetensors file ", path, ": ", std::strerror(errno));
-    struct stat st;
-    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-      ::close(fd);
-      fail(file, "not a regular file");
-    }
-    mapping->size = static_cast<size_t>(st.st_size);
-    if (mapping->size > 0) {
-      void* p = ::mmap(nullptr, mapping->size, PROT_READ, MAP_PRIVATE, fd, 0);
-      const int err = errno;
-      ::close(fd);
-      MEMTUNE_CHECK(p != MAP_FAILED, file, "mmap of ", mapping->size, " bytes failed: ",
-                    std::strerror(err));
-      mapping->data = static_cast<const uint8_t*>(p);
-    } else {
-      ::close(fd);
-    }
+  mapping->fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  MEMTUNE_CHECK(mapping->fd >= 0, "cannot open safetensors file ", path, ": ",
+                std::strerror(errno));
+  struct stat st;
+  MEMTUNE_CHECK(::fstat(mapping->fd, &st) == 0 && S_ISREG(st.st_mode), file,
+                "not a regular file");
+  mapping->size = static_cast<size_t>(st.st_size);
+  if (mapping->size > 0) {
+    void* p = ::mmap(nullptr, mapping->size, PROT_READ, MAP_PRIVATE, mapping->fd, 0);
+    MEMTUNE_CHECK(p != MAP_FAILED, file, "mmap of ", mapping->size, " bytes failed: ",
+                  std::strerror(errno));
+    mapping->data = static_cast<const uint8_t*>(p);
   }
   mapping_ = mapping;
   const uint64_t size = mapping->size;
@@ -288,8 +283,28 @@ const SafetensorsTensorInfo& SafetensorsFile::info(const std::string& name) cons
 at::Tensor SafetensorsFile::load(const std::string& name) const {
   const auto& i = info(name);
   at::Tensor out = at::empty(i.shape, at::TensorOptions().dtype(i.dtype));
-  if (i.nbytes() > 0) std::memcpy(out.data_ptr(), mapping_->data + i.file_offset, i.nbytes());
+  auto* dst = static_cast<char*>(out.data_ptr());
+  uint64_t done = 0;
+  while (done < i.nbytes()) {
+    const ssize_t n = ::pread(mapping_->fd, dst + done, i.nbytes() - done,
+                              static_cast<off_t>(i.file_offset + done));
+    if (n < 0 && errno == EINTR) continue;
+    MEMTUNE_CHECK(n > 0, "safetensors file ", path_, ": reading tensor '", name, "' failed at byte ",
+                  i.file_offset + done, ": ", n == 0 ? "unexpected end of file (truncated since "
+                                                       "it was opened?)" : std::strerror(errno));
+    done += static_cast<uint64_t>(n);
+  }
   return out;
+}
+
+void SafetensorsFile::evict(const std::string& name) const {
+  const auto& i = info(name);
+  if (i.nbytes() == 0) return;
+  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  const uint64_t first = i.file_offset / page * page;
+  const uint64_t end = i.file_offset + i.nbytes();  // <= the mapping's size
+  // A clean private file mapping: dropped pages are read back from the file on access.
+  ::madvise(const_cast<uint8_t*>(mapping_->data) + first, end - first, MADV_DONTNEED);
 }
 
 at::Tensor SafetensorsFile::view(const std::string& name) const {
@@ -507,6 +522,7 @@ const SafetensorsTensorInfo& CheckpointReader::info(const std::string& name) con
 }
 at::Tensor CheckpointReader::load(const std::string& name) const { return shard(name).load(name); }
 at::Tensor CheckpointReader::view(const std::string& name) const { return shard(name).view(name); }
+void CheckpointReader::evict(const std::string& name) const { shard(name).evict(name); }
 const fs::path& CheckpointReader::file_of(const std::string& name) const {
   return shard(name).path();
 }

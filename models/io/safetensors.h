@@ -63,12 +63,18 @@ class SafetensorsFile {
   uint64_t header_bytes() const { return header_bytes_; }  // N
   uint64_t data_bytes() const { return data_bytes_; }
 
-  // A contiguous CPU copy.
+  // A contiguous CPU copy, read with pread(): the file's pages are not mapped into this
+  // process, so resident memory grows by the copy only.
   at::Tensor load(const std::string& name) const;
   // Zero-copy CPU tensor over the mapping; the mapping stays alive while the tensor does.
   // Read-only: writing into it faults. A tensor whose bytes are not aligned to its
-  // element size (possible in files from other writers) is returned as a copy.
+  // element size (possible in files from other writers) is returned as a copy. Pages a
+  // view touches count in this process's resident memory until evict().
   at::Tensor view(const std::string& name) const;
+  // Unmaps the resident pages of `name`'s bytes (and of any tensor sharing its first or
+  // last page); views stay valid and read the file again when touched. For streaming
+  // loads: view, convert, evict, next.
+  void evict(const std::string& name) const;
 
  private:
   struct Mapping;
@@ -136,6 +142,7 @@ class CheckpointReader {
   const SafetensorsTensorInfo& info(const std::string& name) const;
   at::Tensor load(const std::string& name) const;
   at::Tensor view(const std::string& name) const;
+  void evict(const std::string& name) const;  // see SafetensorsFile::evict
   // The shard file holding `name`.
   const std::filesystem::path& file_of(const std::string& name) const;
   bool sharded() const { return sharded_; }

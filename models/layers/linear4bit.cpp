@@ -14,9 +14,12 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Bytes of one dequantized panel of W: a few MiB stays in the last-level cache while its
-// GEMM runs, and is the only dense piece of W alive at any time.
-constexpr int64_t kPanelBytes = int64_t{4} << 20;
+// Bytes of one dequantized panel of W, the only dense piece of W alive at any time. Each
+// panel's GEMM packs x again, so panels must be large: on the 2-core machine of
+// bench/nf4_bench.cpp (2026-11-22) 16 MiB panels ran at 1.14x/1.25x a dense Linear
+// (4096x4096 / 11008x4096, 512 tokens), 4 MiB at 1.50x/1.34x, and dequantizing all of W
+// then one GEMM at 1.2x-1.4x.
+constexpr int64_t kPanelBytes = int64_t{16} << 20;
 
 int64_t panel_rows(const NF4Tensor& q, at::ScalarType dt) {
   const int64_t in = q.shape[1];

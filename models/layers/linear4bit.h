@@ -12,7 +12,7 @@ namespace memtune::models {
 
 // How the CPU forms x @ deq(W)^T and grad_y @ deq(W).
 enum class Nf4MatmulPath {
-  kAuto,                  // the faster of the two on this machine (see bench/nf4_bench.cpp)
+  kAuto,                  // kPanels on the CPU (measured faster, see bench/nf4_bench.cpp)
   kDequantizeThenMatmul,  // dequantize all of W, one GEMM; a dense W lives during the op
   kPanels,                // dequantize row panels of W into a reused buffer, GEMM per panel
 };

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -64,17 +65,31 @@ std::string shown(const std::string& s) {
   return s.size() > 200 ? json(s.substr(0, 200)).dump() + "... (" + std::to_string(s.size()) + " bytes)" : json(s).dump();
 }
 
-void compare_with_library(const fs::path& dir) {
+// Where two id lists first differ, with the tokens around it, for the failure message.
+std::string divergence(const data::Tokenizer& tok, const std::vector<int32_t>& got, const std::vector<int32_t>& want) {
+  size_t k = 0;
+  while (k < got.size() && k < want.size() && got[k] == want[k]) ++k;
+  auto around = [&](const std::vector<int32_t>& v) {
+    std::string s;
+    for (size_t i = k; i < v.size() && i < k + 6; ++i) s += json(tok.id_to_token(v[i])).dump() + " ";
+    return s;
+  };
+  return "first difference at id " + std::to_string(k) + ": memtune " + around(got) + "| library " + around(want);
+}
+
+// memtune's tokenizer loaded from `ours` (default: `dir`) against the library on dir's
+// tokenizer.json.
+void compare_with_library(const fs::path& dir, const std::vector<std::string>& corpus = tokenizer_corpus(),
+                          const fs::path& ours = {}) {
   std::string why;
   if (!node_ready(why)) {
     if (why == "node is not installed") GTEST_SKIP() << why;
     FAIL() << why;
   }
   ASSERT_TRUE(fs::exists(dir / "tokenizer.json")) << dir;
-  const auto corpus = tokenizer_corpus();
   const auto expected = reference(dir / "tokenizer.json", corpus, temp_dir());
   ASSERT_EQ(expected.size(), corpus.size());
-  const auto tok = data::Tokenizer::load(dir);
+  const auto tok = data::Tokenizer::load(ours.empty() ? dir : ours);
   int bad = 0;
   for (size_t i = 0; i < corpus.size() && bad < 10; ++i) {
     const auto& x = corpus[i];
@@ -82,8 +97,10 @@ void compare_with_library(const fs::path& dir) {
     const auto ids = tok->encode(x, false);
     const auto ids_special = tok->encode(x, true);
     bool ok = true;
-    EXPECT_EQ(ids, e.ids) << "input " << i << " " << shown(x), ok = ok && ids == e.ids;
-    EXPECT_EQ(ids_special, e.ids_special) << "input " << i << " " << shown(x);
+    EXPECT_EQ(ids, e.ids) << "input " << i << " " << shown(x) << "\n" << divergence(*tok, ids, e.ids);
+    ok = ok && ids == e.ids;
+    EXPECT_EQ(ids_special, e.ids_special) << "input " << i << " " << shown(x) << "\n"
+                                          << divergence(*tok, ids_special, e.ids_special);
     ok = ok && ids_special == e.ids_special;
     // decode(encode(x)) equals the library's decode of the same ids.
     EXPECT_EQ(tok->decode(e.ids, false), e.decode) << "input " << i << " " << shown(x);
@@ -107,6 +124,113 @@ TEST(TokenizerLibrary, Llama2) {
 
 TEST(TokenizerLibrary, TinyTokenizer) {
   compare_with_library(source_dir() / "examples" / "tiny-tokenizer");
+}
+
+// Variants of the real files with the other pre-tokenizers and decoders that released
+// tokenizers use (Metaspace as in Mistral and newer Llama-2-style files; GPT-2's ByteLevel
+// regex with and without a prefix space); the library reads the same modified file.
+fs::path variant(const fs::path& dir, const std::string& tag, const std::function<void(json&)>& edit) {
+  std::ifstream in(dir / "tokenizer.json", std::ios::binary);
+  json j = json::parse(in);
+  edit(j);
+  const fs::path out = temp_dir(tag);
+  std::ofstream(out / "tokenizer.json", std::ios::binary) << j.dump();
+  return out;
+}
+
+const std::string kMeta = "\xE2\x96\x81";
+
+TEST(TokenizerLibrary, MetaspaceFirstNoSplit) {
+  const fs::path dir = reference_dir() / "node_modules" / "@lenml" / "tokenizer-llama2" / "models";
+  compare_with_library(variant(dir, "meta_first", [](json& j) {
+    j["normalizer"] = nullptr;
+    j["pre_tokenizer"] = {{"type", "Metaspace"}, {"replacement", kMeta}, {"prepend_scheme", "first"}, {"split", false}};
+    j["decoder"] = {{"type", "Metaspace"}, {"replacement", kMeta}, {"prepend_scheme", "first"}, {"split", false}};
+  }));
+}
+
+TEST(TokenizerLibrary, MetaspaceAlwaysSplit) {
+  const fs::path dir = reference_dir() / "node_modules" / "@lenml" / "tokenizer-llama2" / "models";
+  compare_with_library(variant(dir, "meta_always", [](json& j) {
+    j["normalizer"] = nullptr;
+    j["pre_tokenizer"] = {{"type", "Metaspace"}, {"replacement", kMeta}, {"prepend_scheme", "always"}, {"split", true}};
+    j["decoder"] = {{"type", "Metaspace"}, {"replacement", kMeta}, {"prepend_scheme", "always"}, {"split", true}};
+  }));
+}
+
+TEST(TokenizerLibrary, Gpt2ByteLevelRegex) {
+  const fs::path dir = reference_dir() / "node_modules" / "@lenml" / "tokenizer-llama3" / "models";
+  compare_with_library(variant(dir, "gpt2", [](json& j) {
+    j["pre_tokenizer"] = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", true}};
+    j["model"]["ignore_merges"] = false;
+  }));
+}
+
+TEST(TokenizerLibrary, Gpt2ByteLevelPrefixSpace) {
+  const fs::path dir = reference_dir() / "node_modules" / "@lenml" / "tokenizer-llama3" / "models";
+  compare_with_library(variant(dir, "gpt2_prefix", [](json& j) {
+    j["pre_tokenizer"] = {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}};
+  }));
+}
+
+// A SentencePiece .model written from the Llama-2-style tokenizer.json (same pieces, scores
+// in merge order) must tokenize as the library does with the tokenizer.json.
+TEST(TokenizerLibrary, SentencePieceModelLlama2) {
+  const fs::path dir = reference_dir() / "node_modules" / "@lenml" / "tokenizer-llama2" / "models";
+  const fs::path model = temp_dir("spm") / "tokenizer.model";
+  auto r = run(python() + " " + (reference_dir() / "make_sp_model.py").string() + " '" +
+               (dir / "tokenizer.json").string() + "' '" + model.string() + "' 2>&1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  compare_with_library(dir, tokenizer_corpus(), model);
+}
+
+// A unigram model written twice from the same pieces and scores: as a SentencePiece .model
+// (read by memtune) and as a tokenizer.json with a Unigram model (read by the library).
+// Inputs holding literal "<0x" are left out: the library's Unigram matches the text of
+// byte pieces, sentencepiece never does.
+TEST(TokenizerLibrary, SentencePieceUnigram) {
+  const fs::path dir = reference_dir() / "node_modules" / "@lenml" / "tokenizer-llama2" / "models";
+  const fs::path out = temp_dir("unigram");
+  auto r = run(python() + " " + (reference_dir() / "make_unigram_pair.py").string() + " '" +
+               (dir / "tokenizer.json").string() + "' '" + out.string() + "' 2>&1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::vector<std::string> corpus;
+  for (const auto& s : tokenizer_corpus())
+    if (s.find("<0x") == std::string::npos) corpus.push_back(s);
+  compare_with_library(out, corpus, out / "tokenizer.model");
+}
+
+// Every code point of the BMP (surrogates and private use left out) and the emoji blocks,
+// each next to letters, digits, spaces and itself: the regex classes (\s, \p{L}, \p{N})
+// of PCRE2 against those of the library's Oniguruma.
+std::vector<std::string> unicode_sweep() {
+  std::vector<std::string> lines;
+  std::string line;
+  auto add = [&](uint32_t cp) {
+    std::string c;
+    append_utf8(c, cp);
+    line += c + "a " + c + "1" + c + c + " ";
+    if (line.size() > 600) { lines.push_back(line); line.clear(); }
+  };
+  for (uint32_t cp = 0x20; cp < 0x10000; ++cp) {
+    if ((cp >= 0xD800 && cp < 0xF900)) continue;
+    add(cp);
+  }
+  for (uint32_t cp = 0x1F300; cp < 0x1FAFF; ++cp) add(cp);
+  lines.push_back(line);
+  return lines;
+}
+
+TEST(TokenizerLibrary, UnicodeSweepLlama3) {
+  compare_with_library(reference_dir() / "node_modules" / "@lenml" / "tokenizer-llama3" / "models", unicode_sweep());
+}
+
+TEST(TokenizerLibrary, UnicodeSweepQwen3) {
+  compare_with_library(reference_dir() / "node_modules" / "@lenml" / "tokenizer-qwen3" / "models", unicode_sweep());
+}
+
+TEST(TokenizerLibrary, UnicodeSweepLlama2) {
+  compare_with_library(reference_dir() / "node_modules" / "@lenml" / "tokenizer-llama2" / "models", unicode_sweep());
 }
 
 }  // namespace

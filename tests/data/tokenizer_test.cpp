@@ -3,6 +3,7 @@
 // tokens, special tokens, tokenizer_config.json, NFC, and errors on bad files.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <nlohmann/json.hpp>
 
 #include "data/tokenizer.h"
@@ -227,6 +228,101 @@ TEST(Tokenizer, BadFilesNameTheFileAndTheProblem) {
     FAIL() << "no error for a missing file";
   } catch (const UserError& err) {
     EXPECT_NE(std::string(err.what()).find("nope.json"), std::string::npos) << err.what();
+  }
+}
+
+}  // namespace
+}  // namespace memtune::testing
+
+namespace memtune::testing {
+namespace {
+
+// Protobuf wire format, for writing small SentencePiece ModelProtos by hand.
+std::string varint(uint64_t v) {
+  std::string s;
+  do {
+    s += static_cast<char>((v & 0x7F) | (v > 0x7F ? 0x80 : 0));
+    v >>= 7;
+  } while (v);
+  return s;
+}
+std::string field_bytes(int num, const std::string& payload) { return varint(num << 3 | 2) + varint(payload.size()) + payload; }
+std::string field_varint(int num, uint64_t v) { return varint(num << 3) + varint(v); }
+std::string sp_piece(const std::string& text, float score, int type) {
+  std::string f(4, '\0');
+  std::memcpy(&f[0], &score, 4);  // little-endian float (x86, ARM)
+  return field_bytes(1, field_bytes(1, text) + varint(2 << 3 | 5) + f + field_varint(3, type));
+}
+
+std::string sp_model(int model_type) {
+  const std::string sp = "\xE2\x96\x81";
+  std::string m = sp_piece("<unk>", 0, 2) + sp_piece("<s>", 0, 3) + sp_piece("</s>", 0, 3) +
+                  sp_piece(sp, -10, 1) + sp_piece("a", -11, 1) + sp_piece("b", -12, 1) +
+                  sp_piece(sp + "a", -2, 1) + sp_piece("ab", -1, 1) + sp_piece(sp + "ab", -3, 1);
+  m += field_bytes(2, field_varint(3, model_type));
+  m += field_bytes(3, field_varint(3, 1) + field_varint(4, 0));  // dummy prefix, keep spaces
+  return m;
+}
+
+TEST(SentencePiece, BpeMergesHighestScoreFirst) {
+  const fs::path f = temp_dir() / "tokenizer.model";
+  write_file(f, sp_model(2));
+  auto tok = data::Tokenizer::load(f);
+  // "▁ab": (a b) scores -1, above (▁ a) at -2, so [▁][ab], then (▁ ab) -> [▁ab] = 8.
+  EXPECT_EQ(tok->encode("ab", false), (Ids{8}));
+  // "▁ba": only (▁ b)? not a piece; [▁][b][a]; "c" is unknown -> <unk> (no byte fallback).
+  EXPECT_EQ(tok->encode("ba c", false), (Ids{3, 5, 4, 3, 0}));
+  EXPECT_EQ(tok->encode("ab", true), (Ids{1, 8}));
+  EXPECT_EQ(tok->encode("a</s>", false), (Ids{6, 2}));
+  EXPECT_EQ(tok->decode({1, 8, 3, 5}, true), "ab b");
+  EXPECT_EQ(tok->bos_id, 1);
+  EXPECT_EQ(tok->eos_id, 2);
+}
+
+TEST(SentencePiece, UnigramTakesTheBestTotalScore) {
+  const fs::path f = temp_dir() / "tokenizer.model";
+  write_file(f, sp_model(1));
+  auto tok = data::Tokenizer::load(f);
+  // "▁ab": [▁ab] -3 beats [▁a][b] -14 and [▁][ab] -11.
+  EXPECT_EQ(tok->encode("ab", false), (Ids{8}));
+  // "▁ba": [▁][b][a] is the only path (-33); "c" is <unk>, and "cc" one fused <unk>.
+  EXPECT_EQ(tok->encode("ba cc", false), (Ids{3, 5, 4, 3, 0}));
+}
+
+TEST(SentencePiece, BadModelsAreRefusedWithTheReason) {
+  const fs::path f = temp_dir() / "tokenizer.model";
+  write_file(f, sp_model(3));
+  try {
+    data::Tokenizer::load(f);
+    FAIL() << "word model accepted";
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("word is not supported"), std::string::npos) << e.what();
+  }
+  write_file(f, "\x0a\xff\xff\xff garbage");
+  try {
+    data::Tokenizer::load(f);
+    FAIL() << "garbage accepted";
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("tokenizer.model"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("not a SentencePiece .model"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace memtune::testing
+
+namespace memtune::testing {
+namespace {
+
+// Very long runs of one character class go through the regexes and BPE whole:
+// decode(encode(x)) == x for the byte-level tiny tokenizer.
+TEST(Tokenizer, LongRunsRoundTrip) {
+  auto tok = data::Tokenizer::load(source_dir() / "examples" / "tiny-tokenizer");
+  for (const std::string unit : {" ", "a", "\n", "1", "\t ", "!?", "\xE4\xBD\xA0", "ab "}) {
+    std::string x;
+    while (x.size() < 300000) x += unit;
+    const auto ids = tok->encode(x, false);
+    EXPECT_EQ(tok->decode(ids, false), x) << "unit " << unit;
   }
 }
 

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/error.h"
+#include "runtime/host_memory.h"
 #include "test_util.h"
 
 namespace fs = std::filesystem;
@@ -340,6 +341,36 @@ TEST(SafetensorsWrite, RefusesWhatTheFormatCannotHold) {
                                                  {{"__metadata__", at::ones({1})}}),
                UserError);
   EXPECT_TRUE(fs::is_empty(dir));
+}
+
+// ---- resident memory while reading (the building block of low_cpu_mem_usage loads) ----
+
+TEST(SafetensorsMemory, LoadCostsOneCopyAndEvictReleasesViewPages) {
+  constexpr int64_t kMiB = 1 << 20, n = 16 * kMiB;  // 64 MiB of F32
+  const fs::path path = mt::temp_dir() / "big.safetensors";
+  memtune::models::save_safetensors(path, {{"big", at::arange(n, at::kFloat)}});
+  SafetensorsFile file(path);
+  const at::Tensor sample_index = at::arange(0, n, 4099, at::kDouble);
+  const int64_t base = memtune::current_rss_bytes();
+  const bool peak_resets = memtune::reset_peak_rss();
+  {
+    at::Tensor t = file.load("big");
+    const int64_t after = memtune::current_rss_bytes();
+    EXPECT_GE(after - base, 60 * kMiB);
+    if (peak_resets) {
+      EXPECT_LE(memtune::peak_rss_bytes() - base, 64 * kMiB + 16 * kMiB);  // one copy, not two
+    }
+    EXPECT_TRUE(at::equal(t.slice(0, 0, n, 4099).to(at::kDouble), sample_index));
+  }
+  EXPECT_LE(memtune::current_rss_bytes() - base, 16 * kMiB);
+
+  at::Tensor v = file.view("big");
+  EXPECT_EQ(v.sum().item<float>() > 0, true);  // touches every page of the mapping
+  EXPECT_GE(memtune::current_rss_bytes() - base, 60 * kMiB);
+  file.evict("big");
+  EXPECT_LE(memtune::current_rss_bytes() - base, 16 * kMiB);
+  // The view still reads the file's bytes.
+  EXPECT_TRUE(at::equal(v.slice(0, 0, n, 4099).to(at::kDouble), sample_index));
 }
 
 // ---- malformed files: one test each, the message names the file, tensor and values ----

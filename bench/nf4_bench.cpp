@@ -1,0 +1,124 @@
+// NF4 figures, each beside its yardstick measured in the same run (2 intra-op threads):
+//  - dequantize throughput (GB/s of fp32 output) vs memcpy bandwidth of the same bytes;
+//  - Linear4bit forward+backward(grad_x) vs a dense fp32 Linear, 512 tokens.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <ctime>
+#include <functional>
+#include <vector>
+
+#include "models/layers/linear4bit.h"
+#include "runtime/nf4.h"
+
+namespace {
+
+// Median seconds of `reps` runs after one warm-up.
+double time_median(const std::function<void()>& fn, int reps) {
+  fn();
+  std::vector<double> t;
+  for (int i = 0; i < reps; ++i) {
+    auto a = std::chrono::steady_clock::now();
+    fn();
+    t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count());
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+void bench_dequantize() {
+  const int64_t rows = 4096, cols = 11008, n = rows * cols;  // 180 MB of fp32 output
+  memtune::NF4Tensor q = memtune::nf4_quantize(at::randn({rows, cols}), 64, true);
+  at::Tensor out = at::empty({n}, at::kFloat);
+  at::Tensor src = at::randn({n});
+  at::Tensor dst = at::empty({n});
+  const double bytes = 4.0 * n;
+  // memcpy split over the same threads as the dequantize kernel.
+  double t_copy = time_median([&] {
+    at::parallel_for(0, n, 1 << 16, [&](int64_t a, int64_t b) {
+      std::memcpy(dst.data_ptr<float>() + a, src.data_ptr<float>() + a, 4 * (b - a));
+    });
+  }, 9);
+  double t_deq = time_median([&] { memtune::nf4_dequantize_range_into(q, 0, n, out); }, 9);
+  at::Tensor out_bf16 = at::empty({n}, at::kBFloat16);
+  double t_bf16 = time_median([&] { memtune::nf4_dequantize_range_into(q, 0, n, out_bf16); }, 5);
+  std::printf("dequantize %lldx%lld (double quant, blocksize 64), %d threads\n", (long long)rows, (long long)cols,
+              at::get_num_threads());
+  std::printf("  memcpy                 %7.2f GB/s\n", bytes / t_copy / 1e9);
+  std::printf("  nf4 -> fp32            %7.2f GB/s of output  (%.0f %% of memcpy)\n", bytes / t_deq / 1e9,
+              100.0 * t_copy / t_deq);
+  std::printf("  nf4 -> bf16            %7.2f GB/s of output  (%.2f Gelem/s)\n", bytes / 2 / t_bf16 / 1e9,
+              n / t_bf16 / 1e9);
+  double t_quant = time_median([&] { memtune::nf4_quantize(src.view({rows, cols}), 64, true); }, 3);
+  std::printf("  quantize fp32 -> nf4   %7.2f Gelem/s (%.2f s for this tensor)\n", n / t_quant / 1e9, t_quant);
+}
+
+void bench_linear(int64_t out, int64_t in, int64_t tokens) {
+  using memtune::models::Nf4MatmulPath;
+  torch::manual_seed(0);
+  at::Tensor w = at::randn({out, in}) * 0.02;
+  auto q = std::make_shared<const memtune::NF4Tensor>(memtune::nf4_quantize(w, 64, true));
+  at::Tensor x = at::randn({tokens, in}).requires_grad_(true);
+  at::Tensor gy = at::randn({tokens, out});
+  at::Tensor dense_w = memtune::nf4_dequantize(*q, at::kFloat);  // frozen, like the base weight
+  auto dense = [&] {
+    x.mutable_grad() = at::Tensor();
+    at::linear(x, dense_w).backward(gy);
+  };
+  auto nf4 = [&](Nf4MatmulPath path) {
+    return [&, path] {
+      x.mutable_grad() = at::Tensor();
+      memtune::models::linear4bit(x, q, at::Tensor(), at::kFloat, path).backward(gy);
+    };
+  };
+  // Rounds interleave the three so that load from other processes on a shared machine
+  // falls on all of them alike; medians of wall time and of this process's CPU time.
+  std::vector<std::function<void()>> fns = {dense, nf4(Nf4MatmulPath::kDequantizeThenMatmul),
+                                            nf4(Nf4MatmulPath::kPanels)};
+  const char* names[] = {"dense fp32 Linear           ", "Linear4bit dequantize+matmul",
+                         "Linear4bit panels           "};
+  const int rounds = 7;
+  std::vector<std::vector<double>> wall(3), cpu(3);
+  for (auto& f : fns) f();  // warm-up
+  auto cpu_now = [] {
+    timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return ts.tv_sec + 1e-9 * ts.tv_nsec;
+  };
+  for (int r = 0; r < rounds; ++r) {
+    for (int k = 0; k < 3; ++k) {
+      auto a = std::chrono::steady_clock::now();
+      double c = cpu_now();
+      fns[k]();
+      cpu[k].push_back(cpu_now() - c);
+      wall[k].push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count());
+    }
+  }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  std::printf("linear %lld tokens x [%lld -> %lld], forward + backward(grad_x), median of %d rounds\n",
+              (long long)tokens, (long long)in, (long long)out, rounds);
+  for (int k = 0; k < 3; ++k) {
+    std::printf("  %s  wall %8.1f ms (%.2fx dense)   cpu %8.1f ms (%.2fx dense)\n", names[k],
+                1e3 * median(wall[k]), median(wall[k]) / median(wall[0]), 1e3 * median(cpu[k]),
+                median(cpu[k]) / median(cpu[0]));
+  }
+}
+
+}  // namespace
+
+int main() {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // figures appear as they are measured
+  at::set_num_threads(2);
+  bench_dequantize();
+  bench_linear(4096, 4096, 512);
+  bench_linear(11008, 4096, 512);
+  return 0;
+}

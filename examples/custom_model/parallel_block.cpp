@@ -1,0 +1,86 @@
+// A custom architecture: "ParallelBlockForCausalLM", a decoder whose layers run attention
+// and the MLP side by side on one normalised input (GPT-J / PaLM style):
+//   x = x + attn(norm(x)) + mlp(norm(x))
+// It reuses memtune's building blocks (Linear with NF4 and LoRA, the segment-aware causal
+// attention, the checkpointed forward of CausalLM) and registers itself by name, so config.json
+// files with "architectures": ["ParallelBlockForCausalLM"] load with it, and
+// `memtune-custom init-model --arch ParallelBlockForCausalLM` makes one.
+#include <cmath>
+
+#include <ATen/ATen.h>
+
+#include "data/batch.h"
+#include "models/layers/attention.h"
+#include "models/registry.h"
+
+namespace {
+
+using namespace memtune::models;
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  at::Tensor h = x.to(at::kFloat);
+  return w * (h * at::rsqrt(h.pow(2).mean(-1, true) + eps)).to(x.scalar_type());
+}
+
+class ParallelBlockModel : public CausalLM {
+ public:
+  explicit ParallelBlockModel(const ModelSpec& spec) : CausalLM(spec), layers_(spec.num_layers) {
+    const int64_t C = spec.hidden_size, F = spec.intermediate_size, H = spec.num_heads * spec.head_dim;
+    add_tensor("model.embed_tokens.weight", {spec.vocab_size, C}, TensorRole::kEmbedding, &embed_);
+    add_tensor("model.pos_embed.weight", {spec.max_position_embeddings, C}, TensorRole::kPositionEmbedding, &pos_);
+    for (int i = 0; i < spec.num_layers; ++i) {
+      const std::string p = "model.layers." + std::to_string(i) + ".";
+      Layer& L = layers_[i];
+      add_tensor(p + "norm.weight", {C}, TensorRole::kNorm, &L.norm, i);
+      L.qkv = &add_linear(std::make_unique<Linear>(p + "attn.qkv_proj", C, 3 * H, false), i);
+      L.o = &add_linear(std::make_unique<Linear>(p + "attn.o_proj", H, C, false), i);
+      L.up = &add_linear(std::make_unique<Linear>(p + "mlp.up_proj", C, F, false), i);
+      L.down = &add_linear(std::make_unique<Linear>(p + "mlp.down_proj", F, C, false), i);
+    }
+    add_tensor("model.norm.weight", {C}, TensorRole::kNorm, &norm_);
+    add_tensor("lm_head.weight", {spec.vocab_size, C}, TensorRole::kHead, &head_);
+  }
+
+  at::Tensor embed(const at::Tensor& ids, const at::Tensor& positions) override {
+    return at::embedding(embed_, ids) + at::embedding(pos_, positions);
+  }
+
+  LayerContext layer_context(const memtune::data::Batch& b) override {
+    LayerContext ctx;
+    ctx.position_ids = b.position_ids;
+    ctx.segment_ids = b.segment_ids;
+    return ctx;
+  }
+
+  at::Tensor layer(int i, const at::Tensor& x, const LayerContext& ctx) override {
+    const Layer& L = layers_[i];
+    const int64_t B = x.size(0), T = x.size(1), Hn = spec_.num_heads, D = spec_.head_dim;
+    at::Tensor h = rms_norm(x, L.norm, spec_.norm_eps);
+    auto qkv = L.qkv->forward(h, ctx.training).split(Hn * D, -1);
+    at::Tensor q = qkv[0].view({B, T, Hn, 1, D}).permute({0, 2, 3, 1, 4});
+    at::Tensor k = qkv[1].view({B, T, Hn, D}).permute({0, 2, 1, 3});
+    at::Tensor v = qkv[2].view({B, T, Hn, D}).permute({0, 2, 1, 3});
+    at::Tensor a = causal_segment_attention(q, k, v, ctx.segment_ids, 1.0 / std::sqrt(static_cast<double>(D)));
+    a = a.permute({0, 3, 1, 2, 4}).reshape({B, T, Hn * D});
+    at::Tensor m = L.down->forward(at::gelu(L.up->forward(h, ctx.training)), ctx.training);
+    return x + L.o->forward(a, ctx.training) + m;
+  }
+
+  at::Tensor final_norm(const at::Tensor& x) override { return rms_norm(x, norm_, spec_.norm_eps); }
+  const at::Tensor& head_weight() const override { return head_; }
+
+ private:
+  struct Layer {
+    at::Tensor norm;
+    Linear *qkv = nullptr, *o = nullptr, *up = nullptr, *down = nullptr;
+  };
+  at::Tensor embed_, pos_, norm_, head_;
+  std::vector<Layer> layers_;
+};
+
+// Registration: the name config.json's "architectures" (or --arch) uses.
+const ArchitectureRegistrar kRegistrar("ParallelBlockForCausalLM", [](const ModelSpec& spec) {
+  return std::make_unique<ParallelBlockModel>(spec);
+});
+
+}  // namespace

@@ -1,0 +1,92 @@
+// GPT-2 family (GPT2LMHeadModel) with Hugging Face's semantics: LayerNorm, learned
+// positions, GELU (tanh approximation), Conv1D projections whose weights are stored
+// [in, out] (read as stored; adapters on them use fan_in_fan_out as PEFT does), the output
+// head tied to the token embedding.
+#include <cmath>
+
+#include <ATen/ATen.h>
+
+#include "data/batch.h"
+#include "models/layers/attention.h"
+#include "models/registry.h"
+
+namespace memtune::models {
+
+namespace {
+
+class Gpt2Model : public CausalLM {
+ public:
+  explicit Gpt2Model(const ModelSpec& spec) : CausalLM(spec), layers_(spec.num_layers) {
+    const int64_t C = spec.hidden_size, F = spec.intermediate_size;
+    add_tensor("transformer.wte.weight", {spec.vocab_size, C}, TensorRole::kEmbedding, &wte_);
+    add_tensor("transformer.wpe.weight", {spec.max_position_embeddings, C}, TensorRole::kPositionEmbedding, &wpe_);
+    for (int i = 0; i < spec.num_layers; ++i) {
+      const std::string p = "transformer.h." + std::to_string(i) + ".";
+      Layer& L = layers_[i];
+      auto conv1d = [&](const std::string& name, int64_t in, int64_t out) {
+        return &add_linear(std::make_unique<Linear>(p + name, in, out, true, /*fan_in_fan_out=*/true), i);
+      };
+      add_tensor(p + "ln_1.weight", {C}, TensorRole::kNorm, &L.ln1_w, i);
+      add_tensor(p + "ln_1.bias", {C}, TensorRole::kNorm, &L.ln1_b, i);
+      L.c_attn = conv1d("attn.c_attn", C, 3 * C);
+      L.c_proj = conv1d("attn.c_proj", C, C);
+      add_tensor(p + "ln_2.weight", {C}, TensorRole::kNorm, &L.ln2_w, i);
+      add_tensor(p + "ln_2.bias", {C}, TensorRole::kNorm, &L.ln2_b, i);
+      L.fc = conv1d("mlp.c_fc", C, F);
+      L.proj = conv1d("mlp.c_proj", F, C);
+    }
+    add_tensor("transformer.ln_f.weight", {C}, TensorRole::kNorm, &ln_f_w_);
+    add_tensor("transformer.ln_f.bias", {C}, TensorRole::kNorm, &ln_f_b_);
+    if (!spec.tie_word_embeddings)
+      add_tensor("lm_head.weight", {spec.vocab_size, C}, TensorRole::kHead, &lm_head_);
+  }
+
+  at::Tensor embed(const at::Tensor& ids, const at::Tensor& positions) override {
+    return at::embedding(wte_, ids) + at::embedding(wpe_, positions);
+  }
+
+  LayerContext layer_context(const data::Batch& b) override {
+    LayerContext ctx;
+    ctx.position_ids = b.position_ids;
+    ctx.segment_ids = b.segment_ids;
+    return ctx;
+  }
+
+  at::Tensor layer(int i, const at::Tensor& x, const LayerContext& ctx) override {
+    const Layer& L = layers_[i];
+    const ModelSpec& s = spec_;
+    const int64_t B = x.size(0), T = x.size(1), C = s.hidden_size, H = s.num_heads, D = s.head_dim;
+    at::Tensor h = at::layer_norm(x, {C}, L.ln1_w, L.ln1_b, s.norm_eps);
+    at::Tensor qkv = L.c_attn->forward(h, ctx.training);  // (B,T,3C)
+    auto parts = qkv.split(C, -1);
+    at::Tensor q = parts[0].view({B, T, H, 1, D}).permute({0, 2, 3, 1, 4});  // (B,H,1,T,D)
+    at::Tensor k = parts[1].view({B, T, H, D}).permute({0, 2, 1, 3});
+    at::Tensor v = parts[2].view({B, T, H, D}).permute({0, 2, 1, 3});
+    at::Tensor a = causal_segment_attention(q, k, v, ctx.segment_ids, 1.0 / std::sqrt(static_cast<double>(D)));
+    a = a.permute({0, 3, 1, 2, 4}).reshape({B, T, C});
+    at::Tensor y = x + L.c_proj->forward(a, ctx.training);
+    h = at::layer_norm(y, {C}, L.ln2_w, L.ln2_b, s.norm_eps);
+    at::Tensor m = at::gelu(L.fc->forward(h, ctx.training), "tanh");
+    return y + L.proj->forward(m, ctx.training);
+  }
+
+  at::Tensor final_norm(const at::Tensor& x) override {
+    return at::layer_norm(x, {spec_.hidden_size}, ln_f_w_, ln_f_b_, spec_.norm_eps);
+  }
+
+  const at::Tensor& head_weight() const override { return spec_.tie_word_embeddings ? wte_ : lm_head_; }
+
+ private:
+  struct Layer {
+    at::Tensor ln1_w, ln1_b, ln2_w, ln2_b;
+    Linear *c_attn = nullptr, *c_proj = nullptr, *fc = nullptr, *proj = nullptr;
+  };
+  at::Tensor wte_, wpe_, ln_f_w_, ln_f_b_, lm_head_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+std::unique_ptr<CausalLM> make_gpt2(const ModelSpec& spec) { return std::make_unique<Gpt2Model>(spec); }
+
+}  // namespace memtune::models

@@ -1,0 +1,138 @@
+// Llama family (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM) with Hugging Face's
+// semantics: RMSNorm in fp32, rotary embeddings in the rotate_half layout (with linear and
+// llama3 frequency scaling), grouped-query attention, SwiGLU MLP, optional q/k/v biases,
+// optionally tied embeddings.
+#include <cmath>
+
+#include <ATen/ATen.h>
+
+#include "data/batch.h"
+#include "models/layers/attention.h"
+#include "models/registry.h"
+
+namespace memtune::models {
+
+namespace {
+
+std::string layer_prefix(int i) { return "model.layers." + std::to_string(i) + "."; }
+
+// Inverse frequencies (head_dim/2) after rope scaling, as HF's rope init functions compute them.
+at::Tensor rope_inv_freq(const ModelSpec& s) {
+  const int64_t d = s.head_dim;
+  at::Tensor inv = 1.0 / at::pow(s.rope_theta, at::arange(0, d, 2, at::kFloat) / static_cast<double>(d));
+  const RopeScaling& r = s.rope_scaling;
+  if (r.type == "linear") return inv / r.factor;
+  if (r.type == "llama3") {
+    const double old_len = static_cast<double>(r.original_max_position_embeddings);
+    const double low_wavelen = old_len / r.low_freq_factor;
+    const double high_wavelen = old_len / r.high_freq_factor;
+    at::Tensor wavelen = 2.0 * M_PI / inv;
+    at::Tensor scaled = at::where(wavelen > low_wavelen, inv / r.factor, inv);
+    at::Tensor smooth = (old_len / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor);
+    at::Tensor smoothed = (1 - smooth) * scaled / r.factor + smooth * scaled;
+    at::Tensor medium = (wavelen >= high_wavelen).logical_and(wavelen <= low_wavelen);
+    return at::where(medium, smoothed, scaled);
+  }
+  return inv;
+}
+
+at::Tensor rotate_half(const at::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
+}
+
+// RMSNorm as HF computes it: in fp32, then weight * normalised.to(input dtype).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor h = x.to(at::kFloat);
+  at::Tensor var = h.pow(2).mean(-1, true);
+  h = h * at::rsqrt(var + eps);
+  return weight * h.to(x.scalar_type());
+}
+
+class LlamaModel : public CausalLM {
+ public:
+  explicit LlamaModel(const ModelSpec& spec) : CausalLM(spec), layers_(spec.num_layers) {
+    const int64_t C = spec.hidden_size, F = spec.intermediate_size, q = spec.q_dim(), kv = spec.kv_dim();
+    add_tensor("model.embed_tokens.weight", {spec.vocab_size, C}, TensorRole::kEmbedding, &embed_tokens_);
+    for (int i = 0; i < spec.num_layers; ++i) {
+      const std::string p = layer_prefix(i);
+      Layer& L = layers_[i];
+      add_tensor(p + "input_layernorm.weight", {C}, TensorRole::kNorm, &L.input_norm, i);
+      auto lin = [&](const std::string& name, int64_t in, int64_t out, bool bias) {
+        return &add_linear(std::make_unique<Linear>(p + name, in, out, bias), i);
+      };
+      L.q = lin("self_attn.q_proj", C, q, spec.attention_bias);
+      L.k = lin("self_attn.k_proj", C, kv, spec.attention_bias);
+      L.v = lin("self_attn.v_proj", C, kv, spec.attention_bias);
+      // Llama's attention_bias covers o_proj too; Qwen2's biases are on q, k, v only.
+      L.o = lin("self_attn.o_proj", q, C, spec.attention_bias && spec.model_type != "qwen2");
+      add_tensor(p + "post_attention_layernorm.weight", {C}, TensorRole::kNorm, &L.post_norm, i);
+      L.gate = lin("mlp.gate_proj", C, F, false);
+      L.up = lin("mlp.up_proj", C, F, false);
+      L.down = lin("mlp.down_proj", F, C, false);
+    }
+    add_tensor("model.norm.weight", {C}, TensorRole::kNorm, &norm_);
+    if (!spec.tie_word_embeddings)
+      add_tensor("lm_head.weight", {spec.vocab_size, C}, TensorRole::kHead, &lm_head_);
+    inv_freq_ = rope_inv_freq(spec);
+  }
+
+  at::Tensor embed(const at::Tensor& ids, const at::Tensor&) override {
+    return at::embedding(embed_tokens_, ids);
+  }
+
+  LayerContext layer_context(const data::Batch& b) override {
+    LayerContext ctx;
+    at::Tensor freqs = b.position_ids.to(at::kFloat).unsqueeze(-1) * inv_freq_.to(b.position_ids.device());
+    at::Tensor emb = at::cat({freqs, freqs}, -1);  // (B,T,D)
+    ctx.cos = emb.cos().unsqueeze(2);               // (B,T,1,D): broadcast over heads
+    ctx.sin = emb.sin().unsqueeze(2);
+    ctx.position_ids = b.position_ids;
+    ctx.segment_ids = b.segment_ids;
+    return ctx;
+  }
+
+  at::Tensor layer(int i, const at::Tensor& x, const LayerContext& ctx) override {
+    const Layer& L = layers_[i];
+    const ModelSpec& s = spec_;
+    const int64_t B = x.size(0), T = x.size(1), D = s.head_dim, Hkv = s.num_kv_heads,
+                  G = s.num_heads / s.num_kv_heads;
+    at::Tensor h = rms_norm(x, L.input_norm, s.norm_eps);
+    at::Tensor q = L.q->forward(h, ctx.training).view({B, T, s.num_heads, D});
+    at::Tensor k = L.k->forward(h, ctx.training).view({B, T, Hkv, D});
+    at::Tensor v = L.v->forward(h, ctx.training).view({B, T, Hkv, D});
+    at::Tensor cos = ctx.cos.to(q.scalar_type()), sin = ctx.sin.to(q.scalar_type());
+    q = q * cos + rotate_half(q) * sin;
+    k = k * cos + rotate_half(k) * sin;
+    // Query head j uses key/value head j / G (HF's repeat_kv).
+    at::Tensor q5 = q.view({B, T, Hkv, G, D}).permute({0, 2, 3, 1, 4});  // (B,Hkv,G,T,D)
+    at::Tensor a = causal_segment_attention(q5, k.permute({0, 2, 1, 3}), v.permute({0, 2, 1, 3}),
+                                            ctx.segment_ids, 1.0 / std::sqrt(static_cast<double>(D)));
+    a = a.permute({0, 3, 1, 2, 4}).reshape({B, T, s.q_dim()});
+    at::Tensor y = x + L.o->forward(a, ctx.training);
+    h = rms_norm(y, L.post_norm, s.norm_eps);
+    at::Tensor m = at::silu(L.gate->forward(h, ctx.training)) * L.up->forward(h, ctx.training);
+    return y + L.down->forward(m, ctx.training);
+  }
+
+  at::Tensor final_norm(const at::Tensor& x) override { return rms_norm(x, norm_, spec_.norm_eps); }
+
+  const at::Tensor& head_weight() const override {
+    return spec_.tie_word_embeddings ? embed_tokens_ : lm_head_;
+  }
+
+ private:
+  struct Layer {
+    at::Tensor input_norm, post_norm;
+    Linear *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr, *gate = nullptr, *up = nullptr,
+           *down = nullptr;
+  };
+  at::Tensor embed_tokens_, norm_, lm_head_, inv_freq_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+std::unique_ptr<CausalLM> make_llama(const ModelSpec& spec) { return std::make_unique<LlamaModel>(spec); }
+
+}  // namespace memtune::models

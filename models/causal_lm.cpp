@@ -1,0 +1,151 @@
+#include "models/causal_lm.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+#include "data/batch.h"
+#include "models/layers/cross_entropy.h"
+#include "runtime/activation_checkpoint.h"
+#include "runtime/error.h"
+#include "runtime/nf4.h"
+
+namespace memtune::models {
+
+void CausalLM::add_tensor(std::string name, std::vector<int64_t> shape, TensorRole role,
+                          at::Tensor* tensor, int layer) {
+  slots_.push_back({std::move(name), std::move(shape), role, tensor, nullptr, layer});
+}
+
+Linear& CausalLM::add_linear(std::unique_ptr<Linear> linear, int layer) {
+  Linear& l = *linear;
+  std::vector<int64_t> shape = l.fan_in_fan_out() ? std::vector<int64_t>{l.in_features(), l.out_features()}
+                                                  : std::vector<int64_t>{l.out_features(), l.in_features()};
+  slots_.push_back({l.name() + ".weight", shape, TensorRole::kLinearWeight, &l.weight, &l, layer});
+  if (l.has_bias())
+    slots_.push_back({l.name() + ".bias", {l.out_features()}, TensorRole::kLinearBias, &l.bias, &l, layer});
+  linears_.push_back(std::move(linear));
+  return l;
+}
+
+const TensorSlot* CausalLM::find_tensor(const std::string& name) const {
+  for (const auto& s : slots_)
+    if (s.name == name) return &s;
+  return nullptr;
+}
+
+std::vector<Linear*> CausalLM::linears() const {
+  std::vector<Linear*> out;
+  for (const auto& l : linears_) out.push_back(l.get());
+  return out;
+}
+
+Linear* CausalLM::find_linear(const std::string& module_name) const {
+  for (const auto& l : linears_)
+    if (l->name() == module_name) return l.get();
+  return nullptr;
+}
+
+std::vector<Linear*> CausalLM::layer_linears(int layer) const {
+  std::vector<Linear*> out;
+  for (const auto& s : slots_)
+    if (s.layer == layer && s.role == TensorRole::kLinearWeight) out.push_back(s.linear);
+  return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> CausalLM::trainable_parameters() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& s : slots_)
+    if (s.tensor->defined() && s.tensor->requires_grad()) out.emplace_back(s.name, *s.tensor);
+  for (const auto& l : linears_)
+    if (l->lora) {
+      out.emplace_back(l->name() + ".lora_A.weight", l->lora->A);
+      out.emplace_back(l->name() + ".lora_B.weight", l->lora->B);
+    }
+  return out;
+}
+
+std::vector<at::Tensor> CausalLM::layer_trainable(int layer) const {
+  std::vector<at::Tensor> out;
+  for (const auto& s : slots_) {
+    if (s.layer != layer) continue;
+    if (s.tensor->defined() && s.tensor->requires_grad()) out.push_back(*s.tensor);
+    if (s.role == TensorRole::kLinearWeight && s.linear->lora) {
+      out.push_back(s.linear->lora->A);
+      out.push_back(s.linear->lora->B);
+    }
+  }
+  return out;
+}
+
+int64_t CausalLM::base_parameter_count() const {
+  int64_t n = 0;
+  for (const auto& s : slots_) {
+    int64_t k = 1;
+    for (int64_t d : s.shape) k *= d;
+    n += k;
+  }
+  return n;
+}
+
+int64_t CausalLM::base_storage_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& s : slots_) {
+    if (s.role == TensorRole::kLinearWeight || s.role == TensorRole::kLinearBias) continue;
+    if (s.tensor->defined()) bytes += s.tensor->numel() * static_cast<int64_t>(s.tensor->element_size());
+  }
+  for (const auto& l : linears_) bytes += l->base_storage_bytes();
+  return bytes;
+}
+
+void CausalLM::init_random(uint64_t seed) {
+  at::NoGradGuard no_grad;
+  at::Generator gen = at::detail::createCPUGenerator(seed);
+  for (auto& s : slots_) {
+    MEMTUNE_CHECK(!(s.linear && s.linear->quantized()), "init_random: ", s.name,
+                  " is quantized; initialise before quantizing");
+    at::Tensor& t = *s.tensor;
+    t = at::empty(s.shape, at::kFloat);
+    const bool is_bias = s.name.size() > 5 && s.name.compare(s.name.size() - 5, 5, ".bias") == 0;
+    if (s.role == TensorRole::kNorm)
+      t.fill_(is_bias ? 0.0 : 1.0);
+    else if (s.role == TensorRole::kLinearBias)
+      t.zero_();
+    else
+      t.normal_(0.0, 0.02, gen);
+  }
+}
+
+void CausalLM::set_compute_dtype(at::ScalarType dtype) {
+  compute_dtype_ = dtype;
+  for (auto& l : linears_) l->compute_dtype = dtype;
+}
+
+ForwardOutput CausalLM::forward(const data::Batch& batch, const ForwardOptions& options) {
+  const at::Device device = head_weight().device();
+  data::Batch b = batch;
+  b.input_ids = batch.input_ids.to(device);
+  b.targets = batch.targets.to(device);
+  b.position_ids = batch.position_ids.to(device);
+  b.segment_ids = batch.segment_ids.to(device);
+  LayerContext ctx = layer_context(b);
+  ctx.training = options.training;
+
+  at::Tensor x = embed(b.input_ids, b.position_ids);  // (B,T,C)
+  for (int i = 0; i < spec_.num_layers; ++i) {
+    const bool ckpt = i < static_cast<int>(options.checkpoint_layers.size()) && options.checkpoint_layers[i];
+    // The context is captured by value: a checkpointed layer reruns during backward.
+    BlockFn fn = [this, i, ctx](const at::Tensor& h) { return layer(i, h, ctx); };
+    x = ckpt ? checkpoint(fn, x, layer_trainable(i)) : fn(x);
+  }
+  x = final_norm(x);
+
+  ForwardOutput out;
+  const int64_t C = x.size(-1);
+  out.loss_sum = linear_cross_entropy_sum(x.reshape({-1, C}), head_weight(), b.targets.reshape({-1}),
+                                          options.loss_chunk_rows);
+  out.target_tokens = (b.targets != data::kIgnoreIndex).sum().item<int64_t>();
+  if (options.return_logits) out.logits = at::matmul(x.to(at::kFloat), head_weight().to(at::kFloat).t());
+  return out;
+}
+
+}  // namespace memtune::models

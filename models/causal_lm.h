@@ -1,0 +1,108 @@
+#pragma once
+// A decoder-only language model: embeddings, a stack of layers, a final norm and an
+// output head. Architectures (models/arch/) fill in the pieces; this class owns the one
+// list of tensors and the forward pass shared by all of them (checkpointing, device
+// placement, the chunked loss).
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "models/layers/linear.h"
+#include "models/model_spec.h"
+
+namespace memtune::data {
+struct Batch;
+}
+
+namespace memtune::models {
+
+enum class TensorRole { kEmbedding, kPositionEmbedding, kNorm, kLinearWeight, kLinearBias, kHead };
+
+// One tensor of the model under its Hugging Face name. Loading, saving, quantizing,
+// device placement and memory accounting all walk the model's list of these.
+struct TensorSlot {
+  std::string name;             // e.g. "model.layers.0.self_attn.q_proj.weight"
+  std::vector<int64_t> shape;   // as stored in HF checkpoints
+  TensorRole role;
+  at::Tensor* tensor;           // the dense tensor (undefined for an NF4 linear weight)
+  Linear* linear = nullptr;     // owner, for linear weights and biases
+  int layer = -1;               // decoder layer, -1 outside the stack
+};
+
+// Tensors a layer's forward needs from outside: rotary tables and document segments.
+struct LayerContext {
+  at::Tensor cos, sin;          // (B,T,head_dim) for rotary models, undefined otherwise
+  at::Tensor position_ids;      // (B,T) int64
+  at::Tensor segment_ids;       // (B,T) int64
+  bool training = false;
+};
+
+struct ForwardOptions {
+  bool training = false;
+  std::vector<bool> checkpoint_layers;  // per layer: recompute in backward
+  bool return_logits = false;           // also the full (B,T,V) logits (tests, generation)
+  int64_t loss_chunk_rows = 1024;
+};
+
+struct ForwardOutput {
+  at::Tensor loss_sum;       // fp32 scalar: sum of next-token cross-entropy over targets
+  int64_t target_tokens = 0; // targets counted in loss_sum
+  at::Tensor logits;         // (B,T,V) fp32 when asked for
+};
+
+class CausalLM {
+ public:
+  explicit CausalLM(ModelSpec spec) : spec_(std::move(spec)) {}
+  virtual ~CausalLM() = default;
+  CausalLM(const CausalLM&) = delete;
+  CausalLM& operator=(const CausalLM&) = delete;
+
+  const ModelSpec& spec() const { return spec_; }
+  int64_t num_layers() const { return spec_.num_layers; }
+
+  const std::vector<TensorSlot>& tensors() const { return slots_; }
+  std::vector<TensorSlot>& tensors() { return slots_; }
+  const TensorSlot* find_tensor(const std::string& name) const;
+  std::vector<Linear*> linears() const;    // every projection, in tensor-list order
+  Linear* find_linear(const std::string& module_name) const;  // "model.layers.0.self_attn.q_proj"
+  std::vector<Linear*> layer_linears(int layer) const;
+
+  // Tensors that need gradients: LoRA adapters and/or base tensors set trainable.
+  std::vector<std::pair<std::string, at::Tensor>> trainable_parameters() const;
+  std::vector<at::Tensor> layer_trainable(int layer) const;
+  int64_t base_parameter_count() const;
+  int64_t base_storage_bytes() const;
+
+  // Random initialisation (deterministic for a given generator state), HF-like: normal
+  // with std 0.02 for matrices, ones for norm weights, zeros for biases.
+  void init_random(uint64_t seed);
+
+  // Fills `slots_`; architectures call it once from their constructor.
+  void set_compute_dtype(at::ScalarType dtype);
+  at::ScalarType compute_dtype() const { return compute_dtype_; }
+
+  ForwardOutput forward(const data::Batch& batch, const ForwardOptions& options);
+
+  // Pieces an architecture provides.
+  virtual at::Tensor embed(const at::Tensor& input_ids, const at::Tensor& position_ids) = 0;  // (B,T,C)
+  virtual LayerContext layer_context(const data::Batch& batch) = 0;
+  virtual at::Tensor layer(int index, const at::Tensor& x, const LayerContext& ctx) = 0;
+  virtual at::Tensor final_norm(const at::Tensor& x) = 0;
+  virtual const at::Tensor& head_weight() const = 0;  // (V,C); the embedding when tied
+
+ protected:
+  void add_tensor(std::string name, std::vector<int64_t> shape, TensorRole role, at::Tensor* tensor,
+                  int layer = -1);
+  Linear& add_linear(std::unique_ptr<Linear> linear, int layer);
+
+  ModelSpec spec_;
+  std::vector<TensorSlot> slots_;
+  std::vector<std::unique_ptr<Linear>> linears_;
+  at::ScalarType compute_dtype_ = at::kFloat;
+};
+
+}  // namespace memtune::models

@@ -1,0 +1,46 @@
+#include "models/generate.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+#include "data/batch.h"
+#include "models/causal_lm.h"
+#include "runtime/error.h"
+
+namespace memtune::models {
+
+std::vector<int32_t> generate(CausalLM& model, const std::vector<int32_t>& prompt, const GenerateOptions& o) {
+  MEMTUNE_CHECK(!prompt.empty(), "generate: empty prompt");
+  at::NoGradGuard no_grad;
+  at::Generator gen = at::detail::createCPUGenerator(o.seed);
+  std::vector<int32_t> ids = prompt, out;
+  ForwardOptions fo;
+  fo.return_logits = true;
+  for (int64_t n = 0; n < o.max_new_tokens; ++n) {
+    if (static_cast<int64_t>(ids.size()) >= model.spec().max_position_embeddings) break;
+    data::Sample s;
+    s.input_ids = ids;
+    s.targets.assign(ids.size(), data::kIgnoreIndex);
+    s.segment_ids.assign(ids.size(), 0);
+    for (size_t i = 0; i < ids.size(); ++i) s.position_ids.push_back(static_cast<int32_t>(i));
+    // Without a key/value cache every step reruns the prefix: fine for the short
+    // continuations this serves (inspection, accuracy of the bundled task).
+    at::Tensor logits = model.forward(data::collate({s}, 1, 0), fo).logits[0][static_cast<int64_t>(ids.size()) - 1];
+    int64_t next;
+    if (o.greedy || o.temperature <= 0) {
+      next = logits.argmax().item<int64_t>();
+    } else {
+      at::Tensor p = at::softmax(logits.to(at::kDouble) / o.temperature, 0);
+      auto [sorted, order] = p.sort(0, true);
+      at::Tensor keep = (sorted.cumsum(0) - sorted) < o.top_p;
+      sorted = sorted * keep;
+      next = order[at::multinomial(sorted / sorted.sum(), 1, false, gen).item<int64_t>()].item<int64_t>();
+    }
+    ids.push_back(static_cast<int32_t>(next));
+    out.push_back(static_cast<int32_t>(next));
+    if (o.eos_id && next == *o.eos_id) break;
+  }
+  return out;
+}
+
+}  // namespace memtune::models

@@ -1,0 +1,152 @@
+#include "models/hf_model.h"
+
+#include <fstream>
+#include <set>
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include "models/io/safetensors.h"
+#include "models/registry.h"
+#include "runtime/atomic_file.h"
+#include "runtime/error.h"
+#include "runtime/nf4.h"
+
+namespace memtune::models {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+ModelSpec read_hf_config(const fs::path& dir) {
+  fs::path file = fs::is_directory(dir) ? dir / "config.json" : dir;
+  std::ifstream in(file);
+  MEMTUNE_CHECK(in.good(), file.string(), ": cannot read (is '", dir.string(),
+                "' a Hugging Face model directory with config.json?)");
+  json c;
+  try {
+    c = json::parse(in);
+  } catch (const json::exception& e) {
+    fail(file.string(), ": not valid JSON: ", e.what());
+  }
+  return spec_from_hf_config(c, file.string());
+}
+
+namespace {
+
+// Buffers some checkpoints carry that are not parameters.
+bool ignorable(const std::string& name) {
+  auto ends = [&](const std::string& suffix) {
+    return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  return ends("rotary_emb.inv_freq") || ends(".attn.bias") || ends(".attn.masked_bias");
+}
+
+// GPT-2 checkpoints from the original repository lack the "transformer." prefix.
+std::string find_name(const CheckpointReader& ckpt, const std::string& name, const std::string& stored_prefix) {
+  if (ckpt.contains(name)) return name;
+  const std::string prefix = "transformer.";
+  if (name.rfind(prefix, 0) == 0 && ckpt.contains(name.substr(prefix.size()))) return name.substr(prefix.size());
+  (void)stored_prefix;
+  return "";
+}
+
+}  // namespace
+
+std::unique_ptr<CausalLM> load_hf_model(const fs::path& dir, const LoadOptions& options) {
+  ModelSpec spec = read_hf_config(dir);
+  std::unique_ptr<CausalLM> model = build_model(spec);
+  CheckpointReader ckpt(dir);
+  std::vector<std::string> keys = ckpt.names();
+  std::set<std::string> used;
+  const int64_t total = static_cast<int64_t>(model->tensors().size());
+  int64_t done = 0;
+  at::NoGradGuard no_grad;
+  for (TensorSlot& slot : model->tensors()) {
+    const bool projection = slot.role == TensorRole::kLinearWeight;
+    if (projection && is_bnb_nf4(keys, slot.name)) {
+      auto get = [&](const std::string& key) { return ckpt.contains(key) ? ckpt.load(key) : at::Tensor(); };
+      slot.linear->set_quantized(std::make_shared<NF4Tensor>(nf4_from_bnb(get, slot.name)));
+      for (const auto& k : keys)
+        if (k.rfind(slot.name, 0) == 0) used.insert(k);
+    } else {
+      std::string stored = find_name(ckpt, slot.name, "");
+      MEMTUNE_CHECK(!stored.empty(), ckpt.file_of(ckpt.names().front()).parent_path().string(),
+                    ": tensor '", slot.name, "' is missing from the checkpoint (architecture ",
+                    spec.architecture, ")");
+      used.insert(stored);
+      const SafetensorsTensorInfo& info = ckpt.info(stored);
+      MEMTUNE_CHECK(info.shape == slot.shape, ckpt.file_of(stored).string(), ": tensor '", stored,
+                    "' has shape ", at::IntArrayRef(info.shape), ", expected ", at::IntArrayRef(slot.shape),
+                    " from config.json");
+      at::Tensor view = ckpt.view(stored);  // zero-copy over the mapping
+      if (projection && options.load_in_4bit) {
+        at::Tensor w = view.scalar_type() == at::kFloat || view.scalar_type() == at::kHalf ||
+                               view.scalar_type() == at::kBFloat16
+                           ? view
+                           : view.to(at::kFloat);
+        at::Tensor out_in = slot.linear->fan_in_fan_out() ? w.t().contiguous() : w;
+        slot.linear->set_quantized(std::make_shared<NF4Tensor>(
+            nf4_quantize(out_in, options.blocksize, options.double_quant, slot.name)));
+      } else {
+        *slot.tensor = view.to(options.dense_dtype, /*non_blocking=*/false, /*copy=*/true);
+      }
+    }
+    if (options.on_tensor) options.on_tensor(slot.name, ++done, total);
+  }
+  for (const auto& k : keys)
+    MEMTUNE_CHECK(used.count(k) || ignorable(k) ||
+                      (spec.tie_word_embeddings && k == "lm_head.weight"),
+                  ckpt.file_of(k).string(), ": tensor '", k, "' is not part of ", spec.architecture,
+                  " as memtune builds it (wrong architecture in config.json?)");
+  return model;
+}
+
+std::unique_ptr<CausalLM> init_random_model(const ModelSpec& spec, uint64_t seed) {
+  std::unique_ptr<CausalLM> model = build_model(spec);
+  model->init_random(seed);
+  return model;
+}
+
+void save_hf_model(const CausalLM& model, const fs::path& dir, const SaveOptions& options) {
+  fs::create_directories(dir);
+  json config = spec_to_hf_config(model.spec());
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  const NF4Tensor* any_nf4 = nullptr;
+  for (const TensorSlot& slot : model.tensors()) {
+    if (slot.role == TensorRole::kLinearWeight && slot.linear->quantized()) {
+      if (options.keep_4bit) {
+        any_nf4 = slot.linear->qweight().get();
+        for (auto& kv : nf4_to_bnb(slot.name, *slot.linear->qweight())) tensors.push_back(std::move(kv));
+      } else {
+        at::Tensor w = slot.linear->dense_weight();  // [out, in]
+        if (slot.linear->fan_in_fan_out()) w = w.t().contiguous();
+        tensors.emplace_back(slot.name, w.to(options.dtype));
+      }
+      continue;
+    }
+    tensors.emplace_back(slot.name, slot.tensor->detach().to(options.dtype).contiguous());
+  }
+  config["torch_dtype"] = options.dtype == at::kBFloat16 ? "bfloat16"
+                          : options.dtype == at::kHalf   ? "float16"
+                                                         : "float32";
+  if (any_nf4) {
+    config["quantization_config"] = {
+        {"quant_method", "bitsandbytes"},
+        {"load_in_4bit", true},
+        {"load_in_8bit", false},
+        {"bnb_4bit_quant_type", "nf4"},
+        {"bnb_4bit_use_double_quant", any_nf4->double_quant},
+        {"bnb_4bit_compute_dtype", "float32"},
+        {"bnb_4bit_quant_storage", "uint8"},
+        {"llm_int8_skip_modules", nullptr},
+        {"llm_int8_threshold", 6.0},
+        {"llm_int8_has_fp16_weight", false},
+        {"llm_int8_enable_fp32_cpu_offload", false}};
+  }
+  CheckpointWriterOptions wopts;
+  wopts.max_shard_bytes = options.max_shard_bytes;
+  save_checkpoint(dir, tensors, wopts);
+  write_file_atomic(dir / "config.json", config.dump(2) + "\n");
+}
+
+}  // namespace memtune::models

@@ -1,0 +1,48 @@
+#pragma once
+// Hugging Face model directories: config.json + model.safetensors (or shards), read and
+// written by walking the model's one tensor list.
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include <ATen/core/Tensor.h>
+
+#include "models/causal_lm.h"
+
+namespace memtune::models {
+
+struct LoadOptions {
+  bool load_in_4bit = false;       // quantize the projections to NF4 as they arrive
+  int64_t blocksize = 64;
+  bool double_quant = true;
+  at::ScalarType dense_dtype = at::kFloat;  // dtype kept for dense tensors
+  // Called after each tensor is loaded (progress bars, memory checks).
+  std::function<void(const std::string& name, int64_t done, int64_t total)> on_tensor;
+};
+
+// Reads config.json (throws UserError naming the file on bad input).
+ModelSpec read_hf_config(const std::filesystem::path& dir);
+
+// Builds the architecture and fills every tensor from the checkpoint, one tensor at a time:
+// a projection is quantized straight from the memory-mapped file when load_in_4bit, so the
+// peak host memory stays near the 4-bit size plus the largest single tensor. A checkpoint
+// already in bitsandbytes' NF4 form is read as is, without re-quantizing. Missing tensors
+// and shape mismatches are errors naming the tensor and the file.
+std::unique_ptr<CausalLM> load_hf_model(const std::filesystem::path& dir, const LoadOptions& options);
+
+// A model with random weights from `seed` (presets, tests, init-model).
+std::unique_ptr<CausalLM> init_random_model(const ModelSpec& spec, uint64_t seed);
+
+struct SaveOptions {
+  at::ScalarType dtype = at::kFloat;  // dense tensors' dtype on disk
+  bool keep_4bit = true;              // NF4 projections in bitsandbytes' form; else dequantized
+  uint64_t max_shard_bytes = 5'000'000'000;
+};
+
+// Writes config.json (with a quantization_config block when 4-bit projections are kept) and
+// the safetensors checkpoint into `dir`, atomically per file.
+void save_hf_model(const CausalLM& model, const std::filesystem::path& dir, const SaveOptions& options);
+
+}  // namespace memtune::models

@@ -1,0 +1,19 @@
+#pragma once
+// Causal self-attention restricted to documents (segment ids), with grouped-query heads.
+#include <ATen/core/Tensor.h>
+
+namespace memtune::models {
+
+// q (B,Hkv,G,T,D) — G query heads share each of the Hkv key/value heads —, k and v
+// (B,Hkv,T,D), segment_ids (B,T) int64. Query t attends to key s when s <= t and both lie in
+// the same segment (padding is segment -1 and so only attends to padding). Softmax in fp32.
+// Memory: the forward keeps q, k, v, the output and one log-sum-exp per query row; the
+// attention probabilities are kept only when they fit `keep_probs_bytes`, else recomputed
+// block by block in backward, so memory grows linearly with sequence length.
+// Returns (B,Hkv,G,T,D).
+at::Tensor causal_segment_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const at::Tensor& segment_ids, double scale,
+                                    int64_t query_block = 256,
+                                    int64_t keep_probs_bytes = 64LL << 20);
+
+}  // namespace memtune::models

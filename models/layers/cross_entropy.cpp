@@ -1,0 +1,68 @@
+#include "models/layers/cross_entropy.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+namespace memtune::models {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
+                            const at::Tensor& targets, int64_t chunk, bool grad_hidden,
+                            bool grad_weight) {
+    at::Tensor rows = (targets != -100).nonzero().squeeze(1);  // trained rows only
+    at::Tensor h_all = hidden.index_select(0, rows);
+    at::Tensor t_all = targets.index_select(0, rows);
+    at::Tensor w = weight.to(at::kFloat);
+    at::Tensor total = at::zeros({}, hidden.options().dtype(at::kFloat));
+    at::Tensor dh_rows = grad_hidden ? at::empty({rows.size(0), hidden.size(1)}, w.options()) : at::Tensor();
+    at::Tensor dw = grad_weight ? at::zeros(weight.sizes(), w.options()) : at::Tensor();
+    const int64_t n = rows.size(0);
+    for (int64_t i0 = 0; i0 < n; i0 += chunk) {
+      const int64_t i1 = std::min(n, i0 + chunk);
+      at::Tensor h = h_all.slice(0, i0, i1).to(at::kFloat);  // (n,C)
+      at::Tensor t = t_all.slice(0, i0, i1).unsqueeze(1);    // (n,1)
+      at::Tensor logits = at::matmul(h, w.t());              // (n,V) fp32
+      at::Tensor lse = at::logsumexp(logits, 1, true);       // (n,1)
+      total.add_((lse - logits.gather(1, t)).sum());
+      if (!grad_hidden && !grad_weight) continue;
+      at::Tensor g = logits.sub_(lse).exp_();                // softmax, in place of the logits
+      g.scatter_add_(1, t, at::full({i1 - i0, 1}, -1.0f, g.options()));
+      if (grad_hidden) dh_rows.slice(0, i0, i1).copy_(at::matmul(g, w));
+      if (grad_weight) dw.addmm_(g.t(), h);
+    }
+    at::Tensor dh;
+    if (grad_hidden) {
+      dh = at::zeros(hidden.sizes(), w.options());
+      dh.index_copy_(0, rows, dh_rows);
+      dh = dh.to(hidden.scalar_type());
+    }
+    ctx->save_for_backward({dh, grad_weight ? dw.to(weight.scalar_type()) : dw});
+    return total;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    at::Tensor go = grads[0];
+    at::Tensor dh = saved[0].defined() ? saved[0] * go.to(saved[0].scalar_type()) : at::Tensor();
+    at::Tensor dw = saved[1].defined() ? saved[1] * go.to(saved[1].scalar_type()) : at::Tensor();
+    return {dh, dw, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& weight,
+                                    const at::Tensor& targets, int64_t chunk_rows) {
+  TORCH_CHECK(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1),
+              "linear_cross_entropy_sum: hidden (N,C), weight (V,C)");
+  const bool grad = at::GradMode::is_enabled();
+  return LinearCrossEntropy::apply(hidden, weight, targets.to(at::kLong), chunk_rows,
+                                   grad && hidden.requires_grad(), grad && weight.requires_grad());
+}
+
+}  // namespace memtune::models

@@ -1,0 +1,18 @@
+#pragma once
+// The output head and the loss together, chunk by chunk, so the (tokens x vocab) logits
+// are never held whole.
+#include <cstdint>
+
+#include <ATen/core/Tensor.h>
+
+namespace memtune::models {
+
+// Sum over rows with target != -100 of cross_entropy(hidden @ weight^T, target), in fp32.
+// hidden (N,C), weight (V,C), targets (N) int64. Rows whose target is ignored cost nothing.
+// The gradients w.r.t. hidden and weight are computed during the forward, chunk by chunk
+// (the loss is a sum, so d loss / d logits is known then), and only scaled in backward:
+// peak extra memory is one chunk of logits, and no logits are recomputed.
+at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& weight,
+                                    const at::Tensor& targets, int64_t chunk_rows = 1024);
+
+}  // namespace memtune::models

@@ -1,0 +1,113 @@
+#include "models/layers/linear.h"
+
+#include <cmath>
+
+#include <ATen/ATen.h>
+
+#include "models/layers/linear4bit.h"
+#include "runtime/error.h"
+#include "runtime/nf4.h"
+
+namespace memtune::models {
+
+double LoraOptions::scaling() const {
+  return use_rslora ? alpha / std::sqrt(static_cast<double>(r)) : alpha / static_cast<double>(r);
+}
+
+Linear::Linear(std::string name, int64_t in_features, int64_t out_features, bool has_bias,
+               bool fan_in_fan_out)
+    : name_(std::move(name)),
+      in_(in_features),
+      out_(out_features),
+      fan_in_fan_out_(fan_in_fan_out),
+      has_bias_(has_bias) {}
+
+at::Tensor Linear::forward(const at::Tensor& x, bool training) const {
+  at::Tensor y;
+  if (qweight_) {
+    y = linear4bit(x.to(compute_dtype), qweight_, bias.defined() ? bias.to(compute_dtype) : bias,
+                   compute_dtype);
+  } else {
+    at::Tensor xc = x.to(compute_dtype);
+    at::Tensor w = weight.to(compute_dtype);
+    at::Tensor b = bias.defined() ? bias.to(compute_dtype) : bias;
+    if (fan_in_fan_out_) {
+      y = at::matmul(xc, w);  // Conv1D: x @ W, W [in, out]
+      if (b.defined()) y = y + b;
+    } else {
+      y = at::linear(xc, w, b);
+    }
+  }
+  y = y.to(x.scalar_type());
+  if (lora) {
+    // Adapters stay fp32 whatever the compute dtype (fp16 gradients could not be unscaled).
+    at::Tensor h = x.to(at::kFloat);
+    if (training && lora->dropout > 0) h = at::dropout(h, lora->dropout, true);
+    at::Tensor delta = at::linear(at::linear(h, lora->A), lora->B);
+    y = y + (delta * lora->scaling).to(y.scalar_type());
+  }
+  return y;
+}
+
+void Linear::quantize(int64_t blocksize, bool double_quant) {
+  if (qweight_) return;
+  at::Tensor w = fan_in_fan_out_ ? weight.t().contiguous() : weight;  // bnb stores [out, in]
+  qweight_ = std::make_shared<NF4Tensor>(nf4_quantize(w, blocksize, double_quant));
+  weight = at::Tensor();
+}
+
+void Linear::set_quantized(std::shared_ptr<const NF4Tensor> q) {
+  MEMTUNE_CHECK(q->shape.size() == 2 && q->shape[0] == out_ && q->shape[1] == in_, name_,
+                ": 4-bit weight has shape [", q->shape[0], ", ", q->shape.size() > 1 ? q->shape[1] : 0,
+                "], expected [", out_, ", ", in_, "]");
+  qweight_ = std::move(q);
+  weight = at::Tensor();
+}
+
+at::Tensor Linear::dense_weight() const {
+  if (qweight_) return nf4_dequantize(*qweight_, at::kFloat);
+  at::Tensor w = weight.detach().to(at::kFloat);
+  return fan_in_fan_out_ ? w.t().contiguous() : w.clone();
+}
+
+void Linear::add_lora(const LoraOptions& o) {
+  MEMTUNE_CHECK(o.r > 0, name_, ": LoRA rank r must be positive, got ", o.r);
+  auto adapter = std::make_unique<LoraAdapter>();
+  adapter->A = at::empty({o.r, in_}, at::kFloat);
+  if (o.init == "gaussian") {
+    adapter->A.normal_(0.0, 1.0 / static_cast<double>(o.r));
+  } else {
+    // kaiming_uniform_(a=sqrt(5)) as nn.Linear and PEFT use: bound = 1/sqrt(fan_in).
+    double bound = 1.0 / std::sqrt(static_cast<double>(in_));
+    adapter->A.uniform_(-bound, bound);
+  }
+  adapter->B = at::zeros({out_, o.r}, at::kFloat);
+  adapter->A.set_requires_grad(true);
+  adapter->B.set_requires_grad(true);
+  adapter->scaling = o.scaling();
+  adapter->dropout = o.dropout;
+  lora = std::move(adapter);
+}
+
+void Linear::merge_lora() {
+  if (!lora) return;
+  at::NoGradGuard no_grad;
+  at::Tensor delta = at::matmul(lora->B.to(at::kFloat), lora->A.to(at::kFloat)) * lora->scaling;  // [out, in]
+  if (qweight_) {
+    weight = nf4_dequantize(*qweight_, at::kFloat) + delta;
+    if (fan_in_fan_out_) weight = weight.t().contiguous();
+    qweight_.reset();
+  } else {
+    at::Tensor d = fan_in_fan_out_ ? delta.t() : delta;
+    weight = (weight.to(at::kFloat) + d).to(weight.scalar_type());
+  }
+  lora.reset();
+}
+
+int64_t Linear::base_storage_bytes() const {
+  int64_t b = bias.defined() ? bias.numel() * static_cast<int64_t>(bias.element_size()) : 0;
+  if (qweight_) return b + qweight_->storage_bytes();
+  return b + (weight.defined() ? weight.numel() * static_cast<int64_t>(weight.element_size()) : 0);
+}
+
+}  // namespace memtune::models

@@ -1,0 +1,75 @@
+#pragma once
+// A linear projection of a transformer block: a dense or NF4 base weight, an optional bias,
+// and optional LoRA adapters. y = base(x) + B(A(dropout(x))) * scaling.
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <ATen/core/Tensor.h>
+
+namespace memtune {
+struct NF4Tensor;
+}
+
+namespace memtune::models {
+
+struct LoraOptions {
+  int64_t r = 8;
+  double alpha = 16;
+  double dropout = 0.0;
+  bool use_rslora = false;            // scaling = alpha / sqrt(r) instead of alpha / r
+  std::string init = "true";          // true: kaiming-uniform A (a = sqrt(5)), zero B; gaussian: N(0, 1/r) A
+  double scaling() const;
+};
+
+struct LoraAdapter {
+  at::Tensor A;  // [r, in] fp32, trainable
+  at::Tensor B;  // [out, r] fp32, trainable
+  double scaling = 1.0;
+  double dropout = 0.0;
+};
+
+class Linear {
+ public:
+  Linear(std::string name, int64_t in_features, int64_t out_features, bool has_bias,
+         bool fan_in_fan_out = false);
+
+  const std::string& name() const { return name_; }
+  int64_t in_features() const { return in_; }
+  int64_t out_features() const { return out_; }
+  // The checkpoint stores the weight [in, out] (GPT-2's Conv1D) instead of [out, in].
+  bool fan_in_fan_out() const { return fan_in_fan_out_; }
+  bool quantized() const { return qweight_ != nullptr; }
+  bool has_bias() const { return has_bias_; }
+
+  // Tensors stay undefined until loaded or initialised (a model is built without memory).
+  at::Tensor weight;  // dense weight as stored: [out, in], or [in, out] when fan_in_fan_out
+  at::Tensor bias;    // [out] when has_bias()
+  std::unique_ptr<LoraAdapter> lora;
+  at::ScalarType compute_dtype = at::kFloat;  // dtype of the base matmul
+
+  // (..., in) -> (..., out), in x's dtype.
+  at::Tensor forward(const at::Tensor& x, bool training) const;
+
+  // Replaces the dense weight by its NF4 form ([out, in] as bitsandbytes stores it).
+  void quantize(int64_t blocksize, bool double_quant);
+  void set_quantized(std::shared_ptr<const NF4Tensor> q);
+  const std::shared_ptr<const NF4Tensor>& qweight() const { return qweight_; }
+
+  // The base weight as fp32 [out, in], dequantized when needed (a new tensor).
+  at::Tensor dense_weight() const;
+  // Adds zero-initialised-B adapters (A drawn from the default generator).
+  void add_lora(const LoraOptions& options);
+  // Folds the adapter into the base; an NF4 base becomes dense fp32. The adapter is removed.
+  void merge_lora();
+  int64_t base_storage_bytes() const;
+
+ private:
+  std::string name_;
+  int64_t in_, out_;
+  bool fan_in_fan_out_;
+  bool has_bias_;
+  std::shared_ptr<const NF4Tensor> qweight_;
+};
+
+}  // namespace memtune::models

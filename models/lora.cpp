@@ -1,0 +1,94 @@
+#include "models/lora.h"
+
+#include <cstdio>
+#include <regex>
+#include <set>
+
+#include "runtime/error.h"
+
+namespace memtune::models {
+
+namespace {
+
+bool is_plain_name(const std::string& s) {
+  for (char c : s)
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.' || c == '-')) return false;
+  return true;
+}
+
+bool name_matches(const std::vector<std::string>& names, const std::string& module) {
+  if (names.size() == 1 && !is_plain_name(names[0])) return std::regex_match(module, std::regex(names[0]));
+  for (const auto& n : names) {
+    if (module == n) return true;
+    if (module.size() > n.size() && module.compare(module.size() - n.size(), n.size(), n) == 0 &&
+        module[module.size() - n.size() - 1] == '.')
+      return true;
+  }
+  return false;
+}
+
+std::string with_commas(int64_t n) {
+  std::string s = std::to_string(n);
+  for (int i = static_cast<int>(s.size()) - 3; i > 0; i -= 3) s.insert(static_cast<size_t>(i), ",");
+  return s;
+}
+
+}  // namespace
+
+bool lora_targets(const LoraTargets& t, const std::string& module, int layer) {
+  if (!t.layers_to_transform.empty()) {
+    bool in = false;
+    for (int l : t.layers_to_transform) in = in || l == layer;
+    if (!in) return false;
+  }
+  if (!t.exclude_modules.empty() && name_matches(t.exclude_modules, module)) return false;
+  if (t.target_modules.size() == 1 && t.target_modules[0] == "all-linear") return true;
+  return name_matches(t.target_modules, module);
+}
+
+std::string LoraSummary::describe() const {
+  char pct[32];
+  std::snprintf(pct, sizeof pct, "%.4f", total_parameters ? 100.0 * trainable_parameters / total_parameters : 0.0);
+  return "trainable params: " + with_commas(trainable_parameters) + " || all params: " +
+         with_commas(total_parameters) + " || trainable%: " + pct;
+}
+
+LoraSummary apply_lora(CausalLM& model, const LoraOptions& options, const LoraTargets& targets) {
+  for (auto& s : model.tensors())
+    if (s.tensor->defined()) s.tensor->set_requires_grad(false);
+  LoraSummary summary;
+  for (const auto& slot : model.tensors()) {
+    if (slot.role != TensorRole::kLinearWeight) continue;
+    Linear* l = slot.linear;
+    if (!lora_targets(targets, l->name(), slot.layer)) continue;
+    l->add_lora(options);
+    summary.modules.push_back(l->name());
+    summary.trainable_parameters += l->lora->A.numel() + l->lora->B.numel();
+  }
+  if (summary.modules.empty()) {
+    std::set<std::string> short_names;
+    for (Linear* l : model.linears()) short_names.insert(l->name().substr(l->name().rfind('.') + 1));
+    std::string names, wanted;
+    for (const auto& n : short_names) names += (names.empty() ? "" : ", ") + n;
+    for (const auto& n : targets.target_modules) wanted += (wanted.empty() ? "" : ", ") + n;
+    fail("lora.target_modules [", wanted, "] matches no module of this model; its projections are: ",
+         names, " (or use all-linear)");
+  }
+  summary.total_parameters = model.base_parameter_count() + summary.trainable_parameters;
+  return summary;
+}
+
+int64_t make_all_trainable(CausalLM& model) {
+  int64_t n = 0;
+  for (auto& s : model.tensors()) {
+    MEMTUNE_CHECK(!(s.linear && s.linear->quantized()), "training.finetune: full needs dense weights, but ",
+                  s.name, " is 4-bit; set model.quantization_config.load_in_4bit: false");
+    if (!s.tensor->defined()) continue;
+    if (s.tensor->scalar_type() != at::kFloat) *s.tensor = s.tensor->to(at::kFloat);
+    s.tensor->set_requires_grad(true);
+    n += s.tensor->numel();
+  }
+  return n;
+}
+
+}  // namespace memtune::models

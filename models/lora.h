@@ -1,0 +1,37 @@
+#pragma once
+// Applying LoRA adapters to a model, with PEFT's targeting rules.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "models/causal_lm.h"
+
+namespace memtune::models {
+
+struct LoraTargets {
+  // Module names matched exactly or as a dotted suffix ("q_proj" matches
+  // "model.layers.0.self_attn.q_proj"); a single entry that is not a plain name is a regex
+  // matched against the whole module name; "all-linear" is every projection (never the head).
+  std::vector<std::string> target_modules = {"all-linear"};
+  std::vector<std::string> exclude_modules;
+  std::vector<int> layers_to_transform;  // empty: every layer
+};
+
+// True when `module` (a full module name) is targeted, following PEFT.
+bool lora_targets(const LoraTargets& targets, const std::string& module, int layer);
+
+struct LoraSummary {
+  std::vector<std::string> modules;  // the projections that received adapters
+  int64_t trainable_parameters = 0;
+  int64_t total_parameters = 0;      // base + adapters
+  std::string describe() const;      // "trainable params: 1,024 || all params: ... || trainable%: 0.05"
+};
+
+// Freezes the base and adds adapters (fp32, A random, B zero) to the targeted projections.
+// Throws UserError listing the model's module names when nothing matches.
+LoraSummary apply_lora(CausalLM& model, const LoraOptions& options, const LoraTargets& targets);
+
+// Full fine-tuning: every dense base tensor becomes trainable (fp32). Refuses a 4-bit base.
+int64_t make_all_trainable(CausalLM& model);
+
+}  // namespace memtune::models

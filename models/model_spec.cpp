@@ -1,0 +1,306 @@
+#include "models/model_spec.h"
+
+#include <cmath>
+#include <set>
+
+#include "runtime/error.h"
+
+namespace memtune::models {
+
+namespace {
+
+using nlohmann::json;
+
+template <class T>
+T get_or(const json& j, const char* key, T fallback, const std::string& where) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return fallback;
+  try {
+    return it->get<T>();
+  } catch (const json::exception&) {
+    fail(where, ": '", key, "' has the wrong type (value ", it->dump(), ")");
+  }
+}
+
+int64_t require_int(const json& j, std::initializer_list<const char*> keys, const std::string& where) {
+  for (const char* k : keys) {
+    auto it = j.find(k);
+    if (it != j.end() && it->is_number_integer()) return it->get<int64_t>();
+  }
+  std::string names;
+  for (const char* k : keys) names += std::string(names.empty() ? "" : " or ") + k;
+  fail(where, ": missing integer key ", names, " (is this a Hugging Face config.json?)");
+}
+
+RopeScaling read_rope_scaling(const json& j, const std::string& where) {
+  RopeScaling r;
+  if (j.is_null()) return r;
+  MEMTUNE_CHECK(j.is_object(), where, ": rope_scaling must be an object, got ", j.dump());
+  std::string type = j.contains("rope_type") ? j["rope_type"].get<std::string>()
+                     : j.contains("type")     ? j["type"].get<std::string>()
+                                              : "default";
+  if (type == "default") return r;
+  MEMTUNE_CHECK(type == "linear" || type == "llama3", where, ": rope_scaling type '", type,
+                "' is not supported (supported: linear, llama3)");
+  r.type = type;
+  r.factor = get_or<double>(j, "factor", 1.0, where);
+  r.low_freq_factor = get_or<double>(j, "low_freq_factor", 1.0, where);
+  r.high_freq_factor = get_or<double>(j, "high_freq_factor", 4.0, where);
+  r.original_max_position_embeddings =
+      get_or<int64_t>(j, "original_max_position_embeddings", 8192, where);
+  MEMTUNE_CHECK(r.factor > 0, where, ": rope_scaling.factor must be > 0, got ", r.factor);
+  return r;
+}
+
+// Keys spec_from_hf_config consumes; everything else is kept in `extra` and written back.
+const std::set<std::string>& modelled_keys() {
+  static const std::set<std::string> keys = {
+      "architectures", "model_type", "vocab_size", "hidden_size", "n_embd", "intermediate_size",
+      "n_inner", "num_hidden_layers", "n_layer", "num_attention_heads", "n_head",
+      "num_key_value_heads", "head_dim", "max_position_embeddings", "n_positions",
+      "rms_norm_eps", "layer_norm_epsilon", "rope_theta", "rope_scaling", "rope_parameters",
+      "tie_word_embeddings", "attention_bias", "bos_token_id", "eos_token_id", "pad_token_id",
+      "torch_dtype", "hidden_act", "activation_function"};
+  return keys;
+}
+
+}  // namespace
+
+ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
+  MEMTUNE_CHECK(c.is_object(), where, ": config.json must be a JSON object");
+  ModelSpec s;
+  if (c.contains("architectures") && c["architectures"].is_array() && !c["architectures"].empty())
+    s.architecture = c["architectures"][0].get<std::string>();
+  s.model_type = get_or<std::string>(c, "model_type", "", where);
+  if (s.model_type.empty()) {
+    if (s.architecture.rfind("GPT2", 0) == 0) s.model_type = "gpt2";
+    else if (s.architecture.rfind("Mistral", 0) == 0) s.model_type = "mistral";
+    else if (s.architecture.rfind("Qwen2", 0) == 0) s.model_type = "qwen2";
+    else s.model_type = "llama";
+  }
+  s.vocab_size = require_int(c, {"vocab_size"}, where);
+  s.hidden_size = require_int(c, {"hidden_size", "n_embd"}, where);
+  s.num_layers = require_int(c, {"num_hidden_layers", "n_layer"}, where);
+  s.num_heads = require_int(c, {"num_attention_heads", "n_head"}, where);
+  s.num_kv_heads = get_or<int64_t>(c, "num_key_value_heads", s.num_heads, where);
+  s.head_dim = get_or<int64_t>(c, "head_dim", s.num_heads > 0 ? s.hidden_size / s.num_heads : 0, where);
+  if (s.is_gpt2()) {
+    s.architecture = s.architecture.empty() ? "GPT2LMHeadModel" : s.architecture;
+    s.intermediate_size = get_or<int64_t>(c, "n_inner", 4 * s.hidden_size, where);
+    s.max_position_embeddings = require_int(c, {"n_positions", "max_position_embeddings"}, where);
+    s.norm_eps = get_or<double>(c, "layer_norm_epsilon", 1e-5, where);
+    s.tie_word_embeddings = get_or<bool>(c, "tie_word_embeddings", true, where);
+    std::string act = get_or<std::string>(c, "activation_function", "gelu_new", where);
+    MEMTUNE_CHECK(act == "gelu_new" || act == "gelu_pytorch_tanh", where,
+                  ": activation_function '", act, "' is not supported (gelu_new)");
+  } else {
+    s.intermediate_size = require_int(c, {"intermediate_size"}, where);
+    s.max_position_embeddings = get_or<int64_t>(c, "max_position_embeddings", 2048, where);
+    s.norm_eps = get_or<double>(c, "rms_norm_eps", 1e-6, where);
+    s.tie_word_embeddings = get_or<bool>(c, "tie_word_embeddings", false, where);
+    s.attention_bias = get_or<bool>(c, "attention_bias", s.model_type == "qwen2", where);
+    std::string act = get_or<std::string>(c, "hidden_act", "silu", where);
+    MEMTUNE_CHECK(act == "silu", where, ": hidden_act '", act, "' is not supported (silu)");
+    // Newer configs nest rope settings in rope_parameters; older ones keep them top level.
+    if (c.contains("rope_parameters") && c["rope_parameters"].is_object()) {
+      const json& rp = c["rope_parameters"];
+      s.rope_theta = get_or<double>(rp, "rope_theta", get_or<double>(c, "rope_theta", 10000.0, where), where);
+      s.rope_scaling = read_rope_scaling(rp, where + " rope_parameters");
+    } else {
+      s.rope_theta = get_or<double>(c, "rope_theta", 10000.0, where);
+      if (c.contains("rope_scaling")) s.rope_scaling = read_rope_scaling(c["rope_scaling"], where + " rope_scaling");
+    }
+  }
+  auto opt_int = [&](const char* key) -> std::optional<int64_t> {
+    auto it = c.find(key);
+    if (it == c.end() || !it->is_number_integer()) return std::nullopt;
+    return it->get<int64_t>();
+  };
+  s.bos_token_id = opt_int("bos_token_id");
+  s.eos_token_id = opt_int("eos_token_id");
+  s.pad_token_id = opt_int("pad_token_id");
+  s.torch_dtype = get_or<std::string>(c, "torch_dtype", "float32", where);
+  for (auto it = c.begin(); it != c.end(); ++it)
+    if (!modelled_keys().count(it.key())) s.extra[it.key()] = it.value();
+  validate_spec(s, where);
+  return s;
+}
+
+json spec_to_hf_config(const ModelSpec& s) {
+  json c = s.extra;
+  c["architectures"] = json::array({s.architecture});
+  c["model_type"] = s.model_type;
+  c["vocab_size"] = s.vocab_size;
+  if (s.is_gpt2()) {
+    c["n_embd"] = s.hidden_size;
+    c["n_layer"] = s.num_layers;
+    c["n_head"] = s.num_heads;
+    c["n_inner"] = s.intermediate_size;
+    c["n_positions"] = s.max_position_embeddings;
+    c["layer_norm_epsilon"] = s.norm_eps;
+    c["activation_function"] = "gelu_new";
+  } else {
+    c["hidden_size"] = s.hidden_size;
+    c["intermediate_size"] = s.intermediate_size;
+    c["num_hidden_layers"] = s.num_layers;
+    c["num_attention_heads"] = s.num_heads;
+    c["num_key_value_heads"] = s.num_kv_heads;
+    c["head_dim"] = s.head_dim;
+    c["max_position_embeddings"] = s.max_position_embeddings;
+    c["rms_norm_eps"] = s.norm_eps;
+    c["rope_theta"] = s.rope_theta;
+    c["hidden_act"] = "silu";
+    c["attention_bias"] = s.attention_bias;
+    if (s.rope_scaling.type == "none") {
+      c["rope_scaling"] = nullptr;
+    } else {
+      json r = {{"rope_type", s.rope_scaling.type}, {"factor", s.rope_scaling.factor}};
+      if (s.rope_scaling.type == "llama3") {
+        r["low_freq_factor"] = s.rope_scaling.low_freq_factor;
+        r["high_freq_factor"] = s.rope_scaling.high_freq_factor;
+        r["original_max_position_embeddings"] = s.rope_scaling.original_max_position_embeddings;
+      }
+      c["rope_scaling"] = r;
+    }
+  }
+  c["tie_word_embeddings"] = s.tie_word_embeddings;
+  if (s.bos_token_id) c["bos_token_id"] = *s.bos_token_id;
+  if (s.eos_token_id) c["eos_token_id"] = *s.eos_token_id;
+  if (s.pad_token_id) c["pad_token_id"] = *s.pad_token_id;
+  c["torch_dtype"] = s.torch_dtype;
+  return c;
+}
+
+void validate_spec(const ModelSpec& s, const std::string& where) {
+  MEMTUNE_CHECK(s.vocab_size > 0 && s.hidden_size > 0 && s.num_layers > 0 && s.num_heads > 0 &&
+                    s.intermediate_size > 0 && s.head_dim > 0,
+                where, ": vocab_size, hidden_size, num_hidden_layers, num_attention_heads, "
+                "intermediate_size and head_dim must be positive");
+  MEMTUNE_CHECK(s.num_kv_heads > 0 && s.num_heads % s.num_kv_heads == 0, where,
+                ": num_attention_heads (", s.num_heads, ") must be a multiple of num_key_value_heads (",
+                s.num_kv_heads, ")");
+  MEMTUNE_CHECK(s.head_dim % 2 == 0 || s.is_gpt2(), where, ": head_dim ", s.head_dim,
+                " must be even for rotary embeddings");
+  if (s.is_gpt2())
+    MEMTUNE_CHECK(s.hidden_size == s.num_heads * s.head_dim, where, ": n_embd (", s.hidden_size,
+                  ") must equal n_head x head_dim");
+}
+
+namespace {
+
+ModelSpec llama_like(int64_t vocab, int64_t hidden, int64_t inter, int64_t layers, int64_t heads,
+                     int64_t kv, int64_t max_pos, double theta, bool tie) {
+  ModelSpec s;
+  s.vocab_size = vocab;
+  s.hidden_size = hidden;
+  s.intermediate_size = inter;
+  s.num_layers = layers;
+  s.num_heads = heads;
+  s.num_kv_heads = kv;
+  s.head_dim = hidden / heads;
+  s.max_position_embeddings = max_pos;
+  s.rope_theta = theta;
+  s.tie_word_embeddings = tie;
+  return s;
+}
+
+}  // namespace
+
+std::optional<ModelSpec> preset(const std::string& name) {
+  if (name == "tiny-llama") {
+    // GQA (2 kv heads for 4 heads) so the smallest model exercises every path.
+    ModelSpec s = llama_like(1024, 128, 344, 4, 4, 2, 1024, 10000.0, false);
+    s.bos_token_id = 1019;  // examples/tiny-tokenizer: <|begin_of_text|>
+    s.eos_token_id = 1020;  // <|end_of_text|>
+    return s;
+  }
+  if (name == "tiny-gpt2") {
+    ModelSpec s;
+    s.architecture = "GPT2LMHeadModel";
+    s.model_type = "gpt2";
+    s.vocab_size = 1024;
+    s.hidden_size = 128;
+    s.intermediate_size = 512;
+    s.num_layers = 4;
+    s.num_heads = 4;
+    s.num_kv_heads = 4;
+    s.head_dim = 32;
+    s.max_position_embeddings = 1024;
+    s.tie_word_embeddings = true;
+    s.bos_token_id = 1019;  // examples/tiny-tokenizer: <|begin_of_text|>
+    s.eos_token_id = 1020;  // <|end_of_text|>
+    return s;
+  }
+  if (name == "llama-3.2-1b") {
+    ModelSpec s = llama_like(128256, 2048, 8192, 16, 32, 8, 131072, 500000.0, true);
+    s.rope_scaling = {"llama3", 32.0, 1.0, 4.0, 8192};
+    s.bos_token_id = 128000;
+    s.eos_token_id = 128001;
+    s.torch_dtype = "bfloat16";
+    return s;
+  }
+  if (name == "llama-3-8b") {
+    ModelSpec s = llama_like(128256, 4096, 14336, 32, 32, 8, 8192, 500000.0, false);
+    s.bos_token_id = 128000;
+    s.eos_token_id = 128001;
+    s.torch_dtype = "bfloat16";
+    return s;
+  }
+  if (name == "mistral-7b") {
+    ModelSpec s = llama_like(32000, 4096, 14336, 32, 32, 8, 32768, 10000.0, false);
+    s.architecture = "MistralForCausalLM";
+    s.model_type = "mistral";
+    s.bos_token_id = 1;
+    s.eos_token_id = 2;
+    s.torch_dtype = "bfloat16";
+    return s;
+  }
+  if (name == "qwen2-0.5b") {
+    ModelSpec s = llama_like(151936, 896, 4864, 24, 14, 2, 32768, 1000000.0, true);
+    s.architecture = "Qwen2ForCausalLM";
+    s.model_type = "qwen2";
+    s.head_dim = 64;
+    s.norm_eps = 1e-6;
+    s.attention_bias = true;
+    s.eos_token_id = 151643;
+    s.torch_dtype = "bfloat16";
+    return s;
+  }
+  if (name == "gpt2") {
+    ModelSpec s;
+    s.architecture = "GPT2LMHeadModel";
+    s.model_type = "gpt2";
+    s.vocab_size = 50257;
+    s.hidden_size = 768;
+    s.intermediate_size = 3072;
+    s.num_layers = 12;
+    s.num_heads = 12;
+    s.num_kv_heads = 12;
+    s.head_dim = 64;
+    s.max_position_embeddings = 1024;
+    s.tie_word_embeddings = true;
+    s.bos_token_id = 50256;
+    s.eos_token_id = 50256;
+    return s;
+  }
+  return std::nullopt;
+}
+
+std::vector<std::string> preset_names() {
+  return {"tiny-llama", "tiny-gpt2", "llama-3.2-1b", "llama-3-8b", "mistral-7b", "qwen2-0.5b", "gpt2"};
+}
+
+int64_t parameter_count(const ModelSpec& s) {
+  const int64_t C = s.hidden_size, F = s.intermediate_size, V = s.vocab_size;
+  int64_t per_layer = 0;
+  if (s.is_gpt2()) {
+    per_layer = 4 * C + (C * 3 * C + 3 * C) + (C * C + C) + (C * F + F) + (F * C + C);
+    return V * C + s.max_position_embeddings * C + s.num_layers * per_layer + 2 * C +
+           (s.tie_word_embeddings ? 0 : V * C);
+  }
+  const int64_t q = s.q_dim(), kv = s.kv_dim();
+  per_layer = 2 * C + C * q + 2 * C * kv + q * C + 3 * C * F + (s.attention_bias ? q + 2 * kv : 0);
+  return V * C + s.num_layers * per_layer + C + (s.tie_word_embeddings ? 0 : V * C);
+}
+
+}  // namespace memtune::models

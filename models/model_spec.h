@@ -1,0 +1,61 @@
+#pragma once
+// The shape of a model, as Hugging Face's config.json describes it, normalised across
+// families (Llama, Mistral, Qwen2, GPT-2). Presets are plain functions returning one.
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace memtune::models {
+
+struct RopeScaling {
+  std::string type = "none";  // none|linear|llama3
+  double factor = 1.0;
+  double low_freq_factor = 1.0;                     // llama3
+  double high_freq_factor = 4.0;                    // llama3
+  int64_t original_max_position_embeddings = 8192;  // llama3
+};
+
+struct ModelSpec {
+  std::string architecture = "LlamaForCausalLM";  // HF `architectures[0]`
+  std::string model_type = "llama";                // llama|mistral|qwen2|gpt2|<registered>
+  int64_t vocab_size = 256;
+  int64_t hidden_size = 64;
+  int64_t intermediate_size = 172;
+  int64_t num_layers = 2;
+  int64_t num_heads = 4;
+  int64_t num_kv_heads = 4;
+  int64_t head_dim = 16;                 // hidden_size / num_heads unless config says otherwise
+  int64_t max_position_embeddings = 2048;
+  double norm_eps = 1e-5;                // rms_norm_eps or layer_norm_epsilon
+  double rope_theta = 10000.0;
+  RopeScaling rope_scaling;
+  bool tie_word_embeddings = false;
+  bool attention_bias = false;           // q,k,v biases (Qwen2)
+  std::optional<int64_t> bos_token_id, eos_token_id, pad_token_id;
+  std::string torch_dtype = "float32";   // dtype the checkpoint stores dense weights in
+  nlohmann::json extra = nlohmann::json::object();  // keys of config.json memtune does not model
+
+  int64_t q_dim() const { return num_heads * head_dim; }
+  int64_t kv_dim() const { return num_kv_heads * head_dim; }
+  bool is_gpt2() const { return model_type == "gpt2"; }
+};
+
+// Reads a config.json object; `where` names the file in messages.
+ModelSpec spec_from_hf_config(const nlohmann::json& config, const std::string& where);
+// The config.json HF writes for this spec (round-trips through spec_from_hf_config).
+nlohmann::json spec_to_hf_config(const ModelSpec& spec);
+// Throws UserError when the shape is impossible (heads not dividing, ...).
+void validate_spec(const ModelSpec& spec, const std::string& where);
+
+// Presets: tiny-llama, tiny-gpt2 (tests and the quickstart) and the real sizes users
+// fine-tune: llama-3.2-1b, llama-3-8b, mistral-7b, qwen2-0.5b, gpt2.
+std::optional<ModelSpec> preset(const std::string& name);
+std::vector<std::string> preset_names();
+
+// Parameter count of the base model (embeddings, head when untied, every layer).
+int64_t parameter_count(const ModelSpec& spec);
+
+}  // namespace memtune::models

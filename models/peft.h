@@ -1,0 +1,33 @@
+#pragma once
+// LoRA adapters in PEFT's format: adapter_config.json and adapter_model.safetensors with
+// keys "base_model.model.<module>.lora_A.weight" ([r, in]) and ".lora_B.weight" ([out, r]).
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "models/causal_lm.h"
+#include "models/lora.h"
+
+namespace memtune::models {
+
+struct AdapterConfig {
+  LoraOptions lora;
+  LoraTargets targets;
+  std::string base_model_name_or_path;
+  bool fan_in_fan_out = false;
+  std::vector<std::string> modules_to_save;
+};
+
+std::string peft_key(const std::string& module, const char* which);  // which: "lora_A" | "lora_B"
+
+// Writes adapter_config.json and adapter_model.safetensors (fp32) into `dir`, atomically.
+void save_adapter(const CausalLM& model, const AdapterConfig& config, const std::filesystem::path& dir);
+
+// Reads adapter_config.json (throws UserError naming the file and key on bad input).
+AdapterConfig read_adapter_config(const std::filesystem::path& dir);
+
+// Adds the adapter's LoRA layers to `model` (freezing the base) and loads their weights.
+// Every module of the file must exist in the model with matching shapes.
+LoraSummary load_adapter(CausalLM& model, const std::filesystem::path& dir);
+
+}  // namespace memtune::models

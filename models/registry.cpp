@@ -1,0 +1,62 @@
+#include "models/registry.h"
+
+#include <map>
+#include <mutex>
+
+#include "runtime/error.h"
+
+namespace memtune::models {
+
+namespace {
+
+std::map<std::string, ArchitectureBuilder>& table() {
+  static std::map<std::string, ArchitectureBuilder> t = [] {
+    std::map<std::string, ArchitectureBuilder> m;
+    for (const char* name : {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "llama",
+                             "mistral", "qwen2"})
+      m[name] = make_llama;
+    m["GPT2LMHeadModel"] = make_gpt2;
+    m["gpt2"] = make_gpt2;
+    return m;
+  }();
+  return t;
+}
+
+std::mutex& table_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+}  // namespace
+
+void register_architecture(const std::string& name, ArchitectureBuilder builder) {
+  std::lock_guard<std::mutex> lock(table_mutex());
+  table()[name] = std::move(builder);
+}
+
+std::vector<std::string> registered_architectures() {
+  std::lock_guard<std::mutex> lock(table_mutex());
+  std::vector<std::string> names;
+  for (const auto& [name, _] : table()) names.push_back(name);
+  return names;
+}
+
+std::unique_ptr<CausalLM> build_model(const ModelSpec& spec) {
+  ArchitectureBuilder builder;
+  {
+    std::lock_guard<std::mutex> lock(table_mutex());
+    auto it = table().find(spec.architecture);
+    if (it == table().end()) it = table().find(spec.model_type);
+    if (it != table().end()) builder = it->second;
+  }
+  if (!builder) {
+    std::string names;
+    for (const auto& n : registered_architectures()) names += (names.empty() ? "" : ", ") + n;
+    fail("architecture '", spec.architecture, "' (model_type '", spec.model_type,
+         "') is not registered; registered: ", names,
+         ". Register your own with memtune::models::ArchitectureRegistrar (examples/custom_model/)");
+  }
+  return builder(spec);
+}
+
+}  // namespace memtune::models

@@ -1,0 +1,171 @@
+#include "runtime/supervisor.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include <spdlog/spdlog.h>
+
+#include "runtime/compat.h"
+
+namespace memtune {
+
+Supervisor::Supervisor(SupervisorOptions options)
+    : options_(options), micro_(std::max<int64_t>(1, std::min(options.micro_batch, options.samples_per_step))),
+      grow_wait_(options.grow_after_steps) {
+  agree_ = [](bool oom, int64_t proposal) { return std::make_pair(oom, proposal); };
+}
+
+void Supervisor::add_ladder_rung(std::string name, std::function<std::string()> rung) {
+  ladder_.emplace_back(std::move(name), std::move(rung));
+}
+
+void Supervisor::set_agreement(std::function<std::pair<bool, int64_t>(bool, int64_t)> agree) {
+  agree_ = std::move(agree);
+}
+
+void Supervisor::set_report(std::function<std::string()> report) { report_ = std::move(report); }
+
+void Supervisor::event(int64_t step, std::string kind, std::string detail) {
+  spdlog::log(kind == "warning" ? spdlog::level::warn : spdlog::level::info, "memory: step {}: {}: {}", step,
+              kind, detail);
+  history_.push_back("step " + std::to_string(step) + ": " + kind + ": " + detail);
+  events_.push_back({step, std::move(kind), std::move(detail)});
+}
+
+std::vector<SupervisorEvent> Supervisor::take_events() {
+  std::vector<SupervisorEvent> out;
+  out.swap(events_);
+  return out;
+}
+
+// One try of the step. Returns false after an out-of-memory error, with every tensor of
+// the attempt released (the exception is gone before cleanup runs).
+bool Supervisor::attempt(int64_t step, const StepStages& stages, std::string* what) {
+  bool oom = false;
+  auto guarded = [&](const std::function<void()>& stage) {
+    if (oom) return;
+    try {
+      stage();
+    } catch (const std::exception& e) {
+      if (!options_.enabled || !compat::is_out_of_memory(e)) throw;
+      *what = e.what();
+      oom = true;
+    }
+  };
+  guarded([&] { stages.compute(micro_); });
+  // Every rank learns whether any ran out before anyone enters a collective.
+  auto [any_oom, proposal] = agree_(oom, micro_);
+  oom = any_oom;
+  if (!oom) {
+    guarded(stages.prepare);
+    std::tie(any_oom, proposal) = agree_(oom, micro_);
+    oom = any_oom;
+  }
+  if (oom) {
+    if (what->empty()) *what = "another rank ran out of memory";
+    stages.cleanup();
+    return false;
+  }
+  stages.apply();
+  return true;
+}
+
+void Supervisor::shrink(int64_t step, const std::string& why) {
+  int64_t next = std::min<int64_t>(micro_ - 1, static_cast<int64_t>(std::floor(micro_ * options_.shrink_factor)));
+  next = std::max<int64_t>(1, next);
+  const int64_t before = micro_;
+  micro_ = next;
+  event(step, "shrink", "micro-batch " + std::to_string(before) + " -> " + std::to_string(micro_) +
+                            ", accumulation " + std::to_string(accumulation()) + " (" + why + ")");
+}
+
+void Supervisor::run_step(int64_t step, const StepStages& stages) {
+  for (int tries = 0;; ++tries) {
+    std::string what;
+    if (attempt(step, stages, &what)) return;
+    // Keep only the first line of the allocator's message in the event.
+    std::string first_line = what.substr(0, what.find('\n'));
+    event(step, "oom", first_line);
+    if (grown_from_ > 0) {
+      // The larger size failed: go back and wait twice as long before trying again.
+      const int64_t larger = micro_;
+      micro_ = grown_from_;
+      grown_from_ = 0;
+      grow_wait_ *= 2;
+      good_steps_ = 0;
+      event(step, "grow_failed", "micro-batch " + std::to_string(larger) + " does not fit; back to " +
+                                     std::to_string(micro_) + ", next try after " + std::to_string(grow_wait_) +
+                                     " steps");
+      continue;
+    }
+    MEMTUNE_CHECK(options_.enabled, "out of memory at step ", step, ": ", first_line);
+    if (tries + 1 >= options_.max_retries)
+      throw MemoryExhausted(str_cat("out of memory: step ", step, " failed ", tries + 1,
+                                    " times (memory.on_oom.max_retries)\n", report_ ? report_() : ""));
+    if (micro_ > 1) {
+      shrink(step, "out of memory");
+      good_steps_ = 0;
+      continue;
+    }
+    std::string changed;
+    for (auto& [name, rung] : ladder_) {
+      changed = rung();
+      if (!changed.empty()) {
+        event(step, "ladder", name + ": " + changed);
+        break;
+      }
+    }
+    if (changed.empty()) {
+      std::string tried;
+      for (const auto& h : history_) tried += "  " + h + "\n";
+      throw MemoryExhausted(str_cat("out of memory at micro-batch 1 with every saving enabled (step ", step,
+                                    ").\nWhat was tried:\n", tried, report_ ? report_() : ""));
+    }
+  }
+}
+
+void Supervisor::observe_peak(int64_t step, double peak, const std::function<void()>& release_cached,
+                              const std::function<std::string()>& suggestion) {
+  if (!options_.enabled || peak <= 0) return;
+  grown_from_ = 0;  // the step completed at this size
+  if (peak >= options_.emergency && micro_ > 1) {
+    shrink(step, "peak " + std::to_string(static_cast<int>(peak * 100)) + "% of the limit, above the emergency threshold");
+    good_steps_ = 0;
+    return;
+  }
+  if (peak >= options_.critical) {
+    release_cached();
+    event(step, "release", "peak " + std::to_string(static_cast<int>(peak * 100)) +
+                               "% of the limit: released cached memory");
+  } else if (peak >= options_.warning) {
+    std::string s = suggestion ? suggestion() : "";
+    event(step, "warning", "peak " + std::to_string(static_cast<int>(peak * 100)) + "% of the limit" +
+                               (s.empty() ? "" : "; " + s));
+  }
+  if (peak < options_.grow_threshold && micro_ < options_.micro_batch) {
+    if (++good_steps_ >= grow_wait_) {
+      const int64_t before = micro_;
+      micro_ = std::min<int64_t>(options_.micro_batch,
+                                 std::max<int64_t>(micro_ + 1, static_cast<int64_t>(std::ceil(micro_ / options_.shrink_factor))));
+      grown_from_ = before;
+      good_steps_ = 0;
+      event(step, "grow", "micro-batch " + std::to_string(before) + " -> " + std::to_string(micro_) + " after " +
+                              std::to_string(grow_wait_) + " steps with headroom");
+    }
+  } else {
+    good_steps_ = 0;
+  }
+}
+
+nlohmann::json Supervisor::state() const {
+  return {{"micro_batch", micro_}, {"good_steps", good_steps_}, {"grow_wait", grow_wait_}, {"grown_from", grown_from_}};
+}
+
+void Supervisor::load_state(const nlohmann::json& s) {
+  micro_ = s.value("micro_batch", micro_);
+  good_steps_ = s.value("good_steps", good_steps_);
+  grow_wait_ = s.value("grow_wait", grow_wait_);
+  grown_from_ = s.value("grown_from", grown_from_);
+}
+
+}  // namespace memtune

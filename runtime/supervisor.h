@@ -1,0 +1,99 @@
+#pragma once
+// The memory supervisor. The effective batch is the unit of the math; the micro-batch is an
+// execution detail the supervisor may change at any moment without changing the math. A
+// step owns a fixed set of samples; the supervisor runs them as micro-batches; when memory
+// runs out anywhere in the step, the step's gradients are dropped, the micro-batch is made
+// smaller (accumulation larger) and the same samples run again. Once the micro-batch is 1,
+// a ladder of further savings is tried (checkpoint more layers, offload layers), then the
+// run stops with a report. After a run of steps with headroom it grows back.
+#include <cstdint>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "runtime/error.h"
+
+namespace memtune {
+
+struct SupervisorOptions {
+  bool enabled = true;            // false: an out-of-memory error stops the run
+  int64_t samples_per_step = 1;   // per rank: micro_batch x accumulation
+  int64_t micro_batch = 1;        // the configured (largest) micro-batch
+  double shrink_factor = 0.5;
+  int max_retries = 16;
+  int64_t grow_after_steps = 50;
+  double grow_threshold = 0.6;    // peak share of the limit that counts as headroom
+  double warning = 0.85, critical = 0.90, emergency = 0.95;
+};
+
+struct SupervisorEvent {
+  int64_t step = 0;
+  std::string kind;    // oom, shrink, grow, grow_failed, ladder, release, warning, emergency
+  std::string detail;
+  nlohmann::json to_json() const { return {{"step", step}, {"kind", kind}, {"detail", detail}}; }
+};
+
+// One step, in the stages the supervisor needs to keep several ranks in agreement.
+struct StepStages {
+  std::function<void(int64_t micro_batch)> compute;  // forward + backward of the step's samples; may run out of memory
+  std::function<void()> prepare;                     // reduce gradients, clip, check; changes no parameter
+  std::function<void()> apply;                       // the update itself; allocates nothing
+  std::function<void()> cleanup;                     // after an OOM: drop gradients, release cached memory
+};
+
+// Thrown when even micro-batch 1 with every rung of the ladder does not fit.
+class MemoryExhausted : public UserError {
+ public:
+  using UserError::UserError;
+};
+
+class Supervisor {
+ public:
+  explicit Supervisor(SupervisorOptions options);
+
+  int64_t micro_batch() const { return micro_; }
+  int64_t accumulation() const { return (options_.samples_per_step + micro_ - 1) / micro_; }
+
+  // A rung of the ladder, tried in the order added once the micro-batch is 1. It returns
+  // what it changed ("checkpointing layer 3"), or "" when it has nothing left to give.
+  void add_ladder_rung(std::string name, std::function<std::string()> rung);
+  // Agreement across ranks: given this rank's (out_of_memory, proposed micro-batch), returns
+  // (any rank out of memory, smallest proposal). Single process: the identity.
+  void set_agreement(std::function<std::pair<bool, int64_t>(bool, int64_t)> agree);
+  // What to say when the run stops (the estimate, what would fit).
+  void set_report(std::function<std::string()> report);
+
+  // Runs the step to completion, retrying the same samples after an out-of-memory error.
+  void run_step(int64_t step, const StepStages& stages);
+  // After a completed step: its peak memory as a share of the limit (0 when no limit).
+  void observe_peak(int64_t step, double peak_fraction, const std::function<void()>& release_cached,
+                    const std::function<std::string()>& suggestion);
+
+  std::vector<SupervisorEvent> take_events();
+  const std::vector<std::string>& history() const { return history_; }
+
+  nlohmann::json state() const;
+  void load_state(const nlohmann::json& state);
+
+ private:
+  bool attempt(int64_t step, const StepStages& stages, std::string* what);
+  void shrink(int64_t step, const std::string& why);
+  void event(int64_t step, std::string kind, std::string detail);
+
+  SupervisorOptions options_;
+  int64_t micro_;
+  int64_t good_steps_ = 0;          // consecutive steps under grow_threshold
+  int64_t grow_wait_;               // steps to wait before the next grow attempt
+  int64_t grown_from_ = 0;          // micro-batch before the last grow, 0 when not growing
+  std::vector<std::pair<std::string, std::function<std::string()>>> ladder_;
+  std::function<std::pair<bool, int64_t>(bool, int64_t)> agree_;
+  std::function<std::string()> report_;
+  std::vector<SupervisorEvent> events_;
+  std::vector<std::string> history_;  // everything tried, for the final report
+};
+
+}  // namespace memtune

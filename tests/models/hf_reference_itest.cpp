@@ -1,0 +1,154 @@
+// memtune's Llama / Mistral / Qwen2 / GPT-2 against an independent reference of Hugging Face's
+// modeling semantics (tests/reference/hf_reference.py on Debian's python3-torch): logits,
+// loss and every parameter gradient on random tiny models with packed, padded batches.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include "data/batch.h"
+#include "models/hf_model.h"
+#include "models/io/safetensors.h"
+#include "models/lora.h"
+#include "models/peft.h"
+#include "test_util.h"
+
+namespace memtune::testing {
+namespace {
+
+using models::CausalLM;
+
+std::string ref_script() { return (source_dir() / "tests/reference/hf_reference.py").string(); }
+
+void run_ref(const std::string& args) {
+  auto r = run(python() + " " + ref_script() + " " + args, 600);
+  ASSERT_EQ(r.exit_code, 0) << args << "\n" << r.output;
+}
+
+data::Batch load_batch(const fs::path& file) {
+  models::SafetensorsFile f(file);
+  data::Batch b;
+  b.input_ids = f.load("input_ids");
+  b.targets = f.load("targets");
+  b.position_ids = f.load("position_ids");
+  b.segment_ids = f.load("segment_ids");
+  b.target_tokens = (b.targets != -100).sum().item<int64_t>();
+  return b;
+}
+
+// max |a - b| / max |b|: relative to the reference's scale.
+double rel_err(const at::Tensor& a, const at::Tensor& b) {
+  double scale = b.abs().max().item<double>();
+  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>() / std::max(scale, 1e-30);
+}
+
+struct Case {
+  std::string name;
+  std::string init_args;
+  bool checkpoint = false;
+};
+
+class HfReference : public ::testing::TestWithParam<Case> {};
+
+TEST_P(HfReference, LogitsLossAndGradientsMatch) {
+  if (!python_torch_available()) GTEST_SKIP() << "python3-torch not installed";
+  const Case& c = GetParam();
+  fs::path dir = temp_dir();
+  run_ref("init " + c.init_args + " --out " + (dir / "model").string() + " --seed 3");
+  run_ref("make-batch --out " + (dir / "batch.safetensors").string() + " --vocab 256 --rows 3 --seq 24 --seed 5");
+  run_ref("forward --model " + (dir / "model").string() + " --batch " + (dir / "batch.safetensors").string() +
+      " --out " + (dir / "ref.safetensors").string());
+
+  auto model = models::load_hf_model(dir / "model", {});
+  models::make_all_trainable(*model);
+  data::Batch batch = load_batch(dir / "batch.safetensors");
+  models::ForwardOptions fo;
+  fo.training = true;
+  fo.return_logits = true;
+  fo.checkpoint_layers.assign(model->num_layers(), c.checkpoint);
+  models::ForwardOutput out = model->forward(batch, fo);
+  at::Tensor loss = out.loss_sum / static_cast<double>(out.target_tokens);
+  loss.backward();
+
+  models::SafetensorsFile r(dir / "ref.safetensors");
+  EXPECT_LT(rel_err(loss, r.load("loss")), 1e-5) << loss.item<double>() << " vs " << r.load("loss").item<double>();
+  at::Tensor valid = (batch.segment_ids >= 0).unsqueeze(-1);
+  EXPECT_LT(rel_err(out.logits * valid, r.load("logits") * valid), 1e-4);
+  int checked = 0;
+  for (const auto& slot : model->tensors()) {
+    const std::string key = slot.name + ".grad";
+    ASSERT_TRUE(r.contains(key)) << key;
+    ASSERT_TRUE(slot.tensor->grad().defined()) << slot.name;
+    EXPECT_LT(rel_err(slot.tensor->grad(), r.load(key)), 1e-4) << slot.name;
+    ++checked;
+  }
+  EXPECT_EQ(checked, static_cast<int>(model->tensors().size()));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Families, HfReference,
+    ::testing::Values(
+        Case{"llama_gqa_llama3_rope",
+             "--arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 96 --vocab 256 --max-pos 64 "
+             "--rope-scaling '{\"rope_type\":\"llama3\",\"factor\":8.0,\"low_freq_factor\":1.0,\"high_freq_factor\":4.0,"
+             "\"original_max_position_embeddings\":16}'"},
+        Case{"llama_checkpointed", "--arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 1 --intermediate 96 --vocab 256",
+             true},
+        Case{"llama_linear_rope_bias", "--arch llama --layers 1 --hidden 32 --heads 2 --kv-heads 2 --intermediate 64 "
+                                       "--vocab 256 --attention-bias --rope-scaling '{\"type\":\"linear\",\"factor\":2.0}'"},
+        Case{"qwen2_tied", "--arch llama --qwen2 --tie --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 96 --vocab 256"},
+        Case{"mistral", "--arch llama --mistral --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 96 --vocab 256"},
+        Case{"gpt2", "--arch gpt2 --layers 2 --hidden 64 --heads 4 --vocab 256 --max-pos 64"},
+        Case{"gpt2_checkpointed", "--arch gpt2 --layers 2 --hidden 64 --heads 4 --vocab 256 --max-pos 64", true}),
+    [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+// LoRA: the adapter's gradients against PEFT's semantics, for Linear and Conv1D targets.
+class HfReferenceLora : public ::testing::TestWithParam<Case> {};
+
+TEST_P(HfReferenceLora, AdapterGradientsMatch) {
+  if (!python_torch_available()) GTEST_SKIP() << "python3-torch not installed";
+  const Case& c = GetParam();
+  fs::path dir = temp_dir();
+  run_ref("init " + c.init_args + " --out " + (dir / "model").string() + " --seed 4");
+  const bool gpt2 = c.init_args.find("gpt2") != std::string::npos;
+  run_ref("init-lora --model " + (dir / "model").string() + " --out " + (dir / "adapter").string() +
+      " --r 4 --alpha 8 --seed 6 --targets " + (gpt2 ? "c_attn,c_fc" : "q_proj,v_proj,down_proj"));
+  run_ref("make-batch --out " + (dir / "batch.safetensors").string() + " --vocab 256 --rows 2 --seq 20 --seed 7");
+  run_ref("forward --model " + (dir / "model").string() + " --batch " + (dir / "batch.safetensors").string() +
+      " --lora " + (dir / "adapter").string() + " --out " + (dir / "ref.safetensors").string());
+
+  auto model = models::load_hf_model(dir / "model", {});
+  models::load_adapter(*model, dir / "adapter");
+  data::Batch batch = load_batch(dir / "batch.safetensors");
+  models::ForwardOptions fo;
+  fo.training = true;
+  fo.checkpoint_layers.assign(model->num_layers(), c.checkpoint);
+  models::ForwardOutput out = model->forward(batch, fo);
+  (out.loss_sum / static_cast<double>(out.target_tokens)).backward();
+  models::SafetensorsFile r(dir / "ref.safetensors");
+  int checked = 0;
+  for (models::Linear* l : model->linears()) {
+    if (!l->lora) continue;
+    EXPECT_LT(rel_err(l->lora->A.grad(), r.load(models::peft_key(l->name(), "lora_A") + ".grad")), 1e-4) << l->name();
+    EXPECT_LT(rel_err(l->lora->B.grad(), r.load(models::peft_key(l->name(), "lora_B") + ".grad")), 1e-4) << l->name();
+    checked += 2;
+  }
+  EXPECT_GE(checked, 4);
+  EXPECT_NEAR(out.loss_sum.item<double>() / out.target_tokens, r.load("loss").item<double>(), 1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Families, HfReferenceLora,
+    ::testing::Values(Case{"llama", "--arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 96 --vocab 256"},
+                      Case{"llama_checkpointed",
+                           "--arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 96 --vocab 256", true},
+                      Case{"gpt2_conv1d", "--arch gpt2 --layers 2 --hidden 64 --heads 4 --vocab 256 --max-pos 64"}),
+    [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+TEST(HfReferenceSelftest, ReferencePassesItsOwnChecks) {
+  if (!python_torch_available()) GTEST_SKIP() << "python3-torch not installed";
+  auto r = run(python() + " " + ref_script() + " selftest", 600);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+}
+
+}  // namespace
+}  // namespace memtune::testing

@@ -1,0 +1,158 @@
+// The supervisor's decisions, with stages that run out of memory on cue.
+#include <gtest/gtest.h>
+
+#include <c10/util/Exception.h>
+
+#include "runtime/supervisor.h"
+
+namespace memtune {
+namespace {
+
+[[noreturn]] void throw_oom() {
+  C10_THROW_ERROR(OutOfMemoryError, "CPU out of memory. Tried to allocate 2.00 MiB");
+}
+
+struct Recorder {
+  std::vector<int64_t> micro_batches;  // one per compute call
+  int applied = 0, cleaned = 0;
+  std::function<bool(int64_t micro)> oom_in_compute = [](int64_t) { return false; };
+  bool oom_in_prepare_once = false;
+
+  StepStages stages() {
+    StepStages s;
+    s.compute = [this](int64_t m) {
+      micro_batches.push_back(m);
+      if (oom_in_compute(m)) throw_oom();
+    };
+    s.prepare = [this] {
+      if (oom_in_prepare_once) {
+        oom_in_prepare_once = false;
+        throw_oom();
+      }
+    };
+    s.apply = [this] { ++applied; };
+    s.cleanup = [this] { ++cleaned; };
+    return s;
+  }
+};
+
+SupervisorOptions options(int64_t samples, int64_t micro) {
+  SupervisorOptions o;
+  o.samples_per_step = samples;
+  o.micro_batch = micro;
+  o.grow_after_steps = 2;
+  return o;
+}
+
+TEST(Supervisor, ShrinksUntilItFitsAndKeepsTheStepsSamples) {
+  Supervisor s(options(8, 8));
+  Recorder r;
+  r.oom_in_compute = [](int64_t m) { return m > 2; };
+  s.run_step(0, r.stages());
+  EXPECT_EQ(r.micro_batches, (std::vector<int64_t>{8, 4, 2}));
+  EXPECT_EQ(s.micro_batch(), 2);
+  EXPECT_EQ(s.accumulation(), 4);  // 2 x 4 = the step's 8 samples
+  EXPECT_EQ(r.applied, 1);
+  EXPECT_EQ(r.cleaned, 2);
+}
+
+TEST(Supervisor, OomInPrepareDropsTheStepAndUpdatesOnce) {
+  Supervisor s(options(4, 4));
+  Recorder r;
+  r.oom_in_prepare_once = true;
+  s.run_step(0, r.stages());
+  EXPECT_EQ(r.applied, 1);
+  EXPECT_EQ(r.cleaned, 1);
+  EXPECT_EQ(s.micro_batch(), 2);
+}
+
+TEST(Supervisor, OtherErrorsPassThrough) {
+  Supervisor s(options(4, 4));
+  StepStages st;
+  st.compute = [](int64_t) { throw std::runtime_error("not memory"); };
+  st.prepare = st.apply = st.cleanup = [] {};
+  EXPECT_THROW(s.run_step(0, st), std::runtime_error);
+}
+
+TEST(Supervisor, LadderThenStopWithReport) {
+  Supervisor s(options(2, 2));
+  int rungs_left = 2;
+  s.add_ladder_rung("checkpoint more layers", [&]() -> std::string {
+    return rungs_left-- > 0 ? "checkpointing layer " + std::to_string(1 - rungs_left) : "";
+  });
+  s.set_report([] { return std::string("estimate: needs 3 GiB"); });
+  Recorder r;
+  r.oom_in_compute = [](int64_t) { return true; };
+  try {
+    s.run_step(5, r.stages());
+    FAIL() << "did not stop";
+  } catch (const MemoryExhausted& e) {
+    std::string what = e.what();
+    EXPECT_NE(what.find("micro-batch 1"), std::string::npos) << what;
+    EXPECT_NE(what.find("checkpointing layer 0"), std::string::npos) << what;
+    EXPECT_NE(what.find("estimate: needs 3 GiB"), std::string::npos) << what;
+  }
+  // 2 -> 1, then two rungs, then nothing left: 4 attempts.
+  EXPECT_EQ(r.micro_batches.size(), 4u);
+  EXPECT_EQ(r.applied, 0);
+}
+
+TEST(Supervisor, GrowsBackAfterHeadroomAndUndoesAFailedGrow) {
+  Supervisor s(options(8, 8));
+  Recorder r;
+  r.oom_in_compute = [](int64_t m) { return m > 4; };
+  s.run_step(0, r.stages());
+  ASSERT_EQ(s.micro_batch(), 4);
+  s.observe_peak(0, 0.3, [] {}, {});
+  s.observe_peak(1, 0.3, [] {}, {});
+  EXPECT_EQ(s.micro_batch(), 8);  // grew after 2 steps with headroom
+  s.run_step(2, r.stages());      // 8 fails again: back to 4, wait doubled
+  EXPECT_EQ(s.micro_batch(), 4);
+  std::vector<std::string> kinds;
+  for (const auto& e : s.take_events()) kinds.push_back(e.kind);
+  EXPECT_EQ(kinds, (std::vector<std::string>{"oom", "shrink", "grow", "oom", "grow_failed"}));
+  for (int i = 0; i < 3; ++i) s.observe_peak(3 + i, 0.3, [] {}, {});
+  EXPECT_EQ(s.micro_batch(), 4);  // now waits 4 steps
+  s.observe_peak(6, 0.3, [] {}, {});
+  EXPECT_EQ(s.micro_batch(), 8);
+}
+
+TEST(Supervisor, ThresholdsActBeforeAnOom) {
+  Supervisor s(options(8, 8));
+  int released = 0;
+  s.observe_peak(0, 0.91, [&] { ++released; }, {});
+  EXPECT_EQ(released, 1);
+  s.observe_peak(1, 0.96, [&] { ++released; }, {});
+  EXPECT_EQ(s.micro_batch(), 4);  // emergency: shrink before anything fails
+  s.observe_peak(2, 0.86, [] {}, [] { return std::string("checkpoint every layer"); });
+  auto events = s.take_events();
+  ASSERT_EQ(events.size(), 3u);
+  EXPECT_EQ(events[2].kind, "warning");
+  EXPECT_NE(events[2].detail.find("checkpoint every layer"), std::string::npos);
+}
+
+TEST(Supervisor, AgreementMakesEveryRankRetry) {
+  Supervisor s(options(4, 4));
+  Recorder r;
+  int calls = 0;
+  // This rank never fails, but another rank does on the first attempt.
+  s.set_agreement([&](bool oom, int64_t p) { return std::make_pair(oom || calls++ == 0, p); });
+  s.run_step(0, r.stages());
+  EXPECT_EQ(r.micro_batches, (std::vector<int64_t>{4, 2}));
+  EXPECT_EQ(r.applied, 1);
+}
+
+TEST(Supervisor, StateRoundTrips) {
+  Supervisor a(options(8, 8));
+  Recorder r;
+  r.oom_in_compute = [](int64_t m) { return m > 2; };
+  a.run_step(0, r.stages());
+  a.observe_peak(0, 0.1, [] {}, {});
+  Supervisor b(options(8, 8));
+  b.load_state(a.state());
+  EXPECT_EQ(b.micro_batch(), 2);
+  EXPECT_EQ(b.state(), a.state());
+}
+
+}  // namespace
+}  // namespace memtune

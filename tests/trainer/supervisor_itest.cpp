@@ -1,0 +1,158 @@
+// The memory supervisor through the real command: out-of-memory errors injected at exact
+// points (forward, backward, optimizer) and real ones from a device budget. The math must
+// not change: per-step losses and the final adapter equal a run that used the smaller
+// micro-batch from the start, and every step sees the same samples.
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include "models/io/safetensors.h"
+#include "test_util.h"
+#include "trainer/train_state.h"
+
+namespace memtune::testing {
+namespace {
+
+using nlohmann::json;
+
+std::string config(const fs::path& out, int seq = 64) {
+  fs::path src = source_dir();
+  return "model:\n"
+         "  name_or_path: tiny-llama\n"
+         "  tokenizer: " + (src / "examples/tiny-tokenizer").string() + "\n"
+         "  quantization_config: {load_in_4bit: true}\n"
+         "lora: {r: 4, lora_alpha: 8}\n"
+         "training:\n"
+         "  output_dir: " + out.string() + "\n"
+         "  per_device_train_batch_size: 4\n"
+         "  gradient_accumulation_steps: 2\n"
+         "  learning_rate: 1.0e-3\n"
+         "  max_steps: 6\n"
+         "  seed: 3\n"
+         "data:\n"
+         "  train_file: " + (src / "examples/data/tasks_train.jsonl").string() + "\n"
+         "  format: instruction\n"
+         "  max_seq_length: " + std::to_string(seq) + "\n"
+         "  cache_dir: " + (out.parent_path() / "cache").string() + "\n";
+}
+
+struct TrainRun {
+  int exit_code;
+  std::string output;
+  fs::path out;
+};
+
+TrainRun train(const fs::path& dir, const std::string& overrides, int seq = 64) {
+  fs::create_directories(dir);
+  write_file(dir / "config.yaml.in", config(dir / "out", seq));
+  auto r = run(memtune_bin() + " train " + (dir / "config.yaml.in").string() + " " + overrides, 600);
+  return {r.exit_code, r.output, dir / "out"};
+}
+
+std::vector<json> rows(const fs::path& out) {
+  std::vector<json> v;
+  std::ifstream in(out / "metrics.jsonl");
+  std::string line;
+  while (std::getline(in, line))
+    if (!line.empty()) {
+      json j = json::parse(line);
+      if (j.contains("loss")) v.push_back(j);
+    }
+  return v;
+}
+
+std::vector<std::string> event_kinds(const fs::path& out) {
+  std::vector<std::string> kinds;
+  for (const auto& r : rows(out))
+    for (const auto& e : r["events"]) kinds.push_back(e["kind"].get<std::string>());
+  return kinds;
+}
+
+void expect_same_run(const fs::path& a, const fs::path& b, double tol) {
+  auto ra = rows(a), rb = rows(b);
+  ASSERT_EQ(ra.size(), rb.size());
+  for (size_t i = 0; i < ra.size(); ++i) {
+    EXPECT_NEAR(ra[i]["loss"].get<double>(), rb[i]["loss"].get<double>(), tol) << "step " << i;
+    EXPECT_EQ(ra[i]["tokens"], rb[i]["tokens"]) << "step " << i << ": not the same samples";
+  }
+  models::SafetensorsFile fa(a / "adapter/adapter_model.safetensors"), fb(b / "adapter/adapter_model.safetensors");
+  ASSERT_EQ(fa.names().size(), fb.names().size());
+  for (const auto& n : fa.names())
+    EXPECT_LE((fa.load(n) - fb.load(n)).abs().max().item<double>(), tol) << n;
+}
+
+class InjectedOom : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(InjectedOom, RunCompletesAndEqualsTheSmallerMicroBatchFromTheStart) {
+  fs::path d = temp_dir();
+  TrainRun ref = train(d / "ref", "training.per_device_train_batch_size=2 training.gradient_accumulation_steps=4");
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  TrainRun oom = train(d / "oom", "memory.inject_oom=0:" + GetParam() + " memory.grow_after_steps=1000");
+  ASSERT_EQ(oom.exit_code, 0) << oom.output;
+  auto kinds = event_kinds(oom.out);
+  ASSERT_GE(kinds.size(), 2u) << oom.output;
+  EXPECT_EQ(kinds[0], "oom");
+  EXPECT_EQ(kinds[1], "shrink");
+  EXPECT_EQ(rows(oom.out).front()["micro_batch"], 2);
+  expect_same_run(oom.out, ref.out, 1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(Phases, InjectedOom, ::testing::Values("forward", "backward", "optimizer"));
+
+TEST(Supervisor, GrowsBackAndUndoesAFailedGrow) {
+  // A roomy budget so steps count as headroom; OOM at step 0 shrinks 4 -> 2; after 2 good
+  // steps it grows to 4; an OOM injected at that step sends it back to 2, waiting longer.
+  TrainRun r = train(temp_dir(), "memory.device_limit=8GiB memory.inject_oom=0:forward,3:forward memory.grow_after_steps=2 "
+                            "memory.grow_threshold=0.9");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto kinds = event_kinds(r.out);
+  std::vector<std::string> want = {"oom", "shrink", "grow", "oom", "grow_failed"};
+  ASSERT_GE(kinds.size(), want.size()) << r.output;
+  EXPECT_EQ(std::vector<std::string>(kinds.begin(), kinds.begin() + 5), want) << r.output;
+}
+
+TEST(Supervisor, RealBudgetSettlesOnAMicroBatchThatFitsWithTheSameLosses) {
+  fs::path d = temp_dir();
+  const std::string shape = "training.per_device_train_batch_size=16 training.gradient_accumulation_steps=1 "
+                            "data.max_seq_length=256 training.max_steps=3";
+  TrainRun ref = train(d / "ref", shape + " training.per_device_train_batch_size=1 training.gradient_accumulation_steps=16");
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  // The budget: the micro-batch-1 run's peak plus a little; 16 rows at once cannot fit.
+  int64_t peak1 = 0;
+  for (const auto& r : rows(ref.out)) peak1 = std::max<int64_t>(peak1, r["memory"]["cpu"]["peak"].get<int64_t>());
+  ASSERT_GT(peak1, 0);
+  const int64_t limit = peak1 + peak1 / 4;
+  TrainRun fit = train(d / "fit", shape + " memory.device_limit=" + std::to_string(limit) + " memory.grow_after_steps=1000");
+  ASSERT_EQ(fit.exit_code, 0) << fit.output;
+  auto r = rows(fit.out);
+  EXPECT_LT(r.back()["micro_batch"].get<int64_t>(), 16);
+  for (const auto& row : r) EXPECT_LE(row["memory"]["cpu"]["peak"].get<int64_t>(), limit);
+  expect_same_run(fit.out, ref.out, 1e-5);
+}
+
+TEST(Supervisor, TooSmallForMicroBatchOneStopsWithAReportAndKeepsTheCheckpoint) {
+  fs::path d = temp_dir();
+  const std::string shape = "data.max_seq_length=256 training.per_device_train_batch_size=1 "
+                            "training.gradient_accumulation_steps=4 training.gradient_checkpointing=true";
+  TrainRun first = train(d, shape + " training.max_steps=2");
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  // Between what stays allocated across steps (weights, optimizer) and one row's peak with
+  // every layer checkpointed: the model fits, no micro-batch does.
+  auto last = rows(first.out).back()["memory"]["cpu"];
+  const int64_t base = last["allocated"].get<int64_t>(), peak = last["peak"].get<int64_t>();
+  ASSERT_GT(peak, base);
+  auto r = run(memtune_bin() + " train " + (d / "config.yaml.in").string() + " " + shape +
+               " training.max_steps=4 training.resume_from_checkpoint=latest memory.device_limit=" +
+               std::to_string(base + (peak - base) / 4));
+  EXPECT_EQ(r.exit_code, 3) << r.output;
+  EXPECT_NE(r.output.find("What was tried"), std::string::npos) << r.output;
+  fs::path ck = trainer::latest_checkpoint(first.out);
+  ASSERT_FALSE(ck.empty());
+  EXPECT_NO_THROW(trainer::load_training_checkpoint(ck));
+}
+
+}  // namespace
+}  // namespace memtune::testing

@@ -1,0 +1,80 @@
+#include "tools/cli.h"
+
+#include <iostream>
+
+#include <ATen/Context.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <CLI/CLI.hpp>
+#include <spdlog/spdlog.h>
+
+#include "runtime/compat.h"
+#include "runtime/error.h"
+#include "runtime/log.h"
+#include "runtime/supervisor.h"
+#include "runtime/threads.h"
+#include "tools/commands.h"
+
+#ifndef MEMTUNE_VERSION
+#define MEMTUNE_VERSION "dev"
+#endif
+
+namespace memtune::cli {
+
+int g_exit_code = 0;
+
+namespace {
+
+std::string version_text() {
+  std::string cuda = "no";
+  if (at::hasCUDA()) cuda = "yes, " + std::to_string(at::detail::getCUDAHooks().getNumGPUs()) + " device(s)";
+#ifdef MEMTUNE_CUDA
+  std::string built = "built with CUDA";
+#else
+  std::string built = "built without CUDA";
+#endif
+  return std::string("memtune ") + MEMTUNE_VERSION + "\nLibTorch " + compat::torch_version() + " (" + built +
+         ")\nCUDA available: " + cuda + "\n";
+}
+
+}  // namespace
+
+int memtune_main(int argc, char** argv) {
+  reexec_with_passive_omp_wait(argv);
+  init_logging({});
+  CLI::App app{"memtune: fine-tune transformer language models on the memory you have"};
+  app.require_subcommand(0, 1);
+  bool version = false;
+  app.add_flag("--version", version, "print memtune's version, LibTorch's and the CUDA devices");
+  add_train_command(app);
+  add_model_commands(app);
+  add_mem_command(app);
+  add_tokenize_command(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const MemoryExhausted& e) {
+    spdlog::error("{}", e.what());
+    return 3;
+  } catch (const UserError& e) {
+    spdlog::error("{}", e.what());
+    return 2;
+  } catch (const c10::Error& e) {
+    spdlog::error("{}", e.what_without_backtrace());
+    return 1;
+  } catch (const std::exception& e) {
+    spdlog::error("{}", e.what());
+    return 1;
+  }
+  if (version) {
+    std::cout << version_text();
+    return 0;
+  }
+  if (app.get_subcommands().empty()) {
+    std::cout << app.help();
+    return 0;
+  }
+  return g_exit_code;
+}
+
+}  // namespace memtune::cli

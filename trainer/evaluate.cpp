@@ -1,0 +1,34 @@
+#include "trainer/evaluate.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include <ATen/ATen.h>
+
+#include "data/batch.h"
+#include "data/dataset.h"
+#include "models/causal_lm.h"
+
+namespace memtune::trainer {
+
+EvalResult evaluate(models::CausalLM& model, const data::Dataset& dataset, int64_t micro_batch, int64_t max_rows) {
+  at::NoGradGuard no_grad;
+  const int64_t n = max_rows < 0 ? dataset.size() : std::min(max_rows, dataset.size());
+  const int32_t pad = 0;
+  double sum = 0;
+  EvalResult r;
+  models::ForwardOptions opts;
+  for (int64_t i = 0; i < n; i += micro_batch) {
+    std::vector<data::Sample> samples;
+    for (int64_t j = i; j < std::min(n, i + micro_batch); ++j) samples.push_back(dataset.sample(j));
+    data::Batch b = data::collate(samples, 8, pad);
+    models::ForwardOutput out = model.forward(b, opts);
+    sum += out.loss_sum.item<double>();
+    r.tokens += out.target_tokens;
+  }
+  r.loss = r.tokens > 0 ? sum / static_cast<double>(r.tokens) : 0.0;
+  r.perplexity = std::exp(r.loss);
+  return r;
+}
+
+}  // namespace memtune::trainer

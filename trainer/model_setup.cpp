@@ -1,0 +1,176 @@
+#include "trainer/model_setup.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+
+#include "data/tokenizer.h"
+#include "models/hf_model.h"
+#include "models/registry.h"
+#include "runtime/error.h"
+#include "runtime/nf4.h"
+#include "runtime/units.h"
+
+namespace memtune::trainer {
+
+namespace fs = std::filesystem;
+
+c10::Device resolve_device(const std::string& spec) {
+  if (spec == "auto") return at::hasCUDA() ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU);
+  c10::Device d = [&] {
+    try {
+      return c10::Device(spec);
+    } catch (const std::exception&) {
+      fail("runtime.device: '", spec, "' is not a device (auto, cpu, cuda, cuda:N)");
+    }
+  }();
+  MEMTUNE_CHECK(d.is_cpu() || (d.is_cuda() && at::hasCUDA()), "runtime.device: '", spec,
+                "' is not available here (no CUDA device); use cpu or auto");
+  return d;
+}
+
+namespace {
+
+at::ScalarType dtype_from_name(const std::string& name) {
+  if (name == "float16") return at::kHalf;
+  if (name == "bfloat16") return at::kBFloat16;
+  return at::kFloat;
+}
+
+bool cuda_has_bf16() {
+#ifdef MEMTUNE_CUDA
+  return at::hasCUDA();  // refined by the CUDA build (compute capability >= 8.0)
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+at::ScalarType resolve_compute_dtype(const Config& c, const c10::Device& device, std::string* note) {
+  std::string asked = c.model.quantization_config.bnb_4bit_compute_dtype;
+  if (c.training.fp16) asked = "float16";
+  if (c.training.bf16) asked = "bfloat16";
+  if (asked == "auto") {
+    if (device.is_cuda()) {
+      *note = cuda_has_bf16() ? "compute dtype bfloat16 (auto: this GPU has bf16)"
+                              : "compute dtype float16 (auto: this GPU has no bf16)";
+      return cuda_has_bf16() ? at::kBFloat16 : at::kHalf;
+    }
+    *note = "compute dtype float32 (auto: this CPU has no native bf16/fp16 matmul; bf16 runs about 30x slower "
+            "than fp32 here)";
+    return at::kFloat;
+  }
+  at::ScalarType t = dtype_from_name(asked);
+  if (device.is_cpu() && t == at::kHalf) {
+    // LibTorch's CPU kernels have no fp16 matmul: the matmuls run in fp32, and fp16's
+    // dynamic loss scaling still runs, so the run behaves as it would on a GPU.
+    *note = "compute dtype float32: fp16 was asked for, but CPUs have no fp16 matmul; loss scaling stays on";
+    return at::kFloat;
+  }
+  if (device.is_cpu() && t == at::kBFloat16)
+    *note = "compute dtype bfloat16 as asked; warning: this CPU has no native bf16, matmuls run about 30x slower "
+            "than fp32 (use bnb_4bit_compute_dtype: auto)";
+  else
+    *note = "compute dtype " + asked;
+  return t;
+}
+
+std::unique_ptr<models::CausalLM> load_base_model(const ModelConfig& m) {
+  const auto& q = m.quantization_config;
+  fs::path dir(m.name_or_path);
+  if (fs::is_directory(dir)) {
+    models::LoadOptions o;
+    o.load_in_4bit = q.load_in_4bit;
+    o.blocksize = q.blocksize;
+    o.double_quant = q.bnb_4bit_use_double_quant;
+    return models::load_hf_model(dir, o);
+  }
+  std::optional<models::ModelSpec> spec = models::preset(m.name_or_path);
+  if (!spec) {
+    std::string names;
+    for (const auto& n : models::preset_names()) names += (names.empty() ? "" : ", ") + n;
+    fail("model.name_or_path: '", m.name_or_path, "' is neither a directory with config.json nor a preset (",
+         names, ")");
+  }
+  if (!m.architecture.empty()) spec->architecture = m.architecture;
+  auto model = models::init_random_model(*spec, m.init_seed);
+  if (q.load_in_4bit)
+    for (models::Linear* l : model->linears()) l->quantize(q.blocksize, q.bnb_4bit_use_double_quant);
+  return model;
+}
+
+models::LoraOptions lora_options(const LoraConfig& l) {
+  models::LoraOptions o;
+  o.r = l.r;
+  o.alpha = l.lora_alpha;
+  o.dropout = l.lora_dropout;
+  o.use_rslora = l.use_rslora;
+  o.init = l.init_lora_weights;
+  return o;
+}
+
+models::LoraTargets lora_targets(const LoraConfig& l) {
+  models::LoraTargets t;
+  t.target_modules = l.target_modules;
+  t.exclude_modules = l.exclude_modules;
+  t.layers_to_transform = l.layers_to_transform;
+  return t;
+}
+
+ModelBundle setup_model(const Config& c, const fs::path& adapter_dir) {
+  ModelBundle b;
+  b.device = resolve_device(c.runtime.device);
+  std::string note;
+  b.compute_dtype = resolve_compute_dtype(c, b.device, &note);
+  b.notes.push_back(note);
+
+  b.model = load_base_model(c.model);
+  models::CausalLM& model = *b.model;
+  model.set_compute_dtype(b.compute_dtype);
+
+  // Adapters are drawn from the training seed, so a run is reproducible end to end.
+  at::manual_seed(c.training.seed);
+  if (!adapter_dir.empty()) {
+    models::LoraSummary s = models::load_adapter(model, adapter_dir);
+    b.adapter = models::read_adapter_config(adapter_dir);
+    b.notes.push_back("adapter " + adapter_dir.string() + ": " + s.describe());
+  } else if (c.training.finetune == "lora") {
+    models::LoraSummary s = models::apply_lora(model, lora_options(c.lora), lora_targets(c.lora));
+    b.adapter.lora = lora_options(c.lora);
+    b.adapter.targets = lora_targets(c.lora);
+    b.adapter.base_model_name_or_path = c.model.name_or_path;
+    b.adapter.fan_in_fan_out = model.spec().is_gpt2() || c.lora.fan_in_fan_out;
+    b.notes.push_back("LoRA on " + std::to_string(s.modules.size()) + " projections: " + s.describe());
+  } else {
+    int64_t n = models::make_all_trainable(model);
+    b.notes.push_back("full fine-tune: " + std::to_string(n) + " trainable parameters");
+  }
+
+  int64_t nf4 = 0, nf4_bytes = 0;
+  for (models::Linear* l : model.linears())
+    if (l->quantized()) {
+      nf4 += l->qweight()->numel();
+      nf4_bytes += l->qweight()->storage_bytes();
+    }
+  if (nf4 > 0)
+    b.notes.push_back(str_cat("NF4 base: ", nf4, " parameters in ", format_bytes(nf4_bytes), " (",
+                              static_cast<double>(nf4_bytes) * 8.0 / static_cast<double>(nf4),
+                              " bits per parameter)"));
+  b.notes.push_back("base weights: " + format_bytes(model.base_storage_bytes()));
+
+  fs::path tok = !c.model.tokenizer.empty() ? fs::path(c.model.tokenizer) : fs::path(c.model.name_or_path);
+  if (fs::exists(tok) && (fs::is_regular_file(tok) || fs::exists(tok / "tokenizer.json") ||
+                          fs::exists(tok / "tokenizer.model"))) {
+    b.tokenizer = data::Tokenizer::load(tok);
+    b.tokenizer_path = tok;
+    MEMTUNE_CHECK(b.tokenizer->vocab_size() <= model.spec().vocab_size, "model.tokenizer: ", tok.string(),
+                  " has ", b.tokenizer->vocab_size(), " ids but the model's vocab_size is ",
+                  model.spec().vocab_size);
+  } else {
+    MEMTUNE_CHECK(c.model.tokenizer.empty(), "model.tokenizer: '", c.model.tokenizer,
+                  "' has no tokenizer.json or tokenizer.model");
+  }
+  return b;
+}
+
+}  // namespace memtune::trainer

@@ -1,0 +1,52 @@
+#pragma once
+// From the config's model/lora sections to a ready model: a Hugging Face directory or a
+// preset, NF4 projections when asked, LoRA adapters or all weights trainable, the compute
+// dtype chosen for this machine (and said in the log).
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "models/causal_lm.h"
+#include "models/lora.h"
+#include "models/peft.h"
+#include "trainer/config.h"
+
+namespace memtune::data {
+class Tokenizer;
+}
+
+namespace memtune::trainer {
+
+struct ModelBundle {
+  std::unique_ptr<models::CausalLM> model;
+  std::unique_ptr<data::Tokenizer> tokenizer;  // null when the model has none
+  std::filesystem::path tokenizer_path;
+  c10::Device device = c10::kCPU;
+  at::ScalarType compute_dtype = at::kFloat;
+  models::AdapterConfig adapter;               // what the adapter will be saved as (LoRA runs)
+  std::vector<std::string> notes;              // decisions to log (dtype, device, sizes)
+};
+
+// The device runtime.device names (auto: the first CUDA device when present, else CPU).
+c10::Device resolve_device(const std::string& spec);
+
+// The dtype of the base matmuls: bnb_4bit_compute_dtype / fp16 / bf16, with auto resolved
+// for the device (bf16 on GPUs that have it, fp16 on older GPUs, fp32 on CPUs without native
+// bf16). `note` receives why, and a warning when an explicit choice will be slow.
+at::ScalarType resolve_compute_dtype(const Config& config, const c10::Device& device, std::string* note);
+
+// The model's structure and weights, without adapters: a Hugging Face directory (loaded
+// tensor by tensor, quantized as it arrives) or a preset (random weights from init_seed).
+std::unique_ptr<models::CausalLM> load_base_model(const ModelConfig& config);
+
+// The base model, quantized as configured, with LoRA (or everything trainable), and its
+// tokenizer. `adapter_dir` (optional) loads an existing PEFT adapter instead of new LoRA.
+ModelBundle setup_model(const Config& config, const std::filesystem::path& adapter_dir = {});
+
+models::LoraOptions lora_options(const LoraConfig& lora);
+models::LoraTargets lora_targets(const LoraConfig& lora);
+
+}  // namespace memtune::trainer

@@ -1,0 +1,119 @@
+#include "trainer/optimizer.h"
+
+#include <cmath>
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include "runtime/error.h"
+
+namespace memtune::trainer {
+
+bool decays(const std::string& name, const at::Tensor& t) {
+  if (t.dim() < 2) return false;  // biases and norm weights
+  return name.find("norm") == std::string::npos && name.find("ln_") == std::string::npos;
+}
+
+Optimizer::Optimizer(std::vector<std::pair<std::string, at::Tensor>> params, OptimizerOptions options)
+    : options_(std::move(options)), params_(std::move(params)) {
+  MEMTUNE_CHECK(options_.kind == "adamw" || options_.kind == "sgd", "training.optim: unknown optimizer '",
+                options_.kind, "' (adamw_torch, adamw, sgd)");
+  int64_t largest = 0;
+  for (const auto& [name, p] : params_) {
+    TORCH_CHECK(p.scalar_type() == at::kFloat, "optimizer: ", name, " must be fp32");
+    exp_avg_.push_back(at::zeros_like(p));
+    if (options_.kind == "adamw") exp_avg_sq_.push_back(at::zeros_like(p));
+    largest = std::max<int64_t>(largest, p.numel());
+  }
+  workspace_ = at::empty({largest}, at::kFloat);
+}
+
+void Optimizer::zero_grad() {
+  for (auto& [name, p] : params_) p.mutable_grad() = at::Tensor();
+}
+
+void Optimizer::step(double lr, double grad_scale) {
+  at::NoGradGuard no_grad;
+  ++steps_;
+  const double b1 = options_.beta1, b2 = options_.beta2;
+  const double bc1 = 1.0 - std::pow(b1, static_cast<double>(steps_));
+  const double bc2 = 1.0 - std::pow(b2, static_cast<double>(steps_));
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto& [name, p] = params_[i];
+    const at::Tensor& g = p.grad();
+    if (!g.defined()) continue;
+    if (grad_scale != 1.0) g.mul_(grad_scale);
+    const double wd = decays(name, p) ? options_.weight_decay : 0.0;
+    if (options_.kind == "adamw") {
+      // torch.optim.AdamW: p *= 1 - lr*wd; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
+      // p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)
+      if (wd != 0) p.mul_(1.0 - lr * wd);
+      exp_avg_[i].mul_(b1).add_(g, 1.0 - b1);
+      exp_avg_sq_[i].mul_(b2).addcmul_(g, g, 1.0 - b2);
+      at::Tensor denom = workspace_.narrow(0, 0, p.numel()).view(p.sizes());
+      at::sqrt_out(denom, exp_avg_sq_[i]);
+      denom.div_(std::sqrt(bc2)).add_(options_.eps);
+      p.addcdiv_(exp_avg_[i], denom, -lr / bc1);
+    } else {
+      // torch.optim.SGD with (L2) weight decay and momentum (dampening 0).
+      if (wd != 0) g.add_(p, wd);
+      if (options_.momentum != 0) {
+        if (steps_ == 1) exp_avg_[i].copy_(g);
+        else exp_avg_[i].mul_(options_.momentum).add_(g);
+        p.add_(exp_avg_[i], -lr);
+      } else {
+        p.add_(g, -lr);
+      }
+    }
+  }
+}
+
+int64_t Optimizer::state_bytes() const {
+  int64_t n = workspace_.numel() * 4;
+  for (const auto& t : exp_avg_) n += t.numel() * 4;
+  for (const auto& t : exp_avg_sq_) n += t.numel() * 4;
+  return n;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> Optimizer::state_tensors() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    out.emplace_back(params_[i].first + ".exp_avg", exp_avg_[i]);
+    if (!exp_avg_sq_.empty()) out.emplace_back(params_[i].first + ".exp_avg_sq", exp_avg_sq_[i]);
+  }
+  return out;
+}
+
+nlohmann::json Optimizer::state_scalars() const {
+  return {{"kind", options_.kind}, {"steps", steps_}, {"params", params_.size()}};
+}
+
+void Optimizer::load_state(const std::map<std::string, at::Tensor>& tensors, const nlohmann::json& scalars) {
+  MEMTUNE_CHECK(scalars.value("kind", std::string()) == options_.kind, "checkpoint optimizer is '",
+                scalars.value("kind", std::string()), "', the config asks for '", options_.kind,
+                "' (training.optim changed since the checkpoint)");
+  at::NoGradGuard no_grad;
+  auto take = [&](const std::string& key, at::Tensor& dst) {
+    auto it = tensors.find(key);
+    MEMTUNE_CHECK(it != tensors.end(), "checkpoint optimizer state lacks '", key,
+                  "' (trainable parameters changed since the checkpoint?)");
+    MEMTUNE_CHECK(it->second.sizes() == dst.sizes(), "checkpoint optimizer state '", key, "' has shape ",
+                  it->second.sizes(), ", expected ", dst.sizes());
+    dst.copy_(it->second);
+  };
+  for (size_t i = 0; i < params_.size(); ++i) {
+    take(params_[i].first + ".exp_avg", exp_avg_[i]);
+    if (!exp_avg_sq_.empty()) take(params_[i].first + ".exp_avg_sq", exp_avg_sq_[i]);
+  }
+  steps_ = scalars.at("steps").get<int64_t>();
+}
+
+double grad_norm(const std::vector<std::pair<std::string, at::Tensor>>& params) {
+  at::NoGradGuard no_grad;
+  double sq = 0;
+  for (const auto& [name, p] : params)
+    if (p.grad().defined()) sq += p.grad().to(at::kDouble).pow(2).sum().item<double>();
+  return std::sqrt(sq);
+}
+
+}  // namespace memtune::trainer

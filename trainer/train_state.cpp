@@ -1,0 +1,98 @@
+#include "trainer/train_state.h"
+
+#include <algorithm>
+#include <fstream>
+#include <sstream>
+
+#include <ATen/ATen.h>
+
+#include "models/io/safetensors.h"
+#include "runtime/atomic_file.h"
+#include "runtime/error.h"
+
+namespace memtune::trainer {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// Complete checkpoints, sorted by step. Temporary directories of interrupted writes are
+// not checkpoints (their names do not parse).
+std::vector<std::pair<int64_t, fs::path>> list_checkpoints(const fs::path& output_dir) {
+  std::vector<std::pair<int64_t, fs::path>> out;
+  fs::path root = output_dir / "checkpoints";
+  if (!fs::is_directory(root)) return out;
+  for (const auto& e : fs::directory_iterator(root)) {
+    const std::string name = e.path().filename().string();
+    if (!e.is_directory() || name.rfind("step-", 0) != 0) continue;
+    const std::string digits = name.substr(5);
+    if (digits.empty() || !std::all_of(digits.begin(), digits.end(), ::isdigit)) continue;
+    if (!fs::exists(e.path() / "state.json")) continue;
+    out.emplace_back(std::stoll(digits), e.path());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::map<std::string, at::Tensor> load_all(const fs::path& file) {
+  std::map<std::string, at::Tensor> out;
+  models::SafetensorsFile f(file);
+  for (const auto& name : f.names()) out[name] = f.load(name);
+  return out;
+}
+
+}  // namespace
+
+fs::path save_training_checkpoint(const fs::path& output_dir, int64_t step, const nlohmann::json& state,
+                                  const std::vector<std::pair<std::string, at::Tensor>>& trainable,
+                                  const std::vector<std::pair<std::string, at::Tensor>>& optimizer,
+                                  const at::Tensor& rng_state, const std::string& config_yaml,
+                                  int save_total_limit) {
+  fs::path root = output_dir / "checkpoints";
+  fs::create_directories(root);
+  remove_stale_temporaries(root);
+  fs::path final_dir = root / ("step-" + std::to_string(step));
+  AtomicDirectory dir(final_dir, /*replace_existing=*/true);
+  std::vector<std::pair<std::string, at::Tensor>> weights;
+  for (const auto& [name, t] : trainable) weights.emplace_back(name, t.detach().to(at::kFloat).contiguous());
+  models::save_safetensors(dir.path() / "trainable.safetensors", weights);
+  models::save_safetensors(dir.path() / "optimizer.safetensors", optimizer);
+  models::save_safetensors(dir.path() / "rng.safetensors", {{"cpu", rng_state.contiguous()}});
+  write_file_atomic(dir.path() / "config.yaml", config_yaml);
+  write_file_atomic(dir.path() / "state.json", state.dump(2) + "\n");
+  dir.commit();
+  if (save_total_limit > 0) {
+    auto all = list_checkpoints(output_dir);
+    for (size_t i = 0; i + static_cast<size_t>(save_total_limit) < all.size(); ++i) fs::remove_all(all[i].second);
+  }
+  return final_dir;
+}
+
+TrainingCheckpoint load_training_checkpoint(const fs::path& dir) {
+  MEMTUNE_CHECK(fs::is_directory(dir), "resume_from_checkpoint: '", dir.string(), "' is not a directory");
+  for (const char* f : {"state.json", "trainable.safetensors", "optimizer.safetensors", "rng.safetensors",
+                        "config.yaml"})
+    MEMTUNE_CHECK(fs::exists(dir / f), dir.string(), ": missing ", f, " (not a memtune training checkpoint?)");
+  TrainingCheckpoint c;
+  std::ifstream in(dir / "state.json");
+  try {
+    c.state = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    fail((dir / "state.json").string(), ": not valid JSON: ", e.what());
+  }
+  c.trainable = load_all(dir / "trainable.safetensors");
+  c.optimizer = load_all(dir / "optimizer.safetensors");
+  c.rng_state = load_all(dir / "rng.safetensors").at("cpu");
+  std::ifstream cy(dir / "config.yaml");
+  std::stringstream ss;
+  ss << cy.rdbuf();
+  c.config_yaml = ss.str();
+  return c;
+}
+
+fs::path latest_checkpoint(const fs::path& output_dir) {
+  auto all = list_checkpoints(output_dir);
+  return all.empty() ? fs::path() : all.back().second;
+}
+
+}  // namespace memtune::trainer

@@ -1,0 +1,499 @@
+#include "trainer/trainer.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <spdlog/spdlog.h>
+
+#include "data/batch.h"
+#include "data/dataset.h"
+#include "data/sampler.h"
+#include "data/tokenizer.h"
+#include "models/hf_model.h"
+#include "models/peft.h"
+#include "runtime/atomic_file.h"
+#include "runtime/cpu_budget_allocator.h"
+#include "runtime/error.h"
+#include "runtime/log.h"
+#include "runtime/memory.h"
+#include "runtime/supervisor.h"
+#include "runtime/threads.h"
+#include "runtime/units.h"
+#include "trainer/accuracy.h"
+#include "trainer/evaluate.h"
+#include "trainer/grad_scaler.h"
+#include "trainer/model_setup.h"
+#include "trainer/optimizer.h"
+#include "trainer/schedule.h"
+#include "trainer/train_state.h"
+
+namespace memtune::trainer {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+std::atomic<int> g_stop_signal{0};
+
+extern "C" void on_stop_signal(int sig) { g_stop_signal.store(sig); }
+
+data::DatasetOptions dataset_options(const DataConfig& d, const fs::path& output_dir) {
+  data::DatasetOptions o;
+  o.format = d.format;
+  o.template_name = d.template_name;
+  o.chat_template = d.chat_template;
+  o.text_field = d.text_field;
+  o.max_seq_length = d.max_seq_length;
+  o.pack_sequences = d.pack_sequences;
+  o.truncation = d.truncation;
+  o.train_on_prompt = d.train_on_prompt;
+  o.skip_invalid = d.skip_invalid;
+  o.add_eos_token = d.add_eos_token;
+  o.cache_dir = d.cache_dir.empty() ? (output_dir / ".cache").string() : d.cache_dir;
+  return o;
+}
+
+// memory.inject_oom: "STEP:PHASE[:RANK],..." with PHASE forward|backward|optimizer. Each
+// point fires once: the retry of the same step runs clean.
+struct OomInjector {
+  struct Point {
+    int64_t step;
+    std::string phase;
+    bool fired = false;
+  };
+  std::vector<Point> points;
+
+  OomInjector(const std::string& spec, int rank) {
+    std::stringstream ss(spec);
+    std::string item;
+    while (std::getline(ss, item, ',')) {
+      if (item.empty()) continue;
+      std::vector<std::string> parts;
+      std::stringstream is(item);
+      std::string p;
+      while (std::getline(is, p, ':')) parts.push_back(p);
+      MEMTUNE_CHECK(parts.size() == 2 || parts.size() == 3, "memory.inject_oom: '", item,
+                    "' is not STEP:PHASE[:RANK]");
+      MEMTUNE_CHECK(parts[1] == "forward" || parts[1] == "backward" || parts[1] == "optimizer",
+                    "memory.inject_oom: phase '", parts[1], "' (forward, backward, optimizer)");
+      if (parts.size() == 3 && std::stoi(parts[2]) != rank) continue;
+      points.push_back({std::stoll(parts[0]), parts[1]});
+    }
+  }
+
+  // Arms the allocator so that the next allocation fails, when (step, phase) is a point.
+  void at(int64_t step, const char* phase) {
+    for (auto& p : points)
+      if (!p.fired && p.step == step && p.phase == phase) {
+        p.fired = true;
+        inject_oom_on_next_alloc();
+      }
+  }
+};
+
+std::string progress_bar(int64_t done, int64_t total) {
+  const int width = 24;
+  int filled = total > 0 ? static_cast<int>(width * done / total) : width;
+  return "[" + std::string(filled, '#') + std::string(width - filled, '.') + "]";
+}
+
+// Keys that change what a checkpoint means: resuming under another value is refused.
+void check_resume_compatible(const Config& now, const Config& then) {
+  auto same = [&](const std::string& key, const std::string& a, const std::string& b) {
+    MEMTUNE_CHECK(a == b, "resume_from_checkpoint: ", key, " changed since the checkpoint ('", b, "' -> '", a,
+                  "'); the checkpoint cannot continue under it (start a new output_dir or restore the key)");
+  };
+  auto join = [](const std::vector<std::string>& v) {
+    std::string s;
+    for (const auto& x : v) s += x + ",";
+    return s;
+  };
+  same("model.name_or_path", now.model.name_or_path, then.model.name_or_path);
+  same("model.quantization_config.load_in_4bit", std::to_string(now.model.quantization_config.load_in_4bit),
+       std::to_string(then.model.quantization_config.load_in_4bit));
+  same("model.quantization_config.blocksize", std::to_string(now.model.quantization_config.blocksize),
+       std::to_string(then.model.quantization_config.blocksize));
+  same("training.finetune", now.training.finetune, then.training.finetune);
+  same("training.optim", now.training.optim, then.training.optim);
+  same("lora.r", std::to_string(now.lora.r), std::to_string(then.lora.r));
+  same("lora.target_modules", join(now.lora.target_modules), join(then.lora.target_modules));
+  same("lora.layers_to_transform", std::to_string(now.lora.layers_to_transform.size()),
+       std::to_string(then.lora.layers_to_transform.size()));
+  same("training.per_device_train_batch_size x gradient_accumulation_steps",
+       std::to_string(now.training.per_device_train_batch_size * now.training.gradient_accumulation_steps),
+       std::to_string(then.training.per_device_train_batch_size * then.training.gradient_accumulation_steps));
+}
+
+std::vector<bool> checkpoint_layers(const CheckpointingConfig& c, int64_t layers) {
+  std::vector<bool> out(static_cast<size_t>(layers), false);
+  for (int64_t i = 0; i < layers; ++i) {
+    if (c.policy == "all") out[i] = true;
+    else if (c.policy == "every_n") out[i] = i % c.n == 0;
+  }
+  if (c.policy == "layers")
+    for (int l : c.layers) {
+      MEMTUNE_CHECK(l >= 0 && l < layers, "training.gradient_checkpointing.layers: layer ", l,
+                    " does not exist (the model has ", layers, " layers)");
+      out[l] = true;
+    }
+  return out;
+}
+
+at::Tensor cpu_rng_state() {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+
+void set_cpu_rng_state(const at::Tensor& s) {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(s);
+}
+
+}  // namespace
+
+TrainResult train(const Config& c) {
+  const fs::path out_dir(c.training.output_dir);
+  fs::create_directories(out_dir);
+  init_logging({c.runtime.log_level, (out_dir / "train.log").string(), -1, true});
+  spdlog::info("memtune train: {}", c.source);
+  spdlog::info("{}", configure_threads(c.runtime.num_threads));
+  const std::string config_yaml = to_yaml(c);
+  write_file_atomic(out_dir / "config.yaml", config_yaml);
+  spdlog::debug("effective config:\n{}", config_yaml);
+  for (const auto& note : compatibility_notes(c)) log_once(note, note);
+
+  // Memory: count every CPU byte from here on; a device_limit emulates a smaller device.
+  install_cpu_budget_allocator();
+  c10::Device device = resolve_device(c.runtime.device);
+  MemoryBackend& mem = memory_backend(device);
+  int64_t limit = 0;
+  if (c.memory.device_limit.is_set()) {
+    limit = c.memory.device_limit.resolve(mem.stats().total);
+    mem.set_limit(limit);
+    spdlog::info("memory: {} limited to {} (memory.device_limit)", mem.device(), format_bytes(limit));
+  }
+
+  ModelBundle bundle = setup_model(c);
+  models::CausalLM& model = *bundle.model;
+  for (const auto& n : bundle.notes) spdlog::info("{}", n);
+  const int64_t load_peak = mem.stats().peak;
+
+  MEMTUNE_CHECK(!c.data.train_file.empty(), "data.train_file: not set (a .jsonl, .bin or .txt file)");
+  const data::DatasetOptions dopts = dataset_options(c.data, out_dir);
+  data::Dataset train_set(c.data.train_file, bundle.tokenizer.get(), dopts);
+  const auto& st = train_set.stats();
+  spdlog::info("data: {} ({} format): {} documents, {} samples, {} target tokens; {} truncated, {} dropped, "
+               "{} invalid skipped{}",
+               c.data.train_file, train_set.format(), st.documents, st.samples, st.target_tokens, st.truncated,
+               st.dropped, st.skipped_invalid, train_set.from_cache() ? " (from cache)" : "");
+  std::unique_ptr<data::Dataset> eval_set;
+  if (!c.data.eval_file.empty()) eval_set = std::make_unique<data::Dataset>(c.data.eval_file, bundle.tokenizer.get(), dopts);
+
+  const int32_t pad_id = bundle.tokenizer && bundle.tokenizer->pad_id ? *bundle.tokenizer->pad_id : 0;
+  const int64_t micro_cfg = c.training.per_device_train_batch_size == TrainingConfig::kAuto
+                                ? 1
+                                : c.training.per_device_train_batch_size;
+  const int64_t samples_per_step = micro_cfg * c.training.gradient_accumulation_steps;
+  data::Sampler sampler(train_set.size(), c.training.seed, c.data.shuffle, 0, 1);
+  const int64_t steps_per_epoch = sampler.steps_per_epoch(samples_per_step);
+  const int64_t total_steps = c.training.max_steps > 0
+                                  ? c.training.max_steps
+                                  : std::max<int64_t>(1, static_cast<int64_t>(std::ceil(c.training.num_train_epochs *
+                                                                                        steps_per_epoch)));
+  Schedule schedule{c.training.lr_scheduler_type, c.training.learning_rate,
+                    c.training.warmup_steps > 0 ? c.training.warmup_steps
+                                                : static_cast<int64_t>(std::ceil(c.training.warmup_ratio * total_steps)),
+                    total_steps};
+  OptimizerOptions oo;
+  oo.kind = c.training.optim == "sgd" ? "sgd" : "adamw";
+  oo.beta1 = c.training.adam_beta1;
+  oo.beta2 = c.training.adam_beta2;
+  oo.eps = c.training.adam_epsilon;
+  oo.weight_decay = c.training.weight_decay;
+  oo.momentum = c.training.momentum;
+  Optimizer optimizer(model.trainable_parameters(), oo);
+  GradScaler scaler(c.training.fp16, c.training.fp16_init_scale, c.training.fp16_growth_interval);
+
+  std::vector<bool> ckpt_layers = checkpoint_layers(c.training.gradient_checkpointing, model.num_layers());
+  SupervisorOptions so;
+  so.enabled = c.memory.supervise;
+  so.samples_per_step = samples_per_step;
+  so.micro_batch = micro_cfg;
+  so.shrink_factor = c.memory.on_oom.shrink_factor;
+  so.max_retries = c.memory.on_oom.max_retries;
+  so.grow_after_steps = c.memory.grow_after_steps;
+  so.grow_threshold = c.memory.grow_threshold;
+  so.warning = c.memory.warning_threshold;
+  so.critical = c.memory.critical_threshold;
+  so.emergency = c.memory.emergency_threshold;
+  Supervisor supervisor(so);
+  if (c.memory.on_oom.checkpoint_more)
+    supervisor.add_ladder_rung("checkpoint more layers", [&]() -> std::string {
+      for (size_t i = 0; i < ckpt_layers.size(); ++i)
+        if (!ckpt_layers[i]) {
+          ckpt_layers[i] = true;
+          return "checkpointing layer " + std::to_string(i);
+        }
+      return "";
+    });
+  supervisor.set_report([&] {
+    return str_cat("memory limit ", limit ? format_bytes(limit) : std::string("none"), ", load peak ",
+                   format_bytes(load_peak), ". Try a smaller data.max_seq_length, load_in_4bit, fewer LoRA targets, "
+                   "or a larger memory.device_limit.");
+  });
+
+  // Resume.
+  int64_t step = 0;
+  std::string resume = c.training.resume_from_checkpoint;
+  if (!resume.empty()) {
+    fs::path dir = resume == "latest" ? latest_checkpoint(out_dir) : fs::path(resume);
+    if (dir.empty()) {
+      spdlog::info("resume_from_checkpoint: latest: no checkpoint under {} yet, starting fresh", out_dir.string());
+    } else {
+      TrainingCheckpoint ck = load_training_checkpoint(dir);
+      check_resume_compatible(c, parse_config(ck.config_yaml, (dir / "config.yaml").string()));
+      at::NoGradGuard no_grad;
+      for (auto& [name, t] : optimizer.params()) {
+        auto it = ck.trainable.find(name);
+        MEMTUNE_CHECK(it != ck.trainable.end(), dir.string(), ": the checkpoint lacks trainable tensor '", name, "'");
+        MEMTUNE_CHECK(it->second.sizes() == t.sizes(), dir.string(), ": '", name, "' has shape ", it->second.sizes(),
+                      ", the model's is ", t.sizes());
+        const_cast<at::Tensor&>(t).copy_(it->second);
+      }
+      optimizer.load_state(ck.optimizer, ck.state.at("optimizer"));
+      data::SamplerState ss;
+      data::from_json(ck.state.at("sampler"), ss);
+      sampler.restore(ss);
+      scaler.load_state(ck.state.at("scaler"));
+      supervisor.load_state(ck.state.at("supervisor"));
+      set_cpu_rng_state(ck.rng_state);
+      step = ck.state.at("step").get<int64_t>();
+      if (ck.state.contains("checkpoint_layers")) ckpt_layers = ck.state["checkpoint_layers"].get<std::vector<bool>>();
+      spdlog::info("resumed from {} at step {}", dir.string(), step);
+    }
+  }
+
+  std::signal(SIGINT, on_stop_signal);
+  std::signal(SIGTERM, on_stop_signal);
+  g_stop_signal.store(0);
+
+  std::ofstream metrics(out_dir / "metrics.jsonl", step > 0 ? std::ios::app : std::ios::trunc);
+  OomInjector injector(c.memory.inject_oom, 0);
+  const bool tty = isatty(STDERR_FILENO);
+  spdlog::info("training: {} steps ({} per epoch), {} samples per step, micro-batch {} x {}, checkpointing {}/{} layers",
+               total_steps, steps_per_epoch, samples_per_step, supervisor.micro_batch(), supervisor.accumulation(),
+               std::count(ckpt_layers.begin(), ckpt_layers.end(), true), ckpt_layers.size());
+
+  const auto params = optimizer.params();
+  TrainResult result;
+  int64_t phase_peak[3] = {0, 0, 0};  // forward, backward, optimizer: over the run
+  int64_t step_peak = 0;              // over the current step
+  auto note_peak = [&](int phase) {
+    const int64_t p = mem.stats().peak;
+    phase_peak[phase] = std::max(phase_peak[phase], p);
+    step_peak = std::max(step_peak, p);
+  };
+  auto save_checkpoint = [&]() {
+    json state = {{"step", step},
+                  {"sampler", sampler.state()},
+                  {"scaler", scaler.state()},
+                  {"supervisor", supervisor.state()},
+                  {"optimizer", optimizer.state_scalars()},
+                  {"checkpoint_layers", ckpt_layers}};
+    fs::path p = save_training_checkpoint(out_dir, step, state, params, optimizer.state_tensors(), cpu_rng_state(),
+                                          config_yaml, c.training.save_total_limit);
+    result.checkpoint = p.string();
+    spdlog::info("checkpoint: {}", p.string());
+    return p;
+  };
+  auto run_eval = [&](const char* when) {
+    if (!eval_set) return;
+    EvalResult r = evaluate(model, *eval_set, c.training.per_device_eval_batch_size);
+    spdlog::info("eval ({}): loss {:.4f}, perplexity {:.2f}, {} tokens", when, r.loss, r.perplexity, r.tokens);
+    metrics << json{{"step", step}, {"eval_loss", r.loss}, {"eval_perplexity", r.perplexity}, {"eval_tokens", r.tokens}}.dump()
+            << "\n";
+    metrics.flush();
+  };
+
+  auto run_accuracy = [&](const char* when) {
+    if (c.training.eval_accuracy_rows <= 0 || c.data.eval_file.empty() || !bundle.tokenizer) return;
+    AccuracyResult a = instruction_accuracy(model, *bundle.tokenizer, c.data.template_name, c.data.eval_file,
+                                            c.training.eval_accuracy_rows);
+    spdlog::info("accuracy ({}): {}", when, a.describe());
+    metrics << json{{"step", step}, {"accuracy", a.share()}, {"accuracy_rows", a.total}}.dump() << "\n";
+    metrics.flush();
+  };
+  if (step == 0) run_accuracy("before training");
+
+  const auto t_start = std::chrono::steady_clock::now();
+  int64_t tokens_done = 0, steps_this_run = 0;
+  while (step < total_steps) {
+    const int64_t epoch = sampler.epoch();
+    std::vector<int64_t> indices = sampler.next(samples_per_step);
+    std::vector<data::Sample> samples;
+    samples.reserve(indices.size());
+    int64_t step_tokens = 0;
+    for (int64_t i : indices) {
+      samples.push_back(train_set.sample(i));
+      step_tokens += samples.back().target_tokens();
+    }
+    const at::Tensor rng = cpu_rng_state();
+    double loss_sum = 0;
+    double norm = 0;
+    bool found_inf = false;
+    const double lr = schedule.lr(step);
+    const auto t0 = std::chrono::steady_clock::now();
+    mem.reset_peak();
+    step_peak = 0;
+
+    StepStages stages;
+    stages.compute = [&](int64_t micro) {
+      set_cpu_rng_state(rng);  // the same dropout draws on every attempt
+      optimizer.zero_grad();
+      loss_sum = 0;
+      models::ForwardOptions fo;
+      fo.training = true;
+      fo.checkpoint_layers = ckpt_layers;
+      for (size_t i = 0; i < samples.size(); i += static_cast<size_t>(micro)) {
+        std::vector<data::Sample> part(samples.begin() + static_cast<std::ptrdiff_t>(i),
+                                       samples.begin() + static_cast<std::ptrdiff_t>(std::min(samples.size(), i + micro)));
+        data::Batch batch = data::collate(part, 8, pad_id);
+        mem.reset_peak();
+        injector.at(step, "forward");
+        models::ForwardOutput out = model.forward(batch, fo);
+        note_peak(0);
+        // Each micro-batch weighs by its share of the step's target tokens: the update is
+        // that of one big batch, whatever the split.
+        at::Tensor loss = out.loss_sum / static_cast<double>(std::max<int64_t>(1, step_tokens)) * scaler.scale();
+        mem.reset_peak();
+        injector.at(step, "backward");
+        if (loss.requires_grad()) loss.backward();
+        note_peak(1);
+        loss_sum += out.loss_sum.item<double>();
+      }
+    };
+    stages.prepare = [&] {
+      mem.reset_peak();
+      injector.at(step, "optimizer");
+      found_inf = !scaler.unscale(params);
+      norm = found_inf ? NAN : grad_norm(params);
+      note_peak(2);
+    };
+    stages.apply = [&] {
+      if (found_inf) {
+        scaler.update(true);
+        spdlog::warn("step {}: gradients hold inf/nan at loss scale {}; update skipped, scale -> {}", step,
+                     scaler.scale() * 2, scaler.scale());
+        return;
+      }
+      // torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when above.
+      double coef = 1.0;
+      if (c.training.max_grad_norm > 0 && norm > c.training.max_grad_norm) coef = c.training.max_grad_norm / (norm + 1e-6);
+      optimizer.step(lr, coef);
+      scaler.update(false);
+    };
+    stages.cleanup = [&] {
+      optimizer.zero_grad();
+      mem.release_cached();
+    };
+    supervisor.run_step(step, stages);
+    ++step;
+    ++steps_this_run;
+    tokens_done += step_tokens;
+
+    const double step_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const MemoryStats ms = mem.stats();
+    step_peak = std::max(step_peak, ms.peak);
+    supervisor.observe_peak(step, limit > 0 ? static_cast<double>(step_peak) / static_cast<double>(limit) : 0.0,
+                            [&] { mem.release_cached(); },
+                            [&]() -> std::string {
+                              if (std::count(ckpt_layers.begin(), ckpt_layers.end(), false) > 0)
+                                return "gradient_checkpointing on every layer would lower the activation memory";
+                              return "a smaller data.max_seq_length or per_device_train_batch_size would lower it";
+                            });
+    const double loss = loss_sum / static_cast<double>(std::max<int64_t>(1, step_tokens));
+    result.last_loss = loss;
+    json events = json::array();
+    for (const auto& e : supervisor.take_events()) events.push_back(e.to_json());
+    if (found_inf) events.push_back({{"step", step - 1}, {"kind", "skip"}, {"detail", "inf/nan gradients"}});
+    const double tok_s = static_cast<double>(step_tokens) / std::max(1e-9, step_s);
+    if (step % std::max<int64_t>(1, c.training.logging_steps) == 0 || step == total_steps || !events.empty()) {
+      json m = {{"step", step},
+                {"epoch", epoch},
+                {"loss", loss},
+                {"lr", lr},
+                {"grad_norm", std::isfinite(norm) ? json(norm) : json(nullptr)},
+                {"tokens", step_tokens},
+                {"tokens_per_s", tok_s},
+                {"loss_scale", scaler.scale()},
+                {"micro_batch", supervisor.micro_batch()},
+                {"accumulation", supervisor.accumulation()},
+                {"memory", {{mem.device(), {{"allocated", ms.allocated}, {"peak", step_peak}, {"limit", limit}}}}},
+                {"events", events}};
+      metrics << m.dump() << "\n";
+      metrics.flush();
+      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+      const double eta = elapsed / static_cast<double>(steps_this_run) * static_cast<double>(total_steps - step);
+      const std::string line =
+          fmt::format("step {}/{} {} eta {:.0f}s loss {:.4f} lr {:.2e} {:.0f} tok/s mem {} (peak {}) micro {}x{}", step,
+                      total_steps, progress_bar(step, total_steps), eta, loss, lr, tok_s, format_bytes(ms.allocated),
+                      format_bytes(step_peak), supervisor.micro_batch(), supervisor.accumulation());
+      if (tty) {
+        std::fprintf(stderr, "\r%s\033[K", line.c_str());
+        if (step == total_steps) std::fprintf(stderr, "\n");
+      }
+      spdlog::get("memtune")->log(tty ? spdlog::level::debug : spdlog::level::info, "{}", line);
+    }
+    if (c.training.eval_steps > 0 && step % c.training.eval_steps == 0) run_eval("periodic");
+    if (c.training.save_steps > 0 && step % c.training.save_steps == 0 && step < total_steps) save_checkpoint();
+    if (int sig = g_stop_signal.load()) {
+      if (tty) std::fprintf(stderr, "\n");
+      save_checkpoint();
+      spdlog::warn("stopped by signal {} at step {}; resume with training.resume_from_checkpoint=latest", sig, step);
+      result.steps = step;
+      result.exit_code = 128 + sig;
+      return result;
+    }
+  }
+  save_checkpoint();
+  run_eval("final");
+  run_accuracy("after training");
+
+  if (c.training.finetune == "lora") {
+    models::save_adapter(model, bundle.adapter, out_dir / "adapter");
+    spdlog::info("adapter (PEFT format): {}", (out_dir / "adapter").string());
+  } else {
+    models::SaveOptions so2;
+    models::save_hf_model(model, out_dir / "model", so2);
+    spdlog::info("model (Hugging Face format): {}", (out_dir / "model").string());
+  }
+  const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  std::string report = str_cat("memtune memory report (", mem.device(), ")\n", "limit:            ",
+                               limit ? format_bytes(limit) : std::string("none"), "\n", "peak at load:     ",
+                               format_bytes(load_peak), "\n", "peak in forward:  ", format_bytes(phase_peak[0]), "\n",
+                               "peak in backward: ", format_bytes(phase_peak[1]), "\n", "peak in optimizer: ",
+                               format_bytes(phase_peak[2]), "\n", "final micro-batch: ", supervisor.micro_batch(), " x ",
+                               supervisor.accumulation(), "\n", "skipped steps (fp16 overflow): ", scaler.skipped_steps(),
+                               "\n", "events:\n");
+  for (const auto& h : supervisor.history()) report += "  " + h + "\n";
+  write_file_atomic(out_dir / "memory_report.txt", report);
+  spdlog::info("done: {} steps, last loss {:.4f}, {:.0f} tokens/s, peak memory {}", step, result.last_loss,
+               static_cast<double>(tokens_done) / std::max(1e-9, elapsed),
+               format_bytes(std::max({phase_peak[0], phase_peak[1], phase_peak[2], load_peak})));
+  result.steps = step;
+  return result;
+}
+
+}  // namespace memtune::trainer

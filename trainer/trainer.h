@@ -1,0 +1,22 @@
+#pragma once
+// The training loop: `memtune train CONFIG`. An explicit loop, not a base class of hooks:
+// each step owns the samples the sampler gives it and runs them under the memory supervisor.
+#include <cstdint>
+#include <string>
+
+#include "trainer/config.h"
+
+namespace memtune::trainer {
+
+struct TrainResult {
+  int64_t steps = 0;            // optimizer steps completed (including resumed ones)
+  double last_loss = 0;         // mean token loss of the last step
+  int exit_code = 0;            // 0, or 128+signal when stopped by SIGINT/SIGTERM after a checkpoint
+  std::string checkpoint;       // the last checkpoint written
+};
+
+// Runs the configured training to the end, or until SIGINT/SIGTERM (then it checkpoints and
+// returns). Throws UserError on bad input and MemoryExhausted when nothing fits.
+TrainResult train(const Config& config);
+
+}  // namespace memtune::trainer
