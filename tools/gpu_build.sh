@@ -204,7 +204,8 @@ main() {
   grep -E '^-- memtune:' "$ROOT.configure.log" || true
 
   phase "build every target"
-  in_root bash -c "CCACHE_BASEDIR=/src/memtune cmake --build $GPU_BUILD_DIR -j $JOBS"
+  # -k 0: on an error, build the rest anyway, so one run lists every breakage.
+  in_root bash -c "CCACHE_BASEDIR=/src/memtune cmake --build $GPU_BUILD_DIR -j $JOBS -- -k 0"
 
   if [ -n "$GPU_CTEST_ARGS" ]; then
     phase "ctest $GPU_CTEST_ARGS on the CPU"
