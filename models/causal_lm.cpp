@@ -1,6 +1,7 @@
 #include "models/causal_lm.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
 
 #include "data/batch.h"

@@ -17,6 +17,9 @@
 // at::scaled_dot_product_attention arrived in 2.0.
 #define MEMTUNE_HAS_SDPA MEMTUNE_TORCH_AT_LEAST(2, 0)
 
+// Headers: <ATen/ATen.h> brings <ATen/core/grad_mode.h> (at::NoGradGuard, at::AutoGradMode)
+// in 1.13 only; a file using them includes it itself.
+
 // c10::Allocator gained a pure virtual copy_data() in 2.3; allocators declare it through
 // this macro so the same class compiles on both.
 #if MEMTUNE_TORCH_AT_LEAST(2, 3)

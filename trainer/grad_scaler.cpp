@@ -1,6 +1,7 @@
 #include "trainer/grad_scaler.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <nlohmann/json.hpp>
 
 namespace memtune::trainer {

@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <spdlog/spdlog.h>
 

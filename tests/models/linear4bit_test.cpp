@@ -90,7 +90,8 @@ TEST(Linear4bit, ComputeDtypeAndErrors) {
 // Counts live bytes of every CPU allocation while installed.
 class CountingAllocator final : public c10::Allocator {
  public:
-  c10::DataPtr allocate(size_t n) const override {
+  MEMTUNE_ALLOCATOR_ALLOCATE(allocate_counted)  // allocate() is const only in 1.13 (compat.h)
+  static c10::DataPtr allocate_counted(size_t n) {
     void* p = nullptr;
     if (posix_memalign(&p, 64, std::max<size_t>(n, 1)) != 0) throw std::bad_alloc();
     {
