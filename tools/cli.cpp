@@ -3,11 +3,11 @@
 #include <iostream>
 
 #include <ATen/Context.h>
-#include <ATen/detail/CUDAHooksInterface.h>
 #include <CLI/CLI.hpp>
 #include <spdlog/spdlog.h>
 
 #include "runtime/compat.h"
+#include "runtime/cuda_info.h"
 #include "runtime/error.h"
 #include "runtime/log.h"
 #include "runtime/supervisor.h"
@@ -25,15 +25,8 @@ int g_exit_code = 0;
 namespace {
 
 std::string version_text() {
-  std::string cuda = "no";
-  if (at::hasCUDA()) cuda = "yes, " + std::to_string(at::detail::getCUDAHooks().getNumGPUs()) + " device(s)";
-#ifdef MEMTUNE_CUDA
-  std::string built = "built with CUDA";
-#else
-  std::string built = "built without CUDA";
-#endif
-  return std::string("memtune ") + MEMTUNE_VERSION + "\nLibTorch " + compat::torch_version() + " (" + built +
-         ")\nCUDA available: " + cuda + "\n";
+  return std::string("memtune ") + MEMTUNE_VERSION + "\nLibTorch " + compat::torch_version() + "\n" +
+         describe(cuda_info()) + "\n";
 }
 
 }  // namespace
