@@ -213,6 +213,23 @@ ModelSpec llama_like(int64_t vocab, int64_t hidden, int64_t inter, int64_t layer
   return s;
 }
 
+// GPT-2 family: 4x MLP, tied head, learned positions.
+ModelSpec gpt2_like(int64_t vocab, int64_t hidden, int64_t layers, int64_t heads, int64_t max_pos) {
+  ModelSpec s;
+  s.architecture = "GPT2LMHeadModel";
+  s.model_type = "gpt2";
+  s.vocab_size = vocab;
+  s.hidden_size = hidden;
+  s.intermediate_size = 4 * hidden;
+  s.num_layers = layers;
+  s.num_heads = heads;
+  s.num_kv_heads = heads;
+  s.head_dim = hidden / heads;
+  s.max_position_embeddings = max_pos;
+  s.tie_word_embeddings = true;
+  return s;
+}
+
 }  // namespace
 
 std::optional<ModelSpec> preset(const std::string& name) {
@@ -224,18 +241,7 @@ std::optional<ModelSpec> preset(const std::string& name) {
     return s;
   }
   if (name == "tiny-gpt2") {
-    ModelSpec s;
-    s.architecture = "GPT2LMHeadModel";
-    s.model_type = "gpt2";
-    s.vocab_size = 1024;
-    s.hidden_size = 128;
-    s.intermediate_size = 512;
-    s.num_layers = 4;
-    s.num_heads = 4;
-    s.num_kv_heads = 4;
-    s.head_dim = 32;
-    s.max_position_embeddings = 1024;
-    s.tie_word_embeddings = true;
+    ModelSpec s = gpt2_like(1024, 128, 4, 4, 1024);
     s.bos_token_id = 1019;  // examples/tiny-tokenizer: <|begin_of_text|>
     s.eos_token_id = 1020;  // <|end_of_text|>
     return s;
@@ -276,18 +282,7 @@ std::optional<ModelSpec> preset(const std::string& name) {
     return s;
   }
   if (name == "gpt2") {
-    ModelSpec s;
-    s.architecture = "GPT2LMHeadModel";
-    s.model_type = "gpt2";
-    s.vocab_size = 50257;
-    s.hidden_size = 768;
-    s.intermediate_size = 3072;
-    s.num_layers = 12;
-    s.num_heads = 12;
-    s.num_kv_heads = 12;
-    s.head_dim = 64;
-    s.max_position_embeddings = 1024;
-    s.tie_word_embeddings = true;
+    ModelSpec s = gpt2_like(50257, 768, 12, 12, 1024);
     s.bos_token_id = 50256;
     s.eos_token_id = 50256;
     return s;

@@ -70,3 +70,19 @@ void write_file(const fs::path& path, const std::string& text) {
 bool cuda_available() { return at::hasCUDA(); }
 
 }  // namespace memtune::testing
+
+namespace memtune::testing {
+
+std::vector<nlohmann::json> read_jsonl(const fs::path& path, const std::string& key) {
+  std::vector<nlohmann::json> rows;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    nlohmann::json j = nlohmann::json::parse(line);
+    if (key.empty() || j.contains(key)) rows.push_back(std::move(j));
+  }
+  return rows;
+}
+
+}  // namespace memtune::testing

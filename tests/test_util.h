@@ -40,3 +40,11 @@ void write_file(const fs::path& path, const std::string& text);
 namespace memtune::testing {
 bool cuda_available();
 }
+
+#include <nlohmann/json.hpp>
+
+namespace memtune::testing {
+// The JSON objects of a .jsonl file (metrics.jsonl), in order; rows lacking `key` are
+// skipped when a key is given.
+std::vector<nlohmann::json> read_jsonl(const fs::path& path, const std::string& key = "");
+}  // namespace memtune::testing

@@ -122,7 +122,19 @@ int64_t auto_micro_batch(const Config& c, const EstimateInput& in, int64_t budge
 
 void check_fits(const Config& c, const models::ModelSpec& spec, int64_t budget) {
   const EstimateInput best = with_every_saving(estimate_input(c, spec, 1));
-  const int64_t peak = estimate_peak(best);
+  int64_t peak = estimate_peak(best);
+  // With offloading allowed (LoRA on a frozen base; device_map or the supervisor's ladder),
+  // every decoder layer can leave the device but the one running: the layers' share of the
+  // weights is not needed at once.
+  const bool can_offload = best.finetune == "lora" && (c.memory.on_oom.offload_layers || !c.model.device_map.entries.empty());
+  if (can_offload && best.num_layers > 1) {
+    const Estimate e = estimate_memory(best);
+    const int64_t C = best.hidden_size, V = best.vocab_size;
+    const int64_t outside = V * C * best.dense_bytes * (best.tie_word_embeddings ? 1 : 2) +
+                            (best.family == "gpt2" ? best.max_position_embeddings * C * best.dense_bytes : 0);
+    const int64_t layers = std::max<int64_t>(0, e.weights_nf4 + e.weights_dense - outside);
+    peak -= layers - layers / best.num_layers;
+  }
   if (peak <= budget) return;
   std::string would;
   if (!best.load_in_4bit && best.finetune == "lora") {

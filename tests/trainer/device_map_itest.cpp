@@ -15,14 +15,7 @@ namespace {
 
 using nlohmann::json;
 
-std::vector<json> loss_rows(const fs::path& out) {
-  std::vector<json> v;
-  std::ifstream in(out / "metrics.jsonl");
-  std::string line;
-  while (std::getline(in, line))
-    if (!line.empty() && json::parse(line).contains("loss")) v.push_back(json::parse(line));
-  return v;
-}
+std::vector<json> loss_rows(const fs::path& out) { return read_jsonl(out / "metrics.jsonl", "loss"); }
 
 std::string command(const fs::path& out, const std::string& extra) {
   fs::path src = source_dir();

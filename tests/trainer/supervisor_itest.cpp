@@ -52,17 +52,7 @@ TrainRun train(const fs::path& dir, const std::string& overrides, int seq = 64) 
   return {r.exit_code, r.output, dir / "out"};
 }
 
-std::vector<json> rows(const fs::path& out) {
-  std::vector<json> v;
-  std::ifstream in(out / "metrics.jsonl");
-  std::string line;
-  while (std::getline(in, line))
-    if (!line.empty()) {
-      json j = json::parse(line);
-      if (j.contains("loss")) v.push_back(j);
-    }
-  return v;
-}
+std::vector<json> rows(const fs::path& out) { return read_jsonl(out / "metrics.jsonl", "loss"); }
 
 std::vector<std::string> event_kinds(const fs::path& out) {
   std::vector<std::string> kinds;

@@ -60,14 +60,7 @@ TrainRun train(const fs::path& dir, const std::string& overrides = "", const std
   return {r.exit_code, r.output, dir / "out"};
 }
 
-std::vector<json> metrics(const fs::path& out) {
-  std::vector<json> rows;
-  std::ifstream in(out / "metrics.jsonl");
-  std::string line;
-  while (std::getline(in, line))
-    if (!line.empty()) rows.push_back(json::parse(line));
-  return rows;
-}
+std::vector<json> metrics(const fs::path& out) { return read_jsonl(out / "metrics.jsonl"); }
 
 std::vector<double> step_losses(const fs::path& out) {
   std::vector<double> l;
