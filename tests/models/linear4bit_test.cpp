@@ -125,10 +125,12 @@ class CountingAllocator final : public c10::Allocator {
 TEST(Linear4bit, GraphKeepsOnlyQuantizedWeight) {
   static CountingAllocator counting;
   c10::Allocator* previous = c10::GetCPUAllocator();
-  c10::SetCPUAllocator(&counting, /*priority=*/100);
+  // Above the budget allocator's priority (200), which another test in this process may
+  // have installed: a lower priority would be ignored and nothing counted.
+  c10::SetCPUAllocator(&counting, /*priority=*/250);
   struct Restore {
     c10::Allocator* a;
-    ~Restore() { c10::SetCPUAllocator(a, 100); }
+    ~Restore() { c10::SetCPUAllocator(a, 250); }
   } restore{previous};
 
   const int64_t out = 1024, in = 2048, tokens = 16;
@@ -144,6 +146,7 @@ TEST(Linear4bit, GraphKeepsOnlyQuantizedWeight) {
     const int64_t before = CountingAllocator::live();
     at::Tensor y = linear4bit(x, w, at::Tensor(), at::kFloat, path);
     const int64_t after_forward = CountingAllocator::live();
+    ASSERT_GE(after_forward - before, y_bytes) << "allocations are not counted";
     // Alive now: y and a few scalars; no dense W (8 MiB), not even a panel of it.
     EXPECT_LT(after_forward - before, y_bytes + 64 * 1024);
 
