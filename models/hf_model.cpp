@@ -43,11 +43,10 @@ bool ignorable(const std::string& name) {
 }
 
 // GPT-2 checkpoints from the original repository lack the "transformer." prefix.
-std::string find_name(const CheckpointReader& ckpt, const std::string& name, const std::string& stored_prefix) {
+std::string find_name(const CheckpointReader& ckpt, const std::string& name) {
   if (ckpt.contains(name)) return name;
   const std::string prefix = "transformer.";
   if (name.rfind(prefix, 0) == 0 && ckpt.contains(name.substr(prefix.size()))) return name.substr(prefix.size());
-  (void)stored_prefix;
   return "";
 }
 
@@ -70,7 +69,7 @@ std::unique_ptr<CausalLM> load_hf_model(const fs::path& dir, const LoadOptions& 
       for (const auto& k : keys)
         if (k.rfind(slot.name, 0) == 0) used.insert(k);
     } else {
-      std::string stored = find_name(ckpt, slot.name, "");
+      std::string stored = find_name(ckpt, slot.name);
       MEMTUNE_CHECK(!stored.empty(), ckpt.file_of(ckpt.names().front()).parent_path().string(),
                     ": tensor '", slot.name, "' is missing from the checkpoint (architecture ",
                     spec.architecture, ")");

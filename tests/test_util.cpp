@@ -86,3 +86,29 @@ std::vector<nlohmann::json> read_jsonl(const fs::path& path, const std::string& 
 }
 
 }  // namespace memtune::testing
+
+#include <ATen/ATen.h>
+
+#include "models/io/safetensors.h"
+
+namespace memtune::testing {
+
+std::map<std::string, at::Tensor> load_all_tensors(const fs::path& file) {
+  std::map<std::string, at::Tensor> out;
+  models::SafetensorsFile f(file);
+  for (const auto& n : f.names()) out[n] = f.load(n);
+  return out;
+}
+
+void expect_same_tensors(const fs::path& a, const fs::path& b, double tol) {
+  auto ta = load_all_tensors(a), tb = load_all_tensors(b);
+  ASSERT_EQ(ta.size(), tb.size());
+  ASSERT_FALSE(ta.empty());
+  for (const auto& [name, t] : ta) {
+    ASSERT_TRUE(tb.count(name)) << name;
+    double scale = std::max(1.0, t.abs().max().item<double>());
+    EXPECT_LE((t - tb[name]).abs().max().item<double>(), tol * scale) << name;
+  }
+}
+
+}  // namespace memtune::testing

@@ -48,3 +48,14 @@ namespace memtune::testing {
 // skipped when a key is given.
 std::vector<nlohmann::json> read_jsonl(const fs::path& path, const std::string& key = "");
 }  // namespace memtune::testing
+
+#include <map>
+
+#include <ATen/core/Tensor.h>
+
+namespace memtune::testing {
+// Every tensor of a safetensors file, by name.
+std::map<std::string, at::Tensor> load_all_tensors(const fs::path& file);
+// The two files hold the same names, and each tensor agrees to tol x max(1, max |a|).
+void expect_same_tensors(const fs::path& a, const fs::path& b, double tol);
+}  // namespace memtune::testing

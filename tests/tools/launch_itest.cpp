@@ -78,24 +78,6 @@ std::vector<double> step_losses(const fs::path& out) {
   return l;
 }
 
-std::map<std::string, at::Tensor> tensors(const fs::path& file) {
-  std::map<std::string, at::Tensor> out;
-  models::SafetensorsFile f(file);
-  for (const auto& n : f.names()) out[n] = f.load(n);
-  return out;
-}
-
-void expect_same_tensors(const fs::path& a, const fs::path& b, double tol) {
-  auto ta = tensors(a), tb = tensors(b);
-  ASSERT_EQ(ta.size(), tb.size());
-  ASSERT_FALSE(ta.empty());
-  for (const auto& [name, t] : ta) {
-    ASSERT_TRUE(tb.count(name)) << name;
-    double scale = std::max(1.0, t.abs().max().item<double>());
-    EXPECT_LE((t - tb[name]).abs().max().item<double>(), tol * scale) << name;
-  }
-}
-
 void expect_same_losses(const std::vector<double>& a, const std::vector<double>& b, double tol) {
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], tol * std::max(1.0, std::abs(b[i]))) << "step " << i;
