@@ -12,9 +12,20 @@
 namespace memtune {
 
 void reexec_with_passive_omp_wait(char** argv) {
-  if (std::getenv("OMP_WAIT_POLICY") != nullptr) return;
   if (std::getenv("MEMTUNE_NO_REEXEC") != nullptr) return;
-  setenv("OMP_WAIT_POLICY", "passive", 1);
+  bool changed = false;
+  if (std::getenv("OMP_WAIT_POLICY") == nullptr) {
+    setenv("OMP_WAIT_POLICY", "passive", 1);
+    changed = true;
+  }
+  // OpenBLAS's pthreads spin on sched_yield for 2^28 cycles (about 0.1 s) after each call
+  // before they sleep, taking the core from LibTorch's thread that runs the element-wise
+  // work between two matrix products; 2^4 makes them sleep at once. Ignored by other BLAS.
+  if (std::getenv("OPENBLAS_THREAD_TIMEOUT") == nullptr) {
+    setenv("OPENBLAS_THREAD_TIMEOUT", "4", 1);
+    changed = true;
+  }
+  if (!changed) return;
   execv("/proc/self/exe", argv);
   // exec failed (no /proc?): carry on with the slower default rather than stop.
 }
@@ -46,8 +57,10 @@ std::string configure_threads(int requested) {
   }
   at::set_num_threads(n);
   const char* wait = std::getenv("OMP_WAIT_POLICY");
+  const char* blas_timeout = std::getenv("OPENBLAS_THREAD_TIMEOUT");
   return str_cat("threads: ", n, " intra-op (from ", source, "), OpenMP wait policy ",
-                 wait ? wait : "default (spin)");
+                 wait ? wait : "default (spin)", ", OpenBLAS thread timeout 2^",
+                 blas_timeout ? blas_timeout : "28 (default)", " cycles");
 }
 
 }  // namespace memtune

@@ -6,9 +6,12 @@ namespace memtune {
 
 // OpenMP reads OMP_WAIT_POLICY once, when the library loads, so it cannot be changed from
 // main(). With the default spin-wait, LibTorch's OpenMP threads and OpenBLAS's pthreads
-// fight over the cores and a training step runs about 2x slower. When the variable is
-// unset, this sets it to "passive" and re-executes the program (argv unchanged); when it
-// is already set (by the user or by the re-exec), it returns. Call first thing in main().
+// fight over the cores and a training step runs about 2x slower. OpenBLAS reads
+// OPENBLAS_THREAD_TIMEOUT the same way: its threads yield-spin for 2^28 cycles after each
+// product unless told otherwise (10-15 % of a LoRA step measured on 2 cores). When either
+// variable is unset, this sets it (passive, 4) and re-executes the program (argv
+// unchanged); when both are set (by the user or by the re-exec), it returns. Call first
+// thing in main().
 void reexec_with_passive_omp_wait(char** argv);
 
 // Sets LibTorch's intra-op threads: `requested` when > 0, else OMP_NUM_THREADS when set,
