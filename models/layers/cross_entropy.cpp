@@ -27,15 +27,27 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
       const int64_t i1 = std::min(n, i0 + chunk);
       at::Tensor h = h_all.slice(0, i0, i1).to(at::kFloat);  // (n,C)
       at::Tensor t = t_all.slice(0, i0, i1).unsqueeze(1);    // (n,1)
-      at::Tensor logits = at::matmul(h, w.t());              // (n,V) fp32
-      at::Tensor lse = at::logsumexp(logits, 1, true);       // (n,1)
-      total.add_((lse - logits.gather(1, t)).sum());
-      if (correct) *correct += (logits.argmax(1, true) == t).sum().item<int64_t>();
+      at::Tensor e = at::matmul(h, w.t());                   // (n,V) fp32 logits
+      at::Tensor picked = e.gather(1, t);
+      auto [m, first_max] = e.max(1, true);                  // row max and argmax in one pass
+      if (correct) *correct += (first_max == t).sum().item<int64_t>();
+      e.sub_(m).exp_();                                      // exp(logits - max), in place
+      at::Tensor s = e.sum(1, true);
+      total.add_((m + s.log() - picked).sum());              // logsumexp - logit[target]
       if (!grad_hidden && !grad_weight) continue;
-      at::Tensor g = logits.sub_(lse).exp_();                // softmax, in place of the logits
-      g.scatter_add_(1, t, at::full({i1 - i0, 1}, -1.0f, g.options()));
-      if (grad_hidden) dh_rows.slice(0, i0, i1).copy_(at::matmul(g, w));
-      if (grad_weight) dw.addmm_(g.t(), h);
+      // d loss / d logits = e / s - onehot(t). The 1/s goes on the narrow side of each
+      // product (n x C, not n x V) and the one-hot part is a row gather / scatter.
+      at::Tensor inv = s.reciprocal_();
+      at::Tensor t1 = t.squeeze(1);
+      if (grad_hidden) {
+        at::Tensor out = dh_rows.slice(0, i0, i1);
+        at::mm_out(out, e, w);
+        out.mul_(inv).sub_(w.index_select(0, t1));
+      }
+      if (grad_weight) {
+        dw.addmm_(e.t(), h * inv);
+        dw.index_add_(0, t1, h.neg());
+      }
     }
     at::Tensor dh;
     if (grad_hidden) {
