@@ -6,6 +6,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include "models/layers/linear4bit.h"
+#include "models/layers/lora_linear.h"
 #include "runtime/error.h"
 #include "runtime/nf4.h"
 
@@ -24,6 +25,16 @@ Linear::Linear(std::string name, int64_t in_features, int64_t out_features, bool
       has_bias_(has_bias) {}
 
 at::Tensor Linear::forward(const at::Tensor& x, bool training) const {
+  // A LoRA adapter on a frozen base whose product runs in the adapter's dtype: one node
+  // (models/layers/lora_linear.h). Otherwise: the base, then the adapter added.
+  const bool frozen_base = qweight_ || !weight.requires_grad();
+  if (lora && frozen_base && compute_dtype == lora->A.scalar_type() && x.scalar_type() == compute_dtype &&
+      (!bias.defined() || bias.scalar_type() == compute_dtype) &&
+      (qweight_ || weight.scalar_type() == compute_dtype)) {
+    at::Tensor h = training && lora->dropout > 0 ? at::dropout(x, lora->dropout, true) : at::Tensor();
+    FrozenWeight w{qweight_ ? at::Tensor() : (fan_in_fan_out_ ? weight.t() : weight), qweight_};
+    return lora_linear(x, h, w, bias, lora->A, lora->B, lora->scaling);
+  }
   at::Tensor y;
   if (qweight_) {
     y = linear4bit(x.to(compute_dtype), qweight_, bias.defined() ? bias.to(compute_dtype) : bias,

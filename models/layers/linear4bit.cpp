@@ -31,8 +31,10 @@ bool use_panels(const NF4Tensor& q, Nf4MatmulPath path) {
   return path != Nf4MatmulPath::kDequantizeThenMatmul;
 }
 
+}  // namespace
+
 // y [M, out] = x [M, in] @ deq(W)^T
-at::Tensor matmul_wt(const at::Tensor& x, const NF4Tensor& q, at::ScalarType ct, Nf4MatmulPath path) {
+at::Tensor nf4_matmul_wt(const at::Tensor& x, const NF4Tensor& q, at::ScalarType ct, Nf4MatmulPath path) {
   if (!use_panels(q, path)) return at::mm(x, memtune::nf4_dequantize(q, ct).t());
   const int64_t out = q.shape[0], in = q.shape[1], rows = panel_rows(q, ct);
   at::Tensor y = at::empty({x.size(0), out}, x.options());
@@ -48,7 +50,7 @@ at::Tensor matmul_wt(const at::Tensor& x, const NF4Tensor& q, at::ScalarType ct,
 }
 
 // gx [M, in] = g [M, out] @ deq(W)
-at::Tensor matmul_w(const at::Tensor& g, const NF4Tensor& q, at::ScalarType ct, Nf4MatmulPath path) {
+at::Tensor nf4_matmul_w(const at::Tensor& g, const NF4Tensor& q, at::ScalarType ct, Nf4MatmulPath path) {
   if (!use_panels(q, path)) return at::mm(g, memtune::nf4_dequantize(q, ct));
   const int64_t out = q.shape[0], in = q.shape[1], rows = panel_rows(q, ct);
   at::Tensor gx = at::zeros({g.size(0), in}, g.options());
@@ -91,6 +93,8 @@ NF4Tensor load_nf4(AutogradContext* ctx) {
   return q;
 }
 
+namespace {
+
 class Linear4bitFunction : public torch::autograd::Function<Linear4bitFunction> {
  public:
   // x (..., in); bias [out] or undefined. W is no autograd input: it gets no gradient.
@@ -100,7 +104,7 @@ class Linear4bitFunction : public torch::autograd::Function<Linear4bitFunction> 
     const at::Tensor bias = bias_opt.has_value() ? *bias_opt : at::Tensor();
     const int64_t in = w->shape[1], out = w->shape[0];
     at::Tensor x2 = x.reshape({-1, in}).to(ct);
-    at::Tensor y = matmul_wt(x2, *w, ct, path);
+    at::Tensor y = nf4_matmul_wt(x2, *w, ct, path);
     if (bias.defined()) y.add_(bias.to(ct));
     save_nf4(ctx, *w);
     ctx->saved_data["compute_dtype"] = static_cast<int64_t>(ct);
@@ -121,7 +125,7 @@ class Linear4bitFunction : public torch::autograd::Function<Linear4bitFunction> 
     at::Tensor g = grad_outputs[0].reshape({-1, w.shape[0]}).to(ct);
     at::Tensor grad_x, grad_b;
     if (ctx->needs_input_grad(0)) {
-      grad_x = matmul_w(g, w, ct, path)
+      grad_x = nf4_matmul_w(g, w, ct, path)
                    .view(ctx->saved_data["x_sizes"].toIntVector())
                    .to(static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt()));
     }

@@ -8,6 +8,10 @@
 
 #include "runtime/nf4.h"
 
+namespace torch::autograd {
+struct AutogradContext;
+}
+
 namespace memtune::models {
 
 // How the CPU forms x @ deq(W)^T and grad_y @ deq(W).
@@ -16,6 +20,16 @@ enum class Nf4MatmulPath {
   kDequantizeThenMatmul,  // dequantize all of W, one GEMM; a dense W lives during the op
   kPanels,                // dequantize row panels of W into a reused buffer, GEMM per panel
 };
+
+// The two products with a frozen NF4 W [out, in], x and g 2-D in the compute dtype ct:
+// y [M, out] = x [M, in] @ deq(W)^T and gx [M, in] = g [M, out] @ deq(W).
+at::Tensor nf4_matmul_wt(const at::Tensor& x, const NF4Tensor& q, at::ScalarType ct, Nf4MatmulPath path);
+at::Tensor nf4_matmul_w(const at::Tensor& g, const NF4Tensor& q, at::ScalarType ct, Nf4MatmulPath path);
+
+// Keeps W's quantized state (its tensors share storage, nothing is copied) in an autograd
+// node's saved data for its backward, and gets it back there.
+void save_nf4(torch::autograd::AutogradContext* ctx, const NF4Tensor& q);
+NF4Tensor load_nf4(torch::autograd::AutogradContext* ctx);
 
 // x (..., in), bias [out] or undefined -> (..., out) in compute_dtype.
 at::Tensor linear4bit(const at::Tensor& x, const std::shared_ptr<const NF4Tensor>& w, const at::Tensor& bias,

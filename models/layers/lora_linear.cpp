@@ -1,0 +1,96 @@
+#include "models/layers/lora_linear.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "runtime/error.h"
+
+namespace memtune::models {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> {
+ public:
+  // The bias travels as an optional (LibTorch 1.13's apply rejects undefined tensors); a
+  // dense W is an input that needs no gradient, an NF4 W a pointer kept as saved data.
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& A, const at::Tensor& B,
+                            const c10::optional<at::Tensor>& h, const c10::optional<at::Tensor>& bias,
+                            const c10::optional<at::Tensor>& dense, const NF4Tensor* nf4, double scaling,
+                            Nf4MatmulPath path) {
+    const int64_t in = A.size(1), out = B.size(0);
+    at::Tensor x2 = x.reshape({-1, in});
+    at::Tensor h2 = h.has_value() ? h->reshape({-1, in}) : x2;  // the adapter's input
+    at::Tensor y;
+    if (dense.has_value()) {
+      y = bias.has_value() ? at::addmm(*bias, x2, dense->t()) : at::mm(x2, dense->t());
+    } else {
+      y = nf4_matmul_wt(x2, *nf4, x2.scalar_type(), path);
+      if (bias.has_value()) y.add_(*bias);
+    }
+    at::Tensor ha = at::mm(h2, A.t());  // [M, r]
+    y.addmm_(ha, B.t(), /*beta=*/1, /*alpha=*/scaling);
+
+    ctx->save_for_backward({h2, ha, A, B, dense.has_value() ? *dense : at::Tensor()});
+    if (nf4) save_nf4(ctx, *nf4);
+    ctx->saved_data["scaling"] = scaling;
+    ctx->saved_data["path"] = static_cast<int64_t>(path);
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
+    ctx->saved_data["has_h"] = h.has_value();
+    ctx->saved_data["has_bias"] = bias.has_value();
+    std::vector<int64_t> y_sizes = x.sizes().vec();
+    y_sizes.back() = out;
+    return y.view(y_sizes);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &h2 = saved[0], &ha = saved[1], &A = saved[2], &B = saved[3], &dense = saved[4];
+    const double scaling = ctx->saved_data["scaling"].toDouble();
+    const auto path = static_cast<Nf4MatmulPath>(ctx->saved_data["path"].toInt());
+    at::Tensor g = grad_outputs[0].reshape({-1, B.size(0)});
+
+    const auto x_sizes = ctx->saved_data["x_sizes"].toIntVector();
+    const bool has_h = ctx->saved_data["has_h"].toBool();
+    // Edges exist for the tensors given: x, A, B, then h and bias when present.
+    const size_t h_edge = 3, bias_edge = has_h ? 4 : 3;
+
+    at::Tensor gha = at::mm(g, B).mul_(scaling);  // [M, r]: d loss / d (h A^T)
+    at::Tensor grad_x, grad_A, grad_B, grad_h, grad_bias;
+    if (ctx->needs_input_grad(0) || (has_h && ctx->needs_input_grad(h_edge))) {
+      grad_x = dense.defined() ? at::mm(g, dense) : nf4_matmul_w(g, load_nf4(ctx), g.scalar_type(), path);
+      if (has_h) grad_h = at::mm(gha, A).view(x_sizes);
+      else grad_x.addmm_(gha, A);  // both paths in one buffer
+      grad_x = grad_x.view(x_sizes);
+    }
+    if (ctx->needs_input_grad(1)) grad_A = at::mm(gha.t(), h2);
+    if (ctx->needs_input_grad(2)) grad_B = at::mm(g.t(), ha).mul_(scaling);
+    if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(bias_edge)) grad_bias = g.sum(0);
+    return {grad_x, grad_A, grad_B, grad_h, grad_bias, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& adapter_input, const FrozenWeight& w,
+                       const at::Tensor& bias, const at::Tensor& A, const at::Tensor& B, double scaling,
+                       Nf4MatmulPath path) {
+  MEMTUNE_CHECK(w.dense.defined() != (w.nf4 != nullptr), "lora_linear: give exactly one of a dense or an NF4 weight");
+  MEMTUNE_CHECK(A.dim() == 2 && B.dim() == 2 && A.size(0) == B.size(1), "lora_linear: A ", A.sizes(), " and B ",
+                B.sizes(), " do not form an adapter ([r, in] and [out, r])");
+  MEMTUNE_CHECK(x.size(-1) == A.size(1), "lora_linear: input's last dim is ", x.size(-1), ", the adapter needs ",
+                A.size(1));
+  MEMTUNE_CHECK(!w.dense.defined() || (w.dense.size(0) == B.size(0) && w.dense.size(1) == A.size(1)),
+                "lora_linear: weight ", w.dense.sizes(), " does not match the adapter [", B.size(0), ", ",
+                A.size(1), "]");
+  MEMTUNE_CHECK(!adapter_input.defined() || adapter_input.sizes() == x.sizes(), "lora_linear: adapter input ",
+                adapter_input.sizes(), " differs from the input ", x.sizes());
+  c10::optional<at::Tensor> h_opt, bias_opt, dense_opt;
+  if (adapter_input.defined()) h_opt = adapter_input;
+  if (bias.defined()) bias_opt = bias;
+  if (w.dense.defined()) dense_opt = w.dense.detach();
+  return LoraLinearFunction::apply(x, A, B, h_opt, bias_opt, dense_opt, w.nf4.get(), scaling, path);
+}
+
+}  // namespace memtune::models

@@ -1,0 +1,32 @@
+#pragma once
+// y = x W^T + b + s (x A^T) B^T, a LoRA adapter on a frozen base W, as one autograd node.
+//
+// Written as separate ops, the adapter adds three full-size passes to the forward (the
+// product x A^T B^T, its scaling, the sum with the base) and as many to the backward. Here
+// the adapter's product accumulates into the base's output inside the GEMM (beta = 1,
+// alpha = s), the scaling lands on the narrow r-wide side of every product, and grad_x
+// sums both paths in one GEMM. Memory: the node keeps x and x A^T [M, r]; a dense W is
+// kept by reference, an NF4 W as its quantized state (dequantized again in backward).
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+
+#include "models/layers/linear4bit.h"
+
+namespace memtune::models {
+
+// The frozen base: exactly one of `dense` ([out, in]) or `nf4` is set.
+struct FrozenWeight {
+  at::Tensor dense;
+  std::shared_ptr<const NF4Tensor> nf4;
+};
+
+// x (..., in); adapter_input: what the adapter sees, x after LoRA dropout (undefined: x
+// itself, and grad_x sums both paths in one GEMM); bias [out] or undefined; A [r, in],
+// B [out, r]. Every tensor in one dtype and on one device. Gradients flow to x, the adapter
+// input, A, B and a bias that requires one; W gets none.
+at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& adapter_input, const FrozenWeight& w,
+                       const at::Tensor& bias, const at::Tensor& A, const at::Tensor& B, double scaling,
+                       Nf4MatmulPath path = Nf4MatmulPath::kAuto);
+
+}  // namespace memtune::models

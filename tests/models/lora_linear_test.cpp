@@ -1,0 +1,104 @@
+// The fused LoRA node against the same math written as separate ATen ops under autograd:
+// outputs and every gradient (x, A, B, bias, dropout input), dense and NF4 bases.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <torch/torch.h>
+
+#include <memory>
+
+#include "models/layers/lora_linear.h"
+#include "runtime/error.h"
+
+namespace {
+
+using memtune::NF4Tensor;
+using memtune::models::FrozenWeight;
+using memtune::models::lora_linear;
+
+// max |a - b| <= tol * max |b|
+void expect_close(const at::Tensor& a, const at::Tensor& b, double tol, const std::string& what) {
+  ASSERT_TRUE(a.defined()) << what;
+  ASSERT_EQ(a.sizes(), b.sizes()) << what;
+  const double err = (a - b).abs().max().item<double>();
+  const double scale = b.abs().max().item<double>();
+  EXPECT_LE(err, tol * scale) << what << ": max error " << err << " vs scale " << scale;
+}
+
+struct Case {
+  const char* name;
+  std::vector<int64_t> x_shape;
+  int64_t out, r;
+  bool nf4, bias, bias_grad, dropout, x_grad, transposed;
+};
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+class LoraLinearTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(LoraLinearTest, MatchesComposedOps) {
+  const Case c = GetParam();
+  torch::manual_seed(7);
+  const int64_t in = c.x_shape.back();
+  const double scaling = 2.0;
+  at::Tensor w_stored = at::randn(c.transposed ? std::vector<int64_t>{in, c.out} : std::vector<int64_t>{c.out, in});
+  at::Tensor w = c.transposed ? w_stored.t() : w_stored;  // [out, in] view
+  FrozenWeight frozen;
+  if (c.nf4) {
+    frozen.nf4 = std::make_shared<const NF4Tensor>(memtune::nf4_quantize(w.contiguous(), 64, true));
+    w = memtune::nf4_dequantize(*frozen.nf4, at::kFloat);  // the reference multiplies what NF4 holds
+  } else {
+    frozen.dense = w;
+  }
+  at::Tensor A = (at::randn({c.r, in}) * 0.1).requires_grad_(true);
+  at::Tensor B = (at::randn({c.out, c.r}) * 0.1).requires_grad_(true);  // non-zero: B's path matters
+  at::Tensor b = c.bias ? at::randn({c.out}).requires_grad_(c.bias_grad) : at::Tensor();
+  at::Tensor x = at::randn(c.x_shape).requires_grad_(c.x_grad);
+  // Dropout's mask drawn once, shared by both sides: the adapter sees x * mask / (1 - p).
+  at::Tensor mask = (at::rand(c.x_shape) > 0.3).to(at::kFloat) / 0.7;
+
+  at::Tensor h = c.dropout ? x * mask : at::Tensor();
+  at::Tensor y = lora_linear(x, h, frozen, b, A, B, scaling);
+
+  at::Tensor A_ref = A.detach().clone().requires_grad_(true), B_ref = B.detach().clone().requires_grad_(true);
+  at::Tensor b_ref = c.bias ? b.detach().clone().requires_grad_(c.bias_grad) : at::Tensor();
+  at::Tensor x_ref = x.detach().clone().requires_grad_(c.x_grad);
+  at::Tensor h_ref = c.dropout ? x_ref * mask : x_ref;
+  at::Tensor y_ref = at::linear(x_ref, w, b_ref) + at::linear(at::linear(h_ref, A_ref), B_ref) * scaling;
+  expect_close(y, y_ref, 1e-5, "forward");
+
+  at::Tensor gy = at::randn(y.sizes());
+  y.backward(gy);
+  y_ref.backward(gy);
+  expect_close(A.grad(), A_ref.grad(), 1e-5, "grad_A");
+  expect_close(B.grad(), B_ref.grad(), 1e-5, "grad_B");
+  if (c.x_grad) expect_close(x.grad(), x_ref.grad(), 1e-5, "grad_x");
+  else EXPECT_FALSE(x.grad().defined());
+  if (c.bias && c.bias_grad) expect_close(b.grad(), b_ref.grad(), 1e-5, "grad_bias");
+  if (c.bias && !c.bias_grad) EXPECT_FALSE(b.grad().defined());
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, LoraLinearTest,
+    ::testing::Values(Case{"dense", {4, 8, 32}, 24, 4, false, false, false, false, true, false},
+                      Case{"dense_bias", {5, 32}, 40, 8, false, true, false, false, true, false},
+                      Case{"dense_bias_grad", {5, 32}, 40, 8, false, true, true, false, true, false},
+                      Case{"dense_dropout", {3, 6, 32}, 24, 4, false, true, false, true, true, false},
+                      Case{"dense_no_x_grad", {2, 7, 32}, 24, 4, false, false, false, false, false, false},
+                      Case{"conv1d_transposed", {3, 32}, 48, 4, false, true, false, false, true, true},
+                      Case{"nf4", {2, 9, 128}, 96, 8, true, false, false, false, true, false},
+                      Case{"nf4_bias_dropout", {2, 9, 128}, 96, 8, true, true, false, true, true, false},
+                      Case{"nf4_no_x_grad", {10, 128}, 64, 16, true, false, false, false, false, false}),
+    [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
+
+TEST(LoraLinear, RejectsMismatchedShapes) {
+  FrozenWeight w{at::randn({8, 16}), nullptr};
+  EXPECT_THROW(lora_linear(at::randn({2, 16}), {}, w, {}, at::randn({4, 15}), at::randn({8, 4}), 1.0),
+               memtune::UserError);
+  EXPECT_THROW(lora_linear(at::randn({2, 16}), {}, w, {}, at::randn({4, 16}), at::randn({8, 3}), 1.0),
+               memtune::UserError);
+  EXPECT_THROW(lora_linear(at::randn({2, 16}), {}, FrozenWeight{}, {}, at::randn({4, 16}), at::randn({8, 4}), 1.0),
+               memtune::UserError);
+}
+
+}  // namespace
