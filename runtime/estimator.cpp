@@ -12,7 +12,7 @@ namespace {
 
 constexpr int64_t kF32 = 4;
 constexpr int64_t kI64 = 8;
-constexpr int64_t kQueryBlock = 256;          // models/layers/attention.h query_block
+constexpr int64_t kQueryBlock = 64;           // models/layers/attention.h query_block
 constexpr int64_t kKeepProbsBytes = 64 << 20;  // attention keeps probabilities below this
 constexpr int64_t kNf4PanelBytes = 4 << 20;    // models/layers/linear4bit.cpp kPanelBytes
 
@@ -179,8 +179,9 @@ class Planner {
     const LayerKept k = layer_kept(i);
     const int64_t probs_transient = keep_probs() ? 0 : score_block();
     const int64_t at_attention = k.attn + qkv_locals() + score_block() + probs_transient + mask_block();
-    // Up's base output, LoRA delta and scaled delta before their sum (gate's output kept).
-    const int64_t at_mlp = k.total() + qkv_locals() + 2 * E_ * m_.intermediate_size * act_ + nf4_panel();
+    // Up's output (kept) and its adapter's x A^T: the fused LoRA node adds the adapter's
+    // product inside the base's GEMM (models/layers/lora_linear.h), no full-size delta.
+    const int64_t at_mlp = k.total() + qkv_locals() + E_ * m_.lora_r * kF32 + nf4_panel();
     return std::max(at_attention, at_mlp);
   }
 
@@ -198,14 +199,14 @@ class Planner {
     return std::max(at_attention, at_mlp);
   }
 
-  // Backward of a layer above its kept tensors: at the MLP, the two gradient contributions
-  // to the product (base and LoRA) and their sum while the product itself is already freed;
+  // Backward of a layer above its kept tensors: at the MLP, the product's gradient (base
+  // and adapter summed in one buffer by the fused LoRA node) and the one flowing in;
   // at the attention (the MLP's tensors freed), the incoming gradient and its contiguous
   // copy, dq, dk, dv, the product with the output, and per query block the probabilities'
   // gradient and the scores' gradient (plus the recomputed probabilities and their mask
   // when they were not kept).
   int64_t backward_at_mlp() const {
-    return 2 * E_ * m_.intermediate_size * kF32 + E_ * m_.hidden_size * kF32 + nf4_panel();
+    return E_ * m_.intermediate_size * kF32 + E_ * m_.hidden_size * kF32 + nf4_panel();
   }
   int64_t backward_at_attention() const {
     const int64_t q = m_.num_heads * m_.head_dim, kv = m_.num_kv_heads * m_.head_dim;
@@ -281,13 +282,13 @@ class Planner {
 
     // Loss (models/layers/cross_entropy.cpp): gradients are formed in the forward. Alive at
     // once: the normed hidden (E,C), its trained rows, their fp32 gradient, a chunk of fp32
-    // logits with logsumexp's temporary; at the end the full (E,C) gradient, kept for backward
-    // (and dW (V,C) fp32 when the head is trained).
+    // logits (softmaxed in place) and a chunk of gathered head rows; at the end the full (E,C)
+    // gradient, kept for backward (and dW (V,C) fp32 when the head is trained).
     const int64_t chunk = std::min(E, m_.loss_chunk_rows);
     const int64_t hidden = E * C * act_;
     const int64_t dh = E * C * kF32;
     const int64_t head_grad = full_ ? V * C * kF32 : 0;
-    const int64_t loss_chunk = hidden + hidden + dh + 2 * chunk * V * kF32 + chunk * C * kF32 + head_grad;
+    const int64_t loss_chunk = hidden + hidden + dh + chunk * V * kF32 + chunk * C * kF32 + head_grad;
     const int64_t loss_end = hidden + hidden + 2 * dh + head_grad;
     e.loss = std::max(loss_chunk, loss_end);
     e.after_forward = e.activations + dh + head_grad;

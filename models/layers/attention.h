@@ -13,7 +13,7 @@ namespace memtune::models {
 // Returns (B,Hkv,G,T,D).
 at::Tensor causal_segment_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     const at::Tensor& segment_ids, double scale,
-                                    int64_t query_block = 256,
+                                    int64_t query_block = 64,
                                     int64_t keep_probs_bytes = 64LL << 20);
 
 }  // namespace memtune::models
