@@ -30,6 +30,7 @@
 #include "runtime/log.h"
 #include "runtime/memory.h"
 #include "runtime/process_group.h"
+#include "runtime/step_profiler.h"
 #include "runtime/supervisor.h"
 #include "runtime/threads.h"
 #include "runtime/units.h"
@@ -350,6 +351,7 @@ TrainResult train(const Config& c) {
   std::ofstream metrics;
   if (writer) metrics.open(out_dir / "metrics.jsonl", step > 0 ? std::ios::app : std::ios::trunc);
   OomInjector injector(c.memory.inject_oom, dist.rank);
+  StepProfiler profiler;
   const bool tty = isatty(STDERR_FILENO);
   spdlog::info("training: {} steps ({} per epoch), {} samples per step, micro-batch {} x {}, checkpointing {}/{} layers",
                total_steps, steps_per_epoch, samples_per_step, supervisor.micro_batch(), supervisor.accumulation(),
@@ -499,7 +501,9 @@ TrainResult train(const Config& c) {
       optimizer.zero_grad();
       mem.release_cached();
     };
+    profiler.begin(step + 1);
     supervisor.run_step(step, stages);
+    profiler.end();
     ++step;
     ++steps_this_run;
     tokens_done += step_tokens;

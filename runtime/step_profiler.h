@@ -1,0 +1,29 @@
+#pragma once
+// Where a training step's time goes: MEMTUNE_PROFILE=STEP:FILE records every ATen op of
+// step STEP (1-based) with LibTorch's profiler and writes a Chrome trace to FILE (open it
+// in chrome://tracing or ui.perfetto.dev; tools/profile_summary.py prints self times).
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace memtune {
+
+class StepProfiler {
+ public:
+  // Reads MEMTUNE_PROFILE; a malformed value is a UserError naming the variable.
+  StepProfiler();
+  ~StepProfiler();
+  StepProfiler(const StepProfiler&) = delete;
+  StepProfiler& operator=(const StepProfiler&) = delete;
+
+  void begin(int64_t step);  // starts recording when step is the one asked for
+  void end();                // writes the trace if recording
+
+ private:
+  struct Recording;
+  int64_t step_ = -1;
+  std::string file_;
+  std::unique_ptr<Recording> recording_;
+};
+
+}  // namespace memtune
