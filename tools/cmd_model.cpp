@@ -3,6 +3,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <optional>
 
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
@@ -60,22 +61,30 @@ void add_model_commands(CLI::App& app) {
   {
     auto* cmd = app.add_subcommand("init-model", "write a randomly initialised model in Hugging Face format");
     struct A {
-      std::string arch = "llama", preset = "tiny", out, tokenizer;
+      std::string arch = "llama", preset = "tiny", config, out, tokenizer;
       uint64_t seed = 0;
     };
     auto a = std::make_shared<A>();
     cmd->add_option("--arch", a->arch, "llama, gpt2, or a registered architecture name")->capture_default_str();
-    cmd->add_option("--preset", a->preset, "tiny, or a preset name (tiny-llama, llama-3.2-1b, gpt2, ...)")
-        ->capture_default_str();
+    auto* preset = cmd->add_option("--preset", a->preset, "tiny, or a preset name (tiny-llama, llama-3.2-1b, gpt2, ...)")
+                       ->capture_default_str();
+    auto* config = cmd->add_option("--config", a->config,
+                                   "a Hugging Face config.json (or its directory) to build instead of a preset")
+                       ->excludes(preset);
     cmd->add_option("--out", a->out, "output directory")->required();
     cmd->add_option("--seed", a->seed, "random seed")->capture_default_str();
     cmd->add_option("--tokenizer", a->tokenizer, "tokenizer directory or file to copy in");
-    cmd->callback([a] {
-      std::string name = a->preset == "tiny" ? (a->arch == "gpt2" ? "tiny-gpt2" : "tiny-llama") : a->preset;
-      auto spec = models::preset(name);
-      MEMTUNE_CHECK(spec.has_value(), "--preset '", a->preset, "' is not a preset");
-      if (a->arch != "llama" && a->arch != "gpt2") spec->architecture = a->arch;
-      MEMTUNE_CHECK(!(a->arch == "gpt2" && !spec->is_gpt2()), "--arch gpt2 with a non-GPT-2 preset '", name, "'");
+    cmd->callback([a, config] {
+      std::optional<models::ModelSpec> spec;
+      if (config->count() > 0) {
+        spec = models::read_hf_config(a->config);
+      } else {
+        std::string name = a->preset == "tiny" ? (a->arch == "gpt2" ? "tiny-gpt2" : "tiny-llama") : a->preset;
+        spec = models::preset(name);
+        MEMTUNE_CHECK(spec.has_value(), "--preset '", a->preset, "' is not a preset");
+        if (a->arch != "llama" && a->arch != "gpt2") spec->architecture = a->arch;
+        MEMTUNE_CHECK(!(a->arch == "gpt2" && !spec->is_gpt2()), "--arch gpt2 with a non-GPT-2 preset '", name, "'");
+      }
       auto model = models::init_random_model(*spec, a->seed);
       models::save_hf_model(*model, a->out, {});
       if (!a->tokenizer.empty()) {

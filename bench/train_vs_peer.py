@@ -1,0 +1,234 @@
+#!/usr/bin/env python3
+"""memtune's training speed and memory against the PyTorch eager peer, in one run.
+
+    python3 bench/train_vs_peer.py [--models S,M,gpt2] [--json FILE] [--work DIR]
+
+Builds nothing: run `bash tools/build.sh` first. For each model and mode it writes a
+Hugging Face model (`memtune init-model --config`), a file of random token ids (llm.c's
+format), a YAML config, runs `memtune train` under /usr/bin/time, and reads its
+metrics.jsonl; then it runs ../shared/bench/peer_lora.py (Debian's python3-torch, the same
+model and LoRA in PyTorch eager) on the same shapes, and bench_matmul_peak for this
+machine's fp32 matmul peak. Figures: tokens/s (median over the steps after warm-up),
+memtune's budget-allocator peak and both processes' peak RSS, model-FLOPs utilisation
+against the measured peak, and the ratios the performance issue sets targets for.
+
+Models (the issue's): S = 4 layers, hidden 256, 4 heads, intermediate 688, vocab 8000,
+seq 256, micro-batch 4, accumulation 2; M = 12 / 768 / 12 / 2048 / 32000, seq 256,
+micro-batch 2, accumulation 2; gpt2 = the GPT-2 124M preset, full fine-tune at B=4, T=64
+against llm.c's CPU trainer (34.8 tok/s measured on this machine, quoted: llm.c is not
+built here). LoRA r 16, alpha 32 on q,k,v,o,gate,up,down.
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import struct
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PEER = os.path.join(os.path.dirname(ROOT), "shared", "bench", "peer_lora.py")
+LLM_C_TOK_S = 34.8  # llm.c train_gpt2.c, GPT-2 124M, B=4 T=64, this machine (issue 9)
+
+MODELS = {
+    "S": dict(layers=4, hidden=256, heads=4, intermediate=688, vocab=8000, seq=256, micro_batch=4, accum=2,
+              steps=12, warmup=2),
+    "M": dict(layers=12, hidden=768, heads=12, intermediate=2048, vocab=32000, seq=256, micro_batch=2, accum=2,
+              steps=6, warmup=2),
+}
+TARGETS = [q + "_proj" for q in ("q", "k", "v", "o", "gate", "up", "down")]
+LORA_R, LORA_ALPHA = 16, 32
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def run(cmd, env=None):
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        raise SystemExit(f"failed ({p.returncode}): {' '.join(cmd)}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return p
+
+
+def peak_rss_mib(stderr):
+    for line in stderr.splitlines()[::-1]:
+        if line.startswith("MAXRSS "):
+            return int(line.split()[1]) / 1024.0
+    return None
+
+
+def llama_config(m):
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": m["hidden"],
+        "intermediate_size": m["intermediate"], "num_hidden_layers": m["layers"],
+        "num_attention_heads": m["heads"], "num_key_value_heads": m["heads"], "vocab_size": m["vocab"],
+        "max_position_embeddings": max(2048, m["seq"]), "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": False, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
+    }
+
+
+def write_tokens(path, vocab, count, seed):
+    """llm.c's token file: 256 int32 header (magic, version, count), then uint16 ids."""
+    rng = random.Random(seed)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<256i", 20240520, 1, count, *([0] * 253)))
+        f.write(struct.pack(f"<{count}H", *(rng.randrange(vocab) for _ in range(count))))
+
+
+def flops_per_token(m, mode):
+    """Model FLOPs of one trained token: the products the math needs, causal attention
+    counted as half of T x T, nothing counted twice for recomputation (checkpointing)."""
+    h, i, L, V, T = m["hidden"], m["intermediate"], m["layers"], m["vocab"], m["seq"]
+    proj = [(h, h)] * 4 + [(h, i), (h, i), (i, h)]  # q k v o gate up down (in, out)
+    linear = 2 * (L * sum(a * b for a, b in proj) + h * V)  # forward, head included
+    attn = 2 * 2 * L * h * T / 2  # Q K^T and P V over the causal half
+    lora = 2 * L * sum(LORA_R * (a + b) for a, b in proj)
+    if mode == "full":  # backward: grad input and grad weight
+        return 3 * linear + 3 * attn
+    # frozen base: backward forms grad input only; the adapters get both
+    return 2 * linear + 3 * attn + 3 * lora
+
+
+def memtune_run(name, m, mode, ckpt, args, model_dir, tokens):
+    out = os.path.join(args.work, f"run-{name}-{mode}-{ckpt}")
+    shutil.rmtree(out, ignore_errors=True)
+    cfg = {
+        "model": {"name_or_path": model_dir, "torch_dtype": "float32"},
+        "training": {
+            "output_dir": out, "finetune": "full" if mode == "full" else "lora",
+            "per_device_train_batch_size": m["micro_batch"], "gradient_accumulation_steps": m["accum"],
+            "gradient_checkpointing": ckpt == "all", "learning_rate": 1e-3, "max_steps": m["steps"],
+            "logging_steps": 1, "save_steps": 0, "weight_decay": 0.0, "warmup_steps": 0,
+        },
+        "data": {"train_file": tokens, "format": "tokens", "max_seq_length": m["seq"]},
+    }
+    if mode != "full":
+        cfg["lora"] = {"r": LORA_R, "lora_alpha": LORA_ALPHA, "target_modules": TARGETS}
+    if mode == "qlora":
+        cfg["model"]["quantization_config"] = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+                                               "bnb_4bit_use_double_quant": True,
+                                               "bnb_4bit_compute_dtype": "float32"}
+    path = out + ".yaml"
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=1)  # JSON is YAML
+    p = run(["/usr/bin/time", "-f", "MAXRSS %M", args.memtune, "train", path])
+    rows = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl")) if '"tokens_per_s"' in l]
+    timed = [r for r in rows if r["step"] > m["warmup"]]
+    return {
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+        "budget_peak_mib": max(r["memory"]["cpu"]["peak"] for r in rows) / 2**20,
+        "peak_rss_mib": peak_rss_mib(p.stderr),
+        "first_loss": rows[0]["loss"], "final_loss": rows[-1]["loss"],
+    }
+
+
+def peer_run(m, ckpt):
+    cmd = ["/usr/bin/python3", PEER, "--layers", m["layers"], "--hidden", m["hidden"], "--heads", m["heads"],
+           "--intermediate", m["intermediate"], "--vocab", m["vocab"], "--seq", m["seq"], "--micro-batch",
+           m["micro_batch"], "--accum", m["accum"], "--steps", m["steps"], "--warmup", m["warmup"],
+           "--checkpointing", ckpt, "--threads", os.cpu_count() or 1, "--lora-r", LORA_R,
+           "--lora-alpha", LORA_ALPHA]
+    out = json.loads(run([str(c) for c in cmd]).stdout.strip().splitlines()[-1])
+    return {"tokens_per_s": out["tokens_per_s"], "peak_rss_mib": out["peak_rss_mib"],
+            "first_loss": out["first_loss"], "final_loss": out["final_loss"]}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="S,M,gpt2", help="comma-separated: S, M, gpt2")
+    p.add_argument("--build", default=os.path.join(ROOT, "build"))
+    p.add_argument("--work", default=os.path.join(ROOT, "build", "bench-train"))
+    p.add_argument("--json", help="also write the results here")
+    args = p.parse_args()
+    args.memtune = os.path.join(args.build, "memtune")
+    peak_bin = os.path.join(args.build, "bench", "bench_matmul_peak")
+    for f in (args.memtune, peak_bin):
+        if not os.path.exists(f):
+            raise SystemExit(f"{f} is missing: run `bash tools/build.sh` first")
+    have_peer = os.path.exists(PEER) and subprocess.run(["/usr/bin/python3", "-c", "import torch"],
+                                                        capture_output=True).returncode == 0
+    if not have_peer:
+        log(f"peer not runnable ({PEER} or python3-torch missing): memtune's figures only")
+    os.makedirs(args.work, exist_ok=True)
+
+    peak = json.loads(run([peak_bin]).stdout.strip().splitlines()[-1])
+    log(f"fp32 matmul peak: {peak['peak_gflops']} GFLOP/s ({peak['threads']} threads)")
+    rows = []
+    wanted = args.models.split(",")
+    for name, m in MODELS.items():
+        if name not in wanted:
+            continue
+        model_dir = os.path.join(args.work, f"model-{name}")
+        with open(os.path.join(args.work, f"config-{name}.json"), "w") as f:
+            json.dump(llama_config(m), f)
+        run([args.memtune, "init-model", "--config", os.path.join(args.work, f"config-{name}.json"),
+             "--out", model_dir, "--seed", "1"])
+        tokens = os.path.join(args.work, f"tokens-{name}.bin")
+        write_tokens(tokens, m["vocab"], m["seq"] * m["micro_batch"] * m["accum"] * (m["steps"] + 2) + 1, 7)
+        modes = ["lora", "qlora"] + (["full"] if name == "S" else [])
+        for ckpt in ("none", "all"):
+            peer = peer_run(m, ckpt) if have_peer else None
+            if peer:
+                log(f"{name} peer ckpt={ckpt}: {peer['tokens_per_s']:.0f} tok/s, {peer['peak_rss_mib']:.0f} MiB")
+            for mode in modes:
+                r = memtune_run(name, m, mode, ckpt, args, model_dir, tokens)
+                r.update(model=name, mode=mode, checkpointing=ckpt,
+                         mfu=r["tokens_per_s"] * flops_per_token(m, mode) / (peak["peak_gflops"] * 1e9))
+                if peer:
+                    r["peer"] = peer
+                    r["speed_vs_peer"] = r["tokens_per_s"] / peer["tokens_per_s"]
+                    r["rss_vs_peer"] = r["peak_rss_mib"] / peer["peak_rss_mib"]
+                log(f"{name} {mode} ckpt={ckpt}: {r['tokens_per_s']:.0f} tok/s, MFU {100 * r['mfu']:.0f} %, "
+                    f"RSS {r['peak_rss_mib']:.0f} MiB")
+                rows.append(r)
+
+    if "gpt2" in wanted:
+        m = dict(layers=12, hidden=768, heads=12, intermediate=3072, vocab=50257, seq=64, micro_batch=4, accum=1,
+                 steps=8, warmup=2)
+        model_dir = os.path.join(args.work, "model-gpt2")
+        run([args.memtune, "init-model", "--preset", "gpt2", "--out", model_dir, "--seed", "1"])
+        tokens = os.path.join(args.work, "tokens-gpt2.bin")
+        write_tokens(tokens, m["vocab"], m["seq"] * m["micro_batch"] * (m["steps"] + 2) + 1, 7)
+        r = memtune_run("gpt2", m, "full", "none", args, model_dir, tokens)
+        r.update(model="gpt2-124M", mode="full", checkpointing="none", llm_c_tokens_per_s=LLM_C_TOK_S,
+                 speed_vs_llm_c=r["tokens_per_s"] / LLM_C_TOK_S)
+        log(f"gpt2 full: {r['tokens_per_s']:.1f} tok/s ({r['speed_vs_llm_c']:.2f}x llm.c)")
+        rows.append(r)
+
+    result = {
+        "date": datetime.date.today().isoformat(), "host": platform.node(), "cpus": os.cpu_count(),
+        "matmul_peak_gflops": peak["peak_gflops"], "matmul_shapes": peak["shapes"], "rows": rows,
+    }
+    print_table(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    print(json.dumps(result))
+
+
+def print_table(res):
+    print(f"memtune vs PyTorch eager peer, {res['date']}, {res['cpus']} CPUs, "
+          f"fp32 matmul peak {res['matmul_peak_gflops']:.0f} GFLOP/s")
+    print(f"{'model':<10}{'mode':<7}{'ckpt':<6}{'tok/s':>8}{'peer':>8}{'ratio':>7}{'MFU':>6}"
+          f"{'budget MiB':>11}{'RSS MiB':>9}{'peer RSS':>9}{'RSS ratio':>10}")
+    for r in res["rows"]:
+        peer = r.get("peer")
+        if peer:
+            ref, ratio, prss, rratio = (f"{peer['tokens_per_s']:.0f}", f"{r['speed_vs_peer']:.2f}",
+                                        f"{peer['peak_rss_mib']:.0f}", f"{r['rss_vs_peer']:.2f}")
+        elif "llm_c_tokens_per_s" in r:
+            ref, ratio, prss, rratio = f"{r['llm_c_tokens_per_s']:.1f}", f"{r['speed_vs_llm_c']:.2f}", "-", "-"
+        else:
+            ref = ratio = prss = rratio = "-"
+        mfu = f"{100 * r['mfu']:.0f}%" if "mfu" in r else "-"
+        print(f"{r['model']:<10}{r['mode']:<7}{r['checkpointing']:<6}{r['tokens_per_s']:>8.0f}{ref:>8}{ratio:>7}"
+              f"{mfu:>6}{r['budget_peak_mib']:>11.0f}{r['peak_rss_mib']:>9.0f}{prss:>9}{rratio:>10}")
+
+
+if __name__ == "__main__":
+    main()
