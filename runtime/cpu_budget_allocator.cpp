@@ -4,13 +4,19 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <mutex>
 #include <utility>
+#include <vector>
 
 #include "runtime/compat.h"
 
@@ -19,6 +25,8 @@ namespace {
 
 constexpr std::size_t kAlignment = 64;
 constexpr std::size_t kHeader = 64;  // holds the block's size; keeps data 64-byte aligned
+// Blocks from this size on are mapped pages of their own, kept for reuse when freed.
+constexpr std::size_t kMappedMin = std::size_t{256} << 10;
 // Above c10's default CPU allocator (0) and the mobile one (100 where it exists).
 constexpr uint8_t kPriority = 200;
 
@@ -32,11 +40,86 @@ std::atomic<int64_t> g_total{0};
 std::atomic<int64_t> g_ooms{0};
 std::atomic<int64_t> g_inject_countdown{-1};  // < 0: disarmed
 std::atomic<bool> g_installed{false};
+std::atomic<int64_t> g_high_water{0};  // highest `allocated` ever (ScopedPeakReset leaves it)
+std::atomic<int64_t> g_cached{0};
+
+// Large blocks. A training step allocates the same sizes as the step before, so a freed
+// block is kept and handed out again for a request of the same page-rounded size: no page
+// faults, no zeroing by the kernel, and none of the fragmentation that makes glibc's heap
+// grow well past the live peak. What is mapped (live + cached) stays under the highest
+// live use plus an eighth: a miss evicts cached blocks first, and a freed block that would
+// cross the line is unmapped.
+class BlockCache {
+ public:
+  // A mapping of `mapped` bytes (a multiple of the page size), or nullptr.
+  void* take(std::size_t mapped, int64_t live) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = free_.find(mapped);
+    if (it != free_.end()) {
+      void* base = it->second.back();
+      it->second.pop_back();
+      if (it->second.empty()) free_.erase(it);
+      g_cached.fetch_sub(static_cast<int64_t>(mapped), std::memory_order_relaxed);
+      return base;
+    }
+    // A miss maps new pages: make room under the line by unmapping cached blocks, largest first.
+    while (!free_.empty() && live + g_cached.load(std::memory_order_relaxed) > line()) pop_largest();
+    void* base = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return base == MAP_FAILED ? nullptr : base;
+  }
+
+  void give(void* base, std::size_t mapped, int64_t live) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (live + g_cached.load(std::memory_order_relaxed) + static_cast<int64_t>(mapped) > line()) {
+      munmap(base, mapped);
+      return;
+    }
+    free_[mapped].push_back(base);
+    g_cached.fetch_add(static_cast<int64_t>(mapped), std::memory_order_relaxed);
+  }
+
+  void release() {
+    std::lock_guard<std::mutex> lock(mu_);
+    while (!free_.empty()) pop_largest();
+  }
+
+ private:
+  static int64_t line() {
+    const int64_t hw = g_high_water.load(std::memory_order_relaxed);
+    return hw + std::max<int64_t>(hw / 8, int64_t{8} << 20);
+  }
+  void pop_largest() {
+    auto it = std::prev(free_.end());
+    munmap(it->second.back(), it->first);
+    g_cached.fetch_sub(static_cast<int64_t>(it->first), std::memory_order_relaxed);
+    it->second.pop_back();
+    if (it->second.empty()) free_.erase(it);
+  }
+
+  std::mutex mu_;
+  std::map<std::size_t, std::vector<void*>> free_;  // mapped size -> cached mappings
+};
+
+// Never destroyed: blocks may be freed during static destruction.
+BlockCache& block_cache() {
+  static auto* cache = new BlockCache();
+  return *cache;
+}
+
+std::size_t page_rounded(std::size_t bytes) {
+  static const auto page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+  return (bytes + page - 1) / page * page;
+}
+
+void raise_to(std::atomic<int64_t>& a, int64_t value) {
+  int64_t p = a.load(std::memory_order_relaxed);
+  while (value > p && !a.compare_exchange_weak(p, value, std::memory_order_relaxed)) {
+  }
+}
 
 void raise_peak(int64_t value) {
-  int64_t p = g_peak.load(std::memory_order_relaxed);
-  while (value > p && !g_peak.compare_exchange_weak(p, value, std::memory_order_relaxed)) {
-  }
+  raise_to(g_peak, value);
+  raise_to(g_high_water, value);
 }
 
 [[noreturn]] void throw_oom(int64_t n, int64_t in_use, int64_t limit, const char* why) {
@@ -58,14 +141,23 @@ bool injection_fires() {
   return false;
 }
 
+// The header: the counted size n, then the mapping's size (0: from malloc).
+void write_header(void* base, int64_t n, uint64_t mapped) {
+  std::memcpy(base, &n, sizeof n);
+  std::memcpy(static_cast<char*>(base) + sizeof n, &mapped, sizeof mapped);
+}
+
 void budget_delete(void* data) {
   if (data == nullptr) return;
   char* base = static_cast<char*>(data) - kHeader;
   int64_t n = 0;
+  uint64_t mapped = 0;
   std::memcpy(&n, base, sizeof n);
-  g_allocated.fetch_sub(n, std::memory_order_relaxed);
+  std::memcpy(&mapped, base + sizeof n, sizeof mapped);
+  const int64_t live = g_allocated.fetch_sub(n, std::memory_order_relaxed) - n;
   g_live.fetch_sub(1, std::memory_order_relaxed);
-  std::free(base);
+  if (mapped != 0) block_cache().give(base, mapped, live);
+  else std::free(base);
 }
 
 c10::DataPtr budget_allocate(std::size_t nbytes) {
@@ -88,11 +180,18 @@ c10::DataPtr budget_allocate(std::size_t nbytes) {
   raise_peak(next);
 
   void* base = nullptr;
-  if (posix_memalign(&base, kAlignment, nbytes + kHeader) != 0) {
+  uint64_t mapped = 0;
+  if (nbytes >= kMappedMin) {
+    mapped = page_rounded(nbytes + kHeader);
+    base = block_cache().take(mapped, cur);
+  } else if (posix_memalign(&base, kAlignment, nbytes + kHeader) != 0) {
+    base = nullptr;
+  }
+  if (base == nullptr) {
     g_allocated.fetch_sub(n, std::memory_order_relaxed);
     throw_oom(n, cur, limit, "the system refused the allocation");
   }
-  std::memcpy(base, &n, sizeof n);
+  write_header(base, n, mapped);
   g_live.fetch_add(1, std::memory_order_relaxed);
   g_total.fetch_add(1, std::memory_order_relaxed);
   void* data = static_cast<char*>(base) + kHeader;
@@ -136,8 +235,11 @@ CpuAllocatorCounters cpu_allocator_counters() {
   c.live_allocations = g_live.load();
   c.total_allocations = g_total.load();
   c.ooms = g_ooms.load();
+  c.cached = g_cached.load();
   return c;
 }
+
+void release_cpu_cached_blocks() { block_cache().release(); }
 
 int64_t cpu_allocated_bytes() { return g_allocated.load(); }
 int64_t cpu_peak_bytes() { return g_peak.load(); }

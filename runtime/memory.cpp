@@ -51,7 +51,7 @@ class CpuBackend final : public MemoryBackend {
     const HostMemory host = host_memory();
     MemoryStats s;
     s.allocated = c.allocated;
-    s.reserved = c.allocated;  // no cache: a freed block goes straight back to malloc
+    s.reserved = c.allocated + c.cached;  // live blocks and freed large blocks kept for reuse
     s.peak = c.peak;
     s.limit = c.limit;
     s.total = host.total;
@@ -61,7 +61,10 @@ class CpuBackend final : public MemoryBackend {
     return s;
   }
   void set_limit(int64_t bytes) override { set_cpu_memory_limit(bytes); }
-  void release_cached() override { malloc_trim(0); }
+  void release_cached() override {
+    release_cpu_cached_blocks();
+    malloc_trim(0);
+  }
   void reset_peak() override { reset_cpu_peak(); }
 };
 

@@ -14,7 +14,7 @@ namespace memtune {
 // All sizes in bytes.
 struct MemoryStats {
   int64_t allocated = 0;    // in live tensors
-  int64_t reserved = 0;     // held by the allocator (allocated + cached); CPU: = allocated
+  int64_t reserved = 0;     // held by the allocator (allocated + cached); CPU: + cached large blocks
   int64_t peak = 0;         // highest `allocated` since start or the last reset_peak()
   int64_t limit = 0;        // budget set by set_limit(); 0 = none
   int64_t total = 0;        // device capacity (CPU: the host's MemTotal)

@@ -352,6 +352,7 @@ TrainResult train(const Config& c) {
   if (writer) metrics.open(out_dir / "metrics.jsonl", step > 0 ? std::ios::app : std::ios::trunc);
   OomInjector injector(c.memory.inject_oom, dist.rank);
   StepProfiler profiler;
+  mem.release_cached();  // what loading freed is not what training will ask for
   const bool tty = isatty(STDERR_FILENO);
   spdlog::info("training: {} steps ({} per epoch), {} samples per step, micro-batch {} x {}, checkpointing {}/{} layers",
                total_steps, steps_per_epoch, samples_per_step, supervisor.micro_batch(), supervisor.accumulation(),
