@@ -8,6 +8,7 @@
 #include "models/layers/cross_entropy.h"
 #include "runtime/activation_checkpoint.h"
 #include "runtime/error.h"
+#include "runtime/estimator.h"
 #include "runtime/nf4.h"
 #include "runtime/offload.h"
 
@@ -217,7 +218,9 @@ ForwardOutput CausalLM::forward(const data::Batch& batch, const ForwardOptions& 
   ForwardOutput out;
   const int64_t C = x.size(-1);
   out.loss_sum = linear_cross_entropy_sum(x.reshape({-1, C}), head_weight(), b.targets.reshape({-1}),
-                                          options.loss_chunk_rows, &out.correct_tokens);
+                                          options.loss_chunk_rows > 0 ? options.loss_chunk_rows
+                                                                      : loss_chunk_rows(spec().vocab_size),
+                                          &out.correct_tokens);
   out.target_tokens = (b.targets != data::kIgnoreIndex).sum().item<int64_t>();
   if (options.return_logits) out.logits = at::matmul(x.to(at::kFloat), head_weight().to(at::kFloat).t());
   return out;

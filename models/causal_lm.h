@@ -45,7 +45,7 @@ struct ForwardOptions {
   bool training = false;
   std::vector<bool> checkpoint_layers;  // per layer: recompute in backward
   bool return_logits = false;           // also the full (B,T,V) logits (tests, generation)
-  int64_t loss_chunk_rows = 1024;
+  int64_t loss_chunk_rows = 0;  // 0: by vocabulary size, runtime/estimator.h loss_chunk_rows()
 };
 
 struct ForwardOutput {

@@ -39,6 +39,15 @@ int64_t attention_block_area(int64_t T) {
   return area;
 }
 
+}  // namespace
+
+int64_t loss_chunk_rows(int64_t vocab_size) {
+  const int64_t fit = (int64_t{8} << 20) / (std::max<int64_t>(vocab_size, 1) * kF32);
+  return std::clamp<int64_t>(fit, 128, 1024);
+}
+
+namespace {
+
 class Planner {
  public:
   explicit Planner(const EstimateInput& in) : m_(in), proj_(projections(in)) {
@@ -284,7 +293,7 @@ class Planner {
     // once: the normed hidden (E,C), its trained rows, their fp32 gradient, a chunk of fp32
     // logits (softmaxed in place) and a chunk of gathered head rows; at the end the full (E,C)
     // gradient, kept for backward (and dW (V,C) fp32 when the head is trained).
-    const int64_t chunk = std::min(E, m_.loss_chunk_rows);
+    const int64_t chunk = std::min(E, m_.loss_chunk_rows > 0 ? m_.loss_chunk_rows : loss_chunk_rows(V));
     const int64_t hidden = E * C * act_;
     const int64_t dh = E * C * kF32;
     const int64_t head_grad = full_ ? V * C * kF32 : 0;

@@ -50,8 +50,13 @@ struct EstimateInput {
   std::vector<bool> checkpoint_layers;  // per layer: recomputed in backward (empty: none)
   std::string optimizer = "adamw";  // adamw (2 fp32 states) | sgd (1: momentum buffer)
   int64_t compute_bytes = 4;        // bytes per element of the base matmuls
-  int64_t loss_chunk_rows = 1024;   // rows of logits formed at a time
+  int64_t loss_chunk_rows = 0;      // rows of logits formed at a time; 0: loss_chunk_rows(vocab)
 };
+
+// Rows of fp32 logits the loss forms at a time (models/layers/cross_entropy.h): as many as
+// fit 8 MiB, at least 128 (smaller GEMMs would re-read the head's weight for little gain)
+// and at most 1024.
+int64_t loss_chunk_rows(int64_t vocab_size);
 
 struct EstimateComponent {
   std::string name;  // e.g. "weights: NF4 (double quant, blocksize 64)"
