@@ -63,7 +63,8 @@ class BlockCache {
       return base;
     }
     // A miss maps new pages: make room under the line by unmapping cached blocks, largest first.
-    while (!free_.empty() && live + g_cached.load(std::memory_order_relaxed) > line()) pop_largest();
+    const auto need = live + static_cast<int64_t>(mapped);
+    while (!free_.empty() && need + g_cached.load(std::memory_order_relaxed) > line()) pop_largest();
     void* base = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     return base == MAP_FAILED ? nullptr : base;
   }
@@ -236,6 +237,7 @@ CpuAllocatorCounters cpu_allocator_counters() {
   c.total_allocations = g_total.load();
   c.ooms = g_ooms.load();
   c.cached = g_cached.load();
+  c.high_water = g_high_water.load();
   return c;
 }
 

@@ -37,6 +37,7 @@ struct CpuAllocatorCounters {
   int64_t total_allocations = 0;  // blocks ever allocated (successful, non-zero size)
   int64_t ooms = 0;               // out-of-memory errors thrown (injected ones included)
   int64_t cached = 0;             // bytes of freed large blocks kept for reuse
+  int64_t high_water = 0;         // highest `allocated` ever (peak resets leave it)
 };
 CpuAllocatorCounters cpu_allocator_counters();
 int64_t cpu_allocated_bytes();

@@ -459,5 +459,56 @@ TEST(MemoryBackend, CudaBackendRefusedWithoutCudaBuildOrDevice) {
   EXPECT_THROW(memory_backend(c10::Device("cuda:0")), c10::Error);
 }
 
+
+// Large blocks: a freed block is handed out again for the same size (the same pages, no
+// new mapping), cached bytes are not counted as allocated, and release unmaps them.
+TEST_F(CpuBudget, LargeBlocksAreReusedAndReleased) {
+  release_cpu_cached_blocks();
+  const auto base = cpu_allocator_counters();
+  EXPECT_EQ(base.cached, 0);
+  void* first = nullptr;
+  {
+    at::Tensor t = at::empty({kMiB}, at::kByte);  // 1 MiB: above the cached size
+    first = t.data_ptr();
+    EXPECT_EQ(cpu_allocated_bytes() - base.allocated, kMiB);
+  }
+  const auto freed = cpu_allocator_counters();
+  EXPECT_EQ(freed.allocated, base.allocated);
+  EXPECT_GE(freed.cached, kMiB);  // the page-rounded block with its header
+  EXPECT_LE(freed.cached, kMiB + 4096 + 64);
+  {
+    at::Tensor again = at::empty({kMiB - 16}, at::kByte);  // same page-rounded size
+    EXPECT_EQ(again.data_ptr(), first);
+    EXPECT_EQ(cpu_allocator_counters().cached, 0);
+    again.fill_(7);
+    EXPECT_EQ(again.sum().item<int64_t>(), 7 * (kMiB - 16));
+  }
+  release_cpu_cached_blocks();
+  EXPECT_EQ(cpu_allocator_counters().cached, 0);
+}
+
+// What the process holds (live + cached) stays under the live high-water mark plus an
+// eighth (at least 8 MiB): freeing many blocks after a smaller peak does not keep them all.
+TEST_F(CpuBudget, CacheStaysUnderTheHighWaterLine) {
+  release_cpu_cached_blocks();
+  const int64_t block = 4 * kMiB;
+  std::vector<at::Tensor> ts;
+  for (int i = 0; i < 16; ++i) ts.push_back(at::empty({block}, at::kByte));
+  ts.clear();
+  auto after = cpu_allocator_counters();
+  const int64_t line = after.high_water + std::max<int64_t>(after.high_water / 8, 8 * kMiB);
+  EXPECT_LE(after.allocated + after.cached, line);
+  EXPECT_GE(after.cached, 16 * block);  // all fit: they were live at the high water
+  // A different size misses: cached blocks are unmapped to keep the new one under the line.
+  std::vector<at::Tensor> other;
+  for (int i = 0; i < 12; ++i) other.push_back(at::empty({block + kMiB}, at::kByte));
+  after = cpu_allocator_counters();
+  EXPECT_LE(after.allocated + after.cached, after.high_water + std::max<int64_t>(after.high_water / 8, 8 * kMiB));
+  EXPECT_LT(after.cached, 16 * block);
+  other.clear();
+  release_cpu_cached_blocks();
+  EXPECT_EQ(cpu_allocator_counters().cached, 0);
+}
+
 }  // namespace
 }  // namespace memtune
