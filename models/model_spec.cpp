@@ -108,6 +108,14 @@ ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
     s.norm_eps = get_or<double>(c, "rms_norm_eps", 1e-6, where);
     s.tie_word_embeddings = get_or<bool>(c, "tie_word_embeddings", false, where);
     s.attention_bias = get_or<bool>(c, "attention_bias", s.model_type == "qwen2", where);
+    if (s.model_type == "mistral" && c.contains("sliding_window") && !c["sliding_window"].is_null()) {
+      s.sliding_window = get_or<int64_t>(c, "sliding_window", 0, where);
+      MEMTUNE_CHECK(*s.sliding_window > 0, where, ": sliding_window ", *s.sliding_window,
+                    " must be positive (or null for none)");
+    }
+    MEMTUNE_CHECK(!get_or<bool>(c, "use_sliding_window", false, where), where,
+                  ": use_sliding_window true (Qwen2's windowed layers) is not supported; set it to false "
+                  "to train with full attention");
     std::string act = get_or<std::string>(c, "hidden_act", "silu", where);
     MEMTUNE_CHECK(act == "silu", where, ": hidden_act '", act, "' is not supported (silu)");
     // Newer configs nest rope settings in rope_parameters; older ones keep them top level.

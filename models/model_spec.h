@@ -34,6 +34,9 @@ struct ModelSpec {
   RopeScaling rope_scaling;
   bool tie_word_embeddings = false;
   bool attention_bias = false;           // q,k,v biases (Qwen2)
+  // Mistral's sliding_window: a query sees its W latest keys (itself included); none: all.
+  // Read from config.json but kept in `extra`, which writes it back unchanged.
+  std::optional<int64_t> sliding_window;
   std::optional<int64_t> bos_token_id, eos_token_id, pad_token_id;
   std::string torch_dtype = "float32";   // dtype the checkpoint stores dense weights in
   nlohmann::json extra = nlohmann::json::object();  // keys of config.json memtune does not model

@@ -12,31 +12,38 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Additive mask (B,1,1,bt,tk) in fp32: 0 where query t0+i may see key j, -inf elsewhere.
-at::Tensor block_mask(const at::Tensor& seg, int64_t t0, int64_t t1) {
+// The keys query rows [t0,t1) may see start here: 0, or with a sliding window of W keys
+// (the query's own included), the first key row t0's window reaches.
+int64_t first_key(int64_t t0, int64_t window) { return window > 0 ? std::max<int64_t>(0, t0 - window + 1) : 0; }
+
+// Additive mask (B,1,1,bt,tk) in fp32 over keys [k0,t1): 0 where query t0+i may see key
+// k0+j (same segment, not later, within the window), -inf elsewhere.
+at::Tensor block_mask(const at::Tensor& seg, int64_t t0, int64_t t1, int64_t k0, int64_t window) {
   at::Tensor sq = seg.slice(1, t0, t1).unsqueeze(2);   // (B,bt,1)
-  at::Tensor sk = seg.slice(1, 0, t1).unsqueeze(1);    // (B,1,tk)
+  at::Tensor sk = seg.slice(1, k0, t1).unsqueeze(1);   // (B,1,tk)
   at::Tensor qpos = at::arange(t0, t1, seg.options()).unsqueeze(1);  // (bt,1)
-  at::Tensor kpos = at::arange(0, t1, seg.options()).unsqueeze(0);   // (1,tk)
+  at::Tensor kpos = at::arange(k0, t1, seg.options()).unsqueeze(0);  // (1,tk)
   at::Tensor allowed = (sq == sk).logical_and(kpos <= qpos);         // (B,bt,tk)
+  if (window > 0) allowed = allowed.logical_and(qpos - kpos < window);
   at::Tensor bias = at::zeros(allowed.sizes(), seg.options().dtype(at::kFloat));
   bias.masked_fill_(allowed.logical_not(), -std::numeric_limits<float>::infinity());
   return bias.unsqueeze(1).unsqueeze(1);
 }
 
-// Scores of query rows [t0,t1) against keys [0,t1): (B,Hkv,G,bt,tk) fp32, masked and scaled.
+// Scores of query rows [t0,t1) against keys [k0,t1): (B,Hkv,G,bt,tk) fp32, masked and scaled.
 at::Tensor block_scores(const at::Tensor& q, const at::Tensor& k, const at::Tensor& seg, int64_t t0,
-                        int64_t t1, double scale) {
+                        int64_t t1, int64_t window, double scale) {
   const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), D = q.size(4), bt = t1 - t0;
+  const int64_t k0 = first_key(t0, window);
   at::Tensor qb = q.slice(3, t0, t1).reshape({B, Hkv, G * bt, D});
-  at::Tensor kb = k.slice(2, 0, t1);
-  at::Tensor s = at::matmul(qb, kb.transpose(-1, -2)).view({B, Hkv, G, bt, t1}).to(at::kFloat);
-  return s.mul_(scale).add_(block_mask(seg, t0, t1));
+  at::Tensor kb = k.slice(2, k0, t1);
+  at::Tensor s = at::matmul(qb, kb.transpose(-1, -2)).view({B, Hkv, G, bt, t1 - k0}).to(at::kFloat);
+  return s.mul_(scale).add_(block_mask(seg, t0, t1, k0, window));
 }
 
 struct SegmentAttention : public torch::autograd::Function<SegmentAttention> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, const at::Tensor& seg, double scale,
+                            const at::Tensor& v, const at::Tensor& seg, double scale, int64_t window,
                             int64_t block, int64_t keep_probs_bytes) {
     const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), T = q.size(3), D = q.size(4);
     at::Tensor out = at::empty_like(q);
@@ -45,18 +52,20 @@ struct SegmentAttention : public torch::autograd::Function<SegmentAttention> {
     variable_list probs;
     for (int64_t t0 = 0; t0 < T; t0 += block) {
       const int64_t t1 = std::min(T, t0 + block), bt = t1 - t0;
-      at::Tensor s = block_scores(q, k, seg, t0, t1, scale);
+      const int64_t k0 = first_key(t0, window);
+      at::Tensor s = block_scores(q, k, seg, t0, t1, window, scale);
       at::Tensor m = std::get<0>(s.max(-1, true));
       at::Tensor p = (s - m).exp_();
       at::Tensor denom = p.sum(-1, true);
       p.div_(denom);
       lse.slice(3, t0, t1).copy_((m + denom.log()).squeeze(-1));
       at::Tensor pc = p.to(q.scalar_type());
-      at::Tensor o = at::matmul(pc.view({B, Hkv, G * bt, t1}), v.slice(2, 0, t1));
+      at::Tensor o = at::matmul(pc.view({B, Hkv, G * bt, t1 - k0}), v.slice(2, k0, t1));
       out.slice(3, t0, t1).copy_(o.view({B, Hkv, G, bt, D}));
       if (keep) probs.push_back(pc);
     }
     ctx->saved_data["scale"] = scale;
+    ctx->saved_data["window"] = window;
     ctx->saved_data["block"] = block;
     ctx->saved_data["keep"] = keep;
     variable_list saved = {q, k, v, seg, out, lse};
@@ -71,6 +80,7 @@ struct SegmentAttention : public torch::autograd::Function<SegmentAttention> {
                      &lse = saved[5];
     const double scale = ctx->saved_data["scale"].toDouble();
     const int64_t block = ctx->saved_data["block"].toInt();
+    const int64_t window = ctx->saved_data["window"].toInt();
     const bool keep = ctx->saved_data["keep"].toBool();
     const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), T = q.size(3), D = q.size(4);
     at::Tensor dout = grads[0].contiguous();
@@ -81,38 +91,39 @@ struct SegmentAttention : public torch::autograd::Function<SegmentAttention> {
     at::Tensor delta = (dout.to(at::kFloat) * out.to(at::kFloat)).sum(-1);  // (B,Hkv,G,T)
     int64_t index = 0;
     for (int64_t t0 = 0; t0 < T; t0 += block, ++index) {
-      const int64_t t1 = std::min(T, t0 + block), bt = t1 - t0;
+      const int64_t t1 = std::min(T, t0 + block), bt = t1 - t0, k0 = first_key(t0, window), tk = t1 - k0;
       at::Tensor p;
       if (keep) {
         p = saved[6 + index].to(at::kFloat);
       } else {
-        p = block_scores(q, k, seg, t0, t1, scale);
+        p = block_scores(q, k, seg, t0, t1, window, scale);
         p.sub_(lse.slice(3, t0, t1).unsqueeze(-1)).exp_();
       }
-      at::Tensor pc = p.to(q.scalar_type()).view({B, Hkv, G * bt, t1});
+      at::Tensor pc = p.to(q.scalar_type()).view({B, Hkv, G * bt, tk});
       at::Tensor dob = dout.slice(3, t0, t1).reshape({B, Hkv, G * bt, D});
-      dv.slice(2, 0, t1).add_(at::matmul(pc.transpose(-1, -2), dob));
-      at::Tensor dp = at::matmul(dob, v.slice(2, 0, t1).transpose(-1, -2)).view({B, Hkv, G, bt, t1});
+      dv.slice(2, k0, t1).add_(at::matmul(pc.transpose(-1, -2), dob));
+      at::Tensor dp = at::matmul(dob, v.slice(2, k0, t1).transpose(-1, -2)).view({B, Hkv, G, bt, tk});
       at::Tensor ds = p * dp.to(at::kFloat).sub_(delta.slice(3, t0, t1).unsqueeze(-1));
       ds.mul_(scale);
-      at::Tensor dsc = ds.to(q.scalar_type()).view({B, Hkv, G * bt, t1});
-      dq.slice(3, t0, t1).copy_(at::matmul(dsc, k.slice(2, 0, t1)).view({B, Hkv, G, bt, D}));
+      at::Tensor dsc = ds.to(q.scalar_type()).view({B, Hkv, G * bt, tk});
+      dq.slice(3, t0, t1).copy_(at::matmul(dsc, k.slice(2, k0, t1)).view({B, Hkv, G, bt, D}));
       at::Tensor qb = q.slice(3, t0, t1).reshape({B, Hkv, G * bt, D});
-      dk.slice(2, 0, t1).add_(at::matmul(dsc.transpose(-1, -2), qb));
+      dk.slice(2, k0, t1).add_(at::matmul(dsc.transpose(-1, -2), qb));
     }
-    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 }  // namespace
 
 at::Tensor causal_segment_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                    const at::Tensor& segment_ids, double scale,
+                                    const at::Tensor& segment_ids, double scale, int64_t sliding_window,
                                     int64_t query_block, int64_t keep_probs_bytes) {
   TORCH_CHECK(q.dim() == 5 && k.dim() == 4 && v.dim() == 4, "attention: q (B,Hkv,G,T,D), k/v (B,Hkv,T,D)");
   TORCH_CHECK(q.size(3) == k.size(2) && k.sizes() == v.sizes(), "attention: q, k, v lengths differ");
   return SegmentAttention::apply(q.contiguous(), k.contiguous(), v.contiguous(),
-                                 segment_ids.to(q.device()), scale, query_block, keep_probs_bytes);
+                                 segment_ids.to(q.device()), scale, sliding_window, query_block,
+                                 keep_probs_bytes);
 }
 
 }  // namespace memtune::models

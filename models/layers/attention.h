@@ -6,13 +6,15 @@ namespace memtune::models {
 
 // q (B,Hkv,G,T,D) — G query heads share each of the Hkv key/value heads —, k and v
 // (B,Hkv,T,D), segment_ids (B,T) int64. Query t attends to key s when s <= t and both lie in
-// the same segment (padding is segment -1 and so only attends to padding). Softmax in fp32.
+// the same segment (padding is segment -1 and so only attends to padding), and with a
+// sliding window W > 0 (Mistral) when t - s < W: the query's W latest keys, itself
+// included; keys outside every window of a query block are not computed. Softmax in fp32.
 // Memory: the forward keeps q, k, v, the output and one log-sum-exp per query row; the
 // attention probabilities are kept only when they fit `keep_probs_bytes`, else recomputed
 // block by block in backward, so memory grows linearly with sequence length.
 // Returns (B,Hkv,G,T,D).
 at::Tensor causal_segment_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                    const at::Tensor& segment_ids, double scale,
+                                    const at::Tensor& segment_ids, double scale, int64_t sliding_window = 0,
                                     int64_t query_block = 64,
                                     int64_t keep_probs_bytes = 64LL << 20);
 

@@ -97,6 +97,8 @@ INSTANTIATE_TEST_SUITE_P(
                                        "--vocab 256 --attention-bias --rope-scaling '{\"type\":\"linear\",\"factor\":2.0}'"},
         Case{"qwen2_tied", "--arch llama --qwen2 --tie --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 96 --vocab 256"},
         Case{"mistral", "--arch llama --mistral --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 96 --vocab 256"},
+        Case{"mistral_sliding_window", "--arch llama --mistral --sliding-window 5 --layers 2 --hidden 64 --heads 4 "
+                                       "--kv-heads 2 --intermediate 96 --vocab 256"},
         Case{"gpt2", "--arch gpt2 --layers 2 --hidden 64 --heads 4 --vocab 256 --max-pos 64"},
         Case{"gpt2_checkpointed", "--arch gpt2 --layers 2 --hidden 64 --heads 4 --vocab 256 --max-pos 64", true}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
