@@ -2,7 +2,7 @@
 // and the MLP side by side on one normalised input (GPT-J / PaLM style):
 //   x = x + attn(norm(x)) + mlp(norm(x))
 // It reuses memtune's building blocks (Linear with NF4 and LoRA, the segment-aware causal
-// attention, the checkpointed forward of CausalLM) and registers itself by name, so config.json
+// attention, RMSNorm, the checkpointed forward of CausalLM) and registers itself by name, so config.json
 // files with "architectures": ["ParallelBlockForCausalLM"] load with it, and
 // `memtune-custom init-model --arch ParallelBlockForCausalLM` makes one.
 #include <cmath>
@@ -11,16 +11,12 @@
 
 #include "data/batch.h"
 #include "models/layers/attention.h"
+#include "models/layers/norm_act.h"
 #include "models/registry.h"
 
 namespace {
 
 using namespace memtune::models;
-
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
-  at::Tensor h = x.to(at::kFloat);
-  return w * (h * at::rsqrt(h.pow(2).mean(-1, true) + eps)).to(x.scalar_type());
-}
 
 class ParallelBlockModel : public CausalLM {
  public:

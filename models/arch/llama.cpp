@@ -8,6 +8,7 @@
 
 #include "data/batch.h"
 #include "models/layers/attention.h"
+#include "models/layers/norm_act.h"
 #include "models/registry.h"
 
 namespace memtune::models {
@@ -39,14 +40,6 @@ at::Tensor rope_inv_freq(const ModelSpec& s) {
 at::Tensor rotate_half(const at::Tensor& x) {
   const int64_t half = x.size(-1) / 2;
   return at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
-}
-
-// RMSNorm as HF computes it: in fp32, then weight * normalised.to(input dtype).
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  at::Tensor h = x.to(at::kFloat);
-  at::Tensor var = h.pow(2).mean(-1, true);
-  h = h * at::rsqrt(var + eps);
-  return weight * h.to(x.scalar_type());
 }
 
 class LlamaModel : public CausalLM {
@@ -107,11 +100,12 @@ class LlamaModel : public CausalLM {
     // Query head j uses key/value head j / G (HF's repeat_kv).
     at::Tensor q5 = q.view({B, T, Hkv, G, D}).permute({0, 2, 3, 1, 4});  // (B,Hkv,G,T,D)
     at::Tensor a = causal_segment_attention(q5, k.permute({0, 2, 1, 3}), v.permute({0, 2, 1, 3}),
-                                            ctx.segment_ids, 1.0 / std::sqrt(static_cast<double>(D)));
+                                            ctx.segment_ids, 1.0 / std::sqrt(static_cast<double>(D)),
+                                            s.sliding_window.value_or(0));
     a = a.permute({0, 3, 1, 2, 4}).reshape({B, T, s.q_dim()});
     at::Tensor y = x + L.o->forward(a, ctx.training);
     h = rms_norm(y, L.post_norm, s.norm_eps);
-    at::Tensor m = at::silu(L.gate->forward(h, ctx.training)) * L.up->forward(h, ctx.training);
+    at::Tensor m = swiglu(L.gate->forward(h, ctx.training), L.up->forward(h, ctx.training));
     return y + L.down->forward(m, ctx.training);
   }
 
