@@ -92,7 +92,7 @@ class Planner {
   // MLP). Follows the autograd graph of models/arch/*.cpp: a tensor is kept only by an op
   // that needs it for a wanted gradient (LoRA A needs its input, B A's output; a frozen
   // weight needs nothing of the input; full fine-tuning keeps every matmul input). RMSNorm
-  // keeps x, x^2 (mean's input), the rsqrt, and the normalised rows when its weight trains.
+  // (the node of models/layers/norm_act.h) keeps x and one fp32 rstd per row.
   struct LayerKept {
     int64_t attn = 0, mlp = 0;
     int64_t total() const { return attn + mlp; }
@@ -106,7 +106,7 @@ class Planner {
     auto lora = [&](const std::string& n) { return lora_on(i, n); };
     auto keeps_input = [&](const std::string& n) { return full_ || lora(n); };
     auto norm = [&]() {
-      return gpt2 ? E * C * a + 2 * E * kF32 : 2 * E * C * a + E * kF32 + (full_ ? E * C * a : 0);
+      return gpt2 ? E * C * a + 2 * E * kF32 : E * C * a + E * kF32;
     };
     LayerKept k;
     // LoRA: A's output (E, r) fp32 for B's gradient; with dropout, the mask and the dropped input.
@@ -147,10 +147,8 @@ class Planner {
       if (keeps_input("gate_proj") || keeps_input("up_proj")) k.mlp += E * C * a;  // h2
       const bool g_gate = g_y || keeps_input("gate_proj");
       const bool g_up = g_y || keeps_input("up_proj");
-      // silu keeps gate's output; the product keeps up's output (for silu's side) and
-      // silu(gate) (for up's side).
-      if (g_gate) k.mlp += 2 * E * F * a;
-      if (g_up) k.mlp += E * F * a;
+      // The SwiGLU node (models/layers/norm_act.h) keeps gate's and up's outputs.
+      if (g_gate || g_up) k.mlp += 2 * E * F * a;
       if (keeps_input("down_proj")) k.mlp += E * F * a;  // silu(gate) * up
     }
     return k;
@@ -215,7 +213,10 @@ class Planner {
   // gradient and the scores' gradient (plus the recomputed probabilities and their mask
   // when they were not kept).
   int64_t backward_at_mlp() const {
-    return E_ * m_.intermediate_size * kF32 + E_ * m_.hidden_size * kF32 + nf4_panel();
+    // Llama: SwiGLU's backward rebuilds sigmoid(gate) and forms both gradients next to the
+    // incoming one.
+    const int64_t f = m_.family == "gpt2" ? 1 : 3;
+    return f * E_ * m_.intermediate_size * kF32 + E_ * m_.hidden_size * kF32 + nf4_panel();
   }
   int64_t backward_at_attention() const {
     const int64_t q = m_.num_heads * m_.head_dim, kv = m_.num_kv_heads * m_.head_dim;
@@ -282,11 +283,10 @@ class Planner {
       e.activations_per_layer.push_back(s);
       kept += s;
     }
-    // Final norm keeps the last layer's output and its statistics (RMSNorm: x, x^2, rsqrt,
-    // and the normalised rows when its weight trains).
+    // Final norm keeps the last layer's output and its statistics (LayerNorm: mean and
+    // rstd; the RMSNorm node: rstd).
     const bool g_last = full_ || input_grad(static_cast<int>(L));
-    const int64_t final_norm =
-        !g_last ? 0 : gpt2 ? E * C * act_ + 2 * E * kF32 : 2 * E * C * act_ + E * kF32 + (full_ ? E * C * act_ : 0);
+    const int64_t final_norm = !g_last ? 0 : E * C * act_ + (gpt2 ? 2 : 1) * E * kF32;
     e.activations = kept + final_norm + batch + rotary;
 
     // Loss (models/layers/cross_entropy.cpp): gradients are formed in the forward. Alive at
