@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """memtune's training speed and memory against the PyTorch eager peer, in one run.
 
-    python3 bench/train_vs_peer.py [--models S,M,gpt2] [--json FILE] [--work DIR]
+    python3 bench/train_vs_peer.py [--models S,M,gpt2] [--repeat N] [--json FILE] [--work DIR]
 
 Builds nothing: run `bash tools/build.sh` first. For each model and mode it writes a
 Hugging Face model (`memtune init-model --config`), a file of random token ids (llm.c's
@@ -10,7 +10,9 @@ metrics.jsonl; then it runs ../shared/bench/peer_lora.py (Debian's python3-torch
 model and LoRA in PyTorch eager) on the same shapes, and bench_matmul_peak for this
 machine's fp32 matmul peak. Figures: tokens/s (median over the steps after warm-up),
 memtune's budget-allocator peak and both processes' peak RSS, model-FLOPs utilisation
-against the measured peak, and the ratios the performance issue sets targets for.
+against the measured peak, and the ratios the performance issue sets targets for. With
+--repeat N the peer and memtune runs alternate N times and each figure is the median of
+the N runs (shared machines drift; alternating spreads the drift over both sides).
 
 Models (the issue's): S = 4 layers, hidden 256, 4 heads, intermediate 688, vocab 8000,
 seq 256, micro-batch 4, accumulation 2; M = 12 / 768 / 12 / 2048 / 32000, seq 256,
@@ -127,6 +129,15 @@ def memtune_run(name, m, mode, ckpt, args, model_dir, tokens):
     }
 
 
+def median_of(runs):
+    """Each numeric figure's median over the runs (the first run's other fields)."""
+    out = dict(runs[0])
+    for k, v in runs[0].items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = statistics.median(r[k] for r in runs)
+    return out
+
+
 def peer_run(m, ckpt):
     cmd = ["/usr/bin/python3", PEER, "--layers", m["layers"], "--hidden", m["hidden"], "--heads", m["heads"],
            "--intermediate", m["intermediate"], "--vocab", m["vocab"], "--seq", m["seq"], "--micro-batch",
@@ -143,6 +154,7 @@ def main():
     p.add_argument("--models", default="S,M,gpt2", help="comma-separated: S, M, gpt2")
     p.add_argument("--build", default=os.path.join(ROOT, "build"))
     p.add_argument("--work", default=os.path.join(ROOT, "build", "bench-train"))
+    p.add_argument("--repeat", type=int, default=1, help="alternating runs per figure (median)")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
     args.memtune = os.path.join(args.build, "memtune")
@@ -172,19 +184,25 @@ def main():
         write_tokens(tokens, m["vocab"], m["seq"] * m["micro_batch"] * m["accum"] * (m["steps"] + 2) + 1, 7)
         modes = ["lora", "qlora"] + (["full"] if name == "S" else [])
         for ckpt in ("none", "all"):
-            peer = peer_run(m, ckpt) if have_peer else None
-            if peer:
-                log(f"{name} peer ckpt={ckpt}: {peer['tokens_per_s']:.0f} tok/s, {peer['peak_rss_mib']:.0f} MiB")
+            peers, runs = [], {mode: [] for mode in modes}
+            for rep in range(args.repeat):
+                if have_peer:
+                    peers.append(peer_run(m, ckpt))
+                    log(f"{name} peer ckpt={ckpt}: {peers[-1]['tokens_per_s']:.0f} tok/s, "
+                        f"{peers[-1]['peak_rss_mib']:.0f} MiB")
+                for mode in modes:
+                    runs[mode].append(memtune_run(name, m, mode, ckpt, args, model_dir, tokens))
+                    log(f"{name} {mode} ckpt={ckpt}: {runs[mode][-1]['tokens_per_s']:.0f} tok/s, "
+                        f"RSS {runs[mode][-1]['peak_rss_mib']:.0f} MiB")
+            peer = median_of(peers) if peers else None
             for mode in modes:
-                r = memtune_run(name, m, mode, ckpt, args, model_dir, tokens)
-                r.update(model=name, mode=mode, checkpointing=ckpt,
+                r = median_of(runs[mode])
+                r.update(model=name, mode=mode, checkpointing=ckpt, runs=len(runs[mode]),
                          mfu=r["tokens_per_s"] * flops_per_token(m, mode) / (peak["peak_gflops"] * 1e9))
                 if peer:
                     r["peer"] = peer
                     r["speed_vs_peer"] = r["tokens_per_s"] / peer["tokens_per_s"]
                     r["rss_vs_peer"] = r["peak_rss_mib"] / peer["peak_rss_mib"]
-                log(f"{name} {mode} ckpt={ckpt}: {r['tokens_per_s']:.0f} tok/s, MFU {100 * r['mfu']:.0f} %, "
-                    f"RSS {r['peak_rss_mib']:.0f} MiB")
                 rows.append(r)
 
     if "gpt2" in wanted:

@@ -53,13 +53,14 @@ at::Tensor nf4_matmul_wt(const at::Tensor& x, const NF4Tensor& q, at::ScalarType
 at::Tensor nf4_matmul_w(const at::Tensor& g, const NF4Tensor& q, at::ScalarType ct, Nf4MatmulPath path) {
   if (!use_panels(q, path)) return at::mm(g, memtune::nf4_dequantize(q, ct));
   const int64_t out = q.shape[0], in = q.shape[1], rows = panel_rows(q, ct);
-  at::Tensor gx = at::zeros({g.size(0), in}, g.options());
+  at::Tensor gx = at::empty({g.size(0), in}, g.options());
   at::Tensor buf = at::empty({std::min(rows, out) * in}, g.options());
   for (int64_t r0 = 0; r0 < out; r0 += rows) {
     const int64_t r = std::min(rows, out - r0);
     at::Tensor panel = buf.narrow(0, 0, r * in);
     memtune::nf4_dequantize_range_into(q, r0 * in, r * in, panel);
-    gx.addmm_(g.narrow(1, r0, r), panel.view({r, in}));
+    if (r0 == 0) at::mm_out(gx, g.narrow(1, r0, r), panel.view({r, in}));  // the first panel writes
+    else gx.addmm_(g.narrow(1, r0, r), panel.view({r, in}));             // the others accumulate
   }
   return gx;
 }
