@@ -100,6 +100,16 @@ std::map<std::string, at::Tensor> load_all_tensors(const fs::path& file) {
   return out;
 }
 
+void expect_close(const at::Tensor& actual, const at::Tensor& expected, double tol, const std::string& what,
+                  double floor) {
+  ASSERT_TRUE(actual.defined()) << what << ": undefined";
+  ASSERT_EQ(actual.sizes(), expected.sizes()) << what;
+  ASSERT_EQ(actual.scalar_type(), expected.scalar_type()) << what;
+  const double err = (actual.to(at::kDouble) - expected.to(at::kDouble)).abs().max().item<double>();
+  const double scale = std::max(floor, expected.to(at::kDouble).abs().max().item<double>());
+  EXPECT_LE(err, tol * scale) << what << ": max error " << err << " vs scale " << scale;
+}
+
 void expect_same_tensors(const fs::path& a, const fs::path& b, double tol) {
   auto ta = load_all_tensors(a), tb = load_all_tensors(b);
   ASSERT_EQ(ta.size(), tb.size());

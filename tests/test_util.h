@@ -58,4 +58,8 @@ namespace memtune::testing {
 std::map<std::string, at::Tensor> load_all_tensors(const fs::path& file);
 // The two files hold the same names, and each tensor agrees to tol x max(1, max |a|).
 void expect_same_tensors(const fs::path& a, const fs::path& b, double tol);
+// `actual` against a reference: same shape and dtype, max |actual - expected| <= tol x
+// max(floor, max |expected|). `what` names the pair in the failure message.
+void expect_close(const at::Tensor& actual, const at::Tensor& expected, double tol, const std::string& what,
+                  double floor = 0.0);
 }  // namespace memtune::testing

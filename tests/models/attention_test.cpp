@@ -10,18 +10,12 @@
 #include <limits>
 
 #include "models/layers/attention.h"
+#include "test_util.h"
 
 namespace {
 
 using memtune::models::causal_segment_attention;
-
-void expect_close(const at::Tensor& a, const at::Tensor& b, double tol, const std::string& what) {
-  ASSERT_TRUE(a.defined()) << what;
-  ASSERT_EQ(a.sizes(), b.sizes()) << what;
-  const double err = (a - b).abs().max().item<double>();
-  const double scale = b.abs().max().item<double>();
-  EXPECT_LE(err, tol * std::max(scale, 1.0)) << what << ": max error " << err << " vs scale " << scale;
-}
+using memtune::testing::expect_close;
 
 // q (B,Hkv,G,T,D), k/v (B,Hkv,T,D): every query against every key, then the mask.
 at::Tensor naive_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& seg,
@@ -54,13 +48,13 @@ TEST(Attention, BlocksAndWindowsMatchTheTextbookAttention) {
         at::Tensor qr = q.detach().clone().requires_grad_(true), kr = k.detach().clone().requires_grad_(true),
                    vr = v.detach().clone().requires_grad_(true);
         at::Tensor ref = naive_attention(qr, kr, vr, seg, 0.35, window);
-        expect_close(out, ref, 2e-5, "output");
+        expect_close(out, ref, 2e-5, "output", 1.0);
         at::Tensor g = at::randn(out.sizes(), at::kFloat);
         auto grads = torch::autograd::grad({out}, {q, k, v}, {g});
         ref.backward(g);
-        expect_close(grads[0], qr.grad(), 2e-5, "grad q");
-        expect_close(grads[1], kr.grad(), 2e-5, "grad k");
-        expect_close(grads[2], vr.grad(), 2e-5, "grad v");
+        expect_close(grads[0], qr.grad(), 2e-5, "grad q", 1.0);
+        expect_close(grads[1], kr.grad(), 2e-5, "grad k", 1.0);
+        expect_close(grads[2], vr.grad(), 2e-5, "grad v", 1.0);
       }
     }
   }

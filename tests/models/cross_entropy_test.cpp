@@ -5,18 +5,12 @@
 #include <torch/torch.h>
 
 #include "models/layers/cross_entropy.h"
+#include "test_util.h"
 
 namespace {
 
+using memtune::testing::expect_close;
 using memtune::models::linear_cross_entropy_sum;
-
-void expect_close(const at::Tensor& a, const at::Tensor& b, double tol, const std::string& what) {
-  ASSERT_TRUE(a.defined()) << what;
-  ASSERT_EQ(a.sizes(), b.sizes()) << what;
-  const double err = (a - b).abs().max().item<double>();
-  const double scale = b.abs().max().item<double>();
-  EXPECT_LE(err, tol * scale) << what << ": max error " << err << " vs scale " << scale;
-}
 
 TEST(LinearCrossEntropy, MatchesAtenLossGradientsAndArgmax) {
   torch::manual_seed(3);

@@ -9,21 +9,14 @@
 
 #include "models/layers/lora_linear.h"
 #include "runtime/error.h"
+#include "test_util.h"
 
 namespace {
 
+using memtune::testing::expect_close;
 using memtune::NF4Tensor;
 using memtune::models::FrozenWeight;
 using memtune::models::lora_linear;
-
-// max |a - b| <= tol * max |b|
-void expect_close(const at::Tensor& a, const at::Tensor& b, double tol, const std::string& what) {
-  ASSERT_TRUE(a.defined()) << what;
-  ASSERT_EQ(a.sizes(), b.sizes()) << what;
-  const double err = (a - b).abs().max().item<double>();
-  const double scale = b.abs().max().item<double>();
-  EXPECT_LE(err, tol * scale) << what << ": max error " << err << " vs scale " << scale;
-}
 
 struct Case {
   const char* name;

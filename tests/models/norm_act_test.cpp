@@ -6,17 +6,11 @@
 #include <torch/torch.h>
 
 #include "models/layers/norm_act.h"
+#include "test_util.h"
 
 namespace {
 
-void expect_close(const at::Tensor& a, const at::Tensor& b, double tol, const std::string& what) {
-  ASSERT_TRUE(a.defined()) << what;
-  ASSERT_EQ(a.sizes(), b.sizes()) << what;
-  ASSERT_EQ(a.scalar_type(), b.scalar_type()) << what;
-  const double err = (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
-  const double scale = b.to(at::kDouble).abs().max().item<double>();
-  EXPECT_LE(err, tol * scale) << what << ": max error " << err << " vs scale " << scale;
-}
+using memtune::testing::expect_close;
 
 at::Tensor hf_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   at::Tensor h = x.to(at::kFloat);
