@@ -26,7 +26,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_vs_peer import MODELS, ROOT, llama_config, run, write_tokens  # noqa: E402
+from train_vs_peer import MODELS, ROOT, built, llama_config, run, write_tokens  # noqa: E402
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -66,11 +66,7 @@ def main():
     p.add_argument("--work", default=os.path.join(ROOT, "build", "bench-oom"))
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
-    args.memtune = os.path.join(args.build, "memtune")
-    overhead_bin = os.path.join(args.build, "bench", "bench_supervisor_overhead")
-    for f in (args.memtune, overhead_bin):
-        if not os.path.exists(f):
-            raise SystemExit(f"{f} is missing: run `bash tools/build.sh` first")
+    args.memtune, overhead_bin = built(args.build, "memtune", "bench/bench_supervisor_overhead")
     os.makedirs(args.work, exist_ok=True)
     m = MODELS["S"]
     config = os.path.join(args.work, "config.json")

@@ -57,6 +57,15 @@ def run(cmd, env=None):
     return p
 
 
+def built(build_dir, *names):
+    """Paths of built programs under build_dir; stops with a hint when one is missing."""
+    paths = [os.path.join(build_dir, n) for n in names]
+    for f in paths:
+        if not os.path.exists(f):
+            raise SystemExit(f"{f} is missing: run `bash tools/build.sh` first")
+    return paths
+
+
 def peak_rss_mib(stderr):
     for line in stderr.splitlines()[::-1]:
         if line.startswith("MAXRSS "):
@@ -157,11 +166,7 @@ def main():
     p.add_argument("--repeat", type=int, default=1, help="alternating runs per figure (median)")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
-    args.memtune = os.path.join(args.build, "memtune")
-    peak_bin = os.path.join(args.build, "bench", "bench_matmul_peak")
-    for f in (args.memtune, peak_bin):
-        if not os.path.exists(f):
-            raise SystemExit(f"{f} is missing: run `bash tools/build.sh` first")
+    args.memtune, peak_bin = built(args.build, "memtune", "bench/bench_matmul_peak")
     have_peer = os.path.exists(PEER) and subprocess.run(["/usr/bin/python3", "-c", "import torch"],
                                                         capture_output=True).returncode == 0
     if not have_peer:
