@@ -216,7 +216,7 @@ main() {
     # process per test turns into 10 minutes here against 20 s.
     phase "unit tests (test_* binaries) on the CPU"
     in_root bash -s "$GPU_BUILD_DIR" <<'EOF'
-cd "$1" && export OMP_WAIT_POLICY=passive
+cd "$1" && export OMP_WAIT_POLICY=passive OPENBLAS_THREAD_TIMEOUT=4
 status=0
 for t in tests/test_*; do
   [ -f "$t" ] && [ -x "$t" ] || continue

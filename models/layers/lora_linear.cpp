@@ -58,12 +58,12 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
 
     at::Tensor gha = at::mm(g, B).mul_(scaling);  // [M, r]: d loss / d (h A^T)
     at::Tensor grad_x, grad_A, grad_B, grad_h, grad_bias;
-    if (ctx->needs_input_grad(0) || (has_h && ctx->needs_input_grad(h_edge))) {
+    if (ctx->needs_input_grad(0)) {
       grad_x = dense.defined() ? at::mm(g, dense) : nf4_matmul_w(g, load_nf4(ctx), g.scalar_type(), path);
-      if (has_h) grad_h = at::mm(gha, A).view(x_sizes);
-      else grad_x.addmm_(gha, A);  // both paths in one buffer
+      if (!has_h) grad_x.addmm_(gha, A);  // both paths in one buffer
       grad_x = grad_x.view(x_sizes);
     }
+    if (has_h && ctx->needs_input_grad(h_edge)) grad_h = at::mm(gha, A).view(x_sizes);
     if (ctx->needs_input_grad(1)) grad_A = at::mm(gha.t(), h2);
     if (ctx->needs_input_grad(2)) grad_B = at::mm(g.t(), ha).mul_(scaling);
     if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(bias_edge)) grad_bias = g.sum(0);
