@@ -1,0 +1,62 @@
+// MEMTUNE_PROFILE=STEP:FILE: the asked-for step's ops land in a Chrome trace; a malformed
+// value is a clear error naming the variable and the expected form.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "runtime/error.h"
+#include "runtime/step_profiler.h"
+#include "test_util.h"
+
+namespace memtune::testing {
+namespace {
+
+struct ProfileEnv {
+  explicit ProfileEnv(const std::string& v) { setenv("MEMTUNE_PROFILE", v.c_str(), 1); }
+  ~ProfileEnv() { unsetenv("MEMTUNE_PROFILE"); }
+};
+
+TEST(StepProfiler, WritesATraceOfTheAskedStepOnly) {
+  const fs::path file = temp_dir() / "trace.json";
+  ProfileEnv env("2:" + file.string());
+  StepProfiler p;
+  p.begin(1);
+  (void)at::ones({4, 4}).mm(at::ones({4, 4}));
+  p.end();
+  EXPECT_FALSE(fs::exists(file));  // step 1 was not asked for
+  p.begin(2);
+  (void)at::ones({8, 8}).mm(at::ones({8, 8}));
+  p.end();
+  ASSERT_TRUE(fs::exists(file));
+  std::ifstream in(file);
+  const auto trace = nlohmann::json::parse(in);
+  const auto& events = trace.is_array() ? trace : trace.at("traceEvents");
+  int mm = 0;
+  for (const auto& e : events)
+    if (e.value("name", "") == "aten::mm") ++mm;
+  EXPECT_GE(mm, 1);
+}
+
+TEST(StepProfiler, MalformedValuesAreRefused) {
+  for (const char* bad : {"trace.json", "0:trace.json", "x:trace.json", "3:", "-1:t.json"}) {
+    SCOPED_TRACE(bad);
+    ProfileEnv env(bad);
+    try {
+      StepProfiler p;
+      ADD_FAILURE() << "accepted";
+    } catch (const UserError& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find("MEMTUNE_PROFILE='" + std::string(bad) + "'"), std::string::npos) << m;
+      EXPECT_NE(m.find("STEP:FILE"), std::string::npos) << m;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace memtune::testing
