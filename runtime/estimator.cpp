@@ -32,6 +32,14 @@ std::vector<Projection> projections(const EstimateInput& m) {
           {"down_proj", F, C, false}};
 }
 
+// Floats of scratch per thread of the fused CPU attention's backward, the larger pass
+// (models/layers/attention_cpu.cpp Scratch::backward_floats).
+int64_t fused_attention_scratch(int64_t T, int64_t D) {
+  constexpr int64_t kRows = 32, kLanes = 16;
+  const int64_t Tp = (T + kLanes - 1) / kLanes * kLanes, Dp = (D + kLanes - 1) / kLanes * kLanes;
+  return (2 * D * Tp + T * Dp + 2 * kRows * (Tp + kLanes) + kRows * Dp) * kF32;
+}
+
 // Rows of key positions summed over query blocks: sum over blocks of bt * t1.
 int64_t attention_block_area(int64_t T) {
   int64_t area = 0;
@@ -128,12 +136,14 @@ class Planner {
       if (any) k.attn += E * C * a;
       g_attn_in = g_h1 || any;
     }
-    // Attention (models/layers/attention.cpp): contiguous q, k, v, the output, one fp32
-    // log-sum-exp per query row, and the probabilities when they fit 64 MiB.
+    // Attention (models/layers/attention.cpp): q, k, v, the output, one fp32 log-sum-exp per
+    // query row; the blocked kernel also the probabilities when they fit 64 MiB, the fused
+    // one each query's first key (int64).
     if (g_attn_in) {
       const int64_t kvd = gpt2 ? q : kv;
       k.attn += E * (2 * q + 2 * kvd) * a + E * H * kF32;
-      if (keep_probs()) k.attn += m_.micro_batch * H * attention_block_area(T_) * a;
+      if (m_.fused_cpu_attention) k.attn += E * kI64;
+      else if (keep_probs()) k.attn += m_.micro_batch * H * attention_block_area(T_) * a;
     }
     const std::string o = gpt2 ? "attn.c_proj" : "o_proj";
     if (keeps_input(o)) k.mlp += E * q * a;  // the merged heads, (B,T,q)
@@ -169,6 +179,13 @@ class Planner {
   bool keep_probs() const {
     return m_.micro_batch * m_.num_heads * T_ * T_ * 4 / 2 <= kKeepProbsBytes;
   }
+  // The fused kernel's scratch, all threads.
+  int64_t fused_scratch() const { return std::max<int64_t>(m_.threads, 1) * fused_attention_scratch(T_, m_.head_dim); }
+  // What the attention's forward holds beyond its inputs and output while it runs.
+  int64_t attention_forward_transient() const {
+    if (m_.fused_cpu_attention) return fused_scratch();
+    return score_block() + (keep_probs() ? 0 : score_block()) + mask_block();
+  }
 
   // One query block of fp32 scores (B,H,bt,T).
   int64_t score_block() const { return m_.micro_batch * m_.num_heads * std::min(T_, kQueryBlock) * T_ * kF32; }
@@ -184,8 +201,9 @@ class Planner {
   // Peak of a layer's forward above what is alive before it, with autograd recording.
   int64_t forward_with_grad(int i) const {
     const LayerKept k = layer_kept(i);
-    const int64_t probs_transient = keep_probs() ? 0 : score_block();
-    const int64_t at_attention = k.attn + qkv_locals() + score_block() + probs_transient + mask_block();
+    // The fused kernel keeps q, k and v themselves (the layer's locals), not copies.
+    const int64_t at_attention =
+        k.attn + (m_.fused_cpu_attention ? 0 : qkv_locals()) + attention_forward_transient();
     // Up's output (kept) and its adapter's x A^T: the fused LoRA node adds the adapter's
     // product inside the base's GEMM (models/layers/lora_linear.h), no full-size delta.
     const int64_t at_mlp = k.total() + qkv_locals() + E_ * m_.lora_r * kF32 + nf4_panel();
@@ -198,9 +216,13 @@ class Planner {
     const int64_t E = E_, C = m_.hidden_size, F = m_.intermediate_size, H = m_.num_heads, a = act_;
     const int64_t q = m_.num_heads * m_.head_dim, kv = m_.num_kv_heads * m_.head_dim;
     const int64_t kvd = m_.family == "gpt2" ? q : kv;
-    const int64_t probs = keep_probs() ? m_.micro_batch * H * attention_block_area(T_) * a : score_block();
-    const int64_t at_attention =
-        E * C * a + qkv_locals() + E * (2 * q + 2 * kvd) * a + E * H * kF32 + probs + score_block() + mask_block();
+    // The blocked kernel makes q, k, v contiguous and keeps or forms the probabilities; the
+    // fused one reads q, k, v in place and adds each query's first key.
+    const int64_t own = m_.fused_cpu_attention
+                            ? E * q * a + E * H * kF32 + E * kI64
+                            : E * (2 * q + 2 * kvd) * a + E * H * kF32 +
+                                  (keep_probs() ? m_.micro_batch * H * attention_block_area(T_) * a : 0);
+    const int64_t at_attention = E * C * a + qkv_locals() + own + attention_forward_transient();
     // x, h, q/k/v locals, merged heads, y, and the MLP: gate, up's parts, silu, the product.
     const int64_t at_mlp = 3 * E * C * a + qkv_locals() + E * q * a + 5 * E * F * a + nf4_panel();
     return std::max(at_attention, at_mlp);
@@ -221,6 +243,8 @@ class Planner {
   int64_t backward_at_attention() const {
     const int64_t q = m_.num_heads * m_.head_dim, kv = m_.num_kv_heads * m_.head_dim;
     const int64_t kvd = m_.family == "gpt2" ? q : kv;
+    // The fused kernel: the incoming gradient (no copy), dq, dk, dv and its scratch.
+    if (m_.fused_cpu_attention) return E_ * (2 * q + 2 * kvd) * kF32 + fused_scratch();
     const int64_t blocks = keep_probs() ? 2 * score_block() : 3 * score_block() + mask_block();
     return E_ * (4 * q + 2 * kvd) * kF32 + E_ * m_.num_heads * kF32 + blocks;
   }

@@ -50,6 +50,10 @@ struct EstimateInput {
   std::vector<bool> checkpoint_layers;  // per layer: recomputed in backward (empty: none)
   std::string optimizer = "adamw";  // adamw (2 fp32 states) | sgd (1: momentum buffer)
   int64_t compute_bytes = 4;        // bytes per element of the base matmuls
+  // Attention runs the fused CPU kernel (models/layers/attention_cpu.h: CPU, fp32), whose
+  // scratch is per intra-op thread; otherwise the blocked ATen one.
+  bool fused_cpu_attention = false;
+  int64_t threads = 1;
   int64_t loss_chunk_rows = 0;      // rows of logits formed at a time; 0: loss_chunk_rows(vocab)
 };
 

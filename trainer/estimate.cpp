@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <filesystem>
 
+#include <ATen/Parallel.h>
 #include <c10/core/ScalarType.h>
 
 #include "models/causal_lm.h"
@@ -104,8 +105,11 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
   in.checkpoint_layers = checkpoint_plan(c.training.gradient_checkpointing, s.num_layers);
   in.optimizer = c.training.optim == "sgd" ? "sgd" : "adamw";
   std::string note;
-  in.compute_bytes =
-      static_cast<int64_t>(c10::elementSize(resolve_compute_dtype(c, resolve_device(c.runtime.device), &note)));
+  const c10::Device device = resolve_device(c.runtime.device);
+  in.compute_bytes = static_cast<int64_t>(c10::elementSize(resolve_compute_dtype(c, device, &note)));
+  // Activations are fp32 (LoadOptions::dense_dtype); on the CPU attention takes the fused kernel.
+  in.fused_cpu_attention = device.is_cpu() && in.compute_bytes == 4;
+  in.threads = at::get_num_threads();
   return in;
 }
 

@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "models/layers/attention_cpu.h"
+
 namespace memtune::models {
 
 namespace {
@@ -116,14 +118,23 @@ struct SegmentAttention : public torch::autograd::Function<SegmentAttention> {
 
 }  // namespace
 
+bool uses_fused_cpu_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const at::Tensor& segment_ids) {
+  return detail::fused_cpu_attention_applies(q, k, v, segment_ids);
+}
+
 at::Tensor causal_segment_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     const at::Tensor& segment_ids, double scale, int64_t sliding_window,
-                                    int64_t query_block, int64_t keep_probs_bytes) {
+                                    const AttentionOptions& options) {
   TORCH_CHECK(q.dim() == 5 && k.dim() == 4 && v.dim() == 4, "attention: q (B,Hkv,G,T,D), k/v (B,Hkv,T,D)");
   TORCH_CHECK(q.size(3) == k.size(2) && k.sizes() == v.sizes(), "attention: q, k, v lengths differ");
+  TORCH_CHECK(segment_ids.dim() == 2 && segment_ids.size(0) == q.size(0) && segment_ids.size(1) == q.size(3),
+              "attention: segment ids ", segment_ids.sizes(), " do not match q ", q.sizes());
+  if (options.kernel == AttentionOptions::Kernel::kAuto && detail::fused_cpu_attention_applies(q, k, v, segment_ids))
+    return detail::fused_cpu_attention(q, k, v, segment_ids, scale, sliding_window);
   return SegmentAttention::apply(q.contiguous(), k.contiguous(), v.contiguous(),
-                                 segment_ids.to(q.device()), scale, sliding_window, query_block,
-                                 keep_probs_bytes);
+                                 segment_ids.to(q.device()), scale, sliding_window, options.query_block,
+                                 options.keep_probs_bytes);
 }
 
 }  // namespace memtune::models

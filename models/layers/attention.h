@@ -13,9 +13,26 @@ namespace memtune::models {
 // attention probabilities are kept only when they fit `keep_probs_bytes`, else recomputed
 // block by block in backward, so memory grows linearly with sequence length.
 // Returns (B,Hkv,G,T,D).
+//
+// Two implementations compute it. On the CPU in fp32 (the CPU's compute dtype) with
+// segments that are runs of positions, the fused kernel of attention_cpu.h: register-tiled
+// per-head GEMMs on the intra-op threads, probabilities never kept. Elsewhere (GPUs, fp16
+// and bf16, arbitrary segment ids) the blocked one below written with ATen ops.
+struct AttentionOptions {
+  enum class Kernel { kAuto, kBlocked };
+  Kernel kernel = Kernel::kAuto;
+  // The blocked implementation's query rows per block and its limit for keeping the
+  // probabilities instead of recomputing them in backward.
+  int64_t query_block = 64;
+  int64_t keep_probs_bytes = 64LL << 20;
+};
+
 at::Tensor causal_segment_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     const at::Tensor& segment_ids, double scale, int64_t sliding_window = 0,
-                                    int64_t query_block = 64,
-                                    int64_t keep_probs_bytes = 64LL << 20);
+                                    const AttentionOptions& options = {});
+
+// Whether causal_segment_attention runs the fused CPU kernel for these inputs.
+bool uses_fused_cpu_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const at::Tensor& segment_ids);
 
 }  // namespace memtune::models

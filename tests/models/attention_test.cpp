@@ -10,6 +10,7 @@
 #include <limits>
 
 #include "models/layers/attention.h"
+#include "models/layers/attention_cpu.h"
 #include "test_util.h"
 
 namespace {
@@ -30,34 +31,100 @@ at::Tensor naive_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   return at::matmul(at::softmax(s, -1), v.unsqueeze(2));
 }
 
-TEST(Attention, BlocksAndWindowsMatchTheTextbookAttention) {
+using memtune::models::AttentionOptions;
+using memtune::models::uses_fused_cpu_attention;
+
+// memtune's attention and the textbook one on the same inputs: output and the three
+// gradients for a random output gradient.
+void expect_textbook(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& seg,
+                     int64_t window, const AttentionOptions& options) {
+  at::Tensor qa = q.detach().clone().requires_grad_(true), ka = k.detach().clone().requires_grad_(true),
+             va = v.detach().clone().requires_grad_(true);
+  at::Tensor out = causal_segment_attention(qa, ka, va, seg, 0.35, window, options);
+  at::Tensor qr = q.detach().clone().requires_grad_(true), kr = k.detach().clone().requires_grad_(true),
+             vr = v.detach().clone().requires_grad_(true);
+  at::Tensor ref = naive_attention(qr, kr, vr, seg, 0.35, window);
+  expect_close(out, ref, 2e-5, "output", 1.0);
+  at::Tensor g = at::randn(out.sizes(), at::kFloat);
+  auto grads = torch::autograd::grad({out}, {qa, ka, va}, {g});
+  ref.backward(g);
+  expect_close(grads[0], qr.grad(), 2e-5, "grad q", 1.0);
+  expect_close(grads[1], kr.grad(), 2e-5, "grad k", 1.0);
+  expect_close(grads[2], vr.grad(), 2e-5, "grad v", 1.0);
+}
+
+// Row 0: two documents (10 + 13 tokens); row 1: one document then padding (segment -1).
+at::Tensor two_rows_of_segments(int64_t T) {
+  at::Tensor seg = at::zeros({2, T}, at::kLong);
+  seg[0].slice(0, 10) = 1;
+  seg[1].slice(0, T - 4) = -1;
+  return seg;
+}
+
+TEST(Attention, BlockedKernelMatchesTheTextbookAttention) {
   torch::manual_seed(9);
   const int64_t B = 2, Hkv = 2, G = 2, T = 23, D = 8;
-  // Row 0: two documents (10 + 13 tokens); row 1: one document then padding (segment -1).
-  at::Tensor seg = at::zeros({B, T}, at::kLong);
-  seg[0].slice(0, 10) = 1;
-  seg[1].slice(0, 19) = -1;
+  const at::Tensor seg = two_rows_of_segments(T);
   for (int64_t window : {0, 1, 3, 10}) {
     for (int64_t block : {4, 7, 64}) {
-      SCOPED_TRACE("window " + std::to_string(window) + ", block " + std::to_string(block));
-      at::Tensor q = at::randn({B, Hkv, G, T, D}, at::kFloat).requires_grad_(true);
-      at::Tensor k = at::randn({B, Hkv, T, D}, at::kFloat).requires_grad_(true);
-      at::Tensor v = at::randn({B, Hkv, T, D}, at::kFloat).requires_grad_(true);
       for (int64_t keep_bytes : {int64_t{64} << 20, int64_t{0}}) {  // probabilities kept / recomputed
-        at::Tensor out = causal_segment_attention(q, k, v, seg, 0.35, window, block, keep_bytes);
-        at::Tensor qr = q.detach().clone().requires_grad_(true), kr = k.detach().clone().requires_grad_(true),
-                   vr = v.detach().clone().requires_grad_(true);
-        at::Tensor ref = naive_attention(qr, kr, vr, seg, 0.35, window);
-        expect_close(out, ref, 2e-5, "output", 1.0);
-        at::Tensor g = at::randn(out.sizes(), at::kFloat);
-        auto grads = torch::autograd::grad({out}, {q, k, v}, {g});
-        ref.backward(g);
-        expect_close(grads[0], qr.grad(), 2e-5, "grad q", 1.0);
-        expect_close(grads[1], kr.grad(), 2e-5, "grad k", 1.0);
-        expect_close(grads[2], vr.grad(), 2e-5, "grad v", 1.0);
+        SCOPED_TRACE("window " + std::to_string(window) + ", block " + std::to_string(block) + ", keep " +
+                     std::to_string(keep_bytes));
+        AttentionOptions options;
+        options.kernel = AttentionOptions::Kernel::kBlocked;
+        options.query_block = block;
+        options.keep_probs_bytes = keep_bytes;
+        expect_textbook(at::randn({B, Hkv, G, T, D}), at::randn({B, Hkv, T, D}), at::randn({B, Hkv, T, D}), seg,
+                        window, options);
       }
     }
   }
+}
+
+// The fused CPU kernel: lengths across its 32-row blocks, head sizes off its 8- and
+// 16-column tiles, grouped-query heads, windows, packed documents and padding, and q, k, v
+// as the strided views the models pass (heads split out of (B,T,H*D) projections).
+// Both the AVX2 kernels (where the CPU has them) and the portable C++ ones.
+class FusedCpuAttention : public ::testing::TestWithParam<bool> {
+ protected:
+  void SetUp() override { memtune::models::detail::use_portable_cpu_attention_kernels(GetParam()); }
+  void TearDown() override { memtune::models::detail::use_portable_cpu_attention_kernels(false); }
+};
+
+TEST_P(FusedCpuAttention, MatchesTheTextbookAttention) {
+  torch::manual_seed(11);
+  struct Shape { int64_t Hkv, G, T, D; };
+  for (const Shape& s : {Shape{2, 2, 23, 8}, Shape{1, 3, 70, 12}, Shape{2, 1, 33, 64}, Shape{1, 1, 1, 5}}) {
+    const at::Tensor seg = s.T > 10 ? two_rows_of_segments(s.T) : at::zeros({2, s.T}, at::kLong);
+    for (int64_t window : {0, 1, 3, 40}) {
+      SCOPED_TRACE("Hkv " + std::to_string(s.Hkv) + " G " + std::to_string(s.G) + " T " + std::to_string(s.T) +
+                   " D " + std::to_string(s.D) + " window " + std::to_string(window));
+      const int64_t B = 2, H = s.Hkv * s.G;
+      // As llama.cpp builds them: q (B,T,H,D) seen as (B,Hkv,G,T,D), k and v (B,T,Hkv,D) as (B,Hkv,T,D).
+      at::Tensor q = at::randn({B, s.T, H * s.D}).view({B, s.T, s.Hkv, s.G, s.D}).permute({0, 2, 3, 1, 4});
+      at::Tensor kv = at::randn({B, s.T, 2 * s.Hkv * s.D});
+      at::Tensor k = kv.slice(2, 0, s.Hkv * s.D).view({B, s.T, s.Hkv, s.D}).permute({0, 2, 1, 3});
+      at::Tensor v = kv.slice(2, s.Hkv * s.D).view({B, s.T, s.Hkv, s.D}).permute({0, 2, 1, 3});
+      ASSERT_TRUE(uses_fused_cpu_attention(q, k, v, seg));
+      expect_textbook(q, k, v, seg, window, {});
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Kernels, FusedCpuAttention, ::testing::Values(false, true),
+                         [](const auto& info) { return info.param ? "Portable" : "Avx2WhereAvailable"; });
+
+// Inputs the fused kernel does not take run the blocked kernel, still exactly: a segment id
+// that comes back after another one (not a run), and float64.
+TEST(Attention, InputsOutsideTheFusedKernelUseTheBlockedOne) {
+  torch::manual_seed(12);
+  const int64_t B = 2, T = 12, D = 8;
+  at::Tensor seg = at::zeros({B, T}, at::kLong);
+  seg[0].slice(0, 4, 8) = 1;  // 0 0 0 0 1 1 1 1 0 0 0 0: document 0 resumes
+  at::Tensor q = at::randn({B, 1, 2, T, D}), k = at::randn({B, 1, T, D}), v = at::randn({B, 1, T, D});
+  EXPECT_FALSE(uses_fused_cpu_attention(q, k, v, seg));
+  expect_textbook(q, k, v, seg, 0, {});
+  EXPECT_FALSE(uses_fused_cpu_attention(q.to(at::kDouble), k.to(at::kDouble), v.to(at::kDouble), at::zeros({B, T}, at::kLong)));
 }
 
 }  // namespace

@@ -1,0 +1,426 @@
+#include "models/layers/attention_cpu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <unordered_set>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define MEMTUNE_ATTN_X86 1
+#endif
+
+namespace memtune::models::detail {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+constexpr int64_t kRows = 32;  // query rows per block
+constexpr int64_t kLanes = 16;  // columns of a packed panel: two 8-float registers
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// ---- Operands ----------------------------------------------------------------------------
+// The left operand A (M x K) in place: element (i, k) at p[i * row + k * col] (row-major:
+// row = ld, col = 1; transposed storage: row = 1, col = ld).
+struct Left {
+  const float* p;
+  int64_t row, col;
+  float at(int64_t i, int64_t k) const { return p[i * row + k * col]; }
+};
+Left rows_of(const float* p, int64_t ld) { return {p, ld, 1}; }
+Left columns_of(const float* p, int64_t ld) { return {p, 1, ld}; }
+
+// The right operand B (K x N) packed as BLAS libraries pack it: column panels of 16,
+// panel q holding rows k = 0..K-1 of columns 16q..16q+15 contiguously (zero past N). The
+// kernel then streams B in order whatever the source strides were (heads in a (B,T,H*D)
+// tensor sit a power of two apart, which maps a panel's rows onto a few L1 sets).
+struct Panels {
+  const float* p;
+  int64_t stride;  // floats from one panel to the next
+  const float* at(int64_t q, int64_t k) const { return p + q * stride + k * kLanes; }
+};
+
+// Packs B (K x N), element (k, n) at src[k * row + n * col], into panels of `stride` >= K
+// rows (dst holds round_up(N, 16) / 16 * stride * 16 floats).
+Panels pack_panels(const float* src, int64_t row, int64_t col, int64_t K, int64_t N, int64_t stride, float* dst) {
+  for (int64_t q = 0; q * kLanes < N; ++q) {
+    const int64_t n0 = q * kLanes, nn = std::min(kLanes, N - n0);
+    float* d = dst + q * stride * kLanes;
+    for (int64_t k = 0; k < K; ++k, d += kLanes) {
+      if (col == 1 && nn == kLanes) {
+        std::memcpy(d, src + k * row + n0, kLanes * sizeof(float));
+        continue;
+      }
+      for (int64_t n = 0; n < nn; ++n) d[n] = src[k * row + (n0 + n) * col];
+      std::fill(d + nn, d + kLanes, 0.0f);
+    }
+  }
+  return {dst, stride * kLanes};
+}
+
+// ---- Kernels -----------------------------------------------------------------------------
+// C (M x N, row-major, ldc) = A (M x K) * B (K x N), or += with `acc`.
+using GemmFn = void (*)(int64_t M, int64_t N, int64_t K, Left A, Panels B, float* C, int64_t ldc, bool acc);
+// x[j] = exp(x[j] * scale - shift) for j < n; returns the sum.
+using ExpFn = float (*)(float* x, int64_t n, float scale, float shift);
+
+void gemm_scalar(int64_t M, int64_t N, int64_t K, Left A, Panels B, float* C, int64_t ldc, bool acc) {
+  for (int64_t i = 0; i < M; ++i) {
+    float* c = C + i * ldc;
+    if (!acc) std::fill(c, c + N, 0.0f);
+    for (int64_t k = 0; k < K; ++k) {
+      const float a = A.at(i, k);
+      for (int64_t j = 0; j < N; ++j) c[j] += a * B.at(j / kLanes, k)[j % kLanes];
+    }
+  }
+}
+
+float exp_scalar(float* x, int64_t n, float scale, float shift) {
+  float sum = 0.0f;
+  for (int64_t j = 0; j < n; ++j) sum += (x[j] = std::exp(x[j] * scale - shift));
+  return sum;
+}
+
+#ifdef MEMTUNE_ATTN_X86
+#define MEMTUNE_AVX2 __attribute__((target("avx2,fma")))
+
+// 4 x 16 tiles of C in eight registers; a K-step is two loads of B, four broadcasts of A
+// and eight fused multiply-adds.
+MEMTUNE_AVX2 void gemm_avx2(int64_t M, int64_t N, int64_t K, Left A, Panels B, float* C, int64_t ldc, bool acc) {
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t q = 0; q * kLanes < N; ++q) {
+    const int64_t j0 = q * kLanes, nj = std::min(kLanes, N - j0);
+    const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(nj, 8))), lanes);
+    const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::max<int64_t>(nj - 8, 0))), lanes);
+    const float* b = B.at(q, 0);
+    for (int64_t i0 = 0; i0 < M; i0 += 4) {
+      const int64_t mi = std::min<int64_t>(4, M - i0);
+      // Rows past M repeat the last one (computed, not stored).
+      const float* a0 = A.p + i0 * A.row;
+      const float* a1 = A.p + std::min(i0 + 1, M - 1) * A.row;
+      const float* a2 = A.p + std::min(i0 + 2, M - 1) * A.row;
+      const float* a3 = A.p + std::min(i0 + 3, M - 1) * A.row;
+      __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00;
+      for (int64_t k = 0; k < K; ++k) {
+        const __m256 b0 = _mm256_loadu_ps(b + k * kLanes), b1 = _mm256_loadu_ps(b + k * kLanes + 8);
+        const int64_t o = k * A.col;
+        __m256 x = _mm256_broadcast_ss(a0 + o);
+        c00 = _mm256_fmadd_ps(x, b0, c00);
+        c01 = _mm256_fmadd_ps(x, b1, c01);
+        x = _mm256_broadcast_ss(a1 + o);
+        c10 = _mm256_fmadd_ps(x, b0, c10);
+        c11 = _mm256_fmadd_ps(x, b1, c11);
+        x = _mm256_broadcast_ss(a2 + o);
+        c20 = _mm256_fmadd_ps(x, b0, c20);
+        c21 = _mm256_fmadd_ps(x, b1, c21);
+        x = _mm256_broadcast_ss(a3 + o);
+        c30 = _mm256_fmadd_ps(x, b0, c30);
+        c31 = _mm256_fmadd_ps(x, b1, c31);
+      }
+      const __m256 tile[4][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}};
+      for (int64_t r = 0; r < mi; ++r) {
+        float* c = C + (i0 + r) * ldc + j0;
+        __m256 v0 = tile[r][0], v1 = tile[r][1];
+        if (nj == kLanes) {
+          if (acc) v0 = _mm256_add_ps(v0, _mm256_loadu_ps(c)), v1 = _mm256_add_ps(v1, _mm256_loadu_ps(c + 8));
+          _mm256_storeu_ps(c, v0);
+          _mm256_storeu_ps(c + 8, v1);
+        } else {
+          if (acc) v0 = _mm256_add_ps(v0, _mm256_maskload_ps(c, m0)), v1 = _mm256_add_ps(v1, _mm256_maskload_ps(c + 8, m1));
+          _mm256_maskstore_ps(c, m0, v0);
+          _mm256_maskstore_ps(c + 8, m1, v1);
+        }
+      }
+    }
+  }
+}
+
+// exp on 8 lanes: 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2, p Cephes' degree-5 polynomial
+// (relative error about 2e-7 over the clamped range; inputs below -87.3 give ~0).
+MEMTUNE_AVX2 inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365447504f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+MEMTUNE_AVX2 float exp_avx2(float* x, int64_t n, float scale, float shift) {
+  const __m256 vs = _mm256_set1_ps(scale), vt = _mm256_set1_ps(shift);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp8(_mm256_fmsub_ps(_mm256_loadu_ps(x + j), vs, vt));
+    _mm256_storeu_ps(x + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  if (j < n) {
+    const __m256i mask =
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - j)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 e = _mm256_and_ps(exp8(_mm256_fmsub_ps(_mm256_maskload_ps(x + j, mask), vs, vt)),
+                                   _mm256_castsi256_ps(mask));
+    _mm256_maskstore_ps(x + j, mask, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+}
+#endif
+
+struct Kernels {
+  GemmFn gemm = gemm_scalar;
+  ExpFn exp = exp_scalar;
+};
+
+bool g_portable = false;  // use_portable_cpu_attention_kernels
+
+const Kernels& kernels() {
+  static const Kernels portable;
+  static const Kernels best = [] {
+    Kernels r;
+#ifdef MEMTUNE_ATTN_X86
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) r = {gemm_avx2, exp_avx2};
+#endif
+    return r;
+  }();
+  return g_portable ? portable : best;
+}
+
+// ---- Layout ------------------------------------------------------------------------------
+
+// A tensor with a contiguous last dimension as pointer arithmetic: element (i0,i1,i2,..).
+struct View {
+  float* data;
+  int64_t s0, s1, s2, s3;  // strides of the dimensions before the last (s3: 5-d only)
+  explicit View(const at::Tensor& t)
+      : data(t.data_ptr<float>()), s0(t.stride(0)), s1(t.stride(1)), s2(t.stride(2)), s3(t.dim() == 5 ? t.stride(3) : 0) {}
+  float* at(int64_t b, int64_t h, int64_t g = 0) const { return data + b * s0 + h * s1 + g * s2; }
+};
+
+at::Tensor last_dim_contiguous(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
+
+// Scratch of one thread, carved from one tensor: a task's packed keys and values, one
+// query block's probabilities and their gradient, the packed rows of a block.
+struct Scratch {
+  int64_t T, D, Tp, Dp, ld;  // Tp, Dp: T and D rounded up to a panel; ld: a score row's stride
+  Scratch(int64_t T_, int64_t D_)
+      : T(T_), D(D_), Tp(round_up(T_, kLanes)), Dp(round_up(D_, kLanes)), ld(round_up(T_, kLanes) + kLanes) {}
+  // K^T or V^T (D x T) and K or V (T x D) packed; a block's scores; a block's rows (kRows x D) packed.
+  int64_t transposed() const { return D * Tp; }
+  int64_t straight() const { return T * Dp; }
+  int64_t scores() const { return kRows * ld; }
+  int64_t block_rows() const { return kRows * Dp; }
+  int64_t forward_floats() const { return transposed() + straight() + scores() + kRows; }
+  int64_t backward_floats() const { return 2 * transposed() + straight() + 2 * scores() + block_rows(); }
+};
+
+// Keys K (T x D, row stride ld) packed as the right operand of Q K^T: panels of 16 keys.
+Panels pack_transposed(const float* src, int64_t ld, const Scratch& s, float* dst) {
+  return pack_panels(src, 1, ld, s.D, s.T, s.D, dst);
+}
+// Values V (T x D) packed as the right operand of P V: panels of 16 dimensions, T rows.
+Panels pack_straight(const float* src, int64_t ld, const Scratch& s, float* dst) {
+  return pack_panels(src, ld, 1, s.T, s.D, s.T, dst);
+}
+
+// Query rows [t0,t1) of q (row stride q_t) against the keys from k0 (`first` of t0 rounded
+// down to a panel) to t1: scores into S (row stride s.ld), each row's allowed keys
+// exponentiated with `row_shift` (forward: the row max, which it records; backward: the
+// saved log-sum-exp), the rest zeroed. Returns k0.
+template <typename Shift>
+int64_t block_probs(const Kernels& kr, const Scratch& s, const int64_t* first, float scale, const float* q,
+                    int64_t q_t, Panels kt, int64_t t0, int64_t t1, float* S, Shift&& row_shift, float* row_sum) {
+  const int64_t k0 = first[t0] / kLanes * kLanes, tk = t1 - k0;
+  kr.gemm(t1 - t0, tk, s.D, rows_of(q + t0 * q_t, q_t), {kt.at(k0 / kLanes, 0), kt.stride}, S, s.ld, false);
+  for (int64_t t = t0; t < t1; ++t) {
+    float* row = S + (t - t0) * s.ld;
+    const int64_t lo = first[t] - k0, hi = t - k0 + 1;  // allowed columns [lo, hi)
+    std::fill(row, row + lo, 0.0f);
+    std::fill(row + hi, row + tk, 0.0f);
+    const float shift = row_shift(t, row + lo, hi - lo);
+    const float sum = kr.exp(row + lo, hi - lo, scale, shift);
+    if (row_sum != nullptr) row_sum[t - t0] = sum;
+  }
+  return k0;
+}
+
+struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q_in, const at::Tensor& k_in,
+                            const at::Tensor& v_in, const at::Tensor& first_keys, double scale_d, int64_t window) {
+    at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in), v = last_dim_contiguous(v_in);
+    const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), T = q.size(3), D = q.size(4);
+    const float scale = static_cast<float>(scale_d);
+    // Output in (B,T,Hkv,G,D) memory order, seen as (B,Hkv,G,T,D).
+    at::Tensor out = at::empty_strided({B, Hkv, G, T, D}, {T * Hkv * G * D, G * D, D, Hkv * G * D, 1}, q.options());
+    at::Tensor lse = at::empty({B, Hkv, G, T}, q.options());
+    const Scratch s(T, D);
+    at::Tensor scratch = at::empty({at::get_num_threads() * s.forward_floats()}, q.options());
+    const View vq(q), vk(k), vv(v), vo(out), vl(lse);
+    const Kernels& kr = kernels();
+    at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+      float* kt_buf = scratch.data_ptr<float>() + at::get_thread_num() * s.forward_floats();
+      float* v_buf = kt_buf + s.transposed();
+      float* S = v_buf + s.straight();
+      float* sums = S + s.scores();
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t b = task / Hkv, h = task % Hkv;
+        const int64_t* first = first_keys.data_ptr<int64_t>() + b * T;
+        const Panels kt = pack_transposed(vk.at(b, h), vk.s2, s, kt_buf);
+        const Panels vp = pack_straight(vv.at(b, h), vv.s2, s, v_buf);
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = vq.at(b, h, g);
+          float* og = vo.at(b, h, g);
+          float* lg = vl.at(b, h, g);
+          for (int64_t t0 = 0; t0 < T; t0 += kRows) {
+            const int64_t t1 = std::min(T, t0 + kRows);
+            auto row_max = [&](int64_t t, const float* x, int64_t n) { return lg[t] = *std::max_element(x, x + n) * scale; };
+            const int64_t k0 = block_probs(kr, s, first, scale, qg, vq.s3, kt, t0, t1, S, row_max, sums);
+            kr.gemm(t1 - t0, D, t1 - k0, rows_of(S, s.ld), {vp.at(0, k0), vp.stride}, og + t0 * vo.s3, vo.s3, false);
+            for (int64_t t = t0; t < t1; ++t) {
+              const float inv = 1.0f / sums[t - t0];
+              float* o = og + t * vo.s3;
+              for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+              lg[t] += std::log(sums[t - t0]);
+            }
+          }
+        }
+      }
+    });
+    ctx->saved_data["scale"] = scale_d;
+    ctx->save_for_backward({q, k, v, first_keys, out, lse});
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &first_keys = saved[3], &out = saved[4],
+                     &lse = saved[5];
+    const float scale = static_cast<float>(ctx->saved_data["scale"].toDouble());
+    const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), T = q.size(3), D = q.size(4);
+    at::Tensor dout = last_dim_contiguous(grads[0]);
+    at::Tensor dq = at::empty_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
+    if (dq.stride(-1) != 1) dq = at::empty(q.sizes(), q.options());
+    if (dk.stride(-1) != 1) dk = at::zeros(k.sizes(), k.options());
+    if (dv.stride(-1) != 1) dv = at::zeros(v.sizes(), v.options());
+    const Scratch s(T, D);
+    at::Tensor scratch = at::empty({at::get_num_threads() * s.backward_floats()}, q.options());
+    const View vq(q), vk(k), vv(v), vo(out), vl(lse), vdo(dout), vdq(dq), vdk(dk), vdv(dv);
+    const Kernels& kr = kernels();
+    at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+      float* kt_buf = scratch.data_ptr<float>() + at::get_thread_num() * s.backward_floats();
+      float* vt_buf = kt_buf + s.transposed();
+      float* k_buf = vt_buf + s.transposed();
+      float* P = k_buf + s.straight();
+      float* dP = P + s.scores();
+      float* rows_buf = dP + s.scores();
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t b = task / Hkv, h = task % Hkv;
+        const int64_t* first = first_keys.data_ptr<int64_t>() + b * T;
+        const Panels kt = pack_transposed(vk.at(b, h), vk.s2, s, kt_buf);
+        const Panels vt = pack_transposed(vv.at(b, h), vv.s2, s, vt_buf);
+        const Panels kp = pack_straight(vk.at(b, h), vk.s2, s, k_buf);
+        float* dkh = vdk.at(b, h);
+        float* dvh = vdv.at(b, h);
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = vq.at(b, h, g);
+          const float* og = vo.at(b, h, g);
+          const float* dog = vdo.at(b, h, g);
+          const float* lg = vl.at(b, h, g);
+          float* dqg = vdq.at(b, h, g);
+          for (int64_t t0 = 0; t0 < T; t0 += kRows) {
+            const int64_t t1 = std::min(T, t0 + kRows), bt = t1 - t0;
+            auto saved_lse = [&](int64_t t, const float*, int64_t) { return lg[t]; };
+            const int64_t k0 = block_probs(kr, s, first, scale, qg, vq.s3, kt, t0, t1, P, saved_lse, nullptr);
+            const int64_t tk = t1 - k0;
+            const float* dob = dog + t0 * vdo.s3;
+            // dV += P^T dO;  dP = dO V^T
+            const Panels dop = pack_panels(dob, vdo.s3, 1, bt, D, bt, rows_buf);
+            kr.gemm(tk, D, bt, columns_of(P, s.ld), dop, dvh + k0 * vdv.s2, vdv.s2, true);
+            kr.gemm(bt, tk, D, rows_of(dob, vdo.s3), {vt.at(k0 / kLanes, 0), vt.stride}, dP, s.ld, false);
+            // dS = P * (dP - rowsum(dO * O)) * scale, into P
+            for (int64_t i = 0; i < bt; ++i) {
+              const float* o = og + (t0 + i) * vo.s3;
+              const float* dorow = dob + i * vdo.s3;
+              float dl = 0.0f;
+              for (int64_t d = 0; d < D; ++d) dl += dorow[d] * o[d];
+              float* p = P + i * s.ld;
+              const float* dp = dP + i * s.ld;
+              for (int64_t j = 0; j < tk; ++j) p[j] = p[j] * (dp[j] - dl) * scale;
+            }
+            // dQ = dS K;  dK += dS^T Q
+            kr.gemm(bt, D, tk, rows_of(P, s.ld), {kp.at(0, k0), kp.stride}, dqg + t0 * vdq.s3, vdq.s3, false);
+            const Panels qp = pack_panels(qg + t0 * vq.s3, vq.s3, 1, bt, D, bt, rows_buf);
+            kr.gemm(tk, D, bt, columns_of(P, s.ld), qp, dkh + k0 * vdk.s2, vdk.s2, true);
+          }
+        }
+      }
+    });
+    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+bool fused_cpu_attention_applies(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& segment_ids) {
+  for (const at::Tensor* t : {&q, &k, &v})
+    if (!t->device().is_cpu() || t->scalar_type() != at::kFloat) return false;
+  if (!segment_ids.device().is_cpu()) return false;
+  // Each segment one run: a segment id seen again after another one is not.
+  at::Tensor seg = segment_ids.to(at::kLong).contiguous();
+  const int64_t B = seg.size(0), T = seg.size(1);
+  const int64_t* s = seg.data_ptr<int64_t>();
+  std::unordered_set<int64_t> ended;
+  for (int64_t b = 0; b < B; ++b, s += T) {
+    ended.clear();
+    for (int64_t t = 1; t < T; ++t)
+      if (s[t] != s[t - 1] && !ended.insert(s[t - 1]).second) return false;
+    for (int64_t t = 1; t < T; ++t)
+      if (s[t] != s[t - 1] && ended.count(s[t])) return false;
+  }
+  return true;
+}
+
+at::Tensor fused_cpu_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& segment_ids, double scale, int64_t sliding_window) {
+  // first[b][t]: the first key query t may see (the start of its segment's run, or of its
+  // window): keys first..t.
+  at::Tensor seg = segment_ids.to(at::kLong).contiguous();
+  const int64_t B = seg.size(0), T = seg.size(1);
+  at::Tensor first = at::empty({B, T}, seg.options());
+  const int64_t* s = seg.data_ptr<int64_t>();
+  int64_t* f = first.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t start = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      if (t > 0 && s[b * T + t] != s[b * T + t - 1]) start = t;
+      f[b * T + t] = sliding_window > 0 ? std::max(start, t - sliding_window + 1) : start;
+    }
+  }
+  return FusedCpuAttention::apply(q, k, v, first, scale, sliding_window);
+}
+
+void use_portable_cpu_attention_kernels(bool portable) { g_portable = portable; }
+
+int64_t fused_cpu_attention_scratch_bytes(int64_t T, int64_t D) {
+  return Scratch(T, D).backward_floats() * static_cast<int64_t>(sizeof(float));  // backward's, the larger
+}
+
+}  // namespace memtune::models::detail

@@ -1,0 +1,28 @@
+#pragma once
+// Attention for CPUs in fp32 (models/layers/attention.h chooses it): one task per (batch
+// row, key/value head), spread over the intra-op threads; within a task, query blocks of 32
+// rows go through register-tiled GEMMs and an in-place softmax, and backward recomputes
+// the scores. No probabilities are kept and no per-head BLAS call is made: at head
+// sizes of 64 the batched BLAS calls cost more in per-matrix overhead than in arithmetic.
+#include <ATen/core/Tensor.h>
+
+namespace memtune::models::detail {
+
+// Whether fused_cpu_attention takes these inputs: CPU float32 q, k, v whose last dimension
+// is contiguous, and segment ids in which each segment is one run of positions (packing
+// and padding produce them so), so that every query sees one contiguous range of keys.
+bool fused_cpu_attention_applies(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& segment_ids);
+
+// As causal_segment_attention (attention.h). The output is laid out (B,T,Hkv,G,D) in
+// memory, so merging the heads back into (B,T,H*D) needs no copy.
+at::Tensor fused_cpu_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& segment_ids, double scale, int64_t sliding_window);
+
+// Bytes of scratch one call holds per intra-op thread at sequence length T, head size D.
+int64_t fused_cpu_attention_scratch_bytes(int64_t T, int64_t D);
+
+// Tests: run the portable C++ kernels instead of the AVX2 ones this CPU may have.
+void use_portable_cpu_attention_kernels(bool portable);
+
+}  // namespace memtune::models::detail
