@@ -9,6 +9,7 @@
 #include "data/batch.h"
 #include "models/layers/attention.h"
 #include "models/layers/norm_act.h"
+#include "models/layers/rotary.h"
 #include "models/registry.h"
 
 namespace memtune::models {
@@ -35,11 +36,6 @@ at::Tensor rope_inv_freq(const ModelSpec& s) {
     return at::where(medium, smoothed, scaled);
   }
   return inv;
-}
-
-at::Tensor rotate_half(const at::Tensor& x) {
-  const int64_t half = x.size(-1) / 2;
-  return at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
 }
 
 class LlamaModel : public CausalLM {
@@ -94,9 +90,8 @@ class LlamaModel : public CausalLM {
     at::Tensor q = L.q->forward(h, ctx.training).view({B, T, s.num_heads, D});
     at::Tensor k = L.k->forward(h, ctx.training).view({B, T, Hkv, D});
     at::Tensor v = L.v->forward(h, ctx.training).view({B, T, Hkv, D});
-    at::Tensor cos = ctx.cos.to(q.scalar_type()), sin = ctx.sin.to(q.scalar_type());
-    q = q * cos + rotate_half(q) * sin;
-    k = k * cos + rotate_half(k) * sin;
+    q = apply_rotary(q, ctx.cos, ctx.sin);
+    k = apply_rotary(k, ctx.cos, ctx.sin);
     // Query head j uses key/value head j / G (HF's repeat_kv).
     at::Tensor q5 = q.view({B, T, Hkv, G, D}).permute({0, 2, 3, 1, 4});  // (B,Hkv,G,T,D)
     at::Tensor a = causal_segment_attention(q5, k.permute({0, 2, 1, 3}), v.permute({0, 2, 1, 3}),

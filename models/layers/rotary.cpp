@@ -1,0 +1,89 @@
+#include "models/layers/rotary.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+namespace memtune::models {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+at::Tensor rotate_half(const at::Tensor& x) {
+  const int64_t h = x.size(-1) / 2;
+  return at::cat({-x.slice(-1, h), x.slice(-1, 0, h)}, -1);
+}
+
+// rotate_half's transpose: [y1, y2] -> [y2, -y1].
+at::Tensor rotate_half_transposed(const at::Tensor& y) {
+  const int64_t h = y.size(-1) / 2;
+  return at::cat({y.slice(-1, h), -y.slice(-1, 0, h)}, -1);
+}
+
+// One pass over contiguous fp32 rows: out = x * c + rotate_half(x) * s, or with `inverse`
+// (the backward) out = x * c + rotate_half^T(x * s). c and s hold one row of D per (b,t),
+// shared by the H heads.
+void rotate_rows(const float* x, const float* c, const float* s, float* out, int64_t rows, int64_t H, int64_t D,
+                 bool inverse) {
+  const int64_t h = D / 2;
+  at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / (H * D)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* cr = c + r * D;
+      const float* sr = s + r * D;
+      for (int64_t k = 0; k < H; ++k) {
+        const float* xi = x + (r * H + k) * D;
+        float* o = out + (r * H + k) * D;
+        if (!inverse) {
+          for (int64_t d = 0; d < h; ++d) o[d] = xi[d] * cr[d] - xi[d + h] * sr[d];
+          for (int64_t d = h; d < D; ++d) o[d] = xi[d] * cr[d] + xi[d - h] * sr[d];
+        } else {
+          for (int64_t d = 0; d < h; ++d) o[d] = xi[d] * cr[d] + xi[d + h] * sr[d + h];
+          for (int64_t d = h; d < D; ++d) o[d] = xi[d] * cr[d] - xi[d - h] * sr[d - h];
+        }
+      }
+    }
+  });
+}
+
+bool fast_path(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  return x.device().is_cpu() && x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat &&
+         sin.scalar_type() == at::kFloat && cos.numel() == x.size(0) * x.size(1) * x.size(3) &&
+         sin.numel() == cos.numel();
+}
+
+at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool inverse) {
+  if (fast_path(x, cos, sin)) {
+    at::Tensor xc = x.contiguous(), c = cos.contiguous(), s = sin.contiguous();
+    at::Tensor out = at::empty_like(xc, at::MemoryFormat::Contiguous);
+    rotate_rows(xc.data_ptr<float>(), c.data_ptr<float>(), s.data_ptr<float>(), out.data_ptr<float>(),
+                x.size(0) * x.size(1), x.size(2), x.size(3), inverse);
+    return out;
+  }
+  const at::Tensor c = cos.to(x.scalar_type()).reshape({x.size(0), x.size(1), 1, x.size(3)});
+  const at::Tensor s = sin.to(x.scalar_type()).reshape({x.size(0), x.size(1), 1, x.size(3)});
+  return inverse ? x * c + rotate_half_transposed(x * s) : x * c + rotate_half(x) * s;
+}
+
+struct RotaryFunction : public torch::autograd::Function<RotaryFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+    ctx->save_for_backward({cos, sin});
+    return rotate(x, cos, sin, false);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    return {rotate(grads[0], saved[0], saved[1], true), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 4 && x.size(3) % 2 == 0, "rotary: x (B,T,H,D) with D even, got ", x.sizes());
+  TORCH_CHECK(cos.numel() == x.size(0) * x.size(1) * x.size(3) && sin.sizes() == cos.sizes(),
+              "rotary: cos/sin ", cos.sizes(), " do not match x ", x.sizes());
+  return RotaryFunction::apply(x, cos, sin);
+}
+
+}  // namespace memtune::models

@@ -1,0 +1,14 @@
+#pragma once
+// Rotary position embeddings (RoPE) in Hugging Face's rotate_half layout as one autograd
+// node: x * cos + rotate_half(x) * sin, where rotate_half([x1, x2]) = [-x2, x1] over the
+// two halves of the head dimension. Written as ATen ops it is five passes forward (two
+// products, a negation, a concatenation, a sum) and as many backward; here one pass each
+// way on the CPU, and nothing of x is kept (the rotation's backward needs cos and sin only).
+#include <ATen/core/Tensor.h>
+
+namespace memtune::models {
+
+// x (B,T,H,D), cos and sin (B,T,1,D) or (B,T,D), D even. Returns (B,T,H,D) in x's dtype.
+at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+}  // namespace memtune::models

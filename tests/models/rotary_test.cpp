@@ -1,0 +1,54 @@
+// The rotary node against Hugging Face's apply_rotary_pos_emb written with ATen ops under
+// autograd (x * cos + rotate_half(x) * sin): output and gradient, on the CPU's fp32 kernel
+// and on the ATen path other dtypes take, with x as the strided view a projection gives.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <torch/torch.h>
+
+#include "models/layers/rotary.h"
+#include "test_util.h"
+
+namespace {
+
+using memtune::testing::expect_close;
+
+at::Tensor hf_rotate_half(const at::Tensor& x) {
+  const int64_t h = x.size(-1) / 2;
+  return at::cat({-x.slice(-1, h), x.slice(-1, 0, h)}, -1);
+}
+
+TEST(Rotary, MatchesHuggingFacesOpsAndTheirGradient) {
+  torch::manual_seed(5);
+  const int64_t B = 2, T = 7, H = 3, D = 10;
+  // cos and sin with unequal halves (HF's are cat(freqs, freqs)): every index pairing shows.
+  const at::Tensor cos = at::randn({B, T, 1, D}), sin = at::randn({B, T, 1, D});
+  for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16}) {
+    for (bool strided : {false, true}) {
+      SCOPED_TRACE(std::string(c10::toString(dtype)) + (strided ? " strided" : " contiguous"));
+      at::Tensor base = at::randn({B, T, strided ? 2 * H * D : H * D}).to(dtype);
+      at::Tensor x = base.slice(2, 0, H * D).view({B, T, H, D});
+      if (strided) x = base.view({B, T, 2 * H, D}).slice(2, H);
+      x = x.detach().requires_grad_(true);
+      at::Tensor y = memtune::models::apply_rotary(x, cos, sin);
+      at::Tensor xr = x.detach().clone().requires_grad_(true);
+      const at::Tensor c = cos.to(dtype), s = sin.to(dtype);
+      at::Tensor yr = xr * c + hf_rotate_half(xr) * s;
+      const double tol = dtype == at::kBFloat16 ? 2e-2 : 1e-6;
+      expect_close(y, yr, tol, "forward", 1.0);
+      at::Tensor g = at::randn(y.sizes()).to(dtype);
+      y.backward(g);
+      yr.backward(g);
+      expect_close(x.grad(), xr.grad(), tol, "grad x", 1.0);
+    }
+  }
+}
+
+TEST(Rotary, RefusesAnOddHeadSizeAndMismatchedTables) {
+  const at::Tensor x = at::randn({1, 2, 1, 5});
+  EXPECT_THROW(memtune::models::apply_rotary(x, at::ones({1, 2, 1, 5}), at::ones({1, 2, 1, 5})), c10::Error);
+  const at::Tensor y = at::randn({1, 2, 1, 4});
+  EXPECT_THROW(memtune::models::apply_rotary(y, at::ones({1, 3, 1, 4}), at::ones({1, 3, 1, 4})), c10::Error);
+}
+
+}  // namespace
