@@ -73,7 +73,7 @@ int main(int argc, char** argv) {
       return median_ms(repeats, [&] { torch::autograd::grad({f()}, {q, k, v}, {g}); });
     };
     AttentionOptions blocked;
-    blocked.kernel = AttentionOptions::Kernel::kBlocked;
+    blocked.kernel = AttentionOptions::Kernel::kEager;
     const double fused = run([&] { return causal_segment_attention(q, k, v, seg, scale); });
     const double block = run([&] { return causal_segment_attention(q, k, v, seg, scale, 0, blocked); });
     const double naive = s.T <= 512 ? run([&] { return textbook(q, k, v, scale); }) : 0.0;

@@ -11,6 +11,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "models/layers/attention.h"
 #include "models/layers/linear.h"
 #include "models/model_spec.h"
 
@@ -39,6 +40,7 @@ struct LayerContext {
   at::Tensor position_ids;      // (B,T) int64
   at::Tensor segment_ids;       // (B,T) int64
   bool training = false;
+  AttentionOptions attention;   // the model's attention kernel, and whether rows are one document
 };
 
 struct ForwardOptions {
@@ -88,6 +90,10 @@ class CausalLM {
 
   ForwardOutput forward(const data::Batch& batch, const ForwardOptions& options);
 
+  // Which attention implementation layers use (models/layers/attention.h; config
+  // model.attn_implementation).
+  void set_attention_kernel(AttentionOptions::Kernel kernel) { attention_kernel_ = kernel; }
+
   // Offloading: the layer's base weights move to host memory outside the device budget and
   // are fetched just before the layer runs (and again when it reruns in backward: an
   // offloaded layer is always checkpointed). Adapters stay where they are.
@@ -112,6 +118,7 @@ class CausalLM {
   std::vector<TensorSlot> slots_;
   std::vector<std::unique_ptr<Linear>> linears_;
   at::ScalarType compute_dtype_ = at::kFloat;
+  AttentionOptions::Kernel attention_kernel_ = AttentionOptions::Kernel::kAuto;
 };
 
 }  // namespace memtune::models

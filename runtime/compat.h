@@ -14,8 +14,10 @@
   (TORCH_VERSION_MAJOR > (major) ||          \
    (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
-// at::scaled_dot_product_attention arrived in 2.0.
+// at::scaled_dot_product_attention arrived in 2.0 (scaling by 1/sqrt(head size) only);
+// its `scale` argument in 2.1.
 #define MEMTUNE_HAS_SDPA MEMTUNE_TORCH_AT_LEAST(2, 0)
+#define MEMTUNE_SDPA_HAS_SCALE MEMTUNE_TORCH_AT_LEAST(2, 1)
 
 // Headers: <ATen/ATen.h> brings <ATen/core/grad_mode.h> (at::NoGradGuard, at::AutoGradMode)
 // in 1.13 only; a file using them includes it itself.

@@ -14,6 +14,7 @@
 #include <sstream>
 #include <type_traits>
 
+#include "runtime/compat.h"
 #include "runtime/error.h"
 
 namespace memtune::trainer {
@@ -829,6 +830,9 @@ void validate(const ModelConfig& m, const std::string& p, const Checker& c) {
     c.check(size.is_set(), p + ".max_memory." + device, size, "expected a size such as 20GiB or 0.9");
   }
   c.one_of(p + ".attn_implementation", m.attn_implementation, {"auto", "eager", "sdpa"});
+  c.check(m.attn_implementation != "sdpa" || MEMTUNE_HAS_SDPA, p + ".attn_implementation", m.attn_implementation,
+          "sdpa (at::scaled_dot_product_attention) needs LibTorch 2.0 or later and this build uses " +
+              compat::torch_version() + "; auto and eager run memory-efficient attention on every version");
 }
 
 void validate(const LoraConfig& l, const std::string& p, const Checker& c) {

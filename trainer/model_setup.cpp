@@ -127,6 +127,7 @@ ModelBundle setup_model(const Config& c, const fs::path& adapter_dir) {
   b.model = load_base_model(c.model);
   models::CausalLM& model = *b.model;
   model.set_compute_dtype(b.compute_dtype);
+  model.set_attention_kernel(models::parse_attention_kernel(c.model.attn_implementation));
 
   // Adapters are drawn from the training seed, so a run is reproducible end to end.
   at::manual_seed(c.training.seed);

@@ -56,7 +56,8 @@ class ParallelBlockModel : public CausalLM {
     at::Tensor q = qkv[0].view({B, T, Hn, 1, D}).permute({0, 2, 3, 1, 4});
     at::Tensor k = qkv[1].view({B, T, Hn, D}).permute({0, 2, 1, 3});
     at::Tensor v = qkv[2].view({B, T, Hn, D}).permute({0, 2, 1, 3});
-    at::Tensor a = causal_segment_attention(q, k, v, ctx.segment_ids, 1.0 / std::sqrt(static_cast<double>(D)));
+    at::Tensor a =
+        causal_segment_attention(q, k, v, ctx.segment_ids, 1.0 / std::sqrt(static_cast<double>(D)), 0, ctx.attention);
     a = a.permute({0, 3, 1, 2, 4}).reshape({B, T, Hn * D});
     at::Tensor m = L.down->forward(at::gelu(L.up->forward(h, ctx.training)), ctx.training);
     return x + L.o->forward(a, ctx.training) + m;

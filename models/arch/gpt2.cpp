@@ -62,7 +62,8 @@ class Gpt2Model : public CausalLM {
     at::Tensor q = parts[0].view({B, T, H, 1, D}).permute({0, 2, 3, 1, 4});  // (B,H,1,T,D)
     at::Tensor k = parts[1].view({B, T, H, D}).permute({0, 2, 1, 3});
     at::Tensor v = parts[2].view({B, T, H, D}).permute({0, 2, 1, 3});
-    at::Tensor a = causal_segment_attention(q, k, v, ctx.segment_ids, 1.0 / std::sqrt(static_cast<double>(D)));
+    at::Tensor a =
+        causal_segment_attention(q, k, v, ctx.segment_ids, 1.0 / std::sqrt(static_cast<double>(D)), 0, ctx.attention);
     a = a.permute({0, 3, 1, 2, 4}).reshape({B, T, C});
     at::Tensor y = x + L.c_proj->forward(a, ctx.training);
     h = at::layer_norm(y, {C}, L.ln2_w, L.ln2_b, s.norm_eps);

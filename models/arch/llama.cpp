@@ -96,7 +96,7 @@ class LlamaModel : public CausalLM {
     at::Tensor q5 = q.view({B, T, Hkv, G, D}).permute({0, 2, 3, 1, 4});  // (B,Hkv,G,T,D)
     at::Tensor a = causal_segment_attention(q5, k.permute({0, 2, 1, 3}), v.permute({0, 2, 1, 3}),
                                             ctx.segment_ids, 1.0 / std::sqrt(static_cast<double>(D)),
-                                            s.sliding_window.value_or(0));
+                                            s.sliding_window.value_or(0), ctx.attention);
     a = a.permute({0, 3, 1, 2, 4}).reshape({B, T, s.q_dim()});
     at::Tensor y = x + L.o->forward(a, ctx.training);
     h = rms_norm(y, L.post_norm, s.norm_eps);

@@ -1,11 +1,14 @@
 #include "models/layers/attention.h"
 
+#include <cmath>
 #include <limits>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "models/layers/attention_cpu.h"
+#include "runtime/compat.h"
+#include "runtime/error.h"
 
 namespace memtune::models {
 
@@ -116,7 +119,52 @@ struct SegmentAttention : public torch::autograd::Function<SegmentAttention> {
   }
 };
 
+
+#if MEMTUNE_HAS_SDPA
+// q (B,Hkv,G,T,D) through at::scaled_dot_product_attention: heads flattened to H = Hkv*G,
+// k and v repeated to H (HF's repeat_kv), a boolean mask only where causal masking is not
+// enough.
+at::Tensor sdpa_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& seg,
+                          double scale, int64_t window, bool one_segment_per_row) {
+  const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), T = q.size(3), D = q.size(4);
+  at::Tensor qh = q.reshape({B, Hkv * G, T, D});
+  at::Tensor kh = k.unsqueeze(2).expand({B, Hkv, G, T, D}).reshape({B, Hkv * G, T, D});
+  at::Tensor vh = v.unsqueeze(2).expand({B, Hkv, G, T, D}).reshape({B, Hkv * G, T, D});
+  c10::optional<at::Tensor> mask;
+  const bool causal_only = one_segment_per_row && window <= 0;
+  if (!causal_only) {
+    at::Tensor s = seg.to(q.device());
+    at::Tensor pos = at::arange(T, s.options());
+    at::Tensor qp = pos.view({T, 1}), kp = pos.view({1, T});
+    at::Tensor allowed = (kp <= qp).unsqueeze(0).logical_and(s.unsqueeze(2) == s.unsqueeze(1));  // (B,T,T)
+    if (window > 0) allowed = allowed.logical_and((qp - kp < window).unsqueeze(0));
+    mask = allowed.unsqueeze(1);
+  }
+#if MEMTUNE_SDPA_HAS_SCALE
+  at::Tensor o = at::scaled_dot_product_attention(qh, kh, vh, mask, 0.0, causal_only, scale);
+#else
+  // 2.0 scales by 1/sqrt(D) itself: fold the requested scale into q.
+  at::Tensor o = at::scaled_dot_product_attention(qh * (scale * std::sqrt(static_cast<double>(D))), kh, vh, mask,
+                                                  0.0, causal_only);
+#endif
+  return o.view({B, Hkv, G, T, D});
+}
+#endif
+
 }  // namespace
+
+bool sdpa_available() { return MEMTUNE_HAS_SDPA; }
+
+AttentionOptions::Kernel parse_attention_kernel(const std::string& name) {
+  if (name == "auto") return AttentionOptions::Kernel::kAuto;
+  if (name == "eager") return AttentionOptions::Kernel::kEager;
+  if (name == "sdpa") {
+    MEMTUNE_CHECK(sdpa_available(), "model.attn_implementation: sdpa needs LibTorch 2.0 or later; this build uses ",
+                  compat::torch_version(), ". Use auto or eager (memory-efficient attention on every version)");
+    return AttentionOptions::Kernel::kSdpa;
+  }
+  MEMTUNE_CHECK(false, "model.attn_implementation: '", name, "' is not one of auto, eager, sdpa");
+}
 
 bool uses_fused_cpu_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const at::Tensor& segment_ids) {
@@ -130,8 +178,22 @@ at::Tensor causal_segment_attention(const at::Tensor& q, const at::Tensor& k, co
   TORCH_CHECK(q.size(3) == k.size(2) && k.sizes() == v.sizes(), "attention: q, k, v lengths differ");
   TORCH_CHECK(segment_ids.dim() == 2 && segment_ids.size(0) == q.size(0) && segment_ids.size(1) == q.size(3),
               "attention: segment ids ", segment_ids.sizes(), " do not match q ", q.sizes());
-  if (options.kernel == AttentionOptions::Kernel::kAuto && detail::fused_cpu_attention_applies(q, k, v, segment_ids))
-    return detail::fused_cpu_attention(q, k, v, segment_ids, scale, sliding_window);
+  using Kernel = AttentionOptions::Kernel;
+  if (options.kernel == Kernel::kSdpa) {
+#if MEMTUNE_HAS_SDPA
+    return sdpa_attention(q, k, v, segment_ids, scale, sliding_window, options.one_segment_per_row);
+#else
+    TORCH_CHECK(false, "attention: sdpa needs LibTorch 2.0 or later (this build: ", compat::torch_version(), ")");
+#endif
+  }
+  if (options.kernel == Kernel::kAuto) {
+    if (detail::fused_cpu_attention_applies(q, k, v, segment_ids))
+      return detail::fused_cpu_attention(q, k, v, segment_ids, scale, sliding_window);
+#if MEMTUNE_HAS_SDPA
+    if (q.is_cuda() && options.one_segment_per_row && sliding_window <= 0)
+      return sdpa_attention(q, k, v, segment_ids, scale, sliding_window, true);
+#endif
+  }
   return SegmentAttention::apply(q.contiguous(), k.contiguous(), v.contiguous(),
                                  segment_ids.to(q.device()), scale, sliding_window, options.query_block,
                                  options.keep_probs_bytes);

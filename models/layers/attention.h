@@ -2,6 +2,8 @@
 // Causal self-attention restricted to documents (segment ids), with grouped-query heads.
 #include <ATen/core/Tensor.h>
 
+#include <string>
+
 namespace memtune::models {
 
 // q (B,Hkv,G,T,D) — G query heads share each of the Hkv key/value heads —, k and v
@@ -14,18 +16,34 @@ namespace memtune::models {
 // block by block in backward, so memory grows linearly with sequence length.
 // Returns (B,Hkv,G,T,D).
 //
-// Two implementations compute it. On the CPU in fp32 (the CPU's compute dtype) with
-// segments that are runs of positions, the fused kernel of attention_cpu.h: register-tiled
-// per-head GEMMs on the intra-op threads, probabilities never kept. Elsewhere (GPUs, fp16
-// and bf16, arbitrary segment ids) the blocked one below written with ATen ops.
+// Three implementations compute it (`model.attn_implementation` picks; auto by default):
+// - the fused CPU kernel (attention_cpu.h): CPU, fp32, segments that are runs of positions;
+//   register-tiled per-head GEMMs on the intra-op threads, probabilities never kept;
+// - at::scaled_dot_product_attention (LibTorch >= 2.0): auto takes it on GPUs when every
+//   row is one document without padding and there is no window (causal masking alone,
+//   flash/memory-efficient kernels, linear memory); `sdpa` forces it, with an explicit
+//   (B,1,T,T) boolean mask where segments or a window need one (quadratic memory), and
+//   grouped key/value heads repeated to the query heads;
+// - the blocked one written with ATen ops ("eager"): anything else (packed documents on a
+//   GPU, fp16/bf16, arbitrary segment ids), linear memory.
 struct AttentionOptions {
-  enum class Kernel { kAuto, kBlocked };
+  enum class Kernel { kAuto, kEager, kSdpa };
   Kernel kernel = Kernel::kAuto;
+  // Every row of segment_ids is one segment without padding (the caller knows it from the
+  // batch; causal_segment_attention does not look, to spare a device sync per layer).
+  bool one_segment_per_row = false;
   // The blocked implementation's query rows per block and its limit for keeping the
   // probabilities instead of recomputing them in backward.
   int64_t query_block = 64;
   int64_t keep_probs_bytes = 64LL << 20;
 };
+
+// The option's spelling in configs (auto, eager, sdpa); throws on anything else, and on
+// sdpa when the LibTorch memtune was built against predates it.
+AttentionOptions::Kernel parse_attention_kernel(const std::string& name);
+
+// Whether this build has at::scaled_dot_product_attention (LibTorch >= 2.0).
+bool sdpa_available();
 
 at::Tensor causal_segment_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     const at::Tensor& segment_ids, double scale, int64_t sliding_window = 0,

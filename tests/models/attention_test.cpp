@@ -71,7 +71,7 @@ TEST(Attention, BlockedKernelMatchesTheTextbookAttention) {
         SCOPED_TRACE("window " + std::to_string(window) + ", block " + std::to_string(block) + ", keep " +
                      std::to_string(keep_bytes));
         AttentionOptions options;
-        options.kernel = AttentionOptions::Kernel::kBlocked;
+        options.kernel = AttentionOptions::Kernel::kEager;
         options.query_block = block;
         options.keep_probs_bytes = keep_bytes;
         expect_textbook(at::randn({B, Hkv, G, T, D}), at::randn({B, Hkv, T, D}), at::randn({B, Hkv, T, D}), seg,
@@ -113,6 +113,32 @@ TEST_P(FusedCpuAttention, MatchesTheTextbookAttention) {
 
 INSTANTIATE_TEST_SUITE_P(Kernels, FusedCpuAttention, ::testing::Values(false, true),
                          [](const auto& info) { return info.param ? "Portable" : "Avx2WhereAvailable"; });
+
+// at::scaled_dot_product_attention (LibTorch 2.x; this runs on the CPU in the 2.x build):
+// the same answers with an explicit mask (packed documents, padding, windows), and with
+// causal masking alone when every row is one document. 1.13 refuses it by name.
+TEST(Attention, SdpaMatchesTheTextbookAttention) {
+  torch::manual_seed(13);
+  AttentionOptions options;
+  options.kernel = AttentionOptions::Kernel::kSdpa;
+  const int64_t B = 2, Hkv = 2, G = 2, T = 23, D = 8;
+  at::Tensor q = at::randn({B, Hkv, G, T, D}), k = at::randn({B, Hkv, T, D}), v = at::randn({B, Hkv, T, D});
+  if (!memtune::models::sdpa_available()) {
+    try {
+      causal_segment_attention(q, k, v, at::zeros({B, T}, at::kLong), 0.35, 0, options);
+      ADD_FAILURE() << "sdpa ran on a LibTorch without it";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("sdpa needs LibTorch 2.0"), std::string::npos) << e.what();
+    }
+    GTEST_SKIP() << "at::scaled_dot_product_attention needs LibTorch 2.0 (this build: 1.x)";
+  }
+  for (int64_t window : {0, 3}) {
+    SCOPED_TRACE("window " + std::to_string(window));
+    expect_textbook(q, k, v, two_rows_of_segments(T), window, options);
+  }
+  options.one_segment_per_row = true;
+  expect_textbook(q, k, v, at::zeros({B, T}, at::kLong), 0, options);
+}
 
 // Inputs the fused kernel does not take run the blocked kernel, still exactly: a segment id
 // that comes back after another one (not a run), and float64.

@@ -8,6 +8,8 @@
 #include <functional>
 #include <set>
 
+#include "models/layers/attention.h"
+#include "runtime/compat.h"
 #include "runtime/error.h"
 #include "test_util.h"
 #include "trainer/config.h"
@@ -334,6 +336,22 @@ TEST(ConfigErrors, QuantTypeUnknown) {
   EXPECT_HAS(e, "did you mean nf4?");
 }
 
+// sdpa needs LibTorch 2.x: this build (1.13 on the CPU machine) refuses it by name and
+// version; the 2.x build takes it. HF's flash_attention_2 is not one of memtune's names.
+TEST(ConfigErrors, AttnImplementationNamesAndVersion) {
+  const std::string yaml = "model:\n  attn_implementation: sdpa\n";
+  if (memtune::models::sdpa_available()) {
+    EXPECT_EQ(parse(yaml).model.attn_implementation, "sdpa");
+  } else {
+    std::string e = expect_invalid(yaml, "attn_implementation", "sdpa", "model.attn_implementation", "sdpa",
+                                   "needs LibTorch 2.0 or later");
+    EXPECT_HAS(e, memtune::compat::torch_version());
+  }
+  expect_invalid("model:\n  attn_implementation: flash_attention_2\n", "attn_implementation", "flash",
+                 "model.attn_implementation", "flash_attention_2", "expected one of auto|eager|sdpa");
+  EXPECT_EQ(parse("model:\n  attn_implementation: eager\n").model.attn_implementation, "eager");
+}
+
 TEST(ConfigErrors, QuantTypeFp4OnlyNf4) {
   const std::string yaml = "model:\n  quantization_config:\n    bnb_4bit_quant_type: fp4\n";
   expect_invalid(yaml, "bnb_4bit_quant_type", "fp4", "model.quantization_config.bnb_4bit_quant_type", "fp4",
@@ -577,7 +595,7 @@ Config every_field_changed() {
   m.max_memory["cuda:0"] = memtune::parse_size("20GiB");
   m.max_memory["cpu"] = memtune::parse_size("0.75");
   m.low_cpu_mem_usage = false;
-  m.attn_implementation = "sdpa";
+  m.attn_implementation = "eager";
   m.init_seed = 7;
   auto& l = c.lora;
   l.r = 16;
