@@ -1,5 +1,7 @@
 #include "models/layers/attention_cpu.h"
 
+#include "models/layers/cpu_vec.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -68,8 +70,6 @@ Panels pack_panels(const float* src, int64_t row, int64_t col, int64_t K, int64_
 // ---- Kernels -----------------------------------------------------------------------------
 // C (M x N, row-major, ldc) = A (M x K) * B (K x N), or += with `acc`.
 using GemmFn = void (*)(int64_t M, int64_t N, int64_t K, Left A, Panels B, float* C, int64_t ldc, bool acc);
-// x[j] = exp(x[j] * scale - shift) for j < n; returns the sum.
-using ExpFn = float (*)(float* x, int64_t n, float scale, float shift);
 
 void gemm_scalar(int64_t M, int64_t N, int64_t K, Left A, Panels B, float* C, int64_t ldc, bool acc) {
   for (int64_t i = 0; i < M; ++i) {
@@ -82,11 +82,6 @@ void gemm_scalar(int64_t M, int64_t N, int64_t K, Left A, Panels B, float* C, in
   }
 }
 
-float exp_scalar(float* x, int64_t n, float scale, float shift) {
-  float sum = 0.0f;
-  for (int64_t j = 0; j < n; ++j) sum += (x[j] = std::exp(x[j] * scale - shift));
-  return sum;
-}
 
 #ifdef MEMTUNE_ATTN_X86
 #define MEMTUNE_AVX2 __attribute__((target("avx2,fma")))
@@ -142,65 +137,14 @@ MEMTUNE_AVX2 void gemm_avx2(int64_t M, int64_t N, int64_t K, Left A, Panels B, f
   }
 }
 
-// exp on 8 lanes: 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2, p Cephes' degree-5 polynomial
-// (relative error about 2e-7 over the clamped range; inputs below -87.3 give ~0).
-MEMTUNE_AVX2 inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365447504f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-MEMTUNE_AVX2 float exp_avx2(float* x, int64_t n, float scale, float shift) {
-  const __m256 vs = _mm256_set1_ps(scale), vt = _mm256_set1_ps(shift);
-  __m256 acc = _mm256_setzero_ps();
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    const __m256 e = exp8(_mm256_fmsub_ps(_mm256_loadu_ps(x + j), vs, vt));
-    _mm256_storeu_ps(x + j, e);
-    acc = _mm256_add_ps(acc, e);
-  }
-  if (j < n) {
-    const __m256i mask =
-        _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - j)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    const __m256 e = _mm256_and_ps(exp8(_mm256_fmsub_ps(_mm256_maskload_ps(x + j, mask), vs, vt)),
-                                   _mm256_castsi256_ps(mask));
-    _mm256_maskstore_ps(x + j, mask, e);
-    acc = _mm256_add_ps(acc, e);
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, acc);
-  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-}
 #endif
 
-struct Kernels {
-  GemmFn gemm = gemm_scalar;
-  ExpFn exp = exp_scalar;
-};
-
-bool g_portable = false;  // use_portable_cpu_attention_kernels
-
-const Kernels& kernels() {
-  static const Kernels portable;
-  static const Kernels best = [] {
-    Kernels r;
+// The GEMM this CPU runs best (cpu_vec.h chooses between AVX2 and portable).
+GemmFn gemm_kernel() {
 #ifdef MEMTUNE_ATTN_X86
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) r = {gemm_avx2, exp_avx2};
+  if (avx2_kernels_active()) return gemm_avx2;
 #endif
-    return r;
-  }();
-  return g_portable ? portable : best;
+  return gemm_scalar;
 }
 
 // ---- Layout ------------------------------------------------------------------------------
@@ -245,17 +189,17 @@ Panels pack_straight(const float* src, int64_t ld, const Scratch& s, float* dst)
 // exponentiated with `row_shift` (forward: the row max, which it records; backward: the
 // saved log-sum-exp), the rest zeroed. Returns k0.
 template <typename Shift>
-int64_t block_probs(const Kernels& kr, const Scratch& s, const int64_t* first, float scale, const float* q,
+int64_t block_probs(GemmFn gemm, const Scratch& s, const int64_t* first, float scale, const float* q,
                     int64_t q_t, Panels kt, int64_t t0, int64_t t1, float* S, Shift&& row_shift, float* row_sum) {
   const int64_t k0 = first[t0] / kLanes * kLanes, tk = t1 - k0;
-  kr.gemm(t1 - t0, tk, s.D, rows_of(q + t0 * q_t, q_t), {kt.at(k0 / kLanes, 0), kt.stride}, S, s.ld, false);
+  gemm(t1 - t0, tk, s.D, rows_of(q + t0 * q_t, q_t), {kt.at(k0 / kLanes, 0), kt.stride}, S, s.ld, false);
   for (int64_t t = t0; t < t1; ++t) {
     float* row = S + (t - t0) * s.ld;
     const int64_t lo = first[t] - k0, hi = t - k0 + 1;  // allowed columns [lo, hi)
     std::fill(row, row + lo, 0.0f);
     std::fill(row + hi, row + tk, 0.0f);
     const float shift = row_shift(t, row + lo, hi - lo);
-    const float sum = kr.exp(row + lo, hi - lo, scale, shift);
+    const float sum = exp_shift_sum(row + lo, hi - lo, scale, shift);
     if (row_sum != nullptr) row_sum[t - t0] = sum;
   }
   return k0;
@@ -273,7 +217,7 @@ struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
     const Scratch s(T, D);
     at::Tensor scratch = at::empty({at::get_num_threads() * s.forward_floats()}, q.options());
     const View vq(q), vk(k), vv(v), vo(out), vl(lse);
-    const Kernels& kr = kernels();
+    const GemmFn gemm = gemm_kernel();
     at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
       float* kt_buf = scratch.data_ptr<float>() + at::get_thread_num() * s.forward_floats();
       float* v_buf = kt_buf + s.transposed();
@@ -291,8 +235,8 @@ struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
           for (int64_t t0 = 0; t0 < T; t0 += kRows) {
             const int64_t t1 = std::min(T, t0 + kRows);
             auto row_max = [&](int64_t t, const float* x, int64_t n) { return lg[t] = *std::max_element(x, x + n) * scale; };
-            const int64_t k0 = block_probs(kr, s, first, scale, qg, vq.s3, kt, t0, t1, S, row_max, sums);
-            kr.gemm(t1 - t0, D, t1 - k0, rows_of(S, s.ld), {vp.at(0, k0), vp.stride}, og + t0 * vo.s3, vo.s3, false);
+            const int64_t k0 = block_probs(gemm, s, first, scale, qg, vq.s3, kt, t0, t1, S, row_max, sums);
+            gemm(t1 - t0, D, t1 - k0, rows_of(S, s.ld), {vp.at(0, k0), vp.stride}, og + t0 * vo.s3, vo.s3, false);
             for (int64_t t = t0; t < t1; ++t) {
               const float inv = 1.0f / sums[t - t0];
               float* o = og + t * vo.s3;
@@ -322,7 +266,7 @@ struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
     const Scratch s(T, D);
     at::Tensor scratch = at::empty({at::get_num_threads() * s.backward_floats()}, q.options());
     const View vq(q), vk(k), vv(v), vo(out), vl(lse), vdo(dout), vdq(dq), vdk(dk), vdv(dv);
-    const Kernels& kr = kernels();
+    const GemmFn gemm = gemm_kernel();
     at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
       float* kt_buf = scratch.data_ptr<float>() + at::get_thread_num() * s.backward_floats();
       float* vt_buf = kt_buf + s.transposed();
@@ -347,13 +291,13 @@ struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
           for (int64_t t0 = 0; t0 < T; t0 += kRows) {
             const int64_t t1 = std::min(T, t0 + kRows), bt = t1 - t0;
             auto saved_lse = [&](int64_t t, const float*, int64_t) { return lg[t]; };
-            const int64_t k0 = block_probs(kr, s, first, scale, qg, vq.s3, kt, t0, t1, P, saved_lse, nullptr);
+            const int64_t k0 = block_probs(gemm, s, first, scale, qg, vq.s3, kt, t0, t1, P, saved_lse, nullptr);
             const int64_t tk = t1 - k0;
             const float* dob = dog + t0 * vdo.s3;
             // dV += P^T dO;  dP = dO V^T
             const Panels dop = pack_panels(dob, vdo.s3, 1, bt, D, bt, rows_buf);
-            kr.gemm(tk, D, bt, columns_of(P, s.ld), dop, dvh + k0 * vdv.s2, vdv.s2, true);
-            kr.gemm(bt, tk, D, rows_of(dob, vdo.s3), {vt.at(k0 / kLanes, 0), vt.stride}, dP, s.ld, false);
+            gemm(tk, D, bt, columns_of(P, s.ld), dop, dvh + k0 * vdv.s2, vdv.s2, true);
+            gemm(bt, tk, D, rows_of(dob, vdo.s3), {vt.at(k0 / kLanes, 0), vt.stride}, dP, s.ld, false);
             // dS = P * (dP - rowsum(dO * O)) * scale, into P
             for (int64_t i = 0; i < bt; ++i) {
               const float* o = og + (t0 + i) * vo.s3;
@@ -365,9 +309,9 @@ struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
               for (int64_t j = 0; j < tk; ++j) p[j] = p[j] * (dp[j] - dl) * scale;
             }
             // dQ = dS K;  dK += dS^T Q
-            kr.gemm(bt, D, tk, rows_of(P, s.ld), {kp.at(0, k0), kp.stride}, dqg + t0 * vdq.s3, vdq.s3, false);
+            gemm(bt, D, tk, rows_of(P, s.ld), {kp.at(0, k0), kp.stride}, dqg + t0 * vdq.s3, vdq.s3, false);
             const Panels qp = pack_panels(qg + t0 * vq.s3, vq.s3, 1, bt, D, bt, rows_buf);
-            kr.gemm(tk, D, bt, columns_of(P, s.ld), qp, dkh + k0 * vdk.s2, vdk.s2, true);
+            gemm(tk, D, bt, columns_of(P, s.ld), qp, dkh + k0 * vdk.s2, vdk.s2, true);
           }
         }
       }
@@ -416,8 +360,6 @@ at::Tensor fused_cpu_attention(const at::Tensor& q, const at::Tensor& k, const a
   }
   return FusedCpuAttention::apply(q, k, v, first, scale, sliding_window);
 }
-
-void use_portable_cpu_attention_kernels(bool portable) { g_portable = portable; }
 
 int64_t fused_cpu_attention_scratch_bytes(int64_t T, int64_t D) {
   return Scratch(T, D).backward_floats() * static_cast<int64_t>(sizeof(float));  // backward's, the larger

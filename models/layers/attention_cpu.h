@@ -22,7 +22,4 @@ at::Tensor fused_cpu_attention(const at::Tensor& q, const at::Tensor& k, const a
 // Bytes of scratch one call holds per intra-op thread at sequence length T, head size D.
 int64_t fused_cpu_attention_scratch_bytes(int64_t T, int64_t D);
 
-// Tests: run the portable C++ kernels instead of the AVX2 ones this CPU may have.
-void use_portable_cpu_attention_kernels(bool portable);
-
 }  // namespace memtune::models::detail

@@ -11,6 +11,7 @@
 
 #include "models/layers/attention.h"
 #include "models/layers/attention_cpu.h"
+#include "models/layers/cpu_vec.h"
 #include "test_util.h"
 
 namespace {
@@ -87,8 +88,8 @@ TEST(Attention, BlockedKernelMatchesTheTextbookAttention) {
 // Both the AVX2 kernels (where the CPU has them) and the portable C++ ones.
 class FusedCpuAttention : public ::testing::TestWithParam<bool> {
  protected:
-  void SetUp() override { memtune::models::detail::use_portable_cpu_attention_kernels(GetParam()); }
-  void TearDown() override { memtune::models::detail::use_portable_cpu_attention_kernels(false); }
+  void SetUp() override { memtune::models::detail::use_portable_cpu_kernels(GetParam()); }
+  void TearDown() override { memtune::models::detail::use_portable_cpu_kernels(false); }
 };
 
 TEST_P(FusedCpuAttention, MatchesTheTextbookAttention) {

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <torch/torch.h>
 
+#include "models/layers/cpu_vec.h"
 #include "models/layers/cross_entropy.h"
 #include "test_util.h"
 
@@ -12,7 +13,14 @@ namespace {
 using memtune::testing::expect_close;
 using memtune::models::linear_cross_entropy_sum;
 
-TEST(LinearCrossEntropy, MatchesAtenLossGradientsAndArgmax) {
+// Both the AVX2 row kernels (where the CPU has them) and the portable C++ ones.
+class LinearCrossEntropyKernels : public ::testing::TestWithParam<bool> {
+ protected:
+  void SetUp() override { memtune::models::detail::use_portable_cpu_kernels(GetParam()); }
+  void TearDown() override { memtune::models::detail::use_portable_cpu_kernels(false); }
+};
+
+TEST_P(LinearCrossEntropyKernels, MatchesAtenLossGradientsAndArgmax) {
   torch::manual_seed(3);
   const int64_t n = 37, c = 24, v = 301;
   for (int64_t chunk : {5, 16, 1024}) {
@@ -48,6 +56,30 @@ TEST(LinearCrossEntropy, MatchesAtenLossGradientsAndArgmax) {
     EXPECT_EQ(hidden.grad().index_select(0, at::arange(0, n, 4)).abs().max().item<float>(), 0.0f);
   }
 }
+
+// Two vocabulary rows with the same embedding tie in every row's logits: the prediction is
+// the first of them (ATen's argmax), so a target on the second never counts as correct.
+TEST_P(LinearCrossEntropyKernels, TiedMaximaCountTheFirstIndex) {
+  torch::manual_seed(8);
+  const int64_t n = 9, c = 6, v = 19;
+  // Small integers, so every logit is exact whatever order the GEMM sums in: ids 4 and 13
+  // (all 3s) give 3 * sum(h) >= 54 against at most sum|h| <= 30 for the others (-1..1).
+  at::Tensor weight = at::randint(-1, 2, {v, c}).to(at::kFloat);
+  weight[4] = 3;
+  weight[13] = 3;
+  at::Tensor hidden = (at::randint(-1, 2, {n, c}) + 4).to(at::kFloat);
+  at::Tensor logits = at::mm(hidden, weight.t());
+  ASSERT_TRUE((logits.argmax(1) == 4).all().item<bool>());
+  int64_t correct = 0;
+  linear_cross_entropy_sum(hidden, weight, at::full({n}, 13, at::kLong), 4, &correct);
+  EXPECT_EQ(correct, 0);
+  correct = 0;
+  linear_cross_entropy_sum(hidden, weight, at::full({n}, 4, at::kLong), 4, &correct);
+  EXPECT_EQ(correct, n);
+}
+
+INSTANTIATE_TEST_SUITE_P(Kernels, LinearCrossEntropyKernels, ::testing::Values(false, true),
+                         [](const auto& info) { return info.param ? "Portable" : "Avx2WhereAvailable"; });
 
 TEST(LinearCrossEntropy, FrozenWeightGetsNoGradient) {
   at::Tensor hidden = at::randn({6, 8}).requires_grad_(true);

@@ -1,0 +1,143 @@
+#include "models/layers/cpu_vec.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define MEMTUNE_VEC_X86 1
+#endif
+
+namespace memtune::models::detail {
+
+namespace {
+
+bool g_portable = false;
+
+bool cpu_has_avx2() {
+#ifdef MEMTUNE_VEC_X86
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+#else
+  return false;
+#endif
+}
+
+float exp_shift_sum_scalar(float* x, int64_t n, float scale, float shift) {
+  float sum = 0.0f;
+  for (int64_t j = 0; j < n; ++j) sum += (x[j] = std::exp(x[j] * scale - shift));
+  return sum;
+}
+
+#ifdef MEMTUNE_VEC_X86
+#define MEMTUNE_AVX2 __attribute__((target("avx2,fma")))
+
+// exp on 8 lanes: 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2, p Cephes' degree-5 polynomial
+// (relative error about 2e-7 over the clamped range; inputs below -87.3 give ~0).
+MEMTUNE_AVX2 inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365447504f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+MEMTUNE_AVX2 inline __m256i tail_mask(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+MEMTUNE_AVX2 inline float sum8(__m256 v) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+}
+
+MEMTUNE_AVX2 float exp_shift_sum_avx2(float* x, int64_t n, float scale, float shift) {
+  const __m256 vs = _mm256_set1_ps(scale), vt = _mm256_set1_ps(shift);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp8(_mm256_fmsub_ps(_mm256_loadu_ps(x + j), vs, vt));
+    _mm256_storeu_ps(x + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  if (j < n) {
+    const __m256i mask = tail_mask(n - j);
+    const __m256 e =
+        _mm256_and_ps(exp8(_mm256_fmsub_ps(_mm256_maskload_ps(x + j, mask), vs, vt)), _mm256_castsi256_ps(mask));
+    _mm256_maskstore_ps(x + j, mask, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  return sum8(acc);
+}
+
+MEMTUNE_AVX2 int64_t exp_row_from_max_avx2(float* x, int64_t n, float* max, float* sum) {
+  __m256 vm = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(x + j));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vm);
+  float m = *std::max_element(lanes, lanes + 8);
+  for (; j < n; ++j) m = std::max(m, x[j]);
+  // The second pass finds the first maximum before overwriting, and exponentiates.
+  int64_t arg = -1;
+  const __m256 vmax = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  for (j = 0; j + 8 <= n; j += 8) {
+    const __m256 v = _mm256_loadu_ps(x + j);
+    if (arg < 0) {
+      const int hits = _mm256_movemask_ps(_mm256_cmp_ps(v, vmax, _CMP_EQ_OQ));
+      if (hits != 0) arg = j + __builtin_ctz(static_cast<unsigned>(hits));
+    }
+    const __m256 e = exp8(_mm256_sub_ps(v, vmax));
+    _mm256_storeu_ps(x + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  float s = sum8(acc);
+  for (; j < n; ++j) {
+    if (arg < 0 && x[j] == m) arg = j;
+    s += (x[j] = std::exp(x[j] - m));
+  }
+  *max = m;
+  *sum = s;
+  return arg;
+}
+#endif
+
+}  // namespace
+
+bool avx2_kernels_active() { return !g_portable && cpu_has_avx2(); }
+
+void use_portable_cpu_kernels(bool portable) { g_portable = portable; }
+
+float exp_shift_sum(float* x, int64_t n, float scale, float shift) {
+#ifdef MEMTUNE_VEC_X86
+  if (avx2_kernels_active()) return exp_shift_sum_avx2(x, n, scale, shift);
+#endif
+  return exp_shift_sum_scalar(x, n, scale, shift);
+}
+
+int64_t exp_row_from_max(float* x, int64_t n, float* max, float* sum) {
+#ifdef MEMTUNE_VEC_X86
+  if (avx2_kernels_active()) return exp_row_from_max_avx2(x, n, max, sum);
+#endif
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t arg = -1;
+  for (int64_t j = 0; j < n; ++j)
+    if (x[j] > m || (arg < 0 && x[j] == m)) m = x[j], arg = j;
+  *max = m;
+  *sum = exp_shift_sum_scalar(x, n, 1.0f, m);
+  return arg;
+}
+
+}  // namespace memtune::models::detail

@@ -1,0 +1,23 @@
+#pragma once
+// Row kernels for fp32 on the CPU that attention and the loss share: AVX2 + FMA where the
+// CPU has them (chosen once at run time), portable C++ elsewhere.
+#include <cstdint>
+
+namespace memtune::models::detail {
+
+// x[j] = exp(x[j] * scale - shift) for j < n, in place; returns their sum.
+float exp_shift_sum(float* x, int64_t n, float scale, float shift);
+
+// A softmax row's pieces in two passes: *max = max x, then x[j] = exp(x[j] - max) in place
+// and *sum = their sum. Returns the first index holding the maximum (NaN rows: -1).
+int64_t exp_row_from_max(float* x, int64_t n, float* max, float* sum);
+
+// Whether the AVX2 kernels run (the CPU has AVX2 and FMA, and the portable ones were not
+// asked for).
+bool avx2_kernels_active();
+
+// Tests: the portable C++ kernels instead of the AVX2 ones this CPU may have; covers the
+// attention kernel's GEMM too (attention_cpu.h).
+void use_portable_cpu_kernels(bool portable);
+
+}  // namespace memtune::models::detail
