@@ -1,14 +1,47 @@
 #include "trainer/optimizer.h"
 
 #include <cmath>
+#include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 #include <nlohmann/json.hpp>
 
 #include "runtime/error.h"
 
 namespace memtune::trainer {
+
+namespace {
+
+// torch.optim.AdamW's update in one pass over contiguous fp32 CPU tensors, in the order and
+// precision of the ATen op chain below (one read and write of p, g, m, v instead of ten
+// passes and a scalar-to-tensor conversion per op, for every adapter matrix).
+struct AdamWStep {
+  float scale, decay, b1, one_minus_b1, b2, one_minus_b2, sqrt_bc2, eps, step;
+  void run(float* p, float* g, float* m, float* v, int64_t n) const {
+    at::parallel_for(0, n, 16384, [&](int64_t j0, int64_t j1) {
+      for (int64_t j = j0; j < j1; ++j) {
+        const float gj = g[j] * scale;
+        g[j] = gj;
+        const float pj = p[j] * decay;
+        const float mj = m[j] * b1 + one_minus_b1 * gj;
+        const float vj = v[j] * b2 + one_minus_b2 * (gj * gj);
+        m[j] = mj;
+        v[j] = vj;
+        p[j] = pj + step * (mj / (std::sqrt(vj) / sqrt_bc2 + eps));
+      }
+    });
+  }
+};
+
+bool fused_adamw_applies(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, const at::Tensor& v) {
+  for (const at::Tensor* t : {&p, &g, &m, &v})
+    if (!t->device().is_cpu() || t->scalar_type() != at::kFloat || !t->is_contiguous()) return false;
+  return true;
+}
+
+}  // namespace
 
 bool decays(const std::string& name, const at::Tensor& t) {
   if (t.dim() < 2) return false;  // biases and norm weights
@@ -43,8 +76,17 @@ void Optimizer::step(double lr, double grad_scale) {
     auto& [name, p] = params_[i];
     const at::Tensor& g = p.grad();
     if (!g.defined()) continue;
-    if (grad_scale != 1.0) g.mul_(grad_scale);
     const double wd = decays(name, p) ? options_.weight_decay : 0.0;
+    if (options_.kind == "adamw" && fused_adamw_applies(p, g, exp_avg_[i], exp_avg_sq_[i])) {
+      const AdamWStep s{static_cast<float>(grad_scale), static_cast<float>(1.0 - lr * wd), static_cast<float>(b1),
+                        static_cast<float>(1.0 - b1), static_cast<float>(b2), static_cast<float>(1.0 - b2),
+                        static_cast<float>(std::sqrt(bc2)), static_cast<float>(options_.eps),
+                        static_cast<float>(-lr / bc1)};
+      s.run(p.data_ptr<float>(), g.data_ptr<float>(), exp_avg_[i].data_ptr<float>(), exp_avg_sq_[i].data_ptr<float>(),
+            p.numel());
+      continue;
+    }
+    if (grad_scale != 1.0) g.mul_(grad_scale);
     if (options_.kind == "adamw") {
       // torch.optim.AdamW: p *= 1 - lr*wd; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
       // p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)
@@ -112,8 +154,24 @@ void Optimizer::load_state(const std::map<std::string, at::Tensor>& tensors, con
 double grad_norm(const std::vector<std::pair<std::string, at::Tensor>>& params) {
   at::NoGradGuard no_grad;
   double sq = 0;
-  for (const auto& [name, p] : params)
-    if (p.grad().defined()) sq += p.grad().to(at::kDouble).pow(2).sum().item<double>();
+  for (const auto& [name, p] : params) {
+    const at::Tensor& g = p.grad();
+    if (!g.defined()) continue;
+    if (g.device().is_cpu() && g.scalar_type() == at::kFloat && g.is_contiguous()) {
+      // Squares summed in double, as the op chain below; no double copy of the gradient.
+      const float* x = g.data_ptr<float>();
+      const int64_t n = g.numel();
+      std::vector<double> part(static_cast<size_t>(at::get_num_threads()), 0.0);
+      at::parallel_for(0, n, 16384, [&](int64_t j0, int64_t j1) {
+        double acc = 0;
+        for (int64_t j = j0; j < j1; ++j) acc += static_cast<double>(x[j]) * x[j];
+        part[static_cast<size_t>(at::get_thread_num())] += acc;
+      });
+      for (double v : part) sq += v;
+    } else {
+      sq += g.to(at::kDouble).pow(2).sum().item<double>();
+    }
+  }
   return std::sqrt(sq);
 }
 
