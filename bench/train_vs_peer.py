@@ -12,7 +12,9 @@ machine's fp32 matmul peak. Figures: tokens/s (median over the steps after warm-
 memtune's budget-allocator peak and both processes' peak RSS, model-FLOPs utilisation
 against the measured peak, and the ratios the performance issue sets targets for. With
 --repeat N the peer and memtune runs alternate N times and each figure is the median of
-the N runs (shared machines drift; alternating spreads the drift over both sides).
+the N runs; the speed ratio is the median of the N per-repeat ratios (each memtune run over
+the peer run just before it: shared machines drift, and neighbours in time share a phase),
+its spread printed beside it.
 
 Models (the issue's): S = 4 layers, hidden 256, 4 heads, intermediate 688, vocab 8000,
 seq 256, micro-batch 4, accumulation 2; M = 12 / 768 / 12 / 2048 / 32000, seq 256,
@@ -206,7 +208,12 @@ def main():
                          mfu=r["tokens_per_s"] * flops_per_token(m, mode) / (peak["peak_gflops"] * 1e9))
                 if peer:
                     r["peer"] = peer
-                    r["speed_vs_peer"] = r["tokens_per_s"] / peer["tokens_per_s"]
+                    # The speed ratio of each repeat's adjacent pair (peer, then memtune), then
+                    # their median: neighbours in time share the machine's phase, which drifts.
+                    pairs = [mt["tokens_per_s"] / pr["tokens_per_s"] for mt, pr in zip(runs[mode], peers)]
+                    r["speed_vs_peer"] = statistics.median(pairs)
+                    r["speed_vs_peer_pairs"] = pairs
+                    r["speed_vs_peer_of_medians"] = r["tokens_per_s"] / peer["tokens_per_s"]
                     r["rss_vs_peer"] = r["peak_rss_mib"] / peer["peak_rss_mib"]
                 rows.append(r)
 
@@ -237,7 +244,7 @@ def main():
 def print_table(res):
     print(f"memtune vs PyTorch eager peer, {res['date']}, {res['cpus']} CPUs, "
           f"fp32 matmul peak {res['matmul_peak_gflops']:.0f} GFLOP/s")
-    print(f"{'model':<10}{'mode':<7}{'ckpt':<6}{'tok/s':>8}{'peer':>8}{'ratio':>7}{'MFU':>6}"
+    print(f"{'model':<10}{'mode':<7}{'ckpt':<6}{'tok/s':>8}{'peer':>8}{'ratio':>7}{'pairs':>12}{'MFU':>6}"
           f"{'budget MiB':>11}{'RSS MiB':>9}{'peer RSS':>9}{'RSS ratio':>10}")
     for r in res["rows"]:
         peer = r.get("peer")
@@ -249,8 +256,10 @@ def print_table(res):
         else:
             ref = ratio = prss = rratio = "-"
         mfu = f"{100 * r['mfu']:.0f}%" if "mfu" in r else "-"
+        pairs = r.get("speed_vs_peer_pairs")
+        spread = f"{min(pairs):.2f}-{max(pairs):.2f}" if pairs else "-"
         print(f"{r['model']:<10}{r['mode']:<7}{r['checkpointing']:<6}{r['tokens_per_s']:>8.0f}{ref:>8}{ratio:>7}"
-              f"{mfu:>6}{r['budget_peak_mib']:>11.0f}{r['peak_rss_mib']:>9.0f}{prss:>9}{rratio:>10}")
+              f"{spread:>12}{mfu:>6}{r['budget_peak_mib']:>11.0f}{r['peak_rss_mib']:>9.0f}{prss:>9}{rratio:>10}")
 
 
 if __name__ == "__main__":
