@@ -203,8 +203,9 @@ ForwardOutput CausalLM::forward(const data::Batch& batch, const ForwardOptions& 
   ctx.attention.kernel = attention_kernel_;
   // From the batch as given (the collator's host tensors: no device sync).
   const at::Tensor& seg = batch.segment_ids;
-  ctx.attention.one_segment_per_row =
-      seg.numel() > 0 && (seg == seg.select(1, 0).unsqueeze(1)).all().item<bool>() && (seg.select(1, 0) >= 0).all().item<bool>();
+  ctx.attention.one_segment_per_row = seg.numel() > 0 &&
+                                      (seg == seg.select(1, 0).unsqueeze(1)).all().item<bool>() &&
+                                      (seg.select(1, 0) >= 0).all().item<bool>();
 
   at::Tensor x = embed(b.input_ids, b.position_ids);  // (B,T,C)
   for (int i = 0; i < spec_.num_layers; ++i) {

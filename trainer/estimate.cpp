@@ -107,8 +107,9 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
   std::string note;
   const c10::Device device = resolve_device(c.runtime.device);
   in.compute_bytes = static_cast<int64_t>(c10::elementSize(resolve_compute_dtype(c, device, &note)));
-  // Activations are fp32 (LoadOptions::dense_dtype); on the CPU attention takes the fused kernel.
-  in.fused_cpu_attention = device.is_cpu() && in.compute_bytes == 4;
+  // Activations are fp32 (LoadOptions::dense_dtype); on the CPU attention takes the fused
+  // kernel unless the config asks for another.
+  in.fused_cpu_attention = device.is_cpu() && in.compute_bytes == 4 && c.model.attn_implementation == "auto";
   in.threads = at::get_num_threads();
   return in;
 }

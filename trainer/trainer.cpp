@@ -24,6 +24,7 @@
 #include "models/hf_model.h"
 #include "models/peft.h"
 #include "runtime/atomic_file.h"
+#include "runtime/compat.h"
 #include "runtime/cpu_budget_allocator.h"
 #include "runtime/dist_env.h"
 #include "runtime/error.h"
@@ -98,11 +99,17 @@ struct OomInjector {
     }
   }
 
-  // Arms the allocator so that the next allocation fails, when (step, phase) is a point.
+  // When (step, phase) is a point: forward and backward arm the allocator so that their next
+  // allocation fails inside an op, as a real OOM does. The optimizer phase may allocate
+  // nothing at all on the CPU (one-pass AdamW, the norm summed in place), so its OOM is
+  // raised at the phase's start, with the allocator's error type.
   void at(int64_t step, const char* phase) {
     for (auto& p : points)
       if (!p.fired && p.step == step && p.phase == phase) {
         p.fired = true;
+        if (p.phase == "optimizer")
+          compat::throw_out_of_memory(str_cat("out of memory at the optimizer phase of step ", step,
+                                              " (injected by memory.inject_oom)"));
         inject_oom_on_next_alloc();
       }
   }

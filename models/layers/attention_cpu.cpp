@@ -128,7 +128,10 @@ MEMTUNE_AVX2 void gemm_avx2(int64_t M, int64_t N, int64_t K, Left A, Panels B, f
           _mm256_storeu_ps(c, v0);
           _mm256_storeu_ps(c + 8, v1);
         } else {
-          if (acc) v0 = _mm256_add_ps(v0, _mm256_maskload_ps(c, m0)), v1 = _mm256_add_ps(v1, _mm256_maskload_ps(c + 8, m1));
+          if (acc) {
+            v0 = _mm256_add_ps(v0, _mm256_maskload_ps(c, m0));
+            v1 = _mm256_add_ps(v1, _mm256_maskload_ps(c + 8, m1));
+          }
           _mm256_maskstore_ps(c, m0, v0);
           _mm256_maskstore_ps(c + 8, m1, v1);
         }
@@ -154,7 +157,11 @@ struct View {
   float* data;
   int64_t s0, s1, s2, s3;  // strides of the dimensions before the last (s3: 5-d only)
   explicit View(const at::Tensor& t)
-      : data(t.data_ptr<float>()), s0(t.stride(0)), s1(t.stride(1)), s2(t.stride(2)), s3(t.dim() == 5 ? t.stride(3) : 0) {}
+      : data(t.data_ptr<float>()),
+        s0(t.stride(0)),
+        s1(t.stride(1)),
+        s2(t.stride(2)),
+        s3(t.dim() == 5 ? t.stride(3) : 0) {}
   float* at(int64_t b, int64_t h, int64_t g = 0) const { return data + b * s0 + h * s1 + g * s2; }
 };
 
@@ -234,7 +241,9 @@ struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
           float* lg = vl.at(b, h, g);
           for (int64_t t0 = 0; t0 < T; t0 += kRows) {
             const int64_t t1 = std::min(T, t0 + kRows);
-            auto row_max = [&](int64_t t, const float* x, int64_t n) { return lg[t] = *std::max_element(x, x + n) * scale; };
+            auto row_max = [&](int64_t t, const float* x, int64_t n) {
+              return lg[t] = *std::max_element(x, x + n) * scale;
+            };
             const int64_t k0 = block_probs(gemm, s, first, scale, qg, vq.s3, kt, t0, t1, S, row_max, sums);
             gemm(t1 - t0, D, t1 - k0, rows_of(S, s.ld), {vp.at(0, k0), vp.stride}, og + t0 * vo.s3, vo.s3, false);
             for (int64_t t = t0; t < t1; ++t) {

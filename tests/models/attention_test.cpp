@@ -151,7 +151,8 @@ TEST(Attention, InputsOutsideTheFusedKernelUseTheBlockedOne) {
   at::Tensor q = at::randn({B, 1, 2, T, D}), k = at::randn({B, 1, T, D}), v = at::randn({B, 1, T, D});
   EXPECT_FALSE(uses_fused_cpu_attention(q, k, v, seg));
   expect_textbook(q, k, v, seg, 0, {});
-  EXPECT_FALSE(uses_fused_cpu_attention(q.to(at::kDouble), k.to(at::kDouble), v.to(at::kDouble), at::zeros({B, T}, at::kLong)));
+  EXPECT_FALSE(
+      uses_fused_cpu_attention(q.to(at::kDouble), k.to(at::kDouble), v.to(at::kDouble), at::zeros({B, T}, at::kLong)));
 }
 
 }  // namespace
