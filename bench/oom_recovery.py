@@ -7,8 +7,9 @@ its overhead on a step that does not run out of memory.
 Builds nothing: run `bash tools/build.sh` first. Trains the S model of
 bench/train_vs_peer.py (QLoRA, micro-batch 4 x 2, seq 256) with `memtune train`, once
 clean and once per phase with an out-of-memory error injected at step K
-(memory.inject_oom K:forward, K:backward, K:optimizer; the allocator throws on the first
-allocation of that phase, as the CUDA allocator would). The supervisor halves the
+(memory.inject_oom K:forward, K:backward, K:optimizer; in forward and backward the
+allocator throws on the first allocation of that phase, as the CUDA allocator would; the
+CPU optimizer phase allocates nothing, so there the error is raised at its start). The supervisor halves the
 micro-batch and runs the step's samples again. Recovery time = the duration of step K
 less the median step after it (same samples per step, the new micro-batch): the work lost
 in the failed attempt plus the clean-up. Overhead = bench_supervisor_overhead's
