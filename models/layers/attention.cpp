@@ -187,8 +187,8 @@ at::Tensor causal_segment_attention(const at::Tensor& q, const at::Tensor& k, co
 #endif
   }
   if (options.kernel == Kernel::kAuto) {
-    if (detail::fused_cpu_attention_applies(q, k, v, segment_ids))
-      return detail::fused_cpu_attention(q, k, v, segment_ids, scale, sliding_window);
+    at::Tensor out = detail::fused_cpu_attention(q, k, v, segment_ids, scale, sliding_window);
+    if (out.defined()) return out;
 #if MEMTUNE_HAS_SDPA
     if (q.is_cuda() && options.one_segment_per_row && sliding_window <= 0)
       return sdpa_attention(q, k, v, segment_ids, scale, sliding_window, true);

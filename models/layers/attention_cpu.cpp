@@ -212,6 +212,17 @@ int64_t block_probs(GemmFn gemm, const Scratch& s, const int64_t* first, float s
   return k0;
 }
 
+// fn(b, h, buf) for every (batch row, kv head), spread over the intra-op threads; buf is
+// the calling thread's `floats` of one scratch tensor (budget-tracked, allocated per call).
+template <typename Fn>
+void for_each_kv_head(int64_t B, int64_t Hkv, int64_t floats, const at::TensorOptions& options, Fn&& fn) {
+  at::Tensor scratch = at::empty({at::get_num_threads() * floats}, options);
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    float* buf = scratch.data_ptr<float>() + at::get_thread_num() * floats;
+    for (int64_t task = begin; task < end; ++task) fn(task / Hkv, task % Hkv, buf);
+  });
+}
+
 struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q_in, const at::Tensor& k_in,
                             const at::Tensor& v_in, const at::Tensor& first_keys, double scale_d, int64_t window) {
@@ -222,36 +233,31 @@ struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
     at::Tensor out = at::empty_strided({B, Hkv, G, T, D}, {T * Hkv * G * D, G * D, D, Hkv * G * D, 1}, q.options());
     at::Tensor lse = at::empty({B, Hkv, G, T}, q.options());
     const Scratch s(T, D);
-    at::Tensor scratch = at::empty({at::get_num_threads() * s.forward_floats()}, q.options());
     const View vq(q), vk(k), vv(v), vo(out), vl(lse);
     const GemmFn gemm = gemm_kernel();
-    at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-      float* kt_buf = scratch.data_ptr<float>() + at::get_thread_num() * s.forward_floats();
+    for_each_kv_head(B, Hkv, s.forward_floats(), q.options(), [&](int64_t b, int64_t h, float* kt_buf) {
       float* v_buf = kt_buf + s.transposed();
       float* S = v_buf + s.straight();
       float* sums = S + s.scores();
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t b = task / Hkv, h = task % Hkv;
-        const int64_t* first = first_keys.data_ptr<int64_t>() + b * T;
-        const Panels kt = pack_transposed(vk.at(b, h), vk.s2, s, kt_buf);
-        const Panels vp = pack_straight(vv.at(b, h), vv.s2, s, v_buf);
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = vq.at(b, h, g);
-          float* og = vo.at(b, h, g);
-          float* lg = vl.at(b, h, g);
-          for (int64_t t0 = 0; t0 < T; t0 += kRows) {
-            const int64_t t1 = std::min(T, t0 + kRows);
-            auto row_max = [&](int64_t t, const float* x, int64_t n) {
-              return lg[t] = *std::max_element(x, x + n) * scale;
-            };
-            const int64_t k0 = block_probs(gemm, s, first, scale, qg, vq.s3, kt, t0, t1, S, row_max, sums);
-            gemm(t1 - t0, D, t1 - k0, rows_of(S, s.ld), {vp.at(0, k0), vp.stride}, og + t0 * vo.s3, vo.s3, false);
-            for (int64_t t = t0; t < t1; ++t) {
-              const float inv = 1.0f / sums[t - t0];
-              float* o = og + t * vo.s3;
-              for (int64_t d = 0; d < D; ++d) o[d] *= inv;
-              lg[t] += std::log(sums[t - t0]);
-            }
+      const int64_t* first = first_keys.data_ptr<int64_t>() + b * T;
+      const Panels kt = pack_transposed(vk.at(b, h), vk.s2, s, kt_buf);
+      const Panels vp = pack_straight(vv.at(b, h), vv.s2, s, v_buf);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = vq.at(b, h, g);
+        float* og = vo.at(b, h, g);
+        float* lg = vl.at(b, h, g);
+        for (int64_t t0 = 0; t0 < T; t0 += kRows) {
+          const int64_t t1 = std::min(T, t0 + kRows);
+          auto row_max = [&](int64_t t, const float* x, int64_t n) {
+            return lg[t] = *std::max_element(x, x + n) * scale;
+          };
+          const int64_t k0 = block_probs(gemm, s, first, scale, qg, vq.s3, kt, t0, t1, S, row_max, sums);
+          gemm(t1 - t0, D, t1 - k0, rows_of(S, s.ld), {vp.at(0, k0), vp.stride}, og + t0 * vo.s3, vo.s3, false);
+          for (int64_t t = t0; t < t1; ++t) {
+            const float inv = 1.0f / sums[t - t0];
+            float* o = og + t * vo.s3;
+            for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+            lg[t] += std::log(sums[t - t0]);
           }
         }
       }
@@ -268,60 +274,54 @@ struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
     const float scale = static_cast<float>(ctx->saved_data["scale"].toDouble());
     const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), T = q.size(3), D = q.size(4);
     at::Tensor dout = last_dim_contiguous(grads[0]);
+    // Like q, k, v: the last dimension contiguous (empty_like keeps a dense layout, else
+    // makes a contiguous one).
     at::Tensor dq = at::empty_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
-    if (dq.stride(-1) != 1) dq = at::empty(q.sizes(), q.options());
-    if (dk.stride(-1) != 1) dk = at::zeros(k.sizes(), k.options());
-    if (dv.stride(-1) != 1) dv = at::zeros(v.sizes(), v.options());
     const Scratch s(T, D);
-    at::Tensor scratch = at::empty({at::get_num_threads() * s.backward_floats()}, q.options());
     const View vq(q), vk(k), vv(v), vo(out), vl(lse), vdo(dout), vdq(dq), vdk(dk), vdv(dv);
     const GemmFn gemm = gemm_kernel();
-    at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-      float* kt_buf = scratch.data_ptr<float>() + at::get_thread_num() * s.backward_floats();
+    for_each_kv_head(B, Hkv, s.backward_floats(), q.options(), [&](int64_t b, int64_t h, float* kt_buf) {
       float* vt_buf = kt_buf + s.transposed();
       float* k_buf = vt_buf + s.transposed();
       float* P = k_buf + s.straight();
       float* dP = P + s.scores();
       float* rows_buf = dP + s.scores();
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t b = task / Hkv, h = task % Hkv;
-        const int64_t* first = first_keys.data_ptr<int64_t>() + b * T;
-        const Panels kt = pack_transposed(vk.at(b, h), vk.s2, s, kt_buf);
-        const Panels vt = pack_transposed(vv.at(b, h), vv.s2, s, vt_buf);
-        const Panels kp = pack_straight(vk.at(b, h), vk.s2, s, k_buf);
-        float* dkh = vdk.at(b, h);
-        float* dvh = vdv.at(b, h);
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = vq.at(b, h, g);
-          const float* og = vo.at(b, h, g);
-          const float* dog = vdo.at(b, h, g);
-          const float* lg = vl.at(b, h, g);
-          float* dqg = vdq.at(b, h, g);
-          for (int64_t t0 = 0; t0 < T; t0 += kRows) {
-            const int64_t t1 = std::min(T, t0 + kRows), bt = t1 - t0;
-            auto saved_lse = [&](int64_t t, const float*, int64_t) { return lg[t]; };
-            const int64_t k0 = block_probs(gemm, s, first, scale, qg, vq.s3, kt, t0, t1, P, saved_lse, nullptr);
-            const int64_t tk = t1 - k0;
-            const float* dob = dog + t0 * vdo.s3;
-            // dV += P^T dO;  dP = dO V^T
-            const Panels dop = pack_panels(dob, vdo.s3, 1, bt, D, bt, rows_buf);
-            gemm(tk, D, bt, columns_of(P, s.ld), dop, dvh + k0 * vdv.s2, vdv.s2, true);
-            gemm(bt, tk, D, rows_of(dob, vdo.s3), {vt.at(k0 / kLanes, 0), vt.stride}, dP, s.ld, false);
-            // dS = P * (dP - rowsum(dO * O)) * scale, into P
-            for (int64_t i = 0; i < bt; ++i) {
-              const float* o = og + (t0 + i) * vo.s3;
-              const float* dorow = dob + i * vdo.s3;
-              float dl = 0.0f;
-              for (int64_t d = 0; d < D; ++d) dl += dorow[d] * o[d];
-              float* p = P + i * s.ld;
-              const float* dp = dP + i * s.ld;
-              for (int64_t j = 0; j < tk; ++j) p[j] = p[j] * (dp[j] - dl) * scale;
-            }
-            // dQ = dS K;  dK += dS^T Q
-            gemm(bt, D, tk, rows_of(P, s.ld), {kp.at(0, k0), kp.stride}, dqg + t0 * vdq.s3, vdq.s3, false);
-            const Panels qp = pack_panels(qg + t0 * vq.s3, vq.s3, 1, bt, D, bt, rows_buf);
-            gemm(tk, D, bt, columns_of(P, s.ld), qp, dkh + k0 * vdk.s2, vdk.s2, true);
+      const int64_t* first = first_keys.data_ptr<int64_t>() + b * T;
+      const Panels kt = pack_transposed(vk.at(b, h), vk.s2, s, kt_buf);
+      const Panels vt = pack_transposed(vv.at(b, h), vv.s2, s, vt_buf);
+      const Panels kp = pack_straight(vk.at(b, h), vk.s2, s, k_buf);
+      float* dkh = vdk.at(b, h);
+      float* dvh = vdv.at(b, h);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = vq.at(b, h, g);
+        const float* og = vo.at(b, h, g);
+        const float* dog = vdo.at(b, h, g);
+        const float* lg = vl.at(b, h, g);
+        float* dqg = vdq.at(b, h, g);
+        for (int64_t t0 = 0; t0 < T; t0 += kRows) {
+          const int64_t t1 = std::min(T, t0 + kRows), bt = t1 - t0;
+          auto saved_lse = [&](int64_t t, const float*, int64_t) { return lg[t]; };
+          const int64_t k0 = block_probs(gemm, s, first, scale, qg, vq.s3, kt, t0, t1, P, saved_lse, nullptr);
+          const int64_t tk = t1 - k0;
+          const float* dob = dog + t0 * vdo.s3;
+          // dV += P^T dO;  dP = dO V^T
+          const Panels dop = pack_panels(dob, vdo.s3, 1, bt, D, bt, rows_buf);
+          gemm(tk, D, bt, columns_of(P, s.ld), dop, dvh + k0 * vdv.s2, vdv.s2, true);
+          gemm(bt, tk, D, rows_of(dob, vdo.s3), {vt.at(k0 / kLanes, 0), vt.stride}, dP, s.ld, false);
+          // dS = P * (dP - rowsum(dO * O)) * scale, into P
+          for (int64_t i = 0; i < bt; ++i) {
+            const float* o = og + (t0 + i) * vo.s3;
+            const float* dorow = dob + i * vdo.s3;
+            float dl = 0.0f;
+            for (int64_t d = 0; d < D; ++d) dl += dorow[d] * o[d];
+            float* p = P + i * s.ld;
+            const float* dp = dP + i * s.ld;
+            for (int64_t j = 0; j < tk; ++j) p[j] = p[j] * (dp[j] - dl) * scale;
           }
+          // dQ = dS K;  dK += dS^T Q
+          gemm(bt, D, tk, rows_of(P, s.ld), {kp.at(0, k0), kp.stride}, dqg + t0 * vdq.s3, vdq.s3, false);
+          const Panels qp = pack_panels(qg + t0 * vq.s3, vq.s3, 1, bt, D, bt, rows_buf);
+          gemm(tk, D, bt, columns_of(P, s.ld), qp, dkh + k0 * vdk.s2, vdk.s2, true);
         }
       }
     });
@@ -331,47 +331,51 @@ struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
 
 }  // namespace
 
-bool fused_cpu_attention_applies(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                 const at::Tensor& segment_ids) {
+namespace {
+
+bool dtypes_and_devices_fit(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& seg) {
   for (const at::Tensor* t : {&q, &k, &v})
     if (!t->device().is_cpu() || t->scalar_type() != at::kFloat) return false;
-  if (!segment_ids.device().is_cpu()) return false;
-  // Each segment one run: a segment id seen again after another one is not.
-  at::Tensor seg = segment_ids.to(at::kLong).contiguous();
-  const int64_t B = seg.size(0), T = seg.size(1);
-  const int64_t* s = seg.data_ptr<int64_t>();
-  std::unordered_set<int64_t> ended;
-  for (int64_t b = 0; b < B; ++b, s += T) {
-    ended.clear();
-    for (int64_t t = 1; t < T; ++t)
-      if (s[t] != s[t - 1] && !ended.insert(s[t - 1]).second) return false;
-    for (int64_t t = 1; t < T; ++t)
-      if (s[t] != s[t - 1] && ended.count(s[t])) return false;
-  }
-  return true;
+  return seg.device().is_cpu();
 }
 
-at::Tensor fused_cpu_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               const at::Tensor& segment_ids, double scale, int64_t sliding_window) {
-  // first[b][t]: the first key query t may see (the start of its segment's run, or of its
-  // window): keys first..t.
+// first[b][t]: the first key query t may see, keys first..t: the start of its segment's run,
+// or of its sliding window. Undefined when a segment id comes back after another one (its
+// keys would not be one range).
+at::Tensor first_keys(const at::Tensor& segment_ids, int64_t window) {
   at::Tensor seg = segment_ids.to(at::kLong).contiguous();
   const int64_t B = seg.size(0), T = seg.size(1);
   at::Tensor first = at::empty({B, T}, seg.options());
   const int64_t* s = seg.data_ptr<int64_t>();
   int64_t* f = first.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {
+  std::unordered_set<int64_t> ended;
+  for (int64_t b = 0; b < B; ++b, s += T, f += T) {
+    ended.clear();
     int64_t start = 0;
     for (int64_t t = 0; t < T; ++t) {
-      if (t > 0 && s[b * T + t] != s[b * T + t - 1]) start = t;
-      f[b * T + t] = sliding_window > 0 ? std::max(start, t - sliding_window + 1) : start;
+      if (t > 0 && s[t] != s[t - 1]) {
+        if (!ended.insert(s[t - 1]).second || ended.count(s[t]) != 0) return at::Tensor();
+        start = t;
+      }
+      f[t] = window > 0 ? std::max(start, t - window + 1) : start;
     }
   }
-  return FusedCpuAttention::apply(q, k, v, first, scale, sliding_window);
+  return first;
 }
 
-int64_t fused_cpu_attention_scratch_bytes(int64_t T, int64_t D) {
-  return Scratch(T, D).backward_floats() * static_cast<int64_t>(sizeof(float));  // backward's, the larger
+}  // namespace
+
+bool fused_cpu_attention_applies(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& segment_ids) {
+  return dtypes_and_devices_fit(q, k, v, segment_ids) && first_keys(segment_ids, 0).defined();
+}
+
+at::Tensor fused_cpu_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& segment_ids, double scale, int64_t sliding_window) {
+  if (!dtypes_and_devices_fit(q, k, v, segment_ids)) return at::Tensor();
+  at::Tensor first = first_keys(segment_ids, sliding_window);
+  if (!first.defined()) return at::Tensor();
+  return FusedCpuAttention::apply(q, k, v, first, scale, sliding_window);
 }
 
 }  // namespace memtune::models::detail

@@ -8,18 +8,18 @@
 
 namespace memtune::models::detail {
 
-// Whether fused_cpu_attention takes these inputs: CPU float32 q, k, v whose last dimension
-// is contiguous, and segment ids in which each segment is one run of positions (packing
-// and padding produce them so), so that every query sees one contiguous range of keys.
+// Whether fused_cpu_attention takes these inputs: CPU float32 q, k, v (any strides), and
+// segment ids in which each segment is one run of positions (packing and padding produce
+// them so, with any number of documents per row), so that every query sees one contiguous
+// range of keys.
 bool fused_cpu_attention_applies(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& segment_ids);
 
-// As causal_segment_attention (attention.h). The output is laid out (B,T,Hkv,G,D) in
-// memory, so merging the heads back into (B,T,H*D) needs no copy.
+// As causal_segment_attention (attention.h), or an undefined tensor when the inputs are not
+// ones fused_cpu_attention_applies to (checked in the same pass that prepares them). The
+// output is laid out (B,T,Hkv,G,D) in memory, so merging the heads back into (B,T,H*D)
+// needs no copy.
 at::Tensor fused_cpu_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& segment_ids, double scale, int64_t sliding_window);
-
-// Bytes of scratch one call holds per intra-op thread at sequence length T, head size D.
-int64_t fused_cpu_attention_scratch_bytes(int64_t T, int64_t D);
 
 }  // namespace memtune::models::detail

@@ -112,6 +112,23 @@ TEST_P(FusedCpuAttention, MatchesTheTextbookAttention) {
   }
 }
 
+// A packed row holds any number of documents: three here, then padding; the other row
+// one document. Every query still sees one range of keys, so the fused kernel takes it.
+TEST_P(FusedCpuAttention, ManyDocumentsPerRow) {
+  torch::manual_seed(14);
+  const int64_t B = 2, Hkv = 2, G = 2, T = 40, D = 8;
+  at::Tensor seg = at::zeros({B, T}, at::kLong);
+  seg[0].slice(0, 8) = 1;
+  seg[0].slice(0, 15) = 2;
+  seg[0].slice(0, 36) = -1;
+  at::Tensor q = at::randn({B, Hkv, G, T, D}), k = at::randn({B, Hkv, T, D}), v = at::randn({B, Hkv, T, D});
+  ASSERT_TRUE(uses_fused_cpu_attention(q, k, v, seg));
+  for (int64_t window : {0, 5}) {
+    SCOPED_TRACE("window " + std::to_string(window));
+    expect_textbook(q, k, v, seg, window, {});
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Kernels, FusedCpuAttention, ::testing::Values(false, true),
                          [](const auto& info) { return info.param ? "Portable" : "Avx2WhereAvailable"; });
 
