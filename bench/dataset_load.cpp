@@ -13,6 +13,7 @@
 
 #include "data/dataset.h"
 #include "data/tokenizer.h"
+#include "runtime/atomic_file.h"
 
 namespace {
 class ByteTokenizer : public memtune::data::Tokenizer {
@@ -68,5 +69,5 @@ int main(int argc, char** argv) {
   std::printf("cold load (tokenize + write cache): %.3f s  (%.1f MB/s)\n", cold_s, bytes / 1e6 / cold_s);
   std::printf("cached load:                        %.3f s  (%.1f MB/s)  from_cache=%d\n", warm_s,
               bytes / 1e6 / warm_s, warm.from_cache());
-  fs::remove_all(dir);
+  memtune::remove_tree(dir);
 }

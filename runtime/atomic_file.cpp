@@ -1,6 +1,7 @@
 #include "runtime/atomic_file.h"
 
 #include <fcntl.h>
+#include <ftw.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -58,7 +59,7 @@ void clear_dead_temporary(const fs::path& temp) {
   MEMTUNE_CHECK(!is_live(temp), "atomic write: ", temp,
                 " is already being written by this process", "",
                 "; write each target from one place at a time");
-  fs::remove_all(temp, ec);
+  remove_tree(temp, ec);
   MEMTUNE_CHECK(!ec, "atomic write: cannot remove the leftover temporary ", temp, ": ",
                 ec.message());
 }
@@ -165,6 +166,46 @@ void write_file_atomic(const fs::path& path, std::string_view bytes) {
 
 // ---- AtomicDirectory ----
 
+namespace {
+
+thread_local std::uintmax_t g_removed = 0;
+thread_local int g_remove_errno = 0;
+
+int remove_entry(const char* path, const struct stat*, int, struct FTW*) {
+  if (std::remove(path) != 0) {  // a file, a link, or a directory emptied before (FTW_DEPTH)
+    g_remove_errno = errno;
+    return 1;
+  }
+  ++g_removed;
+  return 0;
+}
+
+}  // namespace
+
+std::uintmax_t remove_tree(const fs::path& path, std::error_code& ec) {
+  ec.clear();
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT) return 0;
+    ec.assign(errno, std::generic_category());
+    return static_cast<std::uintmax_t>(-1);
+  }
+  g_removed = 0;
+  g_remove_errno = 0;
+  if (::nftw(path.c_str(), remove_entry, 32, FTW_DEPTH | FTW_PHYS) != 0) {
+    ec.assign(g_remove_errno != 0 ? g_remove_errno : errno, std::generic_category());
+    return static_cast<std::uintmax_t>(-1);
+  }
+  return g_removed;
+}
+
+std::uintmax_t remove_tree(const fs::path& path) {
+  std::error_code ec;
+  const std::uintmax_t n = remove_tree(path, ec);
+  MEMTUNE_CHECK(!ec, "cannot remove ", path, ": ", ec.message());
+  return n;
+}
+
 AtomicDirectory::AtomicDirectory(fs::path final_path, bool replace_existing)
     : final_(std::move(final_path)), replace_(replace_existing) {
   if (!final_.has_filename()) final_ = final_.parent_path();
@@ -182,7 +223,7 @@ AtomicDirectory::AtomicDirectory(fs::path final_path, bool replace_existing)
 AtomicDirectory::~AtomicDirectory() {
   if (!committed_) {
     std::error_code ec;
-    fs::remove_all(temp_, ec);
+    remove_tree(temp_, ec);
     unregister_live(temp_);
   }
 }
@@ -214,19 +255,19 @@ void AtomicDirectory::commit() {
       const fs::path old = parent / (final_.filename().string() + ".old-" +
                                      std::to_string(::getpid()));
       std::error_code ec;
-      fs::remove_all(old, ec);
+      remove_tree(old, ec);
       err = rename_with_flags(final_, old, 0);
       MEMTUNE_CHECK(err == 0, "moving the old ", final_, " aside failed: ", std::strerror(err));
       err = rename_with_flags(temp_, final_, 0);
       MEMTUNE_CHECK(err == 0, "renaming ", temp_, " to ", final_, " failed: ", std::strerror(err));
       fsync_path(parent);
-      fs::remove_all(old, ec);
+      remove_tree(old, ec);
     } else {
       MEMTUNE_CHECK(err == 0, "replacing ", final_, " with ", temp_, " failed: ",
                     std::strerror(err));
       fsync_path(parent);
       std::error_code ec;
-      fs::remove_all(temp_, ec);  // now the old directory
+      remove_tree(temp_, ec);  // now the old directory
     }
   }
   committed_ = true;
@@ -255,7 +296,7 @@ int remove_stale_temporaries(const fs::path& dir) {
     else
       stale = ::kill(pid, 0) != 0 && errno == ESRCH;
     if (!stale) continue;
-    fs::remove_all(entry.path(), ec);
+    remove_tree(entry.path(), ec);
     if (!ec) ++removed;
   }
   return removed;

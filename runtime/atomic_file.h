@@ -5,9 +5,11 @@
 // version under the final name, never a partial one; what remains is a temporary named
 // `<final>.tmp-<pid>` that remove_stale_temporaries() deletes.
 #include <cstddef>
+#include <cstdint>
 #include <filesystem>
 #include <string>
 #include <string_view>
+#include <system_error>
 
 namespace memtune {
 
@@ -16,6 +18,15 @@ std::filesystem::path temporary_name_for(const std::filesystem::path& final_path
 
 // fsyncs a file or a directory (directories: their entries, so a rename is durable).
 void fsync_path(const std::filesystem::path& path);
+
+// Removes a file or a whole directory tree without following symbolic links, as
+// std::filesystem::remove_all does; a missing path removes nothing. Returns the entries
+// removed (ec set and -1 on failure). Its own walk (nftw): the PyTorch wheel's libtorch.so
+// exports a remove_all of its own that crashes when called from code built against the
+// system's libstdc++, and the dynamic linker may bind memtune's calls to it.
+std::uintmax_t remove_tree(const std::filesystem::path& path, std::error_code& ec);
+// The same; a failure is a UserError naming the path.
+std::uintmax_t remove_tree(const std::filesystem::path& path);
 
 // A file written under a temporary name, renamed over `final_path` by commit() (an
 // existing file is replaced atomically). Destroying an uncommitted one removes the

@@ -86,7 +86,9 @@ class Backend;
 namespace memtune::compat {
 #if MEMTUNE_TORCH_AT_LEAST(2, 0)
 using C10dBackend = c10d::Backend;
+#define MEMTUNE_C10D_BACKEND_HEADER <torch/csrc/distributed/c10d/Backend.hpp>
 #else
 using C10dBackend = c10d::ProcessGroup;
+#define MEMTUNE_C10D_BACKEND_HEADER <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #endif
 }  // namespace memtune::compat

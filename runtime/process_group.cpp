@@ -7,15 +7,18 @@
 #include <ATen/ATen.h>
 #include <spdlog/spdlog.h>
 
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef MEMTUNE_GLOO  // gloo's headers were found (CMakeLists.txt)
 // ProcessGroupGloo.hpp is guarded by the define LibTorch's own build sets.
 #ifndef USE_C10D_GLOO
 #define USE_C10D_GLOO
 #endif
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#endif
 
 #include "runtime/compat.h"
+#include MEMTUNE_C10D_BACKEND_HEADER  // the collectives' class (compat::C10dBackend)
 #include "runtime/error.h"
 #ifdef MEMTUNE_CUDA
 #include "runtime/cuda/process_group_nccl.h"
@@ -33,6 +36,7 @@ std::string message_of(const std::exception& e) {
   return e.what();
 }
 
+#ifdef MEMTUNE_GLOO
 bool is_loopback(const std::string& host) {
   return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
 }
@@ -44,6 +48,7 @@ std::shared_ptr<::gloo::transport::Device> gloo_device(const DistEnv& env) {
   if (is_loopback(env.master_addr)) return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
   return c10d::ProcessGroupGloo::createDefaultDevice();
 }
+#endif
 
 c10d::ReduceOp to_c10d(ReduceOp op) {
   switch (op) {
@@ -158,6 +163,11 @@ ProcessGroup::ProcessGroup(const DistEnv& env, const ProcessGroupOptions& option
                 options.device, ". Hint: distributed.backend=gloo (or auto)");
   MEMTUNE_CHECK(backend != "gloo" || m.device.is_cpu(), "distributed.backend=gloo runs collectives on the CPU; this run is on ",
                 options.device, ". Hint: distributed.backend=nccl (or auto)");
+  MEMTUNE_CHECK(backend_built(backend), "distributed.backend=", backend, ": this memtune was built without it (",
+                backend == "gloo" ? "its LibTorch ships no gloo headers. Hint: install them (Debian: libgloo-dev) "
+                                    "and rebuild, or train on CUDA devices with nccl"
+                                  : "no CUDA. Hint: build against a LibTorch with CUDA",
+                ")");
   m.backend_name = backend;
 
   c10d::TCPStoreOptions store_options;
@@ -195,15 +205,15 @@ ProcessGroup::ProcessGroup(const DistEnv& env, const ProcessGroupOptions& option
   auto pg_store = c10::make_intrusive<c10d::PrefixStore>("memtune/pg", m.store);
   try {
     if (backend == "gloo") {
+#ifdef MEMTUNE_GLOO
       auto gloo_options = c10d::ProcessGroupGloo::Options::create(m.timeout);
       gloo_options->devices.push_back(gloo_device(env));
       gloo_options->threads = 2;
       m.backend = c10::make_intrusive<c10d::ProcessGroupGloo>(pg_store, env.rank, env.world_size, gloo_options);
+#endif
     } else {
 #ifdef MEMTUNE_CUDA
       m.backend = make_nccl_backend(pg_store, env.rank, env.world_size, m.timeout);
-#else
-      fail("distributed.backend=nccl: this memtune was built without CUDA");
 #endif
     }
   } catch (const UserError&) {
@@ -217,6 +227,16 @@ ProcessGroup::ProcessGroup(const DistEnv& env, const ProcessGroupOptions& option
 }
 
 ProcessGroup::~ProcessGroup() = default;
+
+bool ProcessGroup::backend_built(const std::string& backend) {
+#ifdef MEMTUNE_GLOO
+  if (backend == "gloo") return true;
+#endif
+#ifdef MEMTUNE_CUDA
+  if (backend == "nccl") return true;
+#endif
+  return false;
+}
 
 int ProcessGroup::rank() const { return impl_->env.rank; }
 int ProcessGroup::world_size() const { return impl_->env.world_size; }

@@ -37,6 +37,10 @@ class ProcessGroup {
   ProcessGroup(const ProcessGroup&) = delete;
   ProcessGroup& operator=(const ProcessGroup&) = delete;
 
+  // Whether this build has the backend: "gloo" when gloo's headers were found at build
+  // time, "nccl" in a CUDA build.
+  static bool backend_built(const std::string& backend);
+
   int rank() const;
   int world_size() const;
   const std::string& backend() const;  // "gloo" or "nccl"

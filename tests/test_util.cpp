@@ -10,6 +10,9 @@
 
 #include <ATen/Context.h>
 
+#include "runtime/atomic_file.h"
+#include "runtime/process_group.h"
+
 namespace memtune::testing {
 
 fs::path temp_dir(const std::string& tag) {
@@ -19,7 +22,7 @@ fs::path temp_dir(const std::string& tag) {
     if (c == '/') c = '_';
   if (!tag.empty()) name += "." + tag;
   fs::path dir = fs::path(MEMTUNE_BUILD_DIR) / "test-tmp" / name;
-  fs::remove_all(dir);
+  remove_tree(dir);
   fs::create_directories(dir);
   return dir;
 }
@@ -68,6 +71,7 @@ void write_file(const fs::path& path, const std::string& text) {
 }
 
 bool cuda_available() { return at::hasCUDA(); }
+bool gloo_built() { return ProcessGroup::backend_built("gloo"); }
 
 }  // namespace memtune::testing
 

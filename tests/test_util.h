@@ -37,8 +37,16 @@ void write_file(const fs::path& path, const std::string& text);
     if (!::memtune::testing::cuda_available()) GTEST_SKIP() << "no CUDA device"; \
   } while (0)
 
+// Multi-process CPU tests need c10d's Gloo backend, absent from builds against a LibTorch
+// without gloo's headers (runtime/process_group.h).
+#define MEMTUNE_REQUIRE_GLOO()                                                               \
+  do {                                                                                       \
+    if (!::memtune::testing::gloo_built()) GTEST_SKIP() << "built without Gloo (no headers)"; \
+  } while (0)
+
 namespace memtune::testing {
 bool cuda_available();
+bool gloo_built();
 }
 
 #include <nlohmann/json.hpp>

@@ -63,7 +63,7 @@ fs::path save_training_checkpoint(const fs::path& output_dir, int64_t step, cons
   dir.commit();
   if (save_total_limit > 0) {
     auto all = list_checkpoints(output_dir);
-    for (size_t i = 0; i + static_cast<size_t>(save_total_limit) < all.size(); ++i) fs::remove_all(all[i].second);
+    for (size_t i = 0; i + static_cast<size_t>(save_total_limit) < all.size(); ++i) remove_tree(all[i].second);
   }
   return final_dir;
 }

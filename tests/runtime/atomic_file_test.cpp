@@ -236,3 +236,42 @@ TEST(AtomicDirectory, KillAtRandomMomentsDuringReplaceLoop) {
   }
   EXPECT_GT(last_seen, 0);  // the child did commit some generations
 }
+
+TEST(RemoveTree, RemovesNestedEntriesButNotWhatALinkPointsTo) {
+  const fs::path dir = mt::temp_dir();
+  const fs::path outside = dir / "outside";
+  fs::create_directories(outside);
+  mt::write_file(outside / "kept.txt", "kept");
+  const fs::path tree = dir / "tree";
+  fs::create_directories(tree / "a" / "b");
+  mt::write_file(tree / "top.txt", "1");
+  mt::write_file(tree / "a" / "b" / "deep.txt", "2");
+  fs::create_directory_symlink(outside, tree / "a" / "link");
+  std::error_code ec;
+  // tree, top.txt, a, a/b, a/b/deep.txt, a/link: six entries, as std::filesystem counts them.
+  EXPECT_EQ(memtune::remove_tree(tree, ec), 6u);
+  EXPECT_FALSE(ec) << ec.message();
+  EXPECT_FALSE(fs::exists(tree));
+  EXPECT_EQ(mt::read_file(outside / "kept.txt"), "kept");  // the link, not its target
+  // A missing path removes nothing and is no error; a file alone is one entry.
+  EXPECT_EQ(memtune::remove_tree(tree, ec), 0u);
+  EXPECT_FALSE(ec);
+  EXPECT_EQ(memtune::remove_tree(outside / "kept.txt"), 1u);
+  EXPECT_FALSE(fs::exists(outside / "kept.txt"));
+}
+
+TEST(RemoveTree, APathThatCannotBeReachedIsAnErrorNamingIt) {
+  const fs::path dir = mt::temp_dir();
+  mt::write_file(dir / "file.txt", "x");
+  const fs::path bad = dir / "file.txt" / "below";  // a file is no directory
+  std::error_code ec;
+  EXPECT_EQ(memtune::remove_tree(bad, ec), static_cast<std::uintmax_t>(-1));
+  EXPECT_EQ(ec, std::errc::not_a_directory) << ec.message();
+  try {
+    memtune::remove_tree(bad);
+    ADD_FAILURE() << "expected an error";
+  } catch (const memtune::UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot remove \"" + bad.string() + "\""), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(mt::read_file(dir / "file.txt"), "x");
+}

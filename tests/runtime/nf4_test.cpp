@@ -10,6 +10,7 @@
 #include <map>
 #include <sstream>
 
+#include "runtime/atomic_file.h"
 #include "runtime/error.h"
 #include "runtime/nf4.h"
 #include "test_util.h"
@@ -53,7 +54,7 @@ class Nf4Reference : public ::testing::Test {
   static void SetUpTestSuite() {
     if (!mt::python_torch_available()) return;
     dir_ = new mt::fs::path(mt::fs::path(MEMTUNE_BUILD_DIR) / "test-tmp" / "nf4_reference");
-    mt::fs::remove_all(*dir_);
+    memtune::remove_tree(*dir_);
     auto r = mt::run(mt::python() + " " + (mt::source_dir() / "tests/reference/nf4_reference.py").string() + " " +
                      dir_->string());
     ASSERT_EQ(r.exit_code, 0) << r.output;

@@ -139,21 +139,25 @@ TEST(ProcessGroupWorker, Run) {
 }
 
 TEST(ProcessGroupItest, CollectivesOverTwoRanks) {
+  MEMTUNE_REQUIRE_GLOO();
   auto codes = run_workers("collectives", 2, memtune::testing::temp_dir());
   EXPECT_EQ(codes, (std::vector<int>{0, 0}));
 }
 
 TEST(ProcessGroupItest, CollectivesOverThreeRanks) {
+  MEMTUNE_REQUIRE_GLOO();
   auto codes = run_workers("collectives", 3, memtune::testing::temp_dir());
   EXPECT_EQ(codes, (std::vector<int>{0, 0, 0}));
 }
 
 TEST(ProcessGroupItest, TimeoutNamesTheRankThatDidNotArrive) {
+  MEMTUNE_REQUIRE_GLOO();
   auto codes = run_workers("timeout", 3, memtune::testing::temp_dir());
   EXPECT_EQ(codes, (std::vector<int>{0, 0, 0}));
 }
 
 TEST(ProcessGroupItest, RendezvousTimeoutSaysWhoIsMissing) {
+  MEMTUNE_REQUIRE_GLOO();
   // Rank 1 of 2 never starts: rank 0's TCPStore gives up after the timeout.
   DistEnv env;
   env.world_size = 2;

@@ -21,7 +21,7 @@ TEST(CustomModel, RegisteredArchitectureInitialisesAndTrains) {
   EXPECT_EQ(config["architectures"][0], "ParallelBlockForCausalLM");
 
   auto train = run(custom_bin() + " train " + (source_dir() / "configs/quickstart.yaml").string() +
-                   " model.name_or_path=" + (d / "model").string() + " model.tokenizer=" + (d / "model").string() +
+                   " runtime.device=cpu model.name_or_path=" + (d / "model").string() + " model.tokenizer=" + (d / "model").string() +
                    " training.output_dir=" + (d / "run").string() + " training.max_steps=6 training.eval_accuracy_rows=0 "
                    "training.eval_steps=0 data.train_file=" + (source_dir() / "examples/data/tasks_train.jsonl").string() +
                    " data.eval_file=" + (source_dir() / "examples/data/tasks_eval.jsonl").string() +
@@ -32,7 +32,8 @@ TEST(CustomModel, RegisteredArchitectureInitialisesAndTrains) {
 
   // memtune itself does not know the architecture, and says what it knows.
   auto plain = run(memtune_bin() + " train " + (source_dir() / "configs/quickstart.yaml").string() +
-                   " model.name_or_path=" + (d / "model").string() + " training.output_dir=" + (d / "run2").string());
+                   " runtime.device=cpu model.name_or_path=" + (d / "model").string() +
+                   " training.output_dir=" + (d / "run2").string());
   EXPECT_EQ(plain.exit_code, 2) << plain.output;
   EXPECT_NE(plain.output.find("is not registered"), std::string::npos) << plain.output;
   EXPECT_NE(plain.output.find("examples/custom_model"), std::string::npos) << plain.output;

@@ -33,6 +33,7 @@ std::string base_config(const fs::path& out) {
          "  tokenizer: " + (src / "examples/tiny-tokenizer").string() + "\n"
          "  quantization_config: {load_in_4bit: true, bnb_4bit_compute_dtype: auto}\n"
          "lora: {r: 4, lora_alpha: 8, lora_dropout: 0.0, target_modules: all-linear}\n"
+         "runtime: {device: cpu}\n"  // CPU budgets and fp32, on a GPU machine too
          "training:\n"
          "  output_dir: " + out.string() + "\n"
          "  per_device_train_batch_size: 2\n"
@@ -146,6 +147,7 @@ bool wait_for(const std::function<bool()>& cond, double limit_s) {
 }
 
 TEST(Launch, TwoProcessesEqualOneProcessOnTheGlobalBatch) {
+  MEMTUNE_REQUIRE_GLOO();
   fs::path d = temp_dir();
   fs::path one_cfg = write_config(d / "one"), two_cfg = write_config(d / "two");
   auto one = run(memtune_bin() + " train " + one_cfg.string() + " training.per_device_train_batch_size=4", 300);
@@ -166,6 +168,7 @@ TEST(Launch, TwoProcessesEqualOneProcessOnTheGlobalBatch) {
 }
 
 TEST(Launch, ThreeProcessesEqualOneProcessOnTheGlobalBatch) {
+  MEMTUNE_REQUIRE_GLOO();
   // 1 sample per rank and step, 3 ranks, against 3 per step in one process.
   fs::path d = temp_dir();
   fs::path one_cfg = write_config(d / "one"), three_cfg = write_config(d / "three");
@@ -179,6 +182,7 @@ TEST(Launch, ThreeProcessesEqualOneProcessOnTheGlobalBatch) {
 }
 
 TEST(Launch, KilledWorkerStopsTheOthersAndIsNamed) {
+  MEMTUNE_REQUIRE_GLOO();
   fs::path d = temp_dir();
   fs::path cfg = write_config(d);
   Background launcher(launch_cmd("--nproc-per-node 2", cfg, "training.max_steps=100000"), d / "log");
@@ -200,6 +204,7 @@ TEST(Launch, KilledWorkerStopsTheOthersAndIsNamed) {
 }
 
 TEST(Launch, RestartAfterAKilledWorkerEndsWithTheUninterruptedAdapter) {
+  MEMTUNE_REQUIRE_GLOO();
   fs::path d = temp_dir();
   const std::string steps = "training.max_steps=40 training.save_steps=3";
   fs::path straight_cfg = write_config(d / "straight"), cfg = write_config(d / "killed");
@@ -222,6 +227,7 @@ TEST(Launch, RestartAfterAKilledWorkerEndsWithTheUninterruptedAdapter) {
 }
 
 TEST(Launch, OomOnOneRankShrinksEveryRank) {
+  MEMTUNE_REQUIRE_GLOO();
   fs::path d = temp_dir();
   fs::path clean_cfg = write_config(d / "clean"), cfg = write_config(d / "oom");
   auto clean = run(launch_cmd("--nproc-per-node 2", clean_cfg, ""), 300);
@@ -239,6 +245,7 @@ TEST(Launch, OomOnOneRankShrinksEveryRank) {
 }
 
 TEST(Launch, SigtermCheckpointsEveryWorkerAndARelaunchResumes) {
+  MEMTUNE_REQUIRE_GLOO();
   fs::path d = temp_dir();
   fs::path cfg = write_config(d);
   const std::string steps = "training.max_steps=100000";

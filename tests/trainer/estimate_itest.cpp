@@ -40,7 +40,8 @@ std::string config_yaml(const fs::path& out, const std::string& model = "tiny-ll
          "  train_file: " + (src / "examples/data/tasks_train.jsonl").string() + "\n"
          "  format: instruction\n"
          "  max_seq_length: 128\n"
-         "  cache_dir: " + (out.parent_path() / "cache").string() + "\n";
+         "  cache_dir: " + (out.parent_path() / "cache").string() + "\n"
+         "runtime: {device: cpu}\n";  // the budgets below are the CPU's, on a GPU machine too
 }
 
 json estimate_json(const fs::path& cfg, const std::string& args) {

@@ -246,6 +246,7 @@ TEST(Report, RealTrainingRunWithOomAndGrow) {
              "  tokenizer: " + (src / "examples/tiny-tokenizer").string() + "\n"
              "  quantization_config: {load_in_4bit: true, bnb_4bit_compute_dtype: auto}\n"
              "lora: {r: 4, lora_alpha: 8, target_modules: all-linear}\n"
+             "runtime: {device: cpu}\n"  // CPU budgets and fp32, on a GPU machine too
              "training:\n"
              "  output_dir: " + (dir / "out").string() + "\n"
              "  per_device_train_batch_size: 4\n"

@@ -25,6 +25,7 @@ std::string config(const fs::path& out, int seq = 64) {
          "  tokenizer: " + (src / "examples/tiny-tokenizer").string() + "\n"
          "  quantization_config: {load_in_4bit: true}\n"
          "lora: {r: 4, lora_alpha: 8}\n"
+         "runtime: {device: cpu}\n"  // CPU budgets and fp32, on a GPU machine too
          "training:\n"
          "  output_dir: " + out.string() + "\n"
          "  per_device_train_batch_size: 4\n"
