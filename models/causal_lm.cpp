@@ -4,6 +4,8 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <unordered_map>
+
 #include "data/batch.h"
 #include "models/layers/cross_entropy.h"
 #include "runtime/activation_checkpoint.h"
@@ -165,7 +167,7 @@ class LayerFetch {
 void CausalLM::set_offloaded(int layer, bool off) {
   if (offloaded_.size() < static_cast<size_t>(spec_.num_layers)) offloaded_.resize(spec_.num_layers, false);
   if (offloaded_[layer] == off) return;
-  const c10::Device device = head_weight().device();
+  const c10::Device device = layer_device(layer);
   auto move = [&](const at::Tensor& t) { return off ? to_offload_storage(t) : fetch_from_offload(t, device); };
   at::NoGradGuard no_grad;
   for (auto& s : slots_) {
@@ -181,6 +183,39 @@ void CausalLM::set_offloaded(int layer, bool off) {
   offloaded_[layer] = off;
 }
 
+void CausalLM::place(const Placement& placement) {
+  MEMTUNE_CHECK(static_cast<int64_t>(placement.layers.size()) == spec_.num_layers, "place: ",
+                placement.layers.size(), " layer devices for ", spec_.num_layers, " layers");
+  MEMTUNE_CHECK(!spec_.tie_word_embeddings || placement.head == placement.embeddings,
+                "place: the head is tied to the embeddings and must share their device");
+  at::NoGradGuard no_grad;
+  // A new tensor on the device; a trainable one stays a leaf that requires grad.
+  auto move = [](at::Tensor& t, const c10::Device& d) {
+    if (!t.defined() || t.device() == d) return;
+    const bool trainable = t.requires_grad();
+    t = t.detach().to(d);
+    if (trainable) t.requires_grad_(true);
+  };
+  for (auto& s : slots_) {
+    const c10::Device d = s.layer >= 0 ? placement.layers[s.layer]
+                          : (s.role == TensorRole::kHead || s.role == TensorRole::kNorm) ? placement.head
+                                                                                         : placement.embeddings;
+    if (s.role == TensorRole::kLinearWeight && s.linear->lora) {
+      move(s.linear->lora->A, d);
+      move(s.linear->lora->B, d);
+    }
+    if (s.layer >= 0 && offloaded(s.layer)) continue;  // fetched to its layer's device when it runs
+    if (s.role == TensorRole::kLinearWeight && s.linear->quantized()) {
+      if (s.linear->qweight()->packed.device() != d)
+        s.linear->set_quantized(std::make_shared<NF4Tensor>(
+            map_nf4(*s.linear->qweight(), [&](const at::Tensor& t) { return t.defined() ? t.to(d) : t; })));
+    } else {
+      move(*s.tensor, d);
+    }
+  }
+  placement_ = placement;
+}
+
 int64_t CausalLM::layer_weight_bytes(int layer) const {
   int64_t bytes = 0;
   for (const auto& s : slots_) {
@@ -192,42 +227,60 @@ int64_t CausalLM::layer_weight_bytes(int layer) const {
 }
 
 ForwardOutput CausalLM::forward(const data::Batch& batch, const ForwardOptions& options) {
-  const at::Device device = head_weight().device();
-  data::Batch b = batch;
-  b.input_ids = batch.input_ids.to(device);
-  b.targets = batch.targets.to(device);
-  b.position_ids = batch.position_ids.to(device);
-  b.segment_ids = batch.segment_ids.to(device);
-  LayerContext ctx = layer_context(b);
-  ctx.training = options.training;
-  ctx.attention.kernel = attention_kernel_;
   // From the batch as given (the collator's host tensors: no device sync).
   const at::Tensor& seg = batch.segment_ids;
-  ctx.attention.one_segment_per_row = seg.numel() > 0 &&
-                                      (seg == seg.select(1, 0).unsqueeze(1)).all().item<bool>() &&
-                                      (seg.select(1, 0) >= 0).all().item<bool>();
+  const bool one_segment_per_row = seg.numel() > 0 &&
+                                   (seg == seg.select(1, 0).unsqueeze(1)).all().item<bool>() &&
+                                   (seg.select(1, 0) >= 0).all().item<bool>();
+  // The batch and the layers' context on each device the model computes on.
+  std::unordered_map<c10::Device, data::Batch> batches;
+  std::unordered_map<c10::Device, LayerContext> contexts;
+  auto batch_on = [&](const c10::Device& d) -> const data::Batch& {
+    auto it = batches.find(d);
+    if (it != batches.end()) return it->second;
+    data::Batch b = batch;
+    b.input_ids = batch.input_ids.to(d);
+    b.targets = batch.targets.to(d);
+    b.position_ids = batch.position_ids.to(d);
+    b.segment_ids = batch.segment_ids.to(d);
+    return batches.emplace(d, std::move(b)).first->second;
+  };
+  auto context_on = [&](const c10::Device& d) -> const LayerContext& {
+    auto it = contexts.find(d);
+    if (it != contexts.end()) return it->second;
+    LayerContext ctx = layer_context(batch_on(d));
+    ctx.training = options.training;
+    ctx.attention.kernel = attention_kernel_;
+    ctx.attention.one_segment_per_row = one_segment_per_row;
+    return contexts.emplace(d, std::move(ctx)).first->second;
+  };
 
-  at::Tensor x = embed(b.input_ids, b.position_ids);  // (B,T,C)
+  const data::Batch& first = batch_on(placement_.embeddings);
+  at::Tensor x = embed(first.input_ids, first.position_ids);  // (B,T,C)
   for (int i = 0; i < spec_.num_layers; ++i) {
+    const c10::Device device = layer_device(i);
+    if (x.device() != device) x = x.to(device);  // its gradient goes back the same way
     const bool off = offloaded(i);
     const bool ckpt = off || (i < static_cast<int>(options.checkpoint_layers.size()) && options.checkpoint_layers[i]);
     // The context is captured by value: a checkpointed layer reruns during backward.
-    BlockFn fn = [this, i, ctx, off, device](const at::Tensor& h) {
+    BlockFn fn = [this, i, ctx = context_on(device), off, device](const at::Tensor& h) {
       if (!off) return layer(i, h, ctx);
       LayerFetch fetched(slots_, i, device);
       return layer(i, h, ctx);
     };
     x = ckpt ? checkpoint(fn, x, layer_trainable(i)) : fn(x);
   }
+  if (x.device() != placement_.head) x = x.to(placement_.head);
   x = final_norm(x);
 
+  const data::Batch& last = batch_on(placement_.head);
   ForwardOutput out;
   const int64_t C = x.size(-1);
-  out.loss_sum = linear_cross_entropy_sum(x.reshape({-1, C}), head_weight(), b.targets.reshape({-1}),
+  out.loss_sum = linear_cross_entropy_sum(x.reshape({-1, C}), head_weight(), last.targets.reshape({-1}),
                                           options.loss_chunk_rows > 0 ? options.loss_chunk_rows
                                                                       : loss_chunk_rows(spec().vocab_size),
                                           &out.correct_tokens);
-  out.target_tokens = (b.targets != data::kIgnoreIndex).sum().item<int64_t>();
+  out.target_tokens = (batch.targets != data::kIgnoreIndex).sum().item<int64_t>();
   if (options.return_logits) out.logits = at::matmul(x.to(at::kFloat), head_weight().to(at::kFloat).t());
   return out;
 }

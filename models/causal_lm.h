@@ -11,6 +11,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "models/device_map.h"
 #include "models/layers/attention.h"
 #include "models/layers/linear.h"
 #include "models/model_spec.h"
@@ -94,11 +95,22 @@ class CausalLM {
   // model.attn_implementation).
   void set_attention_kernel(AttentionOptions::Kernel kernel) { attention_kernel_ = kernel; }
 
+  // Moves every tensor (base, adapters, trainable weights) to its part's device; trainable
+  // tensors stay leaves, so place before building an optimizer. Offloaded layers stay in
+  // host memory and are fetched to their new device. Unplaced, a model is on the CPU.
+  void place(const Placement& placement);
+  const Placement& placement() const { return placement_; }
+  c10::Device layer_device(int layer) const {
+    return layer < static_cast<int>(placement_.layers.size()) ? placement_.layers[layer] : placement_.embeddings;
+  }
+
   // Offloading: the layer's base weights move to host memory outside the device budget and
   // are fetched just before the layer runs (and again when it reruns in backward: an
   // offloaded layer is always checkpointed). Adapters stay where they are.
   void set_offloaded(int layer, bool offloaded);
-  bool offloaded(int layer) const { return layer < static_cast<int>(offloaded_.size()) && offloaded_[layer]; }
+  bool offloaded(int layer) const {
+    return layer >= 0 && layer < static_cast<int>(offloaded_.size()) && offloaded_[layer];
+  }
   int64_t layer_weight_bytes(int layer) const;
 
   // Pieces an architecture provides.
@@ -114,6 +126,7 @@ class CausalLM {
   Linear& add_linear(std::unique_ptr<Linear> linear, int layer);
 
   ModelSpec spec_;
+  Placement placement_;
   std::vector<bool> offloaded_;
   std::vector<TensorSlot> slots_;
   std::vector<std::unique_ptr<Linear>> linears_;

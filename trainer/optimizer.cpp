@@ -52,14 +52,13 @@ Optimizer::Optimizer(std::vector<std::pair<std::string, at::Tensor>> params, Opt
     : options_(std::move(options)), params_(std::move(params)) {
   MEMTUNE_CHECK(options_.kind == "adamw" || options_.kind == "sgd", "training.optim: unknown optimizer '",
                 options_.kind, "' (adamw_torch, adamw, sgd)");
-  int64_t largest = 0;
   for (const auto& [name, p] : params_) {
     TORCH_CHECK(p.scalar_type() == at::kFloat, "optimizer: ", name, " must be fp32");
     exp_avg_.push_back(at::zeros_like(p));
     if (options_.kind == "adamw") exp_avg_sq_.push_back(at::zeros_like(p));
-    largest = std::max<int64_t>(largest, p.numel());
+    at::Tensor& w = workspaces_[p.device().str()];
+    if (!w.defined() || w.numel() < p.numel()) w = at::empty({p.numel()}, p.options().requires_grad(false));
   }
-  workspace_ = at::empty({largest}, at::kFloat);
 }
 
 void Optimizer::zero_grad() {
@@ -93,7 +92,7 @@ void Optimizer::step(double lr, double grad_scale) {
       if (wd != 0) p.mul_(1.0 - lr * wd);
       exp_avg_[i].mul_(b1).add_(g, 1.0 - b1);
       exp_avg_sq_[i].mul_(b2).addcmul_(g, g, 1.0 - b2);
-      at::Tensor denom = workspace_.narrow(0, 0, p.numel()).view(p.sizes());
+      at::Tensor denom = workspaces_.at(p.device().str()).narrow(0, 0, p.numel()).view(p.sizes());
       at::sqrt_out(denom, exp_avg_sq_[i]);
       denom.div_(std::sqrt(bc2)).add_(options_.eps);
       p.addcdiv_(exp_avg_[i], denom, -lr / bc1);
@@ -112,7 +111,8 @@ void Optimizer::step(double lr, double grad_scale) {
 }
 
 int64_t Optimizer::state_bytes() const {
-  int64_t n = workspace_.numel() * 4;
+  int64_t n = 0;
+  for (const auto& [device, w] : workspaces_) n += w.numel() * 4;
   for (const auto& t : exp_avg_) n += t.numel() * 4;
   for (const auto& t : exp_avg_sq_) n += t.numel() * 4;
   return n;

@@ -46,7 +46,8 @@ class Optimizer {
   OptimizerOptions options_;
   std::vector<std::pair<std::string, at::Tensor>> params_;
   std::vector<at::Tensor> exp_avg_, exp_avg_sq_;  // adamw; exp_avg_ is the momentum buffer for sgd
-  at::Tensor workspace_;                          // the largest parameter's size, fp32
+  // Per device the parameters are on: the largest parameter's size there, fp32.
+  std::map<std::string, at::Tensor> workspaces_;
   int64_t steps_ = 0;
 };
 

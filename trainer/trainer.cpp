@@ -26,6 +26,7 @@
 #include "runtime/atomic_file.h"
 #include "runtime/compat.h"
 #include "runtime/cpu_budget_allocator.h"
+#include "runtime/cuda_info.h"
 #include "runtime/dist_env.h"
 #include "runtime/error.h"
 #include "runtime/log.h"
@@ -186,6 +187,37 @@ void set_cpu_rng_state(const at::Tensor& s) {
   gen.set_state(s);
 }
 
+// The devices `device_map: auto` fills, in order, each with the bytes its base weights may
+// take: 60 % (the rest holds adapters, optimizer states and activations) of model.max_memory's
+// size for it, else of the device_limit or, on a GPU, its memory. A CPU without a limit takes
+// all (offloading there would only move weights within host memory). Several GPUs are used
+// by one process only: those model.max_memory names, else every visible one.
+std::vector<models::DeviceBudget> auto_budgets(const Config& c, const c10::Device& device, int64_t limit,
+                                               bool distributed) {
+  constexpr double kWeightsShare = 0.6;
+  std::vector<c10::Device> devices{device};
+  if (device.is_cuda() && !distributed) {
+    bool names_cuda = false;
+    for (const auto& [name, size] : c.model.max_memory) names_cuda = names_cuda || name.rfind("cuda", 0) == 0;
+    for (int i = 0; i < cuda_info().device_count; ++i) {
+      const c10::Device d(c10::kCUDA, static_cast<c10::DeviceIndex>(i));
+      if (d != device && (!names_cuda || c.model.max_memory.count(d.str()))) devices.push_back(d);
+    }
+  }
+  std::vector<models::DeviceBudget> out;
+  for (const c10::Device& d : devices) {
+    const int64_t total = memory_backend(d).stats().total;
+    auto named = c.model.max_memory.find(d.str());
+    if (named == c.model.max_memory.end() && d == device && d.is_cuda()) named = c.model.max_memory.find("cuda");
+    int64_t bytes = named != c.model.max_memory.end() ? named->second.resolve(total)
+                    : d == device && limit > 0       ? limit
+                    : d.is_cuda()                    ? total
+                                                     : 0;
+    out.push_back({d, bytes > 0 ? static_cast<int64_t>(kWeightsShare * static_cast<double>(bytes)) : 0});
+  }
+  return out;
+}
+
 }  // namespace
 
 TrainResult train(const Config& c) {
@@ -233,7 +265,15 @@ TrainResult train(const Config& c) {
   models::CausalLM& model = *bundle.model;
   for (const auto& n : bundle.notes) spdlog::info("{}", n);
   spdlog::info("{}", models::apply_device_map(model, c.model.device_map.single, c.model.device_map.entries, device,
-                                              limit));
+                                              auto_budgets(c, device, limit, dist.enabled())));
+  const std::vector<c10::Device> devices = models::devices_of(model.placement());
+  // distributed: gradients are reduced in per-dtype buckets on the rank's one device.
+  MEMTUNE_CHECK(!pg || devices.size() == 1, "model.device_map places the model on ", devices.size(),
+                " devices; with several processes each rank trains on its own device (LOCAL_RANK). Hint: map "
+                "layers to ", device.str(), " or offload");
+  if (devices.size() > 1)
+    spdlog::info("memory: the supervisor watches {}; the model also computes on {} other device(s), whose "
+                 "memory it does not watch", device.str(), devices.size() - 1);
   // The budget applies once the model is placed: loading goes through host memory, and
   // offloaded layers live outside the device (as on a GPU).
   if (limit > 0) {

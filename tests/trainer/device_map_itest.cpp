@@ -19,8 +19,10 @@ std::vector<json> loss_rows(const fs::path& out) { return read_jsonl(out / "metr
 
 std::string command(const fs::path& out, const std::string& extra) {
   fs::path src = source_dir();
+  // On the CPU unless told otherwise: the budget is the CPU's (a GPU machine would pick cuda).
   return memtune_bin() + " train " + (src / "configs/quickstart.yaml").string() +
-         " model.name_or_path=tiny-llama model.quantization_config.load_in_4bit=false training.output_dir=" + out.string() +
+         " runtime.device=cpu model.name_or_path=tiny-llama model.quantization_config.load_in_4bit=false"
+         " training.output_dir=" + out.string() +
          " training.max_steps=4 training.per_device_train_batch_size=2 training.gradient_accumulation_steps=1"
          " training.gradient_checkpointing=false training.eval_steps=0 training.eval_accuracy_rows=0"
          " training.save_steps=0 training.logging_steps=1 memory.device_limit=null data.max_seq_length=64 model.tokenizer=" +
@@ -49,10 +51,47 @@ TEST(DeviceMap, ExplicitMapOffloadsTheNamedLayersAndRejectsUnknownNames) {
   fs::path d = temp_dir();
   auto ok = run(command(d / "ok", "'model.device_map={model.layers.0-1: cpu, model.layers.2-3: offload}'"));
   ASSERT_EQ(ok.exit_code, 0) << ok.output;
-  EXPECT_NE(ok.output.find("layers 0-1: cpu, layers 2-3: offload"), std::string::npos) << ok.output;
+  EXPECT_NE(ok.output.find("layers 0-1: cpu, layers 2-3: offload to cpu"), std::string::npos) << ok.output;
   auto bad = run(command(d / "bad", "'model.device_map={model.blocks.0: offload}'"));
   EXPECT_EQ(bad.exit_code, 2) << bad.output;
   EXPECT_NE(bad.output.find("names no module"), std::string::npos) << bad.output;
+}
+
+// On a GPU: QLoRA (fp32 compute) on cuda:0, and split over cuda:0, an offloaded layer and
+// the CPU, train with the CPU run's losses; the GPU's memory shows the model is there.
+TEST(DeviceMap, TrainsOnCudaAndOverCudaAndCpuWithTheCpuLosses_CUDA) {
+  MEMTUNE_SKIP_WITHOUT_CUDA();
+  fs::path d = temp_dir();
+  const std::string qlora =
+      " model.quantization_config.load_in_4bit=true model.quantization_config.bnb_4bit_compute_dtype=float32";
+  auto cpu = run(command(d / "cpu", qlora + " runtime.device=cpu"));
+  ASSERT_EQ(cpu.exit_code, 0) << cpu.output;
+  auto gpu = run(command(d / "gpu", qlora + " runtime.device=cuda:0"));
+  ASSERT_EQ(gpu.exit_code, 0) << gpu.output;
+  auto split = run(command(d / "split", qlora + " runtime.device=cuda:0 'model.device_map={model.layers.0-1: cuda:0, "
+                                                "model.layers.2: offload, model.layers.3: cpu}'"));
+  ASSERT_EQ(split.exit_code, 0) << split.output;
+  EXPECT_NE(split.output.find("device map: embeddings cuda:0, layers 0-1: cuda:0, layer 2: offload to cuda:0, "
+                              "layer 3: cpu, head cuda:0"),
+            std::string::npos)
+      << split.output;
+  auto ref = loss_rows(d / "cpu");
+  for (const char* name : {"gpu", "split"}) {
+    SCOPED_TRACE(name);
+    auto rows = loss_rows(d / name);
+    ASSERT_EQ(rows.size(), ref.size());
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const double want = ref[i]["loss"].get<double>();
+      EXPECT_NEAR(rows[i]["loss"].get<double>(), want, 1e-3 * want) << i;
+      EXPECT_GT(rows[i]["memory"]["cuda:0"]["peak"].get<int64_t>(), 1 << 20) << rows[i].dump();
+    }
+  }
+  // The GPU's own compute dtype (auto: bf16 where the GPU has it) trains too.
+  auto bf16 = run(command(d / "auto", " model.quantization_config.load_in_4bit=true runtime.device=cuda"));
+  ASSERT_EQ(bf16.exit_code, 0) << bf16.output;
+  auto rows = loss_rows(d / "auto");
+  ASSERT_EQ(rows.size(), ref.size());
+  EXPECT_NEAR(rows.back()["loss"].get<double>(), ref.back()["loss"].get<double>(), 0.05 * ref.back()["loss"].get<double>());
 }
 
 TEST(LowCpuMemUsage, FourBitLoadStreamsTensorByTensor) {
