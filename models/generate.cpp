@@ -26,7 +26,10 @@ std::vector<int32_t> generate(CausalLM& model, const std::vector<int32_t>& promp
     for (size_t i = 0; i < ids.size(); ++i) s.position_ids.push_back(static_cast<int32_t>(i));
     // Without a key/value cache every step reruns the prefix: fine for the short
     // continuations this serves (inspection, accuracy of the bundled task).
-    at::Tensor logits = model.forward(data::collate({s}, 1, 0), fo).logits[0][static_cast<int64_t>(ids.size()) - 1];
+    // The next token's logits on the CPU, where the generator is: a seed samples the same
+    // tokens whatever device the model is on.
+    at::Tensor logits =
+        model.forward(data::collate({s}, 1, 0), fo).logits[0][static_cast<int64_t>(ids.size()) - 1].to(at::kCPU);
     int64_t next;
     if (o.greedy || o.temperature <= 0) {
       next = logits.argmax().item<int64_t>();

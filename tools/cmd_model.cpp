@@ -14,6 +14,7 @@
 #include "data/dataset.h"
 #include "data/tokenizer.h"
 #include "models/generate.h"
+#include "models/device_map.h"
 #include "models/hf_model.h"
 #include "models/peft.h"
 #include "models/registry.h"
@@ -22,6 +23,7 @@
 #include "runtime/units.h"
 #include "tools/commands.h"
 #include "trainer/evaluate.h"
+#include "trainer/model_setup.h"
 
 namespace memtune::cli {
 
@@ -42,10 +44,13 @@ void copy_tokenizer_files(const fs::path& from, const fs::path& to) {
     if (fs::exists(from / f)) fs::copy_file(from / f, to / f, fs::copy_options::overwrite_existing);
 }
 
-// Loads a model dir with an optional adapter, for inference.
-std::unique_ptr<models::CausalLM> load_for_inference(const std::string& model_dir, const std::string& adapter) {
+// Loads a model dir with an optional adapter onto one device, for inference.
+std::unique_ptr<models::CausalLM> load_for_inference(const std::string& model_dir, const std::string& adapter,
+                                                     const std::string& device) {
+  const c10::Device d = trainer::resolve_device(device, "--device");
   auto model = models::load_hf_model(model_dir, {});
   if (!adapter.empty()) models::load_adapter(*model, adapter);
+  model->place(models::Placement::all_on(d, model->num_layers()));
   return model;
 }
 
@@ -107,7 +112,7 @@ void add_model_commands(CLI::App& app) {
     cmd->add_option("--out", a->out, "output directory")->required();
     cmd->add_option("--dtype", a->dtype, "fp32, fp16 or bf16")->capture_default_str();
     cmd->callback([a] {
-      auto model = load_for_inference(a->model, a->adapter);
+      auto model = load_for_inference(a->model, a->adapter, "cpu");
       for (models::Linear* l : model->linears()) l->merge_lora();
       models::SaveOptions o;
       o.dtype = dtype_arg(a->dtype);
@@ -151,7 +156,7 @@ void add_model_commands(CLI::App& app) {
   {
     auto* cmd = app.add_subcommand("generate", "continue a prompt with a model (and adapter)");
     struct A {
-      std::string model, adapter, prompt, tokenizer;
+      std::string model, adapter, prompt, tokenizer, device = "cpu";
       int64_t max_new_tokens = 64;
       bool greedy = false;
       double temperature = 1.0, top_p = 1.0;
@@ -167,8 +172,9 @@ void add_model_commands(CLI::App& app) {
     cmd->add_option("--temperature", a->temperature)->capture_default_str();
     cmd->add_option("--top-p", a->top_p)->capture_default_str();
     cmd->add_option("--seed", a->seed)->capture_default_str();
+    cmd->add_option("--device", a->device, "cpu, cuda, cuda:N or auto")->capture_default_str();
     cmd->callback([a] {
-      auto model = load_for_inference(a->model, a->adapter);
+      auto model = load_for_inference(a->model, a->adapter, a->device);
       auto tok = data::Tokenizer::load(a->tokenizer.empty() ? a->model : a->tokenizer);
       models::GenerateOptions o;
       o.max_new_tokens = a->max_new_tokens;
@@ -184,7 +190,7 @@ void add_model_commands(CLI::App& app) {
   {
     auto* cmd = app.add_subcommand("eval", "loss, perplexity and token count of a model on a dataset");
     struct A {
-      std::string model, adapter, data, format = "auto", tokenizer;
+      std::string model, adapter, data, format = "auto", tokenizer, device = "cpu";
       int64_t max_seq_length = 1024, max_rows = -1, batch = 4;
       bool json = false;
     };
@@ -198,8 +204,9 @@ void add_model_commands(CLI::App& app) {
     cmd->add_option("--max-rows", a->max_rows, "evaluate the first N rows only");
     cmd->add_option("--batch", a->batch, "rows per forward pass")->capture_default_str();
     cmd->add_flag("--json", a->json, "print one JSON object: loss, perplexity, tokens");
+    cmd->add_option("--device", a->device, "cpu, cuda, cuda:N or auto")->capture_default_str();
     cmd->callback([a] {
-      auto model = load_for_inference(a->model, a->adapter);
+      auto model = load_for_inference(a->model, a->adapter, a->device);
       std::unique_ptr<data::Tokenizer> tok;
       fs::path tp = a->tokenizer.empty() ? fs::path(a->model) : fs::path(a->tokenizer);
       if (fs::exists(tp / "tokenizer.json") || fs::is_regular_file(tp)) tok = data::Tokenizer::load(tp);

@@ -14,16 +14,16 @@ namespace memtune::trainer {
 
 namespace fs = std::filesystem;
 
-c10::Device resolve_device(const std::string& spec) {
+c10::Device resolve_device(const std::string& spec, const std::string& where) {
   if (spec == "auto") return at::hasCUDA() ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU);
   c10::Device d = [&] {
     try {
       return c10::Device(spec);
     } catch (const std::exception&) {
-      fail("runtime.device: '", spec, "' is not a device (auto, cpu, cuda, cuda:N)");
+      fail(where, ": '", spec, "' is not a device (auto, cpu, cuda, cuda:N)");
     }
   }();
-  MEMTUNE_CHECK(d.is_cpu() || (d.is_cuda() && at::hasCUDA()), "runtime.device: '", spec,
+  MEMTUNE_CHECK(d.is_cpu() || (d.is_cuda() && at::hasCUDA()), where, ": '", spec,
                 "' is not available here (no CUDA device); use cpu or auto");
   return d;
 }

@@ -31,7 +31,7 @@ struct ModelBundle {
 };
 
 // The device runtime.device names (auto: the first CUDA device when present, else CPU).
-c10::Device resolve_device(const std::string& spec);
+c10::Device resolve_device(const std::string& spec, const std::string& where = "runtime.device");
 
 // The dtype of the base matmuls: bnb_4bit_compute_dtype / fp16 / bf16, with auto resolved
 // for the device (bf16 on GPUs that have it, fp16 on older GPUs, fp32 on CPUs without native
