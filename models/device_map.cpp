@@ -133,11 +133,6 @@ std::string apply_device_map(CausalLM& model, const std::string& single,
       const bool to_offload = dev == "offload";
       const c10::Device device = to_offload ? compute : resolve(where, dev, compute);
       bool matched = false;
-      if (is_embedding_key(key) || is_head_key(key)) {
-        MEMTUNE_CHECK(!to_offload, where, ": only decoder layers can be offloaded");
-        (is_embedding_key(key) ? placement.embeddings : placement.head) = device;
-        matched = true;
-      }
       for (int i = 0; i < n; ++i)
         if (entry_matches(key, layer_prefix(model, i), i)) {
           matched = true;
@@ -146,6 +141,16 @@ std::string apply_device_map(CausalLM& model, const std::string& single,
           offload[i] = to_offload;
           if (!to_offload) placement.layers[i] = device;
         }
+      for (int i = 0; i < n && !matched; ++i) {
+        const std::string inside = layer_prefix(model, i) + ".";
+        MEMTUNE_CHECK(key.compare(0, inside.size(), inside) != 0, where, ": names a part of layer ", i,
+                      "; a layer is placed as a whole (", layer_prefix(model, i), ")");
+      }
+      if (!matched && (is_embedding_key(key) || is_head_key(key))) {  // outside the layers
+        MEMTUNE_CHECK(!to_offload, where, ": only decoder layers can be offloaded");
+        (is_embedding_key(key) ? placement.embeddings : placement.head) = device;
+        matched = true;
+      }
       MEMTUNE_CHECK(matched, "model.device_map: '", key, "' names no module of this model (layers are '",
                     layer_prefix(model, 0), "' to '", layer_prefix(model, n - 1), "'; ranges like ",
                     layer_prefix(model, 0).substr(0, layer_prefix(model, 0).rfind('.') + 1), "0-3)");

@@ -91,6 +91,14 @@ TEST(DeviceMapChecks, UnavailableDeviceAndSplitTiedHeadAreRefused) {
               std::string::npos)
         << e.what();
   }
+  try {
+    models::apply_device_map(*model, "auto", {{"model.layers.1.input_layernorm", "cpu"}}, kCpu, {});
+    FAIL() << "expected an error";
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("names a part of layer 1; a layer is placed as a whole (model.layers.1)"),
+              std::string::npos)
+        << e.what();
+  }
   auto tied = lora_llama(false, true);
   EXPECT_THROW(models::apply_device_map(*tied, "auto", {{"lm_head", "cpu"}}, kGpu0, {}), UserError);
 }
