@@ -11,10 +11,10 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "models/device_map.h"
 #include "models/layers/attention.h"
 #include "models/layers/linear.h"
 #include "models/model_spec.h"
+#include "models/placement.h"
 
 namespace memtune::data {
 struct Batch;

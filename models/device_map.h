@@ -12,20 +12,11 @@
 
 #include <c10/core/Device.h>
 
+#include "models/placement.h"
+
 namespace memtune::models {
 
 class CausalLM;
-
-// Compute devices of a model's parts (CausalLM::place).
-struct Placement {
-  c10::Device embeddings = c10::kCPU;  // token (and learned position) embeddings
-  c10::Device head = c10::kCPU;        // final norm and output head (tied: the embeddings' device)
-  std::vector<c10::Device> layers;     // per decoder layer
-
-  static Placement all_on(const c10::Device& device, int64_t num_layers) {
-    return {device, device, std::vector<c10::Device>(static_cast<size_t>(num_layers), device)};
-  }
-};
 
 // A device `auto` may fill, and the bytes of base weights it may take there (<= 0: no limit).
 struct DeviceBudget {

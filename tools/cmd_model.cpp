@@ -14,7 +14,7 @@
 #include "data/dataset.h"
 #include "data/tokenizer.h"
 #include "models/generate.h"
-#include "models/device_map.h"
+#include "models/placement.h"
 #include "models/hf_model.h"
 #include "models/peft.h"
 #include "models/registry.h"
