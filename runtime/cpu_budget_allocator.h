@@ -12,7 +12,8 @@
 // Blocks of 256 KiB and more are pages mapped for them alone and, once freed, cached and
 // handed out again for a request of the same page-rounded size (a training step repeats
 // the sizes of the one before): a step then costs no page faults, and the process holds
-// at most the highest live use plus a quarter, where glibc's heap fragments to far more.
+// at most the highest live use plus a quarter (at least 16 MiB), where glibc's heap
+// fragments to far more.
 // Cached blocks are not counted as allocated (they are free to reuse, as in CUDA's
 // caching allocator's "reserved"); release_cpu_cached_blocks() unmaps them.
 //

@@ -495,15 +495,17 @@ TEST_F(CpuBudget, CacheStaysUnderTheHighWaterLine) {
   std::vector<at::Tensor> ts;
   for (int i = 0; i < 16; ++i) ts.push_back(at::empty({block}, at::kByte));
   ts.clear();
+  const auto line = [](const CpuAllocatorCounters& c) {
+    return c.high_water + std::max<int64_t>(c.high_water / 4, 16 * kMiB);
+  };
   auto after = cpu_allocator_counters();
-  const int64_t line = after.high_water + std::max<int64_t>(after.high_water / 4, 16 * kMiB);
-  EXPECT_LE(after.allocated + after.cached, line);
+  EXPECT_LE(after.allocated + after.cached, line(after));
   EXPECT_GE(after.cached, 16 * block);  // all fit: they were live at the high water
   // A different size misses: cached blocks are unmapped to keep the new one under the line.
   std::vector<at::Tensor> other;
   for (int i = 0; i < 12; ++i) other.push_back(at::empty({block + kMiB}, at::kByte));
   after = cpu_allocator_counters();
-  EXPECT_LE(after.allocated + after.cached, after.high_water + std::max<int64_t>(after.high_water / 4, 16 * kMiB));
+  EXPECT_LE(after.allocated + after.cached, line(after));
   EXPECT_LT(after.cached, 16 * block);
   other.clear();
   release_cpu_cached_blocks();
