@@ -14,6 +14,7 @@
 #include "data/unicode_nfc.h"
 #include "data/utf8.h"
 #include "runtime/error.h"
+#include "runtime/json_input.h"
 
 namespace memtune::data {
 
@@ -617,7 +618,24 @@ struct BpeTokenizer::Impl {
   void encode_text(std::string_view text, bool first, std::vector<int32_t>& out) const;
 };
 
+namespace {
+
+// A token id read from the file: an integer in [0, kMaxTokenId]. Ids index tables sized by
+// the largest one, so a negative or huge id must be refused before anything is written.
+constexpr int64_t kMaxTokenId = (int64_t{1} << 24) - 1;  // 16.7M; the largest real vocabularies hold ~260k
+
+int32_t token_id(const json& v, const std::string& origin, const std::string& where) {
+  MEMTUNE_CHECK(v.is_number_integer(), origin, ": ", where, " is ", v.dump(), "; a token id must be an integer");
+  const bool negative = v.is_number_unsigned() ? false : v.get<int64_t>() < 0;
+  MEMTUNE_CHECK(!negative && v.get<uint64_t>() <= static_cast<uint64_t>(kMaxTokenId), origin, ": ", where,
+                " is ", v.dump(), "; token ids lie in 0..", kMaxTokenId, " (is this file damaged?)");
+  return static_cast<int32_t>(v.get<int64_t>());
+}
+
+}  // namespace
+
 void BpeTokenizer::Impl::parse(const std::string& text) {
+  check_json_depth(text, origin);
   json j;
   try {
     j = json::parse(text);
@@ -634,7 +652,7 @@ void BpeTokenizer::Impl::parse(const std::string& text) {
     if (j.contains("added_tokens") && !j["added_tokens"].is_null()) {
       for (const auto& a : j["added_tokens"]) {
         auto t = std::make_unique<AddedToken>(AddedToken{
-            a.at("content").get<std::string>(), a.at("id").get<int32_t>(), a.value("special", false),
+            a.at("content").get<std::string>(), token_id(a.at("id"), origin, "added_tokens[].id"), a.value("special", false),
             a.value("lstrip", false), a.value("rstrip", false), a.value("single_word", false),
             a.value("normalized", !a.value("special", false))});
         added_by_content[t->content] = t.get();
@@ -668,7 +686,7 @@ void BpeTokenizer::Impl::parse_model(const json& m) {
   ignore_merges = m.value("ignore_merges", false);
   vocab.reserve(m["vocab"].size());
   for (auto it = m["vocab"].begin(); it != m["vocab"].end(); ++it) {
-    const int32_t id = it.value().get<int32_t>();
+    const int32_t id = token_id(it.value(), origin, "model.vocab[" + json(it.key()).dump() + "]");
     vocab.emplace(it.key(), id);
     if (id >= static_cast<int32_t>(id_to_vocab.size())) id_to_vocab.resize(id + 1);
     id_to_vocab[id] = it.key();

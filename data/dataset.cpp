@@ -12,6 +12,7 @@
 #include "data/token_file.h"
 #include "data/tokenizer.h"
 #include "runtime/error.h"
+#include "runtime/json_input.h"
 #include "runtime/log.h"
 
 namespace memtune::data {
@@ -149,6 +150,7 @@ std::string detect_format(const fs::path& path, const std::string& text_field) {
   std::string found;
   for_each_line(file.view(), [&](int64_t, std::string_view line) {
     if (is_blank(line)) return true;
+    check_json_depth(line, str_cat("dataset ", path.string(), ", first record"));
     const json j = json::parse(line, nullptr, false);
     if (j.is_discarded() || !j.is_object()) return true;
     if (j.contains("messages")) found = "chat";
@@ -321,6 +323,11 @@ void Dataset::load(const fs::path& path, const Tokenizer* tokenizer) {
       if (is_blank(line)) return true;
       try {
         json j;
+        try {
+          check_json_depth(line, "the record");
+        } catch (const UserError& e) {
+          throw Invalid{e.what()};
+        }
         try {
           j = json::parse(line);
         } catch (const json::parse_error& e) {

@@ -6,6 +6,7 @@
 
 #include "data/tokenizer.h"
 #include "runtime/error.h"
+#include "runtime/json_input.h"
 
 namespace memtune::data {
 
@@ -51,6 +52,7 @@ TokenizeStats tokenize_command(const TokenizeOptions& options, std::ostream& out
         continue;
       }
       nlohmann::json j;
+      check_json_depth(line, str_cat(options.input.string(), ":", lineno));
       try {
         j = nlohmann::json::parse(line);
       } catch (const nlohmann::json::parse_error& e) {

@@ -7,6 +7,7 @@
 #include "data/bpe_tokenizer.h"
 #include "data/sentencepiece_tokenizer.h"
 #include "runtime/error.h"
+#include "runtime/json_input.h"
 
 namespace memtune::data {
 
@@ -33,12 +34,7 @@ std::optional<std::string> token_string(const json& cfg, const char* key) {
 }
 
 void apply_config(Tokenizer& tok, const fs::path& path) {
-  json cfg;
-  try {
-    cfg = json::parse(read_all(path));
-  } catch (const json::parse_error& e) {
-    fail(path.string(), ": not valid JSON (", e.what(), ")");
-  }
+  const json cfg = parse_json(read_all(path), path.string());
   MEMTUNE_CHECK(cfg.is_object(), path.string(), ": expected a JSON object");
   auto resolve = [&](const char* key) -> std::optional<int32_t> {
     auto s = token_string(cfg, key);

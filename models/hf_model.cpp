@@ -1,6 +1,7 @@
 #include "models/hf_model.h"
 
 #include <fstream>
+#include <sstream>
 #include <set>
 
 #include <ATen/ATen.h>
@@ -11,6 +12,7 @@
 #include "models/registry.h"
 #include "runtime/atomic_file.h"
 #include "runtime/error.h"
+#include "runtime/json_input.h"
 #include "runtime/nf4.h"
 
 namespace memtune::models {
@@ -23,13 +25,9 @@ ModelSpec read_hf_config(const fs::path& dir) {
   std::ifstream in(file);
   MEMTUNE_CHECK(in.good(), file.string(), ": cannot read (is '", dir.string(),
                 "' a Hugging Face model directory with config.json?)");
-  json c;
-  try {
-    c = json::parse(in);
-  } catch (const json::exception& e) {
-    fail(file.string(), ": not valid JSON: ", e.what());
-  }
-  return spec_from_hf_config(c, file.string());
+  std::stringstream text;
+  text << in.rdbuf();
+  return spec_from_hf_config(parse_json(text.str(), file.string()), file.string());
 }
 
 namespace {

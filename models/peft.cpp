@@ -1,6 +1,7 @@
 #include "models/peft.h"
 
 #include <fstream>
+#include <sstream>
 #include <map>
 
 #include <ATen/ATen.h>
@@ -10,6 +11,7 @@
 #include "models/io/safetensors.h"
 #include "runtime/atomic_file.h"
 #include "runtime/error.h"
+#include "runtime/json_input.h"
 
 namespace memtune::models {
 
@@ -59,12 +61,9 @@ AdapterConfig read_adapter_config(const fs::path& dir) {
   fs::path file = dir / "adapter_config.json";
   std::ifstream in(file);
   MEMTUNE_CHECK(in.good(), file.string(), ": cannot read (is '", dir.string(), "' a PEFT adapter directory?)");
-  json c;
-  try {
-    c = json::parse(in);
-  } catch (const json::exception& e) {
-    fail(file.string(), ": not valid JSON: ", e.what());
-  }
+  std::stringstream text;
+  text << in.rdbuf();
+  const json c = parse_json(text.str(), file.string());
   const std::string where = file.string();
   auto type = c.value("peft_type", std::string("LORA"));
   MEMTUNE_CHECK(type == "LORA", where, ": peft_type '", type, "' is not supported (LORA only)");

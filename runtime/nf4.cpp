@@ -19,6 +19,7 @@
 #endif
 
 #include "runtime/error.h"
+#include "runtime/json_input.h"
 
 // Numerics follow bitsandbytes' CUDA kernels (csrc: kQuantizeBlockwise, dQuantizeNF4,
 // dQuantize, kDequantizeBlockwise): x * (1.0f / absmax) in fp32, codes by strict ">"
@@ -588,6 +589,7 @@ NF4Tensor nf4_from_bnb(const std::function<at::Tensor(const std::string&)>& get,
   MEMTUNE_CHECK(state.scalar_type() == at::kByte, "bitsandbytes state '", state_key, "' has dtype ",
                 state.scalar_type(), ", expected uint8 bytes of JSON");
   const std::string text(reinterpret_cast<const char*>(state.data_ptr<uint8_t>()), state.numel());
+  check_json_depth(text, str_cat("bitsandbytes state '", state_key, "'"));
   nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   MEMTUNE_CHECK(j.is_object(), "bitsandbytes state '", state_key, "' is not a JSON object: '", text, "'");
   auto field = [&](const char* k) -> const nlohmann::json& {

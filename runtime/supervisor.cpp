@@ -6,6 +6,7 @@
 #include <spdlog/spdlog.h>
 
 #include "runtime/compat.h"
+#include "runtime/json_input.h"
 
 namespace memtune {
 
@@ -162,10 +163,12 @@ nlohmann::json Supervisor::state() const {
 }
 
 void Supervisor::load_state(const nlohmann::json& s) {
-  micro_ = s.value("micro_batch", micro_);
-  good_steps_ = s.value("good_steps", good_steps_);
-  grow_wait_ = s.value("grow_wait", grow_wait_);
-  grown_from_ = s.value("grown_from", grown_from_);
+  constexpr int64_t kMax = int64_t{1} << 40;
+  const int64_t per_step = options_.samples_per_step;
+  micro_ = json_int(s, "micro_batch", 1, per_step, "supervisor");
+  good_steps_ = json_int(s, "good_steps", 0, kMax, "supervisor");
+  grow_wait_ = json_int(s, "grow_wait", 1, kMax, "supervisor");
+  grown_from_ = json_int(s, "grown_from", 0, per_step, "supervisor");
 }
 
 }  // namespace memtune

@@ -10,6 +10,7 @@
 #include "models/causal_lm.h"
 #include "models/generate.h"
 #include "runtime/error.h"
+#include "runtime/json_input.h"
 
 namespace memtune::trainer {
 
@@ -47,6 +48,7 @@ AccuracyResult instruction_accuracy(models::CausalLM& model, const data::Tokeniz
     ++line_no;
     if (trim(line).empty()) continue;
     nlohmann::json rec;
+    check_json_depth(line, str_cat(file.string(), ":", line_no));
     try {
       rec = nlohmann::json::parse(line);
     } catch (const nlohmann::json::exception& e) {

@@ -1,8 +1,12 @@
 #include "trainer/grad_scaler.h"
 
+#include <limits>
+
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <nlohmann/json.hpp>
+
+#include "runtime/json_input.h"
 
 namespace memtune::trainer {
 
@@ -46,9 +50,10 @@ nlohmann::json GradScaler::state() const {
 }
 
 void GradScaler::load_state(const nlohmann::json& s) {
-  scale_ = s.value("scale", scale_);
-  good_steps_ = s.value("good_steps", good_steps_);
-  skipped_ = s.value("skipped", skipped_);
+  constexpr int64_t kMax = int64_t{1} << 40;
+  scale_ = json_number(s, "scale", std::numeric_limits<double>::min(), std::numeric_limits<double>::max(), "scaler");
+  good_steps_ = json_int(s, "good_steps", 0, kMax, "scaler");
+  skipped_ = json_int(s, "skipped", 0, kMax, "scaler");
 }
 
 }  // namespace memtune::trainer

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/error.h"
+#include "runtime/json_input.h"
 
 namespace memtune::trainer {
 
@@ -148,7 +149,7 @@ void Optimizer::load_state(const std::map<std::string, at::Tensor>& tensors, con
     take(params_[i].first + ".exp_avg", exp_avg_[i]);
     if (!exp_avg_sq_.empty()) take(params_[i].first + ".exp_avg_sq", exp_avg_sq_[i]);
   }
-  steps_ = scalars.at("steps").get<int64_t>();
+  steps_ = json_int(scalars, "steps", 0, int64_t{1} << 40, "optimizer");
 }
 
 double grad_norm(const std::vector<std::pair<std::string, at::Tensor>>& params) {

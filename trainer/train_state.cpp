@@ -9,6 +9,7 @@
 #include "models/io/safetensors.h"
 #include "runtime/atomic_file.h"
 #include "runtime/error.h"
+#include "runtime/json_input.h"
 
 namespace memtune::trainer {
 
@@ -43,7 +44,29 @@ std::map<std::string, at::Tensor> load_all(const fs::path& file) {
 
 }  // namespace
 
-fs::path save_training_checkpoint(const fs::path& output_dir, int64_t step, const nlohmann::json& state,
+nlohmann::json TrainState::to_json() const {
+  return {{"step", step},           {"sampler", sampler},     {"scaler", scaler},
+          {"supervisor", supervisor}, {"optimizer", optimizer}, {"checkpoint_layers", checkpoint_layers}};
+}
+
+TrainState TrainState::from_json(const nlohmann::json& j, const std::string& origin) {
+  TrainState s;
+  s.step = json_int(j, "step", 0, int64_t{1} << 40, origin);
+  for (auto [key, dst] : {std::pair{"sampler", &s.sampler}, {"scaler", &s.scaler}, {"supervisor", &s.supervisor},
+                          {"optimizer", &s.optimizer}}) {
+    *dst = json_field(j, key, origin);
+    MEMTUNE_CHECK(dst->is_object(), origin, ".", key, " is ", dst->dump(), "; expected an object");
+  }
+  if (j.contains("checkpoint_layers")) {
+    const auto& v = j["checkpoint_layers"];
+    MEMTUNE_CHECK(v.is_array() && std::all_of(v.begin(), v.end(), [](const auto& b) { return b.is_boolean(); }),
+                  origin, ".checkpoint_layers is ", v.dump(), "; expected a list of true/false, one per layer");
+    s.checkpoint_layers = v.get<std::vector<bool>>();
+  }
+  return s;
+}
+
+fs::path save_training_checkpoint(const fs::path& output_dir, const TrainState& state,
                                   const std::vector<std::pair<std::string, at::Tensor>>& trainable,
                                   const std::vector<std::pair<std::string, at::Tensor>>& optimizer,
                                   const at::Tensor& rng_state, const std::string& config_yaml,
@@ -51,7 +74,7 @@ fs::path save_training_checkpoint(const fs::path& output_dir, int64_t step, cons
   fs::path root = output_dir / "checkpoints";
   fs::create_directories(root);
   remove_stale_temporaries(root);
-  fs::path final_dir = root / ("step-" + std::to_string(step));
+  fs::path final_dir = root / ("step-" + std::to_string(state.step));
   AtomicDirectory dir(final_dir, /*replace_existing=*/true);
   std::vector<std::pair<std::string, at::Tensor>> weights;
   for (const auto& [name, t] : trainable) weights.emplace_back(name, t.detach().to(at::kFloat).contiguous());
@@ -59,7 +82,7 @@ fs::path save_training_checkpoint(const fs::path& output_dir, int64_t step, cons
   models::save_safetensors(dir.path() / "optimizer.safetensors", optimizer);
   models::save_safetensors(dir.path() / "rng.safetensors", {{"cpu", rng_state.contiguous()}});
   write_file_atomic(dir.path() / "config.yaml", config_yaml);
-  write_file_atomic(dir.path() / "state.json", state.dump(2) + "\n");
+  write_file_atomic(dir.path() / "state.json", state.to_json().dump(2) + "\n");
   dir.commit();
   if (save_total_limit > 0) {
     auto all = list_checkpoints(output_dir);
@@ -75,14 +98,20 @@ TrainingCheckpoint load_training_checkpoint(const fs::path& dir) {
     MEMTUNE_CHECK(fs::exists(dir / f), dir.string(), ": missing ", f, " (not a memtune training checkpoint?)");
   TrainingCheckpoint c;
   std::ifstream in(dir / "state.json");
-  try {
-    c.state = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::exception& e) {
-    fail((dir / "state.json").string(), ": not valid JSON: ", e.what());
-  }
+  std::stringstream text;
+  text << in.rdbuf();
+  const std::string state_file = (dir / "state.json").string();
+  c.state = TrainState::from_json(parse_json(text.str(), state_file), state_file);
+  const std::string name = dir.filename().string();
+  MEMTUNE_CHECK(name.rfind("step-", 0) != 0 || name == "step-" + std::to_string(c.state.step), state_file,
+                ": step is ", c.state.step, " but the directory is ", name,
+                "; the checkpoint was renamed or damaged (its files would not continue that step)");
   c.trainable = load_all(dir / "trainable.safetensors");
   c.optimizer = load_all(dir / "optimizer.safetensors");
-  c.rng_state = load_all(dir / "rng.safetensors").at("cpu");
+  auto rng = load_all(dir / "rng.safetensors");
+  MEMTUNE_CHECK(rng.count("cpu") && rng["cpu"].scalar_type() == at::kByte && rng["cpu"].dim() == 1,
+                (dir / "rng.safetensors").string(), ": expected a uint8 tensor 'cpu' (the CPU generator's state)");
+  c.rng_state = rng["cpu"];
   std::ifstream cy(dir / "config.yaml");
   std::stringstream ss;
   ss << cy.rdbuf();

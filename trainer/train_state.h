@@ -19,8 +19,25 @@
 
 namespace memtune::trainer {
 
+// What a checkpoint's state.json holds, named in one place. The parts owned by other
+// objects (sampler, scaler, supervisor, optimizer scalars) stay JSON here and are checked
+// field by field by their owner's load; a damaged or hand-edited file is refused with the
+// key, the value seen and what was expected, never run.
+struct TrainState {
+  int64_t step = 0;                     // optimizer steps done
+  nlohmann::json sampler;               // data::SamplerState
+  nlohmann::json scaler;                // GradScaler::state()
+  nlohmann::json supervisor;            // Supervisor::state()
+  nlohmann::json optimizer;             // Optimizer::state_scalars()
+  std::vector<bool> checkpoint_layers;  // the policy the ladder settled on; empty in old checkpoints
+
+  nlohmann::json to_json() const;
+  // Every key present and of its type, step in range; `origin` names the file.
+  static TrainState from_json(const nlohmann::json& j, const std::string& origin);
+};
+
 struct TrainingCheckpoint {
-  nlohmann::json state;                        // state.json
+  TrainState state;                            // state.json
   std::map<std::string, at::Tensor> trainable;
   std::map<std::string, at::Tensor> optimizer;
   at::Tensor rng_state;                        // CPU generator state (uint8)
@@ -30,11 +47,13 @@ struct TrainingCheckpoint {
 // Writes checkpoints/step-<step>; prunes the oldest beyond save_total_limit (> 0) only after
 // the new one is complete. Returns the final directory.
 std::filesystem::path save_training_checkpoint(
-    const std::filesystem::path& output_dir, int64_t step, const nlohmann::json& state,
+    const std::filesystem::path& output_dir, const TrainState& state,
     const std::vector<std::pair<std::string, at::Tensor>>& trainable,
     const std::vector<std::pair<std::string, at::Tensor>>& optimizer, const at::Tensor& rng_state,
     const std::string& config_yaml, int save_total_limit);
 
+// Reads and validates a checkpoint directory: every file present, state.json complete and
+// in range, its step equal to the directory's step-N. Throws UserError naming the file.
 TrainingCheckpoint load_training_checkpoint(const std::filesystem::path& dir);
 
 // The complete checkpoint with the highest step under output_dir/checkpoints, or empty.

@@ -378,15 +378,25 @@ TrainResult train(const Config& c) {
                       ", the model's is ", t.sizes());
         const_cast<at::Tensor&>(t).copy_(it->second);
       }
-      optimizer.load_state(ck.optimizer, ck.state.at("optimizer"));
-      data::SamplerState ss;
-      data::from_json(ck.state.at("sampler"), ss);
-      sampler.restore(ss);
-      scaler.load_state(ck.state.at("scaler"));
-      supervisor.load_state(ck.state.at("supervisor"));
+      try {  // each owner checks its part of state.json; the message gains the file's name
+        optimizer.load_state(ck.optimizer, ck.state.optimizer);
+        data::SamplerState ss;
+        data::from_json(ck.state.sampler, ss);
+        sampler.restore(ss);
+        scaler.load_state(ck.state.scaler);
+        supervisor.load_state(ck.state.supervisor);
+      } catch (const UserError& e) {
+        fail((dir / "state.json").string(), ": ", e.what());
+      }
+      MEMTUNE_CHECK(ck.state.checkpoint_layers.empty() || ck.state.checkpoint_layers.size() == ckpt_layers.size(),
+                    (dir / "state.json").string(), ": checkpoint_layers names ", ck.state.checkpoint_layers.size(),
+                    " layers, the model has ", ckpt_layers.size());
+      MEMTUNE_CHECK(ck.rng_state.numel() == cpu_rng_state().numel(), (dir / "rng.safetensors").string(),
+                    ": the generator state has ", ck.rng_state.numel(), " bytes, this LibTorch's has ",
+                    cpu_rng_state().numel());
       set_cpu_rng_state(ck.rng_state);
-      step = ck.state.at("step").get<int64_t>();
-      if (ck.state.contains("checkpoint_layers")) ckpt_layers = ck.state["checkpoint_layers"].get<std::vector<bool>>();
+      step = ck.state.step;
+      if (!ck.state.checkpoint_layers.empty()) ckpt_layers = ck.state.checkpoint_layers;
       spdlog::info("resumed from {} at step {}", dir.string(), step);
     }
   }
@@ -419,13 +429,14 @@ TrainResult train(const Config& c) {
       pg->barrier();
       return fs::path();
     }
-    json state = {{"step", step},
-                  {"sampler", sampler.state()},
-                  {"scaler", scaler.state()},
-                  {"supervisor", supervisor.state()},
-                  {"optimizer", optimizer.state_scalars()},
-                  {"checkpoint_layers", ckpt_layers}};
-    fs::path p = save_training_checkpoint(out_dir, step, state, params, optimizer.state_tensors(), cpu_rng_state(),
+    TrainState state;
+    state.step = step;
+    state.sampler = sampler.state();
+    state.scaler = scaler.state();
+    state.supervisor = supervisor.state();
+    state.optimizer = optimizer.state_scalars();
+    state.checkpoint_layers = ckpt_layers;
+    fs::path p = save_training_checkpoint(out_dir, state, params, optimizer.state_tensors(), cpu_rng_state(),
                                           config_yaml, c.training.save_total_limit);
     result.checkpoint = p.string();
     spdlog::info("checkpoint: {}", p.string());

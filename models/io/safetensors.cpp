@@ -18,6 +18,7 @@
 
 #include "runtime/atomic_file.h"
 #include "runtime/error.h"
+#include "runtime/json_input.h"
 
 namespace memtune::models {
 
@@ -169,6 +170,7 @@ SafetensorsFile::SafetensorsFile(const fs::path& path) : path_(path) {
       duplicate = parsed.get<std::string>();
     return true;
   };
+  check_json_depth(std::string_view(text, n), file + "the header");
   ordered_json header;
   try {
     header = ordered_json::parse(text, text + n, on_key);
@@ -464,9 +466,11 @@ CheckpointReader::CheckpointReader(const fs::path& path, const std::string& base
   MEMTUNE_CHECK(stream.good(), "cannot read checkpoint index ", index_file);
   std::stringstream buffer;
   buffer << stream.rdbuf();
+  const std::string index_text = buffer.str();
+  check_json_depth(index_text, in);
   ordered_json index;
   try {
-    index = ordered_json::parse(buffer.str());
+    index = ordered_json::parse(index_text);
   } catch (const nlohmann::json::exception& e) {
     fail(in, "not valid JSON: ", e.what());
   }

@@ -220,6 +220,20 @@ TEST(Tokenizer, BadFilesNameTheFileAndTheProblem) {
   e = load_error(R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": ["a b"]}})", "badmerge");
   EXPECT_NE(e.find("merge 0"), std::string::npos) << e;
 
+  // Ids index the id -> token table: a negative or huge id is refused before any write
+  // (a negative one wrote out of bounds and crashed; one past 2^31 wrapped to negative).
+  for (const char* id : {"-1", "-2147483648", "2147483648", "4294967296", "16777216", "1.5"}) {
+    e = load_error(std::string(R"({"model": {"type": "BPE", "vocab": {"a": 0, "b": )") + id + R"(}, "merges": []}})",
+                   "badid");
+    EXPECT_NE(e.find("model.vocab[\"b\"] is " + std::string(id)), std::string::npos) << id << ": " << e;
+  }
+  e = load_error(R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []},
+                     "added_tokens": [{"id": -7, "content": "<x>"}]})", "badadded");
+  EXPECT_NE(e.find("added_tokens[].id is -7"), std::string::npos) << e;
+
+  e = load_error("{\"model\": " + std::string(100000, '[') + std::string(100000, ']') + "}", "deep");
+  EXPECT_NE(e.find("nested more than 128 levels"), std::string::npos) << e;
+
   e = load_error(R"({"version": "1.0"})", "nomodel");
   EXPECT_NE(e.find("no \"model\""), std::string::npos) << e;
 

@@ -413,6 +413,17 @@ TEST_F(SafetensorsMalformed, BadJson) {
   expect_file_error(path_, {"not valid JSON", "parse error"});
 }
 
+TEST_F(SafetensorsMalformed, DeeplyNestedHeaderIsRefusedBeforeItRecurses) {
+  // 100k nested arrays in 200 KB (under the header cap) overflowed the stack while the
+  // error message was built; 129 levels are already refused, 128 parse.
+  write_raw(path_, "{\"a\":" + std::string(100000, '[') + std::string(100000, ']') + "}", "");
+  expect_file_error(path_, {"the header", "nested more than 128 levels"});
+  write_raw(path_, "{\"a\":" + std::string(128, '[') + std::string(128, ']') + "}", "");  // 129 levels
+  expect_file_error(path_, {"nested more than 128 levels"});
+  write_raw(path_, "{\"a\":" + std::string(127, '[') + std::string(127, ']') + "}", "");  // 128 levels
+  expect_file_error(path_, {"tensor 'a'"});  // past the depth check: refused as a tensor entry
+}
+
 TEST_F(SafetensorsMalformed, HeaderNotAnObject) {
   write_raw(path_, "[1, 2]  ", "");
   expect_file_error(path_, {"does not start with '{'", "91"});

@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <fstream>
+#include <functional>
 #include <thread>
 
 #include <ATen/ATen.h>
@@ -141,6 +142,44 @@ TEST(Train, ResumeRefusesABreakingConfigChange) {
                " training.max_steps=4 training.resume_from_checkpoint=latest lora.r=8");
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find("lora.r changed"), std::string::npos) << r.output;
+}
+
+TEST(Train, DamagedStateJsonIsRefusedByKeyAndNothingRuns) {
+  fs::path d = temp_dir();
+  TrainRun first = train(d / "first", "training.max_steps=2");
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const fs::path ck = first.dir / "checkpoints/step-2";
+  const json good = json::parse(read_file(ck / "state.json"));
+  struct Case {
+    std::string name;
+    std::function<void(json&)> damage;
+    std::string expected;
+    std::string dir = "step-2";
+  };
+  const std::vector<Case> cases = {
+      {"micro0", [](json& j) { j["supervisor"]["micro_batch"] = 0; }, "supervisor.micro_batch is 0; expected an integer in 1..4"},
+      {"negstep", [](json& j) { j["step"] = -5; }, "state.json.step is -5; expected an integer in 0.."},
+      {"nosampler", [](json& j) { j.erase("sampler"); }, "key 'sampler' is missing"},
+      {"badscale", [](json& j) { j["scaler"]["scale"] = "abc"; }, "scaler.scale is \"abc\"; expected a number"},
+      {"nosteps", [](json& j) { j["optimizer"].erase("steps"); }, "optimizer: key 'steps' is missing"},
+      {"layers", [](json& j) { j["checkpoint_layers"] = {true}; }, "checkpoint_layers names 1 layers, the model has 4"},
+      {"renamed", [](json&) {}, "step is 2 but the directory is step-9", "step-9"},
+  };
+  for (const auto& c : cases) {
+    const fs::path out = d / c.name / "out";
+    fs::create_directories(out / "checkpoints");
+    fs::copy(ck, out / "checkpoints" / c.dir, fs::copy_options::recursive);
+    json j = good;
+    c.damage(j);
+    write_file(out / "checkpoints" / c.dir / "state.json", j.dump());
+    write_file(d / c.name / "config.yaml.in", base_config(out));
+    auto r = run(memtune_bin() + " train " + (d / c.name / "config.yaml.in").string() +
+                 " training.max_steps=4 training.resume_from_checkpoint=latest");
+    EXPECT_EQ(r.exit_code, 2) << c.name << ": " << r.output;
+    EXPECT_NE(r.output.find(c.expected), std::string::npos) << c.name << ": " << r.output;
+    EXPECT_FALSE(fs::exists(out / "metrics.jsonl") && !read_file(out / "metrics.jsonl").empty()) << c.name;
+    EXPECT_EQ(trainer::latest_checkpoint(out).filename(), c.dir) << c.name << ": a step ran";
+  }
 }
 
 TEST(Train, SigtermCheckpointsAndResumeMatchesUninterruptedRun) {
