@@ -1,12 +1,10 @@
 #include "data/document_cache.h"
 
-#include <unistd.h>
 
 #include <cstring>
-#include <fstream>
-#include <random>
 
 #include "data/mapped_file.h"
+#include "runtime/atomic_file.h"
 #include "runtime/error.h"
 
 namespace memtune::data {
@@ -76,38 +74,26 @@ void write_document_cache(const std::filesystem::path& path, const std::string& 
   std::filesystem::create_directories(path.parent_path(), ec);
   MEMTUNE_CHECK(!ec, "cannot create the dataset cache directory ", path.parent_path().string(), ": ",
                 ec.message(), "; set data.cache_dir to a writable directory");
-  std::filesystem::path tmp = path;
-  tmp += ".tmp." + std::to_string(::getpid()) + "." + std::to_string(std::random_device{}());
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    MEMTUNE_CHECK(out.good(), "cannot write the dataset cache ", tmp.string(),
-                  "; set data.cache_dir to a writable directory");
-    uint64_t sum = kFnv1aOffset;  // streamed: the cache is never held twice in memory
-    auto put = [&](const void* p, size_t n) {
-      sum = fnv1a64(std::string_view(static_cast<const char*>(p), n), sum);
-      out.write(static_cast<const char*>(p), n);
-    };
-    const uint64_t key_len = key.size();
-    const int64_t n_docs = docs.size(), n_tokens = docs.tokens.size(), n_trained = docs.trained.size();
-    put(kMagic, 8);
-    put(&key_len, 8);
-    put(key.data(), key.size());
-    put(&n_docs, 8);
-    put(&n_tokens, 8);
-    put(&n_trained, 8);
-    put(&docs.skipped_invalid, 8);
-    put(docs.offsets.data(), docs.offsets.size() * 8);
-    put(docs.tokens.data(), docs.tokens.size() * 4);
-    put(docs.trained.data(), docs.trained.size());
-    out.write(reinterpret_cast<const char*>(&sum), 8);
-    out.flush();
-    MEMTUNE_CHECK(out.good(), "writing the dataset cache ", tmp.string(), " failed (disk full?)");
-  }
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    std::filesystem::remove(tmp, ec);
-    fail("cannot move the dataset cache into place at ", path.string());
-  }
+  AtomicFile out(path);  // a failure or a kill leaves no partial cache and no temporary behind
+  uint64_t sum = kFnv1aOffset;  // streamed: the cache is never held twice in memory
+  auto put = [&](const void* p, size_t n) {
+    sum = fnv1a64(std::string_view(static_cast<const char*>(p), n), sum);
+    out.write(p, n);
+  };
+  const uint64_t key_len = key.size();
+  const int64_t n_docs = docs.size(), n_tokens = docs.tokens.size(), n_trained = docs.trained.size();
+  put(kMagic, 8);
+  put(&key_len, 8);
+  put(key.data(), key.size());
+  put(&n_docs, 8);
+  put(&n_tokens, 8);
+  put(&n_trained, 8);
+  put(&docs.skipped_invalid, 8);
+  put(docs.offsets.data(), docs.offsets.size() * 8);
+  put(docs.tokens.data(), docs.tokens.size() * 4);
+  put(docs.trained.data(), docs.trained.size());
+  out.write(&sum, 8);
+  out.commit();
 }
 
 }  // namespace memtune::data

@@ -1,11 +1,10 @@
 #include "data/token_file.h"
 
-#include <unistd.h>
 
 #include <cstring>
-#include <fstream>
 
 #include "data/mapped_file.h"
+#include "runtime/atomic_file.h"
 #include "runtime/error.h"
 
 namespace memtune::data {
@@ -73,27 +72,15 @@ void write_token_file(const std::filesystem::path& path, const std::vector<uint3
   header[1] = narrow ? kTokenFileVersion16 : kTokenFileVersion32;
   header[2] = static_cast<int32_t>(tokens.size());
 
-  std::filesystem::path tmp = path;
-  tmp += ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    MEMTUNE_CHECK(out.good(), "cannot write ", tmp.string(), "; check that the directory exists and is writable");
-    out.write(reinterpret_cast<const char*>(header), sizeof header);
-    if (narrow) {
-      std::vector<uint16_t> body(tokens.begin(), tokens.end());
-      out.write(reinterpret_cast<const char*>(body.data()), body.size() * sizeof(uint16_t));
-    } else {
-      out.write(reinterpret_cast<const char*>(tokens.data()), tokens.size() * sizeof(uint32_t));
-    }
-    out.flush();
-    MEMTUNE_CHECK(out.good(), "write to ", tmp.string(), " failed (disk full?)");
+  AtomicFile out(path);  // a failure or a kill leaves no partial file and no temporary behind
+  out.write(header, sizeof header);
+  if (narrow) {
+    std::vector<uint16_t> body(tokens.begin(), tokens.end());
+    out.write(body.data(), body.size() * sizeof(uint16_t));
+  } else {
+    out.write(tokens.data(), tokens.size() * sizeof(uint32_t));
   }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    std::filesystem::remove(tmp, ec);
-    fail("cannot rename the token file into place at ", path.string());
-  }
+  out.commit();
 }
 
 }  // namespace memtune::data

@@ -110,6 +110,7 @@ AtomicFile::AtomicFile(fs::path final_path)
   MEMTUNE_CHECK(!fs::is_directory(final_), "atomic write: ", final_,
                 " is a directory, expected a file path");
   fs::create_directories(parent_of(final_));
+  remove_stale_temporaries(parent_of(final_));  // what killed writers left here
   clear_dead_temporary(temp_);
   fd_ = ::open(temp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   MEMTUNE_CHECK(fd_ >= 0, "atomic write: cannot create ", temp_, ": ", errno_text(),
@@ -213,6 +214,7 @@ AtomicDirectory::AtomicDirectory(fs::path final_path, bool replace_existing)
   MEMTUNE_CHECK(replace_ || !fs::exists(final_), "checkpoint directory ", final_,
                 " already exists", "; choose another name or allow replacing it");
   fs::create_directories(parent_of(final_));
+  remove_stale_temporaries(parent_of(final_));
   clear_dead_temporary(temp_);
   std::error_code ec;
   fs::create_directory(temp_, ec);

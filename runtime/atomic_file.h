@@ -3,7 +3,9 @@
 // directory, fsynced, then renamed to its final name and the parent directory fsynced.
 // A crash at any point leaves either the previous complete version or the new complete
 // version under the final name, never a partial one; what remains is a temporary named
-// `<final>.tmp-<pid>` that remove_stale_temporaries() deletes.
+// `<final>.tmp-<pid>` that remove_stale_temporaries() deletes, which every AtomicFile and
+// AtomicDirectory runs on its directory before it writes: a killed writer's leftovers go
+// with the next write there. Every file memtune writes whole goes through these.
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>

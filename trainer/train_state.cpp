@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include <ATen/ATen.h>
+#include <spdlog/spdlog.h>
 
 #include "models/io/safetensors.h"
 #include "runtime/atomic_file.h"
@@ -34,6 +35,43 @@ std::vector<std::pair<int64_t, fs::path>> list_checkpoints(const fs::path& outpu
   std::sort(out.begin(), out.end());
   return out;
 }
+
+// A checkpoint leaves in two moves: renamed to a temporary name (atomic: it stops being a
+// checkpoint at once, whole), then deleted. A kill during the delete leaves a temporary
+// that remove_stale_temporaries() removes with the next write, never a step-N directory
+// with files missing.
+void prune(const fs::path& dir) {
+  const fs::path doomed = temporary_name_for(dir);
+  std::error_code ec;
+  fs::rename(dir, doomed, ec);
+  MEMTUNE_CHECK(!ec, "save_total_limit: cannot move ", dir.string(), " aside to delete it: ", ec.message());
+  fsync_path(dir.parent_path());
+  remove_tree(doomed);
+}
+
+}  // namespace
+
+// step-N directories without state.json: only a delete that an older memtune was killed
+// in leaves them (a checkpoint is renamed into place whole). They are not checkpoints
+// (latest_checkpoint skips them), and nothing else would ever remove them.
+int remove_incomplete_checkpoints(const fs::path& output_dir) {
+  const fs::path root = output_dir / "checkpoints";
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return 0;
+  remove_stale_temporaries(root);
+  int removed = 0;
+  for (const auto& e : fs::directory_iterator(root)) {
+    const std::string name = e.path().filename().string();
+    if (!e.is_directory() || name.rfind("step-", 0) != 0 || name.find(".tmp-") != std::string::npos) continue;
+    if (fs::exists(e.path() / "state.json")) continue;
+    spdlog::warn("checkpoints: removing {}: it has no state.json (left by an interrupted delete)", e.path().string());
+    prune(e.path());
+    ++removed;
+  }
+  return removed;
+}
+
+namespace {
 
 std::map<std::string, at::Tensor> load_all(const fs::path& file) {
   std::map<std::string, at::Tensor> out;
@@ -84,9 +122,10 @@ fs::path save_training_checkpoint(const fs::path& output_dir, const TrainState& 
   write_file_atomic(dir.path() / "config.yaml", config_yaml);
   write_file_atomic(dir.path() / "state.json", state.to_json().dump(2) + "\n");
   dir.commit();
+  remove_incomplete_checkpoints(output_dir);
   if (save_total_limit > 0) {
     auto all = list_checkpoints(output_dir);
-    for (size_t i = 0; i + static_cast<size_t>(save_total_limit) < all.size(); ++i) remove_tree(all[i].second);
+    for (size_t i = 0; i + static_cast<size_t>(save_total_limit) < all.size(); ++i) prune(all[i].second);
   }
   return final_dir;
 }

@@ -56,6 +56,11 @@ std::filesystem::path save_training_checkpoint(
 // in range, its step equal to the directory's step-N. Throws UserError naming the file.
 TrainingCheckpoint load_training_checkpoint(const std::filesystem::path& dir);
 
+// Removes step-N directories that lost their state.json (an interrupted delete of an
+// older version) and stale temporaries under output_dir/checkpoints; returns how many
+// checkpoints it removed. The trainer runs it at start; every save runs it too.
+int remove_incomplete_checkpoints(const std::filesystem::path& output_dir);
+
 // The complete checkpoint with the highest step under output_dir/checkpoints, or empty.
 std::filesystem::path latest_checkpoint(const std::filesystem::path& output_dir);
 

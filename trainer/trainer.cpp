@@ -122,6 +122,26 @@ std::string progress_bar(int64_t done, int64_t total) {
   return "[" + std::string(filled, '#') + std::string(width - filled, '.') + "]";
 }
 
+// Resuming at `step`: metrics.jsonl keeps the rows of steps up to it (the steps after it run
+// again and write their rows anew, so a plot never shows a step twice) and drops a line a
+// kill cut short. Rewritten atomically: a kill here leaves the old file or the new one.
+void keep_metrics_through(const fs::path& file, int64_t step) {
+  std::ifstream in(file);
+  if (!in) return;
+  std::string kept, line;
+  int64_t dropped = 0;
+  while (std::getline(in, line)) {
+    const json row = json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (row.is_object() && !(row.contains("step") && row["step"].is_number() && row["step"].get<int64_t>() > step))
+      kept += line + "\n";
+    else
+      ++dropped;
+  }
+  if (dropped == 0) return;
+  write_file_atomic(file, kept);
+  spdlog::info("metrics.jsonl: {} rows after step {} dropped (those steps run again)", dropped, step);
+}
+
 // Keys that change what a checkpoint means: resuming under another value is refused.
 void check_resume_compatible(const Config& now, const Config& then) {
   auto same = [&](const std::string& key, const std::string& a, const std::string& b) {
@@ -363,6 +383,7 @@ TrainResult train(const Config& c) {
   // Resume.
   int64_t step = 0;
   std::string resume = c.training.resume_from_checkpoint;
+  if (writer) remove_incomplete_checkpoints(out_dir);
   if (!resume.empty()) {
     fs::path dir = resume == "latest" ? latest_checkpoint(out_dir) : fs::path(resume);
     if (dir.empty()) {
@@ -406,6 +427,7 @@ TrainResult train(const Config& c) {
   g_stop_signal.store(0);
 
   std::ofstream metrics;
+  if (writer && step > 0) keep_metrics_through(out_dir / "metrics.jsonl", step);
   if (writer) metrics.open(out_dir / "metrics.jsonl", step > 0 ? std::ios::app : std::ios::trunc);
   OomInjector injector(c.memory.inject_oom, dist.rank);
   StepProfiler profiler;

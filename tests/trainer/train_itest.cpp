@@ -10,6 +10,7 @@
 #include <chrono>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <thread>
 
 #include <ATen/ATen.h>
@@ -212,32 +213,107 @@ TEST(Train, SigtermCheckpointsAndResumeMatchesUninterruptedRun) {
                       d / "stopped/out/adapter/adapter_model.safetensors", 1e-6);
 }
 
-TEST(Train, KillDuringCheckpointWritesLeavesALoadableCheckpoint) {
+// Checkpoint directories as a kill left them: complete ones (step-N with state.json),
+// step-N without it (a torn delete), and temporaries of writes or deletes in progress.
+struct CheckpointDir {
+  int complete = 0, torn = 0, temporaries = 0;
+};
+CheckpointDir inspect_checkpoints(const fs::path& out) {
+  CheckpointDir c;
+  if (!fs::exists(out / "checkpoints")) return c;
+  for (const auto& e : fs::directory_iterator(out / "checkpoints")) {
+    const std::string name = e.path().filename().string();
+    if (name.find(".tmp-") != std::string::npos) ++c.temporaries;
+    else if (fs::exists(e.path() / "state.json")) ++c.complete;
+    else ++c.torn;
+  }
+  return c;
+}
+
+TEST(Train, KillDuringCheckpointWritesAndPruningLeavesALoadableCheckpoint) {
   fs::path d = temp_dir();
   write_file(d / "config.yaml.in", base_config(d / "out"));
-  // A full fine-tune writes large checkpoints every step: SIGKILL lands inside writes.
+  // A full fine-tune writes ~17 MB checkpoints every step and prunes all but two: most of
+  // a step's time is spent writing or deleting, so kills land inside both.
   const std::string cmd = memtune_bin() + " train " + (d / "config.yaml.in").string() +
-                          " training.max_steps=200 training.save_steps=1 training.finetune=full "
-                          "model.quantization_config.load_in_4bit=false";
-  int kills = 0;
-  for (int delay_ms : {2500, 3300, 4100}) {
+                          " training.max_steps=400 training.save_steps=1 training.save_total_limit=2 "
+                          "training.finetune=full model.quantization_config.load_in_4bit=false "
+                          "training.resume_from_checkpoint=latest";
+  int landed_in_a_write = 0;
+  for (int attempt = 0; attempt < 12 && landed_in_a_write < 3; ++attempt) {
     pid_t pid = fork();
     if (pid == 0) {
-      execl("/bin/sh", "sh", "-c", ("exec " + cmd + " training.resume_from_checkpoint=latest > /dev/null 2>&1").c_str(),
-            nullptr);
+      execl("/bin/sh", "sh", "-c", ("exec " + cmd + " > /dev/null 2>&1").c_str(), nullptr);
       _exit(127);
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+    // Kill once the run has written a checkpoint this time, at a moment that varies.
+    const fs::path before = trainer::latest_checkpoint(d / "out");
+    for (int i = 0; i < 300 && trainer::latest_checkpoint(d / "out") == before; ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    std::this_thread::sleep_for(std::chrono::milliseconds(37 * attempt % 150));
     kill(pid, SIGKILL);
-    waitpid(pid, nullptr, 0);
-    ++kills;
+    int status = 0;
+    waitpid(pid, &status, 0);
+    ASSERT_TRUE(WIFSIGNALED(status)) << "the run ended before the kill (exit " << WEXITSTATUS(status) << ")";
+    const CheckpointDir c = inspect_checkpoints(d / "out");
+    if (c.temporaries > 0) ++landed_in_a_write;  // the kill interrupted a write or a delete
+    EXPECT_EQ(c.torn, 0) << "a step-N directory lost its state.json (attempt " << attempt << ")";
+    EXPECT_LE(c.complete, 3) << "save_total_limit 2 (+1 being replaced)";
     fs::path ck = trainer::latest_checkpoint(d / "out");
-    if (ck.empty()) continue;
-    // Whatever the moment of the kill, the latest checkpoint is whole.
-    EXPECT_NO_THROW(trainer::load_training_checkpoint(ck)) << ck;
+    ASSERT_FALSE(ck.empty());
+    EXPECT_NO_THROW(trainer::load_training_checkpoint(ck)) << ck;  // whatever the moment, the latest is whole
   }
-  EXPECT_FALSE(trainer::latest_checkpoint(d / "out").empty());
-  EXPECT_EQ(kills, 3);
+  EXPECT_GE(landed_in_a_write, 1) << "no kill landed inside a checkpoint write; the test proved nothing";
+  // A final resume finishes, removing what the kills left behind.
+  auto r = run(cmd + " training.max_steps=" + std::to_string(
+                         std::stoll(trainer::latest_checkpoint(d / "out").filename().string().substr(5)) + 1));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const CheckpointDir c = inspect_checkpoints(d / "out");
+  EXPECT_EQ(c.temporaries, 0);
+  EXPECT_EQ(c.torn, 0);
+  EXPECT_EQ(c.complete, 2);
+}
+
+TEST(Train, StartRemovesTornCheckpointsAndDeadWritersTemporaries) {
+  fs::path d = temp_dir();
+  const fs::path ck = d / "out/checkpoints";
+  fs::create_directories(ck / "step-1");  // a delete that an older version was killed in
+  write_file(ck / "step-1/trainable.safetensors", "x");
+  pid_t dead = fork();  // a pid that no longer runs
+  if (dead == 0) _exit(0);
+  waitpid(dead, nullptr, 0);
+  fs::create_directories(ck / ("step-2.tmp-" + std::to_string(dead)));
+  write_file(d / "out/adapter" / ("adapter_model.safetensors.tmp-" + std::to_string(dead)), "partial");
+  TrainRun r = train(d, "training.max_steps=3 training.save_steps=1 training.save_total_limit=2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::vector<std::string> left;
+  for (const auto& e : fs::directory_iterator(ck)) left.push_back(e.path().filename().string());
+  std::sort(left.begin(), left.end());
+  EXPECT_EQ(left, (std::vector<std::string>{"step-2", "step-3"}));
+  for (const auto& e : fs::directory_iterator(d / "out/adapter"))
+    EXPECT_EQ(e.path().filename().string().find(".tmp-"), std::string::npos) << e.path();
+}
+
+TEST(Train, ResumeKeepsEachStepsMetricsOnce) {
+  fs::path d = temp_dir();
+  TrainRun straight = train(d / "straight", "training.save_steps=3");
+  ASSERT_EQ(straight.exit_code, 0) << straight.output;
+  // A run killed after step 5 (its metrics went further than its last checkpoint, step 3)
+  // with the last line cut short by the kill.
+  fs::create_directories(d / "killed/out/checkpoints");
+  fs::copy(straight.dir / "checkpoints/step-3", d / "killed/out/checkpoints/step-3", fs::copy_options::recursive);
+  std::string rows;
+  for (const auto& m : metrics(straight.dir))
+    if (!m.contains("step") || m["step"].get<int64_t>() <= 5) rows += m.dump() + "\n";
+  write_file(d / "killed/out/metrics.jsonl", rows + "{\"step\": 6, \"lo");
+  TrainRun resumed = train(d / "killed", "training.resume_from_checkpoint=latest");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  std::map<int64_t, int> loss_rows;
+  for (const auto& m : metrics(resumed.dir))  // every line parses (read_jsonl throws otherwise)
+    if (m.contains("loss")) ++loss_rows[m["step"].get<int64_t>()];
+  ASSERT_EQ(loss_rows.size(), 6u);
+  for (const auto& [step, n] : loss_rows) EXPECT_EQ(n, 1) << "step " << step;
+  expect_same_losses(step_losses(straight.dir), step_losses(resumed.dir), 1e-6);
 }
 
 TEST(Train, LoraOnDenseBaseAndFullFineTune) {
