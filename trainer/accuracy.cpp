@@ -37,7 +37,8 @@ std::string AccuracyResult::describe() const {
 }
 
 AccuracyResult instruction_accuracy(models::CausalLM& model, const data::Tokenizer& tok, const std::string& template_name,
-                                    const std::filesystem::path& file, int64_t max_rows, int64_t max_new_tokens) {
+                                    const std::filesystem::path& file, int64_t max_rows, int64_t max_new_tokens,
+                                    const std::function<bool()>& stop) {
   data::ChatTemplate tmpl = data::ChatTemplate::builtin(template_name);
   std::ifstream in(file);
   MEMTUNE_CHECK(in.good(), file.string(), ": cannot read");
@@ -45,6 +46,10 @@ AccuracyResult instruction_accuracy(models::CausalLM& model, const data::Tokeniz
   std::string line;
   int64_t line_no = 0;
   while (r.total < max_rows && std::getline(in, line)) {
+    if (stop && stop()) {
+      r.stopped = true;
+      break;
+    }
     ++line_no;
     if (trim(line).empty()) continue;
     nlohmann::json rec;

@@ -3,6 +3,7 @@
 // continuation up to eos, compared with the record's output. Shows learning, not only a loss.
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
@@ -19,6 +20,7 @@ namespace memtune::trainer {
 struct AccuracyResult {
   int64_t correct = 0, total = 0;
   std::map<std::string, std::pair<int64_t, int64_t>> per_task;  // "task" field -> (correct, total)
+  bool stopped = false;  // `stop` ended it before max_rows
   double share() const { return total ? static_cast<double>(correct) / static_cast<double>(total) : 0.0; }
   std::string describe() const;  // "62.0% (124/200); add 40%, reverse 70%, ..."
 };
@@ -26,6 +28,7 @@ struct AccuracyResult {
 // The first `max_rows` records of an instruction JSONL file (instruction, input, output).
 AccuracyResult instruction_accuracy(models::CausalLM& model, const data::Tokenizer& tokenizer,
                                     const std::string& template_name, const std::filesystem::path& file,
-                                    int64_t max_rows, int64_t max_new_tokens = 12);
+                                    int64_t max_rows, int64_t max_new_tokens = 12,
+                                    const std::function<bool()>& stop = {});
 
 }  // namespace memtune::trainer

@@ -9,10 +9,13 @@
 #include "data/batch.h"
 #include "data/dataset.h"
 #include "models/causal_lm.h"
+#include "runtime/error.h"
 
 namespace memtune::trainer {
 
-EvalResult evaluate(models::CausalLM& model, const data::Dataset& dataset, int64_t micro_batch, int64_t max_rows) {
+EvalResult evaluate(models::CausalLM& model, const data::Dataset& dataset, int64_t micro_batch, int64_t max_rows,
+                    const std::function<bool()>& stop) {
+  MEMTUNE_CHECK(micro_batch >= 1, "evaluation batch size is ", micro_batch, "; it must be at least 1");
   at::NoGradGuard no_grad;
   const int64_t n = max_rows < 0 ? dataset.size() : std::min(max_rows, dataset.size());
   const int32_t pad = 0;
@@ -21,6 +24,10 @@ EvalResult evaluate(models::CausalLM& model, const data::Dataset& dataset, int64
   EvalResult r;
   models::ForwardOptions opts;
   for (int64_t i = 0; i < n; i += micro_batch) {
+    if (stop && stop()) {
+      r.stopped = true;
+      break;
+    }
     std::vector<data::Sample> samples;
     for (int64_t j = i; j < std::min(n, i + micro_batch); ++j) samples.push_back(dataset.sample(j));
     data::Batch b = data::collate(samples, 8, pad);

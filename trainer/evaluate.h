@@ -1,6 +1,7 @@
 #pragma once
 // Evaluation: mean next-token cross-entropy, perplexity and token count on a dataset.
 #include <cstdint>
+#include <functional>
 
 namespace memtune::models {
 class CausalLM;
@@ -16,10 +17,12 @@ struct EvalResult {
   double perplexity = 0;  // exp(loss)
   int64_t tokens = 0;     // target tokens counted
   double token_accuracy = 0;  // share of targets that are the most likely next token
+  bool stopped = false;       // `stop` said so before every row was seen: the figures cover fewer rows
 };
 
-// `max_rows` < 0: every sample. Runs without gradients, `micro_batch` samples at a time.
+// `max_rows` < 0: every sample. Runs without gradients, `micro_batch` (>= 1) samples at a
+// time; `stop`, asked before each micro-batch, ends it early (a SIGTERM during evaluation).
 EvalResult evaluate(models::CausalLM& model, const data::Dataset& dataset, int64_t micro_batch,
-                    int64_t max_rows = -1);
+                    int64_t max_rows = -1, const std::function<bool()>& stop = {});
 
 }  // namespace memtune::trainer

@@ -465,9 +465,16 @@ TrainResult train(const Config& c) {
     if (pg) pg->barrier();
     return p;
   };
+  // A stop request is honoured in every phase: evaluations end at their next batch.
+  auto stop_requested = [] { return g_stop_signal.load() != 0; };
   auto run_eval = [&](const char* when) {
-    if (!eval_set) return;
-    EvalResult r = evaluate(model, *eval_set, c.training.per_device_eval_batch_size);
+    if (!eval_set || stop_requested()) return;
+    EvalResult r = evaluate(model, *eval_set, c.training.per_device_eval_batch_size, -1, stop_requested);
+    if (r.stopped) {
+      spdlog::warn("eval ({}): stopped by signal {} after {} tokens; not recorded", when, g_stop_signal.load(),
+                   r.tokens);
+      return;
+    }
     spdlog::info("eval ({}): loss {:.4f}, perplexity {:.2f}, token accuracy {:.1f}%, {} tokens", when, r.loss,
                  r.perplexity, 100.0 * r.token_accuracy, r.tokens);
     metrics << json{{"step", step},
@@ -480,9 +487,15 @@ TrainResult train(const Config& c) {
   };
 
   auto run_accuracy = [&](const char* when) {
-    if (c.training.eval_accuracy_rows <= 0 || c.data.eval_file.empty() || !bundle.tokenizer) return;
+    if (c.training.eval_accuracy_rows <= 0 || c.data.eval_file.empty() || !bundle.tokenizer || stop_requested())
+      return;
     AccuracyResult a = instruction_accuracy(model, *bundle.tokenizer, c.data.template_name, c.data.eval_file,
-                                            c.training.eval_accuracy_rows);
+                                            c.training.eval_accuracy_rows, 12, stop_requested);
+    if (a.stopped) {
+      spdlog::warn("accuracy ({}): stopped by signal {} after {} rows; not recorded", when, g_stop_signal.load(),
+                   a.total);
+      return;
+    }
     spdlog::info("accuracy ({}): {}", when, a.describe());
     metrics << json{{"step", step}, {"accuracy", a.share()}, {"accuracy_rows", a.total}}.dump() << "\n";
     metrics.flush();
@@ -490,6 +503,11 @@ TrainResult train(const Config& c) {
   if (step == 0) {
     run_eval("before training");
     run_accuracy("before training");
+    if (int sig = g_stop_signal.load(); sig && !pg) {  // distributed: the ranks agree in the first step
+      spdlog::warn("stopped by signal {} before the first step; nothing to save", sig);
+      result.exit_code = 128 + sig;
+      return result;
+    }
   }
 
   // distributed: [loss sum, stop requested] reduced with the gradients (no extra collective).
@@ -653,6 +671,12 @@ TrainResult train(const Config& c) {
   save_checkpoint();
   run_eval("final");
   run_accuracy("after training");
+  // Stopped during the final evaluations: the last checkpoint is saved; the adapter or
+  // model is still written below (a moment's work), the remaining evaluation is skipped.
+  if (int sig = g_stop_signal.load()) {
+    spdlog::warn("stopped by signal {} during the final evaluation; it was skipped", sig);
+    result.exit_code = 128 + sig;
+  }
 
   if (!writer) {  // distributed: only rank 0 saves
   } else if (c.training.finetune == "lora") {

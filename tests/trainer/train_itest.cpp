@@ -230,6 +230,51 @@ CheckpointDir inspect_checkpoints(const fs::path& out) {
   return c;
 }
 
+// Starts `memtune train` with its output in dir/log; SIGTERM once `ready` holds (polled),
+// then returns the exit code and the log.
+std::pair<int, std::string> term_when(const fs::path& dir, const std::string& overrides,
+                                      const std::function<bool()>& ready) {
+  fs::create_directories(dir);
+  write_file(dir / "config.yaml.in", base_config(dir / "out"));
+  const std::string cmd = memtune_bin() + " train " + (dir / "config.yaml.in").string() + " " + overrides +
+                          " > " + (dir / "log").string() + " 2>&1";
+  pid_t pid = fork();
+  if (pid == 0) {
+    execl("/bin/sh", "sh", "-c", ("exec " + cmd).c_str(), nullptr);
+    _exit(127);
+  }
+  for (int i = 0; i < 6000 && !ready(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  kill(pid, SIGTERM);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, read_file(dir / "log")};
+}
+
+TEST(Train, SigtermDuringEvaluationsIsHonouredAtTheNextRow) {
+  const fs::path d = temp_dir();
+  const std::string eval = "data.eval_file=" + (source_dir() / "examples/data/tasks_eval.jsonl").string() +
+                           " training.eval_accuracy_rows=200 training.logging_steps=1";
+  // In the accuracy evaluation before the first step (200 generations: seconds): it ends
+  // at the next row and the run stops with nothing to save.
+  auto [code, log] = term_when(d / "first", eval, [&] {
+    return read_file(d / "first/log").find("eval (before training)") != std::string::npos;
+  });
+  EXPECT_EQ(code, 128 + SIGTERM) << log;
+  EXPECT_NE(log.find("accuracy (before training): stopped by signal 15"), std::string::npos) << log;
+  EXPECT_NE(log.find("before the first step"), std::string::npos) << log;
+  EXPECT_TRUE(step_losses(d / "first/out").empty());
+  // In the final evaluations: the last checkpoint and the adapter are written, the
+  // evaluation is skipped, and the exit code says the run was stopped.
+  auto [code2, log2] = term_when(d / "last", eval + " training.max_steps=2", [&] {
+    return fs::exists(d / "last/out/checkpoints/step-2/state.json");
+  });
+  EXPECT_EQ(code2, 128 + SIGTERM) << log2;
+  EXPECT_NE(log2.find("during the final evaluation"), std::string::npos) << log2;
+  EXPECT_TRUE(fs::exists(d / "last/out/adapter/adapter_model.safetensors")) << log2;
+  for (const auto& m : metrics(d / "last/out"))
+    EXPECT_FALSE(m.contains("accuracy") && m["step"] == 2) << "an interrupted evaluation was recorded: " << m;
+}
+
 TEST(Train, KillDuringCheckpointWritesAndPruningLeavesALoadableCheckpoint) {
   fs::path d = temp_dir();
   write_file(d / "config.yaml.in", base_config(d / "out"));
