@@ -1,5 +1,7 @@
 #include "models/generate.h"
 
+#include <cmath>
+
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -12,6 +14,14 @@ namespace memtune::models {
 
 std::vector<int32_t> generate(CausalLM& model, const std::vector<int32_t>& prompt, const GenerateOptions& o) {
   MEMTUNE_CHECK(!prompt.empty(), "generate: empty prompt");
+  MEMTUNE_CHECK(std::isfinite(o.temperature) && o.temperature >= 0, "generate: temperature is ", o.temperature,
+                "; it must be a finite number >= 0 (0 picks the most likely token)");
+  MEMTUNE_CHECK(o.top_p >= 0 && o.top_p <= 1, "generate: top_p is ", o.top_p,
+                "; it must lie in [0, 1] (the share of probability mass sampled from)");
+  for (int32_t id : prompt)
+    MEMTUNE_CHECK(id >= 0 && id < model.spec().vocab_size, "generate: the prompt holds token id ", id,
+                  " but the model's vocab_size is ", model.spec().vocab_size,
+                  "; the tokenizer does not belong to this model");
   at::NoGradGuard no_grad;
   at::Generator gen = at::detail::createCPUGenerator(o.seed);
   std::vector<int32_t> ids = prompt, out;
@@ -36,7 +46,10 @@ std::vector<int32_t> generate(CausalLM& model, const std::vector<int32_t>& promp
     } else {
       at::Tensor p = at::softmax(logits.to(at::kDouble) / o.temperature, 0);
       auto [sorted, order] = p.sort(0, true);
+      // Nucleus: the most likely tokens up to top_p of the mass, and always the first
+      // (transformers' TopPLogitsWarper keeps min_tokens_to_keep = 1: top_p 0 is greedy).
       at::Tensor keep = (sorted.cumsum(0) - sorted) < o.top_p;
+      keep[0] = true;
       sorted = sorted * keep;
       next = order[at::multinomial(sorted / sorted.sum(), 1, false, gen).item<int64_t>()].item<int64_t>();
     }

@@ -108,7 +108,7 @@ std::unique_ptr<CausalLM> init_random_model(const ModelSpec& spec, uint64_t seed
 }
 
 void save_hf_model(const CausalLM& model, const fs::path& dir, const SaveOptions& options) {
-  fs::create_directories(dir);
+  create_output_directory(dir, "saving the model");
   json config = spec_to_hf_config(model.spec());
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   const NF4Tensor* any_nf4 = nullptr;

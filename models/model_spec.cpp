@@ -201,6 +201,24 @@ void validate_spec(const ModelSpec& s, const std::string& where) {
   if (s.is_gpt2())
     MEMTUNE_CHECK(s.hidden_size == s.num_heads * s.head_dim, where, ": n_embd (", s.hidden_size,
                   ") must equal n_head x head_dim");
+  // Sizes past any real model's are a damaged or mistyped file: refused here, by name,
+  // rather than as a petabyte allocation once the tensors are made.
+  const std::pair<const char*, int64_t> dims[] = {
+      {"vocab_size", s.vocab_size},           {"hidden_size", s.hidden_size},
+      {"intermediate_size", s.intermediate_size}, {"num_hidden_layers", s.num_layers},
+      {"num_attention_heads", s.num_heads},   {"head_dim", s.head_dim}};
+  constexpr int64_t kMaxDim = int64_t{1} << 24;  // 16.7M: ~64x the largest of each in published models
+  for (const auto& [key, v] : dims)
+    MEMTUNE_CHECK(v <= kMaxDim, where, ": ", key, " is ", v, ", more than ", kMaxDim,
+                  " (no real model comes close); is config.json damaged?");
+  const double embed = static_cast<double>(s.vocab_size) * static_cast<double>(s.hidden_size);
+  const double attn = static_cast<double>(s.hidden_size) * static_cast<double>(s.head_dim) *
+                      static_cast<double>(2 * s.num_heads + 2 * s.num_kv_heads);
+  const double mlp = 3.0 * static_cast<double>(s.hidden_size) * static_cast<double>(s.intermediate_size);
+  const double params = (s.tie_word_embeddings ? 1.0 : 2.0) * embed + static_cast<double>(s.num_layers) * (attn + mlp);
+  constexpr double kMaxParams = 1e13;  // 10T: several times the largest published models
+  MEMTUNE_CHECK(params <= kMaxParams, where, ": these sizes make a model of ", params, " parameters (",
+                params * 2 / (1ull << 40), " TiB in bf16), past the 10T memtune accepts; is config.json damaged?");
 }
 
 namespace {

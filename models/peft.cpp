@@ -23,7 +23,7 @@ std::string peft_key(const std::string& module, const char* which) {
 }
 
 void save_adapter(const CausalLM& model, const AdapterConfig& config, const fs::path& dir) {
-  fs::create_directories(dir);
+  create_output_directory(dir, "saving the adapter");
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   std::vector<std::string> short_targets;
   for (Linear* l : model.linears()) {

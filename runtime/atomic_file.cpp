@@ -277,6 +277,16 @@ void AtomicDirectory::commit() {
   fsync_path(parent);
 }
 
+void create_output_directory(const fs::path& dir, std::string_view what) {
+  std::error_code ec;
+  const auto st = fs::status(dir, ec);
+  MEMTUNE_CHECK(!fs::exists(st) || fs::is_directory(st), what, ": ", dir,
+                " exists and is not a directory; name a directory to write into");
+  fs::create_directories(dir, ec);
+  MEMTUNE_CHECK(!ec, what, ": cannot create the directory ", dir, ": ", ec.message(),
+                "; check that its parent exists and is writable");
+}
+
 // ---- stale temporaries ----
 
 int remove_stale_temporaries(const fs::path& dir) {

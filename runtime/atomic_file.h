@@ -56,6 +56,11 @@ class AtomicFile {
   std::size_t written_ = 0;
 };
 
+// Makes `dir` (and its parents) for output; `what` names it in errors ("--out",
+// "training.output_dir"). A path that exists as a file, or a directory that cannot be
+// made, is a UserError with the path and the reason, never a raw filesystem_error.
+void create_output_directory(const std::filesystem::path& dir, std::string_view what);
+
 // Writes `bytes` to `path` atomically (AtomicFile in one call).
 void write_file_atomic(const std::filesystem::path& path, std::string_view bytes);
 

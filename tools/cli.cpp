@@ -48,7 +48,9 @@ int memtune_main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // --help and --version print and succeed; every usage error is bad input: exit 2, as
+    // for every other bad input (CLI11's own codes, 105-115, mean nothing to a script).
+    return app.exit(e) == 0 ? 0 : 2;
   } catch (const MemoryExhausted& e) {
     spdlog::error("{}", e.what());
     return 3;

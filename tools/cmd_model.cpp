@@ -54,6 +54,14 @@ std::unique_ptr<models::CausalLM> load_for_inference(const std::string& model_di
   return model;
 }
 
+// A tokenizer with ids past the model's embedding rows would index out of range in the
+// first forward: refused up front, as train refuses it.
+void check_tokenizer_fits(const data::Tokenizer& tok, const models::CausalLM& model) {
+  MEMTUNE_CHECK(tok.vocab_size() <= model.spec().vocab_size, "the tokenizer has ", tok.vocab_size(),
+                " ids but the model's vocab_size is ", model.spec().vocab_size,
+                "; it is not this model's tokenizer (pass the right one with --tokenizer)");
+}
+
 void progress(const std::string& what, int64_t done, int64_t total) {
   std::fprintf(stderr, "\r%s %lld/%lld tensors", what.c_str(), static_cast<long long>(done),
                static_cast<long long>(total));
@@ -167,7 +175,7 @@ void add_model_commands(CLI::App& app) {
     cmd->add_option("--adapter", a->adapter, "PEFT adapter directory");
     cmd->add_option("--tokenizer", a->tokenizer, "tokenizer (default: the model directory's)");
     cmd->add_option("--prompt", a->prompt, "text to continue")->required();
-    cmd->add_option("--max-new-tokens", a->max_new_tokens)->capture_default_str();
+    cmd->add_option("--max-new-tokens", a->max_new_tokens)->capture_default_str()->check(CLI::NonNegativeNumber);
     cmd->add_flag("--greedy", a->greedy, "always the most likely token");
     cmd->add_option("--temperature", a->temperature)->capture_default_str();
     cmd->add_option("--top-p", a->top_p)->capture_default_str();
@@ -176,6 +184,7 @@ void add_model_commands(CLI::App& app) {
     cmd->callback([a] {
       auto model = load_for_inference(a->model, a->adapter, a->device);
       auto tok = data::Tokenizer::load(a->tokenizer.empty() ? a->model : a->tokenizer);
+      check_tokenizer_fits(*tok, *model);
       models::GenerateOptions o;
       o.max_new_tokens = a->max_new_tokens;
       o.greedy = a->greedy;
@@ -202,7 +211,7 @@ void add_model_commands(CLI::App& app) {
     cmd->add_option("--format", a->format, "auto, text, instruction, chat, tokens, plain")->capture_default_str();
     cmd->add_option("--max-seq-length", a->max_seq_length)->capture_default_str();
     cmd->add_option("--max-rows", a->max_rows, "evaluate the first N rows only");
-    cmd->add_option("--batch", a->batch, "rows per forward pass")->capture_default_str();
+    cmd->add_option("--batch", a->batch, "rows per forward pass")->capture_default_str()->check(CLI::PositiveNumber);
     cmd->add_flag("--json", a->json, "print one JSON object: loss, perplexity, tokens");
     cmd->add_option("--device", a->device, "cpu, cuda, cuda:N or auto")->capture_default_str();
     cmd->callback([a] {
@@ -210,6 +219,7 @@ void add_model_commands(CLI::App& app) {
       std::unique_ptr<data::Tokenizer> tok;
       fs::path tp = a->tokenizer.empty() ? fs::path(a->model) : fs::path(a->tokenizer);
       if (fs::exists(tp / "tokenizer.json") || fs::is_regular_file(tp)) tok = data::Tokenizer::load(tp);
+      if (tok) check_tokenizer_fits(*tok, *model);
       data::DatasetOptions o;
       o.format = a->format;
       o.max_seq_length = a->max_seq_length;

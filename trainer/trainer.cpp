@@ -242,7 +242,7 @@ std::vector<models::DeviceBudget> auto_budgets(const Config& c, const c10::Devic
 
 TrainResult train(const Config& c) {
   const fs::path out_dir(c.training.output_dir);
-  fs::create_directories(out_dir);
+  create_output_directory(out_dir, "training.output_dir");
   // distributed: this process's rank (torchrun, memtune launch or srun); rank 0 writes the run's files.
   const DistEnv dist = DistEnv::from_environment();
   const bool writer = dist.rank == 0;

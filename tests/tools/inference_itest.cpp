@@ -112,6 +112,64 @@ TEST(Inference, DeviceFlagIsCheckedAndCpuIsTheDefault) {
   EXPECT_NE(bad.output.find("--device: 'gpu0' is not a device"), std::string::npos) << bad.output;
 }
 
+TEST(Inference, TopPZeroKeepsTheMostLikelyTokenAsTransformersDoes) {
+  // transformers' TopPLogitsWarper always keeps one token (min_tokens_to_keep = 1): top_p 0
+  // samples only the most likely token, so the text is the greedy text whatever the seed.
+  const Trained& t = trained();
+  EXPECT_EQ(generate(t.base, "--top-p 0 --seed 5"), generate(t.base, "--greedy"));
+}
+
+// Each bad argument: exit 2 (bad input) and a message that names it; nothing written.
+TEST(Inference, BadArgumentsAndMismatchedFilesAreRefusedClearly) {
+  const Trained& t = trained();
+  const fs::path d = t.dir / "bad-arguments";
+  fs::create_directories(d);
+  auto expect_refused = [](const std::string& args, const std::string& message) {
+    auto r = run(memtune_bin() + " " + args);
+    EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.output;
+    EXPECT_NE(r.output.find(message), std::string::npos) << args << "\n" << r.output;
+  };
+  const std::string gen = "generate --model " + t.base.string() + " --prompt 'Every morning' ";
+  expect_refused(gen + "--top-p 1.5", "top_p is 1.5");
+  expect_refused(gen + "--temperature nan", "temperature is nan");
+  expect_refused(gen + "--temperature -1", "temperature is -1");
+  const std::string eval = "eval --model " + t.base.string() + " --data " + t.eval_file.string() + " ";
+  expect_refused(eval + "--batch 0", "--batch");
+  // CLI usage errors are bad input too (CLI11's own codes were 105-115).
+  expect_refused("eval --data " + t.eval_file.string(), "--model is required");
+  expect_refused("generate --model " + t.base.string() + " --prompt x --no-such-flag", "--no-such-flag");
+  // A tokenizer with more ids than the model has embedding rows.
+  write_file(d / "small.json", json{{"model_type", "llama"}, {"vocab_size", 500}, {"hidden_size", 32},
+                                    {"intermediate_size", 64}, {"num_hidden_layers", 1},
+                                    {"num_attention_heads", 2}}.dump());
+  auto init = run(memtune_bin() + " init-model --config " + (d / "small.json").string() + " --out " +
+                  (d / "small").string());
+  ASSERT_EQ(init.exit_code, 0) << init.output;
+  const std::string tok = " --tokenizer " + (source_dir() / "examples/tiny-tokenizer").string();
+  expect_refused("eval --model " + (d / "small").string() + " --data " + t.eval_file.string() + tok,
+                 "the tokenizer has 1024 ids but the model's vocab_size is 500");
+  expect_refused("generate --model " + (d / "small").string() + " --prompt hello" + tok,
+                 "the tokenizer has 1024 ids but the model's vocab_size is 500");
+  // --out naming a file.
+  write_file(d / "a-file", "x");
+  expect_refused("quantize --model " + t.base.string() + " --out " + (d / "a-file").string(),
+                 "exists and is not a directory");
+  EXPECT_EQ(read_file(d / "a-file"), "x");
+  // Sizes no real model has: refused by key before any allocation (was a 4 PB attempt).
+  write_file(d / "huge.json", json{{"model_type", "llama"}, {"vocab_size", 500}, {"hidden_size", int64_t{1} << 40},
+                                   {"intermediate_size", 64}, {"num_hidden_layers", 1},
+                                   {"num_attention_heads", 2}}.dump());
+  expect_refused("init-model --config " + (d / "huge.json").string() + " --out " + (d / "h").string(),
+                 "hidden_size is 1099511627776");
+  write_file(d / "big.json", json{{"model_type", "llama"}, {"vocab_size", 1 << 24}, {"hidden_size", 1 << 20},
+                                  {"intermediate_size", 64}, {"num_hidden_layers", 1},
+                                  {"num_attention_heads", 2}}.dump());
+  expect_refused("init-model --config " + (d / "big.json").string() + " --out " + (d / "b").string(),
+                 "past the 10T memtune accepts");
+  EXPECT_FALSE(fs::exists(d / "h"));
+  EXPECT_FALSE(fs::exists(d / "b"));
+}
+
 TEST(Inference, OnTheGpuEvalAndGreedyTextEqualTheCpus_CUDA) {
   MEMTUNE_SKIP_WITHOUT_CUDA();
   const Trained& t = trained();

@@ -51,7 +51,7 @@ TEST(InitModelFromConfig, BadInputIsRefusedAndWritesNothing) {
 
   r = run(memtune_bin() + " init-model --config " + (dir / "missing.json").string() +
           " --preset tiny-llama --out " + (dir / "c").string());
-  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.exit_code, 2) << r.output;  // a usage error is bad input
   EXPECT_NE(r.output.find("excludes"), std::string::npos) << r.output;
   EXPECT_FALSE(fs::exists(dir / "c"));
 }
