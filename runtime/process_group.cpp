@@ -179,9 +179,15 @@ ProcessGroup::ProcessGroup(const DistEnv& env, const ProcessGroupOptions& option
   try {
     m.store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, store_options);
   } catch (const std::exception& e) {
+    const std::string why = message_of(e);
+    // Rank 0 cannot listen: the port is taken, found at once (no time-out was waited for).
+    MEMTUNE_CHECK(!(env.rank == 0 && why.find("ddress already in use") != std::string::npos),
+                  "distributed: rank 0 cannot host the rendezvous: port ", env.master_port, " on ", env.master_addr,
+                  " is already in use (another run or program holds it): ", why,
+                  ". Hint: choose a free port with --master-port (memtune launch, torchrun) or MASTER_PORT");
     fail("distributed: rank ", env.rank, " of ", env.world_size, " could not join the rendezvous at ", env.master_addr,
          ":", env.master_port, " within ", join_s, " s (", env.rank == 0 ? "hosting it" : "connecting to rank 0",
-         "): ", message_of(e), ". Hint: every rank must start with the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE");
+         "): ", why, ". Hint: every rank must start with the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE");
   }
   // Every rank marks itself joined and waits for the others, so a missing one is named.
   std::vector<std::string> joined;

@@ -51,12 +51,18 @@ struct Worker {
   std::string partial;      // console text after the last newline
   bool running = false;
   int status = 0;           // waitpid status once exited
+  int stop_signal = 0;      // while stopped (SIGSTOP, SIGTSTP, a debugger): the signal
+  Clock::time_point stopped_at;
 };
+
+std::string signal_name(int sig) {
+  return str_cat(sig, " (SIG", sigabbrev_np(sig) ? sigabbrev_np(sig) : "?", ")");
+}
 
 std::string describe_status(int status) {
   if (WIFSIGNALED(status)) {
     int sig = WTERMSIG(status);
-    return str_cat("killed by signal ", sig, " (SIG", sigabbrev_np(sig) ? sigabbrev_np(sig) : "?", ")");
+    return str_cat("killed by signal ", signal_name(sig));
   }
   return str_cat("exit code ", WEXITSTATUS(status));
 }
@@ -118,7 +124,10 @@ class Group {
   // `sig` to every running worker's process group, SIGKILL after the stop timeout.
   void stop(int sig) {
     for (auto& w : workers_)
-      if (w.running) kill(-w.pid, sig);
+      if (w.running) {
+        kill(-w.pid, sig);
+        if (w.stop_signal) kill(-w.pid, SIGCONT);  // a stopped worker acts on `sig` only once continued
+      }
     auto deadline = Clock::now() + std::chrono::duration<double>(options_.stop_timeout);
     while (running() > 0 && Clock::now() < deadline) {
       pump(50);
@@ -141,6 +150,14 @@ class Group {
   }
 
   const Worker& worker(int i) const { return workers_[i]; }
+
+  // A worker that is stopped now (SIGSTOP...): while it is, its peers wait for it in their
+  // collectives until they time out and fail, so it, not they, is the cause. -1 if none.
+  int stopped_worker() const {
+    for (size_t i = 0; i < workers_.size(); ++i)
+      if (workers_[i].running && workers_[i].stop_signal) return static_cast<int>(i);
+    return -1;
+  }
 
  private:
   void spawn(Worker& w, const std::vector<std::string>& args, const std::vector<std::string>& env) {
@@ -232,7 +249,16 @@ class Group {
       Worker& w = workers_[i];
       if (!w.running) continue;
       int status = 0;
-      if (waitpid(w.pid, &status, WNOHANG) != w.pid) continue;
+      if (waitpid(w.pid, &status, WNOHANG | WUNTRACED | WCONTINUED) != w.pid) continue;
+      if (WIFSTOPPED(status)) {
+        w.stop_signal = WSTOPSIG(status);
+        w.stopped_at = Clock::now();
+        continue;
+      }
+      if (WIFCONTINUED(status)) {
+        w.stop_signal = 0;
+        continue;
+      }
       w.running = false;
       w.status = status;
       // Its output may still sit in the pipe; a grandchild holding the pipe must not block us.
@@ -346,6 +372,14 @@ int run_launcher(const LaunchOptions& options) {
     const Worker& w = group.worker(failure);
     std::string what = str_cat("rank ", w.rank, " (local rank ", w.local_rank, ", pid ", w.pid, ") failed: ",
                                describe_status(w.status));
+    if (int s = group.stopped_worker(); s >= 0) {
+      const Worker& cause = group.worker(s);
+      const double ago = std::chrono::duration<double>(Clock::now() - cause.stopped_at).count();
+      what = str_cat("rank ", cause.rank, " (local rank ", cause.local_rank, ", pid ", cause.pid,
+                     ") was stopped by signal ", signal_name(cause.stop_signal), " ", static_cast<int64_t>(ago),
+                     " s ago and never continued; the other ranks waited for it until they timed out (rank ", w.rank,
+                     ": ", describe_status(w.status), ")");
+    }
     group.stop(SIGTERM);
     if (restart < options.max_restarts) {
       std::cerr << str_cat("memtune launch: ", what, "; restarting the workers (restart ", restart + 1, " of ",

@@ -175,3 +175,34 @@ TEST(ProcessGroupItest, RendezvousTimeoutSaysWhoIsMissing) {
   }
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 10.0);
 }
+
+TEST(ProcessGroupItest, TakenPortIsNamedAtOnceNotAsATimeout) {
+  MEMTUNE_REQUIRE_GLOO();
+  // Another program listens on the port: rank 0 cannot host the rendezvous, and says so
+  // at once (it used to report "within 300 s" after 3 s).
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(listen(fd, 1), 0);
+  socklen_t len = sizeof addr;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  DistEnv env;
+  env.world_size = 2;
+  env.master_addr = "127.0.0.1";
+  env.master_port = ntohs(addr.sin_port);
+  ProcessGroupOptions options;
+  options.timeout_s = 300;
+  auto start = std::chrono::steady_clock::now();
+  try {
+    ProcessGroup pg(env, options);
+    FAIL() << "hosted a rendezvous on a taken port";
+  } catch (const UserError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find(str_cat("port ", env.master_port, " on 127.0.0.1 is already in use")), std::string::npos) << m;
+    EXPECT_EQ(m.find("within"), std::string::npos) << m;
+  }
+  close(fd);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 60.0);
+}

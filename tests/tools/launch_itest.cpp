@@ -203,6 +203,26 @@ TEST(Launch, KilledWorkerStopsTheOthersAndIsNamed) {
   EXPECT_EQ(launcher.worker(0), -1) << "rank 0 still runs";
 }
 
+TEST(Launch, StoppedWorkerIsNamedAsTheCauseNotTheRankThatTimedOut) {
+  MEMTUNE_REQUIRE_GLOO();
+  fs::path d = temp_dir();
+  fs::path cfg = write_config(d);
+  Background launcher(launch_cmd("--nproc-per-node 2", cfg, "training.max_steps=100000 distributed.timeout=5"),
+                      d / "log");
+  ASSERT_TRUE(wait_for([&] { return metrics(d / "out").size() >= 2; }, 120)) << read_file(d / "log");
+  pid_t victim = launcher.worker(1);
+  ASSERT_GT(victim, 0);
+  kill(victim, SIGSTOP);  // rank 1 hangs; rank 0 times out in its next collective and exits 1
+  int code = launcher.wait(5 + 5 + 20);  // distributed.timeout, --stop-timeout, slack
+  std::string log = read_file(d / "log");
+  ASSERT_NE(code, -1) << "the launcher did not stop\n" << log;
+  EXPECT_EQ(code, 1) << log;
+  EXPECT_NE(log.find("rank 1 (local rank 1, pid " + std::to_string(victim) + ") was stopped by signal 19 (SIGSTOP)"),
+            std::string::npos) << log;
+  EXPECT_NE(log.find("(rank 0: exit code"), std::string::npos) << log;
+  EXPECT_EQ(launcher.worker(1), -1) << "the stopped worker was left behind";
+}
+
 TEST(Launch, RestartAfterAKilledWorkerEndsWithTheUninterruptedAdapter) {
   MEMTUNE_REQUIRE_GLOO();
   fs::path d = temp_dir();
