@@ -406,7 +406,7 @@ int64_t Dataset::span_targets(const Span& s) const {
 }
 
 Sample Dataset::sample(int64_t i) const {
-  TORCH_CHECK(i >= 0 && i < size(), "Dataset::sample: index ", i, " outside [0, ", size(), ")");
+  MEMTUNE_INTERNAL_ASSERT(i >= 0 && i < size(), "Dataset::sample: index ", i, " outside [0, ", size(), ")");
   Sample out;
   const int64_t length = sample_length(i);
   out.input_ids.reserve(length);

@@ -9,6 +9,8 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 
+#include "runtime/error.h"
+
 namespace memtune {
 
 namespace {
@@ -41,7 +43,7 @@ struct CheckpointBackward : public torch::autograd::Node {
   std::string name() const override { return "memtune::CheckpointBackward"; }
 
   variable_list apply(variable_list&& grads) override {
-    TORCH_CHECK(fn, "checkpointed block: backward ran twice (retain_graph is not supported)");
+    MEMTUNE_INTERNAL_ASSERT(fn, "checkpointed block: backward ran twice (retain_graph is not supported)");
     at::Tensor input = x.detach().requires_grad_(x_needs_grad);
     // Rerun with the forward's random state, then give the generator back its own.
     at::Tensor current = get_rng_state(device);

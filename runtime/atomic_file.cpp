@@ -128,7 +128,7 @@ AtomicFile::~AtomicFile() {
 }
 
 void AtomicFile::write(const void* data, std::size_t size) {
-  MEMTUNE_CHECK(fd_ >= 0, "atomic write: ", final_, " is already committed");
+  MEMTUNE_INTERNAL_ASSERT(fd_ >= 0, "atomic write: ", final_, " is already committed");
   const char* p = static_cast<const char*>(data);
   while (size > 0) {
     // Linux writes at most ~2 GiB per call.
@@ -144,7 +144,7 @@ void AtomicFile::write(const void* data, std::size_t size) {
 }
 
 void AtomicFile::commit() {
-  MEMTUNE_CHECK(fd_ >= 0, "atomic write: ", final_, " is already committed");
+  MEMTUNE_INTERNAL_ASSERT(fd_ >= 0, "atomic write: ", final_, " is already committed");
   int rc;
   do {
     rc = ::fsync(fd_);
@@ -231,7 +231,7 @@ AtomicDirectory::~AtomicDirectory() {
 }
 
 void AtomicDirectory::commit() {
-  MEMTUNE_CHECK(!committed_, "checkpoint directory ", final_, " is already committed");
+  MEMTUNE_INTERNAL_ASSERT(!committed_, "checkpoint directory ", final_, " is already committed");
   fsync_tree(temp_);
   const fs::path parent = parent_of(final_);
   if (!replace_) {

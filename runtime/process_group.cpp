@@ -256,8 +256,8 @@ void ProcessGroup::allreduce_sum(const std::vector<at::Tensor>& tensors) {
   std::map<c10::ScalarType, std::vector<std::vector<at::Tensor>>> buckets;
   std::map<c10::ScalarType, int64_t> filled;
   for (const auto& t : tensors) {
-    TORCH_CHECK(t.defined(), "allreduce_sum: undefined tensor (every rank must pass the same list)");
-    TORCH_CHECK(t.device() == m.device, "allreduce_sum: tensor on ", t.device(), ", the group runs on ", m.device);
+    MEMTUNE_INTERNAL_ASSERT(t.defined(), "allreduce_sum: undefined tensor (every rank must pass the same list)");
+    MEMTUNE_INTERNAL_ASSERT(t.device() == m.device, "allreduce_sum: tensor on ", t.device(), ", the group runs on ", m.device);
     auto& list = buckets[t.scalar_type()];
     int64_t& bytes = filled[t.scalar_type()];
     if (list.empty() || bytes >= bucket_bytes) {
@@ -324,7 +324,7 @@ std::vector<double> ProcessGroup::allreduce(std::vector<double> values, ReduceOp
 
 void ProcessGroup::broadcast(const at::Tensor& tensor, int root) {
   Impl& m = *impl_;
-  TORCH_CHECK(root >= 0 && root < m.env.world_size, "broadcast: root ", root, " out of range");
+  MEMTUNE_INTERNAL_ASSERT(root >= 0 && root < m.env.world_size, "broadcast: root ", root, " out of range");
   at::Tensor t = tensor.device() == m.device && tensor.is_contiguous() ? tensor : tensor.to(m.device).contiguous();
   m.collective("broadcast", [&] {
     c10d::BroadcastOptions opts;

@@ -31,6 +31,39 @@ std::string version_text() {
 
 }  // namespace
 
+int report_exception(std::exception_ptr error) {
+  constexpr const char* kReport =
+      "This is a bug in memtune, not in your input: please report it with the command, the config "
+      "(config.yaml in the output directory) and this message.";
+  try {
+    std::rethrow_exception(error);
+  } catch (const MemoryExhausted& e) {
+    spdlog::error("{}", e.what());
+    return kExitMemory;
+  } catch (const UserError& e) {
+    spdlog::error("{}", e.what());
+    return kExitBadInput;
+  } catch (const InternalError& e) {
+    spdlog::critical("internal error: {}", e.what());
+    spdlog::critical("{}", kReport);
+    return kExitInternalBug;
+  } catch (const c10::Error& e) {
+    spdlog::error("{}", e.what_without_backtrace());
+    if (compat::is_out_of_memory(e)) {
+      spdlog::error("out of memory outside a training step (loading the model, its state or the data): "
+                    "raise memory.device_limit, or use load_in_4bit and a smaller model");
+      return kExitMemory;
+    }
+    spdlog::error("memtune did not expect this error from LibTorch; if your input looks valid, this is a bug: {}",
+                  kReport);
+    return kExitUnexpected;
+  } catch (const std::exception& e) {
+    spdlog::error("{}", e.what());
+    spdlog::error("memtune did not expect this error; if your input looks valid, this is a bug: {}", kReport);
+    return kExitUnexpected;
+  }
+}
+
 int memtune_main(int argc, char** argv) {
   reexec_with_passive_omp_wait(argv);
   init_logging({});
@@ -50,24 +83,9 @@ int memtune_main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     // --help and --version print and succeed; every usage error is bad input: exit 2, as
     // for every other bad input (CLI11's own codes, 105-115, mean nothing to a script).
-    return app.exit(e) == 0 ? 0 : 2;
-  } catch (const MemoryExhausted& e) {
-    spdlog::error("{}", e.what());
-    return 3;
-  } catch (const UserError& e) {
-    spdlog::error("{}", e.what());
-    return 2;
-  } catch (const c10::Error& e) {
-    spdlog::error("{}", e.what_without_backtrace());
-    if (compat::is_out_of_memory(e)) {
-      spdlog::error("out of memory outside a training step (loading the model, its state or the data): "
-                    "raise memory.device_limit, or use load_in_4bit and a smaller model");
-      return 3;
-    }
-    return 1;
-  } catch (const std::exception& e) {
-    spdlog::error("{}", e.what());
-    return 1;
+    return app.exit(e) == 0 ? kExitOk : kExitBadInput;
+  } catch (...) {
+    return report_exception(std::current_exception());
   }
   if (version) {
     std::cout << version_text();

@@ -54,7 +54,7 @@ Optimizer::Optimizer(std::vector<std::pair<std::string, at::Tensor>> params, Opt
   MEMTUNE_CHECK(options_.kind == "adamw" || options_.kind == "sgd", "training.optim: unknown optimizer '",
                 options_.kind, "' (adamw_torch, adamw, sgd)");
   for (const auto& [name, p] : params_) {
-    TORCH_CHECK(p.scalar_type() == at::kFloat, "optimizer: ", name, " must be fp32");
+    MEMTUNE_INTERNAL_ASSERT(p.scalar_type() == at::kFloat, "optimizer: ", name, " must be fp32");
     exp_avg_.push_back(at::zeros_like(p));
     if (options_.kind == "adamw") exp_avg_sq_.push_back(at::zeros_like(p));
     at::Tensor& w = workspaces_[p.device().str()];

@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "models/layers/cpu_vec.h"
+#include "runtime/error.h"
 
 namespace memtune::models {
 
@@ -99,7 +100,7 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
 
 at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& weight,
                                     const at::Tensor& targets, int64_t chunk_rows, int64_t* correct) {
-  TORCH_CHECK(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1),
+  MEMTUNE_INTERNAL_ASSERT(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1),
               "linear_cross_entropy_sum: hidden (N,C), weight (V,C)");
   const bool grad = at::GradMode::is_enabled();
   return LinearCrossEntropy::apply(hidden, weight, targets.to(at::kLong), chunk_rows,

@@ -4,6 +4,8 @@
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "runtime/error.h"
+
 namespace memtune::models {
 namespace {
 
@@ -80,8 +82,8 @@ struct RotaryFunction : public torch::autograd::Function<RotaryFunction> {
 }  // namespace
 
 at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(x.dim() == 4 && x.size(3) % 2 == 0, "rotary: x (B,T,H,D) with D even, got ", x.sizes());
-  TORCH_CHECK(cos.numel() == x.size(0) * x.size(1) * x.size(3) && sin.sizes() == cos.sizes(),
+  MEMTUNE_INTERNAL_ASSERT(x.dim() == 4 && x.size(3) % 2 == 0, "rotary: x (B,T,H,D) with D even, got ", x.sizes());
+  MEMTUNE_INTERNAL_ASSERT(cos.numel() == x.size(0) * x.size(1) * x.size(3) && sin.sizes() == cos.sizes(),
               "rotary: cos/sin ", cos.sizes(), " do not match x ", x.sizes());
   return RotaryFunction::apply(x, cos, sin);
 }
