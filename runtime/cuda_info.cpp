@@ -20,6 +20,7 @@ std::string describe(const CudaInfo& info) {
 // The CPU twin of runtime/cuda/cuda_probe.cpp.
 #ifndef MEMTUNE_CUDA
 CudaInfo cuda_info() { return CudaInfo{}; }
+int cuda_compute_capability(int) { return 0; }
 #endif
 
 }  // namespace memtune

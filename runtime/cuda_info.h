@@ -21,6 +21,14 @@ CudaInfo cuda_info();
 // driver), 0 devices", or "no CUDA (built without MEMTUNE_CUDA)".
 std::string describe(const CudaInfo& info);
 
+// Compute capability of CUDA device `index` as 10 * major + minor (75: Turing, 80: A100,
+// 90: H100); 0 without CUDA or without that device.
+int cuda_compute_capability(int index);
+
+// Whether a device of that capability computes bf16 natively (tensor cores from sm_80 on;
+// sm_7x emulates it, far slower than fp16).
+inline bool has_native_bf16(int compute_capability) { return compute_capability >= 80; }
+
 // "12.4" from CUDA's integer encoding 1000 * major + 10 * minor.
 std::string cuda_version_string(int version);
 

@@ -6,6 +6,7 @@
 #include "data/tokenizer.h"
 #include "models/hf_model.h"
 #include "models/registry.h"
+#include "runtime/cuda_info.h"
 #include "runtime/error.h"
 #include "runtime/nf4.h"
 #include "runtime/units.h"
@@ -36,13 +37,6 @@ at::ScalarType dtype_from_name(const std::string& name) {
   return at::kFloat;
 }
 
-bool cuda_has_bf16() {
-#ifdef MEMTUNE_CUDA
-  return at::hasCUDA();  // refined by the CUDA build (compute capability >= 8.0)
-#else
-  return false;
-#endif
-}
 
 }  // namespace
 
@@ -52,9 +46,11 @@ at::ScalarType resolve_compute_dtype(const Config& c, const c10::Device& device,
   if (c.training.bf16) asked = "bfloat16";
   if (asked == "auto") {
     if (device.is_cuda()) {
-      *note = cuda_has_bf16() ? "compute dtype bfloat16 (auto: this GPU has bf16)"
-                              : "compute dtype float16 (auto: this GPU has no bf16)";
-      return cuda_has_bf16() ? at::kBFloat16 : at::kHalf;
+      const int cc = cuda_compute_capability(device.has_index() ? device.index() : 0);
+      const std::string sm = "sm_" + std::to_string(cc);
+      *note = has_native_bf16(cc) ? "compute dtype bfloat16 (auto: this GPU, " + sm + ", has bf16)"
+                                  : "compute dtype float16 (auto: this GPU, " + sm + ", has no native bf16)";
+      return has_native_bf16(cc) ? at::kBFloat16 : at::kHalf;
     }
     *note = "compute dtype float32 (auto: this CPU has no native bf16/fp16 matmul; bf16 runs about 30x slower "
             "than fp32 here)";

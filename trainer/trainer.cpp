@@ -73,7 +73,8 @@ data::DatasetOptions dataset_options(const DataConfig& d, const fs::path& output
 }
 
 // memory.inject_oom: "STEP:PHASE[:RANK],..." with PHASE forward|backward|optimizer. Each
-// point fires once: the retry of the same step runs clean.
+// point fires once, on one attempt: the retry of the same step runs clean, unless the point
+// is listed again ("1:forward,1:forward" fails step 1's first two attempts).
 struct OomInjector {
   struct Point {
     int64_t step;
@@ -112,6 +113,7 @@ struct OomInjector {
           compat::throw_out_of_memory(str_cat("out of memory at the optimizer phase of step ", step,
                                               " (injected by memory.inject_oom)"));
         inject_oom_on_next_alloc();
+        return;
       }
   }
 };

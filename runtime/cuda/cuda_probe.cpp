@@ -20,4 +20,13 @@ CudaInfo cuda_info() {
   return info;
 }
 
+int cuda_compute_capability(int index) {
+  int major = 0, minor = 0;
+  if (index < 0 || index >= static_cast<int>(c10::cuda::device_count())) return 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, index) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, index) != cudaSuccess)
+    return 0;
+  return 10 * major + minor;
+}
+
 }  // namespace memtune

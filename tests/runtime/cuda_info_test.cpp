@@ -51,3 +51,17 @@ TEST(CudaInfo, SeesTheDevices_CUDA) {
 
 }  // namespace
 }  // namespace memtune
+
+TEST(CudaInfo, Bf16IsNativeFromAmpereOn) {
+  // auto picks bf16 only where tensor cores compute it: sm_80 (A100) and later; a T4
+  // (sm_75) or V100 (sm_70) gets fp16.
+  EXPECT_FALSE(memtune::has_native_bf16(0));
+  EXPECT_FALSE(memtune::has_native_bf16(70));
+  EXPECT_FALSE(memtune::has_native_bf16(75));
+  EXPECT_TRUE(memtune::has_native_bf16(80));
+  EXPECT_TRUE(memtune::has_native_bf16(86));
+  EXPECT_TRUE(memtune::has_native_bf16(90));
+  // Without a device there is no capability to report.
+  EXPECT_EQ(memtune::cuda_compute_capability(-1), 0);
+  EXPECT_EQ(memtune::cuda_compute_capability(memtune::cuda_info().device_count), 0);
+}

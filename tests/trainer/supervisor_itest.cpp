@@ -124,26 +124,45 @@ TEST(Supervisor, RealBudgetSettlesOnAMicroBatchThatFitsWithTheSameLosses) {
   expect_same_run(fit.out, ref.out, 1e-5);
 }
 
-TEST(Supervisor, TooSmallForMicroBatchOneStopsWithAReportAndKeepsTheCheckpoint) {
+TEST(Supervisor, NothingFitsAtMicroBatchOneStopsWithAReportAndKeepsTheCheckpoint) {
   fs::path d = temp_dir();
   const std::string shape = "data.max_seq_length=256 training.per_device_train_batch_size=1 "
                             "training.gradient_accumulation_steps=4 training.gradient_checkpointing=true";
   TrainRun first = train(d, shape + " training.max_steps=2");
   ASSERT_EQ(first.exit_code, 0) << first.output;
-  // Between what stays allocated across steps (weights, optimizer) and one row's peak with
-  // every layer checkpointed: the model fits, no micro-batch does.
+  auto first_checkpoint_kept = [&] {
+    fs::path ck = trainer::latest_checkpoint(first.out);
+    ASSERT_EQ(ck.filename(), "step-2") << "the first run's checkpoint was replaced";
+    EXPECT_EQ(trainer::load_training_checkpoint(ck).state.step, 2);
+  };
+  // 1. A budget between what stays allocated across steps (weights, optimizer) and one row's
+  // peak with every layer checkpointed: the estimate refuses it before loading anything.
   auto last = rows(first.out).back()["memory"]["cpu"];
   const int64_t base = last["allocated"].get<int64_t>(), peak = last["peak"].get<int64_t>();
   ASSERT_GT(peak, base);
-  // A fresh run in the same output_dir under that budget: it must stop, and leave the
-  // first run's checkpoint as it was.
   auto r = run(memtune_bin() + " train " + (d / "config.yaml.in").string() + " " + shape +
                " training.max_steps=4 memory.device_limit=" + std::to_string(base + (peak - base) / 2));
   EXPECT_EQ(r.exit_code, 3) << r.output;
-  EXPECT_NE(r.output.find("What was tried"), std::string::npos) << r.output;
-  fs::path ck = trainer::latest_checkpoint(first.out);
-  ASSERT_FALSE(ck.empty());
-  EXPECT_NO_THROW(trainer::load_training_checkpoint(ck));
+  EXPECT_NE(r.output.find("What was tried: the estimate before loading the model"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("training: "), std::string::npos) << "it started training:\n" << r.output;
+  first_checkpoint_kept();
+  // 2. The supervisor's own stop: step 1 runs out of memory at micro-batch 1 on every try
+  // (injected), so it climbs every rung of the ladder (offloading the 4 layers one by
+  // one; checkpointing is already complete), then stops with what it tried.
+  std::string every_try;
+  for (int i = 0; i < 8; ++i) every_try += std::string(i ? "," : "") + "1:forward";
+  r = run(memtune_bin() + " train " + (d / "config.yaml.in").string() + " " + shape +
+          " training.max_steps=4 memory.inject_oom=" + every_try);
+  EXPECT_EQ(r.exit_code, 3) << r.output;
+  EXPECT_NE(r.output.find("out of memory at micro-batch 1 with every saving enabled (step 1)"), std::string::npos)
+      << r.output;
+  const size_t tried = r.output.find("What was tried:\n  step 1: oom:");
+  EXPECT_NE(tried, std::string::npos) << r.output;
+  for (int layer = 3; layer >= 0; --layer)
+    EXPECT_NE(r.output.find("step 1: ladder: offload layers: offloaded layer " + std::to_string(layer), tried),
+              std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("the estimate before loading the model"), std::string::npos) << r.output;
+  first_checkpoint_kept();
 }
 
 }  // namespace

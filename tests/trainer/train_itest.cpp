@@ -399,11 +399,24 @@ TEST(Train, Fp16OverflowSkipsTheStepAndHalvesTheScale) {
   EXPECT_NE(r.output.find("update skipped"), std::string::npos);
 }
 
-TEST(Train, Bf16Runs) {
-  TrainRun r = train(temp_dir(), "training.bf16=true training.max_steps=3 data.max_seq_length=32");
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("bfloat16"), std::string::npos);
-  for (double l : step_losses(r.dir)) EXPECT_TRUE(std::isfinite(l));
+TEST(Train, Bf16ComputesInBf16) {
+  // The same run in fp32 and in bf16: bf16's 8-bit mantissa changes every loss a little
+  // (so it really computed in bf16, not fp32 with a bf16 label), and no more than
+  // rounding would (so it is the same computation).
+  const fs::path d = temp_dir();
+  const std::string run_args = "training.max_steps=3";
+  TrainRun fp32 = train(d / "fp32", run_args);
+  TrainRun bf16 = train(d / "bf16", run_args + " training.bf16=true");
+  ASSERT_EQ(fp32.exit_code, 0) << fp32.output;
+  ASSERT_EQ(bf16.exit_code, 0) << bf16.output;
+  const auto a = step_losses(fp32.dir), b = step_losses(bf16.dir);
+  ASSERT_EQ(a.size(), 3u);
+  ASSERT_EQ(b.size(), 3u);
+  for (size_t i = 0; i < a.size(); ++i) {
+    ASSERT_GT(a[i], 1.0) << "step " << i << ": no target tokens, nothing was compared";
+    EXPECT_NE(a[i], b[i]) << "step " << i << ": bf16 gave fp32's loss exactly";
+    EXPECT_NEAR(a[i], b[i], 0.02 * a[i]) << "step " << i;
+  }
 }
 
 }  // namespace
