@@ -1025,6 +1025,35 @@ std::string to_yaml(const Config& config) {
   return std::string(e.c_str()) + "\n";
 }
 
+namespace {
+
+void flatten_node(const YAML::Node& node, const std::string& path, std::map<std::string, std::string>& out) {
+  if (node.IsMap() && !path.empty() && path.find('.') == std::string::npos) {  // a section
+    for (const auto& kv : node) flatten_node(kv.second, path + "." + kv.first.as<std::string>(), out);
+    return;
+  }
+  if (node.IsMap() && path.empty()) {
+    for (const auto& kv : node) flatten_node(kv.second, kv.first.as<std::string>(), out);
+    return;
+  }
+  if (node.IsMap() && path.rfind("model.quantization_config", 0) == 0) {
+    for (const auto& kv : node) flatten_node(kv.second, path + "." + kv.first.as<std::string>(), out);
+    return;
+  }
+  YAML::Emitter e;
+  e.SetNullFormat(YAML::LowerNull);
+  e << YAML::Flow << node;
+  out[path] = e.c_str();
+}
+
+}  // namespace
+
+std::map<std::string, std::string> flatten(const Config& config) {
+  std::map<std::string, std::string> out;
+  flatten_node(YAML::Load(to_yaml(config)), "", out);
+  return out;
+}
+
 std::string config_help() {
   std::ostringstream out;
   out << "Config keys (YAML sections; override any with key.path=value):\n";

@@ -200,6 +200,9 @@ void validate(const Config& config);
 
 // The effective config as YAML; parse_config(to_yaml(c)) == c.
 std::string to_yaml(const Config& config);
+// Every key as "section.key" (nested: "model.quantization_config.blocksize") -> its value
+// in YAML flow form ("[q_proj, v_proj]", "{policy: every_n, n: 2}"), for comparing configs.
+std::map<std::string, std::string> flatten(const Config& config);
 // Every key with its type, default and help, for `memtune train --help-config`.
 std::string config_help();
 // Lines to log once: keys accepted for compatibility that change nothing in this run.

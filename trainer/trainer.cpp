@@ -144,31 +144,45 @@ void keep_metrics_through(const fs::path& file, int64_t step) {
   spdlog::info("metrics.jsonl: {} rows after step {} dropped (those steps run again)", dropped, step);
 }
 
-// Keys that change what a checkpoint means: resuming under another value is refused.
-void check_resume_compatible(const Config& now, const Config& then) {
-  auto same = [&](const std::string& key, const std::string& a, const std::string& b) {
-    MEMTUNE_CHECK(a == b, "resume_from_checkpoint: ", key, " changed since the checkpoint ('", b, "' -> '", a,
-                  "'); the checkpoint cannot continue under it (start a new output_dir or restore the key)");
-  };
-  auto join = [](const std::vector<std::string>& v) {
-    std::string s;
-    for (const auto& x : v) s += x + ",";
-    return s;
-  };
-  same("model.name_or_path", now.model.name_or_path, then.model.name_or_path);
-  same("model.quantization_config.load_in_4bit", std::to_string(now.model.quantization_config.load_in_4bit),
-       std::to_string(then.model.quantization_config.load_in_4bit));
-  same("model.quantization_config.blocksize", std::to_string(now.model.quantization_config.blocksize),
-       std::to_string(then.model.quantization_config.blocksize));
-  same("training.finetune", now.training.finetune, then.training.finetune);
-  same("training.optim", now.training.optim, then.training.optim);
-  same("lora.r", std::to_string(now.lora.r), std::to_string(then.lora.r));
-  same("lora.target_modules", join(now.lora.target_modules), join(then.lora.target_modules));
-  same("lora.layers_to_transform", std::to_string(now.lora.layers_to_transform.size()),
-       std::to_string(then.lora.layers_to_transform.size()));
-  same("training.per_device_train_batch_size x gradient_accumulation_steps",
-       std::to_string(now.training.per_device_train_batch_size * now.training.gradient_accumulation_steps),
-       std::to_string(then.training.per_device_train_batch_size * then.training.gradient_accumulation_steps));
+// Resuming compares the checkpoint's config with this run's, key by key. Free to change:
+// where and how often the run writes, evaluates and logs; the device, threads and memory
+// management; how a step's samples are split into micro-batches (the update is the same,
+// their product is compared below) and what is recomputed. Every other key shapes what a
+// step computes, so a change is refused by name. The run's length is allowed to change
+// with a warning: the learning-rate schedule after the checkpoint follows the new length,
+// as in transformers' Trainer.
+bool free_to_change_on_resume(const std::string& key) {
+  static const std::vector<std::string> free = {
+      "memory.", "runtime.", "distributed.", "model.device_map", "model.max_memory", "model.low_cpu_mem_usage",
+      "model.attn_implementation", "training.output_dir", "training.resume_from_checkpoint",
+      "training.logging_steps", "training.save_steps", "training.save_total_limit", "training.eval_steps",
+      "training.eval_accuracy_rows", "training.per_device_eval_batch_size", "training.per_device_train_batch_size",
+      "training.gradient_accumulation_steps", "training.gradient_checkpointing", "training.dataloader_",
+      "training.report_to", "training.remove_unused_columns", "data.eval_file", "data.cache_dir",
+      "training.max_steps", "training.num_train_epochs"};
+  return std::any_of(free.begin(), free.end(), [&](const std::string& f) { return key.rfind(f, 0) == 0; });
+}
+
+void check_resume_compatible(const Config& now, const Config& then, const fs::path& checkpoint) {
+  const auto a = flatten(now), b = flatten(then);
+  for (const auto& [key, value] : a) {
+    const auto it = b.find(key);
+    const std::string before = it == b.end() ? std::string("(not set)") : it->second;
+    if (before == value) continue;
+    if (key == "training.max_steps" || key == "training.num_train_epochs") {
+      spdlog::warn("resume_from_checkpoint: {} changed since the checkpoint ({} -> {}): the learning-rate schedule "
+                   "after it follows the new length", key, before, value);
+      continue;
+    }
+    MEMTUNE_CHECK(free_to_change_on_resume(key), "resume_from_checkpoint: ", key, " changed since the checkpoint ('",
+                  before, "' -> '", value, "'); it changes what a step computes, so ", checkpoint.string(),
+                  " cannot continue under it (start a new training.output_dir, or restore the key)");
+  }
+  const int64_t per_step_now = now.training.per_device_train_batch_size * now.training.gradient_accumulation_steps;
+  const int64_t per_step_then = then.training.per_device_train_batch_size * then.training.gradient_accumulation_steps;
+  MEMTUNE_CHECK(per_step_now == per_step_then, "resume_from_checkpoint: training.per_device_train_batch_size x "
+                "gradient_accumulation_steps changed since the checkpoint ('", per_step_then, "' -> '", per_step_now,
+                "'); the samples per step must stay the same (split them differently, not more or fewer)");
 }
 
 std::vector<bool> checkpoint_layers(const CheckpointingConfig& c, int64_t layers) {
@@ -392,7 +406,7 @@ TrainResult train(const Config& c) {
       spdlog::info("resume_from_checkpoint: latest: no checkpoint under {} yet, starting fresh", out_dir.string());
     } else {
       TrainingCheckpoint ck = load_training_checkpoint(dir);
-      check_resume_compatible(c, parse_config(ck.config_yaml, (dir / "config.yaml").string()));
+      check_resume_compatible(c, parse_config(ck.config_yaml, (dir / "config.yaml").string()), dir);
       at::NoGradGuard no_grad;
       for (auto& [name, t] : optimizer.params()) {
         auto it = ck.trainable.find(name);

@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "models/io/safetensors.h"
+#include "runtime/atomic_file.h"
 #include "test_util.h"
 #include "trainer/train_state.h"
 
@@ -143,6 +144,31 @@ TEST(Train, ResumeRefusesABreakingConfigChange) {
                " training.max_steps=4 training.resume_from_checkpoint=latest lora.r=8");
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find("lora.r changed"), std::string::npos) << r.output;
+  // Every key that shapes a step is compared whole: the data file (never compared before)
+  // and which layers carry LoRA (compared by count before, so [0, 1] -> [2, 3] passed).
+  const fs::path other = d / "other.jsonl";
+  fs::copy_file(source_dir() / "examples/data/tasks_train.jsonl", other);
+  for (const auto& [change, key] : std::vector<std::pair<std::string, std::string>>{
+           {"data.train_file=" + other.string(), "data.train_file changed"},
+           {"lora.layers_to_transform=[2,3]", "lora.layers_to_transform changed since the checkpoint ('[0, 1]' -> '[2, 3]')"},
+           {"training.learning_rate=5e-3", "training.learning_rate changed"}}) {
+    auto first_layers = run(memtune_bin() + " train " + (d / "config.yaml.in").string() +
+                            " training.max_steps=2 lora.layers_to_transform=[0,1] training.output_dir=" +
+                            (d / "layers").string());
+    ASSERT_EQ(first_layers.exit_code, 0) << first_layers.output;
+    auto changed = run(memtune_bin() + " train " + (d / "config.yaml.in").string() +
+                       " training.max_steps=4 training.resume_from_checkpoint=latest lora.layers_to_transform=[0,1] "
+                       "training.output_dir=" + (d / "layers").string() + " " + change);
+    EXPECT_EQ(changed.exit_code, 2) << change << "\n" << changed.output;
+    EXPECT_NE(changed.output.find(key), std::string::npos) << change << "\n" << changed.output;
+    remove_tree(d / "layers");
+  }
+  // How often the run logs and saves, and how a step is split, may change.
+  auto fine = run(memtune_bin() + " train " + (d / "config.yaml.in").string() +
+                  " training.max_steps=4 training.resume_from_checkpoint=latest training.logging_steps=2 "
+                  "training.per_device_train_batch_size=2 training.gradient_accumulation_steps=2");
+  EXPECT_EQ(fine.exit_code, 0) << fine.output;
+  EXPECT_NE(fine.output.find("resumed from"), std::string::npos) << fine.output;
 }
 
 TEST(Train, DamagedStateJsonIsRefusedByKeyAndNothingRuns) {
