@@ -12,6 +12,7 @@
 #include "runtime/error.h"
 #include "tools/commands.h"
 #include "trainer/config.h"
+#include "trainer/trainer.h"
 
 namespace memtune::cli {
 
@@ -38,14 +39,8 @@ void add_tokenize_command(CLI::App& app) {
       trainer::Config c = trainer::load_config(a->config, a->overrides);
       std::string tok = c.model.tokenizer.empty() ? c.model.name_or_path : c.model.tokenizer;
       auto tokenizer = data::Tokenizer::load(tok);
-      data::DatasetOptions o;
-      o.format = c.data.format;
-      o.template_name = c.data.template_name;
-      o.chat_template = c.data.chat_template;
-      o.text_field = c.data.text_field;
-      o.max_seq_length = c.data.max_seq_length;
-      o.train_on_prompt = true;
-      o.skip_invalid = c.data.skip_invalid;
+      data::DatasetOptions o = trainer::dataset_options(c.data, c.training.output_dir);
+      o.train_on_prompt = true;  // a .bin token file holds tokens only, no target mask
       data::Dataset ds(c.data.train_file, tokenizer.get(), o);
       std::vector<uint32_t> stream = ds.token_stream(tokenizer->eos_id);
       data::write_token_file(a->out, stream, tokenizer->vocab_size());

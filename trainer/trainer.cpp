@@ -56,6 +56,8 @@ std::atomic<int> g_stop_signal{0};
 
 extern "C" void on_stop_signal(int sig) { g_stop_signal.store(sig); }
 
+}  // namespace
+
 data::DatasetOptions dataset_options(const DataConfig& d, const fs::path& output_dir) {
   data::DatasetOptions o;
   o.format = d.format;
@@ -71,6 +73,8 @@ data::DatasetOptions dataset_options(const DataConfig& d, const fs::path& output
   o.cache_dir = d.cache_dir.empty() ? (output_dir / ".cache").string() : d.cache_dir;
   return o;
 }
+
+namespace {
 
 // memory.inject_oom: "STEP:PHASE[:RANK],..." with PHASE forward|backward|optimizer. Each
 // point fires once, on one attempt: the retry of the same step runs clean, unless the point

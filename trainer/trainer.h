@@ -2,8 +2,10 @@
 // The training loop: `memtune train CONFIG`. An explicit loop, not a base class of hooks:
 // each step owns the samples the sampler gives it and runs them under the memory supervisor.
 #include <cstdint>
+#include <filesystem>
 #include <string>
 
+#include "data/dataset.h"
 #include "trainer/config.h"
 
 namespace memtune::trainer {
@@ -14,6 +16,10 @@ struct TrainResult {
   int exit_code = 0;            // 0, or 128+signal when stopped by SIGINT/SIGTERM after a checkpoint
   std::string checkpoint;       // the last checkpoint written
 };
+
+// The data section as the dataset reads it; `memtune train` and `memtune tokenize --config`
+// both build their dataset from it, so a key means the same in both.
+data::DatasetOptions dataset_options(const DataConfig& data, const std::filesystem::path& output_dir);
 
 // Runs the configured training to the end, or until SIGINT/SIGTERM (then it checkpoints and
 // returns). Throws UserError on bad input and MemoryExhausted when nothing fits.

@@ -58,3 +58,4 @@ TEST(InitModelFromConfig, BadInputIsRefusedAndWritesNothing) {
 
 }  // namespace
 }  // namespace memtune::testing
+
