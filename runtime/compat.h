@@ -1,6 +1,7 @@
 #pragma once
 // Every difference between the LibTorch versions memtune builds against (Debian's 1.13,
-// CPU only, and official 2.x with CUDA) lives here, and nowhere else (STYLE.md rule 12).
+// CPU only, and official 2.x with CUDA) lives here, and nowhere else (CONTRIBUTING.md,
+// "GPUs and LibTorch versions").
 #include <c10/core/Allocator.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/api/include/torch/version.h>
