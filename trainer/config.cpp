@@ -909,20 +909,29 @@ void validate(const OnOomConfig& o, const std::string& p, const Checker& c) {
   c.check(o.max_retries >= 1, p + ".max_retries", o.max_retries, "must be at least 1");
 }
 
-// "3:backward,5:optimizer:1": step:phase[:rank], comma separated.
-bool valid_inject_oom(const std::string& s) {
+}  // namespace
+
+std::optional<std::vector<OomPoint>> parse_inject_oom(const std::string& s) {
+  std::vector<OomPoint> points;
   std::stringstream list(s);
   for (std::string entry; std::getline(list, entry, ',');) {
+    if (entry.empty()) continue;
     std::vector<std::string> parts;
     std::stringstream ss(entry);
     for (std::string part; std::getline(ss, part, ':');) parts.push_back(part);
-    int64_t n = 0;
-    if (parts.size() < 2 || parts.size() > 3 || !parse_int64(parts[0], n) || n < 0) return false;
-    if (parts[1] != "forward" && parts[1] != "backward" && parts[1] != "optimizer") return false;
-    if (parts.size() == 3 && (!parse_int64(parts[2], n) || n < 0)) return false;
+    OomPoint p;
+    int64_t rank = -1;
+    if (parts.size() < 2 || parts.size() > 3 || !parse_int64(parts[0], p.step) || p.step < 0) return std::nullopt;
+    if (parts[1] != "forward" && parts[1] != "backward" && parts[1] != "optimizer") return std::nullopt;
+    if (parts.size() == 3 && (!parse_int64(parts[2], rank) || rank < 0 || rank > (1 << 30))) return std::nullopt;
+    p.phase = parts[1];
+    p.rank = static_cast<int>(rank);
+    points.push_back(std::move(p));
   }
-  return true;
+  return points;
 }
+
+namespace {
 
 void validate(const MemoryConfig& m, const std::string& p, const Checker& c) {
   c.check(m.warning_threshold > 0 && m.warning_threshold <= 1, p + ".warning_threshold", m.warning_threshold,
@@ -938,7 +947,7 @@ void validate(const MemoryConfig& m, const std::string& p, const Checker& c) {
   validate(m.on_oom, p + ".on_oom", c);
   c.check(m.grow_after_steps >= 1, p + ".grow_after_steps", m.grow_after_steps, "must be at least 1");
   c.check(m.grow_threshold > 0 && m.grow_threshold < 1, p + ".grow_threshold", m.grow_threshold, "must be in (0, 1)");
-  c.check(valid_inject_oom(m.inject_oom), p + ".inject_oom", m.inject_oom,
+  c.check(parse_inject_oom(m.inject_oom).has_value(), p + ".inject_oom", m.inject_oom,
           "expected step:phase[:rank] entries separated by commas, phase forward|backward|optimizer");
 }
 

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -200,6 +201,15 @@ void validate(const Config& config);
 
 // The effective config as YAML; parse_config(to_yaml(c)) == c.
 std::string to_yaml(const Config& config);
+// memory.inject_oom, parsed once for validation and for the trainer: "3:backward,5:optimizer:1"
+// is {3, backward, every rank}, {5, optimizer, rank 1}. nullopt when the text is not such a list.
+struct OomPoint {
+  int64_t step = 0;
+  std::string phase;  // forward|backward|optimizer
+  int rank = -1;      // -1: every rank
+};
+std::optional<std::vector<OomPoint>> parse_inject_oom(const std::string& spec);
+
 // Every key as "section.key" (nested: "model.quantization_config.blocksize") -> its value
 // in YAML flow form ("[q_proj, v_proj]", "{policy: every_n, n: 2}"), for comparing configs.
 std::map<std::string, std::string> flatten(const Config& config);

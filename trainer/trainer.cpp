@@ -88,21 +88,10 @@ struct OomInjector {
   std::vector<Point> points;
 
   OomInjector(const std::string& spec, int rank) {
-    std::stringstream ss(spec);
-    std::string item;
-    while (std::getline(ss, item, ',')) {
-      if (item.empty()) continue;
-      std::vector<std::string> parts;
-      std::stringstream is(item);
-      std::string p;
-      while (std::getline(is, p, ':')) parts.push_back(p);
-      MEMTUNE_CHECK(parts.size() == 2 || parts.size() == 3, "memory.inject_oom: '", item,
-                    "' is not STEP:PHASE[:RANK]");
-      MEMTUNE_CHECK(parts[1] == "forward" || parts[1] == "backward" || parts[1] == "optimizer",
-                    "memory.inject_oom: phase '", parts[1], "' (forward, backward, optimizer)");
-      if (parts.size() == 3 && std::stoi(parts[2]) != rank) continue;
-      points.push_back({std::stoll(parts[0]), parts[1]});
-    }
+    const auto parsed = parse_inject_oom(spec);  // validated with the config
+    MEMTUNE_INTERNAL_ASSERT(parsed.has_value(), "memory.inject_oom '", spec, "' passed validation");
+    for (const OomPoint& p : *parsed)
+      if (p.rank < 0 || p.rank == rank) points.push_back({p.step, p.phase});
   }
 
   // When (step, phase) is a point: forward and backward arm the allocator so that their next

@@ -837,3 +837,24 @@ TEST(ConfigFiles, EveryYamlUnderConfigsValidatesAndRoundTrips) {
 }
 
 }  // namespace
+
+namespace memtune::trainer {
+namespace {
+
+TEST(Config, InjectOomIsParsedOnceForValidationAndTheTrainer) {
+  const auto points = parse_inject_oom("3:backward,5:optimizer:1,,3:backward");
+  ASSERT_TRUE(points.has_value());
+  ASSERT_EQ(points->size(), 3u);
+  EXPECT_EQ((*points)[0].step, 3);
+  EXPECT_EQ((*points)[0].phase, "backward");
+  EXPECT_EQ((*points)[0].rank, -1);
+  EXPECT_EQ((*points)[1].rank, 1);
+  EXPECT_EQ((*points)[2].phase, "backward");  // listed twice: fires on two attempts
+  EXPECT_TRUE(parse_inject_oom("")->empty());
+  // A rank that is not a number used to reach std::stoi in the trainer (exit 1).
+  for (const char* bad : {"3", "3:sideways", "x:forward", "-1:forward", "3:forward:one", "3:forward:1:2"})
+    EXPECT_FALSE(parse_inject_oom(bad).has_value()) << bad;
+}
+
+}  // namespace
+}  // namespace memtune::trainer
