@@ -25,10 +25,7 @@ class BpeTokenizer : public Tokenizer {
   int64_t vocab_size() const override;
   std::optional<int32_t> token_to_id(std::string_view token) const override;
   std::string id_to_token(int32_t id) const override;
-
-  // Replaces the post-processor's special tokens (tokenizer_config.json's add_bos_token /
-  // add_eos_token, as transformers' Llama tokenizers do): ids put before and after.
-  void set_special_affixes(std::vector<int32_t> prefix, std::vector<int32_t> suffix);
+  void set_special_affixes(std::vector<int32_t> prefix, std::vector<int32_t> suffix) override;
 
  private:
   struct Impl;

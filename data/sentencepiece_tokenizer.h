@@ -23,9 +23,7 @@ class SentencePieceTokenizer : public Tokenizer {
   int64_t vocab_size() const override;
   std::optional<int32_t> token_to_id(std::string_view token) const override;
   std::string id_to_token(int32_t id) const override;
-
-  // Ids put before and after the text by encode(text, true); bos only by default.
-  void set_special_affixes(std::vector<int32_t> prefix, std::vector<int32_t> suffix);
+  void set_special_affixes(std::vector<int32_t> prefix, std::vector<int32_t> suffix) override;
 
  private:
   struct Impl;

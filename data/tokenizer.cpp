@@ -59,20 +59,22 @@ void apply_config(Tokenizer& tok, const fs::path& path) {
   }
   // add_bos_token / add_eos_token, when given, decide the special tokens of encode(), as
   // transformers' Llama tokenizers rebuild their post-processor from them.
-  auto* bpe = dynamic_cast<BpeTokenizer*>(&tok);
-  auto* sp = dynamic_cast<SentencePieceTokenizer*>(&tok);
   if (cfg.contains("add_bos_token") || cfg.contains("add_eos_token")) {
     const bool add_bos = cfg.value("add_bos_token", false) && tok.bos_id;
     const bool add_eos = cfg.value("add_eos_token", false) && tok.eos_id;
     std::vector<int32_t> prefix, suffix;
     if (add_bos) prefix.push_back(*tok.bos_id);
     if (add_eos) suffix.push_back(*tok.eos_id);
-    if (bpe) bpe->set_special_affixes(prefix, suffix);
-    if (sp) sp->set_special_affixes(prefix, suffix);
+    tok.set_special_affixes(prefix, suffix);
   }
 }
 
 }  // namespace
+
+void Tokenizer::set_special_affixes(std::vector<int32_t>, std::vector<int32_t>) {
+  fail("this tokenizer cannot change the special tokens it adds (tokenizer_config.json's add_bos_token / "
+       "add_eos_token); remove those keys or use a tokenizer.json / SentencePiece .model tokenizer");
+}
 
 std::unique_ptr<Tokenizer> Tokenizer::load(const fs::path& path) {
   MEMTUNE_CHECK(fs::exists(path), path.string(), ": no such tokenizer file or directory",

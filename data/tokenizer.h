@@ -28,6 +28,11 @@ class Tokenizer {
   virtual int64_t vocab_size() const = 0;  // highest id + 1, added tokens included
   virtual std::optional<int32_t> token_to_id(std::string_view token) const = 0;
   virtual std::string id_to_token(int32_t id) const = 0;
+  // Replaces the special tokens encode(text, true) puts before and after the text
+  // (tokenizer_config.json's add_bos_token / add_eos_token, as transformers' Llama
+  // tokenizers rebuild their post-processor from them). A tokenizer that cannot refuses
+  // with a UserError rather than ignore the setting.
+  virtual void set_special_affixes(std::vector<int32_t> prefix, std::vector<int32_t> suffix);
 
   std::optional<int32_t> bos_id, eos_id, pad_id;
   std::string chat_template;  // from tokenizer_config.json, empty when absent
