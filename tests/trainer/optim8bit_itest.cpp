@@ -2,7 +2,7 @@
 // the 8-bit state as it is (uint8 codes and fp32 absmax) and resume is bitwise exact; a
 // checkpoint is refused under another training.optim; paged states leave the budget (the
 // step's allocated bytes and peak lower by exactly the state's bytes) and train bit for bit
-// as the unpaged ones.
+// as the unpaged ones; `memtune estimate` counts those bytes.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -15,8 +15,8 @@ namespace {
 
 using nlohmann::json;
 
-// Tiny QLoRA with r = 32: LoRA A (32 x 128) and B (128 x 32) have 4096 elements, 8-bit
-// states; the MLP's B (for the 344-wide intermediate... whichever are under 4096) stay fp32.
+// Tiny QLoRA with r = 32: adapter matrices of 4096 elements and more (32 x 128 and up) get
+// 8-bit states; k/v projections' B (64 x 32 = 2048) stay fp32.
 std::string config(const fs::path& out, const std::string& optim) {
   fs::path src = source_dir();
   return "model:\n"
@@ -92,6 +92,7 @@ TEST(Optim8bit, CheckpointHoldsCodesAndResumeIsBitwise) {
     }
   }
   EXPECT_GT(codes, 0);
+  EXPECT_GT(fp32, 0);
   // Resume from step 3: the same last three losses and final state, bit for bit.
   fs::create_directories(d / "resumed/out/checkpoints");
   fs::copy(straight.out / "checkpoints/step-3", d / "resumed/out/checkpoints/step-3", fs::copy_options::recursive);
@@ -139,6 +140,22 @@ TEST(Optim8bit, PagedStateLeavesTheBudgetAndTrainsTheSame) {
         EXPECT_GE(ma["allocated"].get<int64_t>() - mb["allocated"].get<int64_t>(), state) << i;
       }
       EXPECT_GE(ma["peak"].get<int64_t>() - mb["peak"].get<int64_t>(), state) << i;
+    }
+    // `memtune estimate` counts the same state bytes on the device: all of them unpaged, none paged.
+    for (bool is_paged : {false, true}) {
+      const std::string optim = is_paged ? "paged_adamw_" + tag + "bit" : tag == "8" ? "adamw_8bit" : "";
+      if (optim.empty()) continue;
+      auto r = run(memtune_bin() + " estimate " + ((is_paged ? paged : plain).out.parent_path() / "config.yaml.in").string() +
+                       " --json",
+                   120);
+      ASSERT_EQ(r.exit_code, 0) << r.output;
+      const size_t at = r.output.find('{');
+      ASSERT_NE(at, std::string::npos) << r.output;
+      json j = json::parse(r.output.substr(at, r.output.rfind('}') - at + 1));
+      int64_t est = -1;
+      for (const auto& k : j["components"])
+        if (k["name"] == "optimizer states") est = k["bytes"].get<int64_t>();
+      EXPECT_EQ(est, is_paged ? 0 : state) << optim;
     }
     if (tag == "8")
       expect_same_tensors(plain.out / "checkpoints/step-6/trainable.safetensors",
