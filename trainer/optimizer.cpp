@@ -233,6 +233,10 @@ Optimizer::Optimizer(std::vector<std::pair<std::string, at::Tensor>> params, Opt
     if (options_.paged) return offload_zeros(sizes, dt);
     return at::zeros(sizes, like.options().dtype(dt).requires_grad(false));
   };
+  if (k == "adamw_8bit") {  // built (and counted) now, not during the first update
+    dynamic_map(true);
+    dynamic_map(false);
+  }
   for (const auto& [name, p] : params_) {
     TORCH_CHECK(p.scalar_type() == at::kFloat, "optimizer: ", name, " must be fp32");
     const bool eight = k == "adamw_8bit" && p.numel() >= kMin8bitSize;

@@ -163,5 +163,26 @@ TEST(Optim8bit, PagedStateLeavesTheBudgetAndTrainsTheSame) {
   }
 }
 
+TEST(Optim8bit, OptimizerPhaseOomLeavesNoHalfUpdate) {
+  // An out-of-memory error at the optimizer phase of step 0: the supervisor halves the
+  // micro-batch and redoes the step; the run equals one at the smaller micro-batch throughout.
+  fs::path d = temp_dir();
+  OptimRun ref = train(d / "ref", "paged_adamw_8bit",
+                       "training.per_device_train_batch_size=2 training.gradient_accumulation_steps=2");
+  OptimRun oom = train(d / "oom", "paged_adamw_8bit", "memory.inject_oom=0:optimizer memory.grow_after_steps=1000");
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  ASSERT_EQ(oom.exit_code, 0) << oom.output;
+  auto a = step_metrics(ref.out), b = step_metrics(oom.out);
+  ASSERT_EQ(a.size(), b.size());
+  ASSERT_FALSE(b.empty());
+  ASSERT_FALSE(b[0]["events"].empty()) << oom.output;
+  EXPECT_EQ(b[0]["events"][0]["kind"], "oom");
+  EXPECT_EQ(b[0]["micro_batch"], 2);
+  for (size_t i = 0; i < a.size(); ++i)
+    EXPECT_NEAR(a[i]["loss"].get<double>(), b[i]["loss"].get<double>(), 1e-5) << i;
+  expect_same_tensors(ref.out / "checkpoints/step-6/trainable.safetensors",
+                      oom.out / "checkpoints/step-6/trainable.safetensors", 1e-5);
+}
+
 }  // namespace
 }  // namespace memtune::testing
