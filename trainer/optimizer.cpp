@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -45,29 +46,85 @@ bool fused_adamw_applies(const at::Tensor& p, const at::Tensor& g, const at::Ten
 }
 
 // bitsandbytes' quantize_2D<SIGNED>: a 7-step binary search over the sorted map from entry
-// 127 (the kernel's "quadrants" are entries 63, 127 and 191, the ones this search visits
-// first), then the nearer bracketing entry by an fp32 midpoint. NaN (0/0 of an all-zero
-// block) compares false throughout and ends at code 0.
-template <bool kSigned>
-inline uint8_t quantize_2d(const float* code, float x) {
-  // Written with selects, not branches (the path depends on the data and would mispredict
-  // about half the time): same steps, same result.
-  int pivot = 127, upper_pivot = 255, lower_pivot = 0;
-  float lower = kSigned ? -1.0f : 0.0f, upper = 1.0f;
-  float val = code[pivot];
-  for (int i = 64; i > 0; i >>= 1) {
-    const bool gt = x > val;
-    lower_pivot = gt ? pivot : lower_pivot;
-    lower = gt ? val : lower;
-    upper_pivot = gt ? upper_pivot : pivot;
-    upper = gt ? upper : val;
-    pivot = gt ? pivot + i : pivot - i;
-    val = code[pivot];
+// 127 (the kernel's "quadrants" are entries 63, 127 and 191, the ones the search visits
+// first), then the nearer of the entries it last passed on either side (-1 or 0 and 1.0
+// before any) by an fp32 midpoint. NaN (0/0 of an all-zero block) compares false throughout
+// and ends at code 0. Computed here without the search: its comparisons go right at internal entry j (the odd ones, 1..253)
+// exactly when x > code[j], so the leaf it reaches is 2 * #{odd j : code[j] < x} and the
+// entries it last passed on either side depend on the leaf alone. A table on x's top 12
+// bits bounds that count; a short scan finishes it. Same codes as quantize_2d (the test
+// against the reference and the exhaustive comparison in adamw8bit_test check it).
+struct CodeSearch {
+  const float* code;
+  float keys[127];                      // code[1], code[3], ..., code[253]
+  uint8_t lo[4096], hi[4096];           // bounds of the count for x's top 12 bits
+  int lower_pivot[256], upper_pivot[256];
+  float lower[256], upper[256];         // per leaf (even entries)
+
+  CodeSearch(const float* c, bool is_signed) : code(c) {
+    for (int k = 0; k < 127; ++k) keys[k] = code[2 * k + 1];
+    auto count = [&](float x) {
+      int n = 0;
+      for (int k = 0; k < 127; ++k) n += keys[k] < x;
+      return n;
+    };
+    for (uint32_t b = 0; b < 4096; ++b) {
+      const uint32_t first = b << 20, last = first | 0xFFFFFu;
+      float a, z;
+      std::memcpy(&a, &first, 4);
+      std::memcpy(&z, &last, 4);
+      if (std::isnan(a) || std::isnan(z) || std::isinf(a) || std::isinf(z)) {
+        lo[b] = 0;
+        hi[b] = 127;
+        continue;
+      }
+      const int ca = count(a), cz = count(z);
+      lo[b] = static_cast<uint8_t>(std::min(ca, cz));
+      hi[b] = static_cast<uint8_t>(std::max(ca, cz));
+    }
+    for (int leaf = 0; leaf < 256; leaf += 2) {
+      int pivot = 127, up = 255, low = 0;
+      float lv = is_signed ? -1.0f : 0.0f, uv = 1.0f;
+      for (int i = 64; i > 0; i >>= 1) {
+        if (leaf > pivot) {
+          low = pivot;
+          lv = code[pivot];
+          pivot += i;
+        } else {
+          up = pivot;
+          uv = code[pivot];
+          pivot -= i;
+        }
+      }
+      TORCH_CHECK(pivot == leaf, "code search: leaf ", leaf, " reached ", pivot);
+      lower_pivot[leaf] = low;
+      upper_pivot[leaf] = up;
+      lower[leaf] = lv;
+      upper[leaf] = uv;
+    }
   }
-  const bool gt = x > val;
-  const float midpoint = ((gt ? upper : lower) + val) * 0.5f;
-  const int up = x > midpoint ? upper_pivot : pivot, down = x < midpoint ? lower_pivot : pivot;
-  return static_cast<uint8_t>(gt ? up : down);
+
+  uint8_t operator()(float x) const {
+    uint32_t bits;
+    std::memcpy(&bits, &x, 4);
+    const uint32_t b = bits >> 20;
+    int n = lo[b];
+    for (int k = lo[b]; k < hi[b]; ++k) n += keys[k] < x;
+    const int pivot = 2 * n;
+    const float val = code[pivot];
+    if (x > val) {
+      const float midpoint = (upper[pivot] + val) * 0.5f;
+      return static_cast<uint8_t>(x > midpoint ? upper_pivot[pivot] : pivot);
+    }
+    const float midpoint = (lower[pivot] + val) * 0.5f;
+    return static_cast<uint8_t>(x < midpoint ? lower_pivot[pivot] : pivot);
+  }
+};
+
+const CodeSearch& code_search(bool is_signed) {
+  static const CodeSearch kSigned(dynamic_map(true).data_ptr<float>(), true);
+  static const CodeSearch kUnsigned(dynamic_map(false).data_ptr<float>(), false);
+  return is_signed ? kSigned : kUnsigned;
 }
 
 // The fp32 scalars bitsandbytes' kernels derive from (step, lr, betas).
@@ -119,6 +176,9 @@ void bnb_adam32(const BnbScalars& s, float* p, const float* g, float* m, float* 
 void bnb_adam8(const BnbScalars& s, const float* q1, const float* q2, float* p, const float* g, uint8_t* c1,
                uint8_t* c2, float* absmax1, float* absmax2, int64_t n) {
   const int64_t blocks = (n + kBlock8bit - 1) / kBlock8bit;
+  const CodeSearch& search1 = code_search(true);
+  const CodeSearch& search2 = code_search(false);
+  TORCH_CHECK(search1.code == q1 && search2.code == q2, "bnb_adam8: the maps are the dynamic maps");
   at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
     float s1[kBlock8bit], s2[kBlock8bit];
     bool finite[kBlock8bit];
@@ -156,8 +216,8 @@ void bnb_adam8(const BnbScalars& s, const float* q1, const float* q2, float* p, 
         }
       }
       for (int64_t j = 0; j < len; ++j) {
-        uint8_t k1 = quantize_2d<true>(q1, s1[j] / max1);
-        const uint8_t k2 = quantize_2d<false>(q2, s2[j] / max2);
+        uint8_t k1 = search1(s1[j] / max1);
+        const uint8_t k2 = search2(s2[j] / max2);
         // the first moment's code keeps its sign (bitsandbytes moves it one step)
         if (std::signbit(q1[k1]) != std::signbit(s1[j])) k1 = static_cast<uint8_t>(s1[j] > 0.0f ? k1 + 1 : k1 - 1);
         c1[base + j] = k1;
@@ -172,6 +232,8 @@ bool cpu_f32_contiguous(const at::Tensor& t) {
 }
 
 }  // namespace
+
+uint8_t quantize_dynamic(bool is_signed, float x) { return code_search(is_signed)(x); }
 
 at::Tensor dynamic_map(bool is_signed) {
   // create_dynamic_map(signed, max_exponent_bits=7, total_bits=8): for i in 0..6, the means

@@ -39,6 +39,8 @@ inline constexpr int64_t kMin8bitSize = 4096;
 inline constexpr int64_t kBlock8bit = 256;
 // create_dynamic_map(signed) of bitsandbytes: 256 sorted fp32 values.
 at::Tensor dynamic_map(bool is_signed);
+// bitsandbytes' quantize_2D on that map (x is the state over its block's absmax).
+uint8_t quantize_dynamic(bool is_signed, float x);
 
 // Weight decay applies to matrices (LoRA A/B, projection and embedding weights), not to
 // norm weights or biases.
@@ -54,7 +56,7 @@ class Optimizer {
   void zero_grad();  // drops every .grad
   int64_t steps() const { return steps_; }
   const std::vector<std::pair<std::string, at::Tensor>>& params() const { return params_; }
-  int64_t state_bytes() const;
+  int64_t state_bytes() const;  // every state tensor and workspace, paged (host) ones included
 
   // State for training checkpoints: tensors (named "<param>.exp_avg", "<param>.exp_avg_sq";
   // for 8-bit states the uint8 codes under those names plus "<param>.absmax1/absmax2") and scalars.

@@ -240,6 +240,20 @@ def main():
     SIGNED_MAP.tofile(os.path.join(out, "dynamic_map"))
     UNSIGNED_MAP.tofile(os.path.join(out, "udynamic_map"))
     rng = np.random.default_rng(19)
+    # quantize_2D on many values: the entries, their midpoints and one step either side, values
+    # across every decade of both signs, the edges and NaN
+    xs = [SIGNED_MAP, UNSIGNED_MAP]
+    for code in (SIGNED_MAP, UNSIGNED_MAP):
+        mid = ((code[:-1] + code[1:]) * F32(0.5)).astype(F32)
+        xs += [mid, np.nextafter(mid, F32(2)), np.nextafter(mid, F32(-2)),
+               np.nextafter(code, F32(2)), np.nextafter(code, F32(-2))]
+    mags = (10.0 ** rng.uniform(-9, 0, 200000)).astype(F32)
+    xs += [mags, -mags, np.array([0.0, -0.0, 1.0, -1.0, np.nan, 1e-30, -1e-30], dtype=F32)]
+    x = np.clip(np.concatenate(xs).astype(F32), F32(-1), F32(1))
+    x.tofile(os.path.join(out, "quant_x"))
+    with np.errstate(invalid="ignore"):
+        quantize_2d(SIGNED_MAP, x, True).astype(np.uint8).tofile(os.path.join(out, "quant_signed"))
+        quantize_2d(UNSIGNED_MAP, np.abs(x), False).astype(np.uint8).tofile(os.path.join(out, "quant_unsigned"))
     # name n lr b1 b2 eps wd gnorm_scale zero_blocks bad
     cases = [
         ("big_wd", 5000, 1e-3, 0.9, 0.999, 1e-8, 0.01, 1.0, 0, False),

@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -98,6 +99,21 @@ mt::fs::path* AdamW8bitReference::dir_ = nullptr;
 TEST_F(AdamW8bitReference, MapsMatchBitsandbytes) {
   EXPECT_TRUE(bytes_of(tr::dynamic_map(true)) == read_bytes(*dir_ / "dynamic_map"));
   EXPECT_TRUE(bytes_of(tr::dynamic_map(false)) == read_bytes(*dir_ / "udynamic_map"));
+}
+
+TEST_F(AdamW8bitReference, CodesMatchTheSearchOnEveryValue) {
+  at::Tensor x = floats(read_bytes(*dir_ / "quant_x"));
+  const std::string want_s = read_bytes(*dir_ / "quant_signed"), want_u = read_bytes(*dir_ / "quant_unsigned");
+  ASSERT_EQ(static_cast<int64_t>(want_s.size()), x.numel());
+  ASSERT_GT(x.numel(), 400000);
+  const float* xp = x.data_ptr<float>();
+  int64_t bad_s = 0, bad_u = 0;
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    bad_s += tr::quantize_dynamic(true, xp[i]) != static_cast<uint8_t>(want_s[i]);
+    bad_u += tr::quantize_dynamic(false, std::fabs(xp[i])) != static_cast<uint8_t>(want_u[i]);
+  }
+  EXPECT_EQ(bad_s, 0);
+  EXPECT_EQ(bad_u, 0);
 }
 
 TEST_F(AdamW8bitReference, TwentyStepsMatchByteForByte) {
