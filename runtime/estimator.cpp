@@ -1,6 +1,7 @@
 #include "runtime/estimator.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <stdexcept>
 
 #include "runtime/error.h"
@@ -294,8 +295,28 @@ class Planner {
     }
     e.trainable_parameters = trainable;
     e.gradients = trainable * kF32;
-    e.optimizer_states = (m_.optimizer == "sgd" ? 1 : 2) * trainable * kF32;
-    e.optimizer_workspace = largest_trainable * kF32;
+    // The states, tensor by tensor (8-bit ones depend on each tensor's size).
+    auto states = [&](int64_t numel, int64_t count) {
+      e.optimizer_states += count * optimizer_state_bytes(m_.optimizer, m_.optimizer_paged, numel);
+    };
+    if (full_) {
+      states(V * C, m_.tie_word_embeddings ? 1 : 2);
+      if (gpt2) states(m_.max_position_embeddings * C, 1);
+      states(C, gpt2 ? L * 4 + 2 : L * 2 + 1);  // norm weights (and GPT-2's norm biases)
+      for (const auto& p : proj_) {
+        states(p.in * p.out, L);
+        if (p.bias) states(p.out, L);
+      }
+    } else {
+      for (int i = 0; i < L; ++i)
+        for (const auto& p : proj_)
+          if (lora_on(i, p.name)) {
+            states(m_.lora_r * p.in, 1);
+            states(m_.lora_r * p.out, 1);
+          }
+    }
+    // Only torch's AdamW off the fused CPU kernel keeps a workspace (trainer/optimizer.cpp).
+    e.optimizer_workspace = m_.optimizer == "adamw" ? largest_trainable * kF32 : 0;
     const int64_t persistent = e.weights_nf4 + e.weights_dense + e.lora_parameters + e.optimizer_states + e.optimizer_workspace;
 
     // Activations kept for backward.
@@ -378,8 +399,19 @@ class Planner {
     add("weights: dense", e.weights_dense, str_cat(wb, " bytes per element"));
     if (e.lora_parameters) add("LoRA parameters", e.lora_parameters, str_cat("r=", m_.lora_r, ", fp32"));
     add("gradients", e.gradients, str_cat(trainable, " trainable parameters, fp32"));
-    add("optimizer states", e.optimizer_states, m_.optimizer == "sgd" ? "sgd: momentum buffer" : "adamw: exp_avg, exp_avg_sq");
-    add("optimizer workspace", e.optimizer_workspace, "the largest trainable tensor, fp32");
+    std::string states_how = m_.optimizer == "sgd"           ? "sgd: momentum buffer"
+                      : m_.optimizer == "adamw_8bit"  ? "adamw 8-bit: uint8 codes + absmax per 256 (fp32 under 4096 elements)"
+                      : m_.optimizer == "adamw_32bit" ? "adamw (bitsandbytes 32-bit): exp_avg, exp_avg_sq"
+                                                      : "adamw: exp_avg, exp_avg_sq";
+    if (m_.optimizer_paged) states_how = "paged: in host memory, none on the device";
+    if (trainable > 0) {
+      char per[64];
+      std::snprintf(per, sizeof per, " (%.3f B per trainable parameter)",
+                    static_cast<double>(e.optimizer_states) / static_cast<double>(trainable));
+      states_how += per;
+    }
+    add("optimizer states", e.optimizer_states, states_how);
+    if (e.optimizer_workspace) add("optimizer workspace", e.optimizer_workspace, "the largest trainable tensor, fp32");
     // Runs of layers that keep the same bytes the same way are one line.
     for (int i = 0; i < L;) {
       int j = i;
@@ -409,6 +441,13 @@ class Planner {
 };
 
 }  // namespace
+
+int64_t optimizer_state_bytes(const std::string& optimizer, bool paged, int64_t numel) {
+  if (paged) return 0;
+  if (optimizer == "sgd") return numel * 4;
+  if (optimizer == "adamw_8bit" && numel >= 4096) return 2 * numel + 2 * ((numel + 255) / 256) * 4;
+  return 2 * numel * 4;
+}
 
 int64_t nf4_storage_bytes(int64_t numel, int64_t blocksize, bool double_quant) {
   const int64_t nblocks = (numel + blocksize - 1) / blocksize;

@@ -48,7 +48,11 @@ struct EstimateInput {
   int64_t micro_batch = 1;          // B
   int64_t seq_length = 512;         // T (rows are padded to a multiple of 8)
   std::vector<bool> checkpoint_layers;  // per layer: recomputed in backward (empty: none)
-  std::string optimizer = "adamw";  // adamw (2 fp32 states) | sgd (1: momentum buffer)
+  // adamw (2 fp32 states + a workspace) | adamw_8bit (bitsandbytes: 2 uint8 codes + 2 fp32
+  // absmax per 256 elements for tensors of >= 4096 elements, else 2 fp32) | adamw_32bit
+  // (bitsandbytes: 2 fp32, no workspace) | sgd (1: momentum buffer)
+  std::string optimizer = "adamw";
+  bool optimizer_paged = false;     // states in host memory: nothing on the device
   int64_t compute_bytes = 4;        // bytes per element of the base matmuls
   // Attention runs the fused CPU kernel (models/layers/attention_cpu.h: CPU, fp32), whose
   // scratch is per intra-op thread; otherwise the blocked ATen one.
@@ -97,6 +101,10 @@ inline int64_t estimate_peak(const EstimateInput& in) { return estimate_memory(i
 // Bytes of one NF4 tensor of n elements: n/2 codes, fp32 absmax per block, or uint8 codes
 // + fp32 per 256 blocks + the 256-entry fp32 map with double quantization.
 int64_t nf4_storage_bytes(int64_t numel, int64_t blocksize, bool double_quant);
+
+// Device bytes of the optimizer's states for one trainable tensor of n elements (see
+// EstimateInput::optimizer; 0 when paged).
+int64_t optimizer_state_bytes(const std::string& optimizer, bool paged, int64_t numel);
 
 // The largest micro-batch (sequence length) whose estimated peak fits `budget`, the other
 // fields as given; 0 when even 1 (8 tokens) does not fit. Sequence lengths are multiples of

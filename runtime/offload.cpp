@@ -19,6 +19,15 @@ at::Tensor to_offload_storage(const at::Tensor& t) {
   return at::from_blob(p, src.sizes(), src.strides(), [](void* q) { std::free(q); }, src.options());
 }
 
+at::Tensor offload_zeros(at::IntArrayRef sizes, at::ScalarType dtype) {
+  int64_t n = 1;
+  for (int64_t d : sizes) n *= d;
+  const size_t bytes = static_cast<size_t>(n) * c10::elementSize(dtype);
+  void* p = std::calloc(std::max<size_t>(bytes, 1), 1);
+  MEMTUNE_CHECK(p != nullptr, "offload: host memory exhausted while allocating ", bytes, " bytes");
+  return at::from_blob(p, sizes, [](void* q) { std::free(q); }, at::TensorOptions(dtype));
+}
+
 at::Tensor fetch_from_offload(const at::Tensor& t, const c10::Device& device) {
   if (!t.defined()) return t;
   return t.to(device, /*non_blocking=*/false, /*copy=*/true);

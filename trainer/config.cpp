@@ -105,7 +105,10 @@ void TrainingConfig::fields(F&& f) {
   f("adam_beta1", adam_beta1, "AdamW beta1, in [0, 1)");
   f("adam_beta2", adam_beta2, "AdamW beta2, in [0, 1)");
   f("adam_epsilon", adam_epsilon, "AdamW epsilon");
-  f("optim", optim, "optimizer: adamw_torch|adamw|sgd");
+  f("optim", optim,
+    "optimizer (Hugging Face's names): adamw_torch|adamw (torch AdamW, fp32 states), adamw_bnb_8bit|adamw_8bit "
+    "(bitsandbytes' 8-bit AdamW), paged_adamw_8bit|paged_adamw_32bit (bitsandbytes', states in host memory "
+    "outside the device budget), sgd");
   f("momentum", momentum, "SGD momentum, in [0, 1)");
   f("max_grad_norm", max_grad_norm, "clip the global gradient norm to this; <= 0: no clipping");
   f("logging_steps", logging_steps, "log metrics every this many steps");
@@ -883,7 +886,8 @@ void validate(const TrainingConfig& t, const std::string& p, const Checker& c) {
   c.check(t.adam_beta1 >= 0 && t.adam_beta1 < 1, p + ".adam_beta1", t.adam_beta1, "must be in [0, 1)");
   c.check(t.adam_beta2 >= 0 && t.adam_beta2 < 1, p + ".adam_beta2", t.adam_beta2, "must be in [0, 1)");
   c.check(t.adam_epsilon > 0, p + ".adam_epsilon", t.adam_epsilon, "must be > 0");
-  c.one_of(p + ".optim", t.optim, {"adamw_torch", "adamw", "sgd"});
+  c.one_of(p + ".optim", t.optim,
+           {"adamw_torch", "adamw", "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "sgd"});
   c.check(t.momentum >= 0 && t.momentum < 1, p + ".momentum", t.momentum, "must be in [0, 1)");
   c.check(t.logging_steps >= 1, p + ".logging_steps", t.logging_steps, "must be at least 1");
   c.check(t.save_steps >= 0, p + ".save_steps", t.save_steps, "must be >= 0 (0: only at the end)");

@@ -14,6 +14,7 @@
 #include "runtime/supervisor.h"
 #include "runtime/units.h"
 #include "trainer/model_setup.h"
+#include "trainer/optimizer.h"
 
 namespace memtune::trainer {
 
@@ -103,7 +104,10 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
                        : c.training.per_device_train_batch_size;
   in.seq_length = c.data.max_seq_length;
   in.checkpoint_layers = checkpoint_plan(c.training.gradient_checkpointing, s.num_layers);
-  in.optimizer = c.training.optim == "sgd" ? "sgd" : "adamw";
+  OptimizerOptions oo;
+  set_optimizer_kind(c.training.optim, oo);
+  in.optimizer = oo.kind;
+  in.optimizer_paged = oo.paged;
   std::string note;
   const c10::Device device = resolve_device(c.runtime.device);
   in.compute_bytes = static_cast<int64_t>(c10::elementSize(resolve_compute_dtype(c, device, &note)));

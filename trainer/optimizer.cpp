@@ -1,6 +1,9 @@
 #include "trainer/optimizer.h"
 
+#include <algorithm>
+#include <cfloat>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -10,6 +13,7 @@
 
 #include "runtime/error.h"
 #include "runtime/json_input.h"
+#include "runtime/offload.h"
 
 namespace memtune::trainer {
 
@@ -42,7 +46,239 @@ bool fused_adamw_applies(const at::Tensor& p, const at::Tensor& g, const at::Ten
   return true;
 }
 
+// bitsandbytes' quantize_2D<SIGNED>: a 7-step binary search over the sorted map from entry
+// 127 (the kernel's "quadrants" are entries 63, 127 and 191, the ones the search visits
+// first), then the nearer of the entries it last passed on either side (-1 or 0 and 1.0
+// before any) by an fp32 midpoint. NaN (0/0 of an all-zero block) compares false throughout
+// and ends at code 0. Computed here without the search: its comparisons go right at internal entry j (the odd ones, 1..253)
+// exactly when x > code[j], so the leaf it reaches is 2 * #{odd j : code[j] < x} and the
+// entries it last passed on either side depend on the leaf alone. A table on x's top 12
+// bits bounds that count; a short scan finishes it. Same codes as quantize_2d (the test
+// against the reference and the exhaustive comparison in adamw8bit_test check it).
+struct CodeSearch {
+  const float* code;
+  float keys[127];                      // code[1], code[3], ..., code[253]
+  uint8_t lo[4096], hi[4096];           // bounds of the count for x's top 12 bits
+  int lower_pivot[256], upper_pivot[256];
+  float lower[256], upper[256];         // per leaf (even entries)
+
+  CodeSearch(const float* c, bool is_signed) : code(c) {
+    for (int k = 0; k < 127; ++k) keys[k] = code[2 * k + 1];
+    auto count = [&](float x) {
+      int n = 0;
+      for (int k = 0; k < 127; ++k) n += keys[k] < x;
+      return n;
+    };
+    for (uint32_t b = 0; b < 4096; ++b) {
+      const uint32_t first = b << 20, last = first | 0xFFFFFu;
+      float a, z;
+      std::memcpy(&a, &first, 4);
+      std::memcpy(&z, &last, 4);
+      if (std::isnan(a) || std::isnan(z) || std::isinf(a) || std::isinf(z)) {
+        lo[b] = 0;
+        hi[b] = 127;
+        continue;
+      }
+      const int ca = count(a), cz = count(z);
+      lo[b] = static_cast<uint8_t>(std::min(ca, cz));
+      hi[b] = static_cast<uint8_t>(std::max(ca, cz));
+    }
+    for (int leaf = 0; leaf < 256; leaf += 2) {
+      int pivot = 127, up = 255, low = 0;
+      float lv = is_signed ? -1.0f : 0.0f, uv = 1.0f;
+      for (int i = 64; i > 0; i >>= 1) {
+        if (leaf > pivot) {
+          low = pivot;
+          lv = code[pivot];
+          pivot += i;
+        } else {
+          up = pivot;
+          uv = code[pivot];
+          pivot -= i;
+        }
+      }
+      TORCH_CHECK(pivot == leaf, "code search: leaf ", leaf, " reached ", pivot);
+      lower_pivot[leaf] = low;
+      upper_pivot[leaf] = up;
+      lower[leaf] = lv;
+      upper[leaf] = uv;
+    }
+  }
+
+  uint8_t operator()(float x) const {
+    uint32_t bits;
+    std::memcpy(&bits, &x, 4);
+    const uint32_t b = bits >> 20;
+    int n = lo[b];
+    for (int k = lo[b]; k < hi[b]; ++k) n += keys[k] < x;
+    const int pivot = 2 * n;
+    const float val = code[pivot];
+    if (x > val) {
+      const float midpoint = (upper[pivot] + val) * 0.5f;
+      return static_cast<uint8_t>(x > midpoint ? upper_pivot[pivot] : pivot);
+    }
+    const float midpoint = (lower[pivot] + val) * 0.5f;
+    return static_cast<uint8_t>(x < midpoint ? lower_pivot[pivot] : pivot);
+  }
+};
+
+const CodeSearch& code_search(bool is_signed) {
+  static const CodeSearch kSigned(dynamic_map(true).data_ptr<float>(), true);
+  static const CodeSearch kUnsigned(dynamic_map(false).data_ptr<float>(), false);
+  return is_signed ? kSigned : kUnsigned;
+}
+
+// The fp32 scalars bitsandbytes' kernels derive from (step, lr, betas).
+struct BnbScalars {
+  float b1, b2, one_minus_b1, one_minus_b2, eps_c2, step_size, decay, gs;
+  bool decay_on;
+  BnbScalars(int64_t step, double lr, double beta1, double beta2, double eps, double wd, double grad_scale) {
+    const float lrf = static_cast<float>(lr), wdf = static_cast<float>(wd), t = static_cast<float>(step);
+    b1 = static_cast<float>(beta1);
+    b2 = static_cast<float>(beta2);
+    one_minus_b1 = 1.0f - b1;
+    one_minus_b2 = 1.0f - b2;
+    // beta^t as a correctly rounded fp32 (the power of the fp32 beta in double, rounded once):
+    // the kernels' powf, without depending on which libm's last bit.
+    auto powf = [&](float b) { return static_cast<float>(std::pow(static_cast<double>(b), static_cast<double>(t))); };
+    const float c1 = 1.0f - powf(b1);
+    const float c2 = std::sqrt(1.0f - powf(b2));
+    step_size = (-lrf * c2) / c1;
+    eps_c2 = c2 * static_cast<float>(eps);  // the 8-bit kernel's correction2 * eps
+    decay_on = wdf > 0.0f;
+    decay = 1.0f - lrf * wdf;
+    gs = static_cast<float>(grad_scale);
+  }
+};
+
+// bitsandbytes' kOptimizer32bit2State<ADAM> (no max_unorm, no skip_zeros) over contiguous
+// fp32 CPU tensors: its order of operations, one fp32 rounding each.
+void bnb_adam32(const BnbScalars& s, float* p, const float* g, float* m, float* v, int64_t n) {
+  const float eps = s.eps_c2;  // the 32-bit kernel writes eps * correction2: same product
+  at::parallel_for(0, n, 16384, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      const float gj = s.gs * g[j];
+      const float mj = m[j] * s.b1 + s.one_minus_b1 * gj;
+      const float vj = v[j] * s.b2 + s.one_minus_b2 * (gj * gj);
+      m[j] = mj;
+      v[j] = vj;
+      float pj = p[j] + s.step_size * (mj / (std::sqrt(vj) + eps));
+      if (s.decay_on) pj = pj * s.decay;
+      p[j] = pj;
+    }
+  });
+}
+
+// bitsandbytes' kOptimizerStatic8bit2StateBlockwise<ADAM, 256>, one block of 256 lanes per
+// iteration: dequantize with the old absmax, update the fp32 states, take the new absmax
+// over the block (lanes past the tensor's end count with g 0, code1 128, code2 0, as the
+// kernel's padded loads), update p from the unquantized states, requantize. A non-finite
+// gradient zeroes that element's states and leaves its parameter.
+void bnb_adam8(const BnbScalars& s, const float* q1, const float* q2, float* p, const float* g, uint8_t* c1,
+               uint8_t* c2, float* absmax1, float* absmax2, int64_t n) {
+  const int64_t blocks = (n + kBlock8bit - 1) / kBlock8bit;
+  const CodeSearch& search1 = code_search(true);
+  const CodeSearch& search2 = code_search(false);
+  TORCH_CHECK(search1.code == q1 && search2.code == q2, "bnb_adam8: the maps are the dynamic maps");
+  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+    float s1[kBlock8bit], s2[kBlock8bit];
+    bool finite[kBlock8bit];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t base = b * kBlock8bit, len = std::min<int64_t>(kBlock8bit, n - base);
+      const float old1 = absmax1[b], old2 = absmax2[b];
+      float max1 = -FLT_MAX, max2 = -FLT_MAX;
+      for (int64_t j = 0; j < kBlock8bit; ++j) {
+        const bool in = j < len;
+        const float gj = in ? g[base + j] : 0.0f;
+        const uint8_t k1 = in ? c1[base + j] : 128, k2 = in ? c2[base + j] : 0;
+        finite[j] = std::isfinite(gj);
+        if (finite[j]) {
+          const float gv = gj * s.gs;
+          float v = q2[k2] * old2;
+          v = v * s.b2 + (s.one_minus_b2 * gv) * gv;
+          float m = q1[k1] * old1;
+          m = m * s.b1 + s.one_minus_b1 * gv;
+          s1[j] = m;
+          s2[j] = v;
+        } else {
+          s1[j] = 0.0f;
+          s2[j] = 0.0f;
+        }
+        max1 = std::fmax(max1, std::fabs(s1[j]));
+        max2 = std::fmax(max2, std::fabs(s2[j]));
+      }
+      absmax1[b] = max1;
+      absmax2[b] = max2;
+      for (int64_t j = 0; j < len; ++j) {
+        if (finite[j]) {
+          float pj = p[base + j] + s.step_size * (s1[j] / (std::sqrt(s2[j]) + s.eps_c2));
+          if (s.decay_on) pj = pj * s.decay;
+          p[base + j] = pj;
+        }
+      }
+      for (int64_t j = 0; j < len; ++j) {
+        uint8_t k1 = search1(s1[j] / max1);
+        const uint8_t k2 = search2(s2[j] / max2);
+        // the first moment's code keeps its sign (bitsandbytes moves it one step)
+        if (std::signbit(q1[k1]) != std::signbit(s1[j])) k1 = static_cast<uint8_t>(s1[j] > 0.0f ? k1 + 1 : k1 - 1);
+        c1[base + j] = k1;
+        c2[base + j] = k2;
+      }
+    }
+  });
+}
+
+bool cpu_f32_contiguous(const at::Tensor& t) {
+  return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous();
+}
+
 }  // namespace
+
+uint8_t quantize_dynamic(bool is_signed, float x) { return code_search(is_signed)(x); }
+
+at::Tensor dynamic_map(bool is_signed) {
+  // create_dynamic_map(signed, max_exponent_bits=7, total_bits=8): for i in 0..6, the means
+  // of linspace(0.1, 1, 2^i + 1) (signed) or linspace(0.1, 1, 2^(i+1) + 1) (unsigned), fp32,
+  // times 10^(i-6) (and its negative when signed); then 0 and 1.0; sorted.
+  auto build = [](bool sg) {
+    static const double kScale[7] = {1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0};
+    std::vector<float> data;
+    for (int i = 0; i < 7; ++i) {
+      at::Tensor b = at::linspace(0.1, 1.0, (int64_t{1} << (sg ? i : i + 1)) + 1, at::TensorOptions(at::kFloat));
+      const float* bp = b.data_ptr<float>();
+      const float sc = static_cast<float>(kScale[i]);
+      for (int64_t k = 0; k + 1 < b.numel(); ++k) data.push_back(sc * ((bp[k] + bp[k + 1]) / 2.0f));
+      if (sg)
+        for (int64_t k = 0; k + 1 < b.numel(); ++k) data.push_back(-sc * ((bp[k] + bp[k + 1]) / 2.0f));
+    }
+    data.push_back(0.0f);
+    data.push_back(1.0f);
+    TORCH_CHECK(data.size() == 256, "dynamic map has ", data.size(), " values");
+    std::sort(data.begin(), data.end());
+    return at::tensor(data, at::TensorOptions(at::kFloat));
+  };
+  static const at::Tensor kSigned = build(true), kUnsigned = build(false);
+  return is_signed ? kSigned : kUnsigned;
+}
+
+void set_optimizer_kind(const std::string& optim, OptimizerOptions& o) {
+  o.paged = false;
+  if (optim == "adamw_torch" || optim == "adamw") {
+    o.kind = "adamw";
+  } else if (optim == "adamw_bnb_8bit" || optim == "adamw_8bit") {
+    o.kind = "adamw_8bit";
+  } else if (optim == "paged_adamw_8bit") {
+    o.kind = "adamw_8bit";
+    o.paged = true;
+  } else if (optim == "paged_adamw_32bit") {
+    o.kind = "adamw_32bit";
+    o.paged = true;
+  } else if (optim == "sgd") {
+    o.kind = "sgd";
+  } else {
+    fail("training.optim: unknown optimizer '", optim, "' (one of ", kOptimNames, ")");
+  }
+}
 
 bool decays(const std::string& name, const at::Tensor& t) {
   if (t.dim() < 2) return false;  // biases and norm weights
@@ -51,14 +287,36 @@ bool decays(const std::string& name, const at::Tensor& t) {
 
 Optimizer::Optimizer(std::vector<std::pair<std::string, at::Tensor>> params, OptimizerOptions options)
     : options_(std::move(options)), params_(std::move(params)) {
-  MEMTUNE_CHECK(options_.kind == "adamw" || options_.kind == "sgd", "training.optim: unknown optimizer '",
-                options_.kind, "' (adamw_torch, adamw, sgd)");
+  const std::string& k = options_.kind;
+  MEMTUNE_CHECK(k == "adamw" || k == "adamw_8bit" || k == "adamw_32bit" || k == "sgd",
+                "training.optim: unknown optimizer kind '", k, "' (adamw, adamw_8bit, adamw_32bit, sgd)");
+  // A state tensor: on the parameter's device, or in host memory outside the budget (paged).
+  auto state = [&](const at::Tensor& like, at::IntArrayRef sizes, at::ScalarType dt) {
+    if (options_.paged) return offload_zeros(sizes, dt);
+    return at::zeros(sizes, like.options().dtype(dt).requires_grad(false));
+  };
+  if (k == "adamw_8bit") {  // built (and counted) now, not during the first update
+    dynamic_map(true);
+    dynamic_map(false);
+  }
   for (const auto& [name, p] : params_) {
     MEMTUNE_INTERNAL_ASSERT(p.scalar_type() == at::kFloat, "optimizer: ", name, " must be fp32");
-    exp_avg_.push_back(at::zeros_like(p));
-    if (options_.kind == "adamw") exp_avg_sq_.push_back(at::zeros_like(p));
-    at::Tensor& w = workspaces_[p.device().str()];
-    if (!w.defined() || w.numel() < p.numel()) w = at::empty({p.numel()}, p.options().requires_grad(false));
+    const bool eight = k == "adamw_8bit" && p.numel() >= kMin8bitSize;
+    const at::ScalarType dt = eight ? at::kByte : at::kFloat;
+    exp_avg_.push_back(state(p, p.sizes(), dt));
+    if (k != "sgd") exp_avg_sq_.push_back(state(p, p.sizes(), dt));
+    if (eight) {
+      const int64_t blocks = (p.numel() + kBlock8bit - 1) / kBlock8bit;
+      absmax1_.push_back(state(p, {blocks}, at::kFloat));
+      absmax2_.push_back(state(p, {blocks}, at::kFloat));
+    } else {
+      absmax1_.emplace_back();
+      absmax2_.emplace_back();
+    }
+    if (k == "adamw") {  // the ATen path's denominator (torch semantics off the fused CPU kernel)
+      at::Tensor& w = workspaces_[p.device().str()];
+      if (!w.defined() || w.numel() < p.numel()) w = at::empty({p.numel()}, p.options().requires_grad(false));
+    }
   }
 }
 
@@ -77,6 +335,10 @@ void Optimizer::step(double lr, double grad_scale) {
     const at::Tensor& g = p.grad();
     if (!g.defined()) continue;
     const double wd = decays(name, p) ? options_.weight_decay : 0.0;
+    if (options_.kind == "adamw_8bit" || options_.kind == "adamw_32bit") {
+      bnb_step(i, lr, wd, grad_scale);
+      continue;
+    }
     if (options_.kind == "adamw" && fused_adamw_applies(p, g, exp_avg_[i], exp_avg_sq_[i])) {
       const AdamWStep s{static_cast<float>(grad_scale), static_cast<float>(1.0 - lr * wd), static_cast<float>(b1),
                         static_cast<float>(1.0 - b1), static_cast<float>(b2), static_cast<float>(1.0 - b2),
@@ -111,11 +373,36 @@ void Optimizer::step(double lr, double grad_scale) {
   }
 }
 
+void Optimizer::bnb_step(size_t i, double lr, double wd, double grad_scale) {
+  const at::Tensor& p = params_[i].second;
+  const BnbScalars s(steps_, lr, options_.beta1, options_.beta2, options_.eps, wd, grad_scale);
+  // The CPU kernels run on host tensors. Parameters elsewhere (CUDA) are streamed through
+  // the host per tensor: copied in, updated, copied back (no CUDA kernel yet; slow but exact).
+  const bool host = cpu_f32_contiguous(p) && cpu_f32_contiguous(p.grad());
+  at::Tensor ph = host ? p : p.detach().to(at::kCPU).contiguous();
+  at::Tensor gh = host ? p.grad() : p.grad().to(at::kCPU, at::kFloat).contiguous();
+  std::vector<at::Tensor> st = {exp_avg_[i], exp_avg_sq_[i], absmax1_[i], absmax2_[i]};
+  std::vector<at::Tensor> sh;
+  for (const at::Tensor& t : st) sh.push_back(!t.defined() || t.device().is_cpu() ? t : t.to(at::kCPU));
+  if (absmax1_[i].defined()) {
+    bnb_adam8(s, dynamic_map(true).data_ptr<float>(), dynamic_map(false).data_ptr<float>(), ph.data_ptr<float>(),
+              gh.data_ptr<float>(), sh[0].data_ptr<uint8_t>(), sh[1].data_ptr<uint8_t>(), sh[2].data_ptr<float>(),
+              sh[3].data_ptr<float>(), p.numel());
+  } else {
+    bnb_adam32(s, ph.data_ptr<float>(), gh.data_ptr<float>(), sh[0].data_ptr<float>(), sh[1].data_ptr<float>(),
+               p.numel());
+  }
+  if (!host) const_cast<at::Tensor&>(p).copy_(ph);
+  for (size_t k = 0; k < st.size(); ++k)
+    if (st[k].defined() && !st[k].is_same(sh[k])) st[k].copy_(sh[k]);
+}
+
 int64_t Optimizer::state_bytes() const {
   int64_t n = 0;
   for (const auto& [device, w] : workspaces_) n += w.numel() * 4;
-  for (const auto& t : exp_avg_) n += t.numel() * 4;
-  for (const auto& t : exp_avg_sq_) n += t.numel() * 4;
+  for (const auto* v : {&exp_avg_, &exp_avg_sq_, &absmax1_, &absmax2_})
+    for (const auto& t : *v)
+      if (t.defined()) n += t.numel() * static_cast<int64_t>(t.element_size());
   return n;
 }
 
@@ -124,18 +411,25 @@ std::vector<std::pair<std::string, at::Tensor>> Optimizer::state_tensors() const
   for (size_t i = 0; i < params_.size(); ++i) {
     out.emplace_back(params_[i].first + ".exp_avg", exp_avg_[i]);
     if (!exp_avg_sq_.empty()) out.emplace_back(params_[i].first + ".exp_avg_sq", exp_avg_sq_[i]);
+    if (absmax1_[i].defined()) {
+      out.emplace_back(params_[i].first + ".absmax1", absmax1_[i]);
+      out.emplace_back(params_[i].first + ".absmax2", absmax2_[i]);
+    }
   }
   return out;
 }
 
 nlohmann::json Optimizer::state_scalars() const {
-  return {{"kind", options_.kind}, {"steps", steps_}, {"params", params_.size()}};
+  return {{"kind", options_.kind}, {"paged", options_.paged}, {"steps", steps_}, {"params", params_.size()}};
 }
 
 void Optimizer::load_state(const std::map<std::string, at::Tensor>& tensors, const nlohmann::json& scalars) {
   MEMTUNE_CHECK(scalars.value("kind", std::string()) == options_.kind, "checkpoint optimizer is '",
                 scalars.value("kind", std::string()), "', the config asks for '", options_.kind,
                 "' (training.optim changed since the checkpoint)");
+  MEMTUNE_CHECK(scalars.value("paged", false) == options_.paged, "checkpoint optimizer state is ",
+                scalars.value("paged", false) ? "paged" : "not paged", ", the config's is ",
+                options_.paged ? "paged" : "not paged", " (training.optim changed since the checkpoint)");
   at::NoGradGuard no_grad;
   auto take = [&](const std::string& key, at::Tensor& dst) {
     auto it = tensors.find(key);
@@ -143,11 +437,17 @@ void Optimizer::load_state(const std::map<std::string, at::Tensor>& tensors, con
                   "' (trainable parameters changed since the checkpoint?)");
     MEMTUNE_CHECK(it->second.sizes() == dst.sizes(), "checkpoint optimizer state '", key, "' has shape ",
                   it->second.sizes(), ", expected ", dst.sizes());
+    MEMTUNE_CHECK(it->second.scalar_type() == dst.scalar_type(), "checkpoint optimizer state '", key, "' is ",
+                  it->second.scalar_type(), ", expected ", dst.scalar_type());
     dst.copy_(it->second);
   };
   for (size_t i = 0; i < params_.size(); ++i) {
     take(params_[i].first + ".exp_avg", exp_avg_[i]);
     if (!exp_avg_sq_.empty()) take(params_[i].first + ".exp_avg_sq", exp_avg_sq_[i]);
+    if (absmax1_[i].defined()) {
+      take(params_[i].first + ".absmax1", absmax1_[i]);
+      take(params_[i].first + ".absmax2", absmax2_[i]);
+    }
   }
   steps_ = json_int(scalars, "steps", 0, int64_t{1} << 40, "optimizer");
 }

@@ -1,8 +1,11 @@
 #pragma once
-// Optimizers over the trainable tensors only, with fp32 states: AdamW (decoupled weight
-// decay, PyTorch's semantics) and SGD with momentum. The update allocates nothing: its
-// workspace is planned when the optimizer is built, so an out-of-memory error can only
-// happen before the first parameter changes, never half way through an update.
+// Optimizers over the trainable tensors only: AdamW (decoupled weight decay, PyTorch's
+// semantics, fp32 states), bitsandbytes' AdamW8bit (block-wise 8-bit states, tensors under
+// 4096 elements on bitsandbytes' 32-bit kernel) and its AdamW32bit, and SGD with momentum.
+// `paged` keeps the states in host memory outside the device budget (runtime/offload.h).
+// The update allocates nothing on the device: its workspace is planned when the optimizer
+// is built, so an out-of-memory error can only happen before the first parameter changes,
+// never half way through an update.
 #include <cstdint>
 #include <map>
 #include <string>
@@ -15,11 +18,29 @@
 namespace memtune::trainer {
 
 struct OptimizerOptions {
-  std::string kind = "adamw";  // adamw|sgd
+  // adamw (torch.optim.AdamW) | adamw_8bit (bitsandbytes AdamW8bit) |
+  // adamw_32bit (bitsandbytes AdamW32bit's kernel) | sgd
+  std::string kind = "adamw";
+  bool paged = false;          // states in host memory outside the device budget
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
   double weight_decay = 0.0;   // not applied to norms and biases (see decays())
   double momentum = 0.0;       // sgd
 };
+
+// training.optim (Hugging Face's names) as options: adamw_torch|adamw -> adamw,
+// adamw_bnb_8bit|adamw_8bit -> adamw_8bit, paged_adamw_8bit -> adamw_8bit + paged,
+// paged_adamw_32bit -> adamw_32bit + paged, sgd. Anything else: UserError with the list.
+void set_optimizer_kind(const std::string& optim, OptimizerOptions& o);
+inline constexpr const char* kOptimNames = "adamw_torch, adamw, adamw_bnb_8bit, adamw_8bit, paged_adamw_8bit, paged_adamw_32bit, sgd";
+
+// bitsandbytes' 8-bit AdamW constants: states of tensors with at least kMin8bitSize elements
+// are uint8 codes in blocks of kBlock8bit, one fp32 absmax per block and state.
+inline constexpr int64_t kMin8bitSize = 4096;
+inline constexpr int64_t kBlock8bit = 256;
+// create_dynamic_map(signed) of bitsandbytes: 256 sorted fp32 values.
+at::Tensor dynamic_map(bool is_signed);
+// bitsandbytes' quantize_2D on that map (x is the state over its block's absmax).
+uint8_t quantize_dynamic(bool is_signed, float x);
 
 // Weight decay applies to matrices (LoRA A/B, projection and embedding weights), not to
 // norm weights or biases.
@@ -35,17 +56,22 @@ class Optimizer {
   void zero_grad();  // drops every .grad
   int64_t steps() const { return steps_; }
   const std::vector<std::pair<std::string, at::Tensor>>& params() const { return params_; }
-  int64_t state_bytes() const;
+  int64_t state_bytes() const;  // every state tensor and workspace, paged (host) ones included
 
-  // State for training checkpoints: tensors (named "<param>.exp_avg", ...) and scalars.
+  // State for training checkpoints: tensors (named "<param>.exp_avg", "<param>.exp_avg_sq";
+  // for 8-bit states the uint8 codes under those names plus "<param>.absmax1/absmax2") and scalars.
   std::vector<std::pair<std::string, at::Tensor>> state_tensors() const;
   nlohmann::json state_scalars() const;
   void load_state(const std::map<std::string, at::Tensor>& tensors, const nlohmann::json& scalars);
 
  private:
+  void bnb_step(size_t i, double lr, double wd, double grad_scale);  // adamw_8bit / adamw_32bit
   OptimizerOptions options_;
   std::vector<std::pair<std::string, at::Tensor>> params_;
   std::vector<at::Tensor> exp_avg_, exp_avg_sq_;  // adamw; exp_avg_ is the momentum buffer for sgd
+  // adamw_8bit: per parameter fp32 [blocks] absmax of exp_avg_/exp_avg_sq_ (uint8 codes);
+  // undefined where the tensor is under kMin8bitSize and its states are fp32.
+  std::vector<at::Tensor> absmax1_, absmax2_;
   // Per device the parameters are on: the largest parameter's size there, fp32.
   std::map<std::string, at::Tensor> workspaces_;
   int64_t steps_ = 0;

@@ -345,7 +345,7 @@ TrainResult train(const Config& c) {
                                                 : static_cast<int64_t>(std::ceil(c.training.warmup_ratio * total_steps)),
                     total_steps};
   OptimizerOptions oo;
-  oo.kind = c.training.optim == "sgd" ? "sgd" : "adamw";
+  set_optimizer_kind(c.training.optim, oo);
   oo.beta1 = c.training.adam_beta1;
   oo.beta2 = c.training.adam_beta2;
   oo.eps = c.training.adam_epsilon;

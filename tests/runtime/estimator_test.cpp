@@ -98,6 +98,41 @@ TEST(Estimator, WeightsLoraGradientsAndOptimizerByHand) {
   EXPECT_EQ(e.optimizer_workspace, 32 * 8 * 4);  // the embedding
 }
 
+TEST(Estimator, OptimizerStateBytesPerOption) {
+  // bitsandbytes' 8-bit AdamW: 2 uint8 codes + 2 fp32 absmax per 256-element block from 4096
+  // elements on, 2 fp32 below; its 32-bit kernel needs no workspace; paged: nothing on the device.
+  EXPECT_EQ(optimizer_state_bytes("adamw_8bit", false, 4096), 2 * 4096 + 2 * 16 * 4);
+  EXPECT_EQ(optimizer_state_bytes("adamw_8bit", false, 4097), 2 * 4097 + 2 * 17 * 4);
+  EXPECT_EQ(optimizer_state_bytes("adamw_8bit", false, 4095), 2 * 4095 * 4);
+  EXPECT_EQ(optimizer_state_bytes("adamw", false, 10), 80);
+  EXPECT_EQ(optimizer_state_bytes("adamw_32bit", false, 10), 80);
+  EXPECT_EQ(optimizer_state_bytes("sgd", false, 10), 40);
+  EXPECT_EQ(optimizer_state_bytes("adamw_8bit", true, 1 << 20), 0);
+  EXPECT_EQ(optimizer_state_bytes("adamw_32bit", true, 1 << 20), 0);
+
+  // Full fine-tune of the small llama with hidden 8: every tensor is under 4096, all fp32.
+  EstimateInput in = small_llama();
+  in.finetune = "full";
+  in.optimizer = "adamw_8bit";
+  Estimate e = estimate_memory(in);
+  EXPECT_EQ(e.optimizer_states, 2 * 4 * (552 + 2 * 576));
+  EXPECT_EQ(e.optimizer_workspace, 0);
+  // Wider: hidden 64, vocab 128 -> embed and head 8192 elements each (8-bit), norms 64 (fp32).
+  in.hidden_size = 64;
+  in.vocab_size = 128;
+  in.num_heads = 4;
+  in.num_kv_heads = 4;
+  in.head_dim = 16;
+  in.intermediate_size = 64;
+  e = estimate_memory(in);
+  const int64_t big = 2 * 8192 + 2 * 32 * 4;  // embed, head
+  const int64_t proj = 2 * 4096 + 2 * 16 * 4;  // each 64 x 64 projection: 4096 elements
+  EXPECT_EQ(e.optimizer_states, 2 * big + 2 * 4 * 64 * 5 + 2 * 7 * proj);
+  in.optimizer_paged = true;
+  e = estimate_memory(in);
+  EXPECT_EQ(e.optimizer_states, 0);
+}
+
 TEST(Estimator, Gpt2WeightsByHand) {
   EstimateInput in;
   in.family = "gpt2";

@@ -420,8 +420,15 @@ TEST(ConfigErrors, UnknownScheduler) {
 }
 
 TEST(ConfigErrors, UnknownOptim) {
-  const std::string yaml = "training:\n  optim: paged_adamw_8bit\n";
-  expect_invalid(yaml, "optim", "paged", "training.optim", "paged_adamw_8bit", "expected one of adamw_torch|adamw|sgd");
+  const std::string yaml = "training:\n  optim: adafactor\n";
+  expect_invalid(yaml, "optim", "adafactor", "training.optim", "adafactor",
+                 "expected one of adamw_torch|adamw|adamw_bnb_8bit|adamw_8bit|paged_adamw_8bit|paged_adamw_32bit|sgd");
+}
+
+TEST(Config, OptimTakesHuggingFaceNames) {
+  for (const char* name :
+       {"adamw_torch", "adamw", "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "sgd"})
+    EXPECT_EQ(parse(std::string("training:\n  optim: ") + name + "\n").training.optim, name);
 }
 
 TEST(ConfigErrors, UnknownFinetune) {
