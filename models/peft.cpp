@@ -21,20 +21,34 @@ std::string peft_key(const std::string& module, const char* which) {
   return "base_model.model." + module + "." + which + ".weight";
 }
 
+namespace {
+
+// target_modules as PEFT reads it back: a str is a regex matched in full (or all-linear), a
+// list holds names matched exactly or as a dotted suffix. PEFT refuses a str together with
+// layers_to_transform, so there the list of the modules that were adapted is written.
+json peft_target_modules(const LoraTargets& t, const std::vector<std::string>& adapted) {
+  const auto& names = t.target_modules;
+  const bool pattern = names.size() == 1 && (names[0] == "all-linear" || !is_plain_module_name(names[0]));
+  if (!pattern) return json(names);  // one plain name stays a list: as a str it would be a regex
+  if (t.layers_to_transform.empty()) return json(names[0]);
+  return json(adapted);
+}
+
+}  // namespace
+
 void save_adapter(const CausalLM& model, const AdapterConfig& config, const fs::path& dir) {
   fs::create_directories(dir);
   std::vector<std::pair<std::string, at::Tensor>> tensors;
-  std::vector<std::string> short_targets;
+  std::vector<std::string> adapted;
   for (Linear* l : model.linears()) {
     if (!l->lora) continue;
+    adapted.push_back(l->name());
     tensors.emplace_back(peft_key(l->name(), "lora_A"), l->lora->A.detach().to(at::kFloat).contiguous());
     tensors.emplace_back(peft_key(l->name(), "lora_B"), l->lora->B.detach().to(at::kFloat).contiguous());
   }
   MEMTUNE_CHECK(!tensors.empty(), "save_adapter: the model has no LoRA layers");
   const LoraOptions& o = config.lora;
-  json target_modules = config.targets.target_modules.size() == 1
-                            ? json(config.targets.target_modules[0])
-                            : json(config.targets.target_modules);
+  json target_modules = peft_target_modules(config.targets, adapted);
   json c = {{"peft_type", "LORA"},
             {"task_type", "CAUSAL_LM"},
             {"r", o.r},

@@ -5,8 +5,11 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
+#include <set>
+
 #include "models/hf_model.h"
 #include "models/io/safetensors.h"
+#include "models/lora.h"
 #include "models/model_spec.h"
 #include "models/peft.h"
 #include "runtime/error.h"
@@ -133,6 +136,70 @@ TEST(PeftAdapter, RefusesUnknownTensors) {
   auto tensors = q_proj_tensors(*model);
   tensors.emplace_back("base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector", at::randn({128}));
   expect_refused(write_adapter(base_config(), tensors), {"lora_magnitude_vector"});
+}
+
+// ---- writing: target_modules as PEFT will read it back ----
+
+// The modules that carry lora_A tensors in a written adapter file.
+std::set<std::string> modules_in_file(const fs::path& dir) {
+  std::set<std::string> modules;
+  SafetensorsFile file(dir / "adapter_model.safetensors");
+  const std::string prefix = "base_model.model.", tail = ".lora_A.weight";
+  for (const auto& key : file.names())
+    if (key.size() > tail.size() && key.compare(key.size() - tail.size(), tail.size(), tail) == 0)
+      modules.insert(key.substr(prefix.size(), key.size() - prefix.size() - tail.size()));
+  return modules;
+}
+
+json saved_target_modules(const LoraTargets& targets, fs::path* dir_out = nullptr) {
+  auto model = tiny_llama();
+  LoraOptions o;
+  o.r = kRank;
+  apply_lora(*model, o, targets);
+  AdapterConfig config;
+  config.lora = o;
+  config.targets = targets;
+  fs::path dir = temp_dir(std::to_string(targets.layers_to_transform.size()) + targets.target_modules[0].substr(0, 3));
+  save_adapter(*model, config, dir);
+  if (dir_out) *dir_out = dir;
+  return json::parse(memtune::testing::read_file(dir / "adapter_config.json"))["target_modules"];
+}
+
+// PEFT refuses a str target_modules with layers_to_transform ("`layers_to_transform` cannot
+// be used when `target_modules` is a str"): the names of the adapted modules are written.
+TEST(PeftAdapter, StringTargetsWithLayersAreWrittenAsTheAdaptedModules) {
+  for (const std::string& target : {std::string("all-linear"), std::string(".*\\.(q_proj|down_proj)")}) {
+    SCOPED_TRACE(target);
+    LoraTargets t;
+    t.target_modules = {target};
+    t.layers_to_transform = {1, 3};
+    fs::path dir;
+    json written = saved_target_modules(t, &dir);
+    ASSERT_TRUE(written.is_array()) << written.dump();
+    std::set<std::string> listed(written.begin(), written.end());
+    EXPECT_EQ(listed.size(), written.size()) << "duplicates in " << written.dump();
+    EXPECT_EQ(listed, modules_in_file(dir));
+    EXPECT_FALSE(listed.empty());
+    for (const auto& m : listed)
+      EXPECT_TRUE(m.find("layers.1.") != std::string::npos || m.find("layers.3.") != std::string::npos) << m;
+    // memtune reads it back to the same modules.
+    auto model = tiny_llama();
+    LoraSummary s = load_adapter(*model, dir);
+    EXPECT_EQ(std::set<std::string>(s.modules.begin(), s.modules.end()), listed);
+  }
+}
+
+// Without layers_to_transform a str is what PEFT expects for all-linear and a regex; one
+// plain name stays a list (PEFT would read the str "q_proj" as a regex matching nothing).
+TEST(PeftAdapter, TargetModulesKeepPeftsMeaning) {
+  LoraTargets all;
+  EXPECT_EQ(saved_target_modules(all), json("all-linear"));
+  LoraTargets regex;
+  regex.target_modules = {".*\\.q_proj"};
+  EXPECT_EQ(saved_target_modules(regex), json(".*\\.q_proj"));
+  LoraTargets one;
+  one.target_modules = {"q_proj"};
+  EXPECT_EQ(saved_target_modules(one), json::array({"q_proj"}));
 }
 
 }  // namespace
