@@ -60,7 +60,7 @@ const std::set<std::string>& modelled_keys() {
       "n_inner", "num_hidden_layers", "n_layer", "num_attention_heads", "n_head",
       "num_key_value_heads", "head_dim", "max_position_embeddings", "n_positions",
       "rms_norm_eps", "layer_norm_epsilon", "rope_theta", "rope_scaling", "rope_parameters",
-      "tie_word_embeddings", "attention_bias", "bos_token_id", "eos_token_id", "pad_token_id",
+      "tie_word_embeddings", "attention_bias", "mlp_bias", "bos_token_id", "eos_token_id", "pad_token_id",
       "torch_dtype", "hidden_act", "activation_function"};
   return keys;
 }
@@ -108,6 +108,8 @@ ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
     s.norm_eps = get_or<double>(c, "rms_norm_eps", 1e-6, where);
     s.tie_word_embeddings = get_or<bool>(c, "tie_word_embeddings", false, where);
     s.attention_bias = get_or<bool>(c, "attention_bias", s.model_type == "qwen2", where);
+    // transformers reads mlp_bias in LlamaMLP only; Mistral's and Qwen2's MLPs have no biases.
+    if (s.model_type == "llama") s.mlp_bias = get_or<bool>(c, "mlp_bias", false, where);
     if (s.model_type == "mistral" && c.contains("sliding_window") && !c["sliding_window"].is_null()) {
       s.sliding_window = get_or<int64_t>(c, "sliding_window", 0, where);
       MEMTUNE_CHECK(*s.sliding_window > 0, where, ": sliding_window ", *s.sliding_window,
@@ -138,7 +140,8 @@ ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
   s.pad_token_id = opt_int("pad_token_id");
   s.torch_dtype = get_or<std::string>(c, "torch_dtype", "float32", where);
   for (auto it = c.begin(); it != c.end(); ++it)
-    if (!modelled_keys().count(it.key())) s.extra[it.key()] = it.value();
+    if (!modelled_keys().count(it.key()) || (it.key() == "mlp_bias" && s.model_type != "llama"))
+      s.extra[it.key()] = it.value();
   validate_spec(s, where);
   return s;
 }
@@ -168,6 +171,7 @@ json spec_to_hf_config(const ModelSpec& s) {
     c["rope_theta"] = s.rope_theta;
     c["hidden_act"] = "silu";
     c["attention_bias"] = s.attention_bias;
+    if (s.model_type == "llama") c["mlp_bias"] = s.mlp_bias;
     if (s.rope_scaling.type == "none") {
       c["rope_scaling"] = nullptr;
     } else {
@@ -311,7 +315,8 @@ int64_t parameter_count(const ModelSpec& s) {
            (s.tie_word_embeddings ? 0 : V * C);
   }
   const int64_t q = s.q_dim(), kv = s.kv_dim();
-  per_layer = 2 * C + C * q + 2 * C * kv + q * C + 3 * C * F + (s.attention_bias ? q + 2 * kv : 0);
+  per_layer = 2 * C + C * q + 2 * C * kv + q * C + 3 * C * F + (s.attention_bias ? q + 2 * kv : 0) +
+              (s.attention_bias && s.model_type != "qwen2" ? C : 0) + (s.mlp_bias ? 2 * F + C : 0);
   return V * C + s.num_layers * per_layer + C + (s.tie_word_embeddings ? 0 : V * C);
 }
 

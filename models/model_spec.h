@@ -33,7 +33,8 @@ struct ModelSpec {
   double rope_theta = 10000.0;
   RopeScaling rope_scaling;
   bool tie_word_embeddings = false;
-  bool attention_bias = false;           // q,k,v biases (Qwen2)
+  bool attention_bias = false;           // q,k,v biases (Qwen2); Llama's also o_proj
+  bool mlp_bias = false;                 // gate/up/down biases (Llama's mlp_bias; Mistral/Qwen2 have none)
   // Mistral's sliding_window: a query sees its W latest keys (itself included); none: all.
   // Read from config.json but kept in `extra`, which writes it back unchanged.
   std::optional<int64_t> sliding_window;

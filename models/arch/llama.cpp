@@ -1,6 +1,6 @@
 // Llama family (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM) with Hugging Face's
 // semantics: RMSNorm in fp32, rotary embeddings in the rotate_half layout (with linear and
-// llama3 frequency scaling), grouped-query attention, SwiGLU MLP, optional q/k/v biases,
+// llama3 frequency scaling), grouped-query attention, SwiGLU MLP, optional attention and MLP biases,
 // optionally tied embeddings.
 #include <cmath>
 
@@ -56,9 +56,9 @@ class LlamaModel : public CausalLM {
       // Llama's attention_bias covers o_proj too; Qwen2's biases are on q, k, v only.
       L.o = lin("self_attn.o_proj", q, C, spec.attention_bias && spec.model_type != "qwen2");
       add_tensor(p + "post_attention_layernorm.weight", {C}, TensorRole::kNorm, &L.post_norm, i);
-      L.gate = lin("mlp.gate_proj", C, F, false);
-      L.up = lin("mlp.up_proj", C, F, false);
-      L.down = lin("mlp.down_proj", F, C, false);
+      L.gate = lin("mlp.gate_proj", C, F, spec.mlp_bias);
+      L.up = lin("mlp.up_proj", C, F, spec.mlp_bias);
+      L.down = lin("mlp.down_proj", F, C, spec.mlp_bias);
     }
     add_tensor("model.norm.weight", {C}, TensorRole::kNorm, &norm_);
     if (!spec.tie_word_embeddings)
