@@ -33,7 +33,8 @@ int64_t require_int(const json& j, std::initializer_list<const char*> keys, cons
   fail(where, ": missing integer key ", names, " (is this a Hugging Face config.json?)");
 }
 
-RopeScaling read_rope_scaling(const json& j, const std::string& where) {
+// `max_position_embeddings`: yarn's defaults for original_max_position_embeddings and factor.
+RopeScaling read_rope_scaling(const json& j, const std::string& where, int64_t max_position_embeddings) {
   RopeScaling r;
   if (j.is_null()) return r;
   MEMTUNE_CHECK(j.is_object(), where, ": rope_scaling must be an object, got ", j.dump());
@@ -41,14 +42,37 @@ RopeScaling read_rope_scaling(const json& j, const std::string& where) {
                      : j.contains("type")     ? j["type"].get<std::string>()
                                               : "default";
   if (type == "default") return r;
-  MEMTUNE_CHECK(type == "linear" || type == "llama3", where, ": rope_scaling type '", type,
-                "' is not supported (supported: linear, llama3)");
+  MEMTUNE_CHECK(type == "linear" || type == "llama3" || type == "yarn", where, ": rope_scaling type '", type,
+                "' is not supported (supported: linear, llama3, yarn)");
   r.type = type;
-  r.factor = get_or<double>(j, "factor", 1.0, where);
   r.low_freq_factor = get_or<double>(j, "low_freq_factor", 1.0, where);
   r.high_freq_factor = get_or<double>(j, "high_freq_factor", 4.0, where);
+  const bool yarn = type == "yarn";
   r.original_max_position_embeddings =
-      get_or<int64_t>(j, "original_max_position_embeddings", 8192, where);
+      get_or<int64_t>(j, "original_max_position_embeddings", yarn ? max_position_embeddings : 8192, where);
+  // transformers 5: yarn without a factor scales max_position_embeddings / original.
+  const bool has_factor = j.contains("factor") && !j["factor"].is_null();
+  r.factor = has_factor || !yarn ? get_or<double>(j, "factor", 1.0, where)
+                                 : static_cast<double>(max_position_embeddings) /
+                                       static_cast<double>(r.original_max_position_embeddings);
+  if (yarn) {
+    // transformers reads these with `or`: null or 0 falls back to the default.
+    auto number = [&](const char* key, double fallback) {
+      return j.contains(key) && !j[key].is_null() ? get_or<double>(j, key, fallback, where) : fallback;
+    };
+    r.beta_fast = number("beta_fast", 32);
+    r.beta_slow = number("beta_slow", 1);
+    if (r.beta_fast == 0) r.beta_fast = 32;
+    if (r.beta_slow == 0) r.beta_slow = 1;
+    r.mscale = number("mscale", 0);
+    r.mscale_all_dim = number("mscale_all_dim", 0);
+    if (j.contains("attention_factor") && !j["attention_factor"].is_null())
+      r.attention_factor = get_or<double>(j, "attention_factor", 1.0, where);
+    r.truncate = get_or<bool>(j, "truncate", true, where);
+    MEMTUNE_CHECK(r.original_max_position_embeddings > 0, where,
+                  ": rope_scaling.original_max_position_embeddings must be > 0, got ",
+                  r.original_max_position_embeddings);
+  }
   MEMTUNE_CHECK(r.factor > 0, where, ": rope_scaling.factor must be > 0, got ", r.factor);
   return r;
 }
@@ -124,10 +148,11 @@ ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
     if (c.contains("rope_parameters") && c["rope_parameters"].is_object()) {
       const json& rp = c["rope_parameters"];
       s.rope_theta = get_or<double>(rp, "rope_theta", get_or<double>(c, "rope_theta", 10000.0, where), where);
-      s.rope_scaling = read_rope_scaling(rp, where + " rope_parameters");
+      s.rope_scaling = read_rope_scaling(rp, where + " rope_parameters", s.max_position_embeddings);
     } else {
       s.rope_theta = get_or<double>(c, "rope_theta", 10000.0, where);
-      if (c.contains("rope_scaling")) s.rope_scaling = read_rope_scaling(c["rope_scaling"], where + " rope_scaling");
+      if (c.contains("rope_scaling"))
+        s.rope_scaling = read_rope_scaling(c["rope_scaling"], where + " rope_scaling", s.max_position_embeddings);
     }
   }
   auto opt_int = [&](const char* key) -> std::optional<int64_t> {
@@ -180,6 +205,16 @@ json spec_to_hf_config(const ModelSpec& s) {
         r["low_freq_factor"] = s.rope_scaling.low_freq_factor;
         r["high_freq_factor"] = s.rope_scaling.high_freq_factor;
         r["original_max_position_embeddings"] = s.rope_scaling.original_max_position_embeddings;
+      }
+      if (s.rope_scaling.type == "yarn") {
+        const RopeScaling& y = s.rope_scaling;
+        r["original_max_position_embeddings"] = y.original_max_position_embeddings;
+        r["beta_fast"] = y.beta_fast;
+        r["beta_slow"] = y.beta_slow;
+        if (y.mscale != 0) r["mscale"] = y.mscale;
+        if (y.mscale_all_dim != 0) r["mscale_all_dim"] = y.mscale_all_dim;
+        if (y.attention_factor) r["attention_factor"] = *y.attention_factor;
+        r["truncate"] = y.truncate;
       }
       c["rope_scaling"] = r;
     }
@@ -260,7 +295,11 @@ std::optional<ModelSpec> preset(const std::string& name) {
   }
   if (name == "llama-3.2-1b") {
     ModelSpec s = llama_like(128256, 2048, 8192, 16, 32, 8, 131072, 500000.0, true);
-    s.rope_scaling = {"llama3", 32.0, 1.0, 4.0, 8192};
+    s.rope_scaling.type = "llama3";
+    s.rope_scaling.factor = 32.0;
+    s.rope_scaling.low_freq_factor = 1.0;
+    s.rope_scaling.high_freq_factor = 4.0;
+    s.rope_scaling.original_max_position_embeddings = 8192;
     s.bos_token_id = 128000;
     s.eos_token_id = 128001;
     s.torch_dtype = "bfloat16";

@@ -1,7 +1,8 @@
 // Llama family (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM) with Hugging Face's
-// semantics: RMSNorm in fp32, rotary embeddings in the rotate_half layout (with linear and
-// llama3 frequency scaling), grouped-query attention, SwiGLU MLP, optional attention and MLP biases,
+// semantics: RMSNorm in fp32, rotary embeddings in the rotate_half layout (with linear,
+// llama3 and yarn frequency scaling), grouped-query attention, SwiGLU MLP, optional attention and MLP biases,
 // optionally tied embeddings.
+#include <algorithm>
 #include <cmath>
 
 #include <ATen/ATen.h>
@@ -35,7 +36,32 @@ at::Tensor rope_inv_freq(const ModelSpec& s) {
     at::Tensor medium = (wavelen >= high_wavelen).logical_and(wavelen <= low_wavelen);
     return at::where(medium, smoothed, scaled);
   }
+  if (r.type == "yarn") {
+    // Dimensions that rotate more than beta_fast times over the original context keep their
+    // frequency, those under beta_slow are divided by the factor, a linear ramp between.
+    const double orig = static_cast<double>(r.original_max_position_embeddings);
+    auto correction_dim = [&](double rotations) {
+      return static_cast<double>(d) * std::log(orig / (rotations * 2 * M_PI)) / (2 * std::log(s.rope_theta));
+    };
+    double low = correction_dim(r.beta_fast), high = correction_dim(r.beta_slow);
+    if (r.truncate) low = std::floor(low), high = std::ceil(high);
+    low = std::max(low, 0.0);
+    high = std::min(high, static_cast<double>(d - 1));
+    if (low == high) high += 0.001;
+    at::Tensor ramp = ((at::arange(d / 2, at::kFloat) - low) / (high - low)).clamp(0, 1);
+    at::Tensor keep = 1 - ramp;  // 1: extrapolate (original frequency), 0: interpolate
+    return inv / r.factor * (1 - keep) + inv * keep;
+  }
   return inv;
+}
+
+// The scale of cos and sin (yarn's attention factor; 1 otherwise), as HF's attention_scaling.
+double rope_attention_factor(const RopeScaling& r) {
+  if (r.type != "yarn") return 1.0;
+  if (r.attention_factor) return *r.attention_factor;
+  auto mscale = [&](double m) { return r.factor <= 1 ? 1.0 : 0.1 * m * std::log(r.factor) + 1.0; };
+  if (r.mscale != 0 && r.mscale_all_dim != 0) return mscale(r.mscale) / mscale(r.mscale_all_dim);
+  return mscale(1.0);
 }
 
 class LlamaModel : public CausalLM {
@@ -64,6 +90,7 @@ class LlamaModel : public CausalLM {
     if (!spec.tie_word_embeddings)
       add_tensor("lm_head.weight", {spec.vocab_size, C}, TensorRole::kHead, &lm_head_);
     inv_freq_ = rope_inv_freq(spec);
+    rope_scale_ = rope_attention_factor(spec.rope_scaling);
   }
 
   at::Tensor embed(const at::Tensor& ids, const at::Tensor&) override {
@@ -76,6 +103,10 @@ class LlamaModel : public CausalLM {
     at::Tensor emb = at::cat({freqs, freqs}, -1);  // (B,T,D)
     ctx.cos = emb.cos().unsqueeze(2);               // (B,T,1,D): broadcast over heads
     ctx.sin = emb.sin().unsqueeze(2);
+    if (rope_scale_ != 1.0) {
+      ctx.cos = ctx.cos * rope_scale_;
+      ctx.sin = ctx.sin * rope_scale_;
+    }
     ctx.position_ids = b.position_ids;
     ctx.segment_ids = b.segment_ids;
     return ctx;
@@ -117,6 +148,7 @@ class LlamaModel : public CausalLM {
            *down = nullptr;
   };
   at::Tensor embed_tokens_, norm_, lm_head_, inv_freq_;
+  double rope_scale_ = 1.0;  // cos/sin scale (yarn's attention factor)
   std::vector<Layer> layers_;
 };
 

@@ -95,6 +95,13 @@ INSTANTIATE_TEST_SUITE_P(
              true},
         Case{"llama_linear_rope_bias", "--arch llama --layers 1 --hidden 32 --heads 2 --kv-heads 2 --intermediate 64 "
                                        "--vocab 256 --attention-bias --rope-scaling '{\"type\":\"linear\",\"factor\":2.0}'"},
+        Case{"llama_yarn_rope", "--arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 96 --vocab 256 "
+                                "--max-pos 64 --rope-scaling '{\"rope_type\":\"yarn\",\"factor\":4.0,"
+                                "\"original_max_position_embeddings\":2048}'"},
+        Case{"llama_yarn_mscale_untruncated",
+             "--arch llama --layers 1 --hidden 64 --heads 4 --kv-heads 4 --intermediate 96 --vocab 256 --max-pos 64 "
+             "--rope-theta 100 --rope-parameters --rope-scaling '{\"rope_type\":\"yarn\",\"factor\":8.0,"
+             "\"original_max_position_embeddings\":64,\"beta_fast\":1,\"beta_slow\":0.25,\"mscale\":0.707,\"mscale_all_dim\":1.0,\"truncate\":false}'"},
         Case{"llama_attention_and_mlp_bias", "--arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 2 "
                                              "--intermediate 96 --vocab 256 --attention-bias --mlp-bias"},
         Case{"qwen2_tied", "--arch llama --qwen2 --tie --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 96 --vocab 256"},
