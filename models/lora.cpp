@@ -8,16 +8,16 @@
 
 namespace memtune::models {
 
-namespace {
-
-bool is_plain_name(const std::string& s) {
+bool is_plain_module_name(const std::string& s) {
   for (char c : s)
     if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.' || c == '-')) return false;
   return true;
 }
 
+namespace {
+
 bool name_matches(const std::vector<std::string>& names, const std::string& module) {
-  if (names.size() == 1 && !is_plain_name(names[0])) return std::regex_match(module, std::regex(names[0]));
+  if (names.size() == 1 && !is_plain_module_name(names[0])) return std::regex_match(module, std::regex(names[0]));
   for (const auto& n : names) {
     if (module == n) return true;
     if (module.size() > n.size() && module.compare(module.size() - n.size(), n.size(), n) == 0 &&

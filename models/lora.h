@@ -17,6 +17,9 @@ struct LoraTargets {
   std::vector<int> layers_to_transform;  // empty: every layer
 };
 
+// True when `s` is a module name rather than a regex (letters, digits, _ . -).
+bool is_plain_module_name(const std::string& s);
+
 // True when `module` (a full module name) is targeted, following PEFT.
 bool lora_targets(const LoraTargets& targets, const std::string& module, int layer);
 

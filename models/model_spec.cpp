@@ -33,7 +33,8 @@ int64_t require_int(const json& j, std::initializer_list<const char*> keys, cons
   fail(where, ": missing integer key ", names, " (is this a Hugging Face config.json?)");
 }
 
-RopeScaling read_rope_scaling(const json& j, const std::string& where) {
+// `max_position_embeddings`: yarn's defaults for original_max_position_embeddings and factor.
+RopeScaling read_rope_scaling(const json& j, const std::string& where, int64_t max_position_embeddings) {
   RopeScaling r;
   if (j.is_null()) return r;
   MEMTUNE_CHECK(j.is_object(), where, ": rope_scaling must be an object, got ", j.dump());
@@ -41,14 +42,37 @@ RopeScaling read_rope_scaling(const json& j, const std::string& where) {
                      : j.contains("type")     ? j["type"].get<std::string>()
                                               : "default";
   if (type == "default") return r;
-  MEMTUNE_CHECK(type == "linear" || type == "llama3", where, ": rope_scaling type '", type,
-                "' is not supported (supported: linear, llama3)");
+  MEMTUNE_CHECK(type == "linear" || type == "llama3" || type == "yarn", where, ": rope_scaling type '", type,
+                "' is not supported (supported: linear, llama3, yarn)");
   r.type = type;
-  r.factor = get_or<double>(j, "factor", 1.0, where);
   r.low_freq_factor = get_or<double>(j, "low_freq_factor", 1.0, where);
   r.high_freq_factor = get_or<double>(j, "high_freq_factor", 4.0, where);
+  const bool yarn = type == "yarn";
   r.original_max_position_embeddings =
-      get_or<int64_t>(j, "original_max_position_embeddings", 8192, where);
+      get_or<int64_t>(j, "original_max_position_embeddings", yarn ? max_position_embeddings : 8192, where);
+  // transformers 5: yarn without a factor scales max_position_embeddings / original.
+  const bool has_factor = j.contains("factor") && !j["factor"].is_null();
+  r.factor = has_factor || !yarn ? get_or<double>(j, "factor", 1.0, where)
+                                 : static_cast<double>(max_position_embeddings) /
+                                       static_cast<double>(r.original_max_position_embeddings);
+  if (yarn) {
+    // transformers reads these with `or`: null or 0 falls back to the default.
+    auto number = [&](const char* key, double fallback) {
+      return j.contains(key) && !j[key].is_null() ? get_or<double>(j, key, fallback, where) : fallback;
+    };
+    r.beta_fast = number("beta_fast", 32);
+    r.beta_slow = number("beta_slow", 1);
+    if (r.beta_fast == 0) r.beta_fast = 32;
+    if (r.beta_slow == 0) r.beta_slow = 1;
+    r.mscale = number("mscale", 0);
+    r.mscale_all_dim = number("mscale_all_dim", 0);
+    if (j.contains("attention_factor") && !j["attention_factor"].is_null())
+      r.attention_factor = get_or<double>(j, "attention_factor", 1.0, where);
+    r.truncate = get_or<bool>(j, "truncate", true, where);
+    MEMTUNE_CHECK(r.original_max_position_embeddings > 0, where,
+                  ": rope_scaling.original_max_position_embeddings must be > 0, got ",
+                  r.original_max_position_embeddings);
+  }
   MEMTUNE_CHECK(r.factor > 0, where, ": rope_scaling.factor must be > 0, got ", r.factor);
   return r;
 }
@@ -60,7 +84,7 @@ const std::set<std::string>& modelled_keys() {
       "n_inner", "num_hidden_layers", "n_layer", "num_attention_heads", "n_head",
       "num_key_value_heads", "head_dim", "max_position_embeddings", "n_positions",
       "rms_norm_eps", "layer_norm_epsilon", "rope_theta", "rope_scaling", "rope_parameters",
-      "tie_word_embeddings", "attention_bias", "bos_token_id", "eos_token_id", "pad_token_id",
+      "tie_word_embeddings", "attention_bias", "mlp_bias", "bos_token_id", "eos_token_id", "pad_token_id",
       "torch_dtype", "hidden_act", "activation_function"};
   return keys;
 }
@@ -108,6 +132,8 @@ ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
     s.norm_eps = get_or<double>(c, "rms_norm_eps", 1e-6, where);
     s.tie_word_embeddings = get_or<bool>(c, "tie_word_embeddings", false, where);
     s.attention_bias = get_or<bool>(c, "attention_bias", s.model_type == "qwen2", where);
+    // transformers reads mlp_bias in LlamaMLP only; Mistral's and Qwen2's MLPs have no biases.
+    if (s.model_type == "llama") s.mlp_bias = get_or<bool>(c, "mlp_bias", false, where);
     if (s.model_type == "mistral" && c.contains("sliding_window") && !c["sliding_window"].is_null()) {
       s.sliding_window = get_or<int64_t>(c, "sliding_window", 0, where);
       MEMTUNE_CHECK(*s.sliding_window > 0, where, ": sliding_window ", *s.sliding_window,
@@ -122,10 +148,11 @@ ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
     if (c.contains("rope_parameters") && c["rope_parameters"].is_object()) {
       const json& rp = c["rope_parameters"];
       s.rope_theta = get_or<double>(rp, "rope_theta", get_or<double>(c, "rope_theta", 10000.0, where), where);
-      s.rope_scaling = read_rope_scaling(rp, where + " rope_parameters");
+      s.rope_scaling = read_rope_scaling(rp, where + " rope_parameters", s.max_position_embeddings);
     } else {
       s.rope_theta = get_or<double>(c, "rope_theta", 10000.0, where);
-      if (c.contains("rope_scaling")) s.rope_scaling = read_rope_scaling(c["rope_scaling"], where + " rope_scaling");
+      if (c.contains("rope_scaling"))
+        s.rope_scaling = read_rope_scaling(c["rope_scaling"], where + " rope_scaling", s.max_position_embeddings);
     }
   }
   auto opt_int = [&](const char* key) -> std::optional<int64_t> {
@@ -138,7 +165,8 @@ ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
   s.pad_token_id = opt_int("pad_token_id");
   s.torch_dtype = get_or<std::string>(c, "torch_dtype", "float32", where);
   for (auto it = c.begin(); it != c.end(); ++it)
-    if (!modelled_keys().count(it.key())) s.extra[it.key()] = it.value();
+    if (!modelled_keys().count(it.key()) || (it.key() == "mlp_bias" && s.model_type != "llama"))
+      s.extra[it.key()] = it.value();
   validate_spec(s, where);
   return s;
 }
@@ -168,6 +196,7 @@ json spec_to_hf_config(const ModelSpec& s) {
     c["rope_theta"] = s.rope_theta;
     c["hidden_act"] = "silu";
     c["attention_bias"] = s.attention_bias;
+    if (s.model_type == "llama") c["mlp_bias"] = s.mlp_bias;
     if (s.rope_scaling.type == "none") {
       c["rope_scaling"] = nullptr;
     } else {
@@ -176,6 +205,16 @@ json spec_to_hf_config(const ModelSpec& s) {
         r["low_freq_factor"] = s.rope_scaling.low_freq_factor;
         r["high_freq_factor"] = s.rope_scaling.high_freq_factor;
         r["original_max_position_embeddings"] = s.rope_scaling.original_max_position_embeddings;
+      }
+      if (s.rope_scaling.type == "yarn") {
+        const RopeScaling& y = s.rope_scaling;
+        r["original_max_position_embeddings"] = y.original_max_position_embeddings;
+        r["beta_fast"] = y.beta_fast;
+        r["beta_slow"] = y.beta_slow;
+        if (y.mscale != 0) r["mscale"] = y.mscale;
+        if (y.mscale_all_dim != 0) r["mscale_all_dim"] = y.mscale_all_dim;
+        if (y.attention_factor) r["attention_factor"] = *y.attention_factor;
+        r["truncate"] = y.truncate;
       }
       c["rope_scaling"] = r;
     }
@@ -274,7 +313,11 @@ std::optional<ModelSpec> preset(const std::string& name) {
   }
   if (name == "llama-3.2-1b") {
     ModelSpec s = llama_like(128256, 2048, 8192, 16, 32, 8, 131072, 500000.0, true);
-    s.rope_scaling = {"llama3", 32.0, 1.0, 4.0, 8192};
+    s.rope_scaling.type = "llama3";
+    s.rope_scaling.factor = 32.0;
+    s.rope_scaling.low_freq_factor = 1.0;
+    s.rope_scaling.high_freq_factor = 4.0;
+    s.rope_scaling.original_max_position_embeddings = 8192;
     s.bos_token_id = 128000;
     s.eos_token_id = 128001;
     s.torch_dtype = "bfloat16";
@@ -329,7 +372,8 @@ int64_t parameter_count(const ModelSpec& s) {
            (s.tie_word_embeddings ? 0 : V * C);
   }
   const int64_t q = s.q_dim(), kv = s.kv_dim();
-  per_layer = 2 * C + C * q + 2 * C * kv + q * C + 3 * C * F + (s.attention_bias ? q + 2 * kv : 0);
+  per_layer = 2 * C + C * q + 2 * C * kv + q * C + 3 * C * F + (s.attention_bias ? q + 2 * kv : 0) +
+              (s.attention_bias && s.model_type != "qwen2" ? C : 0) + (s.mlp_bias ? 2 * F + C : 0);
   return V * C + s.num_layers * per_layer + C + (s.tie_word_embeddings ? 0 : V * C);
 }
 

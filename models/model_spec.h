@@ -11,11 +11,15 @@
 namespace memtune::models {
 
 struct RopeScaling {
-  std::string type = "none";  // none|linear|llama3
+  std::string type = "none";  // none|linear|llama3|yarn
   double factor = 1.0;
   double low_freq_factor = 1.0;                     // llama3
   double high_freq_factor = 4.0;                    // llama3
-  int64_t original_max_position_embeddings = 8192;  // llama3
+  int64_t original_max_position_embeddings = 8192;  // llama3, yarn (yarn's default: max_position_embeddings)
+  double beta_fast = 32, beta_slow = 1;             // yarn: rotations bounding the interpolation ramp
+  double mscale = 0, mscale_all_dim = 0;            // yarn: 0 = not set
+  std::optional<double> attention_factor;           // yarn: cos/sin scale; unset: from factor and mscale
+  bool truncate = true;                             // yarn: ramp bounds rounded to whole dimensions
 };
 
 struct ModelSpec {
@@ -33,7 +37,8 @@ struct ModelSpec {
   double rope_theta = 10000.0;
   RopeScaling rope_scaling;
   bool tie_word_embeddings = false;
-  bool attention_bias = false;           // q,k,v biases (Qwen2)
+  bool attention_bias = false;           // q,k,v biases (Qwen2); Llama's also o_proj
+  bool mlp_bias = false;                 // gate/up/down biases (Llama's mlp_bias; Mistral/Qwen2 have none)
   // Mistral's sliding_window: a query sees its W latest keys (itself included); none: all.
   // Read from config.json but kept in `extra`, which writes it back unchanged.
   std::optional<int64_t> sliding_window;

@@ -3,6 +3,7 @@
 #include <fstream>
 #include <sstream>
 #include <map>
+#include <regex>
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -22,20 +23,34 @@ std::string peft_key(const std::string& module, const char* which) {
   return "base_model.model." + module + "." + which + ".weight";
 }
 
+namespace {
+
+// target_modules as PEFT reads it back: a str is a regex matched in full (or all-linear), a
+// list holds names matched exactly or as a dotted suffix. PEFT refuses a str together with
+// layers_to_transform, so there the list of the modules that were adapted is written.
+json peft_target_modules(const LoraTargets& t, const std::vector<std::string>& adapted) {
+  const auto& names = t.target_modules;
+  const bool pattern = names.size() == 1 && (names[0] == "all-linear" || !is_plain_module_name(names[0]));
+  if (!pattern) return json(names);  // one plain name stays a list: as a str it would be a regex
+  if (t.layers_to_transform.empty()) return json(names[0]);
+  return json(adapted);
+}
+
+}  // namespace
+
 void save_adapter(const CausalLM& model, const AdapterConfig& config, const fs::path& dir) {
   create_output_directory(dir, "saving the adapter");
   std::vector<std::pair<std::string, at::Tensor>> tensors;
-  std::vector<std::string> short_targets;
+  std::vector<std::string> adapted;
   for (Linear* l : model.linears()) {
     if (!l->lora) continue;
+    adapted.push_back(l->name());
     tensors.emplace_back(peft_key(l->name(), "lora_A"), l->lora->A.detach().to(at::kFloat).contiguous());
     tensors.emplace_back(peft_key(l->name(), "lora_B"), l->lora->B.detach().to(at::kFloat).contiguous());
   }
   MEMTUNE_CHECK(!tensors.empty(), "save_adapter: the model has no LoRA layers");
   const LoraOptions& o = config.lora;
-  json target_modules = config.targets.target_modules.size() == 1
-                            ? json(config.targets.target_modules[0])
-                            : json(config.targets.target_modules);
+  json target_modules = peft_target_modules(config.targets, adapted);
   json c = {{"peft_type", "LORA"},
             {"task_type", "CAUSAL_LM"},
             {"r", o.r},
@@ -50,12 +65,80 @@ void save_adapter(const CausalLM& model, const AdapterConfig& config, const fs::
             {"fan_in_fan_out", config.fan_in_fan_out},
             {"init_lora_weights", o.init == "gaussian" ? json("gaussian") : json(true)},
             {"base_model_name_or_path", config.base_model_name_or_path},
-            {"modules_to_save", config.modules_to_save.empty() ? json(nullptr) : json(config.modules_to_save)},
+            {"modules_to_save", nullptr},
             {"inference_mode", true},
             {"revision", nullptr}};
   save_safetensors(dir / "adapter_model.safetensors", tensors, {{"format", "pt"}});
   write_file_atomic(dir / "adapter_config.json", c.dump(2) + "\n");
 }
+
+namespace {
+
+// True when the field is present with a value other than PEFT's "off" (null, false, empty).
+bool set(const json& c, const char* key) {
+  if (!c.contains(key)) return false;
+  const json& v = c[key];
+  return !(v.is_null() || (v.is_boolean() && !v.get<bool>()) || (v.is_structured() && v.empty()));
+}
+
+// The embedding modules of memtune's architectures (Llama's embed_tokens, GPT-2's wte/wpe):
+// PEFT gives them lora_embedding_A/B, which memtune does not implement.
+constexpr const char* kEmbeddings[] = {"model.embed_tokens", "transformer.wte", "transformer.wpe"};
+
+bool targets_an_embedding(const json& t) {
+  if (t.is_string()) {
+    const std::string s = t.get<std::string>();
+    if (s == "all-linear") return false;
+    for (const char* e : kEmbeddings)
+      if (std::regex_match(e, std::regex(s))) return true;  // PEFT: re.fullmatch on the module name
+    return false;
+  }
+  for (const auto& entry : t) {
+    if (!entry.is_string()) continue;
+    const std::string n = entry.get<std::string>();
+    for (std::string e : kEmbeddings)
+      if (e == n || (e.size() > n.size() && e.compare(e.size() - n.size(), n.size(), n) == 0 &&
+                     e[e.size() - n.size() - 1] == '.'))
+        return true;
+  }
+  return false;
+}
+
+// Every adapter_config.json field that changes PEFT's forward and that memtune does not
+// implement is refused by name: loading it anyway would compute another model.
+void refuse_unsupported_fields(const json& c, const std::string& where) {
+  auto type = c.value("peft_type", std::string("LORA"));
+  MEMTUNE_CHECK(type == "LORA", where, ": peft_type '", type, "' is not supported (LORA only)");
+  const std::string bias = c.contains("bias") && c["bias"].is_string() ? c["bias"].get<std::string>() : "none";
+  MEMTUNE_CHECK(bias == "none", where, ": bias '", bias,
+                "' is not supported: memtune's models train no base biases (bias: none only)");
+  struct Field {
+    const char* key;
+    const char* what;
+  };
+  static const Field fields[] = {
+      {"use_dora", "DoRA (weight-decomposed LoRA)"},
+      {"lora_bias", "a trained bias on lora_B"},
+      {"modules_to_save", "modules trained in full and saved with the adapter"},
+      {"rank_pattern", "per-module ranks"},
+      {"alpha_pattern", "per-module lora_alpha"},
+      {"layer_replication", "replicated layers"},
+      {"trainable_token_indices", "trainable embedding rows"},
+      {"use_qalora", "QA-LoRA's pooled adapter input"},
+      {"target_parameters", "LoRA on parameters (not modules)"},
+      {"alora_invocation_tokens", "activated LoRA (aLoRA)"},
+  };
+  for (const Field& f : fields)
+    MEMTUNE_CHECK(!set(c, f.key), where, ": ", f.key, " = ", c[f.key].dump(), " (", f.what,
+                  ") is not supported by memtune, which would compute a different model without it; "
+                  "use an adapter saved without ", f.key);
+  if (c.contains("target_modules") && targets_an_embedding(c["target_modules"]))
+    fail(where, ": target_modules = ", c["target_modules"].dump(),
+         " puts LoRA on an embedding (embed_tokens / wte / wpe), which memtune does not support; "
+         "use an adapter on the linear projections only");
+}
+
+}  // namespace
 
 AdapterConfig read_adapter_config(const fs::path& dir) {
   fs::path file = dir / "adapter_config.json";
@@ -65,11 +148,7 @@ AdapterConfig read_adapter_config(const fs::path& dir) {
   text << in.rdbuf();
   const json c = parse_json(text.str(), file.string());
   const std::string where = file.string();
-  auto type = c.value("peft_type", std::string("LORA"));
-  MEMTUNE_CHECK(type == "LORA", where, ": peft_type '", type, "' is not supported (LORA only)");
-  MEMTUNE_CHECK(c.value("bias", std::string("none")) == "none", where, ": bias '", c.value("bias", std::string()),
-                "' is not supported (none only)");
-  MEMTUNE_CHECK(!c.value("use_dora", false), where, ": use_dora adapters are not supported");
+  refuse_unsupported_fields(c, where);
   AdapterConfig a;
   try {
     a.lora.r = c.at("r").get<int64_t>();
@@ -86,35 +165,44 @@ AdapterConfig read_adapter_config(const fs::path& dir) {
       const json& l = c["layers_to_transform"];
       a.targets.layers_to_transform = l.is_number() ? std::vector<int>{l.get<int>()} : l.get<std::vector<int>>();
     }
-    if (c.contains("modules_to_save") && c["modules_to_save"].is_array())
-      a.modules_to_save = c["modules_to_save"].get<std::vector<std::string>>();
   } catch (const json::exception& e) {
     fail(where, ": ", e.what());
   }
   MEMTUNE_CHECK(a.lora.r > 0, where, ": r must be positive, got ", a.lora.r);
-  MEMTUNE_CHECK(c.value("rank_pattern", json::object()).empty() && c.value("alpha_pattern", json::object()).empty(),
-                where, ": rank_pattern / alpha_pattern are not supported");
   return a;
 }
 
 LoraSummary load_adapter(CausalLM& model, const fs::path& dir) {
   AdapterConfig config = read_adapter_config(dir);
   SafetensorsFile file(dir / "adapter_model.safetensors");
-  // PEFT keys, with or without ".default" adapter names, map to modules.
+  // PEFT keys "<module>.lora_A[.default].weight" map to modules; any other tensor is refused
+  // by name, so nothing in the file is dropped.
   std::map<std::string, std::pair<std::string, std::string>> modules;  // module -> (A key, B key)
+  const std::string where = file.path().string();
   for (const auto& key : file.names()) {
     const std::string prefix = "base_model.model.";
-    MEMTUNE_CHECK(key.rfind(prefix, 0) == 0, file.path().string(), ": key '", key,
+    MEMTUNE_CHECK(key.rfind(prefix, 0) == 0, where, ": key '", key,
                   "' does not start with base_model.model. (not a PEFT LoRA adapter?)");
     std::string rest = key.substr(prefix.size());
-    for (const char* which : {".lora_A.", ".lora_B."}) {
-      size_t at = rest.find(which);
-      if (at == std::string::npos) continue;
-      std::string module = rest.substr(0, at);
-      (std::string(which) == ".lora_A." ? modules[module].first : modules[module].second) = key;
-    }
+    bool matched = false;
+    for (const char* which : {"lora_A", "lora_B"})
+      for (const std::string& tail : {std::string(".") + which + ".weight", std::string(".") + which + ".default.weight"})
+        if (!matched && rest.size() > tail.size() && rest.compare(rest.size() - tail.size(), tail.size(), tail) == 0) {
+          std::string module = rest.substr(0, rest.size() - tail.size());
+          (which[5] == 'A' ? modules[module].first : modules[module].second) = key;
+          matched = true;
+        }
+    if (matched) continue;
+    MEMTUNE_CHECK(rest.find(".lora_embedding_") == std::string::npos, where, ": tensor '", key,
+                  "' is LoRA on an embedding, which memtune does not support");
+    MEMTUNE_CHECK(rest.find(".modules_to_save") == std::string::npos, where, ": tensor '", key,
+                  "' is a module saved in full (modules_to_save), which memtune does not support");
+    MEMTUNE_CHECK(rest.find(".lora_B.bias") == std::string::npos && rest.find(".lora_B.default.bias") == std::string::npos,
+                  where, ": tensor '", key, "' is a bias on lora_B (lora_bias), which memtune does not support");
+    fail(where, ": tensor '", key, "' is not a lora_A / lora_B weight; memtune does not know what it does "
+         "(an adapter type other than plain LoRA?)");
   }
-  MEMTUNE_CHECK(!modules.empty(), file.path().string(), ": no lora_A / lora_B tensors");
+  MEMTUNE_CHECK(!modules.empty(), where, ": no lora_A / lora_B tensors");
   for (auto& s : model.tensors())
     if (s.tensor->defined()) s.tensor->set_requires_grad(false);
   LoraSummary summary;

@@ -15,7 +15,6 @@ struct AdapterConfig {
   LoraTargets targets;
   std::string base_model_name_or_path;
   bool fan_in_fan_out = false;
-  std::vector<std::string> modules_to_save;
 };
 
 std::string peft_key(const std::string& module, const char* which);  // which: "lora_A" | "lora_B"
@@ -23,11 +22,16 @@ std::string peft_key(const std::string& module, const char* which);  // which: "
 // Writes adapter_config.json and adapter_model.safetensors (fp32) into `dir`, atomically.
 void save_adapter(const CausalLM& model, const AdapterConfig& config, const std::filesystem::path& dir);
 
-// Reads adapter_config.json (throws UserError naming the file and key on bad input).
+// Reads adapter_config.json (throws UserError naming the file and key on bad input, and
+// naming every field that changes PEFT's math and that memtune does not implement:
+// use_dora, lora_bias, modules_to_save, rank/alpha patterns, LoRA on embeddings, ...).
+// fan_in_fan_out is read but PEFT itself sets it from the module type (Conv1D or Linear),
+// as memtune does.
 AdapterConfig read_adapter_config(const std::filesystem::path& dir);
 
 // Adds the adapter's LoRA layers to `model` (freezing the base) and loads their weights.
-// Every module of the file must exist in the model with matching shapes.
+// Every module of the file must exist in the model with matching shapes; a tensor that is
+// not a lora_A / lora_B weight is refused by name.
 LoraSummary load_adapter(CausalLM& model, const std::filesystem::path& dir);
 
 }  // namespace memtune::models

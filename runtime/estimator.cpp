@@ -29,8 +29,8 @@ std::vector<Projection> projections(const EstimateInput& m) {
   if (m.family == "gpt2")
     return {{"c_attn", C, 3 * C, true}, {"attn.c_proj", C, C, true}, {"c_fc", C, F, true}, {"mlp.c_proj", F, C, true}};
   return {{"q_proj", C, q, m.qkv_bias},      {"k_proj", C, kv, m.qkv_bias}, {"v_proj", C, kv, m.qkv_bias},
-          {"o_proj", q, C, m.o_bias},        {"gate_proj", C, F, false},    {"up_proj", C, F, false},
-          {"down_proj", F, C, false}};
+          {"o_proj", q, C, m.o_bias},        {"gate_proj", C, F, m.mlp_bias}, {"up_proj", C, F, m.mlp_bias},
+          {"down_proj", F, C, m.mlp_bias}};
 }
 
 // Floats of scratch per thread of the fused CPU attention's backward, the larger pass

@@ -28,6 +28,7 @@ struct EstimateInput {
   bool tie_word_embeddings = false;
   bool qkv_bias = false;            // llama attention_bias on q, k, v
   bool o_bias = false;              // llama attention_bias on o_proj (not qwen2)
+  bool mlp_bias = false;            // llama mlp_bias on gate, up, down
 
   // Storage of the base weights.
   bool load_in_4bit = false;        // NF4 projections (embeddings, norms, head stay dense)

@@ -53,13 +53,16 @@ void ModelConfig::fields(F&& f) {
   f("architecture", architecture,
     "registered architecture for a preset; empty: from the preset or config.json");
   f("tokenizer", tokenizer, "tokenizer file or directory; empty: name_or_path's own");
-  f("torch_dtype", torch_dtype, "dtype of the dense weights: auto|float32|float16|bfloat16",
+  f("torch_dtype", torch_dtype,
+    "dtype the dense weights are loaded in: float32 only (the matmul dtype is "
+    "quantization_config.bnb_4bit_compute_dtype, training.bf16 or training.fp16)",
     Form::dtype);
   f("quantization_config", quantization_config, "bitsandbytes' BitsAndBytesConfig");
   f("device_map", device_map,
     "auto|cpu|cuda|cuda:N, or a map from module prefix to device (cuda:N, cpu, offload), in order");
   f("max_memory", max_memory, "budget per device for device_map: auto, e.g. {cuda:0: 20GiB, cpu: 64GiB}");
-  f("low_cpu_mem_usage", low_cpu_mem_usage, "stream tensors one at a time while loading");
+  f("low_cpu_mem_usage", low_cpu_mem_usage,
+    "true only: memtune always loads tensor by tensor from the memory-mapped safetensors");
   f("attn_implementation", attn_implementation, "attention kernel: auto|eager|sdpa");
   f("init_seed", init_seed, "seed for the random initialisation of presets");
 }
@@ -77,7 +80,7 @@ void LoraConfig::fields(F&& f) {
   f("init_lora_weights", init_lora_weights,
     "true (kaiming-uniform A, zero B) | gaussian (normal A, zero B)");
   f("bias", bias, "trained biases: none");
-  f("modules_to_save", modules_to_save, "modules trained in full and saved with the adapter");
+  f("modules_to_save", modules_to_save, "modules trained in full beside the adapters: not supported, empty only");
   f("fan_in_fan_out", fan_in_fan_out, "weights stored [in,out] (GPT-2 Conv1D); set for gpt2 by itself");
   f("task_type", task_type, "PEFT task type: CAUSAL_LM");
 }
@@ -124,7 +127,8 @@ void TrainingConfig::fields(F&& f) {
     Form::checkpoint_ref);
   f("fp16_init_scale", fp16_init_scale, "initial loss scale for fp16");
   f("fp16_growth_interval", fp16_growth_interval, "good steps before the loss scale doubles");
-  f("group_by_length", group_by_length, "batch samples of similar length together");
+  f("group_by_length", group_by_length,
+    "HF's LengthGroupedSampler: not supported, false only (pack_sequences fills rows instead)");
   f("dataloader_pin_memory", dataloader_pin_memory, "accepted for compatibility; changes nothing");
   f("dataloader_num_workers", dataloader_num_workers, "accepted for compatibility; changes nothing");
   f("remove_unused_columns", remove_unused_columns, "accepted for compatibility; changes nothing");
@@ -134,8 +138,8 @@ void TrainingConfig::fields(F&& f) {
 template <class F>
 void DataConfig::fields(F&& f) {
   f("train_file", train_file, ".jsonl, .bin (llm.c tokens), .txt, or a directory of .txt");
-  f("eval_file", eval_file, "evaluation data; empty: eval_split of the training data, or none");
-  f("eval_split", eval_split, "share of the training samples held out for evaluation, in [0, 1)");
+  f("eval_file", eval_file, "evaluation data; empty: none");
+  f("eval_split", eval_split, "share of the training samples held out for evaluation: not supported, 0 only");
   f("format", format, "auto|text|instruction|chat|tokens|plain");
   f("template_name", template_name, "chat/instruction template: llama-3|chatml|alpaca");
   f("chat_template", chat_template, "a template string; overrides template_name");
@@ -818,6 +822,11 @@ void validate(const QuantizationConfig& q, const std::string& p, const Checker& 
 void validate(const ModelConfig& m, const std::string& p, const Checker& c) {
   c.check(!m.name_or_path.empty(), p + ".name_or_path", m.name_or_path, "must name a model directory or a preset");
   c.one_of(p + ".torch_dtype", m.torch_dtype, {"auto", "float32", "float16", "bfloat16"});
+  c.check(m.torch_dtype == "float32", p + ".torch_dtype", m.torch_dtype,
+          "Hugging Face loads the weights in this dtype, but memtune keeps its dense weights (embeddings, "
+          "norms, unquantized projections) in float32; the matmuls run in "
+          "quantization_config.bnb_4bit_compute_dtype, or set training.bf16 / training.fp16. Remove the key or "
+          "set float32", Form::dtype);
   validate(m.quantization_config, p + ".quantization_config", c);
   if (m.device_map.entries.empty())
     c.check(is_device(m.device_map.single, true, false), p + ".device_map", m.device_map.single,
@@ -832,6 +841,10 @@ void validate(const ModelConfig& m, const std::string& p, const Checker& c) {
             "the key must be a device: cpu, cuda or cuda:N");
     c.check(size.is_set(), p + ".max_memory." + device, size, "expected a size such as 20GiB or 0.9");
   }
+  c.check(m.low_cpu_mem_usage, p + ".low_cpu_mem_usage", m.low_cpu_mem_usage,
+          "memtune always loads tensor by tensor from the memory-mapped safetensors (what true does in "
+          "Hugging Face); a load that builds the whole model in memory first is not available. Remove the key "
+          "or set true");
   c.one_of(p + ".attn_implementation", m.attn_implementation, {"auto", "eager", "sdpa"});
   c.check(m.attn_implementation != "sdpa" || MEMTUNE_HAS_SDPA, p + ".attn_implementation", m.attn_implementation,
           "sdpa (at::scaled_dot_product_attention) needs LibTorch 2.0 or later and this build uses " +
@@ -853,6 +866,9 @@ void validate(const LoraConfig& l, const std::string& p, const Checker& c) {
     c.check(layer >= 0, p + ".layers_to_transform", l.layers_to_transform, "layer indices are >= 0");
   c.one_of(p + ".init_lora_weights", l.init_lora_weights, {"true", "gaussian"});
   c.one_of(p + ".bias", l.bias, {"none"}, "trained biases are not supported");
+  c.check(l.modules_to_save.empty(), p + ".modules_to_save", l.modules_to_save,
+          "training whole modules beside the adapters (PEFT's modules_to_save) is not supported; only the LoRA "
+          "matrices train. Remove the key, or put LoRA on those modules' projections through target_modules");
   c.one_of(p + ".task_type", l.task_type, {"CAUSAL_LM"});
 }
 
@@ -896,11 +912,16 @@ void validate(const TrainingConfig& t, const std::string& p, const Checker& c) {
   c.check(t.eval_accuracy_rows >= 0, p + ".eval_accuracy_rows", t.eval_accuracy_rows, "must be >= 0");
   c.check(t.fp16_init_scale > 0, p + ".fp16_init_scale", t.fp16_init_scale, "must be > 0");
   c.check(t.fp16_growth_interval >= 1, p + ".fp16_growth_interval", t.fp16_growth_interval, "must be at least 1");
+  c.check(!t.group_by_length, p + ".group_by_length", t.group_by_length,
+          "Hugging Face's LengthGroupedSampler (batches of similar length) is not implemented; memtune packs "
+          "samples into full rows (data.pack_sequences: true) or pads each batch. Remove the key or set false");
   c.check(t.dataloader_num_workers >= 0, p + ".dataloader_num_workers", t.dataloader_num_workers, "must be >= 0");
 }
 
 void validate(const DataConfig& d, const std::string& p, const Checker& c) {
-  c.check(d.eval_split >= 0 && d.eval_split < 1, p + ".eval_split", d.eval_split, "must be in [0, 1)");
+  c.check(d.eval_split == 0, p + ".eval_split", d.eval_split,
+          "holding out a share of the training data is not implemented; write the held-out samples to a file "
+          "and name it in data.eval_file");
   c.one_of(p + ".format", d.format, {"auto", "text", "instruction", "chat", "tokens", "plain"});
   c.one_of(p + ".template_name", d.template_name, {"llama-3", "chatml", "alpaca"});
   c.check(!d.text_field.empty(), p + ".text_field", d.text_field, "must name a JSON field");

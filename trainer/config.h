@@ -48,11 +48,11 @@ struct ModelConfig {
   std::string name_or_path = "tiny-llama";  // HF model dir (config.json + safetensors) or preset
   std::string architecture;                 // registered architecture for a preset; empty: from the preset or config.json
   std::string tokenizer;                    // tokenizer file or dir; empty: name_or_path's own
-  std::string torch_dtype = "auto";         // auto|float32|float16|bfloat16: dense weight dtype
+  std::string torch_dtype = "float32";      // dense weight dtype: float32 only (others refused)
   QuantizationConfig quantization_config;
   DeviceMapConfig device_map;
   std::map<std::string, SizeSpec> max_memory;  // device -> budget for device_map: auto
-  bool low_cpu_mem_usage = true;            // stream tensors one at a time while loading
+  bool low_cpu_mem_usage = true;            // true only: loads always stream tensor by tensor
   std::string attn_implementation = "auto";  // auto|eager|sdpa
   uint64_t init_seed = 0;                   // seed for presets' random initialisation
 
@@ -72,7 +72,7 @@ struct LoraConfig {
   bool use_rslora = false;
   std::string init_lora_weights = "true";  // true (kaiming-uniform A, zero B) | gaussian
   std::string bias = "none";               // none only
-  std::vector<std::string> modules_to_save;  // trained in full and saved with the adapter
+  std::vector<std::string> modules_to_save;  // empty only: refused (not implemented)
   bool fan_in_fan_out = false;             // weights stored [in,out] (GPT-2 Conv1D); auto-set for gpt2
   std::string task_type = "CAUSAL_LM";
 
@@ -110,7 +110,7 @@ struct TrainingConfig {
   std::string resume_from_checkpoint;         // empty | latest | path to checkpoints/step-N
   double fp16_init_scale = 65536;             // loss scaler start
   int64_t fp16_growth_interval = 2000;        // good steps before the scale doubles
-  bool group_by_length = false;
+  bool group_by_length = false;               // false only: refused (no LengthGroupedSampler)
   // Accepted for compatibility with HF TrainingArguments; they change nothing here.
   bool dataloader_pin_memory = true;
   int dataloader_num_workers = 0;
@@ -123,8 +123,8 @@ struct TrainingConfig {
 
 struct DataConfig {
   std::string train_file;                 // .jsonl, .bin (llm.c tokens), .txt, or a directory of .txt
-  std::string eval_file;                  // empty: eval_split of the training data, or none
-  double eval_split = 0;                  // share of training samples held out for evaluation
+  std::string eval_file;                  // empty: no evaluation
+  double eval_split = 0;                  // 0 only: refused (no held-out split; use eval_file)
   std::string format = "auto";            // auto|text|instruction|chat|tokens|plain
   std::string template_name = "alpaca";   // chat/instruction template: llama-3|chatml|alpaca
   std::string chat_template;              // a template string; overrides template_name

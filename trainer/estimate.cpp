@@ -73,6 +73,7 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
   in.tie_word_embeddings = s.tie_word_embeddings;
   in.qkv_bias = s.attention_bias;
   in.o_bias = s.attention_bias && s.model_type != "qwen2";
+  in.mlp_bias = s.mlp_bias;
 
   const auto& q = c.model.quantization_config;
   in.load_in_4bit = q.load_in_4bit;

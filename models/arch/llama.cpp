@@ -1,7 +1,8 @@
 // Llama family (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM) with Hugging Face's
-// semantics: RMSNorm in fp32, rotary embeddings in the rotate_half layout (with linear and
-// llama3 frequency scaling), grouped-query attention, SwiGLU MLP, optional q/k/v biases,
+// semantics: RMSNorm in fp32, rotary embeddings in the rotate_half layout (with linear,
+// llama3 and yarn frequency scaling), grouped-query attention, SwiGLU MLP, optional attention and MLP biases,
 // optionally tied embeddings.
+#include <algorithm>
 #include <cmath>
 
 #include <ATen/ATen.h>
@@ -35,7 +36,32 @@ at::Tensor rope_inv_freq(const ModelSpec& s) {
     at::Tensor medium = (wavelen >= high_wavelen).logical_and(wavelen <= low_wavelen);
     return at::where(medium, smoothed, scaled);
   }
+  if (r.type == "yarn") {
+    // Dimensions that rotate more than beta_fast times over the original context keep their
+    // frequency, those under beta_slow are divided by the factor, a linear ramp between.
+    const double orig = static_cast<double>(r.original_max_position_embeddings);
+    auto correction_dim = [&](double rotations) {
+      return static_cast<double>(d) * std::log(orig / (rotations * 2 * M_PI)) / (2 * std::log(s.rope_theta));
+    };
+    double low = correction_dim(r.beta_fast), high = correction_dim(r.beta_slow);
+    if (r.truncate) low = std::floor(low), high = std::ceil(high);
+    low = std::max(low, 0.0);
+    high = std::min(high, static_cast<double>(d - 1));
+    if (low == high) high += 0.001;
+    at::Tensor ramp = ((at::arange(d / 2, at::kFloat) - low) / (high - low)).clamp(0, 1);
+    at::Tensor keep = 1 - ramp;  // 1: extrapolate (original frequency), 0: interpolate
+    return inv / r.factor * (1 - keep) + inv * keep;
+  }
   return inv;
+}
+
+// The scale of cos and sin (yarn's attention factor; 1 otherwise), as HF's attention_scaling.
+double rope_attention_factor(const RopeScaling& r) {
+  if (r.type != "yarn") return 1.0;
+  if (r.attention_factor) return *r.attention_factor;
+  auto mscale = [&](double m) { return r.factor <= 1 ? 1.0 : 0.1 * m * std::log(r.factor) + 1.0; };
+  if (r.mscale != 0 && r.mscale_all_dim != 0) return mscale(r.mscale) / mscale(r.mscale_all_dim);
+  return mscale(1.0);
 }
 
 class LlamaModel : public CausalLM {
@@ -56,14 +82,15 @@ class LlamaModel : public CausalLM {
       // Llama's attention_bias covers o_proj too; Qwen2's biases are on q, k, v only.
       L.o = lin("self_attn.o_proj", q, C, spec.attention_bias && spec.model_type != "qwen2");
       add_tensor(p + "post_attention_layernorm.weight", {C}, TensorRole::kNorm, &L.post_norm, i);
-      L.gate = lin("mlp.gate_proj", C, F, false);
-      L.up = lin("mlp.up_proj", C, F, false);
-      L.down = lin("mlp.down_proj", F, C, false);
+      L.gate = lin("mlp.gate_proj", C, F, spec.mlp_bias);
+      L.up = lin("mlp.up_proj", C, F, spec.mlp_bias);
+      L.down = lin("mlp.down_proj", F, C, spec.mlp_bias);
     }
     add_tensor("model.norm.weight", {C}, TensorRole::kNorm, &norm_);
     if (!spec.tie_word_embeddings)
       add_tensor("lm_head.weight", {spec.vocab_size, C}, TensorRole::kHead, &lm_head_);
     inv_freq_ = rope_inv_freq(spec);
+    rope_scale_ = rope_attention_factor(spec.rope_scaling);
   }
 
   at::Tensor embed(const at::Tensor& ids, const at::Tensor&) override {
@@ -76,6 +103,10 @@ class LlamaModel : public CausalLM {
     at::Tensor emb = at::cat({freqs, freqs}, -1);  // (B,T,D)
     ctx.cos = emb.cos().unsqueeze(2);               // (B,T,1,D): broadcast over heads
     ctx.sin = emb.sin().unsqueeze(2);
+    if (rope_scale_ != 1.0) {
+      ctx.cos = ctx.cos * rope_scale_;
+      ctx.sin = ctx.sin * rope_scale_;
+    }
     ctx.position_ids = b.position_ids;
     ctx.segment_ids = b.segment_ids;
     return ctx;
@@ -117,6 +148,7 @@ class LlamaModel : public CausalLM {
            *down = nullptr;
   };
   at::Tensor embed_tokens_, norm_, lm_head_, inv_freq_;
+  double rope_scale_ = 1.0;  // cos/sin scale (yarn's attention factor)
   std::vector<Layer> layers_;
 };
 

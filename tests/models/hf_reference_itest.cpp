@@ -95,6 +95,15 @@ INSTANTIATE_TEST_SUITE_P(
              true},
         Case{"llama_linear_rope_bias", "--arch llama --layers 1 --hidden 32 --heads 2 --kv-heads 2 --intermediate 64 "
                                        "--vocab 256 --attention-bias --rope-scaling '{\"type\":\"linear\",\"factor\":2.0}'"},
+        Case{"llama_yarn_rope", "--arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 96 --vocab 256 "
+                                "--max-pos 64 --rope-scaling '{\"rope_type\":\"yarn\",\"factor\":4.0,"
+                                "\"original_max_position_embeddings\":2048}'"},
+        Case{"llama_yarn_mscale_untruncated",
+             "--arch llama --layers 1 --hidden 64 --heads 4 --kv-heads 4 --intermediate 96 --vocab 256 --max-pos 64 "
+             "--rope-theta 100 --rope-parameters --rope-scaling '{\"rope_type\":\"yarn\",\"factor\":8.0,"
+             "\"original_max_position_embeddings\":64,\"beta_fast\":1,\"beta_slow\":0.25,\"mscale\":0.707,\"mscale_all_dim\":1.0,\"truncate\":false}'"},
+        Case{"llama_attention_and_mlp_bias", "--arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 2 "
+                                             "--intermediate 96 --vocab 256 --attention-bias --mlp-bias"},
         Case{"qwen2_tied", "--arch llama --qwen2 --tie --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 96 --vocab 256"},
         Case{"mistral", "--arch llama --mistral --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 96 --vocab 256"},
         Case{"mistral_sliding_window", "--arch llama --mistral --sliding-window 5 --layers 2 --hidden 64 --heads 4 "
@@ -143,8 +152,38 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(Case{"llama", "--arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 96 --vocab 256"},
                       Case{"llama_checkpointed",
                            "--arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 96 --vocab 256", true},
+                      Case{"llama_biases", "--arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 96 "
+                                           "--vocab 256 --attention-bias --mlp-bias"},
                       Case{"gpt2_conv1d", "--arch gpt2 --layers 2 --hidden 64 --heads 4 --vocab 256 --max-pos 64"}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+// `memtune init-model` of a Llama config with attention_bias and mlp_bias writes every bias
+// tensor transformers expects (zero, as transformers initialises them): the reference, which
+// refuses missing or unexpected tensors, loads the model and computes memtune's loss.
+TEST(HfReferenceInitModel, LlamaBiasesAreWrittenAndRead) {
+  if (!python_torch_available()) GTEST_SKIP() << "python3-torch not installed";
+  fs::path dir = temp_dir();
+  write_file(dir / "config.json",
+             nlohmann::json{{"architectures", {"LlamaForCausalLM"}}, {"model_type", "llama"}, {"vocab_size", 256},
+                            {"hidden_size", 64}, {"intermediate_size", 96}, {"num_hidden_layers", 2},
+                            {"num_attention_heads", 4}, {"num_key_value_heads", 2}, {"attention_bias", true},
+                            {"mlp_bias", true}}
+                 .dump());
+  auto r = run(memtune_bin() + " init-model --config " + (dir / "config.json").string() + " --out " +
+               (dir / "model").string() + " --seed 3");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  models::SafetensorsFile written(dir / "model/model.safetensors");
+  for (const char* name : {"model.layers.1.mlp.gate_proj.bias", "model.layers.1.mlp.up_proj.bias",
+                           "model.layers.1.mlp.down_proj.bias", "model.layers.1.self_attn.o_proj.bias"})
+    EXPECT_TRUE(written.contains(name)) << name;
+  run_ref("make-batch --out " + (dir / "batch.safetensors").string() + " --vocab 256 --rows 2 --seq 16 --seed 5");
+  run_ref("forward --model " + (dir / "model").string() + " --batch " + (dir / "batch.safetensors").string() +
+      " --out " + (dir / "ref.safetensors").string() + " --no-grad");
+  auto model = models::load_hf_model(dir / "model", {});
+  models::ForwardOutput out = model->forward(load_batch(dir / "batch.safetensors"), {});
+  models::SafetensorsFile ref(dir / "ref.safetensors");
+  EXPECT_NEAR(out.loss_sum.item<double>() / out.target_tokens, ref.load("loss").item<double>(), 1e-5);
+}
 
 TEST(HfReferenceSelftest, ReferencePassesItsOwnChecks) {
   if (!python_torch_available()) GTEST_SKIP() << "python3-torch not installed";

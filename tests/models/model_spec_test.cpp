@@ -66,3 +66,54 @@ TEST(ModelSpecSlidingWindow, RefusesWhatItCannotHonour) {
 }
 
 }  // namespace
+
+namespace {
+
+// yarn's defaults as transformers 5 reads them, kept when written back; mlp_bias is Llama's only.
+TEST(ModelSpecRope, YarnDefaultsAndRoundTrip) {
+  json c = small("llama");
+  c["max_position_embeddings"] = 4096;
+  c["rope_scaling"] = {{"rope_type", "yarn"}, {"original_max_position_embeddings", 1024}};
+  auto s = spec_from_hf_config(c, "dir/config.json");
+  EXPECT_EQ(s.rope_scaling.type, "yarn");
+  EXPECT_DOUBLE_EQ(s.rope_scaling.factor, 4.0);  // max_position_embeddings / original
+  EXPECT_DOUBLE_EQ(s.rope_scaling.beta_fast, 32);
+  EXPECT_DOUBLE_EQ(s.rope_scaling.beta_slow, 1);
+  EXPECT_TRUE(s.rope_scaling.truncate);
+  c["rope_scaling"] = {{"type", "yarn"}, {"factor", 2.0}, {"mscale", 0.707}, {"mscale_all_dim", 1.0},
+                       {"attention_factor", 1.5}, {"truncate", false}};
+  s = spec_from_hf_config(c, "dir/config.json");
+  EXPECT_EQ(s.rope_scaling.original_max_position_embeddings, 4096);  // the model's own
+  auto back = spec_from_hf_config(spec_to_hf_config(s), "written/config.json");
+  EXPECT_DOUBLE_EQ(back.rope_scaling.factor, 2.0);
+  EXPECT_DOUBLE_EQ(back.rope_scaling.mscale, 0.707);
+  EXPECT_DOUBLE_EQ(back.rope_scaling.mscale_all_dim, 1.0);
+  ASSERT_TRUE(back.rope_scaling.attention_factor.has_value());
+  EXPECT_DOUBLE_EQ(*back.rope_scaling.attention_factor, 1.5);
+  EXPECT_FALSE(back.rope_scaling.truncate);
+  EXPECT_EQ(back.rope_scaling.original_max_position_embeddings, 4096);
+}
+
+TEST(ModelSpecRope, DynamicAndLongropeAreRefusedByName) {
+  for (const char* type : {"dynamic", "longrope"}) {
+    json c = small("llama");
+    c["rope_scaling"] = {{"rope_type", type}, {"factor", 2.0}};
+    std::string e = error_of(c);
+    EXPECT_NE(e.find(std::string("'") + type + "'"), std::string::npos) << e;
+  }
+}
+
+TEST(ModelSpecBias, MlpBiasIsLlamasOnly) {
+  json c = small("llama");
+  c["mlp_bias"] = true;
+  auto s = spec_from_hf_config(c, "dir/config.json");
+  EXPECT_TRUE(s.mlp_bias);
+  EXPECT_EQ(spec_to_hf_config(s)["mlp_bias"], true);
+  c = small("mistral");
+  c["mlp_bias"] = true;  // MistralMLP has no biases whatever the config says
+  s = spec_from_hf_config(c, "dir/config.json");
+  EXPECT_FALSE(s.mlp_bias);
+  EXPECT_EQ(spec_to_hf_config(s)["mlp_bias"], true);  // kept as an unmodelled key
+}
+
+}  // namespace

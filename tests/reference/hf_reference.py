@@ -189,7 +189,7 @@ class Cfg:
             self.rope_theta = float(d.get("rope_theta", 10000.0))
             scaling = dict(d.get("rope_scaling") or {})
         self.rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        if self.rope_type not in ("default", "linear", "llama3"):
+        if self.rope_type not in ("default", "linear", "llama3", "yarn"):
             raise ValueError(f"rope_type {self.rope_type!r} is not supported by the reference")
         if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
             raise ValueError("partial_rotary_factor != 1 is not supported by the reference")
@@ -352,8 +352,36 @@ class Lora:
 
 # ----------------------------------------------------------------------------- model math
 
+def yarn_factor_and_original(cfg):
+    """transformers 5's yarn: original_max_position_embeddings defaults to the model's
+    max_position_embeddings, and a missing factor to max_position_embeddings / original."""
+    sc = cfg.rope_scaling
+    orig = sc.get("original_max_position_embeddings") or cfg.max_pos
+    factor = sc.get("factor")
+    if factor is None:
+        factor = cfg.max_pos / orig
+    return float(factor), float(orig)
+
+
+def rope_attention_scaling(cfg):
+    """HF's attention_scaling: the factor cos and sin are multiplied by (yarn's mscale)."""
+    if cfg.rope_type != "yarn":
+        return 1.0
+    sc = cfg.rope_scaling
+    factor, _ = yarn_factor_and_original(cfg)
+    if sc.get("attention_factor") is not None:
+        return float(sc["attention_factor"])
+
+    def get_mscale(scale, m=1):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    ms, ms_all = sc.get("mscale"), sc.get("mscale_all_dim")
+    if ms and ms_all:
+        return float(get_mscale(factor, ms) / get_mscale(factor, ms_all))
+    return get_mscale(factor)
+
+
 def rope_inv_freq(cfg):
-    """inv_freq as HF computes it (fp32), with linear / llama3 scaling applied."""
+    """inv_freq as HF computes it (fp32), with linear / llama3 / yarn scaling applied."""
     d = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     sc = cfg.rope_scaling
@@ -370,6 +398,26 @@ def rope_inv_freq(cfg):
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv_freq = torch.where(medium, smoothed, scaled)
+    elif cfg.rope_type == "yarn":
+        # YaRN (Peng et al. 2023), "NTK-by-parts": per dimension, the number of rotations over
+        # the original context decides between the original and the interpolated frequency.
+        factor, orig = yarn_factor_and_original(cfg)
+        beta_fast = sc.get("beta_fast") or 32
+        beta_slow = sc.get("beta_slow") or 1
+        base = cfg.rope_theta
+
+        def dim_of(rotations):  # the dimension whose wavelength fits `rotations` times
+            return (d * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+        low, high = dim_of(beta_fast), dim_of(beta_slow)
+        if sc.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, d - 1)
+        if low == high:
+            high += 0.001
+        ramp = torch.clamp((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+        pos_freqs = base ** (torch.arange(0, d, 2).float() / d)
+        extrapolation = 1 - ramp
+        inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
     return inv_freq
 
 
@@ -377,7 +425,8 @@ def rope_cos_sin(cfg, position_ids, dtype):
     inv = rope_inv_freq(cfg)  # (d/2,) fp32
     freqs = position_ids.float()[..., None] * inv[None, None, :]  # (B,T,d/2) fp32 like HF
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    scale = rope_attention_scaling(cfg)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 def rotate_half(x):
@@ -859,11 +908,12 @@ def naive_numpy_forward(cfg, base, ids, pos, seg):
 
     def rope(x, p):  # x (d,): pair i with i + d/2
         inv = rope_inv_freq(cfg).double().numpy()
+        m = rope_attention_scaling(cfg)
         out = x.copy()
         for i in range(d // 2):
             a = p * inv[i]
-            out[i] = x[i] * math.cos(a) - x[i + d // 2] * math.sin(a)
-            out[i + d // 2] = x[i + d // 2] * math.cos(a) + x[i] * math.sin(a)
+            out[i] = m * (x[i] * math.cos(a) - x[i + d // 2] * math.sin(a))
+            out[i + d // 2] = m * (x[i + d // 2] * math.cos(a) + x[i] * math.sin(a))
         return out
 
     def attn_row(qs, ks, vs, t, scale, kv_of):
@@ -1006,6 +1056,30 @@ def selftest():
     emb = (p4.double() / 4.0)[..., None] * rope_inv_freq(cfg).double()
     check("linear rope scaling == positions / factor",
           float((cl_cos - torch.cat((emb, emb), -1).cos()).abs().max()) < 1e-6)
+    # yarn (NTK-by-parts, untruncated): a frequency that turns more than beta_fast times over the
+    # original context is kept, one turning fewer than beta_slow times is divided by the factor,
+    # those between lie between; cos and sin carry 0.1 ln(factor) + 1.
+    cy = Cfg(make_config(_Args(hidden=64, heads=2, kv_heads=2, rope_theta=10000.0, rope_scaling=(
+        '{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048, '
+        '"beta_fast": 32, "beta_slow": 1, "truncate": false}'))))
+    plain = Cfg(make_config(_Args(hidden=64, heads=2, kv_heads=2, rope_theta=10000.0)))
+    base_inv, yarn_inv = rope_inv_freq(plain).double(), rope_inv_freq(cy).double()
+    turns = 2048 * base_inv / (2 * math.pi)
+    kinds, ok = set(), True
+    for b, y, t in zip(base_inv.tolist(), yarn_inv.tolist(), turns.tolist()):
+        if t > 32:
+            kinds.add("kept")
+            ok = ok and abs(y - b) <= 1e-6 * b
+        elif t < 1:
+            kinds.add("divided")
+            ok = ok and abs(y - b / 4) <= 1e-6 * b
+        else:
+            kinds.add("between")
+            ok = ok and b / 4 * (1 - 1e-6) <= y <= b * (1 + 1e-6)
+    check("yarn inv_freq: kept above beta_fast turns, / factor below beta_slow",
+          ok and kinds == {"kept", "divided", "between"}, f"({sorted(kinds)})")
+    check("yarn attention scaling == 0.1 ln(factor) + 1",
+          abs(rope_attention_scaling(cy) - (0.1 * math.log(4.0) + 1)) < 1e-12)
     # rope_parameters (newer format) == top-level rope_theta/rope_scaling (older format).
     sc = '{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, ' \
          '"high_freq_factor": 4.0, "original_max_position_embeddings": 128}'

@@ -133,6 +133,16 @@ TEST(Estimator, OptimizerStateBytesPerOption) {
   EXPECT_EQ(e.optimizer_states, 0);
 }
 
+// Llama's attention_bias (q, k, v, o) and mlp_bias (gate, up, down) add their vectors.
+TEST(Estimator, LlamaBiasesByHand) {
+  EstimateInput in = small_llama();
+  const int64_t without = estimate_memory(in).weights_dense;
+  in.qkv_bias = in.o_bias = true;
+  in.mlp_bias = true;
+  // Per layer: q 8 + k 4 + v 4 + o 8 + gate 16 + up 16 + down 8 = 64, x2 layers.
+  EXPECT_EQ(estimate_memory(in).weights_dense - without, 2 * 64 * 4);
+}
+
 TEST(Estimator, Gpt2WeightsByHand) {
   EstimateInput in;
   in.family = "gpt2";

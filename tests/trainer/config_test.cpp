@@ -98,7 +98,7 @@ TEST(Config, EmptyTextAndEmptySectionsGiveDefaults) {
 
 TEST(Config, SpecialFormsFixture) {
   auto c = memtune::trainer::load_config(memtune::testing::source_dir() / "tests/trainer/fixtures/special_forms.yaml");
-  EXPECT_EQ(c.model.torch_dtype, "bfloat16");
+  EXPECT_EQ(c.model.torch_dtype, "float32");
   EXPECT_EQ(c.model.quantization_config.bnb_4bit_compute_dtype, "bfloat16");
   ASSERT_EQ(c.model.device_map.entries.size(), 4u);
   EXPECT_EQ(c.model.device_map.entries[0], std::make_pair(std::string("model.embed_tokens"), std::string("cuda:0")));
@@ -364,6 +364,39 @@ TEST(ConfigErrors, LoadIn8bitRefused) {
                  "8-bit weights are not supported");
 }
 
+// Keys Hugging Face / PEFT users write whose meaning memtune does not implement: refused by
+// name with what memtune does instead, never accepted and ignored (issue 22).
+TEST(ConfigErrors, TorchDtypeOtherThanFloat32Refused) {
+  for (const std::string v : {"bfloat16", "torch.float16", "auto"}) {
+    const std::string yaml = "model:\n  torch_dtype: " + v + "\n";
+    expect_invalid(yaml, "torch_dtype", v, "model.torch_dtype", v, "keeps its dense weights");
+  }
+  EXPECT_EQ(parse("model: {torch_dtype: torch.float32}").model.torch_dtype, "float32");
+}
+
+TEST(ConfigErrors, LowCpuMemUsageFalseRefused) {
+  const std::string yaml = "model:\n  low_cpu_mem_usage: false\n";
+  expect_invalid(yaml, "low_cpu_mem_usage", "false", "model.low_cpu_mem_usage", "false",
+                 "always loads tensor by tensor");
+  EXPECT_TRUE(parse("model: {low_cpu_mem_usage: true}").model.low_cpu_mem_usage);
+}
+
+TEST(ConfigErrors, ModulesToSaveRefused) {
+  const std::string yaml = "lora:\n  modules_to_save: [lm_head]\n";
+  expect_invalid(yaml, "modules_to_save", "[lm_head]", "lora.modules_to_save", "[lm_head]",
+                 "modules_to_save) is not supported");
+}
+
+TEST(ConfigErrors, GroupByLengthRefused) {
+  const std::string yaml = "training:\n  group_by_length: true\n";
+  expect_invalid(yaml, "group_by_length", "true", "training.group_by_length", "true", "LengthGroupedSampler");
+}
+
+TEST(ConfigErrors, EvalSplitRefused) {
+  const std::string yaml = "data:\n  eval_split: 0.1\n";
+  expect_invalid(yaml, "eval_split", "0.1", "data.eval_split", "0.1", "data.eval_file");
+}
+
 TEST(ConfigErrors, UnknownComputeDtype) {
   const std::string yaml = "model:\n  quantization_config:\n    bnb_4bit_compute_dtype: float8\n";
   expect_invalid(yaml, "bnb_4bit_compute_dtype", "float8", "model.quantization_config.bnb_4bit_compute_dtype",
@@ -593,7 +626,6 @@ Config every_field_changed() {
   m.name_or_path = "models/llama-3-8b";
   m.architecture = "llama";
   m.tokenizer = "tok/tokenizer.json";
-  m.torch_dtype = "bfloat16";
   m.quantization_config.load_in_4bit = true;
   m.quantization_config.bnb_4bit_compute_dtype = "float16";
   m.quantization_config.bnb_4bit_use_double_quant = false;
@@ -601,7 +633,6 @@ Config every_field_changed() {
   m.device_map.entries = {{"model.layers.0-15", "cuda:0"}, {"model.layers.16-31", "cpu"}, {"lm_head", "offload"}};
   m.max_memory["cuda:0"] = memtune::parse_size("20GiB");
   m.max_memory["cpu"] = memtune::parse_size("0.75");
-  m.low_cpu_mem_usage = false;
   m.attn_implementation = "eager";
   m.init_seed = 7;
   auto& l = c.lora;
@@ -613,7 +644,6 @@ Config every_field_changed() {
   l.layers_to_transform = {0, 2};
   l.use_rslora = true;
   l.init_lora_weights = "gaussian";
-  l.modules_to_save = {"embed_tokens"};
   l.fan_in_fan_out = true;
   auto& t = c.training;
   t.output_dir = "runs/a #1: 'test'";  // needs quoting in YAML
@@ -646,7 +676,6 @@ Config every_field_changed() {
   t.resume_from_checkpoint = "runs/x/checkpoints/step-50";
   t.fp16_init_scale = 1024;
   t.fp16_growth_interval = 100;
-  t.group_by_length = true;
   t.dataloader_pin_memory = false;
   t.dataloader_num_workers = 2;
   t.remove_unused_columns = false;
@@ -654,7 +683,6 @@ Config every_field_changed() {
   auto& d = c.data;
   d.train_file = "data/train.jsonl";
   d.eval_file = "data/eval.jsonl";
-  d.eval_split = 0.05;
   d.format = "chat";
   d.template_name = "chatml";
   d.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}";
@@ -723,10 +751,12 @@ std::map<std::string, std::string> leaves(const std::string& yaml) {
   return out;
 }
 
-// Keys with one valid value: they cannot differ from the default in a valid config.
+// Keys with one valid value: they cannot differ from the default in a valid config (each is
+// refused otherwise: ConfigErrors.*Refused*).
 const std::set<std::string> kSingleValued = {
     "model.quantization_config.load_in_8bit", "model.quantization_config.bnb_4bit_quant_type",
-    "model.quantization_config.bnb_4bit_quant_storage", "lora.bias", "lora.task_type"};
+    "model.quantization_config.bnb_4bit_quant_storage", "lora.bias", "lora.task_type", "model.torch_dtype",
+    "model.low_cpu_mem_usage", "lora.modules_to_save", "training.group_by_length", "data.eval_split"};
 
 TEST(ConfigRoundTrip, EveryFieldChangedIsComplete) {
   auto defaults = leaves(to_yaml(Config()));

@@ -1,7 +1,8 @@
 // Device maps on a CPU-only machine, exercised through a memory budget: a model whose
 // weights exceed memory.device_limit trains with device_map: auto by offloading layers
 // (host memory outside the budget), with the losses of the run without a limit.
-// And low_cpu_mem_usage: a 4-bit load streams tensor by tensor.
+// And the streaming load: every load reads tensor by tensor from the memory-mapped file (what
+// low_cpu_mem_usage: true names; the config refuses false, ConfigErrors.LowCpuMemUsageFalseRefused).
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -94,7 +95,8 @@ TEST(DeviceMap, TrainsOnCudaAndOverCudaAndCpuWithTheCpuLosses_CUDA) {
   EXPECT_NEAR(rows.back()["loss"].get<double>(), ref.back()["loss"].get<double>(), 0.05 * ref.back()["loss"].get<double>());
 }
 
-TEST(LowCpuMemUsage, FourBitLoadStreamsTensorByTensor) {
+// `memtune quantize` has no config: this measures the loader itself, which train shares.
+TEST(StreamingLoad, FourBitLoadStreamsTensorByTensor) {
   if (!python_torch_available()) GTEST_SKIP() << "python3-torch not installed";
   fs::path d = temp_dir();
   // About 240 MB of fp32 weights, the largest single tensor 16 MiB.

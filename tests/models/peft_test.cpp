@@ -1,0 +1,206 @@
+// PEFT adapter files: what memtune reads must mean what PEFT means, and every field or
+// tensor that changes PEFT's math and that memtune does not implement is refused by name.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include <set>
+
+#include "models/hf_model.h"
+#include "models/io/safetensors.h"
+#include "models/lora.h"
+#include "models/model_spec.h"
+#include "models/peft.h"
+#include "runtime/error.h"
+#include "test_util.h"
+
+namespace memtune::models {
+namespace {
+
+using memtune::testing::temp_dir;
+using memtune::testing::write_file;
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+constexpr int64_t kRank = 4;
+
+std::unique_ptr<CausalLM> tiny_llama() { return init_random_model(*preset("tiny-llama"), 3); }
+
+// PEFT's adapter_config.json for LoRA on q_proj, as PEFT 0.17 writes it.
+json base_config() {
+  return {{"peft_type", "LORA"},         {"task_type", "CAUSAL_LM"}, {"r", kRank},
+          {"lora_alpha", 8},             {"lora_dropout", 0.0},      {"target_modules", {"q_proj"}},
+          {"bias", "none"},              {"use_rslora", false},      {"use_dora", false},
+          {"fan_in_fan_out", false},     {"modules_to_save", nullptr}, {"lora_bias", false},
+          {"rank_pattern", json::object()}, {"alpha_pattern", json::object()}, {"layers_to_transform", nullptr}};
+}
+
+// lora_A / lora_B of every q_proj of `model`, named as PEFT saves them.
+std::vector<std::pair<std::string, at::Tensor>> q_proj_tensors(const CausalLM& model) {
+  std::vector<std::pair<std::string, at::Tensor>> t;
+  for (Linear* l : model.linears()) {
+    if (l->name().find("q_proj") == std::string::npos) continue;
+    t.emplace_back(peft_key(l->name(), "lora_A"), at::randn({kRank, l->in_features()}));
+    t.emplace_back(peft_key(l->name(), "lora_B"), at::randn({l->out_features(), kRank}));
+  }
+  return t;
+}
+
+fs::path write_adapter(const json& config, const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+  fs::path dir = temp_dir();
+  write_file(dir / "adapter_config.json", config.dump(2));
+  save_safetensors(dir / "adapter_model.safetensors", tensors, {{"format", "pt"}});
+  return dir;
+}
+
+// Loading must throw a UserError whose message contains every one of `words`.
+void expect_refused(const fs::path& dir, const std::vector<std::string>& words) {
+  auto model = tiny_llama();
+  try {
+    load_adapter(*model, dir);
+    ADD_FAILURE() << "loaded without a word; expected a refusal naming " << words.front();
+  } catch (const UserError& e) {
+    for (const auto& w : words) EXPECT_NE(std::string(e.what()).find(w), std::string::npos) << e.what();
+  }
+}
+
+TEST(PeftAdapter, PlainLoraLoads) {
+  auto model = tiny_llama();
+  fs::path dir = write_adapter(base_config(), q_proj_tensors(*model));
+  LoraSummary s = load_adapter(*model, dir);
+  EXPECT_EQ(s.modules.size(), static_cast<size_t>(model->num_layers()));
+}
+
+TEST(PeftAdapter, RefusesModulesToSave) {
+  auto model = tiny_llama();
+  json c = base_config();
+  c["modules_to_save"] = {"lm_head"};
+  auto tensors = q_proj_tensors(*model);
+  tensors.emplace_back("base_model.model.lm_head.modules_to_save.weight", at::randn({1024, 128}));
+  expect_refused(write_adapter(c, tensors), {"modules_to_save", "lm_head"});
+  // The field alone (no tensor) is refused too: PEFT would fail to load such a file.
+  expect_refused(write_adapter(c, q_proj_tensors(*model)), {"modules_to_save", "lm_head"});
+}
+
+TEST(PeftAdapter, RefusesLoraOnEmbeddings) {
+  auto model = tiny_llama();
+  json c = base_config();
+  c["target_modules"] = {"q_proj", "embed_tokens"};
+  auto tensors = q_proj_tensors(*model);
+  // PEFT's Embedding layer: lora_embedding_A [r, vocab], lora_embedding_B [hidden, r], no ".weight".
+  tensors.emplace_back("base_model.model.model.embed_tokens.lora_embedding_A", at::randn({kRank, 1024}));
+  tensors.emplace_back("base_model.model.model.embed_tokens.lora_embedding_B", at::randn({128, kRank}));
+  expect_refused(write_adapter(c, tensors), {"embed_tokens"});
+  // The target list alone names it, even where the tensors were stripped.
+  expect_refused(write_adapter(c, q_proj_tensors(*model)), {"target_modules", "embed_tokens"});
+}
+
+TEST(PeftAdapter, RefusesLoraBias) {
+  auto model = tiny_llama();
+  json c = base_config();
+  c["lora_bias"] = true;
+  auto tensors = q_proj_tensors(*model);
+  Linear* q = model->find_linear("model.layers.0.self_attn.q_proj");
+  tensors.emplace_back("base_model.model." + q->name() + ".lora_B.bias", at::randn({q->out_features()}));
+  expect_refused(write_adapter(c, tensors), {"lora_bias"});
+  // A bias tensor without the flag is not silently skipped either.
+  expect_refused(write_adapter(base_config(), tensors), {"lora_B.bias"});
+}
+
+TEST(PeftAdapter, RefusesEveryFieldThatChangesTheMath) {
+  auto model = tiny_llama();
+  const std::vector<std::pair<std::string, json>> fields = {
+      {"use_dora", true},
+      {"bias", "all"},
+      {"rank_pattern", {{"q_proj", 8}}},
+      {"alpha_pattern", {{"q_proj", 32}}},
+      {"layer_replication", {{0, 2}}},
+      {"trainable_token_indices", {1, 2}},
+      {"use_qalora", true},
+      {"target_parameters", {"mlp.experts.down_proj"}},
+      {"alora_invocation_tokens", {5, 6}},
+      {"peft_type", "IA3"},
+  };
+  for (const auto& [key, value] : fields) {
+    json c = base_config();
+    c[key] = value;
+    SCOPED_TRACE(key);
+    expect_refused(write_adapter(c, q_proj_tensors(*model)), {key});
+  }
+}
+
+// A tensor memtune does not recognise is an error naming it, never skipped.
+TEST(PeftAdapter, RefusesUnknownTensors) {
+  auto model = tiny_llama();
+  auto tensors = q_proj_tensors(*model);
+  tensors.emplace_back("base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector", at::randn({128}));
+  expect_refused(write_adapter(base_config(), tensors), {"lora_magnitude_vector"});
+}
+
+// ---- writing: target_modules as PEFT will read it back ----
+
+// The modules that carry lora_A tensors in a written adapter file.
+std::set<std::string> modules_in_file(const fs::path& dir) {
+  std::set<std::string> modules;
+  SafetensorsFile file(dir / "adapter_model.safetensors");
+  const std::string prefix = "base_model.model.", tail = ".lora_A.weight";
+  for (const auto& key : file.names())
+    if (key.size() > tail.size() && key.compare(key.size() - tail.size(), tail.size(), tail) == 0)
+      modules.insert(key.substr(prefix.size(), key.size() - prefix.size() - tail.size()));
+  return modules;
+}
+
+json saved_target_modules(const LoraTargets& targets, fs::path* dir_out = nullptr) {
+  auto model = tiny_llama();
+  LoraOptions o;
+  o.r = kRank;
+  apply_lora(*model, o, targets);
+  AdapterConfig config;
+  config.lora = o;
+  config.targets = targets;
+  fs::path dir = temp_dir(std::to_string(targets.layers_to_transform.size()) + targets.target_modules[0].substr(0, 3));
+  save_adapter(*model, config, dir);
+  if (dir_out) *dir_out = dir;
+  return json::parse(memtune::testing::read_file(dir / "adapter_config.json"))["target_modules"];
+}
+
+// PEFT refuses a str target_modules with layers_to_transform ("`layers_to_transform` cannot
+// be used when `target_modules` is a str"): the names of the adapted modules are written.
+TEST(PeftAdapter, StringTargetsWithLayersAreWrittenAsTheAdaptedModules) {
+  for (const std::string& target : {std::string("all-linear"), std::string(".*\\.(q_proj|down_proj)")}) {
+    SCOPED_TRACE(target);
+    LoraTargets t;
+    t.target_modules = {target};
+    t.layers_to_transform = {1, 3};
+    fs::path dir;
+    json written = saved_target_modules(t, &dir);
+    ASSERT_TRUE(written.is_array()) << written.dump();
+    std::set<std::string> listed(written.begin(), written.end());
+    EXPECT_EQ(listed.size(), written.size()) << "duplicates in " << written.dump();
+    EXPECT_EQ(listed, modules_in_file(dir));
+    EXPECT_FALSE(listed.empty());
+    for (const auto& m : listed)
+      EXPECT_TRUE(m.find("layers.1.") != std::string::npos || m.find("layers.3.") != std::string::npos) << m;
+    // memtune reads it back to the same modules.
+    auto model = tiny_llama();
+    LoraSummary s = load_adapter(*model, dir);
+    EXPECT_EQ(std::set<std::string>(s.modules.begin(), s.modules.end()), listed);
+  }
+}
+
+// Without layers_to_transform a str is what PEFT expects for all-linear and a regex; one
+// plain name stays a list (PEFT would read the str "q_proj" as a regex matching nothing).
+TEST(PeftAdapter, TargetModulesKeepPeftsMeaning) {
+  LoraTargets all;
+  EXPECT_EQ(saved_target_modules(all), json("all-linear"));
+  LoraTargets regex;
+  regex.target_modules = {".*\\.q_proj"};
+  EXPECT_EQ(saved_target_modules(regex), json(".*\\.q_proj"));
+  LoraTargets one;
+  one.target_modules = {"q_proj"};
+  EXPECT_EQ(saved_target_modules(one), json::array({"q_proj"}));
+}
+
+}  // namespace
+}  // namespace memtune::models
