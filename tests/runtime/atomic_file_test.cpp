@@ -141,10 +141,18 @@ TEST(AtomicDirectory, RemoveStaleTemporaries) {
   mt::write_file(dir / "e.tmp-1", "x");                // pid 1 runs
   mt::write_file(dir / "f.tmp-abc", "x");
   mt::write_file(dir / "g" / "x", "x");
-  AtomicDirectory live(dir / "d");
   EXPECT_EQ(remove_stale_temporaries(dir), 3);
-  EXPECT_EQ(entries(dir), (std::vector<std::string>{"d.tmp-" + self, "e.tmp-1", "f.tmp-abc", "g"}));
+  EXPECT_EQ(entries(dir), (std::vector<std::string>{"e.tmp-1", "f.tmp-abc", "g"}));
   EXPECT_EQ(remove_stale_temporaries(dir / "missing"), 0);
+  // A live writer's temporary is never stale; and every new write in a directory removes
+  // the stale ones first (a killed writer's leftovers go with the next write there).
+  AtomicDirectory live(dir / "d");
+  mt::write_file(dir / ("h.tmp-" + dead), "x");
+  EXPECT_EQ(remove_stale_temporaries(dir), 1);
+  EXPECT_EQ(entries(dir), (std::vector<std::string>{"d.tmp-" + self, "e.tmp-1", "f.tmp-abc", "g"}));
+  mt::write_file(dir / ("i.tmp-" + dead), "x");
+  write_file_atomic(dir / "j", "x");
+  EXPECT_EQ(entries(dir), (std::vector<std::string>{"d.tmp-" + self, "e.tmp-1", "f.tmp-abc", "g", "j"}));
 }
 
 // A process killed after the first file of a new checkpoint, in the middle of a large

@@ -3,6 +3,7 @@
 // for byte, parameters bit for bit (fp32, same operations); tensors under 4096 elements on the
 // 32-bit kernel. Plus training.optim's names.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <ATen/ATen.h>
 
@@ -52,7 +53,10 @@ class AdamW8bitReference : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     if (!mt::python_torch_available()) return;
-    dir_ = new mt::fs::path(mt::fs::path(MEMTUNE_BUILD_DIR) / "test-tmp" / "adamw8bit_reference");
+    // One directory per process: ctest -j runs this suite's tests in parallel processes,
+    // each of which writes the cases anew.
+    dir_ = new mt::fs::path(mt::fs::path(MEMTUNE_BUILD_DIR) / "test-tmp" /
+                            ("adamw8bit_reference-" + std::to_string(::getpid())));
     memtune::remove_tree(*dir_);
     auto r = mt::run(mt::python() + " " + (mt::source_dir() / "tests/reference/adamw8bit_reference.py").string() +
                      " " + dir_->string());
