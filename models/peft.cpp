@@ -57,6 +57,39 @@ void save_adapter(const CausalLM& model, const AdapterConfig& config, const fs::
   write_file_atomic(dir / "adapter_config.json", c.dump(2) + "\n");
 }
 
+namespace {
+
+AdapterConfig adapter_config_from_json(const json& c, const std::string& where) {
+  auto type = c.value("peft_type", std::string("LORA"));
+  MEMTUNE_CHECK(type == "LORA", where, ": peft_type '", type, "' is not supported (LORA only)");
+  MEMTUNE_CHECK(c.value("bias", std::string("none")) == "none", where, ": bias '", c.value("bias", std::string()),
+                "' is not supported (none only)");
+  MEMTUNE_CHECK(!c.value("use_dora", false), where, ": use_dora adapters are not supported");
+  AdapterConfig a;
+  a.lora.r = c.at("r").get<int64_t>();
+  a.lora.alpha = c.value("lora_alpha", 8.0);
+  a.lora.dropout = c.value("lora_dropout", 0.0);
+  a.lora.use_rslora = c.value("use_rslora", false);
+  a.fan_in_fan_out = c.value("fan_in_fan_out", false);
+  a.base_model_name_or_path = c.contains("base_model_name_or_path") && c["base_model_name_or_path"].is_string()
+                                  ? c["base_model_name_or_path"].get<std::string>() : "";
+  const json& t = c.at("target_modules");
+  if (t.is_string()) a.targets.target_modules = {t.get<std::string>()};
+  else a.targets.target_modules = t.get<std::vector<std::string>>();
+  if (c.contains("layers_to_transform") && !c["layers_to_transform"].is_null()) {
+    const json& l = c["layers_to_transform"];
+    a.targets.layers_to_transform = l.is_number() ? std::vector<int>{l.get<int>()} : l.get<std::vector<int>>();
+  }
+  if (c.contains("modules_to_save") && c["modules_to_save"].is_array())
+    a.modules_to_save = c["modules_to_save"].get<std::vector<std::string>>();
+  MEMTUNE_CHECK(a.lora.r > 0, where, ": r must be positive, got ", a.lora.r);
+  MEMTUNE_CHECK(c.value("rank_pattern", json::object()).empty() && c.value("alpha_pattern", json::object()).empty(),
+                where, ": rank_pattern / alpha_pattern are not supported");
+  return a;
+}
+
+}  // namespace
+
 AdapterConfig read_adapter_config(const fs::path& dir) {
   fs::path file = dir / "adapter_config.json";
   std::ifstream in(file);
@@ -65,36 +98,13 @@ AdapterConfig read_adapter_config(const fs::path& dir) {
   text << in.rdbuf();
   const json c = parse_json(text.str(), file.string());
   const std::string where = file.string();
-  auto type = c.value("peft_type", std::string("LORA"));
-  MEMTUNE_CHECK(type == "LORA", where, ": peft_type '", type, "' is not supported (LORA only)");
-  MEMTUNE_CHECK(c.value("bias", std::string("none")) == "none", where, ": bias '", c.value("bias", std::string()),
-                "' is not supported (none only)");
-  MEMTUNE_CHECK(!c.value("use_dora", false), where, ": use_dora adapters are not supported");
-  AdapterConfig a;
+  MEMTUNE_CHECK(c.is_object(), where, ": expected a JSON object, got ", c.dump().substr(0, 200));
+  // Every lookup below may meet a value of the wrong type: nlohmann's type errors become the file's.
   try {
-    a.lora.r = c.at("r").get<int64_t>();
-    a.lora.alpha = c.value("lora_alpha", 8.0);
-    a.lora.dropout = c.value("lora_dropout", 0.0);
-    a.lora.use_rslora = c.value("use_rslora", false);
-    a.fan_in_fan_out = c.value("fan_in_fan_out", false);
-    a.base_model_name_or_path = c.contains("base_model_name_or_path") && c["base_model_name_or_path"].is_string()
-                                    ? c["base_model_name_or_path"].get<std::string>() : "";
-    const json& t = c.at("target_modules");
-    if (t.is_string()) a.targets.target_modules = {t.get<std::string>()};
-    else a.targets.target_modules = t.get<std::vector<std::string>>();
-    if (c.contains("layers_to_transform") && !c["layers_to_transform"].is_null()) {
-      const json& l = c["layers_to_transform"];
-      a.targets.layers_to_transform = l.is_number() ? std::vector<int>{l.get<int>()} : l.get<std::vector<int>>();
-    }
-    if (c.contains("modules_to_save") && c["modules_to_save"].is_array())
-      a.modules_to_save = c["modules_to_save"].get<std::vector<std::string>>();
+    return adapter_config_from_json(c, where);
   } catch (const json::exception& e) {
     fail(where, ": ", e.what());
   }
-  MEMTUNE_CHECK(a.lora.r > 0, where, ": r must be positive, got ", a.lora.r);
-  MEMTUNE_CHECK(c.value("rank_pattern", json::object()).empty() && c.value("alpha_pattern", json::object()).empty(),
-                where, ": rank_pattern / alpha_pattern are not supported");
-  return a;
 }
 
 LoraSummary load_adapter(CausalLM& model, const fs::path& dir) {
