@@ -5,6 +5,7 @@
 #include <cstring>
 #include <limits>
 #include <queue>
+#include <string>
 #include <unordered_map>
 
 #include "data/utf8.h"
@@ -13,6 +14,15 @@
 namespace memtune::data {
 
 namespace {
+
+// The byte a BYTE piece stands for: its text is "<0xHH>" (sentencepiece writes upper-case
+// hex); -1 for any other text.
+int byte_piece_value(const std::string& t) {
+  auto hex = [](char c) { return c >= '0' && c <= '9' ? c - '0' : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                                  : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1; };
+  if (t.size() != 6 || t.compare(0, 3, "<0x") != 0 || t[5] != '>' || hex(t[3]) < 0 || hex(t[4]) < 0) return -1;
+  return hex(t[3]) * 16 + hex(t[4]);
+}
 
 const std::string kSpace = "\xE2\x96\x81";  // ▁, sentencepiece's whitespace symbol
 
@@ -160,7 +170,12 @@ void SentencePieceTokenizer::Impl::parse(std::string_view data) {
       specials.push_back(&p);
       special_first[static_cast<uint8_t>(p.text[0])] = true;
     }
-    if (p.type == kByte && p.text.size() == 6) byte_ids[std::stoi(p.text.substr(3, 2), nullptr, 16)] = static_cast<int32_t>(i);
+    if (p.type == kByte) {
+      const int b = byte_piece_value(p.text);
+      MEMTUNE_CHECK(b >= 0, origin, ": piece ", i, " is of type BYTE but its text '", p.text.substr(0, 32),
+                    "' is not <0xHH>; the file is damaged");
+      byte_ids[b] = static_cast<int32_t>(i);
+    }
   }
   if (byte_fallback) {
     for (int b = 0; b < 256; ++b)
@@ -350,7 +365,7 @@ std::string SentencePieceTokenizer::decode(const std::vector<int32_t>& ids, bool
     const Piece& p = impl_->pieces[id];
     if (skip_special_tokens && (p.type == kControl || p.type == kUnknown)) continue;
     if (p.type == kByte) {
-      pending += static_cast<char>(std::stoi(p.text.substr(3, 2), nullptr, 16));
+      pending += static_cast<char>(byte_piece_value(p.text));  // checked <0xHH> on load
       ++n_pending;
       continue;
     }

@@ -109,7 +109,9 @@ bool targets_an_embedding(const json& t) {
 void refuse_unsupported_fields(const json& c, const std::string& where) {
   auto type = c.value("peft_type", std::string("LORA"));
   MEMTUNE_CHECK(type == "LORA", where, ": peft_type '", type, "' is not supported (LORA only)");
-  const std::string bias = c.contains("bias") && c["bias"].is_string() ? c["bias"].get<std::string>() : "none";
+  // PEFT's bias is "none" | "all" | "lora_only"; absent or null means none. Any other type is
+  // not a setting PEFT wrote (a type error, reported with the file).
+  const std::string bias = c.contains("bias") && !c["bias"].is_null() ? c["bias"].get<std::string>() : "none";
   MEMTUNE_CHECK(bias == "none", where, ": bias '", bias,
                 "' is not supported: memtune's models train no base biases (bias: none only)");
   struct Field {
@@ -148,9 +150,10 @@ AdapterConfig read_adapter_config(const fs::path& dir) {
   text << in.rdbuf();
   const json c = parse_json(text.str(), file.string());
   const std::string where = file.string();
-  refuse_unsupported_fields(c, where);
+  MEMTUNE_CHECK(c.is_object(), where, ": expected a JSON object, got ", c.dump().substr(0, 200));
   AdapterConfig a;
-  try {
+  try {  // every lookup may meet a value of the wrong type: nlohmann's type errors become the file's
+    refuse_unsupported_fields(c, where);
     a.lora.r = c.at("r").get<int64_t>();
     a.lora.alpha = c.value("lora_alpha", 8.0);
     a.lora.dropout = c.value("lora_dropout", 0.0);

@@ -28,7 +28,7 @@ nlohmann::json parse_json(std::string_view text, std::string_view origin) {
   check_json_depth(text, origin);
   try {
     return nlohmann::json::parse(text.begin(), text.end());
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {  // parse_error, and out_of_range for a number like 6E88888
     fail(origin, ": not valid JSON (", e.what(), ")");
   }
 }

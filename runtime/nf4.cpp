@@ -14,6 +14,7 @@
 #include <cstring>
 
 #if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define MEMTUNE_NF4_X86 1
 #endif
@@ -247,7 +248,11 @@ void convert(const float* src, int64_t n, c10::BFloat16* dst) {
 
 void convert(const float* src, int64_t n, c10::Half* dst) {
 #ifdef MEMTUNE_NF4_X86
-  static const bool f16c = __builtin_cpu_supports("f16c");
+  // cpuid leaf 1, ECX bit 29: clang before 15 has no "f16c" for __builtin_cpu_supports.
+  static const bool f16c = [] {
+    unsigned a, b, c, d;
+    return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
+  }();
   if (cpu_has_avx2() && f16c) return convert_half_f16c(src, n, dst);
 #endif
   convert_scalar(src, n, dst);

@@ -38,10 +38,17 @@ at::ScalarType dtype_arg(const std::string& s) {
   fail("--dtype '", s, "' (fp32, fp16, bf16)");
 }
 
+// A failed copy is a UserError naming both paths, never a raw filesystem_error (exit 1).
+void copy_file_or_fail(const fs::path& from, const fs::path& to) {
+  std::error_code ec;
+  fs::copy_file(from, to, fs::copy_options::overwrite_existing, ec);
+  MEMTUNE_CHECK(!ec, "cannot copy '", from.string(), "' to '", to.string(), "': ", ec.message());
+}
+
 void copy_tokenizer_files(const fs::path& from, const fs::path& to) {
   for (const char* f : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                         "generation_config.json"})
-    if (fs::exists(from / f)) fs::copy_file(from / f, to / f, fs::copy_options::overwrite_existing);
+    if (fs::exists(from / f)) copy_file_or_fail(from / f, to / f);
 }
 
 // Loads a model dir with an optional adapter onto one device, for inference.
@@ -98,12 +105,15 @@ void add_model_commands(CLI::App& app) {
         if (a->arch != "llama" && a->arch != "gpt2") spec->architecture = a->arch;
         MEMTUNE_CHECK(!(a->arch == "gpt2" && !spec->is_gpt2()), "--arch gpt2 with a non-GPT-2 preset '", name, "'");
       }
+      // Checked before anything is written, so a bad --tokenizer leaves no model behind.
+      MEMTUNE_CHECK(a->tokenizer.empty() || fs::exists(a->tokenizer), "--tokenizer '", a->tokenizer,
+                    "' does not exist (a tokenizer directory, tokenizer.json or tokenizer.model)");
       auto model = models::init_random_model(*spec, a->seed);
       models::save_hf_model(*model, a->out, {});
       if (!a->tokenizer.empty()) {
         fs::path t(a->tokenizer);
         if (fs::is_directory(t)) copy_tokenizer_files(t, a->out);
-        else fs::copy_file(t, fs::path(a->out) / t.filename(), fs::copy_options::overwrite_existing);
+        else copy_file_or_fail(t, fs::path(a->out) / t.filename());
       }
       std::cout << "wrote " << a->out << ": " << spec->architecture << ", " << model->base_parameter_count()
                 << " parameters, seed " << a->seed << "\n";

@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -328,6 +329,13 @@ int free_tcp_port() {
 int run_launcher(const LaunchOptions& options) {
   MEMTUNE_CHECK(options.nnodes >= 1, "--nnodes ", options.nnodes, " must be at least 1");
   MEMTUNE_CHECK(options.nproc_per_node >= 1, "--nproc-per-node ", options.nproc_per_node, " must be at least 1");
+  // Each worker is a whole process holding the model: a mistyped count must not fork
+  // thousands of them (99999 did, until the machine stalled).
+  const int local_limit = std::max(64, 4 * static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN)));
+  MEMTUNE_CHECK(options.nproc_per_node <= local_limit, "--nproc-per-node ", options.nproc_per_node,
+                " exceeds ", local_limit, " workers on this node (4 per CPU core, at least 64); use one per GPU or a few "
+                "per CPU core");
+  MEMTUNE_CHECK(options.nnodes <= 65536, "--nnodes ", options.nnodes, " exceeds 65536 nodes");
   MEMTUNE_CHECK(options.node_rank >= 0 && options.node_rank < options.nnodes, "--node-rank ", options.node_rank,
                 " is not in [0, --nnodes ", options.nnodes, ")");
   MEMTUNE_CHECK(options.max_restarts >= 0, "--max-restarts ", options.max_restarts, " must be >= 0");

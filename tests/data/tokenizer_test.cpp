@@ -322,6 +322,26 @@ TEST(SentencePiece, BadModelsAreRefusedWithTheReason) {
   }
 }
 
+// Found by fuzz/sentencepiece_fuzz.cpp (fuzz/regressions/sentencepiece-*): a BYTE piece whose
+// text is not <0xHH> threw std::invalid_argument from stoi on load (exit 1), or
+// std::out_of_range on decode when shorter than 3 bytes.
+TEST(SentencePiece, BytePiecesMustBeHexBytes) {
+  const fs::path f = temp_dir() / "tokenizer.model";
+  for (const std::string bad : {"<0xZZ>", "x", "<0x4>", "<0x41]"}) {
+    write_file(f, sp_piece("<unk>", 0, 2) + sp_piece("a", -1, 1) + sp_piece(bad, 0, 6) +
+                      field_bytes(2, field_varint(3, 2)));
+    try {
+      data::Tokenizer::load(f);
+      FAIL() << bad << " accepted as a byte piece";
+    } catch (const UserError& e) {
+      EXPECT_NE(std::string(e.what()).find("piece 2 is of type BYTE but its text"), std::string::npos) << e.what();
+    }
+  }
+  write_file(f, sp_piece("<unk>", 0, 2) + sp_piece("a", -1, 1) + sp_piece("<0x41>", 0, 6) +
+                    field_bytes(2, field_varint(3, 2)));
+  EXPECT_EQ(data::Tokenizer::load(f)->decode({2, 1}, false), "Aa");
+}
+
 }  // namespace
 }  // namespace memtune::testing
 

@@ -48,3 +48,14 @@ TEST(JsonInput, ParseNamesTheOriginOfInvalidJson) {
     EXPECT_NE(std::string(e.what()).find("x.json: not valid JSON"), std::string::npos) << e.what();
   }
 }
+
+// Found by fuzz/train_state_fuzz.cpp (fuzz/regressions/train_state-*): a number past double's
+// range is nlohmann's out_of_range, not a parse_error, and escaped parse_json (exit 1).
+TEST(JsonInput, NumbersOutOfRangeAreInvalidJson) {
+  try {
+    memtune::parse_json(R"({"step": 3, "offset": 6E88888})", "state.json");
+    FAIL() << "6E88888 accepted";
+  } catch (const memtune::UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("state.json: not valid JSON"), std::string::npos) << e.what();
+  }
+}
