@@ -14,10 +14,19 @@ bool is_plain_module_name(const std::string& s) {
   return true;
 }
 
+std::regex target_regex(const std::string& pattern, const std::string& where) {
+  try {
+    return std::regex(pattern);
+  } catch (const std::regex_error& e) {
+    fail(where, ": target_modules '", pattern, "' is not a valid regular expression (", e.what(),
+         "); PEFT reads a single string as a regex over full module names");
+  }
+}
+
 namespace {
 
 bool name_matches(const std::vector<std::string>& names, const std::string& module) {
-  if (names.size() == 1 && !is_plain_module_name(names[0])) return std::regex_match(module, std::regex(names[0]));
+  if (names.size() == 1 && !is_plain_module_name(names[0])) return std::regex_match(module, target_regex(names[0], "lora"));
   for (const auto& n : names) {
     if (module == n) return true;
     if (module.size() > n.size() && module.compare(module.size() - n.size(), n.size(), n) == 0 &&

@@ -1,6 +1,7 @@
 #pragma once
 // Applying LoRA adapters to a model, with PEFT's targeting rules.
 #include <cstdint>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -16,6 +17,10 @@ struct LoraTargets {
   std::vector<std::string> exclude_modules;
   std::vector<int> layers_to_transform;  // empty: every layer
 };
+
+// A target_modules string as the regex PEFT makes of it (re.fullmatch over module names).
+// A pattern std::regex cannot compile is a UserError naming `where` and the pattern.
+std::regex target_regex(const std::string& pattern, const std::string& where);
 
 // True when `s` is a module name rather than a regex (letters, digits, _ . -).
 bool is_plain_module_name(const std::string& s);

@@ -90,7 +90,7 @@ bool targets_an_embedding(const json& t) {
     const std::string s = t.get<std::string>();
     if (s == "all-linear") return false;
     for (const char* e : kEmbeddings)
-      if (std::regex_match(e, std::regex(s))) return true;  // PEFT: re.fullmatch on the module name
+      if (std::regex_match(e, target_regex(s, "adapter_config.json"))) return true;  // PEFT: re.fullmatch
     return false;
   }
   for (const auto& entry : t) {

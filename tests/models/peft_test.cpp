@@ -231,6 +231,10 @@ TEST(AdapterConfig, WrongTypesAreRefusedWithTheFile) {
     EXPECT_NE(e.find("adapter_config.json: "), std::string::npos) << text << " -> '" << e << "'";
   }
   EXPECT_EQ(adapter_config_error(R"({"peft_type": "LORA", "r": 8, "target_modules": ["q_proj"]})"), "");
+  // Found by the adapter_config target after the embedding check landed (fuzz/regressions/
+  // adapter_config-943eacd3f08b): a target_modules string that is no regex threw std::regex_error.
+  const std::string e = adapter_config_error(R"({"r": 8, "target_modules": "q_proj(("})");
+  EXPECT_NE(e.find("target_modules 'q_proj((' is not a valid regular expression"), std::string::npos) << e;
 }
 
 }  // namespace
