@@ -154,7 +154,7 @@ AdapterConfig read_adapter_config(const fs::path& dir) {
   AdapterConfig a;
   try {  // every lookup may meet a value of the wrong type: nlohmann's type errors become the file's
     refuse_unsupported_fields(c, where);
-    a.lora.r = c.at("r").get<int64_t>();
+    a.lora.r = json_int(c, "r", 1, int64_t{1} << 20, where);  // a float past int64 was UB
     a.lora.alpha = c.value("lora_alpha", 8.0);
     a.lora.dropout = c.value("lora_dropout", 0.0);
     a.lora.use_rslora = c.value("use_rslora", false);
@@ -166,7 +166,12 @@ AdapterConfig read_adapter_config(const fs::path& dir) {
     else a.targets.target_modules = t.get<std::vector<std::string>>();
     if (c.contains("layers_to_transform") && !c["layers_to_transform"].is_null()) {
       const json& l = c["layers_to_transform"];
-      a.targets.layers_to_transform = l.is_number() ? std::vector<int>{l.get<int>()} : l.get<std::vector<int>>();
+      const json list = l.is_array() ? l : json::array({l});
+      for (const json& x : list) {
+        MEMTUNE_CHECK(x.is_number_integer() && x.get<int64_t>() >= 0 && x.get<int64_t>() < (1 << 20), where,
+                      ": layers_to_transform holds ", x.dump(), ", not a layer index");
+        a.targets.layers_to_transform.push_back(static_cast<int>(x.get<int64_t>()));
+      }
     }
   } catch (const json::exception& e) {
     fail(where, ": ", e.what());

@@ -6,7 +6,8 @@
 #   bash tools/fuzz.sh [SECONDS_PER_TARGET] [TARGET...]      (targets: safetensors, config, ...)
 # Corpora grow in build-fuzz/corpus/<target> across runs; a crashing input is saved as
 # build-fuzz/crashes/<target>-crash-<sha1>. Exit 1 when any target found something.
-# Environment: FUZZ_BUILD_DIR (default build-fuzz), FUZZ_SEED (default 1), JOBS.
+# Environment: FUZZ_BUILD_DIR (default build-fuzz), FUZZ_SEED (default 1), FUZZ_RUNS
+# (executions per target instead of SECONDS), FUZZ_FRESH=1 (start from the seeds only), JOBS.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 seconds=${1:-15}
@@ -50,6 +51,7 @@ seeds=$build/seeds
 rm -rf "$seeds"
 mkdir -p "$seeds" "$build/crashes"
 for t in "${all_targets[@]}"; do
+  [ "${FUZZ_FRESH:-0}" = 1 ] && rm -rf "$build/corpus/$t"
   mkdir -p "$seeds/$t" "$build/corpus/$t"
   [ -d "$root/fuzz/corpus/$t" ] && cp "$root/fuzz/corpus/$t"/* "$seeds/$t/" 2>/dev/null || true
   for f in "$root"/fuzz/regressions/"$t"-*; do [ -f "$f" ] && cp "$f" "$seeds/$t/"; done
@@ -69,7 +71,11 @@ for t in "${targets[@]}"; do
   rc=0
   # A fixed seed: a run explores the same inputs in the same order, so a shorter run (a
   # slower machine) tries a prefix of what a longer one did and CI does not turn on luck.
-  "$build/fuzz/fuzz_$t" -seed="${FUZZ_SEED:-1}" -max_total_time="$seconds" -print_final_stats=1 -timeout=10 -rss_limit_mb=4096 \
+  # FUZZ_RUNS bounds each target by executions instead of time: then a run is the same on a
+  # fast or a slow machine (CI uses it, so what passed here passes there).
+  bound=(-max_total_time="$seconds")
+  [ -n "${FUZZ_RUNS:-}" ] && bound=(-runs="$FUZZ_RUNS")
+  "$build/fuzz/fuzz_$t" -seed="${FUZZ_SEED:-1}" "${bound[@]}" -print_final_stats=1 -timeout=10 -rss_limit_mb=4096 \
     -max_len=65536 -artifact_prefix="$build/crashes/$t-" "$build/corpus/$t" "$seeds/$t" >"$log" 2>&1 || rc=$?
   execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
   speed=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log" | tail -1)
