@@ -8,14 +8,6 @@
 #include "data/tokenizer.h"
 #include "fuzz_util.h"
 
-namespace {
-const memtune::data::Tokenizer& tokenizer() {
-  static const std::unique_ptr<memtune::data::Tokenizer> tok =
-      memtune::data::Tokenizer::load(MEMTUNE_SOURCE_DIR "/examples/tiny-tokenizer");
-  return *tok;
-}
-}  // namespace
-
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace memtune;
   if (size < 1) return 0;
@@ -32,7 +24,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   o.skip_invalid = mode & 128;
   const auto path = fuzz::write_file(o.format == "plain" ? "train.txt" : "train.jsonl", data + 1, size - 1);
   fuzz::expect_clean([&] {
-    data::Dataset ds(path, &tokenizer(), o);
+    data::Dataset ds(path, &fuzz::tiny_tokenizer(), o);
     for (int64_t i = 0; i < ds.size(); ++i) {
       data::Sample s = ds.sample(i);
       if (ds.sample_length(i) > o.max_seq_length) std::abort();

@@ -2,14 +2,18 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <fstream>
+#include <memory>
 #include <typeinfo>
+#include <vector>
 
 #include <cxxabi.h>
 
+#include "data/tokenizer.h"
 #include "runtime/error.h"
 #include "runtime/log.h"
 
@@ -48,6 +52,31 @@ void expect_clean(const std::function<void()>& parse) {
     std::fprintf(stderr, "FINDING: a non-std exception escaped\n");
     std::abort();
   }
+}
+
+void exercise_tokenizer(const data::Tokenizer& tok, const std::string& tail) {
+  const std::string sample =
+      "Hello, world! 123 h\xC3\xA9llo\n\t<s> " + tail.substr(tail.size() - std::min<size_t>(tail.size(), 64));
+  for (bool special : {false, true}) {
+    std::vector<int32_t> ids = tok.encode(sample, special);
+    for (int32_t id : ids)
+      if (id < 0 || id >= tok.vocab_size()) std::abort();
+    (void)tok.decode(ids, special);
+  }
+  const int64_t n = std::min<int64_t>(tok.vocab_size(), 512);
+  std::vector<int32_t> all;
+  for (int32_t id = 0; id < n; ++id) {
+    (void)tok.token_to_id(tok.id_to_token(id));
+    all.push_back(id);
+  }
+  (void)tok.decode(all, false);
+  (void)tok.decode(all, true);
+}
+
+const data::Tokenizer& tiny_tokenizer() {
+  static const std::unique_ptr<data::Tokenizer> tok =
+      data::Tokenizer::load(MEMTUNE_SOURCE_DIR "/examples/tiny-tokenizer");
+  return *tok;
 }
 
 const std::filesystem::path& scratch_dir() {

@@ -8,14 +8,6 @@
 #include "data/tokenizer.h"
 #include "fuzz_util.h"
 
-namespace {
-const memtune::data::Tokenizer& tokenizer() {
-  static const std::unique_ptr<memtune::data::Tokenizer> tok =
-      memtune::data::Tokenizer::load(MEMTUNE_SOURCE_DIR "/examples/tiny-tokenizer");
-  return *tok;
-}
-}  // namespace
-
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace memtune;
   const auto path = fuzz::write_file("train.bin", data, size);
@@ -25,7 +17,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     file.copy_to(tokens);
     if (static_cast<int64_t>(tokens.size()) != file.size()) std::abort();
   });
-  for (const data::Tokenizer* tok : {static_cast<const data::Tokenizer*>(nullptr), &tokenizer()}) {
+  for (const data::Tokenizer* tok : {static_cast<const data::Tokenizer*>(nullptr), &fuzz::tiny_tokenizer()}) {
     fuzz::expect_clean([&] {
       data::DatasetOptions o;
       o.format = "tokens";

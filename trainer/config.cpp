@@ -1061,17 +1061,13 @@ std::string to_yaml(const Config& config) {
 
 namespace {
 
+// Sections, and model.quantization_config within its section, open into their keys; every
+// other value (a scalar, a list, a map-valued key such as device_map) is one flow-form string.
 void flatten_node(const YAML::Node& node, const std::string& path, std::map<std::string, std::string>& out) {
-  if (node.IsMap() && !path.empty() && path.find('.') == std::string::npos) {  // a section
-    for (const auto& kv : node) flatten_node(kv.second, path + "." + kv.first.as<std::string>(), out);
-    return;
-  }
-  if (node.IsMap() && path.empty()) {
-    for (const auto& kv : node) flatten_node(kv.second, kv.first.as<std::string>(), out);
-    return;
-  }
-  if (node.IsMap() && path.rfind("model.quantization_config", 0) == 0) {
-    for (const auto& kv : node) flatten_node(kv.second, path + "." + kv.first.as<std::string>(), out);
+  const bool opens = path.empty() || path.find('.') == std::string::npos || path == "model.quantization_config";
+  if (node.IsMap() && opens) {
+    for (const auto& kv : node)
+      flatten_node(kv.second, (path.empty() ? "" : path + ".") + kv.first.as<std::string>(), out);
     return;
   }
   YAML::Emitter e;
