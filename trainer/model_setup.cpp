@@ -8,6 +8,7 @@
 #include "models/registry.h"
 #include "runtime/cuda_info.h"
 #include "runtime/error.h"
+#include "runtime/memory.h"
 #include "runtime/nf4.h"
 #include "runtime/units.h"
 
@@ -168,6 +169,36 @@ ModelBundle setup_model(const Config& c, const fs::path& adapter_dir) {
                   "' has no tokenizer.json or tokenizer.model");
   }
   return b;
+}
+
+// The share is of model.max_memory's size for the device, else of the device_limit or, on a
+// GPU, its memory. A CPU without a limit takes all (offloading there would only move weights
+// within host memory). Several GPUs are used by one process only: those model.max_memory
+// names, else every visible one.
+std::vector<models::DeviceBudget> auto_budgets(const Config& c, const c10::Device& device, int64_t limit,
+                                               bool distributed) {
+  constexpr double kWeightsShare = 0.6;
+  std::vector<c10::Device> devices{device};
+  if (device.is_cuda() && !distributed) {
+    bool names_cuda = false;
+    for (const auto& [name, size] : c.model.max_memory) names_cuda = names_cuda || name.rfind("cuda", 0) == 0;
+    for (int i = 0; i < cuda_info().device_count; ++i) {
+      const c10::Device d(c10::kCUDA, static_cast<c10::DeviceIndex>(i));
+      if (d != device && (!names_cuda || c.model.max_memory.count(d.str()))) devices.push_back(d);
+    }
+  }
+  std::vector<models::DeviceBudget> out;
+  for (const c10::Device& d : devices) {
+    const int64_t total = memory_backend(d).stats().total;
+    auto named = c.model.max_memory.find(d.str());
+    if (named == c.model.max_memory.end() && d == device && d.is_cuda()) named = c.model.max_memory.find("cuda");
+    int64_t bytes = named != c.model.max_memory.end() ? named->second.resolve(total)
+                    : d == device && limit > 0       ? limit
+                    : d.is_cuda()                    ? total
+                                                     : 0;
+    out.push_back({d, bytes > 0 ? static_cast<int64_t>(kWeightsShare * static_cast<double>(bytes)) : 0});
+  }
+  return out;
 }
 
 }  // namespace memtune::trainer

@@ -10,6 +10,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "models/causal_lm.h"
+#include "models/device_map.h"
 #include "models/lora.h"
 #include "models/peft.h"
 #include "trainer/config.h"
@@ -45,6 +46,13 @@ std::unique_ptr<models::CausalLM> load_base_model(const ModelConfig& config);
 // The base model, quantized as configured, with LoRA (or everything trainable), and its
 // tokenizer. `adapter_dir` (optional) loads an existing PEFT adapter instead of new LoRA.
 ModelBundle setup_model(const Config& config, const std::filesystem::path& adapter_dir = {});
+
+// The devices `device_map: auto` fills, in order, each with the bytes its base weights may
+// take (60 % of the device's budget: the rest holds adapters, optimizer state and
+// activations). `limit` is memory.device_limit in bytes (0: none); `distributed` keeps each
+// rank on its one device.
+std::vector<models::DeviceBudget> auto_budgets(const Config& config, const c10::Device& device, int64_t limit,
+                                               bool distributed);
 
 models::LoraOptions lora_options(const LoraConfig& lora);
 models::LoraTargets lora_targets(const LoraConfig& lora);

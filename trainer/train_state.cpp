@@ -49,6 +49,19 @@ void prune(const fs::path& dir) {
   remove_tree(doomed);
 }
 
+// Keys a resumed run may change (prefixes); every other key shapes what a step computes.
+bool free_to_change_on_resume(const std::string& key) {
+  static const std::vector<std::string> free = {
+      "memory.", "runtime.", "distributed.", "model.device_map", "model.max_memory", "model.low_cpu_mem_usage",
+      "model.attn_implementation", "training.output_dir", "training.resume_from_checkpoint",
+      "training.logging_steps", "training.save_steps", "training.save_total_limit", "training.eval_steps",
+      "training.eval_accuracy_rows", "training.per_device_eval_batch_size", "training.per_device_train_batch_size",
+      "training.gradient_accumulation_steps", "training.gradient_checkpointing", "training.dataloader_",
+      "training.report_to", "training.remove_unused_columns", "data.eval_file", "data.cache_dir",
+      "training.max_steps", "training.num_train_epochs"};
+  return std::any_of(free.begin(), free.end(), [&](const std::string& f) { return key.rfind(f, 0) == 0; });
+}
+
 }  // namespace
 
 // step-N directories without state.json: only a delete that an older memtune was killed
@@ -161,6 +174,28 @@ TrainingCheckpoint load_training_checkpoint(const fs::path& dir) {
 fs::path latest_checkpoint(const fs::path& output_dir) {
   auto all = list_checkpoints(output_dir);
   return all.empty() ? fs::path() : all.back().second;
+}
+
+void check_resume_compatible(const Config& now, const Config& then, const fs::path& checkpoint) {
+  const auto a = flatten(now), b = flatten(then);
+  for (const auto& [key, value] : a) {
+    const auto it = b.find(key);
+    const std::string before = it == b.end() ? std::string("(not set)") : it->second;
+    if (before == value) continue;
+    if (key == "training.max_steps" || key == "training.num_train_epochs") {
+      spdlog::warn("resume_from_checkpoint: {} changed since the checkpoint ({} -> {}): the learning-rate schedule "
+                   "after it follows the new length", key, before, value);
+      continue;
+    }
+    MEMTUNE_CHECK(free_to_change_on_resume(key), "resume_from_checkpoint: ", key, " changed since the checkpoint ('",
+                  before, "' -> '", value, "'); it changes what a step computes, so ", checkpoint.string(),
+                  " cannot continue under it (start a new training.output_dir, or restore the key)");
+  }
+  const int64_t per_step_now = now.training.per_device_train_batch_size * now.training.gradient_accumulation_steps;
+  const int64_t per_step_then = then.training.per_device_train_batch_size * then.training.gradient_accumulation_steps;
+  MEMTUNE_CHECK(per_step_now == per_step_then, "resume_from_checkpoint: training.per_device_train_batch_size x "
+                "gradient_accumulation_steps changed since the checkpoint ('", per_step_then, "' -> '", per_step_now,
+                "'); the samples per step must stay the same (split them differently, not more or fewer)");
 }
 
 }  // namespace memtune::trainer

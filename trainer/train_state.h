@@ -17,6 +17,8 @@
 #include <ATen/core/Tensor.h>
 #include <nlohmann/json.hpp>
 
+#include "trainer/config.h"
+
 namespace memtune::trainer {
 
 // What a checkpoint's state.json holds, named in one place. The parts owned by other
@@ -63,5 +65,13 @@ int remove_incomplete_checkpoints(const std::filesystem::path& output_dir);
 
 // The complete checkpoint with the highest step under output_dir/checkpoints, or empty.
 std::filesystem::path latest_checkpoint(const std::filesystem::path& output_dir);
+
+// Resuming compares the checkpoint's config (`then`) with this run's (`now`), key by key,
+// and refuses a change that alters what a step computes, naming the key and both values.
+// Free to change: where and how often the run writes, evaluates and logs; the device,
+// threads and memory management; how a step's samples are split into micro-batches (their
+// product must stay) and what is recomputed. The run's length may change, with a warning:
+// the schedule after the checkpoint follows the new length, as in transformers' Trainer.
+void check_resume_compatible(const Config& now, const Config& then, const std::filesystem::path& checkpoint);
 
 }  // namespace memtune::trainer
