@@ -1,32 +1,56 @@
 #include "trainer/config.h"
 
-#include <yaml-cpp/yaml.h>
-
 #include <algorithm>
 #include <cctype>
-#include <cerrno>
-#include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <fstream>
-#include <initializer_list>
-#include <limits>
 #include <sstream>
-#include <type_traits>
 
 #include "runtime/compat.h"
 #include "runtime/error.h"
+#include "trainer/config_reflect.h"
+
+// memtune's config schema: every key declared once (fields()), how memtune's own value types
+// read and write, and the checks across keys. The YAML machinery is trainer/config_reflect.h.
 
 namespace memtune::trainer {
+
+using reflect::Field;
+static_assert(TrainingConfig::kAuto == reflect::kAuto, "per_device_train_batch_size: auto is the engine's auto");
+
 namespace {
 
-// How a field's YAML value is read beyond its C++ type.
-enum class Form {
-  plain,
-  int_or_auto,     // an integer or `auto` (TrainingConfig::kAuto)
-  dtype,           // float16|bfloat16|float32|auto; torch.float16, fp16, half, bf16, fp32 too
-  checkpoint_ref,  // latest|PATH; true means latest, false or null none
-};
+// Spellings of a dtype as Hugging Face configs write them: torch.float16, fp16, half, bf16...
+std::string normalize_dtype(const std::string& s, bool /*quoted*/ = false) {
+  std::string l = reflect::lower(s);
+  if (l.rfind("torch.", 0) == 0) l = l.substr(6);
+  if (l == "float16" || l == "fp16" || l == "half") return "float16";
+  if (l == "bfloat16" || l == "bf16") return "bfloat16";
+  if (l == "float32" || l == "fp32" || l == "float") return "float32";
+  if (l == "auto") return "auto";
+  return s;  // refused by the choices, as written
+}
+
+// resume_from_checkpoint: an unquoted true means latest, false none (HF's TrainingArguments).
+std::string normalize_checkpoint_ref(const std::string& s, bool quoted) {
+  bool b = false;
+  const std::string l = reflect::lower(s);
+  if (!quoted && reflect::parse_bool(s, b) && (l == "true" || l == "false")) return b ? "latest" : "";
+  return s;
+}
+
+Field dtype_field() {
+  Field f{"auto", "float32", "float16", "bfloat16"};
+  f.normalize = normalize_dtype;
+  return f;
+}
+Field checkpoint_ref_field() {
+  Field f;
+  f.type = "latest|path|true|false";
+  f.normalize = normalize_checkpoint_ref;
+  return f;
+}
+const Field kDtype = dtype_field();
+const Field kCheckpointRef = checkpoint_ref_field();
 
 }  // namespace
 
@@ -37,13 +61,13 @@ void QuantizationConfig::fields(F&& f) {
   f("load_in_4bit", load_in_4bit, "NF4 4-bit base weights for the linear layers");
   f("load_in_8bit", load_in_8bit, "bitsandbytes 8-bit weights: accepted key, refused when true");
   f("bnb_4bit_compute_dtype", bnb_4bit_compute_dtype,
-    "dtype of the base matmul: float16|bfloat16|float32|auto (torch.float16, fp16, half, bf16, "
-    "fp32 accepted)",
-    Form::dtype);
-  f("bnb_4bit_quant_type", bnb_4bit_quant_type, "4-bit code book: nf4 (fp4 is not supported)");
+    "dtype of the base matmul (torch.float16, fp16, half, bf16, fp32 accepted)", kDtype);
+  f("bnb_4bit_quant_type", bnb_4bit_quant_type, "4-bit code book (fp4 is not supported)",
+    Field::one_of({"nf4"}, "only nf4 is supported"));
   f("bnb_4bit_use_double_quant", bnb_4bit_use_double_quant,
     "quantize the absmax values too (about 4.127 bits per parameter)");
-  f("bnb_4bit_quant_storage", bnb_4bit_quant_storage, "storage dtype of the packed codes: uint8");
+  f("bnb_4bit_quant_storage", bnb_4bit_quant_storage, "storage dtype of the packed codes",
+    Field::one_of({"uint8"}, "packed codes are stored as uint8"));
   f("blocksize", blocksize, "elements per absmax block: a power of 2 in 32..4096");
 }
 
@@ -56,14 +80,14 @@ void ModelConfig::fields(F&& f) {
   f("torch_dtype", torch_dtype,
     "dtype the dense weights are loaded in: float32 only (the matmul dtype is "
     "quantization_config.bnb_4bit_compute_dtype, training.bf16 or training.fp16)",
-    Form::dtype);
+    kDtype);
   f("quantization_config", quantization_config, "bitsandbytes' BitsAndBytesConfig");
   f("device_map", device_map,
     "auto|cpu|cuda|cuda:N, or a map from module prefix to device (cuda:N, cpu, offload), in order");
   f("max_memory", max_memory, "budget per device for device_map: auto, e.g. {cuda:0: 20GiB, cpu: 64GiB}");
   f("low_cpu_mem_usage", low_cpu_mem_usage,
     "true only: memtune always loads tensor by tensor from the memory-mapped safetensors");
-  f("attn_implementation", attn_implementation, "attention kernel: auto|eager|sdpa");
+  f("attn_implementation", attn_implementation, "attention kernel", {"auto", "eager", "sdpa"});
   f("init_seed", init_seed, "seed for the random initialisation of presets");
 }
 
@@ -77,21 +101,21 @@ void LoraConfig::fields(F&& f) {
   f("exclude_modules", exclude_modules, "module names never adapted");
   f("layers_to_transform", layers_to_transform, "layer indices to adapt; empty: every layer");
   f("use_rslora", use_rslora, "rank-stabilised scaling lora_alpha / sqrt(r)");
-  f("init_lora_weights", init_lora_weights,
-    "true (kaiming-uniform A, zero B) | gaussian (normal A, zero B)");
-  f("bias", bias, "trained biases: none");
+  f("init_lora_weights", init_lora_weights, "true: kaiming-uniform A, zero B; gaussian: normal A, zero B",
+    {"true", "gaussian"});
+  f("bias", bias, "trained biases", Field::one_of({"none"}, "trained biases are not supported"));
   f("modules_to_save", modules_to_save, "modules trained in full beside the adapters: not supported, empty only");
   f("fan_in_fan_out", fan_in_fan_out, "weights stored [in,out] (GPT-2 Conv1D); set for gpt2 by itself");
-  f("task_type", task_type, "PEFT task type: CAUSAL_LM");
+  f("task_type", task_type, "PEFT task type", {"CAUSAL_LM"});
 }
 
 template <class F>
 void TrainingConfig::fields(F&& f) {
   f("output_dir", output_dir, "where config.yaml, train.log, metrics.jsonl and checkpoints go");
-  f("finetune", finetune, "what is trained: lora|full");
+  f("finetune", finetune, "what is trained: LoRA adapters or every weight", {"lora", "full"});
   f("per_device_train_batch_size", per_device_train_batch_size,
     "micro-batch rows per device, or auto (the largest that the estimate says fits)",
-    Form::int_or_auto);
+    Field::integer_or_auto());
   f("per_device_eval_batch_size", per_device_eval_batch_size, "rows per evaluation batch");
   f("gradient_accumulation_steps", gradient_accumulation_steps, "micro-batches per optimizer step");
   f("gradient_checkpointing", gradient_checkpointing,
@@ -101,7 +125,8 @@ void TrainingConfig::fields(F&& f) {
   f("learning_rate", learning_rate, "peak learning rate");
   f("num_train_epochs", num_train_epochs, "passes over the training data (may be fractional)");
   f("max_steps", max_steps, "optimizer steps; > 0 overrides num_train_epochs, -1: from the epochs");
-  f("lr_scheduler_type", lr_scheduler_type, "constant|constant_with_warmup|linear|cosine");
+  f("lr_scheduler_type", lr_scheduler_type, "learning-rate schedule (Hugging Face's)",
+    {"constant", "constant_with_warmup", "linear", "cosine"});
   f("warmup_ratio", warmup_ratio, "share of the steps spent warming up, in [0, 1]");
   f("warmup_steps", warmup_steps, "warm-up steps; > 0 overrides warmup_ratio");
   f("weight_decay", weight_decay, "decoupled weight decay");
@@ -109,9 +134,10 @@ void TrainingConfig::fields(F&& f) {
   f("adam_beta2", adam_beta2, "AdamW beta2, in [0, 1)");
   f("adam_epsilon", adam_epsilon, "AdamW epsilon");
   f("optim", optim,
-    "optimizer (Hugging Face's names): adamw_torch|adamw (torch AdamW, fp32 states), adamw_bnb_8bit|adamw_8bit "
-    "(bitsandbytes' 8-bit AdamW), paged_adamw_8bit|paged_adamw_32bit (bitsandbytes', states in host memory "
-    "outside the device budget), sgd");
+    "optimizer (Hugging Face's names): adamw_torch and adamw are torch's AdamW (fp32 states); adamw_bnb_8bit and "
+    "adamw_8bit bitsandbytes' 8-bit AdamW; paged_* bitsandbytes' paged AdamW (states in host memory outside the "
+    "device budget)",
+    {"adamw_torch", "adamw", "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "sgd"});
   f("momentum", momentum, "SGD momentum, in [0, 1)");
   f("max_grad_norm", max_grad_norm, "clip the global gradient norm to this; <= 0: no clipping");
   f("logging_steps", logging_steps, "log metrics every this many steps");
@@ -124,7 +150,7 @@ void TrainingConfig::fields(F&& f) {
   f("seed", seed, "seed of the sampler, dropout and LoRA initialisation");
   f("resume_from_checkpoint", resume_from_checkpoint,
     "latest (or true): the newest checkpoint in output_dir; a checkpoints/step-N path; empty: none",
-    Form::checkpoint_ref);
+    kCheckpointRef);
   f("fp16_init_scale", fp16_init_scale, "initial loss scale for fp16");
   f("fp16_growth_interval", fp16_growth_interval, "good steps before the loss scale doubles");
   f("group_by_length", group_by_length,
@@ -140,13 +166,13 @@ void DataConfig::fields(F&& f) {
   f("train_file", train_file, ".jsonl, .bin (llm.c tokens), .txt, or a directory of .txt");
   f("eval_file", eval_file, "evaluation data; empty: none");
   f("eval_split", eval_split, "share of the training samples held out for evaluation: not supported, 0 only");
-  f("format", format, "auto|text|instruction|chat|tokens|plain");
-  f("template_name", template_name, "chat/instruction template: llama-3|chatml|alpaca");
+  f("format", format, "what a sample is; auto: from the file", {"auto", "text", "instruction", "chat", "tokens", "plain"});
+  f("template_name", template_name, "chat/instruction template", {"llama-3", "chatml", "alpaca"});
   f("chat_template", chat_template, "a template string; overrides template_name");
   f("text_field", text_field, "JSON field holding the text of a text sample");
   f("max_seq_length", max_seq_length, "tokens per sequence (at least 8)");
   f("pack_sequences", pack_sequences, "pack several samples into each sequence");
-  f("truncation", truncation, "longer samples: right (cut the end)|drop");
+  f("truncation", truncation, "longer samples: right cuts the end, drop leaves them out", {"right", "drop"});
   f("train_on_prompt", train_on_prompt, "false: prompt tokens are not in the loss");
   f("skip_invalid", skip_invalid, "skip (and count) malformed lines instead of failing");
   f("add_eos_token", add_eos_token, "end each sample with the EOS token");
@@ -181,12 +207,12 @@ template <class F>
 void RuntimeConfig::fields(F&& f) {
   f("device", device, "auto|cpu|cuda|cuda:N");
   f("num_threads", num_threads, "intra-op threads; 0: OMP_NUM_THREADS or this process's CPUs");
-  f("log_level", log_level, "trace|debug|info|warn|error|critical|off");
+  f("log_level", log_level, "what the log shows", {"trace", "debug", "info", "warn", "error", "critical", "off"});
 }
 
 template <class F>
 void DistributedConfig::fields(F&& f) {
-  f("backend", backend, "auto (nccl on CUDA, gloo on CPU)|gloo|nccl");
+  f("backend", backend, "collectives; auto: nccl on CUDA, gloo on CPU", {"auto", "gloo", "nccl"});
   f("timeout", timeout, "seconds allowed for each collective");
   f("bucket_size_mb", bucket_size_mb, "MiB per gradient bucket");
 }
@@ -205,123 +231,10 @@ void Config::fields(F&& f) {
 
 namespace {
 
-// ---- Visiting helpers ----
-
-struct NoopVisitor {
-  template <class... A>
-  void operator()(A&&...) {}
-};
-template <class T, class = void>
-struct HasFields : std::false_type {};
-template <class T>
-struct HasFields<T, std::void_t<decltype(std::declval<T&>().fields(std::declval<NoopVisitor&>()))>>
-    : std::true_type {};
-
-// fields() is not const; the visitors given here only read.
-template <class S, class F>
-void visit(const S& s, F&& f) {
-  const_cast<S&>(s).fields(f);
-}
-
-template <class S>
-std::vector<std::string> names_of() {
-  std::vector<std::string> names;
-  S probe;
-  probe.fields([&](const char* name, auto&, const char*, Form = Form::plain) { names.push_back(name); });
-  return names;
-}
-
-std::string join(const std::string& prefix, const std::string& name) {
-  return prefix.empty() ? name : prefix + "." + name;
-}
-
-// Optimal string alignment distance (edits and adjacent transpositions).
-size_t edit_distance(const std::string& a, const std::string& b) {
-  std::vector<std::vector<size_t>> d(a.size() + 1, std::vector<size_t>(b.size() + 1));
-  for (size_t i = 0; i <= a.size(); ++i) d[i][0] = i;
-  for (size_t j = 0; j <= b.size(); ++j) d[0][j] = j;
-  for (size_t i = 1; i <= a.size(); ++i)
-    for (size_t j = 1; j <= b.size(); ++j) {
-      size_t cost = a[i - 1] == b[j - 1] ? 0 : 1;
-      d[i][j] = std::min({d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + cost});
-      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1])
-        d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
-    }
-  return d[a.size()][b.size()];
-}
-
-std::string nearest(const std::string& word, const std::vector<std::string>& candidates) {
-  std::string best;
-  size_t best_d = std::numeric_limits<size_t>::max();
-  for (const auto& c : candidates) {
-    size_t d = edit_distance(word, c);
-    if (d < best_d) best_d = d, best = c;
-  }
-  return best;
-}
-
-std::string lower(std::string s) {
-  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return s;
-}
-
-// ---- Scalars ----
-
-bool parse_bool(const std::string& s, bool& out) {
-  std::string l = lower(s);
-  if (l == "true" || l == "yes" || l == "on") return out = true, true;
-  if (l == "false" || l == "no" || l == "off") return out = false, true;
-  return false;
-}
-
-bool parse_int64(const std::string& s, int64_t& out) {
-  if (s.empty() || std::isspace(static_cast<unsigned char>(s[0]))) return false;
-  errno = 0;
-  char* end = nullptr;
-  long long v = std::strtoll(s.c_str(), &end, 10);
-  if (errno != 0 || *end != '\0') return false;
-  out = v;
-  return true;
-}
-
-bool parse_double(const std::string& s, double& out) {
-  if (s.empty() || std::isspace(static_cast<unsigned char>(s[0]))) return false;
-  errno = 0;
-  char* end = nullptr;
-  double v = std::strtod(s.c_str(), &end);
-  if (errno != 0 || *end != '\0' || !std::isfinite(v)) return false;
-  out = v;
-  return true;
-}
-
-// The shortest text that reads back as exactly `v` (whole numbers without an exponent).
-std::string format_double(double v) {
-  char buf[40];
-  if (v == std::floor(v) && std::fabs(v) < 1e15) {
-    std::snprintf(buf, sizeof buf, "%.0f", v);
-    return buf;
-  }
-  for (int precision = 1; precision <= 17; ++precision) {
-    std::snprintf(buf, sizeof buf, "%.*g", precision, v);
-    if (std::strtod(buf, nullptr) == v) break;
-  }
-  return buf;
-}
-
-std::string normalize_dtype(const std::string& s) {
-  std::string l = lower(s);
-  if (l.rfind("torch.", 0) == 0) l = l.substr(6);
-  if (l == "float16" || l == "fp16" || l == "half") return "float16";
-  if (l == "bfloat16" || l == "bf16") return "bfloat16";
-  if (l == "float32" || l == "fp32" || l == "float") return "float32";
-  if (l == "auto") return "auto";
-  return s;  // refused by validation, as written
-}
-
 // HF writes devices as integers too: 0 means cuda:0.
 std::string normalize_device(const std::string& s) {
   int64_t index = 0;
-  if (parse_int64(s, index) && index >= 0) return "cuda:" + std::to_string(index);
+  if (reflect::parse_int64(s, index) && index >= 0) return "cuda:" + std::to_string(index);
   return s;
 }
 
@@ -333,186 +246,19 @@ bool is_device(const std::string& s, bool allow_auto, bool allow_offload) {
   return std::all_of(s.begin() + 5, s.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)); });
 }
 
-// ---- Where a value came from ----
+}  // namespace
 
-struct Seen {
-  std::string at;    // "file:line:col" or "override 'k=v'"
-  std::string text;  // the value as written
-};
+// ---- memtune's own value types in the reflection engine (found through its arguments) ----
 
-struct Ctx {
-  std::string source;
-  std::string override_text;          // set while one override is applied
-  std::map<std::string, Seen> seen;   // key path -> where it was last set
+namespace reflect {
 
-  std::string at(const YAML::Mark& mark) const {
-    if (!override_text.empty()) return "override '" + override_text + "'";
-    if (mark.is_null()) return source;
-    return str_cat(source, ":", mark.line + 1, ":", mark.column + 1);
-  }
-};
-
-// A value being read: its node, key path and the best position for it.
-struct Item {
-  const YAML::Node& node;
-  std::string path;
-  YAML::Mark mark;
-};
-
-YAML::Mark mark_of(const YAML::Node& value, const YAML::Node& key) {
-  YAML::Mark m = value.Mark();
-  return (m.is_null() || value.IsNull()) ? key.Mark() : m;
-}
-
-std::string text_of(const YAML::Node& n) {
-  if (!n.IsDefined() || n.IsNull()) return "null";
-  if (n.IsScalar()) return n.Scalar();
-  YAML::Emitter e;
-  e.SetMapFormat(YAML::Flow);
-  e.SetSeqFormat(YAML::Flow);
-  e << n;
-  return e.c_str();
-}
-
-std::string display(const std::string& path) { return path.empty() ? "config" : path; }
-
-[[noreturn]] void unknown_key(const std::string& at, const std::string& path,
-                              const std::vector<std::string>& known) {
-  std::string name = path.substr(path.rfind('.') == std::string::npos ? 0 : path.rfind('.') + 1);
-  fail(at, ": ", path, ": unknown key (did you mean ", nearest(name, known), "?)");
-}
-
-// ---- Type names, for errors and help ----
-
-const char* type_name(const bool&, Form) { return "bool"; }
-const char* type_name(const int&, Form form) { return form == Form::int_or_auto ? "integer|auto" : "integer"; }
-const char* type_name(const int64_t&, Form) { return "integer"; }
-const char* type_name(const uint64_t&, Form) { return "non-negative integer"; }
-const char* type_name(const double&, Form) { return "number"; }
-const char* type_name(const std::string&, Form form) {
-  if (form == Form::dtype) return "dtype";
-  if (form == Form::checkpoint_ref) return "latest|path|true|false";
-  return "string";
-}
-const char* type_name(const std::vector<std::string>&, Form) { return "string or list of strings"; }
-const char* type_name(const std::vector<int>&, Form) { return "list of integers"; }
-const char* type_name(const SizeSpec&, Form) { return "size"; }
-const char* type_name(const std::map<std::string, SizeSpec>&, Form) { return "map of device to size"; }
-const char* type_name(const CheckpointingConfig&, Form) { return "bool or {policy, n, layers}"; }
-const char* type_name(const DeviceMapConfig&, Form) { return "device or map of module prefix to device"; }
-
-[[noreturn]] void wrong_type(const Ctx& ctx, const Item& it, const std::string& expected) {
-  fail(ctx.at(it.mark), ": ", display(it.path), ": expected ", expected, ", got '", text_of(it.node), "'");
-}
-
-// Unknown and repeated keys of one mapping.
-void check_keys(const Item& it, const std::vector<std::string>& known, const Ctx& ctx) {
-  std::map<std::string, YAML::Mark> first;
-  for (const auto& kv : it.node) {
-    const YAML::Node& key = kv.first;
-    if (!key.IsScalar())
-      fail(ctx.at(key.Mark()), ": ", display(it.path), ": keys must be names, got '", text_of(key), "'");
-    const std::string path = join(it.path, key.Scalar());
-    if (std::find(known.begin(), known.end(), key.Scalar()) == known.end())
-      unknown_key(ctx.at(key.Mark()), path, known);
-    auto [pos, fresh] = first.emplace(key.Scalar(), key.Mark());
-    MEMTUNE_CHECK(fresh, ctx.at(key.Mark()), ": ", path, ": duplicate key (first at line ",
-                  pos->second.line + 1, ")");
-  }
-}
-
-// ---- Reading ----
-
-template <class T>
-void read(const Item& it, T& v, Ctx& ctx, Form form);
-
-const std::string& scalar(const Item& it, const Ctx& ctx, const std::string& expected) {
-  if (!it.node.IsScalar()) wrong_type(ctx, it, expected);
-  return it.node.Scalar();
-}
-
-void read_value(const Item& it, bool& v, Ctx& ctx, Form form) {
-  if (!parse_bool(scalar(it, ctx, type_name(v, form)), v)) wrong_type(ctx, it, type_name(v, form));
-}
-
-void read_value(const Item& it, int& v, Ctx& ctx, Form form) {
-  const std::string& s = scalar(it, ctx, type_name(v, form));
-  if (form == Form::int_or_auto && lower(s) == "auto") {
-    v = TrainingConfig::kAuto;
-    return;
-  }
-  int64_t x = 0;
-  if (!parse_int64(s, x) || x < std::numeric_limits<int>::min() || x > std::numeric_limits<int>::max())
-    wrong_type(ctx, it, type_name(v, form));
-  v = static_cast<int>(x);
-}
-
-void read_value(const Item& it, int64_t& v, Ctx& ctx, Form form) {
-  if (!parse_int64(scalar(it, ctx, type_name(v, form)), v)) wrong_type(ctx, it, type_name(v, form));
-}
-
-void read_value(const Item& it, uint64_t& v, Ctx& ctx, Form form) {
-  const std::string& s = scalar(it, ctx, type_name(v, form));
-  errno = 0;
-  char* end = nullptr;
-  unsigned long long x = std::strtoull(s.c_str(), &end, 10);
-  if (s.empty() || !std::isdigit(static_cast<unsigned char>(s[0])) || errno != 0 || *end != '\0')
-    wrong_type(ctx, it, type_name(v, form));
-  v = x;
-}
-
-void read_value(const Item& it, double& v, Ctx& ctx, Form form) {
-  if (!parse_double(scalar(it, ctx, type_name(v, form)), v)) wrong_type(ctx, it, type_name(v, form));
-}
-
-// null or an empty value means an empty string.
-void read_value(const Item& it, std::string& v, Ctx& ctx, Form form) {
-  if (it.node.IsNull()) {
-    v.clear();
-    return;
-  }
-  v = scalar(it, ctx, type_name(v, form));
-  bool plain = it.node.Tag() != "!";  // quoted scalars are tagged "!"
-  bool b = false;
-  if (form == Form::dtype) v = normalize_dtype(v);
-  if (form == Form::checkpoint_ref && plain && parse_bool(v, b) && (lower(v) == "true" || lower(v) == "false"))
-    v = b ? "latest" : "";
-}
-
-void read_value(const Item& it, std::vector<std::string>& v, Ctx& ctx, Form form) {
-  v.clear();
-  if (it.node.IsNull()) return;
-  if (it.node.IsScalar()) {
-    v.push_back(it.node.Scalar());
-    return;
-  }
-  if (!it.node.IsSequence()) wrong_type(ctx, it, type_name(v, form));
-  for (size_t i = 0; i < it.node.size(); ++i) {
-    const YAML::Node& e = it.node[i];
-    Item item{e, str_cat(it.path, "[", i, "]"), e.Mark()};
-    if (!e.IsScalar()) wrong_type(ctx, item, "string");
-    v.push_back(e.Scalar());
-  }
-}
-
-void read_value(const Item& it, std::vector<int>& v, Ctx& ctx, Form form) {
-  v.clear();
-  if (it.node.IsNull()) return;
-  if (it.node.IsScalar()) {
-    v.emplace_back();
-    read_value(it, v.back(), ctx, Form::plain);
-    return;
-  }
-  if (!it.node.IsSequence()) wrong_type(ctx, it, type_name(v, form));
-  for (size_t i = 0; i < it.node.size(); ++i) {
-    const YAML::Node& e = it.node[i];
-    v.emplace_back();
-    read_value(Item{e, str_cat(it.path, "[", i, "]"), e.Mark()}, v.back(), ctx, Form::plain);
-  }
-}
+std::string type_name(const SizeSpec&, const Field&) { return "size"; }
+std::string type_name(const std::map<std::string, SizeSpec>&, const Field&) { return "map of device to size"; }
+std::string type_name(const CheckpointingConfig&, const Field&) { return "bool or {policy, n, layers}"; }
+std::string type_name(const DeviceMapConfig&, const Field&) { return "device or map of module prefix to device"; }
 
 // null or empty: not set.
-void read_value(const Item& it, SizeSpec& v, Ctx& ctx, Form form) {
+void read_value(const Item& it, SizeSpec& v, Ctx& ctx, const Field& f) {
   if (it.node.IsNull() || (it.node.IsScalar() && it.node.Scalar().empty())) {
     v = SizeSpec{};
     return;
@@ -520,45 +266,45 @@ void read_value(const Item& it, SizeSpec& v, Ctx& ctx, Form form) {
   v = parse_size(scalar(it, ctx, "size (6GiB, 512MiB, 0.9 of the device)"), ctx.at(it.mark) + ": " + it.path);
 }
 
-void read_value(const Item& it, std::map<std::string, SizeSpec>& v, Ctx& ctx, Form form) {
+void read_value(const Item& it, std::map<std::string, SizeSpec>& v, Ctx& ctx, const Field& f) {
   v.clear();
   if (it.node.IsNull()) return;
-  if (!it.node.IsMap()) wrong_type(ctx, it, type_name(v, form));
+  if (!it.node.IsMap()) wrong_type(ctx, it, type_name(v, f));
   for (const auto& kv : it.node) {
     Item key{kv.first, it.path, kv.first.Mark()};
     std::string device = normalize_device(scalar(key, ctx, "device name (cuda:N or cpu)"));
     Item value{kv.second, join(it.path, device), mark_of(kv.second, kv.first)};
     MEMTUNE_CHECK(!v.count(device), ctx.at(key.mark), ": ", value.path, ": duplicate key");
-    read(value, v[device], ctx, Form::plain);
+    read(value, v[device], ctx, Field{});
   }
 }
 
-void read_value(const Item& it, CheckpointingConfig& v, Ctx& ctx, Form form) {
+void read_value(const Item& it, CheckpointingConfig& v, Ctx& ctx, const Field& f) {
   if (it.node.IsScalar()) {
     bool on = false;
     v.policy = parse_bool(it.node.Scalar(), on) ? (on ? "all" : "none") : it.node.Scalar();
     return;
   }
-  if (!it.node.IsMap()) wrong_type(ctx, it, type_name(v, form));
+  if (!it.node.IsMap()) wrong_type(ctx, it, type_name(v, f));
   check_keys(it, {"policy", "n", "layers"}, ctx);
   bool has_policy = false, has_n = false, has_layers = false;
   for (const auto& kv : it.node) {
     const std::string& name = kv.first.Scalar();
     Item value{kv.second, join(it.path, name), mark_of(kv.second, kv.first)};
-    if (name == "policy") has_policy = true, read(value, v.policy, ctx, Form::plain);
-    if (name == "n") has_n = true, read(value, v.n, ctx, Form::plain);
-    if (name == "layers") has_layers = true, read(value, v.layers, ctx, Form::plain);
+    if (name == "policy") has_policy = true, read(value, v.policy, ctx, Field{});
+    if (name == "n") has_n = true, read(value, v.n, ctx, Field{});
+    if (name == "layers") has_layers = true, read(value, v.layers, ctx, Field{});
   }
   if (!has_policy) v.policy = has_layers ? "layers" : has_n ? "every_n" : "all";
 }
 
-void read_value(const Item& it, DeviceMapConfig& v, Ctx& ctx, Form form) {
+void read_value(const Item& it, DeviceMapConfig& v, Ctx& ctx, const Field& f) {
   if (it.node.IsScalar()) {
     v.single = normalize_device(it.node.Scalar());
     v.entries.clear();
     return;
   }
-  if (!it.node.IsMap()) wrong_type(ctx, it, type_name(v, form));
+  if (!it.node.IsMap()) wrong_type(ctx, it, type_name(v, f));
   v.single = DeviceMapConfig().single;
   v.entries.clear();
   for (const auto& kv : it.node) {
@@ -572,109 +318,21 @@ void read_value(const Item& it, DeviceMapConfig& v, Ctx& ctx, Form form) {
   }
 }
 
-template <class S>
-void read_struct(const Item& it, S& s, Ctx& ctx) {
-  if (it.node.IsNull()) return;  // a section with nothing under it
-  if (!it.node.IsMap()) wrong_type(ctx, it, "a mapping");
-  check_keys(it, names_of<S>(), ctx);
-  s.fields([&](const char* name, auto& member, const char*, Form form = Form::plain) {
-    for (const auto& kv : it.node)
-      if (kv.first.Scalar() == name) return read(Item{kv.second, join(it.path, name), mark_of(kv.second, kv.first)}, member, ctx, form);
-  });
-}
-
-template <class T>
-void read(const Item& it, T& v, Ctx& ctx, Form form) {
-  ctx.seen[it.path] = {ctx.at(it.mark), text_of(it.node)};
-  if constexpr (HasFields<T>::value)
-    read_struct(it, v, ctx);
-  else
-    read_value(it, v, ctx, form);
-}
-
-// ---- Overrides: key.path=value ----
-
-template <class S>
-void seek(S& s, const std::vector<std::string>& segments, size_t i, const std::string& prefix,
-          const YAML::Node& value, Ctx& ctx) {
-  const YAML::Mark none = YAML::Mark::null_mark();
-  bool found = false;
-  s.fields([&](const char* name, auto& member, const char*, Form form = Form::plain) {
-    using T = std::decay_t<decltype(member)>;
-    if (found || segments[i] != name) return;
-    found = true;
-    const std::string path = join(prefix, name);
-    if (i + 1 == segments.size()) return read(Item{value, path, none}, member, ctx, form);
-    if constexpr (HasFields<T>::value) {
-      seek(member, segments, i + 1, path, value, ctx);
-    } else if constexpr (std::is_same_v<T, std::map<std::string, SizeSpec>>) {
-      std::string device = segments[i + 1];  // model.max_memory.cuda:0=20GiB
-      for (size_t k = i + 2; k < segments.size(); ++k) device += "." + segments[k];
-      device = normalize_device(device);
-      read(Item{value, join(path, device), none}, member[device], ctx, Form::plain);
-    } else {
-      fail(ctx.at(none), ": ", join(path, segments[i + 1]), ": unknown key (", path, " is a ",
-           type_name(member, form), ", not a section)");
-    }
-  });
-  if (!found) unknown_key(ctx.at(none), join(prefix, segments[i]), names_of<S>());
-}
-
-void apply_override(Config& config, const std::string& text, Ctx& ctx) {
-  const std::string how = " (write key=value, e.g. training.learning_rate=1e-4)";
-  size_t eq = text.find('=');
-  MEMTUNE_CHECK(eq != std::string::npos && eq > 0, "override '", text, "': expected key=value", how);
-  std::string key = text.substr(0, eq);
-  while (!key.empty() && std::isspace(static_cast<unsigned char>(key.back()))) key.pop_back();
-  YAML::Node value;
-  try {
-    value = YAML::Load(text.substr(eq + 1));
-  } catch (const YAML::Exception& e) {
-    fail("override '", text, "': ", key, ": cannot read the value as YAML (", e.msg, ")");
-  }
-  std::vector<std::string> segments;
-  std::stringstream ss(key);
-  for (std::string s; std::getline(ss, s, '.');) segments.push_back(s);
-  if (segments.empty() || key.back() == '.') segments.emplace_back();
-  ctx.override_text = text;
-  seek(config, segments, 0, "", value, ctx);
-  ctx.override_text.clear();
-}
-
-// ---- Writing ----
-
-void write(YAML::Emitter& e, const bool& v, Form) { e << v; }
-void write(YAML::Emitter& e, const int& v, Form form) {
-  if (form == Form::int_or_auto && v == TrainingConfig::kAuto)
-    e << "auto";
-  else
-    e << v;
-}
-void write(YAML::Emitter& e, const int64_t& v, Form) { e << v; }
-void write(YAML::Emitter& e, const uint64_t& v, Form) { e << v; }
-void write(YAML::Emitter& e, const double& v, Form) { e << format_double(v); }
-void write(YAML::Emitter& e, const std::string& v, Form) { e << v; }
-template <class T>
-void write(YAML::Emitter& e, const std::vector<T>& v, Form) {
-  e << YAML::Flow << YAML::BeginSeq;
-  for (const auto& x : v) e << x;
-  e << YAML::EndSeq;
-}
-void write(YAML::Emitter& e, const SizeSpec& v, Form) {
+void write(YAML::Emitter& e, const SizeSpec& v, const Field&) {
   if (v.is_set())
     e << format_size(v);
   else
     e << YAML::Null;
 }
-void write(YAML::Emitter& e, const std::map<std::string, SizeSpec>& v, Form) {
+void write(YAML::Emitter& e, const std::map<std::string, SizeSpec>& v, const Field&) {
   e << YAML::Flow << YAML::BeginMap;
   for (const auto& [device, size] : v) {
     e << YAML::Key << device << YAML::Value;
-    write(e, size, Form::plain);
+    write(e, size, Field{});
   }
   e << YAML::EndMap;
 }
-void write(YAML::Emitter& e, const CheckpointingConfig& v, Form) {
+void write(YAML::Emitter& e, const CheckpointingConfig& v, const Field&) {
   const CheckpointingConfig d;
   if (v.n == d.n && v.layers.empty() && (v.policy == "all" || v.policy == "none")) {
     e << (v.policy == "all");
@@ -682,10 +340,10 @@ void write(YAML::Emitter& e, const CheckpointingConfig& v, Form) {
   }
   e << YAML::Flow << YAML::BeginMap << YAML::Key << "policy" << YAML::Value << v.policy << YAML::Key << "n"
     << YAML::Value << v.n << YAML::Key << "layers" << YAML::Value;
-  write(e, v.layers, Form::plain);
+  write(e, v.layers, Field{});
   e << YAML::EndMap;
 }
-void write(YAML::Emitter& e, const DeviceMapConfig& v, Form) {
+void write(YAML::Emitter& e, const DeviceMapConfig& v, const Field&) {
   if (v.entries.empty()) {
     e << v.single;
     return;
@@ -694,139 +352,48 @@ void write(YAML::Emitter& e, const DeviceMapConfig& v, Form) {
   for (const auto& [prefix, device] : v.entries) e << YAML::Key << prefix << YAML::Value << device;
   e << YAML::EndMap;
 }
-template <class S, std::enable_if_t<HasFields<S>::value, int> = 0>
-void write(YAML::Emitter& e, const S& s, Form) {
-  e << YAML::BeginMap;
-  visit(s, [&](const char* name, const auto& member, const char*, Form form = Form::plain) {
-    e << YAML::Key << name << YAML::Value;
-    write(e, member, form);
-  });
-  e << YAML::EndMap;
-}
 
-// One value on one line, as YAML flow.
-template <class T>
-std::string render(const T& v, Form form) {
-  YAML::Emitter e;
-  e.SetNullFormat(YAML::LowerNull);
-  e.SetMapFormat(YAML::Flow);
-  e.SetSeqFormat(YAML::Flow);
-  write(e, v, form);
-  return e.c_str();
-}
-
-// ---- Equality ----
-
-bool same(const SizeSpec& a, const SizeSpec& b) { return a.bytes == b.bytes && a.fraction == b.fraction; }
-bool same(const CheckpointingConfig& a, const CheckpointingConfig& b) {
+bool same(const SizeSpec& a, const SizeSpec& b, const Field&) { return a.bytes == b.bytes && a.fraction == b.fraction; }
+bool same(const CheckpointingConfig& a, const CheckpointingConfig& b, const Field&) {
   return a.policy == b.policy && a.n == b.n && a.layers == b.layers;
 }
-bool same(const DeviceMapConfig& a, const DeviceMapConfig& b) {
+bool same(const DeviceMapConfig& a, const DeviceMapConfig& b, const Field&) {
   return a.single == b.single && a.entries == b.entries;
 }
-bool same(const std::map<std::string, SizeSpec>& a, const std::map<std::string, SizeSpec>& b) {
-  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](const auto& x, const auto& y) {
-           return x.first == y.first && same(x.second, y.second);
+bool same(const std::map<std::string, SizeSpec>& a, const std::map<std::string, SizeSpec>& b, const Field& f) {
+  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [&](const auto& x, const auto& y) {
+           return x.first == y.first && same(x.second, y.second, f);
          });
 }
-template <class T>
-bool same(const T& a, const T& b) {
-  return a == b;
-}
 
-// Every leaf of a struct, in visiting order.
-struct LeafAddresses {
-  std::vector<const void*>& out;
-  template <class T>
-  void operator()(const char*, T& member, const char*, Form = Form::plain) {
-    if constexpr (HasFields<T>::value)
-      member.fields(*this);
-    else
-      out.push_back(&member);
-  }
-};
+}  // namespace reflect
 
-struct LeafCompare {
-  const std::vector<const void*>& other;
-  size_t next = 0;
-  bool equal = true;
-  template <class T>
-  void operator()(const char*, T& member, const char*, Form = Form::plain) {
-    if constexpr (HasFields<T>::value)
-      member.fields(*this);
-    else
-      equal = same(member, *static_cast<const T*>(other[next++])) && equal;
-  }
-};
+namespace {
 
-// ---- Validation: one function per struct, checks in declaration order ----
+using reflect::Checker;
+using reflect::Ctx;
+using reflect::format_double;
+using reflect::Item;
+using reflect::parse_int64;
 
-class Checker {
- public:
-  Checker(std::string source, const std::map<std::string, Seen>* seen)
-      : source_(source.empty() ? "config" : std::move(source)), seen_(seen) {}
-
-  // Refuses `value` at `path` unless `ok`: "where: path: invalid value 'v': reason".
-  template <class T>
-  void check(bool ok, const std::string& path, const T& value, const std::string& reason,
-             Form form = Form::plain) const {
-    if (ok) return;
-    std::string text = render(value, form);
-    if (seen_ && seen_->count(path)) text = seen_->at(path).text;
-    fail(at(path), ": ", path, ": invalid value '", text, "': ", reason);
-  }
-
-  void one_of(const std::string& path, const std::string& value, std::initializer_list<const char*> choices,
-              const std::string& note = "") const {
-    std::vector<std::string> names(choices.begin(), choices.end());
-    if (std::find(names.begin(), names.end(), value) != names.end()) return;
-    std::string reason = note.empty() ? "expected one of " : note + "; expected one of ";
-    for (size_t i = 0; i < names.size(); ++i) reason += (i ? "|" : "") + names[i];
-    std::string guess = nearest(value, names);
-    if (edit_distance(value, guess) <= std::max<size_t>(2, value.size() / 3))
-      reason += " (did you mean " + guess + "?)";
-    check(false, path, value, reason);
-  }
-
- private:
-  // The place a key was set, or the nearest enclosing key that was.
-  std::string at(std::string path) const {
-    while (seen_ && !path.empty()) {
-      auto it = seen_->find(path);
-      if (it != seen_->end()) return it->second.at;
-      size_t cut = path.find_last_of(".[");
-      path = cut == std::string::npos ? "" : path.substr(0, cut);
-    }
-    return source_;
-  }
-
-  std::string source_;
-  const std::map<std::string, Seen>* seen_;
-};
+// ---- Checks across keys: one function per struct, in declaration order ----
 
 bool power_of_two(int64_t v) { return v > 0 && (v & (v - 1)) == 0; }
 
 void validate(const QuantizationConfig& q, const std::string& p, const Checker& c) {
   c.check(!q.load_in_8bit, p + ".load_in_8bit", q.load_in_8bit,
           "8-bit weights are not supported (use load_in_4bit: true)");
-  c.one_of(p + ".bnb_4bit_compute_dtype", q.bnb_4bit_compute_dtype, {"auto", "float32", "float16", "bfloat16"});
-  if (lower(q.bnb_4bit_quant_type) == "fp4")
-    c.check(false, p + ".bnb_4bit_quant_type", q.bnb_4bit_quant_type, "only nf4 is supported");
-  c.one_of(p + ".bnb_4bit_quant_type", q.bnb_4bit_quant_type, {"nf4"}, "unknown quant type");
-  c.one_of(p + ".bnb_4bit_quant_storage", q.bnb_4bit_quant_storage, {"uint8"},
-           "packed codes are stored as uint8");
   c.check(power_of_two(q.blocksize) && q.blocksize >= 32 && q.blocksize <= 4096, p + ".blocksize", q.blocksize,
           "must be a power of two in 32..4096 (bitsandbytes uses 64)");
 }
 
 void validate(const ModelConfig& m, const std::string& p, const Checker& c) {
   c.check(!m.name_or_path.empty(), p + ".name_or_path", m.name_or_path, "must name a model directory or a preset");
-  c.one_of(p + ".torch_dtype", m.torch_dtype, {"auto", "float32", "float16", "bfloat16"});
   c.check(m.torch_dtype == "float32", p + ".torch_dtype", m.torch_dtype,
           "Hugging Face loads the weights in this dtype, but memtune keeps its dense weights (embeddings, "
           "norms, unquantized projections) in float32; the matmuls run in "
           "quantization_config.bnb_4bit_compute_dtype, or set training.bf16 / training.fp16. Remove the key or "
-          "set float32", Form::dtype);
+          "set float32", kDtype);
   validate(m.quantization_config, p + ".quantization_config", c);
   if (m.device_map.entries.empty())
     c.check(is_device(m.device_map.single, true, false), p + ".device_map", m.device_map.single,
@@ -845,7 +412,6 @@ void validate(const ModelConfig& m, const std::string& p, const Checker& c) {
           "memtune always loads tensor by tensor from the memory-mapped safetensors (what true does in "
           "Hugging Face); a load that builds the whole model in memory first is not available. Remove the key "
           "or set true");
-  c.one_of(p + ".attn_implementation", m.attn_implementation, {"auto", "eager", "sdpa"});
   c.check(m.attn_implementation != "sdpa" || MEMTUNE_HAS_SDPA, p + ".attn_implementation", m.attn_implementation,
           "sdpa (at::scaled_dot_product_attention) needs LibTorch 2.0 or later and this build uses " +
               compat::torch_version() + "; auto and eager run memory-efficient attention on every version");
@@ -864,16 +430,13 @@ void validate(const LoraConfig& l, const std::string& p, const Checker& c) {
   }
   for (int layer : l.layers_to_transform)
     c.check(layer >= 0, p + ".layers_to_transform", l.layers_to_transform, "layer indices are >= 0");
-  c.one_of(p + ".init_lora_weights", l.init_lora_weights, {"true", "gaussian"});
-  c.one_of(p + ".bias", l.bias, {"none"}, "trained biases are not supported");
   c.check(l.modules_to_save.empty(), p + ".modules_to_save", l.modules_to_save,
           "training whole modules beside the adapters (PEFT's modules_to_save) is not supported; only the LoRA "
           "matrices train. Remove the key, or put LoRA on those modules' projections through target_modules");
-  c.one_of(p + ".task_type", l.task_type, {"CAUSAL_LM"});
 }
 
 void validate(const CheckpointingConfig& g, const std::string& p, const Checker& c) {
-  c.one_of(p + ".policy", g.policy, {"none", "all", "every_n", "layers"}, "unknown checkpointing policy");
+  c.one_of(p + ".policy", g.policy, CheckpointingConfig::kPolicies, "unknown checkpointing policy");
   if (g.policy == "every_n") c.check(g.n >= 1, p + ".n", g.n, "every_n needs n >= 1");
   if (g.policy == "layers") c.check(!g.layers.empty(), p + ".layers", g.layers, "policy layers needs a list of layer indices");
   for (int layer : g.layers) c.check(layer >= 0, p + ".layers", g.layers, "layer indices are >= 0");
@@ -881,10 +444,9 @@ void validate(const CheckpointingConfig& g, const std::string& p, const Checker&
 
 void validate(const TrainingConfig& t, const std::string& p, const Checker& c) {
   c.check(!t.output_dir.empty(), p + ".output_dir", t.output_dir, "must name a directory");
-  c.one_of(p + ".finetune", t.finetune, {"lora", "full"});
   c.check(t.per_device_train_batch_size >= 1 || t.per_device_train_batch_size == TrainingConfig::kAuto,
           p + ".per_device_train_batch_size", t.per_device_train_batch_size, "must be at least 1, or auto",
-          Form::int_or_auto);
+          Field::integer_or_auto());
   c.check(t.per_device_eval_batch_size >= 1, p + ".per_device_eval_batch_size", t.per_device_eval_batch_size,
           "must be at least 1");
   c.check(t.gradient_accumulation_steps >= 1, p + ".gradient_accumulation_steps", t.gradient_accumulation_steps,
@@ -895,15 +457,12 @@ void validate(const TrainingConfig& t, const std::string& p, const Checker& c) {
   c.check(t.num_train_epochs > 0 || t.max_steps > 0, p + ".num_train_epochs", t.num_train_epochs,
           "must be > 0 unless max_steps is set");
   c.check(t.max_steps == -1 || t.max_steps >= 1, p + ".max_steps", t.max_steps, "must be -1 (use epochs) or >= 1");
-  c.one_of(p + ".lr_scheduler_type", t.lr_scheduler_type, {"constant", "constant_with_warmup", "linear", "cosine"});
   c.check(t.warmup_ratio >= 0 && t.warmup_ratio <= 1, p + ".warmup_ratio", t.warmup_ratio, "must be in [0, 1]");
   c.check(t.warmup_steps >= 0, p + ".warmup_steps", t.warmup_steps, "must be >= 0");
   c.check(t.weight_decay >= 0, p + ".weight_decay", t.weight_decay, "must be >= 0");
   c.check(t.adam_beta1 >= 0 && t.adam_beta1 < 1, p + ".adam_beta1", t.adam_beta1, "must be in [0, 1)");
   c.check(t.adam_beta2 >= 0 && t.adam_beta2 < 1, p + ".adam_beta2", t.adam_beta2, "must be in [0, 1)");
   c.check(t.adam_epsilon > 0, p + ".adam_epsilon", t.adam_epsilon, "must be > 0");
-  c.one_of(p + ".optim", t.optim,
-           {"adamw_torch", "adamw", "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "sgd"});
   c.check(t.momentum >= 0 && t.momentum < 1, p + ".momentum", t.momentum, "must be in [0, 1)");
   c.check(t.logging_steps >= 1, p + ".logging_steps", t.logging_steps, "must be at least 1");
   c.check(t.save_steps >= 0, p + ".save_steps", t.save_steps, "must be >= 0 (0: only at the end)");
@@ -922,11 +481,8 @@ void validate(const DataConfig& d, const std::string& p, const Checker& c) {
   c.check(d.eval_split == 0, p + ".eval_split", d.eval_split,
           "holding out a share of the training data is not implemented; write the held-out samples to a file "
           "and name it in data.eval_file");
-  c.one_of(p + ".format", d.format, {"auto", "text", "instruction", "chat", "tokens", "plain"});
-  c.one_of(p + ".template_name", d.template_name, {"llama-3", "chatml", "alpaca"});
   c.check(!d.text_field.empty(), p + ".text_field", d.text_field, "must name a JSON field");
   c.check(d.max_seq_length >= 8, p + ".max_seq_length", d.max_seq_length, "must be at least 8 tokens");
-  c.one_of(p + ".truncation", d.truncation, {"right", "drop"});
 }
 
 void validate(const OnOomConfig& o, const std::string& p, const Checker& c) {
@@ -979,16 +535,15 @@ void validate(const MemoryConfig& m, const std::string& p, const Checker& c) {
 void validate(const RuntimeConfig& r, const std::string& p, const Checker& c) {
   c.check(is_device(r.device, true, false), p + ".device", r.device, "expected auto, cpu, cuda or cuda:N");
   c.check(r.num_threads >= 0, p + ".num_threads", r.num_threads, "must be >= 0 (0: from the CPU affinity)");
-  c.one_of(p + ".log_level", r.log_level, {"trace", "debug", "info", "warn", "error", "critical", "off"});
 }
 
 void validate(const DistributedConfig& d, const std::string& p, const Checker& c) {
-  c.one_of(p + ".backend", d.backend, {"auto", "gloo", "nccl"});
   c.check(d.timeout > 0, p + ".timeout", d.timeout, "must be > 0 seconds");
   c.check(d.bucket_size_mb >= 1, p + ".bucket_size_mb", d.bucket_size_mb, "must be at least 1 MiB");
 }
 
 void validate(const Config& config, const Checker& c) {
+  check_choices(config, "", c);
   validate(config.model, "model", c);
   validate(config.lora, "lora", c);
   validate(config.training, "training", c);
@@ -998,29 +553,12 @@ void validate(const Config& config, const Checker& c) {
   validate(config.distributed, "distributed", c);
 }
 
-// ---- Help ----
-
-template <class S>
-void help_of(const S& defaults, const std::string& prefix, std::ostringstream& out) {
-  visit(defaults, [&](const char* name, const auto& member, const char* help, Form form = Form::plain) {
-    using T = std::decay_t<decltype(member)>;
-    const std::string path = join(prefix, name);
-    if constexpr (HasFields<T>::value) {
-      if (prefix.empty())
-        out << "\n" << path << ": " << help << "\n";
-      else
-        out << "  " << path << ".*: " << help << "\n";
-      help_of(member, path, out);
-    } else {
-      out << "  " << path << " (" << type_name(member, form) << ", default: " << render(member, form) << ")\n"
-          << "      " << help << "\n";
-    }
-  });
-}
-
 }  // namespace
 
 // ---- Public ----
+
+using reflect::help_of;
+using reflect::visit;
 
 Config parse_config(const std::string& yaml_text, const std::string& source,
                     const std::vector<std::string>& overrides) {
@@ -1034,7 +572,7 @@ Config parse_config(const std::string& yaml_text, const std::string& source,
   }
   Config config;
   config.source = source;
-  read(Item{root, "", root.Mark()}, config, ctx, Form::plain);
+  read(Item{root, "", root.Mark()}, config, ctx, Field{});
   for (const auto& text : overrides) apply_override(config, text, ctx);
   validate(config, Checker(ctx.source, &ctx.seen));
   return config;
@@ -1054,7 +592,7 @@ void validate(const Config& config) { validate(config, Checker(config.source, nu
 std::string to_yaml(const Config& config) {
   YAML::Emitter e;
   e.SetNullFormat(YAML::LowerNull);
-  write(e, config, Form::plain);
+  write(e, config, Field{});
   MEMTUNE_CHECK(e.good(), "to_yaml: ", e.GetLastError());
   return std::string(e.c_str()) + "\n";
 }
@@ -1116,12 +654,6 @@ std::vector<std::string> compatibility_notes(const Config& config) {
   return notes;
 }
 
-bool operator==(const Config& a, const Config& b) {
-  std::vector<const void*> leaves;
-  visit(b, LeafAddresses{leaves});
-  LeafCompare compare{leaves};
-  visit(a, compare);
-  return compare.equal;
-}
+bool operator==(const Config& a, const Config& b) { return reflect::equal_fields(a, b); }
 
 }  // namespace memtune::trainer

@@ -3,7 +3,8 @@
 // Face / bitsandbytes / PEFT. Each field is declared once: its default here, its YAML name
 // and help text in the struct's fields() visitor; parsing, validation, --help-config and the
 // effective config written to output_dir/config.yaml all come from that visitor.
-// YAML is parsed in trainer/config.cpp and nowhere else.
+// YAML is parsed in trainer/config.cpp (the schema) and trainer/config_reflect (the engine)
+// and nowhere else.
 #include <cstdint>
 #include <filesystem>
 #include <map>
@@ -31,7 +32,8 @@ struct QuantizationConfig {
 
 // `gradient_checkpointing: true|false` or `{policy: all|every_n|layers, n: 2, layers: [1,3]}`.
 struct CheckpointingConfig {
-  std::string policy = "none";  // none|all|every_n|layers
+  static inline const std::vector<std::string> kPolicies = {"none", "all", "every_n", "layers"};
+  std::string policy = "none";  // one of kPolicies
   int n = 2;                    // every_n: layers 0, n, 2n, ... are checkpointed
   std::vector<int> layers;      // layers: these layer indices are checkpointed
   bool enabled() const { return policy != "none"; }
@@ -117,7 +119,7 @@ struct TrainingConfig {
   bool remove_unused_columns = true;
   std::string report_to = "none";
 
-  static constexpr int kAuto = -1;  // per_device_train_batch_size: auto
+  static constexpr int kAuto = -1;  // per_device_train_batch_size: auto (reflect::kAuto)
   template <class F> void fields(F&& f);
 };
 

@@ -5,8 +5,9 @@ Every key is declared once in trainer/config.cpp, `f("name", member, help)` in a
 visitor. A key that does something is read as `.member` by code outside trainer/config.{h,cpp}.
 The few keys whose only effect is in config.cpp (refused unless at their one supported value,
 or logged as a compatibility note) are listed below with why; each of those must be read by
-config.cpp's validation or notes, outside the visitors, and must not be read elsewhere (then it
-does something and leaves the list).
+config.cpp's validation or notes, outside the visitors, or declare its one allowed value in
+its visitor entry (`{"nf4"}`, `Field::one_of({"none"}, ...)`: the engine refuses any other),
+and must not be read elsewhere (then it does something and leaves the list).
 
 Usage: config_keys_read.py SOURCE_DIR
 """
@@ -49,6 +50,13 @@ def main(root):
     visitors = re.compile(r"template <class F>\s*void (\w+)::fields\(F&& f\) \{(.*?)\n\}", re.S)
     declared = {s: re.findall(r'\bf\("([A-Za-z0-9_]+)",\s*([A-Za-z0-9_]+)\s*[,)]', body)
                 for s, body in visitors.findall(config_cpp)}
+    # member -> its choices, when the visitor entry declares exactly one allowed value.
+    single_choice = {}
+    for body in visitors.findall(config_cpp):
+        for entry in re.split(r"\n\s*f\(", body[1]):
+            m = re.match(r'\s*"[A-Za-z0-9_]+",\s*(\w+),.*?(?:Field::one_of\(|,\s*)\{("[^"]*")\}', entry, re.S)
+            if m:
+                single_choice[m.group(1)] = m.group(2)
     if sum(len(v) for v in declared.values()) < 50:
         sys.exit("found too few f(\"name\", member) declarations in trainer/config.cpp: "
                  "has the visitor's form changed? update this test")
@@ -81,7 +89,7 @@ def main(root):
             if member in ONLY_IN_CONFIG:
                 if read_elsewhere:
                     problems.append(f"{name}: read outside config.cpp now; remove it from ONLY_IN_CONFIG")
-                elif not reads(config_rest, struct, member):
+                elif not reads(config_rest, struct, member) and member not in single_choice:
                     problems.append(f"{name}: listed as '{ONLY_IN_CONFIG[member]}' but config.cpp's "
                                     "validation and notes never read it")
             elif not read_elsewhere:

@@ -332,7 +332,7 @@ TEST(ConfigErrors, Fp16AndBf16BothTrue) {
 TEST(ConfigErrors, QuantTypeUnknown) {
   const std::string yaml = "model:\n  quantization_config:\n    bnb_4bit_quant_type: nf3\n";
   std::string e = expect_invalid(yaml, "bnb_4bit_quant_type", "nf3", "model.quantization_config.bnb_4bit_quant_type",
-                                 "nf3", "unknown quant type");
+                                 "nf3", "only nf4 is supported");
   EXPECT_HAS(e, "did you mean nf4?");
 }
 
