@@ -20,18 +20,7 @@ namespace memtune::trainer {
 
 namespace fs = std::filesystem;
 
-models::ModelSpec model_spec(const Config& c) {
-  if (fs::is_directory(c.model.name_or_path)) return models::read_hf_config(c.model.name_or_path);
-  std::optional<models::ModelSpec> spec = models::preset(c.model.name_or_path);
-  if (!spec) {
-    std::string names;
-    for (const auto& n : models::preset_names()) names += (names.empty() ? "" : ", ") + n;
-    fail("model.name_or_path: '", c.model.name_or_path, "' is neither a directory with config.json nor a preset (",
-         names, ")");
-  }
-  if (!c.model.architecture.empty()) spec->architecture = c.model.architecture;
-  return *spec;
-}
+models::ModelSpec model_spec(const Config& c) { return model_spec(c.model); }
 
 std::vector<bool> checkpoint_plan(const CheckpointingConfig& c, int64_t layers) {
   std::vector<bool> out(static_cast<size_t>(layers), false);

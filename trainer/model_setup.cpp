@@ -72,6 +72,19 @@ at::ScalarType resolve_compute_dtype(const Config& c, const c10::Device& device,
   return t;
 }
 
+models::ModelSpec model_spec(const ModelConfig& m) {
+  if (fs::is_directory(m.name_or_path)) return models::read_hf_config(m.name_or_path);
+  std::optional<models::ModelSpec> spec = models::preset(m.name_or_path);
+  if (!spec) {
+    std::string names;
+    for (const auto& n : models::preset_names()) names += (names.empty() ? "" : ", ") + n;
+    fail("model.name_or_path: '", m.name_or_path, "' is neither a directory with config.json nor a preset (",
+         names, ")");
+  }
+  if (!m.architecture.empty()) spec->architecture = m.architecture;
+  return *spec;
+}
+
 std::unique_ptr<models::CausalLM> load_base_model(const ModelConfig& m) {
   const auto& q = m.quantization_config;
   fs::path dir(m.name_or_path);
@@ -82,15 +95,7 @@ std::unique_ptr<models::CausalLM> load_base_model(const ModelConfig& m) {
     o.double_quant = q.bnb_4bit_use_double_quant;
     return models::load_hf_model(dir, o);
   }
-  std::optional<models::ModelSpec> spec = models::preset(m.name_or_path);
-  if (!spec) {
-    std::string names;
-    for (const auto& n : models::preset_names()) names += (names.empty() ? "" : ", ") + n;
-    fail("model.name_or_path: '", m.name_or_path, "' is neither a directory with config.json nor a preset (",
-         names, ")");
-  }
-  if (!m.architecture.empty()) spec->architecture = m.architecture;
-  auto model = models::init_random_model(*spec, m.init_seed);
+  auto model = models::init_random_model(model_spec(m), m.init_seed);
   if (q.load_in_4bit)
     for (models::Linear* l : model->linears()) l->quantize(q.blocksize, q.bnb_4bit_use_double_quant);
   return model;

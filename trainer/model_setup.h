@@ -39,6 +39,10 @@ c10::Device resolve_device(const std::string& spec, const std::string& where = "
 // bf16). `note` receives why, and a warning when an explicit choice will be slow.
 at::ScalarType resolve_compute_dtype(const Config& config, const c10::Device& device, std::string* note);
 
+// The model's shape: a Hugging Face directory's config.json, or a preset (with
+// model.architecture when set). Throws UserError naming the presets when it is neither.
+models::ModelSpec model_spec(const ModelConfig& config);
+
 // The model's structure and weights, without adapters: a Hugging Face directory (loaded
 // tensor by tensor, quantized as it arrives) or a preset (random weights from init_seed).
 std::unique_ptr<models::CausalLM> load_base_model(const ModelConfig& config);
