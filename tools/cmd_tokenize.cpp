@@ -7,7 +7,7 @@
 
 #include "data/dataset.h"
 #include "data/token_file.h"
-#include "data/tokenize_command.h"
+#include "tools/tokenize_file.h"
 #include "data/tokenizer.h"
 #include "runtime/error.h"
 #include "tools/commands.h"
@@ -19,7 +19,7 @@ namespace memtune::cli {
 void add_tokenize_command(CLI::App& app) {
   auto* cmd = app.add_subcommand("tokenize", "token ids of a file, or a training set pre-tokenized to a .bin file");
   struct A {
-    data::TokenizeOptions o;
+    TokenizeOptions o;
     std::string tokenizer, input, config, out;
     std::vector<std::string> overrides;
   };
@@ -39,9 +39,17 @@ void add_tokenize_command(CLI::App& app) {
       trainer::Config c = trainer::load_config(a->config, a->overrides);
       std::string tok = c.model.tokenizer.empty() ? c.model.name_or_path : c.model.tokenizer;
       auto tokenizer = data::Tokenizer::load(tok);
-      data::DatasetOptions o = trainer::dataset_options(c.data, c.training.output_dir);
-      o.train_on_prompt = true;  // a .bin token file holds tokens only, no target mask
+      const data::DatasetOptions o = trainer::dataset_options(c.data, c.training.output_dir);
       data::Dataset ds(c.data.train_file, tokenizer.get(), o);
+      // A .bin token file holds tokens only, no loss mask: training from it learns every
+      // token. Written from data whose prompts this config leaves out of the loss, it would
+      // train differently from its source without a word.
+      MEMTUNE_CHECK(o.train_on_prompt || (ds.format() != "instruction" && ds.format() != "chat"), a->config,
+                    ": data.train_file ", c.data.train_file, " is ", ds.format(),
+                    " data and data.train_on_prompt is false, so training from it leaves the prompts out of the "
+                    "loss; a .bin token file has no loss mask and would train on them. Train from ",
+                    c.data.train_file, " itself, or write the .bin with data.train_on_prompt=true to train on "
+                    "the prompts too");
       std::vector<uint32_t> stream = ds.token_stream(tokenizer->eos_id);
       data::write_token_file(a->out, stream, tokenizer->vocab_size());
       std::cout << "wrote " << a->out << ": " << ds.stats().documents << " documents, " << stream.size()
@@ -51,7 +59,7 @@ void add_tokenize_command(CLI::App& app) {
     MEMTUNE_CHECK(!a->tokenizer.empty() && !a->input.empty(), "tokenize needs --tokenizer and --input (or --config and --out)");
     a->o.tokenizer = a->tokenizer;
     a->o.input = a->input;
-    data::tokenize_command(a->o, std::cout, std::cerr);
+    cli::tokenize_file(a->o, std::cout, std::cerr);
   });
 }
 

@@ -6,7 +6,7 @@
 #include <ostream>
 #include <string>
 
-namespace memtune::data {
+namespace memtune::cli {
 
 struct TokenizeOptions {
   std::filesystem::path tokenizer;  // tokenizer.json, .model, or a directory holding one
@@ -29,6 +29,6 @@ struct TokenizeStats {
 // Tokenizes options.input to `out`. With options.stats, a line "documents N, tokens T,
 // bytes B, bytes/token X" goes to `stats_out`. Throws UserError for a bad format, an
 // unreadable file, or a malformed JSONL line (file:line and the text near it).
-TokenizeStats tokenize_command(const TokenizeOptions& options, std::ostream& out, std::ostream& stats_out);
+TokenizeStats tokenize_file(const TokenizeOptions& options, std::ostream& out, std::ostream& stats_out);
 
-}  // namespace memtune::data
+}  // namespace memtune::cli

@@ -4,15 +4,15 @@
 
 #include <sstream>
 
-#include "data/tokenize_command.h"
+#include "tools/tokenize_file.h"
 #include "runtime/error.h"
 #include "test_util.h"
 
 namespace memtune::testing {
 namespace {
 
-data::TokenizeOptions options(const fs::path& input, const std::string& format) {
-  data::TokenizeOptions o;
+cli::TokenizeOptions options(const fs::path& input, const std::string& format) {
+  cli::TokenizeOptions o;
   o.tokenizer = source_dir() / "examples" / "tiny-tokenizer";
   o.input = input;
   o.format = format;
@@ -25,7 +25,7 @@ TEST(TokenizeCommand, JsonlLinesBecomeIdArrays) {
   std::ostringstream out, stats;
   auto o = options(in, "jsonl");
   o.stats = true;
-  const auto s = data::tokenize_command(o, out, stats);
+  const auto s = cli::tokenize_file(o, out, stats);
   EXPECT_EQ(out.str(), "[65]\n[]\n[65,1020]\n");
   EXPECT_EQ(s.documents, 3);
   EXPECT_EQ(s.tokens, 3);
@@ -35,7 +35,7 @@ TEST(TokenizeCommand, JsonlLinesBecomeIdArrays) {
   std::ostringstream out2, none;
   o.add_special_tokens = true;
   o.stats = false;
-  data::tokenize_command(o, out2, none);
+  cli::tokenize_file(o, out2, none);
   EXPECT_EQ(out2.str(), "[1019,65]\n[1019]\n[1019,65,1020]\n");
   EXPECT_EQ(none.str(), "");
 }
@@ -44,9 +44,9 @@ TEST(TokenizeCommand, IdsAndTextFormats) {
   const fs::path in = temp_dir() / "in.txt";
   write_file(in, "A\nA\n");
   std::ostringstream ids, text, stats;
-  data::tokenize_command(options(in, "ids"), ids, stats);
+  cli::tokenize_file(options(in, "ids"), ids, stats);
   EXPECT_EQ(ids.str(), "65\n65\n");
-  data::tokenize_command(options(in, "text"), text, stats);
+  cli::tokenize_file(options(in, "text"), text, stats);
   EXPECT_EQ(text.str(), "65 10 65 10\n");  // "\n" is byte 10; no merge of "A\n" in the tiny vocab
 }
 
@@ -55,13 +55,13 @@ TEST(TokenizeCommand, BadLineNamesFileAndLine) {
   write_file(in, "\"ok\"\n{not json\n");
   std::ostringstream out, stats;
   try {
-    data::tokenize_command(options(in, "jsonl"), out, stats);
+    cli::tokenize_file(options(in, "jsonl"), out, stats);
     FAIL() << "no error";
   } catch (const UserError& e) {
     EXPECT_NE(std::string(e.what()).find("bad.jsonl:2"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("{not json"), std::string::npos) << e.what();
   }
-  EXPECT_THROW(data::tokenize_command(options(in, "csv"), out, stats), UserError);
+  EXPECT_THROW(cli::tokenize_file(options(in, "csv"), out, stats), UserError);
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-#include "data/tokenize_command.h"
+#include "tools/tokenize_file.h"
 
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -8,7 +8,7 @@
 #include "runtime/error.h"
 #include "runtime/json_input.h"
 
-namespace memtune::data {
+namespace memtune::cli {
 
 namespace {
 
@@ -24,11 +24,11 @@ void write_ids(std::ostream& out, const std::vector<int32_t>& ids, bool as_json)
 
 }  // namespace
 
-TokenizeStats tokenize_command(const TokenizeOptions& options, std::ostream& out, std::ostream& stats_out) {
+TokenizeStats tokenize_file(const TokenizeOptions& options, std::ostream& out, std::ostream& stats_out) {
   const std::string& format = options.format;
   MEMTUNE_CHECK(format == "jsonl" || format == "ids" || format == "text", "tokenize: format \"", format,
                 "\" is unknown; use jsonl, ids or text");
-  const auto tok = Tokenizer::load(options.tokenizer);
+  const auto tok = data::Tokenizer::load(options.tokenizer);
   std::ifstream in(options.input, std::ios::binary);
   MEMTUNE_CHECK(in, options.input.string(), ": cannot open the input file");
   TokenizeStats stats;
@@ -72,4 +72,4 @@ TokenizeStats tokenize_command(const TokenizeOptions& options, std::ostream& out
   return stats;
 }
 
-}  // namespace memtune::data
+}  // namespace memtune::cli
