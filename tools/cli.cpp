@@ -72,7 +72,11 @@ int memtune_main(int argc, char** argv) {
   bool version = false;
   app.add_flag("--version", version, "print memtune's version, LibTorch's and the CUDA devices");
   add_train_command(app);
-  add_model_commands(app);
+  add_init_model_command(app);
+  add_merge_command(app);
+  add_quantize_command(app);
+  add_generate_command(app);
+  add_eval_command(app);
   add_mem_command(app);
   add_tokenize_command(app);
   add_report_command(app);

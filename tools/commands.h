@@ -9,7 +9,11 @@ namespace memtune::cli {
 extern int g_exit_code;
 
 void add_train_command(CLI::App& app);
-void add_model_commands(CLI::App& app);  // init-model, merge, quantize, generate, eval
+void add_init_model_command(CLI::App& app);
+void add_merge_command(CLI::App& app);
+void add_quantize_command(CLI::App& app);
+void add_generate_command(CLI::App& app);
+void add_eval_command(CLI::App& app);
 void add_mem_command(CLI::App& app);
 void add_tokenize_command(CLI::App& app);
 void add_report_command(CLI::App& app);

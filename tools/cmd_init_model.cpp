@@ -1,0 +1,61 @@
+// memtune init-model: a randomly initialised model in Hugging Face format, from a preset or
+// any config.json.
+#include <filesystem>
+#include <iostream>
+#include <optional>
+
+#include <CLI/CLI.hpp>
+
+#include "models/hf_model.h"
+#include "models/registry.h"
+#include "runtime/error.h"
+#include "tools/commands.h"
+#include "tools/model_files.h"
+
+namespace memtune::cli {
+
+namespace fs = std::filesystem;
+
+void add_init_model_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand("init-model", "write a randomly initialised model in Hugging Face format");
+  struct A {
+    std::string arch = "llama", preset = "tiny", config, out, tokenizer;
+    uint64_t seed = 0;
+  };
+  auto a = std::make_shared<A>();
+  cmd->add_option("--arch", a->arch, "llama, gpt2, or a registered architecture name")->capture_default_str();
+  auto* preset = cmd->add_option("--preset", a->preset, "tiny, or a preset name (tiny-llama, llama-3.2-1b, gpt2, ...)")
+                     ->capture_default_str();
+  auto* config = cmd->add_option("--config", a->config,
+                                 "a Hugging Face config.json (or its directory) to build instead of a preset")
+                     ->excludes(preset);
+  cmd->add_option("--out", a->out, "output directory")->required();
+  cmd->add_option("--seed", a->seed, "random seed")->capture_default_str();
+  cmd->add_option("--tokenizer", a->tokenizer, "tokenizer directory or file to copy in");
+  cmd->callback([a, config] {
+    std::optional<models::ModelSpec> spec;
+    if (config->count() > 0) {
+      spec = models::read_hf_config(a->config);
+    } else {
+      std::string name = a->preset == "tiny" ? (a->arch == "gpt2" ? "tiny-gpt2" : "tiny-llama") : a->preset;
+      spec = models::preset(name);
+      MEMTUNE_CHECK(spec.has_value(), "--preset '", a->preset, "' is not a preset");
+      if (a->arch != "llama" && a->arch != "gpt2") spec->architecture = a->arch;
+      MEMTUNE_CHECK(!(a->arch == "gpt2" && !spec->is_gpt2()), "--arch gpt2 with a non-GPT-2 preset '", name, "'");
+    }
+    // Checked before anything is written, so a bad --tokenizer leaves no model behind.
+    MEMTUNE_CHECK(a->tokenizer.empty() || fs::exists(a->tokenizer), "--tokenizer '", a->tokenizer,
+                  "' does not exist (a tokenizer directory, tokenizer.json or tokenizer.model)");
+    auto model = models::init_random_model(*spec, a->seed);
+    models::save_hf_model(*model, a->out, {});
+    if (!a->tokenizer.empty()) {
+      fs::path t(a->tokenizer);
+      if (fs::is_directory(t)) copy_tokenizer_files(t, a->out);
+      else copy_file_or_fail(t, fs::path(a->out) / t.filename());
+    }
+    std::cout << "wrote " << a->out << ": " << spec->architecture << ", " << model->base_parameter_count()
+              << " parameters, seed " << a->seed << "\n";
+  });
+}
+
+}  // namespace memtune::cli

@@ -1,0 +1,48 @@
+// memtune quantize: a model with NF4 projections in bitsandbytes' checkpoint format.
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+
+#include <CLI/CLI.hpp>
+
+#include "models/hf_model.h"
+#include "runtime/nf4.h"
+#include "runtime/units.h"
+#include "tools/commands.h"
+#include "tools/model_files.h"
+
+namespace memtune::cli {
+
+void add_quantize_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand("quantize", "write a model with NF4 projections in bitsandbytes' format");
+  struct A {
+    std::string model, out;
+    int64_t blocksize = 64;
+    bool no_double_quant = false;
+  };
+  auto a = std::make_shared<A>();
+  cmd->add_option("--model", a->model, "Hugging Face model directory")->required();
+  cmd->add_option("--out", a->out, "output directory")->required();
+  cmd->add_option("--blocksize", a->blocksize, "elements per absmax block")->capture_default_str();
+  cmd->add_flag("--no-double-quant", a->no_double_quant, "keep the absmax values in fp32");
+  cmd->callback([a] {
+    models::LoadOptions lo;
+    lo.load_in_4bit = true;
+    lo.blocksize = a->blocksize;
+    lo.double_quant = !a->no_double_quant;
+    lo.on_tensor = [](const std::string&, int64_t d, int64_t t) { progress("quantize", d, t); };
+    auto model = models::load_hf_model(a->model, lo);
+    models::save_hf_model(*model, a->out, {});
+    copy_tokenizer_files(a->model, a->out);
+    int64_t n = 0, bytes = 0;
+    for (models::Linear* l : model->linears()) {
+      n += l->qweight()->numel();
+      bytes += l->qweight()->storage_bytes();
+    }
+    std::printf("quantized %lld projection parameters to %s (%.3f bits per parameter) -> %s\n",
+                static_cast<long long>(n), format_bytes(bytes).c_str(), 8.0 * bytes / std::max<int64_t>(1, n),
+                a->out.c_str());
+  });
+}
+
+}  // namespace memtune::cli
