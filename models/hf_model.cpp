@@ -8,6 +8,7 @@
 #include <ATen/core/grad_mode.h>
 #include <nlohmann/json.hpp>
 
+#include "models/io/bnb_nf4.h"
 #include "models/io/safetensors.h"
 #include "models/registry.h"
 #include "runtime/atomic_file.h"

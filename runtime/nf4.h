@@ -1,7 +1,7 @@
 #pragma once
 // NF4 4-bit weights, byte for byte as bitsandbytes stores them (quantize_4bit with
 // quant_type "nf4", optional double quantization of the absmax values), and the
-// serialized form of its checkpoints ("-bnb-4bit" models).
+// serialized form of its checkpoints ("-bnb-4bit" models) is models/io/bnb_nf4.h.
 //
 // Layout of a tensor of n elements, flattened row-major, in blocks of `blocksize`:
 //   packed  uint8 [ceil(n/2)]: code of element 2k in the HIGH nibble, 2k+1 in the low one
@@ -72,24 +72,8 @@ at::Tensor nf4_absmax_fp32(const NF4Tensor& q);
 // quantization at blocksize 64 for large tensors, 4.5 without).
 double nf4_bits_per_parameter(const NF4Tensor& q);
 
-// bitsandbytes' state-dict entries for a weight named e.g.
-// "model.layers.0.self_attn.q_proj.weight": the weight itself (uint8 [ceil(n/2), 1]),
-// .absmax, .quant_map, [.nested_absmax, .nested_quant_map], and
-// .quant_state.bitsandbytes__nf4 (uint8 bytes of the JSON that QuantState.as_dict(packed=True)
-// writes, field order and number format as Python's json.dumps).
-std::vector<std::pair<std::string, at::Tensor>> nf4_to_bnb(const std::string& weight_name,
-                                                           const NF4Tensor& q);
-
-// Reads the entries nf4_to_bnb writes (or bitsandbytes wrote); `get` returns the tensor of
-// a key, or an undefined tensor when the key is absent. Throws UserError naming the key on
-// missing entries, non-nf4 quant types, and sizes that do not agree with the JSON state.
-NF4Tensor nf4_from_bnb(const std::function<at::Tensor(const std::string&)>& get,
-                       const std::string& weight_name);
-
-// True when `keys` hold bitsandbytes' NF4 state for weight_name.
-bool is_bnb_nf4(const std::vector<std::string>& keys, const std::string& weight_name);
-
-// Python's repr() of a double (shortest round-trip digits), as json.dumps writes floats.
-std::string python_float_repr(double v);
+// Throws when q's fields disagree with each other (sizes, dtypes): an invariant of memtune's
+// own code, checked before a kernel or a writer trusts them.
+void check_nf4_state(const NF4Tensor& q);
 
 }  // namespace memtune
