@@ -12,13 +12,8 @@
 #include <cstdlib>
 #include <cstring>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <cpuid.h>
-#include <immintrin.h>
-#define MEMTUNE_NF4_X86 1
-#endif
-
 #include "runtime/error.h"
+#include "runtime/nf4_kernels.h"
 
 // Numerics follow bitsandbytes' CUDA kernels (csrc: kQuantizeBlockwise, dQuantizeNF4,
 // dQuantize, kDequantizeBlockwise): x * (1.0f / absmax) in fp32, codes by strict ">"
@@ -28,27 +23,7 @@
 namespace memtune {
 namespace {
 
-constexpr std::array<float, 16> kCodebook = {
-    -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
-    -0.28444138169288635f, -0.18477343022823334f, -0.09105003625154495f, 0.0f,
-    0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f, 0.33791524171829224f,
-    0.44070982933044434f, 0.5626170039176941f, 0.7229568362236023f, 1.0f};
-
-// Midpoints between neighbouring codes, as bitsandbytes' dQuantizeNF4 decision tree has them.
-constexpr std::array<float, 15> kThresholds = {
-    -0.8480964004993439f, -0.6106329262256622f, -0.4599952697753906f, -0.33967943489551544f,
-    -0.23460740596055984f, -0.13791173323988914f, -0.045525018125772476f, 0.03979014977812767f,
-    0.1202552504837513f, 0.2035212516784668f, 0.2920137718319893f, 0.3893125355243683f,
-    0.5016634166240692f, 0.6427869200706482f, 0.8614784181118011f};
-
-constexpr uint8_t kZeroCode = 7;  // index of 0.0 in the codebook
-
-// Code of a value already scaled to [-1, 1]: the number of midpoints it exceeds.
-inline uint8_t nf4_code(float x) {
-  uint8_t c = 0;
-  for (float t : kThresholds) c += (x > t) ? 1 : 0;
-  return c;
-}
+using namespace nf4_kernels;  // the codebook, its midpoints and the per-CPU kernels
 
 // bitsandbytes' dQuantize<0>: binary search over the sorted 256-entry map, then the nearer
 // neighbour by an fp32 midpoint. Ported step for step so ties resolve as there.
@@ -109,82 +84,13 @@ void absmax_range(const NF4Tensor& q, int64_t b0, int64_t b1, float* out) {
 
 // ---- CPU dequantization kernels -------------------------------------------------------
 
-// Elements 2k, 2k+1 of `nbytes` packed bytes, times s, into o (2 * nbytes floats).
-void pairs_scalar(const uint8_t* p, int64_t nbytes, float s, float* o) {
-  for (int64_t k = 0; k < nbytes; ++k) {
-    o[2 * k] = kCodebook[p[k] >> 4] * s;
-    o[2 * k + 1] = kCodebook[p[k] & 15] * s;
-  }
-}
-
-#ifdef MEMTUNE_NF4_X86
-// 8 nibble indices (low 8 bytes of idx) -> 8 codebook values times scale.
-__attribute__((target("avx2"), always_inline)) inline __m256 lookup8(__m128i idx, __m256 lut_lo,
-                                                                      __m256 lut_hi, __m256 scale) {
-  __m256i i = _mm256_cvtepu8_epi32(idx);
-  __m256 a = _mm256_permutevar8x32_ps(lut_lo, i);
-  __m256 b = _mm256_permutevar8x32_ps(lut_hi, i);
-  __m256 use_hi = _mm256_castsi256_ps(_mm256_slli_epi32(i, 28));  // bit 3 -> sign bit
-  return _mm256_mul_ps(_mm256_blendv_ps(a, b, use_hi), scale);
-}
-
-__attribute__((target("avx2"))) void pairs_avx2(const uint8_t* p, int64_t nbytes, float s,
-                                                float* o) {
-  const __m256 lut_lo = _mm256_loadu_ps(kCodebook.data());
-  const __m256 lut_hi = _mm256_loadu_ps(kCodebook.data() + 8);
-  const __m256 scale = _mm256_set1_ps(s);
-  const __m128i low4 = _mm_set1_epi8(0x0F);
-  int64_t k = 0;
-  for (; k + 16 <= nbytes; k += 16) {
-    __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k));
-    __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
-    __m128i lo = _mm_and_si128(bytes, low4);
-    __m128i e0 = _mm_unpacklo_epi8(hi, lo);  // elements 0..15 of these 32
-    __m128i e1 = _mm_unpackhi_epi8(hi, lo);  // elements 16..31
-    float* d = o + 2 * k;
-    _mm256_storeu_ps(d, lookup8(e0, lut_lo, lut_hi, scale));
-    _mm256_storeu_ps(d + 8, lookup8(_mm_srli_si128(e0, 8), lut_lo, lut_hi, scale));
-    _mm256_storeu_ps(d + 16, lookup8(e1, lut_lo, lut_hi, scale));
-    _mm256_storeu_ps(d + 24, lookup8(_mm_srli_si128(e1, 8), lut_lo, lut_hi, scale));
-  }
-  pairs_scalar(p + k, nbytes - k, s, o + 2 * k);
-}
-
-bool cpu_has_avx2() {
-  static const bool has = __builtin_cpu_supports("avx2");
-  return has;
-}
-#endif
-
+// Dispatch: the AVX2 kernels (runtime/nf4_kernels_avx2.cpp) on CPUs that have AVX2.
 void pairs(const uint8_t* p, int64_t nbytes, float s, float* o) {
 #ifdef MEMTUNE_NF4_X86
   if (cpu_has_avx2()) return pairs_avx2(p, nbytes, s, o);
 #endif
   pairs_scalar(p, nbytes, s, o);
 }
-
-// codes[i] = nf4_code(x[i] * r) for i < len.
-void codes_scalar(const float* x, int64_t len, float r, uint8_t* codes) {
-  for (int64_t i = 0; i < len; ++i) codes[i] = nf4_code(x[i] * r);
-}
-
-#ifdef MEMTUNE_NF4_X86
-__attribute__((target("avx2"))) void codes_avx2(const float* x, int64_t len, float r, uint8_t* codes) {
-  __m256 th[15];
-  for (int j = 0; j < 15; ++j) th[j] = _mm256_set1_ps(kThresholds[j]);
-  const __m256 scale = _mm256_set1_ps(r);
-  int64_t i = 0;
-  for (; i + 8 <= len; i += 8) {
-    __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + i), scale);
-    __m256i c = _mm256_setzero_si256();
-    for (int j = 0; j < 15; ++j)  // each true compare is -1
-      c = _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(v, th[j], _CMP_GT_OQ)));
-    __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packus_epi16(w, w));
-  }
-  codes_scalar(x + i, len - i, r, codes + i);
-}
-#endif
 
 void block_codes(const float* x, int64_t len, float r, uint8_t* codes) {
 #ifdef MEMTUNE_NF4_X86
@@ -207,36 +113,6 @@ void segment_fp32(const uint8_t* packed, int64_t a, int64_t z, float s, float* o
   if (i < z) *o = kCodebook[packed[i >> 1] >> 4] * s;
 }
 
-// fp32 -> bf16 / fp16, round to nearest even (values are finite).
-template <class T>
-void convert_scalar(const float* src, int64_t n, T* dst) {
-  for (int64_t k = 0; k < n; ++k) dst[k] = static_cast<T>(src[k]);
-}
-
-#ifdef MEMTUNE_NF4_X86
-__attribute__((target("avx2"))) void convert_bf16_avx2(const float* src, int64_t n, c10::BFloat16* dst) {
-  const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7FFF);
-  int64_t k = 0;
-  for (; k + 8 <= n; k += 8) {
-    __m256i b = _mm256_castps_si256(_mm256_loadu_ps(src + k));
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), one);
-    __m256i hi = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(bias, lsb)), 16);
-    __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + k), packed);
-  }
-  convert_scalar(src + k, n - k, dst + k);
-}
-
-__attribute__((target("avx2,f16c"))) void convert_half_f16c(const float* src, int64_t n, c10::Half* dst) {
-  int64_t k = 0;
-  for (; k + 8 <= n; k += 8) {
-    __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + k), _MM_FROUND_TO_NEAREST_INT);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + k), h);
-  }
-  convert_scalar(src + k, n - k, dst + k);
-}
-#endif
-
 void convert(const float* src, int64_t n, c10::BFloat16* dst) {
 #ifdef MEMTUNE_NF4_X86
   if (cpu_has_avx2()) return convert_bf16_avx2(src, n, dst);
@@ -246,12 +122,7 @@ void convert(const float* src, int64_t n, c10::BFloat16* dst) {
 
 void convert(const float* src, int64_t n, c10::Half* dst) {
 #ifdef MEMTUNE_NF4_X86
-  // cpuid leaf 1, ECX bit 29: clang before 15 has no "f16c" for __builtin_cpu_supports.
-  static const bool f16c = [] {
-    unsigned a, b, c, d;
-    return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
-  }();
-  if (cpu_has_avx2() && f16c) return convert_half_f16c(src, n, dst);
+  if (cpu_has_avx2() && cpu_has_f16c()) return convert_half_f16c(src, n, dst);
 #endif
   convert_scalar(src, n, dst);
 }
