@@ -4,7 +4,7 @@ its overhead on a step that does not run out of memory.
 
     python3 bench/oom_recovery.py [--steps N] [--json FILE]
 
-Builds nothing: run `bash tools/build.sh` first. Trains the S model of
+Builds nothing: run `bash scripts/build.sh` first. Trains the S model of
 bench/train_vs_peer.py (QLoRA, micro-batch 4 x 2, seq 256) with `memtune train`, once
 clean and once per phase with an out-of-memory error injected at step K
 (memory.inject_oom K:forward, K:backward, K:optimizer; in forward and backward the

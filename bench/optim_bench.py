@@ -4,7 +4,7 @@ the measured step memory, the loss after N steps and the speed.
 
     python3 bench/optim_bench.py [--steps N] [--config FILE] [--json FILE]
 
-Builds nothing: run `bash tools/build.sh` first. For each training.optim it runs
+Builds nothing: run `bash scripts/build.sh` first. For each training.optim it runs
 `memtune estimate --json` (the "optimizer states" component over the trainable parameters)
 and `memtune train` for N steps (default 150: the quickstart's full-training stage,
 configs/quickstart-base.yaml, on the CPU), and prints the estimate, the allocated bytes the
@@ -59,7 +59,7 @@ def main():
     ap.add_argument("--json")
     a = ap.parse_args()
     if not os.path.exists(MEMTUNE):
-        sys.exit("build/memtune is missing: run bash tools/build.sh")
+        sys.exit("build/memtune is missing: run bash scripts/build.sh")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for optim in a.options.split(","):

@@ -81,7 +81,7 @@ int main(int argc, char** argv) {
       {"tiny", src / "examples" / "tiny-tokenizer"}};
   for (const auto& [name, dir] : toks) {
     if (!fs::exists(dir / "tokenizer.json")) {
-      std::printf("%-10s (missing %s: run tools/setup_node.sh)\n", name.c_str(), dir.c_str());
+      std::printf("%-10s (missing %s: run scripts/setup_node.sh)\n", name.c_str(), dir.c_str());
       continue;
     }
     const auto tok = memtune::data::Tokenizer::load(dir);

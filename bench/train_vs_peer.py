@@ -3,7 +3,7 @@
 
     python3 bench/train_vs_peer.py [--models S,M,gpt2] [--repeat N] [--json FILE] [--work DIR]
 
-Builds nothing: run `bash tools/build.sh` first. For each model and mode it writes a
+Builds nothing: run `bash scripts/build.sh` first. For each model and mode it writes a
 Hugging Face model (`memtune init-model --config`), a file of random token ids (llm.c's
 format), a YAML config, runs `memtune train` under /usr/bin/time, and reads its
 metrics.jsonl; then it runs ../shared/bench/peer_lora.py (Debian's python3-torch, the same
@@ -64,7 +64,7 @@ def built(build_dir, *names):
     paths = [os.path.join(build_dir, n) for n in names]
     for f in paths:
         if not os.path.exists(f):
-            raise SystemExit(f"{f} is missing: run `bash tools/build.sh` first")
+            raise SystemExit(f"{f} is missing: run `bash scripts/build.sh` first")
     return paths
 
 

@@ -1,6 +1,6 @@
 #pragma once
 // Unicode NFC normalization (canonical decomposition, reordering, composition), for the
-// NFC normalizer of tokenizer.json (Qwen). Tables from tools/make_unicode_tables.py.
+// NFC normalizer of tokenizer.json (Qwen). Tables from scripts/make_unicode_tables.py.
 #include <string>
 #include <string_view>
 

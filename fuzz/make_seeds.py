@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Seeds for the fuzz targets from the project's own files (tools/fuzz.sh runs it):
+"""Seeds for the fuzz targets from the project's own files (scripts/fuzz.sh runs it):
   python3 fuzz/make_seeds.py ROOT SEEDS_DIR    -> SEEDS_DIR/<target>/*
 Small valid inputs of each format, so the fuzzer starts past the first checks. Standard
 library only."""

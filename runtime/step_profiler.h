@@ -1,7 +1,7 @@
 #pragma once
 // Where a training step's time goes: MEMTUNE_PROFILE=STEP:FILE records every ATen op of
 // step STEP (1-based) with LibTorch's profiler and writes a Chrome trace to FILE (open it
-// in chrome://tracing or ui.perfetto.dev; tools/profile_summary.py prints self times).
+// in chrome://tracing or ui.perfetto.dev; scripts/profile_summary.py prints self times).
 #include <cstdint>
 #include <memory>
 #include <string>

@@ -6,7 +6,7 @@
 #include "runtime/threads.h"
 
 #ifdef __SANITIZE_ADDRESS__
-// Sanitizer builds (tools/sanitize.sh): LibTorch's and OpenBLAS's thread pools keep their
+// Sanitizer builds (scripts/sanitize.sh): LibTorch's and OpenBLAS's thread pools keep their
 // allocations for the process's life, which LeakSanitizer would report at every exit
 // (test discovery included); leaks are not what that build looks for.
 extern "C" const char* __asan_default_options() { return "detect_leaks=0"; }

@@ -409,7 +409,7 @@ void run_gnuplot(const std::string& gnuplot, const fs::path& script) {
     close(pipe_fd[0]);
     fail("gnuplot: cannot run '", gnuplot, "' (", std::strerror(rc),
          "); memtune report draws its plots with gnuplot: install it (Debian: apt-get install gnuplot-nox, as "
-         "tools/setup.sh does)");
+         "scripts/setup.sh does)");
   }
   std::string output;
   char buf[4096];

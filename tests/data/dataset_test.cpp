@@ -465,7 +465,7 @@ TEST(DatasetBadInput, UnreadableFileIsAnError) {
   EXPECT_NE(error_of([&] { Dataset(dir, &tok, o); }).find("unknown format 'jsonl'"), std::string::npos);
 }
 
-// ---- bundled data (examples/data, made by tools/make_bundled_data.py) ----
+// ---- bundled data (examples/data, made by scripts/make_bundled_data.py) ----
 
 TEST(BundledData, TaskFilesLoadAndTheirAnswersAreRight) {
   const fs::path dir = memtune::testing::source_dir() / "examples/data";

@@ -28,7 +28,7 @@ bool node_ready(std::string& why) {
   if (!fs::exists(reference_dir() / "node_modules" / "tokenizers")) {
     auto r = run("bash " + (source_dir() / "tools" / "setup_node.sh").string(), 600);
     if (r.exit_code != 0) {
-      why = "tools/setup_node.sh failed: " + r.output;
+      why = "scripts/setup_node.sh failed: " + r.output;
       return false;
     }
   }

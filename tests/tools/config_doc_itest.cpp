@@ -1,4 +1,4 @@
-// docs/config.md is generated from the schema (tools/make_config_doc.sh): it must say what
+// docs/config.md is generated from the schema (scripts/make_config_doc.sh): it must say what
 // `memtune train --help-config` says today, or the reference has drifted from the code.
 #include <gtest/gtest.h>
 
@@ -15,7 +15,7 @@ TEST(ConfigDoc, DocsConfigMdIsTheSchemasOwnHelp) {
   ASSERT_NE(begin, std::string::npos);
   ASSERT_GT(end, begin);
   EXPECT_EQ(doc.substr(begin + 4, end - begin - 4), r.output)
-      << "docs/config.md is out of date: run `bash tools/make_config_doc.sh` and commit it";
+      << "docs/config.md is out of date: run `bash scripts/make_config_doc.sh` and commit it";
 }
 
 }  // namespace

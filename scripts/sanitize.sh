@@ -3,12 +3,12 @@
 # configures build-asan with g++ (the compiler Debian's LibTorch is built with) and
 # MEMTUNE_SANITIZE=ON, builds the unit test binaries, runs `ctest -L unit` there. Any
 # sanitizer report fails its test (UBSan does not recover; ASan aborts).
-#   bash tools/sanitize.sh [extra ctest arguments, e.g. -R Safetensors]
+#   bash scripts/sanitize.sh [extra ctest arguments, e.g. -R Safetensors]
 # Environment: SANITIZE_BUILD_DIR (default build-asan), JOBS, CTEST_JOBS (default 2).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${SANITIZE_BUILD_DIR:-$root/build-asan}
-bash "$root/tools/setup.sh"
+bash "$root/scripts/setup.sh"
 export CCACHE_BASEDIR=$root CCACHE_NOHASHDIR=1
 start=$(date +%s)
 if [ ! -f "$build/CMakeCache.txt" ]; then

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Installs what is missing (tools/setup.sh), configures and builds memtune into build/.
+# Installs what is missing (scripts/setup.sh), configures and builds memtune into build/.
 # Environment: BUILD_DIR (default build), BUILD_TYPE (default Release), JOBS.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-bash "$root/tools/setup.sh"
+bash "$root/scripts/setup.sh"
 build=${BUILD_DIR:-$root/build}
 export CCACHE_BASEDIR=$root CCACHE_NOHASHDIR=1
 generator=()

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Self time per op of a Chrome trace written with MEMTUNE_PROFILE=STEP:FILE.
 
-    python3 tools/profile_summary.py FILE [--top N]
+    python3 scripts/profile_summary.py FILE [--top N]
 
 An op's self time is its duration less that of the ops nested in it on the same thread,
 so the column sums to the traced time. Standard library only.

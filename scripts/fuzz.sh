@@ -3,7 +3,7 @@
 # and libFuzzer when missing, builds the targets into build-fuzz/ (clang, ASan, UBSan,
 # MEMTUNE_FUZZ=ON), seeds each corpus from the project's own files, then runs each target
 # for SECONDS (default 15) and prints its executions, coverage and any crash.
-#   bash tools/fuzz.sh [SECONDS_PER_TARGET] [TARGET...]      (targets: safetensors, config, ...)
+#   bash scripts/fuzz.sh [SECONDS_PER_TARGET] [TARGET...]      (targets: safetensors, config, ...)
 # Corpora grow in build-fuzz/corpus/<target> across runs; a crashing input is saved as
 # build-fuzz/crashes/<target>-crash-<sha1>. Exit 1 when any target found something.
 # Environment: FUZZ_BUILD_DIR (default build-fuzz), FUZZ_SEED (default 1), FUZZ_RUNS
@@ -14,7 +14,7 @@ seconds=${1:-15}
 shift || true
 build=${FUZZ_BUILD_DIR:-$root/build-fuzz}
 
-bash "$root/tools/setup.sh"
+bash "$root/scripts/setup.sh"
 missing=()
 for p in clang-14 libclang-rt-14-dev; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

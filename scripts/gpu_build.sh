@@ -156,7 +156,7 @@ Version: ${cudnn_version}+memtune1
 Architecture: all
 Description: stand-in for nvidia-cudnn (memtune's GPU build root)
  nvidia-cudnn downloads cuDNN from NVIDIA at install time, which this machine cannot
- reach; memtune's tools/gpu_build.sh gives the root libcudnn.so.9 itself.
+ reach; memtune's scripts/gpu_build.sh gives the root libcudnn.so.9 itself.
 EOF
     (cd "$tmp" && equivs-build nvidia-cudnn.ctl >/dev/null)
     cp "$tmp"/nvidia-cudnn_*_all.deb "$ROOT/tmp/nvidia-cudnn-standin.deb"

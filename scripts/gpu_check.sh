@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On a machine with a GPU, after a build (tools/torch_wheel_build.sh or tools/build.sh
+# On a machine with a GPU, after a build (scripts/torch_wheel_build.sh or scripts/build.sh
 # against a CUDA LibTorch): the GPU tests, then the real command on the GPU: QLoRA with
 # evaluation, generation-based accuracy and checkpoints, a resume, and the launcher with
 # NCCL. Each run's log goes to LOG_DIR; a summary line per check is printed.

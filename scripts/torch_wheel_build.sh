@@ -3,7 +3,7 @@
 # on a GPU machine brings LibTorch, CUDA's libraries and NCCL), then tested there.
 #
 # Needs: python3 with torch; cmake >= 3.18; ninja or make; a C++17 compiler; for a CUDA
-# wheel, nvcc of the wheel's CUDA major version; and the libraries tools/setup.sh lists
+# wheel, nvcc of the wheel's CUDA major version; and the libraries scripts/setup.sh lists
 # (yaml-cpp, spdlog, nlohmann-json, CLI11, PCRE2, GoogleTest), installed or under
 # DEPS_PREFIX. The wheel ships no gloo headers: CPU multi-process training is refused in
 # such a build (NCCL on GPUs works), and its tests skip themselves.

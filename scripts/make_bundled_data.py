@@ -4,7 +4,7 @@ accuracy can be measured before and after fine-tuning, and a small plain-text co
 
 Standard library only; deterministic for a given --seed (the committed files use 1234).
 
-  python3 tools/make_bundled_data.py [--seed 1234] [--out examples/data]
+  python3 scripts/make_bundled_data.py [--seed 1234] [--out examples/data]
 
 Task records (instruction format, one JSON object per line):
   {"task": "reverse", "instruction": "Reverse: abc", "output": "cba"}

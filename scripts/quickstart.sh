@@ -4,7 +4,7 @@
 # are overrides for the second stage.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-bash "$root/tools/build.sh" --target memtune
+bash "$root/scripts/build.sh" --target memtune
 cd "$root"
 memtune="${BUILD_DIR:-$root/build}/memtune"
 # Stage 1: a tiny base model learns the bundled English corpus (full training, dense).

@@ -6,7 +6,7 @@ merges learned here, then the specials <|begin_of_text|> (bos), <|end_of_text|> 
 
 The training text is generated (English sentences, arithmetic and string tasks, chat
 turns), so the output is the same on every run. Standard library only:
-  python3 tools/make_tiny_tokenizer.py examples/tiny-tokenizer
+  python3 scripts/make_tiny_tokenizer.py examples/tiny-tokenizer
 """
 import collections
 import json
