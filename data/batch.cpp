@@ -44,6 +44,7 @@ Batch collate(const std::vector<Sample>& samples, int64_t pad_multiple, int32_t 
       seg[i][t] = s.segment_ids[t];
     }
     b.target_tokens += s.target_tokens();
+    b.row_lengths.push_back(static_cast<int64_t>(s.input_ids.size()));
   }
   return b;
 }

@@ -30,6 +30,8 @@ struct Batch {
   at::Tensor position_ids;  // (B,T) int64
   at::Tensor segment_ids;   // (B,T) int64; -1 on padding; attention only within a segment
   int64_t target_tokens = 0;  // number of targets != kIgnoreIndex
+  std::vector<int64_t> row_lengths;  // per row: tokens before padding
+  std::vector<uint64_t> row_keys;    // per row: dropout key (runtime/keyed_dropout.h); empty: unkeyed
   int64_t rows() const { return input_ids.defined() ? input_ids.size(0) : 0; }
   int64_t length() const { return input_ids.defined() ? input_ids.size(1) : 0; }
 };

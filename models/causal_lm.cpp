@@ -4,12 +4,14 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <optional>
 #include <unordered_map>
 
 #include "data/batch.h"
 #include "models/layers/cross_entropy.h"
 #include "runtime/activation_checkpoint.h"
 #include "runtime/error.h"
+#include "runtime/keyed_dropout.h"
 #include "runtime/estimator.h"
 #include "runtime/nf4.h"
 #include "runtime/offload.h"
@@ -227,6 +229,15 @@ int64_t CausalLM::layer_weight_bytes(int layer) const {
 }
 
 ForwardOutput CausalLM::forward(const data::Batch& batch, const ForwardOptions& options) {
+  // Keyed dropout: each row's masks follow the sample, whatever batch it is in.
+  std::optional<DropoutKeysScope> dropout_keys;
+  if (options.training && !batch.row_keys.empty()) {
+    MEMTUNE_CHECK(batch.row_keys.size() == static_cast<size_t>(batch.rows()) &&
+                      batch.row_lengths.size() == batch.row_keys.size(),
+                  "forward: the batch has ", batch.rows(), " rows but ", batch.row_keys.size(), " dropout keys and ",
+                  batch.row_lengths.size(), " row lengths");
+    dropout_keys.emplace(DropoutKeys{batch.row_keys, batch.row_lengths});
+  }
   // From the batch as given (the collator's host tensors: no device sync).
   const at::Tensor& seg = batch.segment_ids;
   const bool one_segment_per_row = seg.numel() > 0 &&

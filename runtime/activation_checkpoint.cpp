@@ -10,6 +10,7 @@
 #include <torch/csrc/autograd/functions/utils.h>
 
 #include "runtime/error.h"
+#include "runtime/keyed_dropout.h"
 
 namespace memtune {
 
@@ -37,6 +38,7 @@ struct CheckpointBackward : public torch::autograd::Node {
   at::Tensor x;                    // detached block input: all that is kept
   std::vector<at::Tensor> trainable;
   at::Tensor rng_state;            // the forward's generator state, for dropout replay
+  DropoutKeys dropout_keys;        // the forward's rows (keyed dropout; backward may run on another thread)
   c10::Device device = c10::kCPU;
   bool x_needs_grad = false;
 
@@ -51,6 +53,7 @@ struct CheckpointBackward : public torch::autograd::Node {
     at::Tensor y;
     {
       at::AutoGradMode grad_mode(true);
+      DropoutKeysScope keys(dropout_keys);
       y = fn(input);
     }
     set_rng_state(device, current);
@@ -89,6 +92,7 @@ at::Tensor checkpoint(const BlockFn& fn, const at::Tensor& x, const std::vector<
   auto node = std::shared_ptr<CheckpointBackward>(new CheckpointBackward(), torch::autograd::deleteNode);
   node->device = x.device();
   node->rng_state = get_rng_state(node->device);
+  node->dropout_keys = current_dropout_keys();
   at::Tensor y;
   {
     at::NoGradGuard no_grad;

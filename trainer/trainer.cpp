@@ -9,6 +9,7 @@
 #include <csignal>
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #include <ATen/ATen.h>
@@ -28,6 +29,7 @@
 #include "runtime/cuda_info.h"
 #include "runtime/dist_env.h"
 #include "runtime/error.h"
+#include "runtime/keyed_dropout.h"
 #include "runtime/log.h"
 #include "runtime/memory.h"
 #include "runtime/process_group.h"
@@ -439,9 +441,12 @@ StepRecord Trainer::step() {
   StepRecord r;
   r.epoch = sampler_->epoch();
   std::vector<data::Sample> samples;
+  std::vector<uint64_t> dropout_keys;  // per sample: its masks, whatever micro-batch runs it
+  std::map<int64_t, int64_t> seen;
   for (int64_t i : sampler_->next(samples_per_step_)) {
     samples.push_back(train_set_->sample(i));
     r.tokens += samples.back().target_tokens();
+    dropout_keys.push_back(dropout_row_key(c_.training.seed, step_, i, seen[i]++));
   }
   // distributed: every micro-batch's loss is scaled by the target tokens of the GLOBAL step.
   if (pg_) r.tokens = pg_->allreduce(std::vector<int64_t>{r.tokens}, ReduceOp::sum)[0];
@@ -466,7 +471,9 @@ StepRecord Trainer::step() {
       const auto first = samples.begin() + static_cast<std::ptrdiff_t>(i);
       const std::vector<data::Sample> part(first, first + static_cast<std::ptrdiff_t>(std::min<size_t>(
                                                               samples.size() - i, static_cast<size_t>(micro))));
-      const data::Batch batch = data::collate(part, 8, pad_id_);
+      data::Batch batch = data::collate(part, 8, pad_id_);
+      batch.row_keys.assign(dropout_keys.begin() + static_cast<std::ptrdiff_t>(i),
+                            dropout_keys.begin() + static_cast<std::ptrdiff_t>(i + part.size()));
       mem_->reset_peak();
       injector_->at(step_, "forward");
       models::ForwardOutput out = bundle_.model->forward(batch, fo);

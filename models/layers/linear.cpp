@@ -8,6 +8,7 @@
 #include "models/layers/linear4bit.h"
 #include "models/layers/lora_linear.h"
 #include "runtime/error.h"
+#include "runtime/keyed_dropout.h"
 #include "runtime/nf4.h"
 
 namespace memtune::models {
@@ -22,7 +23,8 @@ Linear::Linear(std::string name, int64_t in_features, int64_t out_features, bool
       in_(in_features),
       out_(out_features),
       fan_in_fan_out_(fan_in_fan_out),
-      has_bias_(has_bias) {}
+      has_bias_(has_bias),
+      dropout_site_(dropout_site(name_)) {}
 
 at::Tensor Linear::forward(const at::Tensor& x, bool training) const {
   // A LoRA adapter on a frozen base whose product runs in the adapter's dtype: one node
@@ -31,7 +33,7 @@ at::Tensor Linear::forward(const at::Tensor& x, bool training) const {
   if (lora && frozen_base && compute_dtype == lora->A.scalar_type() && x.scalar_type() == compute_dtype &&
       (!bias.defined() || bias.scalar_type() == compute_dtype) &&
       (qweight_ || weight.scalar_type() == compute_dtype)) {
-    at::Tensor h = training && lora->dropout > 0 ? at::dropout(x, lora->dropout, true) : at::Tensor();
+    at::Tensor h = training && lora->dropout > 0 ? keyed_dropout(x, lora->dropout, dropout_site_) : at::Tensor();
     FrozenWeight w{qweight_ ? at::Tensor() : (fan_in_fan_out_ ? weight.t() : weight), qweight_};
     return lora_linear(x, h, w, bias, lora->A, lora->B, lora->scaling);
   }
@@ -54,7 +56,7 @@ at::Tensor Linear::forward(const at::Tensor& x, bool training) const {
   if (lora) {
     // Adapters stay fp32 whatever the compute dtype (fp16 gradients could not be unscaled).
     at::Tensor h = x.to(at::kFloat);
-    if (training && lora->dropout > 0) h = at::dropout(h, lora->dropout, true);
+    if (training && lora->dropout > 0) h = keyed_dropout(h, lora->dropout, dropout_site_);
     at::Tensor delta = at::linear(at::linear(h, lora->A), lora->B);
     y = y + (delta * lora->scaling).to(y.scalar_type());
   }

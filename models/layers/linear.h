@@ -69,6 +69,7 @@ class Linear {
   int64_t in_, out_;
   bool fan_in_fan_out_;
   bool has_bias_;
+  uint64_t dropout_site_;  // keyed dropout's salt for the adapter input, from the name
   std::shared_ptr<const NF4Tensor> qweight_;
 };
 

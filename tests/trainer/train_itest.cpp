@@ -136,6 +136,23 @@ TEST(Train, ResumeEqualsUninterruptedRun) {
                       resumed.dir / "adapter/adapter_model.safetensors", 1e-6);
 }
 
+// With LoRA dropout: the resumed steps draw the masks the straight run drew (each sample's
+// masks are keyed by the step and the sample; the generator's state is saved too).
+TEST(Train, ResumeWithDropoutEqualsUninterruptedRun) {
+  fs::path d = temp_dir();
+  TrainRun straight = train(d / "straight", "training.save_steps=3 lora.lora_dropout=0.1");
+  ASSERT_EQ(straight.exit_code, 0) << straight.output;
+  fs::create_directories(d / "resumed/out/checkpoints");
+  fs::copy(straight.dir / "checkpoints/step-3", d / "resumed/out/checkpoints/step-3", fs::copy_options::recursive);
+  TrainRun resumed = train(d / "resumed", "training.resume_from_checkpoint=latest lora.lora_dropout=0.1");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  auto a = step_losses(straight.dir), b = step_losses(resumed.dir);
+  ASSERT_EQ(b.size(), 3u);
+  expect_same_losses(std::vector<double>(a.begin() + 3, a.end()), b, 1e-6);
+  expect_same_tensors(straight.dir / "adapter/adapter_model.safetensors",
+                      resumed.dir / "adapter/adapter_model.safetensors", 1e-6);
+}
+
 TEST(Train, ResumeRefusesABreakingConfigChange) {
   fs::path d = temp_dir();
   TrainRun first = train(d, "training.max_steps=2");

@@ -1,0 +1,74 @@
+// Keyed dropout (runtime/keyed_dropout.h): a row's mask follows its key and its own length,
+// not the batch around it; the kept share, the scaling and the gradient are dropout's.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include "runtime/keyed_dropout.h"
+
+namespace memtune {
+namespace {
+
+constexpr double kP = 0.25;
+
+// keyed_dropout of all-ones input (B, T, C) under the given keys and lengths.
+at::Tensor masks(const std::vector<uint64_t>& keys, const std::vector<int64_t>& lengths, int64_t T, int64_t C,
+                 uint64_t site = 11) {
+  DropoutKeysScope scope(DropoutKeys{keys, lengths});
+  return keyed_dropout(at::ones({static_cast<int64_t>(keys.size()), T, C}), kP, site);
+}
+
+TEST(KeyedDropout, ARowsMaskIsTheSameInAnyBatchAndAnyPadding) {
+  const at::Tensor alone = masks({42}, {13}, 16, 24);
+  const at::Tensor among = masks({7, 42, 9}, {16, 13, 5}, 24, 24);  // other rows, more padding
+  EXPECT_TRUE(at::equal(alone[0].narrow(0, 0, 13), among[1].narrow(0, 0, 13)));
+  // Padding is never kept.
+  EXPECT_EQ(alone[0].narrow(0, 13, 3).abs().sum().item<double>(), 0.0);
+  EXPECT_EQ(among[1].narrow(0, 13, 11).abs().sum().item<double>(), 0.0);
+  // The neighbours' masks are not the row's.
+  EXPECT_FALSE(at::equal(among[0].narrow(0, 0, 13), among[1].narrow(0, 0, 13)));
+}
+
+TEST(KeyedDropout, SitesAndKeysDrawDifferentMasks) {
+  const at::Tensor a = masks({42}, {16}, 16, 32, 1), b = masks({42}, {16}, 16, 32, 2), c = masks({43}, {16}, 16, 32, 1);
+  EXPECT_FALSE(at::equal(a, b));
+  EXPECT_FALSE(at::equal(a, c));
+  EXPECT_TRUE(at::equal(a, masks({42}, {16}, 16, 32, 1)));
+  EXPECT_NE(dropout_site("model.layers.0.self_attn.q_proj"), dropout_site("model.layers.0.self_attn.k_proj"));
+  EXPECT_NE(dropout_row_key(1, 0, 5), dropout_row_key(1, 1, 5));
+  EXPECT_NE(dropout_row_key(1, 0, 5), dropout_row_key(1, 0, 5, 1));
+}
+
+TEST(KeyedDropout, KeepsOneMinusPScaledAndPassesTheGradientThroughTheMask) {
+  at::Tensor x = at::randn({4, 64, 256}).requires_grad_(true);
+  at::Tensor y;
+  {
+    DropoutKeysScope scope(DropoutKeys{{1, 2, 3, 4}, {64, 64, 64, 64}});
+    y = keyed_dropout(x, kP, 5);
+  }
+  const at::Tensor kept = y.ne(0);
+  const double share = kept.to(at::kDouble).mean().item<double>();
+  EXPECT_NEAR(share, 1 - kP, 0.01) << "65536 draws: 0.01 is 9 standard deviations";
+  EXPECT_TRUE(at::allclose(y.masked_select(kept), (x.detach() * (1 / (1 - kP))).masked_select(kept), 0, 0))
+      << "scaled as at::dropout scales: x * (1 / (1 - p))";
+  y.sum().backward();
+  EXPECT_TRUE(at::equal(x.grad(), kept.to(at::kFloat) * (1 / (1 - kP))));
+}
+
+TEST(KeyedDropout, WithoutKeysItIsPlainDropoutAndScopesNest) {
+  EXPECT_TRUE(current_dropout_keys().empty());
+  {
+    DropoutKeysScope outer(DropoutKeys{{1}, {4}});
+    {
+      DropoutKeysScope inner(DropoutKeys{{2, 3}, {4, 4}});
+      EXPECT_EQ(current_dropout_keys().keys.size(), 2u);
+    }
+    EXPECT_EQ(current_dropout_keys().keys, std::vector<uint64_t>{1});
+  }
+  EXPECT_TRUE(current_dropout_keys().empty());
+  const at::Tensor y = keyed_dropout(at::ones({2, 8, 8}), kP, 1);
+  EXPECT_TRUE((y.eq(0) | y.eq(1 / (1 - kP))).all().item<bool>());
+}
+
+}  // namespace
+}  // namespace memtune
