@@ -279,7 +279,7 @@ ForwardOutput CausalLM::forward(const data::Batch& batch, const ForwardOptions& 
       LayerFetch fetched(slots_, i, device);
       return layer(i, h, ctx);
     };
-    x = ckpt ? checkpoint(fn, x, layer_trainable(i)) : fn(x);
+    x = ckpt ? checkpoint(fn, x, layer_trainable(i), options.offload_activations) : fn(x);
   }
   if (x.device() != placement_.head) x = x.to(placement_.head);
   x = final_norm(x);

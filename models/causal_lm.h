@@ -47,6 +47,7 @@ struct LayerContext {
 struct ForwardOptions {
   bool training = false;
   std::vector<bool> checkpoint_layers;  // per layer: recompute in backward
+  bool offload_activations = false;     // checkpointed layers' inputs wait in host memory (activation offload)
   bool return_logits = false;           // also the full (B,T,V) logits (tests, generation)
   int64_t loss_chunk_rows = 0;  // 0: by vocabulary size, runtime/estimator.h loss_chunk_rows()
 };

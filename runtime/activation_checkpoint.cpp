@@ -11,6 +11,7 @@
 
 #include "runtime/error.h"
 #include "runtime/keyed_dropout.h"
+#include "runtime/offload.h"
 
 namespace memtune {
 
@@ -36,6 +37,7 @@ void set_rng_state(const c10::Device& device, const at::Tensor& state) {
 struct CheckpointBackward : public torch::autograd::Node {
   BlockFn fn;
   at::Tensor x;                    // detached block input: all that is kept
+  bool x_offloaded = false;        // x is in host memory outside the budget (activation offload)
   std::vector<at::Tensor> trainable;
   at::Tensor rng_state;            // the forward's generator state, for dropout replay
   DropoutKeys dropout_keys;        // the forward's rows (keyed dropout; backward may run on another thread)
@@ -46,7 +48,8 @@ struct CheckpointBackward : public torch::autograd::Node {
 
   variable_list apply(variable_list&& grads) override {
     MEMTUNE_INTERNAL_ASSERT(fn, "checkpointed block: backward ran twice (retain_graph is not supported)");
-    at::Tensor input = x.detach().requires_grad_(x_needs_grad);
+    at::Tensor input = (x_offloaded ? fetch_from_offload(x, device) : x.detach()).requires_grad_(x_needs_grad);
+    x.reset();  // the host copy (or the reference) is not needed past this point
     // Rerun with the forward's random state, then give the generator back its own.
     at::Tensor current = get_rng_state(device);
     set_rng_state(device, rng_state);
@@ -82,7 +85,8 @@ struct CheckpointBackward : public torch::autograd::Node {
 
 }  // namespace
 
-at::Tensor checkpoint(const BlockFn& fn, const at::Tensor& x, const std::vector<at::Tensor>& trainable) {
+at::Tensor checkpoint(const BlockFn& fn, const at::Tensor& x, const std::vector<at::Tensor>& trainable,
+                      bool offload_input) {
   if (!at::GradMode::is_enabled()) return fn(x);
   std::vector<at::Tensor> needs;
   for (const auto& t : trainable)
@@ -99,7 +103,8 @@ at::Tensor checkpoint(const BlockFn& fn, const at::Tensor& x, const std::vector<
     y = fn(x);
   }
   node->fn = fn;
-  node->x = x.detach();
+  node->x_offloaded = offload_input;
+  node->x = offload_input ? to_offload_storage(x) : x.detach();
   node->x_needs_grad = x.requires_grad();
   node->trainable = needs;
   node->add_next_edge(torch::autograd::impl::gradient_edge(x));

@@ -13,7 +13,10 @@ using BlockFn = std::function<at::Tensor(const at::Tensor&)>;
 
 // y = fn(x), keeping only x for backward. `trainable` lists every tensor inside fn that
 // needs a gradient (their gradients flow through this node, so they arrive even when x
-// itself needs none, as for the first layer over a frozen embedding).
-at::Tensor checkpoint(const BlockFn& fn, const at::Tensor& x, const std::vector<at::Tensor>& trainable);
+// itself needs none, as for the first layer over a frozen embedding). `offload_input`
+// (activation offload): x waits for backward in host memory outside the device's budget
+// (runtime/offload.h) and comes back to its device just before the recomputation.
+at::Tensor checkpoint(const BlockFn& fn, const at::Tensor& x, const std::vector<at::Tensor>& trainable,
+                      bool offload_input = false);
 
 }  // namespace memtune

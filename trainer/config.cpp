@@ -120,6 +120,10 @@ void TrainingConfig::fields(F&& f) {
   f("gradient_accumulation_steps", gradient_accumulation_steps, "micro-batches per optimizer step");
   f("gradient_checkpointing", gradient_checkpointing,
     "true|false, or {policy: none|all|every_n|layers, n: 2, layers: [1, 3]}");
+  f("activation_offload", activation_offload,
+    "checkpoints: each checkpointed layer's input (all it keeps) waits for backward in host memory, outside the "
+    "device budget, and comes back just before its recomputation; all: refused (needs saved-tensor hooks)",
+    {"false", "checkpoints", "all"});
   f("fp16", fp16, "fp16 autocast with dynamic loss scaling");
   f("bf16", bf16, "bf16 autocast");
   f("learning_rate", learning_rate, "peak learning rate");
@@ -185,6 +189,8 @@ void OnOomConfig::fields(F&& f) {
   f("shrink_factor", shrink_factor, "micro-batch *= factor on OOM (at least one less), in (0, 1)");
   f("max_retries", max_retries, "attempts of one step before giving up");
   f("checkpoint_more", checkpoint_more, "at micro-batch 1: checkpoint more layers");
+  f("activation_offload", activation_offload,
+    "then keep each checkpointed layer's input in host memory until its backward");
   f("offload_layers", offload_layers, "then offload layers through the device map");
 }
 
@@ -452,6 +458,13 @@ void validate(const TrainingConfig& t, const std::string& p, const Checker& c) {
   c.check(t.gradient_accumulation_steps >= 1, p + ".gradient_accumulation_steps", t.gradient_accumulation_steps,
           "must be at least 1");
   validate(t.gradient_checkpointing, p + ".gradient_checkpointing", c);
+  c.check(t.activation_offload != "all", p + ".activation_offload", t.activation_offload,
+          "offloading everything a layer keeps for backward needs saved-tensor hooks, which LibTorch's C++ API "
+          "lacks; use checkpoints with gradient_checkpointing, where a layer keeps only its input");
+  c.check(t.activation_offload != "checkpoints" || t.gradient_checkpointing.enabled(), p + ".activation_offload",
+          t.activation_offload,
+          "offloads the inputs of checkpointed layers, and gradient_checkpointing is off; turn it on (true, or a "
+          "policy), or leave activation_offload false");
   c.check(!(t.fp16 && t.bf16), p + ".bf16", t.bf16, "fp16 and bf16 are both true; choose one");
   c.check(t.learning_rate > 0, p + ".learning_rate", t.learning_rate, "must be > 0");
   c.check(t.num_train_epochs > 0 || t.max_steps > 0, p + ".num_train_epochs", t.num_train_epochs,

@@ -88,6 +88,7 @@ struct TrainingConfig {
   int per_device_eval_batch_size = 1;
   int gradient_accumulation_steps = 1;        // micro-batches per optimizer step
   CheckpointingConfig gradient_checkpointing;
+  std::string activation_offload = "false";  // false|checkpoints: checkpointed layers' inputs in host memory
   bool fp16 = false;                          // fp16 autocast with dynamic loss scaling
   bool bf16 = false;                          // bf16 autocast
   double learning_rate = 2e-4;
@@ -146,8 +147,9 @@ struct DataConfig {
 struct OnOomConfig {
   double shrink_factor = 0.5;     // micro-batch *= factor on OOM (at least one less)
   int max_retries = 16;           // attempts of one step before giving up
-  bool checkpoint_more = true;    // ladder at micro-batch 1: checkpoint more layers
-  bool offload_layers = true;     // then offload layers through the device map
+  bool checkpoint_more = true;     // ladder at micro-batch 1: checkpoint more layers
+  bool activation_offload = true;  // then keep checkpointed layers' inputs in host memory
+  bool offload_layers = true;      // then offload layers through the device map
   template <class F> void fields(F&& f);
 };
 

@@ -56,8 +56,8 @@ bool free_to_change_on_resume(const std::string& key) {
       "model.attn_implementation", "training.output_dir", "training.resume_from_checkpoint",
       "training.logging_steps", "training.save_steps", "training.save_total_limit", "training.eval_steps",
       "training.eval_accuracy_rows", "training.per_device_eval_batch_size", "training.per_device_train_batch_size",
-      "training.gradient_accumulation_steps", "training.gradient_checkpointing", "training.dataloader_",
-      "training.report_to", "training.remove_unused_columns", "data.eval_file", "data.cache_dir",
+      "training.gradient_accumulation_steps", "training.gradient_checkpointing", "training.activation_offload",
+      "training.dataloader_", "training.report_to", "training.remove_unused_columns", "data.eval_file", "data.cache_dir",
       "training.max_steps", "training.num_train_epochs"};
   return std::any_of(free.begin(), free.end(), [&](const std::string& f) { return key.rfind(f, 0) == 0; });
 }
@@ -97,7 +97,8 @@ std::map<std::string, at::Tensor> load_all(const fs::path& file) {
 
 nlohmann::json TrainState::to_json() const {
   return {{"step", step},           {"sampler", sampler},     {"scaler", scaler},
-          {"supervisor", supervisor}, {"optimizer", optimizer}, {"checkpoint_layers", checkpoint_layers}};
+          {"supervisor", supervisor}, {"optimizer", optimizer}, {"checkpoint_layers", checkpoint_layers},
+          {"activation_offload", activation_offload}};
 }
 
 TrainState TrainState::from_json(const nlohmann::json& j, const std::string& origin) {
@@ -113,6 +114,11 @@ TrainState TrainState::from_json(const nlohmann::json& j, const std::string& ori
     MEMTUNE_CHECK(v.is_array() && std::all_of(v.begin(), v.end(), [](const auto& b) { return b.is_boolean(); }),
                   origin, ".checkpoint_layers is ", v.dump(), "; expected a list of true/false, one per layer");
     s.checkpoint_layers = v.get<std::vector<bool>>();
+  }
+  if (j.contains("activation_offload")) {
+    MEMTUNE_CHECK(j["activation_offload"].is_boolean(), origin, ".activation_offload is ",
+                  j["activation_offload"].dump(), "; expected true or false");
+    s.activation_offload = j["activation_offload"].get<bool>();
   }
   return s;
 }

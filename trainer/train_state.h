@@ -32,6 +32,7 @@ struct TrainState {
   nlohmann::json supervisor;            // Supervisor::state()
   nlohmann::json optimizer;             // Optimizer::state_scalars()
   std::vector<bool> checkpoint_layers;  // the policy the ladder settled on; empty in old checkpoints
+  bool activation_offload = false;      // the ladder's (or the config's) activation offload; false in old ones
 
   nlohmann::json to_json() const;
   // Every key present and of its type, step in range; `origin` names the file.

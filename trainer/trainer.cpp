@@ -178,6 +178,7 @@ class Trainer {
   std::vector<std::pair<std::string, at::Tensor>> params_;
   std::unique_ptr<GradScaler> scaler_;
   std::vector<bool> ckpt_layers_;  // the checkpoint policy; the ladder may add layers
+  bool offload_activations_ = false;  // checkpointed layers' inputs in host memory; the ladder may turn it on
   std::unique_ptr<Supervisor> supervisor_;
 
   int64_t step_ = 0;  // optimizer steps done
@@ -322,6 +323,7 @@ void Trainer::build_update() {
 
 void Trainer::build_supervisor() {
   ckpt_layers_ = checkpoint_layers(c_.training.gradient_checkpointing, bundle_.model->num_layers());
+  offload_activations_ = c_.training.activation_offload == "checkpoints";
   SupervisorOptions so;
   so.enabled = c_.memory.supervise;
   so.samples_per_step = samples_per_step_;
@@ -343,6 +345,12 @@ void Trainer::build_supervisor() {
           return "checkpointing layer " + std::to_string(i);
         }
       return "";
+    });
+  if (c_.memory.on_oom.activation_offload)
+    supervisor_->add_ladder_rung("offload activations", [this]() -> std::string {
+      if (offload_activations_ || std::count(ckpt_layers_.begin(), ckpt_layers_.end(), true) == 0) return "";
+      offload_activations_ = true;
+      return "checkpointed layers' inputs kept in host memory (activation offload)";
     });
   if (c_.memory.on_oom.offload_layers)
     supervisor_->add_ladder_rung("offload layers", [this] { return models::offload_one_more_layer(*bundle_.model); });
@@ -391,6 +399,7 @@ void Trainer::resume() {
   set_cpu_rng_state(ck.rng_state);
   step_ = ck.state.step;
   if (!ck.state.checkpoint_layers.empty()) ckpt_layers_ = ck.state.checkpoint_layers;
+  offload_activations_ = offload_activations_ || ck.state.activation_offload;
   spdlog::info("resumed from {} at step {}", dir.string(), step_);
 }
 
@@ -403,10 +412,10 @@ TrainResult Trainer::run() {
   dist_extra_ = at::zeros({2}, at::kDouble);
   mem_->release_cached();  // what loading freed is not what training will ask for
   tty_ = isatty(STDERR_FILENO);
-  spdlog::info("training: {} steps ({} per epoch), {} samples per step, micro-batch {} x {}, checkpointing {}/{} layers",
+  spdlog::info("training: {} steps ({} per epoch), {} samples per step, micro-batch {} x {}, checkpointing {}/{} layers{}",
                total_steps_, steps_per_epoch_, samples_per_step_, supervisor_->micro_batch(),
                supervisor_->accumulation(), std::count(ckpt_layers_.begin(), ckpt_layers_.end(), true),
-               ckpt_layers_.size());
+               ckpt_layers_.size(), offload_activations_ ? ", their inputs offloaded to host memory" : "");
 
   if (step_ == 0) {
     evaluate_loss("before training");
@@ -467,6 +476,7 @@ StepRecord Trainer::step() {
     models::ForwardOptions fo;
     fo.training = true;
     fo.checkpoint_layers = ckpt_layers_;
+    fo.offload_activations = offload_activations_;
     for (size_t i = 0; i < samples.size(); i += static_cast<size_t>(micro)) {
       const auto first = samples.begin() + static_cast<std::ptrdiff_t>(i);
       const std::vector<data::Sample> part(first, first + static_cast<std::ptrdiff_t>(std::min<size_t>(
@@ -604,6 +614,7 @@ void Trainer::save_checkpoint() {
   state.supervisor = supervisor_->state();
   state.optimizer = optimizer_->state_scalars();
   state.checkpoint_layers = ckpt_layers_;
+  state.activation_offload = offload_activations_;
   const fs::path p = save_training_checkpoint(out_dir_, state, params_, optimizer_->state_tensors(), cpu_rng_state(),
                                               config_yaml_, c_.training.save_total_limit);
   result_.checkpoint = p.string();

@@ -893,5 +893,16 @@ TEST(Config, InjectOomIsParsedOnceForValidationAndTheTrainer) {
     EXPECT_FALSE(parse_inject_oom(bad).has_value()) << bad;
 }
 
+TEST(ConfigErrors, ActivationOffloadNeedsCheckpointingAndRefusesAll) {
+  expect_invalid("training:\n  activation_offload: all\n  gradient_checkpointing: true\n", "activation_offload", "all",
+                 "training.activation_offload", "all", "saved-tensor hooks");
+  expect_invalid("training:\n  activation_offload: checkpoints\n", "activation_offload", "checkpoints",
+                 "training.activation_offload", "checkpoints", "gradient_checkpointing is off");
+  expect_invalid("training:\n  activation_offload: cpu\n", "activation_offload", "cpu", "training.activation_offload",
+                 "cpu", "expected one of false|checkpoints|all");
+  EXPECT_EQ(parse("training: {activation_offload: checkpoints, gradient_checkpointing: true}").training.activation_offload,
+            "checkpoints");
+}
+
 }  // namespace
 }  // namespace memtune::trainer

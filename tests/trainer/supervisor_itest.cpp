@@ -148,6 +148,31 @@ TEST(Supervisor, RealBudgetSettlesOnAMicroBatchThatFitsWithTheSameLosses) {
   expect_same_run(fit.out, ref.out, 1e-5);
 }
 
+// Past micro-batch 1 the ladder checkpoints every layer, then offloads the checkpointed
+// layers' inputs to host memory: six injected OOMs at step 0 take it through shrink (2 -> 1),
+// four layers checkpointed and activation offload; the run then equals one configured with
+// all three from the start, and the rungs are in metrics.jsonl.
+TEST(Supervisor, LadderReachesActivationOffloadAndKeepsTheMath) {
+  fs::path d = temp_dir();
+  const std::string shape = "training.per_device_train_batch_size=2 training.max_steps=4 lora.lora_dropout=0.1 ";
+  TrainRun ref = train(d / "ref", shape + "training.per_device_train_batch_size=1 training.gradient_accumulation_steps=4 "
+                                          "training.gradient_checkpointing=true training.activation_offload=checkpoints");
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  std::string six;
+  for (int i = 0; i < 6; ++i) six += std::string(i ? "," : "") + "0:forward";
+  TrainRun ladder = train(d / "ladder", shape + "memory.grow_after_steps=1000 memory.inject_oom=" + six);
+  ASSERT_EQ(ladder.exit_code, 0) << ladder.output;
+  std::vector<std::string> rungs;
+  for (const auto& r : rows(ladder.out))
+    for (const auto& e : r["events"])
+      if (e["kind"] == "ladder") rungs.push_back(e["detail"].get<std::string>());
+  ASSERT_EQ(rungs.size(), 5u) << ladder.output;
+  for (int layer = 0; layer < 4; ++layer) EXPECT_NE(rungs[layer].find("checkpointing layer " + std::to_string(layer)),
+                                                    std::string::npos) << rungs[layer];
+  EXPECT_NE(rungs[4].find("activation offload"), std::string::npos) << rungs[4];
+  expect_same_run(ladder.out, ref.out, 1e-6);
+}
+
 TEST(Supervisor, NothingFitsAtMicroBatchOneStopsWithAReportAndKeepsTheCheckpoint) {
   fs::path d = temp_dir();
   const std::string shape = "data.max_seq_length=256 training.per_device_train_batch_size=1 "
