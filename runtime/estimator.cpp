@@ -324,7 +324,8 @@ class Planner {
     const int64_t rotary = gpt2 ? 0 : 2 * E * m_.head_dim * kF32;  // cos, sin (B,T,1,D)
     int64_t kept = 0;
     for (int i = 0; i < L; ++i) {
-      const int64_t s = checkpointed(i) ? (input_grad(i) || layer_has_lora(i) ? E * C * act_ : 0) : layer_saved(i);
+      const int64_t s = checkpointed(i) ? (!m_.offload_activations && (input_grad(i) || layer_has_lora(i)) ? E * C * act_ : 0)
+                                        : layer_saved(i);
       e.activations_per_layer.push_back(s);
       kept += s;
     }
@@ -372,8 +373,10 @@ class Planner {
       const LayerKept k = layer_kept(i);
       int64_t worst = std::max(k.total() + backward_at_mlp(), k.attn + backward_at_attention());
       if (checkpointed(i)) {
-        recompute = std::max(recompute, k.total());
-        worst = std::max(worst, forward_with_grad(i) + (input_grad(i) ? 0 : E * C * act_));
+        // Offloaded, the input comes back to the device for the recomputation.
+        const int64_t fetched = m_.offload_activations && (input_grad(i) || layer_has_lora(i)) ? E * C * act_ : 0;
+        recompute = std::max(recompute, k.total() + fetched);
+        worst = std::max(worst + fetched, forward_with_grad(i) + fetched + (input_grad(i) ? 0 : E * C * act_));
       }
       workspace = std::max({workspace, backward_at_mlp(), backward_at_attention()});
       bwd = std::max(bwd, grads + below + grad_in + worst);
@@ -418,7 +421,9 @@ class Planner {
       while (j + 1 < L && e.activations_per_layer[j + 1] == e.activations_per_layer[i] &&
              checkpointed(j + 1) == checkpointed(i))
         ++j;
-      const std::string how = checkpointed(i) ? "checkpointed: its input" : "kept for backward";
+      const std::string how = !checkpointed(i)            ? "kept for backward"
+                              : m_.offload_activations ? "checkpointed, its input in host memory"
+                                                       : "checkpointed: its input";
       if (j == i)
         add(str_cat("activations: layer ", i), e.activations_per_layer[i], how);
       else

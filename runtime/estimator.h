@@ -49,6 +49,7 @@ struct EstimateInput {
   int64_t micro_batch = 1;          // B
   int64_t seq_length = 512;         // T (rows are padded to a multiple of 8)
   std::vector<bool> checkpoint_layers;  // per layer: recomputed in backward (empty: none)
+  bool offload_activations = false;     // a checkpointed layer's input waits in host memory
   // adamw (2 fp32 states + a workspace) | adamw_8bit (bitsandbytes: 2 uint8 codes + 2 fp32
   // absmax per 256 elements for tensors of >= 4096 elements, else 2 fp32) | adamw_32bit
   // (bitsandbytes: 2 fp32, no workspace) | sgd (1: momentum buffer)

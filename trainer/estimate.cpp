@@ -94,6 +94,7 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
                        : c.training.per_device_train_batch_size;
   in.seq_length = c.data.max_seq_length;
   in.checkpoint_layers = checkpoint_plan(c.training.gradient_checkpointing, s.num_layers);
+  in.offload_activations = c.training.activation_offload == "checkpoints";
   OptimizerOptions oo;
   set_optimizer_kind(c.training.optim, oo);
   in.optimizer = oo.kind;
@@ -120,7 +121,8 @@ int64_t auto_micro_batch(const Config& c, const EstimateInput& in, int64_t budge
 }
 
 void check_fits(const Config& c, const models::ModelSpec& spec, int64_t budget) {
-  const EstimateInput best = with_every_saving(estimate_input(c, spec, 1));
+  EstimateInput best = with_every_saving(estimate_input(c, spec, 1));
+  best.offload_activations = best.offload_activations || (c.memory.supervise && c.memory.on_oom.activation_offload);
   int64_t peak = estimate_peak(best);
   // With offloading allowed (LoRA on a frozen base; device_map or the supervisor's ladder),
   // every decoder layer can leave the device but the one running: the layers' share of the

@@ -90,6 +90,7 @@ Measured measure(const trainer::Config& c, const models::ModelSpec& spec) {
   models::ForwardOptions fo;
   fo.training = true;
   fo.checkpoint_layers = trainer::checkpoint_plan(c.training.gradient_checkpointing, spec.num_layers);
+  fo.offload_activations = c.training.activation_offload == "checkpoints";
   ScopedPeakReset peak;
   {
     data::Batch batch = data::collate(samples, 8, 0);
@@ -134,6 +135,10 @@ INSTANTIATE_TEST_SUITE_P(
                                       "data.max_seq_length=128", "training.per_device_train_batch_size=2"}},
         Shape{"llama_dense_lora_all", {"model.name_or_path=tiny-llama", "data.max_seq_length=256",
                                        "training.per_device_train_batch_size=2", "training.gradient_checkpointing=true"}},
+        Shape{"llama_dense_lora_all_offloaded", {"model.name_or_path=tiny-llama", "data.max_seq_length=256",
+                                                 "training.per_device_train_batch_size=2",
+                                                 "training.gradient_checkpointing=true",
+                                                 "training.activation_offload=checkpoints"}},
         Shape{"gpt2_nf4_qv_every2", {"model.name_or_path=tiny-gpt2", "model.quantization_config.load_in_4bit=true",
                                      "lora.target_modules=[c_attn]", "data.max_seq_length=256",
                                      "training.gradient_checkpointing={policy: every_n, n: 2}"}},
@@ -187,7 +192,8 @@ TEST(EstimateCommand, PreLoadCheckRefusesARunThatCannotFitAndSaysWhatWould) {
   json min = estimate_json(d / "c.yaml", "training.per_device_train_batch_size=1 training.gradient_checkpointing=true");
   const int64_t need = min["peak_bytes"].get<int64_t>();
   ASSERT_GT(need, 0);
-  auto r = run(memtune_bin() + " train " + (d / "c.yaml").string() + " memory.on_oom.offload_layers=false memory.device_limit=" + std::to_string(need - 4096),
+  auto r = run(memtune_bin() + " train " + (d / "c.yaml").string() + " memory.on_oom.offload_layers=false "
+                   "memory.on_oom.activation_offload=false memory.device_limit=" + std::to_string(need - 4096),
                300);
   EXPECT_EQ(r.exit_code, 3) << r.output;
   EXPECT_NE(r.output.find("cannot fit"), std::string::npos) << r.output;
