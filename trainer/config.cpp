@@ -191,6 +191,7 @@ void OnOomConfig::fields(F&& f) {
   f("checkpoint_more", checkpoint_more, "at micro-batch 1: checkpoint more layers");
   f("activation_offload", activation_offload,
     "then keep each checkpointed layer's input in host memory until its backward");
+  f("optimizer_offload", optimizer_offload, "then move the optimizer's state to host memory (memory.optimizer_offload)");
   f("offload_layers", offload_layers, "then offload layers through the device map");
 }
 
@@ -202,6 +203,10 @@ void MemoryConfig::fields(F&& f) {
   f("critical_threshold", critical_threshold, "share of the limit at which cached memory is released");
   f("emergency_threshold", emergency_threshold,
     "share of the limit at which the micro-batch shrinks before an OOM");
+  f("optimizer_offload", optimizer_offload,
+    "cpu: the optimizer's state lives in host memory outside the device budget (DeepSpeed's offload_optimizer: "
+    "cpu); the update is the same (on the host for parameters on a GPU)",
+    {"none", "cpu"});
   f("on_oom", on_oom, "what an out-of-memory error does");
   f("grow_after_steps", grow_after_steps, "steps under grow_threshold before a larger micro-batch is tried");
   f("grow_threshold", grow_threshold, "peak share of the limit that counts as headroom, in (0, 1)");

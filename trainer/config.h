@@ -149,6 +149,7 @@ struct OnOomConfig {
   int max_retries = 16;           // attempts of one step before giving up
   bool checkpoint_more = true;     // ladder at micro-batch 1: checkpoint more layers
   bool activation_offload = true;  // then keep checkpointed layers' inputs in host memory
+  bool optimizer_offload = true;   // then move the optimizer's state to host memory
   bool offload_layers = true;      // then offload layers through the device map
   template <class F> void fields(F&& f);
 };
@@ -158,6 +159,7 @@ struct MemoryConfig {
   double warning_threshold = 0.85;       // of the limit: log suggestions
   double critical_threshold = 0.90;      // release cached memory
   double emergency_threshold = 0.95;     // shrink the micro-batch before an OOM
+  std::string optimizer_offload = "none";  // none|cpu: optimizer state in host memory outside the budget
   OnOomConfig on_oom;
   int64_t grow_after_steps = 50;         // steps under grow_threshold before trying a larger micro-batch
   double grow_threshold = 0.6;           // peak share of the limit that counts as headroom

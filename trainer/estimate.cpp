@@ -98,7 +98,7 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
   OptimizerOptions oo;
   set_optimizer_kind(c.training.optim, oo);
   in.optimizer = oo.kind;
-  in.optimizer_paged = oo.paged;
+  in.optimizer_paged = oo.paged || c.memory.optimizer_offload == "cpu";
   std::string note;
   const c10::Device device = resolve_device(c.runtime.device);
   in.compute_bytes = static_cast<int64_t>(c10::elementSize(resolve_compute_dtype(c, device, &note)));
@@ -123,6 +123,7 @@ int64_t auto_micro_batch(const Config& c, const EstimateInput& in, int64_t budge
 void check_fits(const Config& c, const models::ModelSpec& spec, int64_t budget) {
   EstimateInput best = with_every_saving(estimate_input(c, spec, 1));
   best.offload_activations = best.offload_activations || (c.memory.supervise && c.memory.on_oom.activation_offload);
+  best.optimizer_paged = best.optimizer_paged || (c.memory.supervise && c.memory.on_oom.optimizer_offload);
   int64_t peak = estimate_peak(best);
   // With offloading allowed (LoRA on a frozen base; device_map or the supervisor's ladder),
   // every decoder layer can leave the device but the one running: the layers' share of the

@@ -4,6 +4,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -320,6 +321,26 @@ Optimizer::Optimizer(std::vector<std::pair<std::string, at::Tensor>> params, Opt
   }
 }
 
+int64_t Optimizer::offload_states() {
+  if (states_offloaded()) return 0;
+  int64_t moved = 0;
+  for (auto* v : {&exp_avg_, &exp_avg_sq_, &absmax1_, &absmax2_})
+    for (auto& t : *v)
+      if (t.defined()) {
+        moved += t.numel() * static_cast<int64_t>(t.element_size());
+        t = to_offload_storage(t);
+      }
+  if (options_.kind == "adamw") {  // the host update's denominator (see host_update)
+    int64_t largest = 0;
+    for (const auto& [name, p] : params_)
+      if (!p.device().is_cpu()) largest = std::max(largest, p.numel());
+    at::Tensor& w = workspaces_["cpu"];
+    if (largest > 0 && (!w.defined() || w.numel() < largest)) w = at::empty({largest}, at::kFloat);
+  }
+  offloaded_ = true;
+  return moved;
+}
+
 void Optimizer::zero_grad() {
   for (auto& [name, p] : params_) p.mutable_grad() = at::Tensor();
 }
@@ -339,36 +360,48 @@ void Optimizer::step(double lr, double grad_scale) {
       bnb_step(i, lr, wd, grad_scale);
       continue;
     }
-    if (options_.kind == "adamw" && fused_adamw_applies(p, g, exp_avg_[i], exp_avg_sq_[i])) {
+    // Offloaded states of a parameter off the host: the update runs on the host, as
+    // DeepSpeed's CPU Adam does (host arithmetic, equal to the device's to rounding).
+    const bool on_host = offloaded_ && !p.device().is_cpu();
+    const at::Tensor ph = on_host ? p.detach().to(at::kCPU).contiguous() : p;
+    const at::Tensor gh = on_host ? g.to(at::kCPU, at::kFloat).contiguous() : g;
+    if (options_.kind == "adamw" && fused_adamw_applies(ph, gh, exp_avg_[i], exp_avg_sq_[i])) {
       const AdamWStep s{static_cast<float>(grad_scale), static_cast<float>(1.0 - lr * wd), static_cast<float>(b1),
                         static_cast<float>(1.0 - b1), static_cast<float>(b2), static_cast<float>(1.0 - b2),
                         static_cast<float>(std::sqrt(bc2)), static_cast<float>(options_.eps),
                         static_cast<float>(-lr / bc1)};
-      s.run(p.data_ptr<float>(), g.data_ptr<float>(), exp_avg_[i].data_ptr<float>(), exp_avg_sq_[i].data_ptr<float>(),
-            p.numel());
-      continue;
-    }
-    if (grad_scale != 1.0) g.mul_(grad_scale);
-    if (options_.kind == "adamw") {
-      // torch.optim.AdamW: p *= 1 - lr*wd; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
-      // p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)
-      if (wd != 0) p.mul_(1.0 - lr * wd);
-      exp_avg_[i].mul_(b1).add_(g, 1.0 - b1);
-      exp_avg_sq_[i].mul_(b2).addcmul_(g, g, 1.0 - b2);
-      at::Tensor denom = workspaces_.at(p.device().str()).narrow(0, 0, p.numel()).view(p.sizes());
-      at::sqrt_out(denom, exp_avg_sq_[i]);
-      denom.div_(std::sqrt(bc2)).add_(options_.eps);
-      p.addcdiv_(exp_avg_[i], denom, -lr / bc1);
+      s.run(ph.data_ptr<float>(), gh.data_ptr<float>(), exp_avg_[i].data_ptr<float>(),
+            exp_avg_sq_[i].data_ptr<float>(), ph.numel());
     } else {
-      // torch.optim.SGD with (L2) weight decay and momentum (dampening 0).
-      if (wd != 0) g.add_(p, wd);
-      if (options_.momentum != 0) {
-        if (steps_ == 1) exp_avg_[i].copy_(g);
-        else exp_avg_[i].mul_(options_.momentum).add_(g);
-        p.add_(exp_avg_[i], -lr);
-      } else {
-        p.add_(g, -lr);
-      }
+      update(ph, gh, i, lr, wd, grad_scale, bc1, bc2);
+    }
+    if (on_host) const_cast<at::Tensor&>(p).copy_(ph);
+  }
+}
+
+void Optimizer::update(const at::Tensor& p, const at::Tensor& g, size_t i, double lr, double wd, double grad_scale,
+                       double bc1, double bc2) {
+  const double b1 = options_.beta1, b2 = options_.beta2;
+  if (grad_scale != 1.0) g.mul_(grad_scale);
+  if (options_.kind == "adamw") {
+    // torch.optim.AdamW: p *= 1 - lr*wd; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
+    // p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)
+    if (wd != 0) p.mul_(1.0 - lr * wd);
+    exp_avg_[i].mul_(b1).add_(g, 1.0 - b1);
+    exp_avg_sq_[i].mul_(b2).addcmul_(g, g, 1.0 - b2);
+    at::Tensor denom = workspaces_.at(p.device().str()).narrow(0, 0, p.numel()).view(p.sizes());
+    at::sqrt_out(denom, exp_avg_sq_[i]);
+    denom.div_(std::sqrt(bc2)).add_(options_.eps);
+    const_cast<at::Tensor&>(p).addcdiv_(exp_avg_[i], denom, -lr / bc1);
+  } else {
+    // torch.optim.SGD with (L2) weight decay and momentum (dampening 0).
+    if (wd != 0) g.add_(p, wd);
+    if (options_.momentum != 0) {
+      if (steps_ == 1) exp_avg_[i].copy_(g);
+      else exp_avg_[i].mul_(options_.momentum).add_(g);
+      const_cast<at::Tensor&>(p).add_(exp_avg_[i], -lr);
+    } else {
+      const_cast<at::Tensor&>(p).add_(g, -lr);
     }
   }
 }

@@ -58,6 +58,13 @@ class Optimizer {
   const std::vector<std::pair<std::string, at::Tensor>>& params() const { return params_; }
   int64_t state_bytes() const;  // every state tensor and workspace, paged (host) ones included
 
+  // Optimizer offload (DeepSpeed's offload_optimizer: cpu): every state tensor moves to host
+  // memory outside the device budget (runtime/offload.h) and stays there; the update is the
+  // same, bit for bit (parameters on another device stream their states through it, per
+  // tensor). Paged optimizers have theirs there already. Returns the bytes it moved.
+  int64_t offload_states();
+  bool states_offloaded() const { return offloaded_ || options_.paged; }
+
   // State for training checkpoints: tensors (named "<param>.exp_avg", "<param>.exp_avg_sq";
   // for 8-bit states the uint8 codes under those names plus "<param>.absmax1/absmax2") and scalars.
   std::vector<std::pair<std::string, at::Tensor>> state_tensors() const;
@@ -66,6 +73,9 @@ class Optimizer {
 
  private:
   void bnb_step(size_t i, double lr, double wd, double grad_scale);  // adamw_8bit / adamw_32bit
+  // torch's AdamW or SGD on parameter i's tensors (p, g: the parameter's or their host copies).
+  void update(const at::Tensor& p, const at::Tensor& g, size_t i, double lr, double wd, double grad_scale, double bc1,
+              double bc2);
   OptimizerOptions options_;
   std::vector<std::pair<std::string, at::Tensor>> params_;
   std::vector<at::Tensor> exp_avg_, exp_avg_sq_;  // adamw; exp_avg_ is the momentum buffer for sgd
@@ -75,6 +85,7 @@ class Optimizer {
   // Per device the parameters are on: the largest parameter's size there, fp32.
   std::map<std::string, at::Tensor> workspaces_;
   int64_t steps_ = 0;
+  bool offloaded_ = false;  // offload_states() ran
 };
 
 // Global L2 norm of the gradients (fp32); undefined gradients count as zero.

@@ -98,7 +98,7 @@ std::map<std::string, at::Tensor> load_all(const fs::path& file) {
 nlohmann::json TrainState::to_json() const {
   return {{"step", step},           {"sampler", sampler},     {"scaler", scaler},
           {"supervisor", supervisor}, {"optimizer", optimizer}, {"checkpoint_layers", checkpoint_layers},
-          {"activation_offload", activation_offload}};
+          {"activation_offload", activation_offload}, {"optimizer_offload", optimizer_offload}};
 }
 
 TrainState TrainState::from_json(const nlohmann::json& j, const std::string& origin) {
@@ -115,11 +115,11 @@ TrainState TrainState::from_json(const nlohmann::json& j, const std::string& ori
                   origin, ".checkpoint_layers is ", v.dump(), "; expected a list of true/false, one per layer");
     s.checkpoint_layers = v.get<std::vector<bool>>();
   }
-  if (j.contains("activation_offload")) {
-    MEMTUNE_CHECK(j["activation_offload"].is_boolean(), origin, ".activation_offload is ",
-                  j["activation_offload"].dump(), "; expected true or false");
-    s.activation_offload = j["activation_offload"].get<bool>();
-  }
+  for (auto [key, dst] : {std::pair{"activation_offload", &s.activation_offload}, {"optimizer_offload", &s.optimizer_offload}})
+    if (j.contains(key)) {  // absent from checkpoints of earlier versions
+      MEMTUNE_CHECK(j[key].is_boolean(), origin, ".", key, " is ", j[key].dump(), "; expected true or false");
+      *dst = j[key].get<bool>();
+    }
   return s;
 }
 

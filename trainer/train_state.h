@@ -33,6 +33,7 @@ struct TrainState {
   nlohmann::json optimizer;             // Optimizer::state_scalars()
   std::vector<bool> checkpoint_layers;  // the policy the ladder settled on; empty in old checkpoints
   bool activation_offload = false;      // the ladder's (or the config's) activation offload; false in old ones
+  bool optimizer_offload = false;       // the optimizer's state in host memory (ladder or config)
 
   nlohmann::json to_json() const;
   // Every key present and of its type, step in range; `origin` names the file.

@@ -314,6 +314,9 @@ void Trainer::build_update() {
   oo.momentum = t.momentum;
   optimizer_ = std::make_unique<Optimizer>(bundle_.model->trainable_parameters(), oo);
   params_ = optimizer_->params();
+  if (c_.memory.optimizer_offload == "cpu")
+    spdlog::info("memory.optimizer_offload: cpu: {} of optimizer state in host memory",
+                 format_bytes(optimizer_->offload_states()));
   if (pg_) {  // distributed: every rank starts from rank 0's trainable weights
     at::NoGradGuard no_grad;
     for (const auto& [name, p] : params_) pg_->broadcast(p, 0);
@@ -351,6 +354,11 @@ void Trainer::build_supervisor() {
       if (offload_activations_ || std::count(ckpt_layers_.begin(), ckpt_layers_.end(), true) == 0) return "";
       offload_activations_ = true;
       return "checkpointed layers' inputs kept in host memory (activation offload)";
+    });
+  if (c_.memory.on_oom.optimizer_offload)
+    supervisor_->add_ladder_rung("offload optimizer state", [this]() -> std::string {
+      if (optimizer_->states_offloaded()) return "";
+      return str_cat("optimizer state (", format_bytes(optimizer_->offload_states()), ") moved to host memory");
     });
   if (c_.memory.on_oom.offload_layers)
     supervisor_->add_ladder_rung("offload layers", [this] { return models::offload_one_more_layer(*bundle_.model); });
@@ -400,6 +408,7 @@ void Trainer::resume() {
   step_ = ck.state.step;
   if (!ck.state.checkpoint_layers.empty()) ckpt_layers_ = ck.state.checkpoint_layers;
   offload_activations_ = offload_activations_ || ck.state.activation_offload;
+  if (ck.state.optimizer_offload) optimizer_->offload_states();
   spdlog::info("resumed from {} at step {}", dir.string(), step_);
 }
 
@@ -615,6 +624,7 @@ void Trainer::save_checkpoint() {
   state.optimizer = optimizer_->state_scalars();
   state.checkpoint_layers = ckpt_layers_;
   state.activation_offload = offload_activations_;
+  state.optimizer_offload = optimizer_->states_offloaded();
   const fs::path p = save_training_checkpoint(out_dir_, state, params_, optimizer_->state_tensors(), cpu_rng_state(),
                                               config_yaml_, c_.training.save_total_limit);
   result_.checkpoint = p.string();

@@ -193,7 +193,8 @@ TEST(EstimateCommand, PreLoadCheckRefusesARunThatCannotFitAndSaysWhatWould) {
   const int64_t need = min["peak_bytes"].get<int64_t>();
   ASSERT_GT(need, 0);
   auto r = run(memtune_bin() + " train " + (d / "c.yaml").string() + " memory.on_oom.offload_layers=false "
-                   "memory.on_oom.activation_offload=false memory.device_limit=" + std::to_string(need - 4096),
+                   "memory.on_oom.activation_offload=false memory.on_oom.optimizer_offload=false "
+                   "memory.device_limit=" + std::to_string(need - 4096),
                300);
   EXPECT_EQ(r.exit_code, 3) << r.output;
   EXPECT_NE(r.output.find("cannot fit"), std::string::npos) << r.output;

@@ -148,29 +148,36 @@ TEST(Supervisor, RealBudgetSettlesOnAMicroBatchThatFitsWithTheSameLosses) {
   expect_same_run(fit.out, ref.out, 1e-5);
 }
 
-// Past micro-batch 1 the ladder checkpoints every layer, then offloads the checkpointed
-// layers' inputs to host memory: six injected OOMs at step 0 take it through shrink (2 -> 1),
-// four layers checkpointed and activation offload; the run then equals one configured with
-// all three from the start, and the rungs are in metrics.jsonl.
-TEST(Supervisor, LadderReachesActivationOffloadAndKeepsTheMath) {
+// Past micro-batch 1 the ladder checkpoints every layer, offloads the checkpointed layers'
+// inputs, then the optimizer's state, to host memory: seven injected OOMs at step 0 take it
+// through shrink (2 -> 1), four layers checkpointed, activation offload and optimizer
+// offload; the run then equals one configured with all of them from the start (dropout
+// included), and the rungs are in metrics.jsonl.
+TEST(Supervisor, LadderReachesActivationAndOptimizerOffloadAndKeepsTheMath) {
   fs::path d = temp_dir();
   const std::string shape = "training.per_device_train_batch_size=2 training.max_steps=4 lora.lora_dropout=0.1 ";
   TrainRun ref = train(d / "ref", shape + "training.per_device_train_batch_size=1 training.gradient_accumulation_steps=4 "
-                                          "training.gradient_checkpointing=true training.activation_offload=checkpoints");
+                                          "training.gradient_checkpointing=true training.activation_offload=checkpoints "
+                                          "memory.optimizer_offload=cpu");
   ASSERT_EQ(ref.exit_code, 0) << ref.output;
-  std::string six;
-  for (int i = 0; i < 6; ++i) six += std::string(i ? "," : "") + "0:forward";
-  TrainRun ladder = train(d / "ladder", shape + "memory.grow_after_steps=1000 memory.inject_oom=" + six);
+  std::string seven;
+  for (int i = 0; i < 7; ++i) seven += std::string(i ? "," : "") + "0:forward";
+  TrainRun ladder = train(d / "ladder", shape + "memory.grow_after_steps=1000 memory.inject_oom=" + seven);
   ASSERT_EQ(ladder.exit_code, 0) << ladder.output;
   std::vector<std::string> rungs;
   for (const auto& r : rows(ladder.out))
     for (const auto& e : r["events"])
       if (e["kind"] == "ladder") rungs.push_back(e["detail"].get<std::string>());
-  ASSERT_EQ(rungs.size(), 5u) << ladder.output;
+  ASSERT_EQ(rungs.size(), 6u) << ladder.output;
   for (int layer = 0; layer < 4; ++layer) EXPECT_NE(rungs[layer].find("checkpointing layer " + std::to_string(layer)),
                                                     std::string::npos) << rungs[layer];
   EXPECT_NE(rungs[4].find("activation offload"), std::string::npos) << rungs[4];
+  EXPECT_NE(rungs[5].find("optimizer state"), std::string::npos) << rungs[5];
   expect_same_run(ladder.out, ref.out, 1e-6);
+  // The settled plan is part of the checkpoint: a resume keeps it.
+  const auto state = trainer::load_training_checkpoint(trainer::latest_checkpoint(ladder.out)).state;
+  EXPECT_TRUE(state.activation_offload);
+  EXPECT_TRUE(state.optimizer_offload);
 }
 
 TEST(Supervisor, NothingFitsAtMicroBatchOneStopsWithAReportAndKeepsTheCheckpoint) {
