@@ -1,0 +1,128 @@
+#!/usr/bin/env python3
+"""What each rung of the supervisor's ladder costs: peak device memory and tokens/s at
+micro-batch 1 with nothing else, then with every layer checkpointed, + activation offload,
++ optimizer offload, + every decoder layer offloaded (LoRA only: full fine-tuning trains
+those weights), measured with `memtune train` in one run, side by side.
+
+    python3 bench/ladder_rungs.py [--model M|S] [--steps N] [--json FILE]
+
+Builds nothing: run `bash scripts/build.sh` first. The model is bench/train_vs_peer.py's
+(random weights, llm.c token file of random ids, seq 256, micro-batch 1 x 4 per step).
+QLoRA: NF4 base, LoRA r 16 on every projection. Full: every weight trained, fp32 AdamW.
+Peak: the largest of memory_report.txt's forward, backward and optimizer peaks (the CPU
+budget allocator's count; offloaded bytes are outside it, as on a GPU). tokens/s: median
+over the steps after the first.
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_vs_peer import MODELS, ROOT, built, llama_config, log, run, write_tokens  # noqa: E402
+
+RUNGS = [
+    ("micro-batch 1", {}),
+    ("+ checkpoint every layer", {"training": {"gradient_checkpointing": True}}),
+    ("+ activation offload", {"training": {"gradient_checkpointing": True, "activation_offload": "checkpoints"}}),
+    ("+ optimizer offload", {"training": {"gradient_checkpointing": True, "activation_offload": "checkpoints"},
+                             "memory": {"optimizer_offload": "cpu"}}),
+    ("+ layer offload", {"training": {"gradient_checkpointing": True, "activation_offload": "checkpoints"},
+                         "memory": {"optimizer_offload": "cpu"}, "layers_offloaded": True}),
+]
+
+
+def merge(a, b):
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = merge(out.get(k, {}), v) if isinstance(v, dict) else v
+    return out
+
+
+def peak_of(report):
+    peaks = []
+    for line in open(report):
+        if line.startswith("peak in"):
+            value, unit = line.split(":", 1)[1].split()
+            peaks.append(float(value) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit])
+    return max(peaks)
+
+
+def train(args, mode, name, rung):
+    m = MODELS[args.model]
+    out = os.path.join(args.work, f"{mode}-{name}".replace(" ", "_").replace("+", "plus"))
+    shutil.rmtree(out, ignore_errors=True)
+    lora = mode == "qlora"
+    cfg = {
+        "model": {"name_or_path": args.model_dir,
+                  "quantization_config": {"load_in_4bit": lora, "bnb_4bit_compute_dtype": "float32"}},
+        "lora": {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"},
+        "training": {"output_dir": out, "finetune": "lora" if lora else "full", "per_device_train_batch_size": 1,
+                     "gradient_accumulation_steps": 4, "max_steps": args.steps, "logging_steps": 1,
+                     "save_steps": 0, "learning_rate": 1e-4},
+        "data": {"train_file": args.tokens, "format": "tokens", "max_seq_length": m["seq"]},
+        "memory": {"supervise": False, "on_oom": {"checkpoint_more": False}},
+    }
+    extra = dict(rung)
+    if extra.pop("layers_offloaded", False):
+        cfg["model"]["device_map"] = {"model.embed_tokens": "cpu", f"model.layers.0-{m['layers'] - 1}": "offload",
+                                      "model.norm": "cpu", "lm_head": "cpu"}
+    cfg = merge(cfg, extra)
+    path = out + ".yaml"
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=1)
+    run([args.memtune, "train", path])
+    rows = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl")) if '"tokens_per_s"' in l]
+    tok_s = statistics.median(r["tokens_per_s"] for r in rows[1:]) if len(rows) > 1 else rows[0]["tokens_per_s"]
+    return peak_of(os.path.join(out, "memory_report.txt")), tok_s
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="M", choices=sorted(MODELS))
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--modes", default="qlora,full")
+    p.add_argument("--build", default=os.path.join(ROOT, "build"))
+    p.add_argument("--work", default=os.path.join(ROOT, "build", "bench-ladder"))
+    p.add_argument("--json", help="also write the results here")
+    args = p.parse_args()
+    (args.memtune,) = built(args.build, "memtune")
+    os.makedirs(args.work, exist_ok=True)
+    m = MODELS[args.model]
+    config = os.path.join(args.work, "config.json")
+    with open(config, "w") as f:
+        json.dump(llama_config(m), f)
+    args.model_dir = os.path.join(args.work, "model")
+    run([args.memtune, "init-model", "--config", config, "--out", args.model_dir, "--seed", "1"])
+    args.tokens = os.path.join(args.work, "tokens.bin")
+    write_tokens(args.tokens, m["vocab"], m["seq"] * 4 * (args.steps + 2) + 1, 7)
+
+    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")),
+               platform.processor())
+    avx512 = "avx512f" in open("/proc/cpuinfo").read()
+    print(f"# ladder rungs, {args.model} model ({m['layers']} x {m['hidden']}), seq {m['seq']}, micro-batch 1 x 4, "
+          f"{datetime.date.today()}, {cpu} ({'AVX-512' if avx512 else 'AVX2'}), {os.cpu_count()} CPUs")
+    results = []
+    for mode in args.modes.split(","):
+        print(f"\n{mode}:\n| rung | peak (MiB) | vs micro-batch 1 | tokens/s | vs micro-batch 1 |\n|---|---|---|---|---|")
+        first = None
+        for name, rung in RUNGS:
+            if mode == "full" and rung.get("layers_offloaded"):
+                continue  # the offloaded layers' weights would be trained: refused by the device map
+            log(f"{mode}: {name}")
+            peak, tok_s = train(args, mode, name, rung)
+            first = first or (peak, tok_s)
+            print(f"| {name} | {peak / 2**20:.1f} | {peak / first[0]:.2f} | {tok_s:.0f} | {tok_s / first[1]:.2f} |",
+                  flush=True)
+            results.append({"mode": mode, "rung": name, "peak_bytes": peak, "tokens_per_s": tok_s})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "cpu": cpu, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
