@@ -72,7 +72,8 @@ bool Supervisor::attempt(int64_t step, const StepStages& stages, std::string* wh
 }
 
 void Supervisor::shrink(int64_t step, const std::string& why) {
-  int64_t next = std::min<int64_t>(micro_ - 1, static_cast<int64_t>(std::floor(micro_ * options_.shrink_factor)));
+  // Rounded up, so no size is skipped that might fit (3 x 0.5 -> 2, not 1), and at least one less.
+  int64_t next = std::min<int64_t>(micro_ - 1, static_cast<int64_t>(std::ceil(micro_ * options_.shrink_factor)));
   next = std::max<int64_t>(1, next);
   const int64_t before = micro_;
   micro_ = next;

@@ -185,8 +185,9 @@ class Trainer {
   std::unique_ptr<MetricsLog> metrics_;
   std::unique_ptr<OomInjector> injector_;
   StepProfiler profiler_;
-  int64_t phase_peak_[3] = {0, 0, 0};  // forward, backward, optimizer: over the run
-  int64_t step_peak_ = 0;              // over the current step
+  int64_t phase_peak_[3] = {0, 0, 0};    // forward, backward, optimizer: over the run's completed steps
+  int64_t attempt_peak_[3] = {0, 0, 0};  // the same over the step's current attempt
+  int64_t step_peak_ = 0;                // over the step's current attempt
   at::Tensor dist_extra_;              // distributed: [loss sum, stop requested], reduced with the gradients
   bool dist_stop_ = false;
   bool tty_ = false;
@@ -448,7 +449,7 @@ TrainResult Trainer::run() {
 
 void Trainer::note_peak(int phase) {
   const int64_t p = mem_->stats().peak;
-  phase_peak_[phase] = std::max(phase_peak_[phase], p);
+  attempt_peak_[phase] = std::max(attempt_peak_[phase], p);
   step_peak_ = std::max(step_peak_, p);
 }
 
@@ -479,7 +480,11 @@ StepRecord Trainer::step() {
 
   StepStages stages;
   stages.compute = [&](int64_t micro) {
-    set_cpu_rng_state(rng);  // the same dropout draws on every attempt
+    // A new attempt: the peaks the monitor and the report see are those of the attempt
+    // that completes, not of one that ran out of memory.
+    step_peak_ = 0;
+    std::fill(std::begin(attempt_peak_), std::end(attempt_peak_), 0);
+    set_cpu_rng_state(rng);  // the same generator state on every attempt
     optimizer_->zero_grad();
     loss_sum = 0;
     models::ForwardOptions fo;
@@ -556,6 +561,7 @@ StepRecord Trainer::step() {
   const MemoryStats ms = mem_->stats();
   r.allocated = ms.allocated;
   r.peak = step_peak_ = std::max(step_peak_, ms.peak);
+  for (int k = 0; k < 3; ++k) phase_peak_[k] = std::max(phase_peak_[k], attempt_peak_[k]);
   supervisor_->observe_peak(step_ - 1, limit_ > 0 ? static_cast<double>(r.peak) / static_cast<double>(limit_) : 0.0,
                             [this] { mem_->release_cached(); },
                             [this]() -> std::string {
@@ -564,8 +570,9 @@ StepRecord Trainer::step() {
                                 now.micro_batch = supervisor_->micro_batch();
                                 now.checkpoint_layers = ckpt_layers_;
                                 const int64_t saved = estimate_peak(now) - estimate_peak(with_every_saving(now));
-                                return str_cat("gradient_checkpointing every layer would save about ",
-                                               format_bytes(saved), " by the estimate");
+                                if (saved > 0)
+                                  return str_cat("gradient_checkpointing every layer would save about ",
+                                                 format_bytes(saved), " by the estimate");
                               }
                               return "a smaller data.max_seq_length or per_device_train_batch_size would lower it";
                             });

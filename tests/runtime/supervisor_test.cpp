@@ -56,6 +56,16 @@ TEST(Supervisor, ShrinksUntilItFitsAndKeepsTheStepsSamples) {
   EXPECT_EQ(r.cleaned, 2);
 }
 
+// A factor of 0.5 takes 3 to 2 (rounded up): 2 may fit, and going to 1 would skip it.
+TEST(Supervisor, ShrinkRoundsUpSoNoSizeThatMightFitIsSkipped) {
+  Supervisor s(options(6, 3));
+  Recorder r;
+  r.oom_in_compute = [](int64_t m) { return m > 2; };
+  s.run_step(0, r.stages());
+  EXPECT_EQ(r.micro_batches, (std::vector<int64_t>{3, 2}));
+  EXPECT_EQ(s.accumulation(), 3);
+}
+
 TEST(Supervisor, OomInPrepareDropsTheStepAndUpdatesOnce) {
   Supervisor s(options(4, 4));
   Recorder r;

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <sstream>
 
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
@@ -92,6 +93,28 @@ TEST_P(InjectedOom, RunCompletesAndEqualsTheSmallerMicroBatchFromTheStart) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Phases, InjectedOom, ::testing::Values("forward", "backward", "optimizer"));
+
+// The peaks a step reports (metrics.jsonl, the memory report) are those of the attempt that
+// completed: the failed micro-batch-4 attempt's forward does not count, so the OOM run's
+// peaks equal those of the run that used micro-batch 2 from the start.
+TEST(Supervisor, ReportedPeaksAreThoseOfTheAttemptThatCompleted) {
+  fs::path d = temp_dir();
+  TrainRun ref = train(d / "ref", "training.per_device_train_batch_size=2 training.gradient_accumulation_steps=4 "
+                                  "training.max_steps=2");
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  TrainRun oom = train(d / "oom", "memory.inject_oom=0:backward memory.grow_after_steps=1000 training.max_steps=2");
+  ASSERT_EQ(oom.exit_code, 0) << oom.output;
+  EXPECT_EQ(rows(oom.out).front()["memory"]["cpu"]["peak"], rows(ref.out).front()["memory"]["cpu"]["peak"]);
+  auto phase_lines = [](const fs::path& out) {
+    std::string lines;
+    std::istringstream in(read_file(out / "memory_report.txt"));
+    for (std::string l; std::getline(in, l);)
+      if (l.rfind("peak in", 0) == 0) lines += l + "\n";
+    return lines;
+  };
+  EXPECT_FALSE(phase_lines(ref.out).empty());
+  EXPECT_EQ(phase_lines(oom.out), phase_lines(ref.out));
+}
 
 // With LoRA dropout (the recipes' 0.05), an OOM run equals the run configured with the
 // micro-batch it started from, not only the one it ended at: each sample's masks follow the
