@@ -55,16 +55,7 @@ uint8_t dynamic_code(const float* code, float x) {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-const char* dtype_name(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return "float32";
-    case at::kHalf: return "float16";
-    case at::kBFloat16: return "bfloat16";
-    default: return nullptr;
-  }
-}
-
-bool supported_float(at::ScalarType t) { return dtype_name(t) != nullptr; }
+bool supported_float(at::ScalarType t) { return nf4_dtype_name(t) != nullptr; }
 
 // fp32 absmax of blocks [b0, b1) into out.
 void absmax_range(const NF4Tensor& q, int64_t b0, int64_t b1, float* out) {
@@ -172,6 +163,15 @@ void check_nf4_state(const NF4Tensor& q) {
                 "NF4Tensor: nested_quant_map must be fp32 [256]");
   } else {
     TORCH_CHECK(q.absmax.scalar_type() == at::kFloat, "NF4Tensor: absmax must be fp32");
+  }
+}
+
+const char* nf4_dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "float32";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    default: return nullptr;
   }
 }
 

@@ -72,6 +72,10 @@ at::Tensor nf4_absmax_fp32(const NF4Tensor& q);
 // quantization at blocksize 64 for large tensors, 4.5 without).
 double nf4_bits_per_parameter(const NF4Tensor& q);
 
+// The name of a dense dtype NF4 works from and back to, as bitsandbytes' state writes it
+// (float32, float16, bfloat16); nullptr for any other.
+const char* nf4_dtype_name(at::ScalarType t);
+
 // Throws when q's fields disagree with each other (sizes, dtypes): an invariant of memtune's
 // own code, checked before a kernel or a writer trusts them.
 void check_nf4_state(const NF4Tensor& q);

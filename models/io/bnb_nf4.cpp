@@ -55,19 +55,10 @@ namespace {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-const char* dtype_name(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return "float32";
-    case at::kHalf: return "float16";
-    case at::kBFloat16: return "bfloat16";
-    default: return "unsupported";
-  }
-}
-
 std::string json_state(const NF4Tensor& q) {
   // Key order and separators of json.dumps(QuantState.as_dict(packed=True)'s non-tensor items).
   std::string s = "{\"quant_type\": \"nf4\", \"blocksize\": " + std::to_string(q.blocksize) +
-                  ", \"dtype\": \"" + dtype_name(q.dtype) + "\", \"shape\": [";
+                  ", \"dtype\": \"" + nf4_dtype_name(q.dtype) + "\", \"shape\": [";
   for (size_t i = 0; i < q.shape.size(); ++i) s += (i ? ", " : "") + std::to_string(q.shape[i]);
   s += "]";
   if (q.double_quant) {
