@@ -16,8 +16,24 @@ Supervisor::Supervisor(SupervisorOptions options)
   agree_ = [](bool oom, int64_t proposal) { return std::make_pair(oom, proposal); };
 }
 
-void Supervisor::add_ladder_rung(std::string name, std::function<std::string()> rung) {
-  ladder_.emplace_back(std::move(name), std::move(rung));
+void Supervisor::add_ladder_rung(std::string name, std::function<std::string()> rung,
+                                 std::function<std::string()> undo) {
+  ladder_.push_back({std::move(name), std::move(rung), std::move(undo)});
+}
+
+bool Supervisor::grow_back(int64_t step) {
+  if (taken_.empty() || !ladder_[taken_.back()].undo) return false;  // the latest one stays: so do those before it
+  const int index = taken_.back();
+  const std::string what = ladder_[index].undo();
+  if (what.empty()) {  // nothing of it left to revert
+    taken_.pop_back();
+    return grow_back(step);
+  }
+  taken_.pop_back();
+  undone_ = index;
+  event(step, "grow", ladder_[index].name + ": undid " + what + " after " + std::to_string(grow_wait_) +
+                          " steps with headroom");
+  return true;
 }
 
 void Supervisor::set_agreement(std::function<std::pair<bool, int64_t>(bool, int64_t)> agree) {
@@ -88,6 +104,18 @@ void Supervisor::run_step(int64_t step, const StepStages& stages) {
     // Keep only the first line of the allocator's message in the event.
     std::string first_line = what.substr(0, what.find('\n'));
     event(step, "oom", first_line);
+    if (undone_ >= 0) {
+      // The undone rung was needed: take it again and wait twice as long before the next try.
+      const Rung& r = ladder_[undone_];
+      const std::string again = r.apply();
+      if (!again.empty()) taken_.push_back(undone_);
+      undone_ = -1;
+      grow_wait_ *= 2;
+      good_steps_ = 0;
+      event(step, "grow_failed", r.name + " is needed (" + again + "); next try after " + std::to_string(grow_wait_) +
+                                     " steps");
+      continue;
+    }
     if (grown_from_ > 0) {
       // The larger size failed: go back and wait twice as long before trying again.
       const int64_t larger = micro_;
@@ -110,10 +138,11 @@ void Supervisor::run_step(int64_t step, const StepStages& stages) {
       continue;
     }
     std::string changed;
-    for (auto& [name, rung] : ladder_) {
-      changed = rung();
+    for (size_t i = 0; i < ladder_.size(); ++i) {
+      changed = ladder_[i].apply();
       if (!changed.empty()) {
-        event(step, "ladder", name + ": " + changed);
+        taken_.push_back(static_cast<int>(i));
+        event(step, "ladder", ladder_[i].name + ": " + changed);
         break;
       }
     }
@@ -130,6 +159,7 @@ void Supervisor::observe_peak(int64_t step, double peak, const std::function<voi
                               const std::function<std::string()>& suggestion) {
   if (!options_.enabled || peak <= 0) return;
   grown_from_ = 0;  // the step completed at this size
+  undone_ = -1;     // and without the rung a grow undid
   if (peak >= options_.emergency && micro_ > 1) {
     shrink(step, "peak " + std::to_string(static_cast<int>(peak * 100)) + "% of the limit, above the emergency threshold");
     good_steps_ = 0;
@@ -144,8 +174,10 @@ void Supervisor::observe_peak(int64_t step, double peak, const std::function<voi
     event(step, "warning", "peak " + std::to_string(static_cast<int>(peak * 100)) + "% of the limit" +
                                (s.empty() ? "" : "; " + s));
   }
-  if (peak < options_.grow_threshold && micro_ < options_.micro_batch) {
-    if (++good_steps_ >= grow_wait_) {
+  if (peak < options_.grow_threshold && (micro_ < options_.micro_batch || !taken_.empty())) {
+    if (++good_steps_ >= grow_wait_ && grow_back(step)) {
+      good_steps_ = 0;
+    } else if (good_steps_ >= grow_wait_ && micro_ < options_.micro_batch) {
       const int64_t before = micro_;
       micro_ = std::min<int64_t>(options_.micro_batch,
                                  std::max<int64_t>(micro_ + 1, static_cast<int64_t>(std::ceil(micro_ / options_.shrink_factor))));
@@ -160,7 +192,8 @@ void Supervisor::observe_peak(int64_t step, double peak, const std::function<voi
 }
 
 nlohmann::json Supervisor::state() const {
-  return {{"micro_batch", micro_}, {"good_steps", good_steps_}, {"grow_wait", grow_wait_}, {"grown_from", grown_from_}};
+  return {{"micro_batch", micro_}, {"good_steps", good_steps_}, {"grow_wait", grow_wait_}, {"grown_from", grown_from_},
+          {"taken", taken_}, {"undone", undone_}};
 }
 
 void Supervisor::load_state(const nlohmann::json& s) {
@@ -170,6 +203,18 @@ void Supervisor::load_state(const nlohmann::json& s) {
   good_steps_ = json_int(s, "good_steps", 0, kMax, "supervisor");
   grow_wait_ = json_int(s, "grow_wait", 1, kMax, "supervisor");
   grown_from_ = json_int(s, "grown_from", 0, per_step, "supervisor");
+  taken_.clear();
+  undone_ = -1;
+  if (s.contains("taken")) {  // absent from checkpoints of earlier versions
+    const auto& t = s["taken"];
+    MEMTUNE_CHECK(t.is_array(), "supervisor.taken is ", t.dump(), "; expected a list of rung indices");
+    for (const auto& v : t) {
+      MEMTUNE_CHECK(v.is_number_integer() && v.get<int64_t>() >= 0 && v.get<int64_t>() < static_cast<int64_t>(ladder_.size()),
+                    "supervisor.taken holds ", v.dump(), "; expected rung indices below ", ladder_.size());
+      taken_.push_back(v.get<int>());
+    }
+    undone_ = static_cast<int>(json_int(s, "undone", -1, static_cast<int64_t>(ladder_.size()) - 1, "supervisor"));
+  }
 }
 
 }  // namespace memtune

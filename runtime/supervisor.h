@@ -4,8 +4,9 @@
 // step owns a fixed set of samples; the supervisor runs them as micro-batches; when memory
 // runs out anywhere in the step, the step's gradients are dropped, the micro-batch is made
 // smaller (accumulation larger) and the same samples run again. Once the micro-batch is 1,
-// a ladder of further savings is tried (checkpoint more layers, offload layers), then the
-// run stops with a report. After a run of steps with headroom it grows back.
+// a ladder of further savings is tried (checkpoint more layers, activation offload, optimizer
+// offload, offload layers), then the run stops with a report. After a run of steps with
+// headroom it grows back: the rungs undone in reverse, then the micro-batch.
 #include <cstdint>
 #include <functional>
 #include <stdexcept>
@@ -60,7 +61,11 @@ class Supervisor {
 
   // A rung of the ladder, tried in the order added once the micro-batch is 1. It returns
   // what it changed ("checkpointing layer 3"), or "" when it has nothing left to give.
-  void add_ladder_rung(std::string name, std::function<std::string()> rung);
+  // `undo` (optional) reverts its latest change and says what it reverted: after a run of
+  // steps with headroom the supervisor grows back by undoing the rungs in the reverse order
+  // they were taken, then by growing the micro-batch. A rung without one stays taken.
+  void add_ladder_rung(std::string name, std::function<std::string()> rung,
+                       std::function<std::string()> undo = nullptr);
   // Agreement across ranks: given this rank's (out_of_memory, proposed micro-batch), returns
   // (any rank out of memory, smallest proposal). Single process: the identity.
   void set_agreement(std::function<std::pair<bool, int64_t>(bool, int64_t)> agree);
@@ -89,7 +94,14 @@ class Supervisor {
   int64_t good_steps_ = 0;          // consecutive steps under grow_threshold
   int64_t grow_wait_;               // steps to wait before the next grow attempt
   int64_t grown_from_ = 0;          // micro-batch before the last grow, 0 when not growing
-  std::vector<std::pair<std::string, std::function<std::string()>>> ladder_;
+  struct Rung {
+    std::string name;
+    std::function<std::string()> apply, undo;
+  };
+  std::vector<Rung> ladder_;
+  std::vector<int> taken_;          // rungs applied, in order (an index each time one gave something)
+  int undone_ = -1;                 // the rung the last grow undid, until a step completes without it
+  bool grow_back(int64_t step);     // undoes the latest rung with an undo; false when none is left
   std::function<std::pair<bool, int64_t>(bool, int64_t)> agree_;
   std::function<std::string()> report_;
   std::vector<SupervisorEvent> events_;

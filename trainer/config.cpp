@@ -208,7 +208,8 @@ void MemoryConfig::fields(F&& f) {
     "cpu); the update is the same (on the host for parameters on a GPU)",
     {"none", "cpu"});
   f("on_oom", on_oom, "what an out-of-memory error does");
-  f("grow_after_steps", grow_after_steps, "steps under grow_threshold before a larger micro-batch is tried");
+  f("grow_after_steps", grow_after_steps,
+    "steps under grow_threshold before growing back: the latest ladder rung undone, else a larger micro-batch");
   f("grow_threshold", grow_threshold, "peak share of the limit that counts as headroom, in (0, 1)");
   f("supervise", supervise, "false: an OOM stops the run");
   f("inject_oom", inject_oom, "testing: step:phase[:rank] list, e.g. 3:backward,5:optimizer");

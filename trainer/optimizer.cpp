@@ -341,6 +341,21 @@ int64_t Optimizer::offload_states() {
   return moved;
 }
 
+int64_t Optimizer::restore_states() {
+  if (!offloaded_) return 0;
+  int64_t moved = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const c10::Device d = params_[i].second.device();
+    for (auto* v : {&exp_avg_, &exp_avg_sq_, &absmax1_, &absmax2_})
+      if (i < v->size() && (*v)[i].defined()) {
+        moved += (*v)[i].numel() * static_cast<int64_t>((*v)[i].element_size());
+        (*v)[i] = fetch_from_offload((*v)[i], d);
+      }
+  }
+  offloaded_ = false;
+  return moved;
+}
+
 void Optimizer::zero_grad() {
   for (auto& [name, p] : params_) p.mutable_grad() = at::Tensor();
 }

@@ -63,6 +63,8 @@ class Optimizer {
   // same, bit for bit (parameters on another device stream their states through it, per
   // tensor). Paged optimizers have theirs there already. Returns the bytes it moved.
   int64_t offload_states();
+  // The reverse: the states come back to their parameters' devices (allocated there).
+  int64_t restore_states();
   bool states_offloaded() const { return offloaded_ || options_.paged; }
 
   // State for training checkpoints: tensors (named "<param>.exp_avg", "<param>.exp_avg_sq";

@@ -178,6 +178,7 @@ class Trainer {
   std::vector<std::pair<std::string, at::Tensor>> params_;
   std::unique_ptr<GradScaler> scaler_;
   std::vector<bool> ckpt_layers_;  // the checkpoint policy; the ladder may add layers
+  std::vector<bool> configured_ckpt_, configured_offload_;  // what the config asked for: the floor of grow-back
   bool offload_activations_ = false;  // checkpointed layers' inputs in host memory; the ladder may turn it on
   std::unique_ptr<Supervisor> supervisor_;
 
@@ -315,9 +316,13 @@ void Trainer::build_update() {
   oo.momentum = t.momentum;
   optimizer_ = std::make_unique<Optimizer>(bundle_.model->trainable_parameters(), oo);
   params_ = optimizer_->params();
-  if (c_.memory.optimizer_offload == "cpu")
-    spdlog::info("memory.optimizer_offload: cpu: {} of optimizer state in host memory",
-                 format_bytes(optimizer_->offload_states()));
+  if (c_.memory.optimizer_offload == "cpu") {
+    if (oo.paged)
+      spdlog::info("memory.optimizer_offload: cpu: {} keeps its state in host memory already", t.optim);
+    else
+      spdlog::info("memory.optimizer_offload: cpu: {} of optimizer state in host memory",
+                   format_bytes(optimizer_->offload_states()));
+  }
   if (pg_) {  // distributed: every rank starts from rank 0's trainable weights
     at::NoGradGuard no_grad;
     for (const auto& [name, p] : params_) pg_->broadcast(p, 0);
@@ -327,6 +332,8 @@ void Trainer::build_update() {
 
 void Trainer::build_supervisor() {
   ckpt_layers_ = checkpoint_layers(c_.training.gradient_checkpointing, bundle_.model->num_layers());
+  configured_ckpt_ = ckpt_layers_;
+  for (int64_t i = 0; i < bundle_.model->num_layers(); ++i) configured_offload_.push_back(bundle_.model->offloaded(i));
   offload_activations_ = c_.training.activation_offload == "checkpoints";
   SupervisorOptions so;
   so.enabled = c_.memory.supervise;
@@ -341,28 +348,62 @@ void Trainer::build_supervisor() {
   so.emergency = c_.memory.emergency_threshold;
   supervisor_ = std::make_unique<Supervisor>(so);
   if (pg_) supervisor_->set_agreement([this](bool oom, int64_t micro) { return pg_->agree(oom, micro); });
+  // Each rung with its undo: grow-back reverts the ladder's changes, never the config's.
   if (c_.memory.on_oom.checkpoint_more)
-    supervisor_->add_ladder_rung("checkpoint more layers", [this]() -> std::string {
-      for (size_t i = 0; i < ckpt_layers_.size(); ++i)
-        if (!ckpt_layers_[i]) {
-          ckpt_layers_[i] = true;
-          return "checkpointing layer " + std::to_string(i);
-        }
-      return "";
-    });
+    supervisor_->add_ladder_rung(
+        "checkpoint more layers",
+        [this]() -> std::string {
+          for (size_t i = 0; i < ckpt_layers_.size(); ++i)
+            if (!ckpt_layers_[i]) {
+              ckpt_layers_[i] = true;
+              return "checkpointing layer " + std::to_string(i);
+            }
+          return "";
+        },
+        [this]() -> std::string {
+          for (size_t i = ckpt_layers_.size(); i-- > 0;)
+            if (ckpt_layers_[i] && !configured_ckpt_[i]) {
+              ckpt_layers_[i] = false;
+              return "checkpointing layer " + std::to_string(i);
+            }
+          return "";
+        });
   if (c_.memory.on_oom.activation_offload)
-    supervisor_->add_ladder_rung("offload activations", [this]() -> std::string {
-      if (offload_activations_ || std::count(ckpt_layers_.begin(), ckpt_layers_.end(), true) == 0) return "";
-      offload_activations_ = true;
-      return "checkpointed layers' inputs kept in host memory (activation offload)";
-    });
+    supervisor_->add_ladder_rung(
+        "offload activations",
+        [this]() -> std::string {
+          if (offload_activations_ || std::count(ckpt_layers_.begin(), ckpt_layers_.end(), true) == 0) return "";
+          offload_activations_ = true;
+          return "checkpointed layers' inputs kept in host memory (activation offload)";
+        },
+        [this]() -> std::string {
+          if (!offload_activations_ || c_.training.activation_offload == "checkpoints") return "";
+          offload_activations_ = false;
+          return "activation offload";
+        });
   if (c_.memory.on_oom.optimizer_offload)
-    supervisor_->add_ladder_rung("offload optimizer state", [this]() -> std::string {
-      if (optimizer_->states_offloaded()) return "";
-      return str_cat("optimizer state (", format_bytes(optimizer_->offload_states()), ") moved to host memory");
-    });
+    supervisor_->add_ladder_rung(
+        "offload optimizer state",
+        [this]() -> std::string {
+          if (optimizer_->states_offloaded()) return "";
+          return str_cat("optimizer state (", format_bytes(optimizer_->offload_states()), ") moved to host memory");
+        },
+        [this]() -> std::string {
+          if (c_.memory.optimizer_offload == "cpu") return "";
+          const int64_t bytes = optimizer_->restore_states();
+          return bytes > 0 ? str_cat("optimizer offload (", format_bytes(bytes), " back on the device)") : "";
+        });
   if (c_.memory.on_oom.offload_layers)
-    supervisor_->add_ladder_rung("offload layers", [this] { return models::offload_one_more_layer(*bundle_.model); });
+    supervisor_->add_ladder_rung(
+        "offload layers", [this] { return models::offload_one_more_layer(*bundle_.model); },
+        [this]() -> std::string {
+          for (int64_t i = 0; i < bundle_.model->num_layers(); ++i)
+            if (bundle_.model->offloaded(i) && !configured_offload_[static_cast<size_t>(i)]) {
+              bundle_.model->set_offloaded(i, false);
+              return "offloading layer " + std::to_string(i);
+            }
+          return "";
+        });
   supervisor_->set_report([this] {
     return str_cat("memory limit ", limit_ ? format_bytes(limit_) : std::string("none"), ", load peak ",
                    format_bytes(load_peak_), ". Try a smaller data.max_seq_length, load_in_4bit, fewer LoRA targets, "

@@ -1,6 +1,8 @@
 // The supervisor's decisions, with stages that run out of memory on cue.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <c10/util/Exception.h>
 
 #include "runtime/supervisor.h"
@@ -125,6 +127,77 @@ TEST(Supervisor, GrowsBackAfterHeadroomAndUndoesAFailedGrow) {
   EXPECT_EQ(s.micro_batch(), 4);  // now waits 4 steps
   s.observe_peak(6, 0.3, [] {}, {});
   EXPECT_EQ(s.micro_batch(), 8);
+}
+
+// Grow-back undoes the ladder in the reverse order it was climbed (B before A), then grows
+// the micro-batch; an undo whose step runs out of memory takes the rung again and waits
+// twice as long. A rung with no undo stays, and so do those taken before it.
+TEST(Supervisor, GrowBackUndoesRungsInReverseThenGrowsTheMicroBatch) {
+  Supervisor s(options(2, 2));
+  std::vector<std::string> on;  // the rungs in effect
+  auto rung = [&](const std::string& name) {
+    s.add_ladder_rung(
+        name,
+        [&on, name]() -> std::string {
+          if (std::find(on.begin(), on.end(), name) != on.end()) return "";
+          on.push_back(name);
+          return name + " on";
+        },
+        [&on, name]() -> std::string {
+          auto it = std::find(on.begin(), on.end(), name);
+          if (it == on.end()) return "";
+          on.erase(it);
+          return name;
+        });
+  };
+  rung("A");
+  rung("B");
+  Recorder r;
+  int ooms = 3;  // 2 -> 1, then A, then B
+  r.oom_in_compute = [&](int64_t) { return ooms-- > 0; };
+  s.run_step(0, r.stages());
+  ASSERT_EQ(on, (std::vector<std::string>{"A", "B"}));
+  ASSERT_EQ(s.micro_batch(), 1);
+  s.observe_peak(0, 0.3, [] {}, {});
+  s.observe_peak(1, 0.3, [] {}, {});
+  EXPECT_EQ(on, std::vector<std::string>{"A"});  // B first
+  // The step without B runs out of memory: B is taken again, the wait doubles.
+  r.oom_in_compute = [&](int64_t) { return std::find(on.begin(), on.end(), "B") == on.end(); };
+  s.run_step(2, r.stages());
+  EXPECT_EQ(on, (std::vector<std::string>{"A", "B"}));
+  for (int i = 0; i < 3; ++i) s.observe_peak(3 + i, 0.3, [] {}, {});
+  EXPECT_EQ(on, (std::vector<std::string>{"A", "B"}));  // 4 steps now
+  r.oom_in_compute = [](int64_t) { return false; };
+  s.observe_peak(6, 0.3, [] {}, {});
+  EXPECT_EQ(on, std::vector<std::string>{"A"});
+  for (int i = 0; i < 4; ++i) s.observe_peak(7 + i, 0.3, [] {}, {});
+  EXPECT_TRUE(on.empty());
+  EXPECT_EQ(s.micro_batch(), 1);  // the rungs first, the micro-batch last
+  for (int i = 0; i < 4; ++i) s.observe_peak(11 + i, 0.3, [] {}, {});
+  EXPECT_EQ(s.micro_batch(), 2);
+  std::vector<std::string> kinds;
+  for (const auto& e : s.take_events()) kinds.push_back(e.kind);
+  EXPECT_EQ(kinds, (std::vector<std::string>{"oom", "shrink", "oom", "ladder", "oom", "ladder", "grow", "oom",
+                                             "grow_failed", "grow", "grow", "grow"}));
+  // The taken rungs are part of the state: a resumed run grows back the same way.
+  Supervisor t(options(2, 2));
+  t.add_ladder_rung("A", [] { return std::string(); }, [] { return std::string("A"); });
+  t.load_state(s.state());
+  EXPECT_EQ(t.state(), s.state());
+}
+
+TEST(Supervisor, ARungWithoutUndoStays) {
+  Supervisor s(options(2, 2));
+  bool on = false;
+  s.add_ladder_rung("permanent", [&]() -> std::string { return on ? "" : (on = true, "on"); });
+  Recorder r;
+  int ooms = 2;
+  r.oom_in_compute = [&](int64_t) { return ooms-- > 0; };
+  s.run_step(0, r.stages());
+  ASSERT_TRUE(on);
+  for (int i = 0; i < 2; ++i) s.observe_peak(1 + i, 0.3, [] {}, {});
+  EXPECT_TRUE(on);
+  EXPECT_EQ(s.micro_batch(), 2);  // the micro-batch grows; the rung stays
 }
 
 TEST(Supervisor, ThresholdsActBeforeAnOom) {

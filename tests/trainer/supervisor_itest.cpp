@@ -203,6 +203,33 @@ TEST(Supervisor, LadderReachesActivationAndOptimizerOffloadAndKeepsTheMath) {
   EXPECT_TRUE(state.optimizer_offload);
 }
 
+// With headroom (a roomy budget), the supervisor grows back: it undoes the ladder in the
+// reverse order it was climbed, two good steps per undo, then grows the micro-batch; the run
+// keeps the math of the plain run all along.
+TEST(Supervisor, GrowBackUndoesTheLadderInReverseAndKeepsTheMath) {
+  fs::path d = temp_dir();
+  const std::string shape = "training.per_device_train_batch_size=2 training.max_steps=16 lora.lora_dropout=0.1 "
+                            "memory.device_limit=8GiB ";
+  TrainRun plain = train(d / "plain", shape);
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  std::string seven;
+  for (int i = 0; i < 7; ++i) seven += std::string(i ? "," : "") + "0:forward";
+  TrainRun back = train(d / "back", shape + "memory.grow_after_steps=2 memory.inject_oom=" + seven);
+  ASSERT_EQ(back.exit_code, 0) << back.output;
+  std::vector<std::string> grows;
+  for (const auto& r : rows(back.out))
+    for (const auto& e : r["events"])
+      if (e["kind"] == "grow") grows.push_back(e["detail"].get<std::string>());
+  ASSERT_EQ(grows.size(), 7u) << back.output;
+  EXPECT_NE(grows[0].find("offload optimizer state: undid optimizer offload"), std::string::npos) << grows[0];
+  EXPECT_NE(grows[1].find("offload activations: undid activation offload"), std::string::npos) << grows[1];
+  for (int k = 0; k < 4; ++k)
+    EXPECT_NE(grows[2 + k].find("undid checkpointing layer " + std::to_string(3 - k)), std::string::npos) << grows[2 + k];
+  EXPECT_NE(grows[6].find("micro-batch 1 -> 2"), std::string::npos) << grows[6];
+  EXPECT_EQ(rows(back.out).back()["micro_batch"], 2);
+  expect_same_run(back.out, plain.out, 1e-5);
+}
+
 TEST(Supervisor, NothingFitsAtMicroBatchOneStopsWithAReportAndKeepsTheCheckpoint) {
   fs::path d = temp_dir();
   const std::string shape = "data.max_seq_length=256 training.per_device_train_batch_size=1 "
