@@ -29,8 +29,11 @@ std::vector<bool> checkpoint_plan(const CheckpointingConfig& c, int64_t layers) 
     else if (c.policy == "every_n") out[i] = i % c.n == 0;
   }
   if (c.policy == "layers")
-    for (int l : c.layers)
-      if (l >= 0 && l < layers) out[l] = true;
+    for (int l : c.layers) {
+      MEMTUNE_CHECK(l >= 0 && l < layers, "training.gradient_checkpointing.layers: layer ", l,
+                    " does not exist (the model has ", layers, " layers)");
+      out[l] = true;
+    }
   return out;
 }
 

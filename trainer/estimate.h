@@ -16,7 +16,8 @@ namespace memtune::trainer {
 // else the preset (model.architecture applied). Reads no weights.
 models::ModelSpec model_spec(const Config& config);
 
-// Layers recomputed in backward under a gradient_checkpointing policy.
+// Layers recomputed in backward under a gradient_checkpointing policy: the one plan the
+// trainer runs and the estimate counts. A layer index past the model is a UserError.
 std::vector<bool> checkpoint_plan(const CheckpointingConfig& c, int64_t layers);
 
 // The estimator's input for this config and shape: micro_batch <= 0 takes the config's

@@ -89,21 +89,6 @@ std::string progress_bar(int64_t done, int64_t total) {
   return "[" + std::string(filled, '#') + std::string(width - filled, '.') + "]";
 }
 
-std::vector<bool> checkpoint_layers(const CheckpointingConfig& c, int64_t layers) {
-  std::vector<bool> out(static_cast<size_t>(layers), false);
-  for (int64_t i = 0; i < layers; ++i) {
-    if (c.policy == "all") out[i] = true;
-    else if (c.policy == "every_n") out[i] = i % c.n == 0;
-  }
-  if (c.policy == "layers")
-    for (int l : c.layers) {
-      MEMTUNE_CHECK(l >= 0 && l < layers, "training.gradient_checkpointing.layers: layer ", l,
-                    " does not exist (the model has ", layers, " layers)");
-      out[l] = true;
-    }
-  return out;
-}
-
 double seconds_since(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
 }
@@ -331,7 +316,7 @@ void Trainer::build_update() {
 }
 
 void Trainer::build_supervisor() {
-  ckpt_layers_ = checkpoint_layers(c_.training.gradient_checkpointing, bundle_.model->num_layers());
+  ckpt_layers_ = checkpoint_plan(c_.training.gradient_checkpointing, bundle_.model->num_layers());
   configured_ckpt_ = ckpt_layers_;
   for (int64_t i = 0; i < bundle_.model->num_layers(); ++i) configured_offload_.push_back(bundle_.model->offloaded(i));
   offload_activations_ = c_.training.activation_offload == "checkpoints";

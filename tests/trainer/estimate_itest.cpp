@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "data/batch.h"
+#include "data/tokenizer.h"
 #include "models/hf_model.h"
 #include "models/lora.h"
 #include "runtime/cpu_budget_allocator.h"
@@ -69,20 +70,15 @@ struct Measured {
   int64_t nf4_bytes = 0;           // of the loaded projections
 };
 
-// One trainer-like step on the model trainer::setup_model would build for `c`.
+// One trainer-like step on the model the trainer builds for `c` (trainer::setup_model: the
+// same quantization, adapters, trainable set and compute dtype).
 Measured measure(const trainer::Config& c, const models::ModelSpec& spec) {
   install_cpu_budget_allocator();
   Measured m;
-  std::unique_ptr<models::CausalLM> model = models::init_random_model(spec, 0);
-  const auto& q = c.model.quantization_config;
-  if (q.load_in_4bit)
-    for (models::Linear* l : model->linears()) l->quantize(q.blocksize, q.bnb_4bit_use_double_quant);
+  trainer::ModelBundle bundle = trainer::setup_model(c);
+  models::CausalLM* model = bundle.model.get();
   for (models::Linear* l : model->linears())
     if (l->quantized()) m.nf4_bytes += l->qweight()->storage_bytes();
-  if (c.training.finetune == "lora")
-    models::apply_lora(*model, trainer::lora_options(c.lora), trainer::lora_targets(c.lora));
-  else
-    models::make_all_trainable(*model);
   trainer::Optimizer optimizer(model->trainable_parameters(), {});
   std::vector<data::Sample> samples;
   for (int64_t b = 0; b < c.training.per_device_train_batch_size; ++b)
@@ -117,7 +113,7 @@ struct Shape {
 class EstimateVsModel : public ::testing::TestWithParam<Shape> {};
 
 TEST_P(EstimateVsModel, KeptActivationsAndPeakAgreeWithTheAllocator) {
-  trainer::Config c = trainer::parse_config("{}", "test", GetParam().overrides);
+  trainer::Config c = trainer::parse_config("runtime: {device: cpu}", "test", GetParam().overrides);
   const models::ModelSpec spec = trainer::model_spec(c);
   const Estimate e = estimate_memory(trainer::estimate_input(c, spec));
   const Measured m = measure(c, spec);
@@ -209,6 +205,21 @@ TEST(EstimateCommand, PreLoadCheckRefusesARunThatCannotFitAndSaysWhatWould) {
                     std::to_string(need + need / 2),
                 300);
   EXPECT_EQ(ok.exit_code, 0) << ok.output;
+}
+
+// The trainer and the estimate share one checkpoint plan: a layer index past the model is
+// refused by both, by name, before any weight is loaded.
+TEST(EstimateCommand, ACheckpointedLayerPastTheModelIsRefusedByEstimateAndTrain) {
+  fs::path d = temp_dir();
+  write_file(d / "c.yaml", config_yaml(d / "out"));
+  const std::string bad = " \"training.gradient_checkpointing={policy: layers, layers: [1, 9]}\"";
+  for (const std::string cmd : {"estimate", "train"}) {
+    auto r = run(memtune_bin() + " " + cmd + " " + (d / "c.yaml").string() + bad, 120);
+    EXPECT_EQ(r.exit_code, 2) << cmd << ": " << r.output;
+    EXPECT_NE(r.output.find("training.gradient_checkpointing.layers: layer 9 does not exist (the model has 4 layers)"),
+              std::string::npos) << cmd << ": " << r.output;
+    EXPECT_EQ(r.output.find("base weights:"), std::string::npos) << cmd << " loaded the model:\n" << r.output;
+  }
 }
 
 TEST(EstimateCommand, AutoMicroBatchStartsFromTheEstimate) {
