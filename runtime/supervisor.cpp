@@ -16,6 +16,8 @@ Supervisor::Supervisor(SupervisorOptions options)
   agree_ = [](bool oom, int64_t proposal) { return std::make_pair(oom, proposal); };
 }
 
+void Supervisor::set_fits(std::function<bool()> fits) { fits_ = std::move(fits); }
+
 void Supervisor::add_ladder_rung(std::string name, std::function<std::string()> rung,
                                  std::function<std::string()> undo) {
   ladder_.push_back({std::move(name), std::move(rung), std::move(undo)});
@@ -137,15 +139,21 @@ void Supervisor::run_step(int64_t step, const StepStages& stages) {
       good_steps_ = 0;
       continue;
     }
+    // One rung, then more while the memory model says the plan still does not fit.
     std::string changed;
-    for (size_t i = 0; i < ladder_.size(); ++i) {
+    bool climbed = false;
+    for (size_t i = 0; i < ladder_.size();) {
       changed = ladder_[i].apply();
-      if (!changed.empty()) {
-        taken_.push_back(static_cast<int>(i));
-        event(step, "ladder", ladder_[i].name + ": " + changed);
-        break;
+      if (changed.empty()) {
+        ++i;
+        continue;
       }
+      climbed = true;
+      taken_.push_back(static_cast<int>(i));
+      event(step, "ladder", ladder_[i].name + ": " + changed);
+      if (!fits_ || fits_()) break;
     }
+    if (climbed) changed = "climbed";
     if (changed.empty()) {
       std::string tried;
       for (const auto& h : history_) tried += "  " + h + "\n";

@@ -71,6 +71,10 @@ class Supervisor {
   void set_agreement(std::function<std::pair<bool, int64_t>(bool, int64_t)> agree);
   // What to say when the run stops (the estimate, what would fit).
   void set_report(std::function<std::string()> report);
+  // The memory model's verdict on the current plan (micro-batch 1 and the rungs taken):
+  // after an out-of-memory error the ladder climbs, without running the step in between,
+  // until it says the plan fits (at least one rung per error, as without it).
+  void set_fits(std::function<bool()> fits);
 
   // Runs the step to completion, retrying the same samples after an out-of-memory error.
   void run_step(int64_t step, const StepStages& stages);
@@ -104,6 +108,7 @@ class Supervisor {
   bool grow_back(int64_t step);     // undoes the latest rung with an undo; false when none is left
   std::function<std::pair<bool, int64_t>(bool, int64_t)> agree_;
   std::function<std::string()> report_;
+  std::function<bool()> fits_;
   std::vector<SupervisorEvent> events_;
   std::vector<std::string> history_;  // everything tried, for the final report
 };

@@ -389,6 +389,19 @@ void Trainer::build_supervisor() {
             }
           return "";
         });
+  // With a budget, the ladder climbs as far as the estimate says is needed at once.
+  if (limit_ > 0)
+    supervisor_->set_fits([this] {
+      EstimateInput now = plan_;
+      now.micro_batch = supervisor_->micro_batch();
+      now.checkpoint_layers = ckpt_layers_;
+      now.offload_activations = offload_activations_;
+      now.optimizer_paged = now.optimizer_paged || optimizer_->states_offloaded();
+      int64_t peak = estimate_peak(now);
+      for (int64_t i = 0; i < bundle_.model->num_layers(); ++i)
+        if (bundle_.model->offloaded(i)) peak -= bundle_.model->layer_weight_bytes(i);
+      return peak <= limit_;
+    });
   supervisor_->set_report([this] {
     return str_cat("memory limit ", limit_ ? format_bytes(limit_) : std::string("none"), ", load peak ",
                    format_bytes(load_peak_), ". Try a smaller data.max_seq_length, load_in_4bit, fewer LoRA targets, "

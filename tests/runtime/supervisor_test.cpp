@@ -186,6 +186,26 @@ TEST(Supervisor, GrowBackUndoesRungsInReverseThenGrowsTheMicroBatch) {
   EXPECT_EQ(t.state(), s.state());
 }
 
+// With a memory model, one out-of-memory error climbs as many rungs as it says are needed
+// (here three: two of the first, one of the second), instead of one per failed attempt.
+TEST(Supervisor, TheMemoryModelChoosesHowFarToClimb) {
+  Supervisor s(options(1, 1));
+  int first = 0, second = 0;
+  s.add_ladder_rung("first", [&]() -> std::string { return first < 2 ? "first " + std::to_string(++first) : ""; });
+  s.add_ladder_rung("second", [&]() -> std::string { return second < 2 ? "second " + std::to_string(++second) : ""; });
+  s.set_fits([&] { return first + second >= 3; });
+  Recorder r;
+  int ooms = 1;
+  r.oom_in_compute = [&](int64_t) { return ooms-- > 0; };
+  s.run_step(0, r.stages());
+  EXPECT_EQ(first, 2);
+  EXPECT_EQ(second, 1);
+  EXPECT_EQ(r.micro_batches.size(), 2u) << "one failed attempt, one that ran";
+  int ladder = 0;
+  for (const auto& e : s.take_events()) ladder += e.kind == "ladder";
+  EXPECT_EQ(ladder, 3);
+}
+
 TEST(Supervisor, ARungWithoutUndoStays) {
   Supervisor s(options(2, 2));
   bool on = false;

@@ -222,6 +222,31 @@ TEST(EstimateCommand, ACheckpointedLayerPastTheModelIsRefusedByEstimateAndTrain)
   }
 }
 
+// Under a budget between the estimate of micro-batch 1 without checkpointing and with every
+// layer checkpointed, the run's first step runs out of memory once, and the ladder then
+// climbs as far as the estimate says it must (several layers checkpointed at once) instead
+// of one rung per failed attempt.
+TEST(EstimateCommand, TheLadderClimbsAsFarAsTheEstimateSays) {
+  fs::path d = temp_dir();
+  write_file(d / "c.yaml", config_yaml(d / "out"));
+  const std::string shape = " training.per_device_train_batch_size=1 data.max_seq_length=512 data.pack_sequences=true";
+  const int64_t plain = estimate_json(d / "c.yaml", shape)["peak_bytes"].get<int64_t>();
+  const int64_t saving = estimate_json(d / "c.yaml", shape + " training.gradient_checkpointing=true")["peak_bytes"].get<int64_t>();
+  ASSERT_GT(plain, saving);
+  auto r = run(memtune_bin() + " train " + (d / "c.yaml").string() + shape + " memory.grow_after_steps=1000" +
+                   " memory.device_limit=" + std::to_string((plain + saving) / 2),
+               300);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  int ooms = 0, rungs = 0;
+  for (const auto& row : read_jsonl(d / "out/metrics.jsonl", "loss"))
+    for (const auto& e : row["events"]) {
+      ooms += e["kind"] == "oom";
+      rungs += e["kind"] == "ladder";
+    }
+  EXPECT_EQ(ooms, 1) << r.output;
+  EXPECT_GE(rungs, 2) << r.output;
+}
+
 TEST(EstimateCommand, AutoMicroBatchStartsFromTheEstimate) {
   fs::path d = temp_dir();
   write_file(d / "c.yaml", config_yaml(d / "out"));
