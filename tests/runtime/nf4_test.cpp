@@ -10,6 +10,8 @@
 #include <map>
 #include <sstream>
 
+#include <unistd.h>
+
 #include "runtime/atomic_file.h"
 #include "runtime/error.h"
 #include "models/io/bnb_nf4.h"
@@ -54,7 +56,10 @@ class Nf4Reference : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     if (!mt::python_torch_available()) return;
-    dir_ = new mt::fs::path(mt::fs::path(MEMTUNE_BUILD_DIR) / "test-tmp" / "nf4_reference");
+    // One directory per process: ctest -j runs this suite's tests in parallel processes,
+    // each of which writes the cases anew (a shared one raced on a fresh build).
+    dir_ = new mt::fs::path(mt::fs::path(MEMTUNE_BUILD_DIR) / "test-tmp" /
+                            ("nf4_reference-" + std::to_string(::getpid())));
     memtune::remove_tree(*dir_);
     auto r = mt::run(mt::python() + " " + (mt::source_dir() / "tests/reference/nf4_reference.py").string() + " " +
                      dir_->string());
