@@ -1,0 +1,449 @@
+"""memtune against the real Hugging Face transformers (scripts/interop_check.sh runs this).
+
+memtune runs here; transformers runs inside the Debian unstable root (judge.py, one
+process fed one JSON request per line). Both see the same work directory. Every check
+prints one row: group, name, memtune's figure, transformers' figure, PASS/FAIL. The exit
+status is 1 when any check fails.
+
+Only the standard library: this runs on the host's python3.
+"""
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import struct
+import subprocess
+import sys
+
+LOSS_RTOL = 1e-5  # fp32 on both sides; differences seen are ~1e-7 (summation order)
+VOCAB = 1024      # examples/tiny-tokenizer has 1019 ids + 5 specials
+EOS = 1020
+ROWS, SEQ = 6, 32
+
+# Tiny configs of each family memtune supports, as Hugging Face config.json fields. Small
+# sliding window and nonzero biases, so a feature that is dropped changes the loss.
+BASE_LLAMA = dict(model_type="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1019, eos_token_id=EOS,
+                  tie_word_embeddings=False)
+FAMILIES = {
+    "llama": BASE_LLAMA,
+    "llama-bias": dict(BASE_LLAMA, attention_bias=True, mlp_bias=True),
+    "llama-tied": dict(BASE_LLAMA, tie_word_embeddings=True),
+    "llama-rope-linear": dict(BASE_LLAMA, rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    "llama-rope-llama3": dict(BASE_LLAMA, rope_theta=500000.0, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16}),
+    "llama-rope-yarn": dict(BASE_LLAMA, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+    "mistral": dict(BASE_LLAMA, model_type="mistral", sliding_window=8),
+    "qwen2": dict(BASE_LLAMA, model_type="qwen2", use_sliding_window=False, tie_word_embeddings=True),
+    "gpt2": dict(model_type="gpt2", vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                 bos_token_id=1019, eos_token_id=EOS),
+}
+# Checkpoints transformers writes: dtype on disk and sharding (max_shard_size).
+SAVES = {
+    "llama": [("fp32", None), ("fp16", None), ("bf16", None), ("fp32", "100KB"), ("bf16", "100KB")],
+    "gpt2": [("fp32", None), ("fp16", None), ("bf16", "100KB")],
+    "qwen2": [("fp32", None), ("bf16", "100KB")],
+}
+PROMPT = "The old lighthouse keeper"
+
+
+class Report:
+    def __init__(self):
+        self.rows = []
+
+    def add(self, group, name, memtune, hf, ok, note=""):
+        self.rows.append((group, name, str(memtune), str(hf), "PASS" if ok else "FAIL", note))
+        g, n, m, h, v, note = self.rows[-1]
+        print(f"{v:4}  {g:10} {n:44} memtune {m:26} transformers {h:26} {note}", flush=True)
+
+    def table(self):
+        w = [max(len(r[i]) for r in self.rows) for i in range(5)]
+        head = ("group", "check", "memtune", "transformers", "result")
+        w = [max(w[i], len(head[i])) for i in range(5)]
+        line = lambda r: "  ".join(r[i].ljust(w[i]) for i in range(5)) + (f"  {r[5]}" if len(r) > 5 and r[5] else "")
+        out = [line(head), "  ".join("-" * x for x in w)] + [line(r) for r in self.rows]
+        fails = sum(r[4] == "FAIL" for r in self.rows)
+        out.append(f"\n{len(self.rows)} checks, {len(self.rows) - fails} PASS, {fails} FAIL")
+        return "\n".join(out), fails
+
+
+class Judge:
+    def __init__(self, root, work_in_root, judge_in_root):
+        env = ["/usr/bin/env", "-i", "HOME=/root", "LANG=C.UTF-8", "PATH=/usr/bin:/bin",
+               "HF_HUB_OFFLINE=1", "TRANSFORMERS_OFFLINE=1", "HF_HUB_DISABLE_PROGRESS_BARS=1"]
+        self.p = subprocess.Popen(["chroot", root] + env + ["python3", judge_in_root, work_in_root],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def __call__(self, op, **kw):
+        self.p.stdin.write(json.dumps(dict(op=op, **kw)) + "\n")
+        self.p.stdin.flush()
+        line = self.p.stdout.readline()
+        if not line:
+            raise RuntimeError("the judge (transformers) exited")
+        return json.loads(line)
+
+    def close(self):
+        self.p.stdin.close()
+        self.p.wait()
+
+
+class Memtune:
+    def __init__(self, binary, work):
+        self.binary, self.work = binary, work
+
+    def run(self, *args, check=True):
+        r = subprocess.run([self.binary, *args], cwd=self.work, capture_output=True, text=True,
+                           env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2")))
+        if check and r.returncode != 0:
+            raise RuntimeError(f"memtune {' '.join(args)} exited {r.returncode}: {r.stderr.strip()[-600:]}")
+        return r
+
+    def eval(self, model, adapter=None):
+        args = ["eval", "--model", model, "--data", "rows.bin", "--format", "tokens",
+                "--max-seq-length", str(SEQ), "--batch", str(ROWS), "--json"]
+        if adapter:
+            args += ["--adapter", adapter]
+        return json.loads(self.run(*args).stdout.strip().splitlines()[-1])
+
+    def generate(self, model, n=16, adapter=None):
+        args = ["generate", "--model", model, "--prompt", PROMPT, "--greedy", "--max-new-tokens", str(n)]
+        if adapter:
+            args += ["--adapter", adapter]
+        return self.run(*args).stdout.rstrip("\n")
+
+
+def rel(a, b):
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def write_rows(work):
+    """ROWS documents of SEQ tokens, each ending with eos: memtune's tokens format packs them
+    into rows of SEQ with SEQ-1 targets each, exactly transformers' labels=input_ids loss."""
+    rng = random.Random(20261124)
+    rows = [[rng.randrange(0, 1019) for _ in range(SEQ - 1)] + [EOS] for _ in range(ROWS)]
+    flat = [t for r in rows for t in r]
+    header = struct.pack("<256i", 20240520, 1, len(flat), *([0] * 253))
+    with open(os.path.join(work, "rows.bin"), "wb") as f:
+        f.write(header + struct.pack(f"<{len(flat)}H", *flat))
+    return rows
+
+
+class Check:
+    def __init__(self, args):
+        self.work = args.work
+        self.src = args.src
+        self.mt = Memtune(args.memtune, args.work)
+        self.judge = Judge(args.root, args.work_in_root, args.judge_in_root)
+        self.report = Report()
+        self.tokenizer = os.path.join(args.src, "examples", "tiny-tokenizer")
+        self.rows = write_rows(args.work)
+
+    def path(self, p):
+        return os.path.join(self.work, p)
+
+    def with_tokenizer(self, d):
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(os.path.join(self.tokenizer, f), self.path(d))
+
+    def guarded(self, group, name, fn):
+        try:
+            fn()
+        except Exception as e:  # a crash on either side is a failed check, with its message
+            self.report.add(group, name, "error", "-", False, str(e).splitlines()[0][:300] if str(e) else repr(e))
+
+    def loss_and_greedy(self, group, label, model, adapter=None, judge_model=None, judge_adapter=None):
+        """memtune eval / generate on `model` (+ adapter) against transformers on judge_model."""
+        m = self.mt.eval(model, adapter)
+        h = self.judge("loss", model=judge_model or model, rows=self.rows, adapter=judge_adapter)
+        if not h["ok"]:
+            raise RuntimeError(h["error"])
+        d = rel(m["loss"], h["loss"])
+        self.report.add(group, f"{label}: loss", f"{m['loss']:.9f}", f"{h['loss']:.9f}",
+                        d < LOSS_RTOL and m["tokens"] == h["tokens"], f"rel {d:.1e}, {m['tokens']} tokens")
+        mt_text = self.mt.generate(model, adapter=adapter)
+        g = self.judge("generate", model=judge_model or model, prompt=PROMPT, n=16, adapter=judge_adapter)
+        if not g["ok"]:
+            raise RuntimeError(g["error"])
+        same = mt_text == g["text"]
+        first = next((i for i, (a, b) in enumerate(zip(mt_text, g["text"])) if a != b),
+                     min(len(mt_text), len(g["text"])))
+        self.report.add(group, f"{label}: greedy 16 tokens", "same text" if same else f"differs at char {first}",
+                        f"margin {g['min_margin']:.1e}", same,
+                        "" if same else f"memtune {mt_text!r} / transformers {g['text']!r}")
+
+    def hf_config(self, family):
+        """config.json as transformers writes it (the judge makes a model; only its config is used)."""
+        d = f"cfg-{family}"
+        r = self.judge("make_model", config=FAMILIES[family], out=d, dtype="fp32", shard=None)
+        if not r["ok"]:
+            raise RuntimeError(r["error"])
+        return d
+
+    # 1. Models memtune writes, read by transformers.
+    def memtune_writes(self, family):
+        group, out = "mt->hf", f"mt-{family}"
+
+        def run():
+            cfg = self.hf_config(family)
+            self.mt.run("init-model", "--config", os.path.join(cfg, "config.json"), "--out", out,
+                        "--seed", "7", "--tokenizer", self.tokenizer)
+            info = self.judge("load", model=out)
+            if not info["ok"]:
+                raise RuntimeError(info["error"])
+            bad = info["missing"] + info["unexpected"] + info["mismatched"]
+            self.report.add(group, f"{family}: transformers loads init-model", "written",
+                            info["class"], not bad, f"missing/unexpected/mismatched: {bad}" if bad else "no missing keys")
+            self.loss_and_greedy(group, family, out)
+        self.guarded(group, family, run)
+
+    # 2. Models transformers writes, read by memtune.
+    def hf_writes(self, family, dtype, shard):
+        group = "hf->mt"
+        label = f"{family} {dtype}{' sharded' if shard else ''}"
+        out = f"hf-{family}-{dtype}{'-sharded' if shard else ''}"
+
+        def run():
+            r = self.judge("make_model", config=FAMILIES[family], out=out, dtype=dtype, shard=shard, seed=3)
+            if not r["ok"]:
+                raise RuntimeError(r["error"])
+            if shard and not any(f.endswith(".index.json") for f in r["files"]):
+                raise RuntimeError(f"transformers wrote no shards: {r['files']}")
+            self.with_tokenizer(out)
+            self.loss_and_greedy(group, label, out)
+        self.guarded(group, label, run)
+
+    # 3. Adapters memtune trains, merged by memtune, judged by transformers.
+    def adapters(self, name, family, lora, quantized=False, extra=()):
+        group = "adapter"
+        base = f"hf-{family}-fp32"
+        out = f"run-{name}"
+
+        def run():
+            cfg = {
+                "model": {"name_or_path": base, "quantization_config": {"load_in_4bit": quantized}},
+                "lora": dict({"r": 4, "lora_alpha": 8}, **lora),
+                "training": {"output_dir": out, "max_steps": 6, "learning_rate": 2e-2,
+                             "per_device_train_batch_size": 2, "logging_steps": 6, "warmup_steps": 0,
+                             "lr_scheduler_type": "constant", "max_grad_norm": 0},
+                "data": {"train_file": "rows.bin", "format": "tokens", "max_seq_length": SEQ},
+            }
+            with open(self.path(f"{name}.yaml"), "w") as f:
+                json.dump(cfg, f, indent=1)  # JSON is YAML
+            self.mt.run("train", f"{name}.yaml", *extra)
+            adapter = f"{out}/adapter"
+            conf = json.load(open(self.path(f"{adapter}/adapter_config.json")))
+            sel = self.judge("adapter_config", adapter=adapter, model=base)
+            names = sorted(self._adapter_modules(adapter))
+            if sel["ok"]:
+                ok = sorted(sel["selected"]) == names
+                self.report.add(group, f"{name}: PEFT's target matching", f"{len(names)} modules adapted",
+                                f"{len(sel['selected'])} selected", ok,
+                                f"target_modules {json.dumps(conf['target_modules'])[:60]}")
+            else:
+                self.report.add(group, f"{name}: PEFT's target matching", f"{len(names)} modules adapted",
+                                "refused", False, sel["error"][:200])
+            # The adapter file read as PEFT lays it out, merged by hand into transformers' model.
+            self.loss_and_greedy(group, f"{name}: eval --adapter vs PEFT-layout merge", base, adapter=adapter,
+                                 judge_model=base, judge_adapter=adapter)
+            merged = f"{out}/merged"
+            self.mt.run("merge", "--model", base, "--adapter", adapter, "--out", merged)
+            info = self.judge("load", model=merged)
+            bad = info.get("missing", []) + info.get("unexpected", []) if info["ok"] else [info["error"]]
+            self.report.add(group, f"{name}: transformers loads the merge", "merged", info.get("class", "-"),
+                            not bad, str(bad)[:200] if bad else "no missing keys")
+            m = self.mt.eval(base, adapter)
+            h = self.judge("loss", model=merged, rows=self.rows)
+            d = rel(m["loss"], h["loss"]) if h["ok"] else float("inf")
+            self.report.add(group, f"{name}: eval --adapter vs merged in HF", f"{m['loss']:.9f}",
+                            f"{h.get('loss', float('nan')):.9f}", d < LOSS_RTOL, f"rel {d:.1e}")
+            # memtune writing a bf16 checkpoint: the merge in bf16, read by both.
+            m16 = f"{out}/merged-bf16"
+            self.mt.run("merge", "--model", base, "--adapter", adapter, "--out", m16, "--dtype", "bf16")
+            mb = self.mt.eval(m16)
+            hb = self.judge("loss", model=m16, rows=self.rows)
+            d = rel(mb["loss"], hb["loss"]) if hb["ok"] else float("inf")
+            self.report.add(group, f"{name}: merge --dtype bf16, eval vs HF", f"{mb['loss']:.9f}",
+                            f"{hb.get('loss', float('nan')):.9f}", d < LOSS_RTOL, f"rel {d:.1e}")
+            b = self.mt.eval(base)
+            self.report.add(group, f"{name}: the adapter changes the loss", f"{b['loss']:.6f} -> {m['loss']:.6f}",
+                            "-", abs(b["loss"] - m["loss"]) > 1e-3, "base vs base+adapter")
+        self.guarded(group, name, run)
+
+    def _adapter_modules(self, adapter):
+        with open(self.path(f"{adapter}/adapter_model.safetensors"), "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(n))
+        mods = set()
+        for k in header:
+            m = re.fullmatch(r"base_model\.model\.(.+)\.lora_[AB](?:\.default)?\.weight", k)
+            if m:
+                mods.add(m.group(1))
+        return mods
+
+    # 4. What memtune refuses: by name, exit status 2, never silently dropped.
+    def refused(self, name, args, must_name, group="refusal"):
+        r = self.mt.run(*args, check=False)
+        text = (r.stderr + r.stdout).strip()
+        msg = next((l for l in text.splitlines() if must_name in l), text.splitlines()[-1] if text else "")
+        msg = re.sub(r"^\S+ \S+ [EW] ", "", msg)
+        ok = r.returncode == 2 and must_name in text
+        self.report.add(group, name, f"exit {r.returncode}", f"names '{must_name}'", ok, msg[:160])
+
+    def adapter_refusals(self):
+        src = "run-lora-llama/adapter"
+        if not os.path.isdir(self.path(src)):
+            self.report.add("refusal", "PEFT adapters", "no adapter", "-", False, "the LoRA run failed")
+            return
+
+        def variant(label, conf_edit=None, tensor=None):
+            d = f"peft-{label}"
+            shutil.rmtree(self.path(d), ignore_errors=True)
+            shutil.copytree(self.path(src), self.path(d))
+            conf = json.load(open(self.path(f"{d}/adapter_config.json")))
+            if conf_edit:
+                conf.update(conf_edit)
+            json.dump(conf, open(self.path(f"{d}/adapter_config.json"), "w"), indent=2)
+            if tensor:
+                add_tensor(self.path(f"{d}/adapter_model.safetensors"), *tensor)
+            return d
+        base = "hf-llama-fp32"
+        cases = [
+            ("modules_to_save in adapter_config", {"modules_to_save": ["lm_head"]}, None, "modules_to_save"),
+            ("a modules_to_save tensor", None, ("base_model.model.lm_head.modules_to_save.default.weight",
+                                                [VOCAB, 64]), "modules_to_save"),
+            ("LoRA on embed_tokens (target_modules)", {"target_modules": ["q_proj", "embed_tokens"]}, None,
+             "embed_tokens"),
+            ("a lora_embedding_A tensor", None, ("base_model.model.model.embed_tokens.lora_embedding_A", [4, VOCAB]),
+             "lora_embedding"),
+            ("lora_bias: true", {"lora_bias": True}, None, "lora_bias"),
+            ("a lora_B.bias tensor", None, ("base_model.model.model.layers.0.self_attn.q_proj.lora_B.bias", [64]),
+             "lora_B"),
+            ("use_dora: true", {"use_dora": True}, None, "use_dora"),
+            ("rank_pattern", {"rank_pattern": {"q_proj": 8}}, None, "rank_pattern"),
+        ]
+        for label, edit, tensor, key in cases:
+            d = variant(re.sub(r"\W+", "-", label), edit, tensor)
+            self.refused(f"PEFT {label}", ["eval", "--model", base, "--adapter", d, "--data", "rows.bin",
+                                           "--format", "tokens", "--max-seq-length", str(SEQ)], key)
+
+    def config_refusals(self):
+        with open(self.path("refuse.yaml"), "w") as f:
+            json.dump({"model": {"name_or_path": "hf-llama-fp32"},
+                       "training": {"output_dir": "run-refused", "max_steps": 1},
+                       "data": {"train_file": "rows.bin", "format": "tokens", "max_seq_length": SEQ}}, f)
+        for override, key in [("lora.modules_to_save=[lm_head]", "modules_to_save"),
+                              ("training.group_by_length=true", "group_by_length"),
+                              ("data.eval_split=0.1", "eval_split"),
+                              ("model.torch_dtype=bfloat16", "torch_dtype"),
+                              ("model.low_cpu_mem_usage=false", "low_cpu_mem_usage")]:
+            self.refused(f"config {override}", ["train", "refuse.yaml", override], key)
+
+    def model_refusals(self):
+        cases = [
+            ("rope_scaling dynamic", dict(BASE_LLAMA, rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+             "dynamic"),
+            ("rope_scaling longrope", dict(BASE_LLAMA, rope_scaling={
+                "rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                "original_max_position_embeddings": 64}), "longrope"),
+            ("llama hidden_act gelu", dict(BASE_LLAMA, hidden_act="gelu"), "hidden_act"),
+            ("llama hidden_act gelu_pytorch_tanh", dict(BASE_LLAMA, hidden_act="gelu_pytorch_tanh"), "hidden_act"),
+            ("gpt2 activation_function gelu", dict(FAMILIES["gpt2"], activation_function="gelu"),
+             "activation_function"),
+            ("qwen2 use_sliding_window", dict(FAMILIES["qwen2"], use_sliding_window=True, sliding_window=8,
+                                              max_window_layers=1), "use_sliding_window"),
+        ]
+        for label, config, key in cases:
+            d = "hf-refused-" + re.sub(r"\W+", "-", label)
+            r = self.judge("make_model", config=config, out=d, dtype="fp32", shard=None)
+            if not r["ok"]:
+                self.report.add("refusal", f"model {label}", "-", "error", False, r["error"][:200])
+                continue
+            self.refused(f"model {label}", ["eval", "--model", d, "--data", "rows.bin", "--format", "tokens",
+                                            "--max-seq-length", str(SEQ)], key)
+
+    def tokenizer_check(self):
+        def run():
+            text = "The tired traveler counted a map of the northern coast, 42 times!"
+            with open(self.path("tok.jsonl"), "w") as f:
+                f.write(json.dumps(text) + "\n")
+            d = "hf-llama-fp32"
+            r = self.mt.run("tokenize", "--tokenizer", d, "--input", "tok.jsonl", "--add-special-tokens")
+            m = [int(x) for x in re.findall(r"-?\d+", r.stdout)]
+            h = self.judge("tokenize", model=d, text=text)
+            self.report.add("tokenizer", "tiny-tokenizer ids", f"{len(m)} ids", f"{len(h['ids'])} ids",
+                            m == h["ids"], "" if m == h["ids"] else f"{m} vs {h['ids']}")
+        self.guarded("tokenizer", "ids", run)
+
+    def run(self, only):
+        v = self.judge("versions")
+        print(f"judge: transformers {v['transformers']}, torch {v['torch']}, tokenizers {v['tokenizers']}, "
+              f"safetensors {v['safetensors']}", flush=True)
+        want = lambda g: not only or g in only
+        if want("mt->hf"):
+            for family in FAMILIES:
+                self.memtune_writes(family)
+        if want("hf->mt") or want("adapter") or want("refusal") or want("tokenizer"):
+            for family in FAMILIES:
+                for dtype, shard in SAVES.get(family, [("fp32", None)]):
+                    if want("hf->mt") or (dtype, shard) == ("fp32", None):
+                        self.hf_writes(family, dtype, shard)
+        if want("tokenizer"):
+            self.tokenizer_check()
+        if want("adapter") or want("refusal"):
+            self.adapters("lora-llama", "llama", {"target_modules": "all-linear"})
+        if want("adapter"):
+            self.adapters("qlora-llama", "llama", {"target_modules": "all-linear"}, quantized=True)
+            self.adapters("lora-gpt2", "gpt2", {"target_modules": "all-linear"})
+            self.adapters("lora-qwen2-rslora", "qwen2", {"target_modules": ["q_proj", "v_proj", "down_proj"],
+                                                         "use_rslora": True})
+            self.adapters("lora-llama-bias-layers", "llama-bias", {"target_modules": "all-linear",
+                                                                   "layers_to_transform": [1]})
+            self.adapters("qlora-mistral-regex", "mistral", {"target_modules": r".*\.(q|k|v|o)_proj"},
+                          quantized=True)
+        if want("refusal"):
+            self.adapter_refusals()
+            self.config_refusals()
+            self.model_refusals()
+        self.judge.close()
+        table, fails = self.report.table()
+        print("\n" + table)
+        return fails
+
+
+def add_tensor(file, name, shape):
+    """Adds one fp32 tensor of zeros to a safetensors file (a stand-in for what PEFT writes)."""
+    with open(file, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        data = f.read()
+    count = 1
+    for s in shape:
+        count *= s
+    header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [len(data), len(data) + 4 * count]}
+    data += bytes(4 * count)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + data)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--memtune", required=True)
+    p.add_argument("--src", required=True)
+    p.add_argument("--root", required=True)
+    p.add_argument("--work", required=True, help="work directory on this machine")
+    p.add_argument("--work-in-root", required=True, help="the same directory as the root sees it")
+    p.add_argument("--judge-in-root", required=True, help="judge.py as the root sees it")
+    p.add_argument("--only", nargs="*", default=[], help="groups: mt->hf hf->mt adapter refusal tokenizer")
+    args = p.parse_args()
+    sys.exit(1 if Check(args).run(set(args.only)) else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""The judge of scripts/interop_check.sh: Hugging Face transformers itself, run inside the
+Debian unstable root (python3-transformers 5.x). It never imports memtune's code.
+
+One request per stdin line, one JSON reply per stdout line, so transformers is imported
+once for the whole check. Paths are relative to the work directory (argv[1]).
+
+Requests ({"op": ..., ...}):
+  versions                                 transformers, torch, tokenizers, safetensors
+  make_model  config, out, dtype, shard    a random model by transformers' own init, saved
+                                           with save_pretrained (shard: max_shard_size or null)
+  load        model                        missing / unexpected / mismatched keys, config class
+  loss        model, rows[, adapter]       mean next-token cross-entropy over every row (fp32);
+                                           with an adapter, its LoRA merged here by hand
+                                           (W += B @ A * scaling) from PEFT's file layout
+  generate    model, prompt, n[, adapter]           greedy continuation: text, ids and the smallest
+                                           top-1 / top-2 logit margin met on the way
+  tokenize    model, text                  ids from the model directory's tokenizer
+  adapter_config  adapter, model           which adapter_config.json target_modules PEFT's
+                                           matching rules select in the model
+"""
+import json
+import math
+import os
+import re
+import sys
+import traceback
+import warnings
+
+warnings.filterwarnings("ignore")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import safetensors  # noqa: E402
+import safetensors.torch  # noqa: E402
+import tokenizers  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+transformers.utils.logging.disable_progress_bar()
+torch.set_num_threads(int(os.environ.get("JUDGE_THREADS", "2")))
+
+WORK = sys.argv[1]
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def path(p):
+    return os.path.join(WORK, p)
+
+
+def load_model(model_dir):
+    model, info = AutoModelForCausalLM.from_pretrained(
+        path(model_dir), dtype=torch.float32, output_loading_info=True)
+    model.eval()
+    return model, info
+
+
+def op_versions(_):
+    return {"transformers": transformers.__version__, "torch": torch.__version__,
+            "tokenizers": tokenizers.__version__, "safetensors": safetensors.__version__}
+
+
+def op_make_model(r):
+    torch.manual_seed(r.get("seed", 0))
+    config = AutoConfig.for_model(**r["config"])
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Weights larger than transformers' initializer_range (0.02) make the logits of a tiny
+    # random model far from uniform, so the greedy tokens are not decided by rounding.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, r.get("std", 0.2))
+            elif "norm" in name or "ln_" in name:
+                p.uniform_(0.5, 1.5)
+            else:  # biases: nonzero, so a dropped bias shows in the loss
+                p.normal_(0, 0.1)
+    model = model.to(DTYPES[r["dtype"]])
+    kwargs = {"max_shard_size": r["shard"]} if r.get("shard") else {}
+    model.save_pretrained(path(r["out"]), **kwargs)
+    files = sorted(os.listdir(path(r["out"])))
+    return {"files": files, "class": type(model).__name__,
+            "parameters": sum(p.numel() for p in model.parameters())}
+
+
+def op_load(r):
+    model, info = load_model(r["model"])
+    return {"class": type(model).__name__,
+            "missing": sorted(info["missing_keys"]), "unexpected": sorted(info["unexpected_keys"]),
+            "mismatched": [str(m) for m in info.get("mismatched_keys", [])]}
+
+
+def peft_matches(name, target, layers, layer_of):
+    """PEFT's check_target_module_exists for a list or str target_modules (tuners_utils)."""
+    if isinstance(target, str) and layers is not None:
+        raise ValueError("layers_to_transform cannot be used when target_modules is a str (PEFT's own check)")
+    if target == "all-linear":  # PEFT: every linear layer but the output layer
+        ok = name not in ("lm_head",)
+    elif isinstance(target, str):
+        ok = re.fullmatch(target, name) is not None
+    else:
+        ok = name in target or any(name.endswith("." + t) for t in target)
+    if ok and layers is not None:
+        ok = layer_of(name) in (layers if isinstance(layers, list) else [layers])
+    return ok
+
+
+def layer_index(name):
+    m = re.search(r"\.(?:layers|h)\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
+
+
+def merge_adapter(model, adapter_dir):
+    """W += scaling * B @ A, as PEFT's LoraLayer.merge (fan_in_fan_out: transposed)."""
+    cfg = json.load(open(os.path.join(path(adapter_dir), "adapter_config.json")))
+    tensors = safetensors.torch.load_file(os.path.join(path(adapter_dir), "adapter_model.safetensors"))
+    r, alpha = cfg["r"], cfg["lora_alpha"]
+    scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+    modules = dict(model.named_modules())
+    merged = []
+    with torch.no_grad():
+        for key in tensors:
+            m = re.fullmatch(r"base_model\.model\.(.+)\.lora_A(?:\.default)?\.weight", key)
+            if not m:
+                if not re.fullmatch(r"base_model\.model\.(.+)\.lora_B(?:\.default)?\.weight", key):
+                    raise ValueError(f"adapter tensor {key} is not a plain LoRA weight")
+                continue
+            name = m.group(1)
+            if not peft_matches(name, cfg["target_modules"], cfg.get("layers_to_transform"), layer_index):
+                raise ValueError(f"{name} is in the adapter but PEFT's target_modules "
+                                 f"{cfg['target_modules']} would not adapt it")
+            A = tensors[key].float()
+            B = tensors[key.replace("lora_A", "lora_B")].float()
+            delta = (B @ A) * scaling
+            w = modules[name].weight
+            w += (delta.T if cfg.get("fan_in_fan_out") else delta).to(w.dtype)
+            merged.append(name)
+    return merged
+
+
+def op_loss(r):
+    model, info = load_model(r["model"])
+    merged = merge_adapter(model, r["adapter"]) if r.get("adapter") else []
+    rows = torch.tensor(r["rows"], dtype=torch.long)
+    with torch.no_grad():  # transformers' own causal-LM loss (labels shifted inside), per row
+        losses = [model(input_ids=row[None], labels=row[None]).loss.item() for row in rows]
+    return {"loss": sum(losses) / len(losses), "tokens": rows.numel() - len(rows), "merged": len(merged),
+            "missing": len(info["missing_keys"]), "unexpected": len(info["unexpected_keys"])}
+
+
+def op_generate(r):
+    model, _ = load_model(r["model"])
+    if r.get("adapter"):
+        merge_adapter(model, r["adapter"])
+    tok = AutoTokenizer.from_pretrained(path(r["model"]))
+    ids = tok(r["prompt"], return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=r["n"], eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.pad_token_id or tok.eos_token_id,
+                             output_scores=True, return_dict_in_generate=True)
+    new = out.sequences[0, ids.shape[1]:].tolist()
+    margins = [float((lambda t: t[0] - t[1])(s[0].float().topk(2).values)) for s in out.scores]
+    text = r["prompt"] + tok.decode(new, skip_special_tokens=True)
+    return {"ids": new, "text": text, "min_margin": min(margins) if margins else None,
+            "prompt_ids": ids[0].tolist()}
+
+
+def op_tokenize(r):
+    tok = AutoTokenizer.from_pretrained(path(r["model"]))
+    return {"ids": tok(r["text"]).input_ids}
+
+
+def op_adapter_config(r):
+    cfg = json.load(open(os.path.join(path(r["adapter"]), "adapter_config.json")))
+    model, _ = load_model(r["model"])
+    linear = [n for n, m in model.named_modules()
+              if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"]
+    selected = [n for n in linear
+                if peft_matches(n, cfg["target_modules"], cfg.get("layers_to_transform"), layer_index)]
+    return {"target_modules": cfg["target_modules"], "layers_to_transform": cfg.get("layers_to_transform"),
+            "selected": selected}
+
+
+OPS = {k[3:]: v for k, v in globals().items() if k.startswith("op_")}
+
+
+def main():
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        try:
+            reply = OPS[r["op"]](r)
+            reply["ok"] = True
+        except Exception as e:  # the check prints it as a FAIL with the message
+            reply = {"ok": False, "error": f"{type(e).__name__}: {e}",
+                     "trace": traceback.format_exc()[-2000:]}
+        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# memtune judged by the real Hugging Face transformers (issue 22): tiny random models of each
+# family memtune supports, written by memtune (init-model) and by transformers (save_pretrained:
+# one file and sharded, fp32/fp16/bf16); losses and greedy text of memtune eval / generate
+# against transformers; adapters trained by memtune (LoRA, QLoRA), merged by memtune merge,
+# the merge's loss by transformers against memtune eval --adapter; and each feature memtune
+# does not implement refused by name (exit 2), never dropped. Prints a table of checks with
+# their figures and PASS/FAIL; exits 1 when a check fails.
+#
+# transformers runs inside a Debian unstable root (scripts/interop_root.sh: debootstrap +
+# python3-transformers 5.x, about 2 GB, made once and reused); memtune runs on this machine;
+# both see one work directory. Not part of CI. Needs root (chroot, mount): re-runs itself
+# under sudo after building memtune as the calling user.
+#
+# Environment:
+#   MEMTUNE_INTEROP_ROOT  the root (default /var/cache/memtune/sid-transformers)
+#   BUILD_DIR             memtune's build tree (default build)
+#   INTEROP_ONLY          check groups to run (space separated: mt->hf hf->mt adapter refusal tokenizer)
+#   INTEROP_KEEP          1: keep the work directory (kept anyway when a check fails)
+set -euo pipefail
+
+src=$(cd "$(dirname "$0")/.." && pwd)
+export BUILD_DIR=${BUILD_DIR:-$src/build}
+ROOT=${MEMTUNE_INTEROP_ROOT:-/var/cache/memtune/sid-transformers}
+export MEMTUNE_INTEROP_ROOT=$ROOT
+
+if [ "${INTEROP_BUILT:-}" != 1 ]; then
+  bash "$src/scripts/build.sh" --target memtune >/dev/null
+  export INTEROP_BUILT=1
+fi
+if [ "$(id -u)" != 0 ]; then
+  exec sudo --preserve-env=MEMTUNE_INTEROP_ROOT,MEMTUNE_DEBIAN_MIRROR,BUILD_DIR,INTEROP_BUILT,INTEROP_ONLY,INTEROP_KEEP \
+    bash "$0" "$@"
+fi
+
+bash "$src/scripts/interop_root.sh"
+
+exec 9>"$ROOT.lock"  # the root is not remade under a running check
+flock 9
+
+work=$(mktemp -d /tmp/memtune-interop.XXXXXX)
+mounted=()
+cleanup() {
+  local i
+  for ((i = ${#mounted[@]} - 1; i >= 0; i--)); do
+    umount "${mounted[i]}" 2>/dev/null || umount -l "${mounted[i]}" || true
+  done
+  mounted=()
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+bind() {  # bind <host path> <path in root> [ro]
+  mkdir -p "$ROOT$2"
+  mountpoint -q "$ROOT$2" && umount "$ROOT$2"  # left by a run that was killed
+  mount --bind "$1" "$ROOT$2"
+  mounted+=("$ROOT$2")
+  [ "${3:-}" = ro ] && mount -o remount,bind,ro "$ROOT$2"
+  return 0
+}
+
+main() {
+  bind /proc /proc
+  bind /dev /dev
+  bind /sys /sys
+  bind "$src/scripts/interop" /interop/judge ro
+  bind "$work" /interop/work
+  local python=python3
+  [ -x /usr/bin/python3 ] && python=/usr/bin/python3
+  echo "interop_check: $(date -u '+%Y-%m-%d %H:%M UTC'), $(grep -m1 'model name' /proc/cpuinfo | sed 's/.*: //')"
+  echo "interop_check: memtune $(git -C "$src" rev-parse --short HEAD 2>/dev/null || echo '?') ($BUILD_DIR/memtune), work $work"
+  local status=0
+  # shellcheck disable=SC2086
+  "$python" "$src/scripts/interop/check.py" --memtune "$BUILD_DIR/memtune" --src "$src" --root "$ROOT" \
+    --work "$work" --work-in-root /interop/work --judge-in-root /interop/judge/judge.py \
+    ${INTEROP_ONLY:+--only $INTEROP_ONLY} || status=$?
+  cleanup
+  if [ "$status" = 0 ] && [ "${INTEROP_KEEP:-}" != 1 ]; then
+    rm -rf "$work"
+  else
+    echo "interop_check: files kept in $work"
+  fi
+  return "$status"
+}
+main "$@"
+exit
