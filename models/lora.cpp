@@ -87,6 +87,77 @@ LoraSummary apply_lora(CausalLM& model, const LoraOptions& options, const LoraTa
   return summary;
 }
 
+namespace {
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+std::string module_of(const std::string& tensor) { return tensor.substr(0, tensor.rfind('.')); }
+
+}  // namespace
+
+std::vector<const TensorSlot*> modules_to_save_tensors(const CausalLM& model, const std::vector<std::string>& names,
+                                                       const std::string& where) {
+  const bool tied = model.spec().tie_word_embeddings;
+  std::set<std::string> leaves, blocks;  // modules holding tensors; modules holding modules
+  for (const auto& s : model.tensors()) {
+    const std::string m = module_of(s.name);
+    leaves.insert(m);
+    for (size_t dot = m.find('.'); dot != std::string::npos; dot = m.find('.', dot + 1)) blocks.insert(m.substr(0, dot));
+  }
+  std::set<std::string> selected;
+  for (const std::string& entry : names) {
+    MEMTUNE_CHECK(!entry.empty(), where, ": an empty module name");
+    // transformers' tied models still have an lm_head module (sharing the embedding's weight).
+    const bool head = ends_with("lm_head", entry);
+    MEMTUNE_CHECK(!(tied && head), where, ": '", entry, "' selects lm_head, which this model ties to the input ",
+                  "embedding (tie_word_embeddings: true); PEFT would train an untied copy of it, which memtune does ",
+                  "not support; train the adapters alone, or untie the head in the base model first");
+    for (const std::string& b : blocks)
+      MEMTUNE_CHECK(!ends_with(b, entry), where, ": '", entry, "' selects the block '", b,
+                    "' (PEFT would train every tensor in it); memtune's modules_to_save takes the embeddings, the ",
+                    "final norm and an untied lm_head");
+    bool any = false;
+    for (const auto& s : model.tensors()) {
+      const std::string m = module_of(s.name);
+      if (!ends_with(m, entry)) continue;
+      any = true;
+      MEMTUNE_CHECK(s.linear == nullptr, where, ": '", entry, "' selects the projection '", m,
+                    "'; memtune trains projections with LoRA (lora.target_modules), not as modules_to_save");
+      MEMTUNE_CHECK(s.layer < 0, where, ": '", entry, "' selects '", m, "' inside decoder layer ", s.layer,
+                    "; memtune's modules_to_save takes the modules outside the layers (the embeddings, the final "
+                    "norm, an untied lm_head); to train the final norm alone, name it in full (e.g. model.norm)");
+      MEMTUNE_CHECK(!(tied && s.role == TensorRole::kEmbedding), where, ": '", entry, "' selects '", m,
+                    "', the input embedding that this model ties to lm_head (tie_word_embeddings: true); PEFT ",
+                    "would train a copy used for the input only, which memtune does not support");
+      selected.insert(s.name);
+    }
+    if (!any) {
+      std::string known;
+      for (const std::string& l : leaves)
+        if (l.find(".layers.") == std::string::npos && l.find(".h.") == std::string::npos)
+          known += (known.empty() ? "" : ", ") + l;
+      fail(where, ": '", entry, "' selects no module of this model; modules outside the layers: ", known);
+    }
+  }
+  std::vector<const TensorSlot*> out;
+  for (const auto& s : model.tensors())
+    if (selected.count(s.name)) out.push_back(&s);
+  return out;
+}
+
+int64_t apply_modules_to_save(CausalLM& model, const std::vector<std::string>& names, const std::string& where) {
+  int64_t n = 0;
+  for (const TensorSlot* s : modules_to_save_tensors(model, names, where)) {
+    at::Tensor& t = *s->tensor;
+    if (t.scalar_type() != at::kFloat) t = t.to(at::kFloat);
+    t.set_requires_grad(true);
+    n += t.numel();
+  }
+  return n;
+}
+
 int64_t make_all_trainable(CausalLM& model) {
   int64_t n = 0;
   for (auto& s : model.tensors()) {

@@ -39,6 +39,21 @@ struct LoraSummary {
 // Throws UserError listing the model's module names when nothing matches.
 LoraSummary apply_lora(CausalLM& model, const LoraOptions& options, const LoraTargets& targets);
 
+// PEFT's modules_to_save: whole modules trained beside the adapters and saved in the adapter
+// as "base_model.model.<module>.<param>" (PEFT drops its "modules_to_save.default" part on
+// save). An entry selects every module whose name ends with it (PEFT's plain suffix test:
+// "norm" selects model.norm and every layer's norms). memtune trains the modules outside the
+// decoder layers: the embeddings, the final norm and an untied head. Returns the selected
+// tensors in tensor-list order; throws UserError naming `where` when an entry selects
+// nothing, a projection, a block of modules, a tensor inside a decoder layer, or an
+// embedding tied to the head (PEFT would train an untied copy of it).
+std::vector<const TensorSlot*> modules_to_save_tensors(const CausalLM& model, const std::vector<std::string>& names,
+                                                       const std::string& where);
+
+// The tensors modules_to_save_tensors selects become trainable, in fp32 (master weights
+// with their own optimizer state). Returns their element count.
+int64_t apply_modules_to_save(CausalLM& model, const std::vector<std::string>& names, const std::string& where);
+
 // Full fine-tuning: every dense base tensor becomes trainable (fp32). Refuses a 4-bit base.
 int64_t make_all_trainable(CausalLM& model);
 

@@ -49,6 +49,9 @@ void save_adapter(const CausalLM& model, const AdapterConfig& config, const fs::
     tensors.emplace_back(peft_key(l->name(), "lora_B"), l->lora->B.detach().to(at::kFloat).contiguous());
   }
   MEMTUNE_CHECK(!tensors.empty(), "save_adapter: the model has no LoRA layers");
+  // PEFT's get_peft_model_state_dict keeps "<module>.<param>" for modules_to_save.
+  for (const TensorSlot* s : modules_to_save_tensors(model, config.modules_to_save, "lora.modules_to_save"))
+    tensors.emplace_back("base_model.model." + s->name, s->tensor->detach().to(at::kFloat).contiguous());
   const LoraOptions& o = config.lora;
   json target_modules = peft_target_modules(config.targets, adapted);
   json c = {{"peft_type", "LORA"},
@@ -65,7 +68,7 @@ void save_adapter(const CausalLM& model, const AdapterConfig& config, const fs::
             {"fan_in_fan_out", config.fan_in_fan_out},
             {"init_lora_weights", o.init == "gaussian" ? json("gaussian") : json(true)},
             {"base_model_name_or_path", config.base_model_name_or_path},
-            {"modules_to_save", nullptr},
+            {"modules_to_save", config.modules_to_save.empty() ? json(nullptr) : json(config.modules_to_save)},
             {"inference_mode", true},
             {"revision", nullptr}};
   save_safetensors(dir / "adapter_model.safetensors", tensors, {{"format", "pt"}});
@@ -121,7 +124,6 @@ void refuse_unsupported_fields(const json& c, const std::string& where) {
   static const Field fields[] = {
       {"use_dora", "DoRA (weight-decomposed LoRA)"},
       {"lora_bias", "a trained bias on lora_B"},
-      {"modules_to_save", "modules trained in full and saved with the adapter"},
       {"rank_pattern", "per-module ranks"},
       {"alpha_pattern", "per-module lora_alpha"},
       {"layer_replication", "replicated layers"},
@@ -161,6 +163,11 @@ AdapterConfig read_adapter_config(const fs::path& dir) {
     a.fan_in_fan_out = c.value("fan_in_fan_out", false);
     a.base_model_name_or_path = c.contains("base_model_name_or_path") && c["base_model_name_or_path"].is_string()
                                     ? c["base_model_name_or_path"].get<std::string>() : "";
+    if (c.contains("modules_to_save") && !c["modules_to_save"].is_null()) {
+      const json& m = c["modules_to_save"];
+      MEMTUNE_CHECK(m.is_array(), where, ": modules_to_save must be a list of module names, got ", m.dump());
+      a.modules_to_save = m.get<std::vector<std::string>>();
+    }
     const json& t = c.at("target_modules");
     if (t.is_string()) a.targets.target_modules = {t.get<std::string>()};
     else a.targets.target_modules = t.get<std::vector<std::string>>();
@@ -183,10 +190,15 @@ AdapterConfig read_adapter_config(const fs::path& dir) {
 LoraSummary load_adapter(CausalLM& model, const fs::path& dir) {
   AdapterConfig config = read_adapter_config(dir);
   SafetensorsFile file(dir / "adapter_model.safetensors");
-  // PEFT keys "<module>.lora_A[.default].weight" map to modules; any other tensor is refused
-  // by name, so nothing in the file is dropped.
-  std::map<std::string, std::pair<std::string, std::string>> modules;  // module -> (A key, B key)
+  // PEFT keys "<module>.lora_A[.default].weight" map to modules; "<tensor name>" holds a
+  // modules_to_save tensor; any other tensor is refused by name, so nothing in the file is dropped.
   const std::string where = file.path().string();
+  std::map<std::string, const TensorSlot*> saved;  // tensor name -> slot (modules_to_save)
+  for (const TensorSlot* s : modules_to_save_tensors(model, config.modules_to_save,
+                                                     (dir / "adapter_config.json").string() + ": modules_to_save"))
+    saved[s->name] = s;
+  std::map<std::string, std::pair<std::string, std::string>> modules;  // module -> (A key, B key)
+  std::map<std::string, std::string> full;                             // tensor name -> key
   for (const auto& key : file.names()) {
     const std::string prefix = "base_model.model.";
     MEMTUNE_CHECK(key.rfind(prefix, 0) == 0, where, ": key '", key,
@@ -201,19 +213,31 @@ LoraSummary load_adapter(CausalLM& model, const fs::path& dir) {
           matched = true;
         }
     if (matched) continue;
+    if (saved.count(rest)) {
+      full[rest] = key;
+      continue;
+    }
     MEMTUNE_CHECK(rest.find(".lora_embedding_") == std::string::npos, where, ": tensor '", key,
                   "' is LoRA on an embedding, which memtune does not support");
     MEMTUNE_CHECK(rest.find(".modules_to_save") == std::string::npos, where, ": tensor '", key,
-                  "' is a module saved in full (modules_to_save), which memtune does not support");
+                  "' is not how PEFT saves a module of modules_to_save (it writes base_model.model.<module>.<param>, "
+                  "e.g. base_model.model.lm_head.weight, and could not load this name either)");
     MEMTUNE_CHECK(rest.find(".lora_B.bias") == std::string::npos && rest.find(".lora_B.default.bias") == std::string::npos,
                   where, ": tensor '", key, "' is a bias on lora_B (lora_bias), which memtune does not support");
+    MEMTUNE_CHECK(model.find_tensor(rest) == nullptr, where, ": tensor '", key, "' is the model's ", rest,
+                  " saved in full, but adapter_config.json's modules_to_save (",
+                  json(config.modules_to_save).dump(), ") does not select it; PEFT would not load it either");
     fail(where, ": tensor '", key, "' is not a lora_A / lora_B weight; memtune does not know what it does "
          "(an adapter type other than plain LoRA?)");
   }
+  for (const auto& [name, slot] : saved)
+    MEMTUNE_CHECK(full.count(name), where, ": adapter_config.json's modules_to_save selects ", name,
+                  " but the file has no tensor 'base_model.model.", name, "'");
   MEMTUNE_CHECK(!modules.empty(), where, ": no lora_A / lora_B tensors");
   for (auto& s : model.tensors())
     if (s.tensor->defined()) s.tensor->set_requires_grad(false);
   LoraSummary summary;
+  int64_t lora_parameters = 0;
   at::NoGradGuard no_grad;
   for (const auto& [module, keys] : modules) {
     Linear* l = model.find_linear(module);
@@ -233,8 +257,19 @@ LoraSummary load_adapter(CausalLM& model, const fs::path& dir) {
     l->lora->B.copy_(B);
     summary.modules.push_back(module);
     summary.trainable_parameters += A.numel() + B.numel();
+    lora_parameters += A.numel() + B.numel();
   }
-  summary.total_parameters = model.base_parameter_count() + summary.trainable_parameters;
+  for (const auto& [name, key] : full) {
+    const TensorSlot& s = *saved.at(name);
+    at::Tensor t = file.load(key);
+    MEMTUNE_CHECK(t.sizes().vec() == s.shape, where, ": '", key, "' has shape ", t.sizes(), ", the model's ", name,
+                  " has ", at::IntArrayRef(s.shape));
+    *s.tensor = t.to(s.tensor->device(), at::kFloat).contiguous();  // fp32 master weights, as trained
+    s.tensor->set_requires_grad(true);
+    summary.modules.push_back(name);
+    summary.trainable_parameters += t.numel();
+  }
+  summary.total_parameters = model.base_parameter_count() + lora_parameters;  // modules_to_save are in the base
   return summary;
 }
 

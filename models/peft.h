@@ -15,23 +15,28 @@ struct AdapterConfig {
   LoraTargets targets;
   std::string base_model_name_or_path;
   bool fan_in_fan_out = false;
+  // PEFT's modules_to_save as written in the config (e.g. {"lm_head"}): modules trained in
+  // full, saved as "base_model.model.<tensor name>" (models/lora.h modules_to_save_tensors).
+  std::vector<std::string> modules_to_save;
 };
 
 std::string peft_key(const std::string& module, const char* which);  // which: "lora_A" | "lora_B"
 
-// Writes adapter_config.json and adapter_model.safetensors (fp32) into `dir`, atomically.
+// Writes adapter_config.json and adapter_model.safetensors (fp32) into `dir`, atomically:
+// the LoRA tensors and, for config.modules_to_save, the whole modules' tensors.
 void save_adapter(const CausalLM& model, const AdapterConfig& config, const std::filesystem::path& dir);
 
 // Reads adapter_config.json (throws UserError naming the file and key on bad input, and
 // naming every field that changes PEFT's math and that memtune does not implement:
-// use_dora, lora_bias, modules_to_save, rank/alpha patterns, LoRA on embeddings, ...).
+// use_dora, lora_bias, rank/alpha patterns, LoRA on embeddings, ...).
 // fan_in_fan_out is read but PEFT itself sets it from the module type (Conv1D or Linear),
 // as memtune does.
 AdapterConfig read_adapter_config(const std::filesystem::path& dir);
 
-// Adds the adapter's LoRA layers to `model` (freezing the base) and loads their weights.
-// Every module of the file must exist in the model with matching shapes; a tensor that is
-// not a lora_A / lora_B weight is refused by name.
+// Adds the adapter's LoRA layers to `model` (freezing the base) and loads their weights;
+// the modules_to_save tensors replace the base's (and are trainable, as the adapters). Every
+// module of the file must exist in the model with matching shapes; a tensor that is neither
+// a lora_A / lora_B weight nor one of the modules_to_save is refused by name.
 LoraSummary load_adapter(CausalLM& model, const std::filesystem::path& dir);
 
 }  // namespace memtune::models

@@ -89,7 +89,7 @@ class Planner {
   }
   // The layer's input requires grad: something below it (or the embedding) is trained.
   bool input_grad(int layer) const {
-    if (full_) return true;
+    if (full_ || m_.train_embedding || m_.train_position_embedding) return true;
     for (int j = 0; j < layer; ++j)
       if (layer_has_lora(j)) return true;
     return false;
@@ -292,6 +292,14 @@ class Planner {
             largest_trainable = std::max({largest_trainable, m_.lora_r * p.in, m_.lora_r * p.out});
           }
       e.lora_parameters = trainable * kF32;
+      // modules_to_save: whole tensors beside the adapters (their weights are in weights_dense).
+      for (auto [on, numel] : {std::pair{m_.train_embedding, V * C}, std::pair{m_.train_head, V * C},
+                               std::pair{m_.train_position_embedding, m_.max_position_embeddings * C},
+                               std::pair{m_.train_final_norm, (gpt2 ? 2 : 1) * C}})
+        if (on) {
+          trainable += numel;
+          largest_trainable = std::max(largest_trainable, numel);
+        }
     }
     e.trainable_parameters = trainable;
     e.gradients = trainable * kF32;
@@ -314,6 +322,10 @@ class Planner {
             states(m_.lora_r * p.in, 1);
             states(m_.lora_r * p.out, 1);
           }
+      if (m_.train_embedding) states(V * C, 1);
+      if (m_.train_head) states(V * C, 1);
+      if (m_.train_position_embedding) states(m_.max_position_embeddings * C, 1);
+      if (m_.train_final_norm) states(C, gpt2 ? 2 : 1);
     }
     // Only torch's AdamW off the fused CPU kernel keeps a workspace (trainer/optimizer.cpp).
     e.optimizer_workspace = m_.optimizer == "adamw" ? largest_trainable * kF32 : 0;
@@ -331,7 +343,7 @@ class Planner {
     }
     // Final norm keeps the last layer's output and its statistics (LayerNorm: mean and
     // rstd; the RMSNorm node: rstd).
-    const bool g_last = full_ || input_grad(static_cast<int>(L));
+    const bool g_last = full_ || m_.train_final_norm || input_grad(static_cast<int>(L));
     const int64_t final_norm = !g_last ? 0 : E * C * act_ + (gpt2 ? 2 : 1) * E * kF32;
     e.activations = kept + final_norm + batch + rotary;
 
@@ -342,7 +354,7 @@ class Planner {
     const int64_t chunk = std::min(E, m_.loss_chunk_rows > 0 ? m_.loss_chunk_rows : loss_chunk_rows(V));
     const int64_t hidden = E * C * act_;
     const int64_t dh = E * C * kF32;
-    const int64_t head_grad = full_ ? V * C * kF32 : 0;
+    const int64_t head_grad = full_ || m_.train_head ? V * C * kF32 : 0;
     const int64_t loss_chunk = hidden + hidden + dh + chunk * V * kF32 + chunk * C * kF32 + head_grad;
     const int64_t loss_end = hidden + hidden + 2 * dh + head_grad;
     e.loss = std::max(loss_chunk, loss_end);
@@ -365,7 +377,7 @@ class Planner {
     // of the head (full) and of layers >= i. The embedding's gradient comes last.
     int64_t bwd = e.activations + 2 * (dh + head_grad);
     int64_t recompute = 0, workspace = 0;
-    int64_t grads = full_ ? (gpt2 ? 2 * C : C) * kF32 + head_grad : 0;  // final norm, head
+    int64_t grads = (full_ || m_.train_final_norm ? (gpt2 ? 2 * C : C) * kF32 : 0) + head_grad;  // final norm, head
     below = batch + rotary + kept;
     const int64_t grad_in = E * C * kF32;
     for (int i = static_cast<int>(L) - 1; i >= 0; --i) {
@@ -385,6 +397,7 @@ class Planner {
     // The embedding's backward: a dense (V,C) gradient, added in place when tied to a head
     // that already has one.
     if (full_) bwd = std::max(bwd, e.gradients + batch + grad_in + (m_.tie_word_embeddings ? V * C * kF32 : 0));
+    if (!full_ && (m_.train_embedding || m_.train_position_embedding)) bwd = std::max(bwd, e.gradients + batch + grad_in);
     e.recompute = recompute;
     e.workspace = workspace;
     e.backward_peak = persistent + bwd;

@@ -44,6 +44,11 @@ struct EstimateInput {
   std::vector<std::string> lora_projections;
   std::vector<bool> lora_layers;    // per layer: adapters there (empty: every layer)
   double lora_dropout = 0.0;        // > 0: each adapter keeps its dropped input and mask
+  // lora.modules_to_save: tensors outside the layers trained in full (fp32) beside the adapters.
+  bool train_embedding = false;           // the input embedding [V,C] (untied models only)
+  bool train_position_embedding = false;  // GPT-2's wpe
+  bool train_final_norm = false;          // the final norm's weight (and GPT-2's bias)
+  bool train_head = false;                // lm_head [V,C] (untied models only)
 
   // Training shape.
   int64_t micro_batch = 1;          // B

@@ -104,7 +104,9 @@ void LoraConfig::fields(F&& f) {
   f("init_lora_weights", init_lora_weights, "true: kaiming-uniform A, zero B; gaussian: normal A, zero B",
     {"true", "gaussian"});
   f("bias", bias, "trained biases", Field::one_of({"none"}, "trained biases are not supported"));
-  f("modules_to_save", modules_to_save, "modules trained in full beside the adapters: not supported, empty only");
+  f("modules_to_save", modules_to_save,
+    "modules trained in full beside the adapters and saved in the adapter (PEFT's): module names matched as a "
+    "suffix (lm_head, embed_tokens, model.norm; GPT-2: wpe, ln_f), outside the decoder layers, not tied");
   f("fan_in_fan_out", fan_in_fan_out, "weights stored [in,out] (GPT-2 Conv1D); set for gpt2 by itself");
   f("task_type", task_type, "PEFT task type", {"CAUSAL_LM"});
 }
@@ -442,9 +444,8 @@ void validate(const LoraConfig& l, const std::string& p, const Checker& c) {
   }
   for (int layer : l.layers_to_transform)
     c.check(layer >= 0, p + ".layers_to_transform", l.layers_to_transform, "layer indices are >= 0");
-  c.check(l.modules_to_save.empty(), p + ".modules_to_save", l.modules_to_save,
-          "training whole modules beside the adapters (PEFT's modules_to_save) is not supported; only the LoRA "
-          "matrices train. Remove the key, or put LoRA on those modules' projections through target_modules");
+  for (const auto& name : l.modules_to_save)
+    c.check(!name.empty(), p + ".modules_to_save", l.modules_to_save, "a module name must not be empty");
 }
 
 void validate(const CheckpointingConfig& g, const std::string& p, const Checker& c) {

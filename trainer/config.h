@@ -74,7 +74,7 @@ struct LoraConfig {
   bool use_rslora = false;
   std::string init_lora_weights = "true";  // true (kaiming-uniform A, zero B) | gaussian
   std::string bias = "none";               // none only
-  std::vector<std::string> modules_to_save;  // empty only: refused (not implemented)
+  std::vector<std::string> modules_to_save;  // modules trained in full (PEFT suffix match; models/lora.h)
   bool fan_in_fan_out = false;             // weights stored [in,out] (GPT-2 Conv1D); auto-set for gpt2
   std::string task_type = "CAUSAL_LM";
 

@@ -89,6 +89,13 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
       if (std::find(in.lora_projections.begin(), in.lora_projections.end(), n) == in.lora_projections.end())
         in.lora_projections.push_back(n);
     }
+    for (const models::TensorSlot* t : models::modules_to_save_tensors(*structure, c.lora.modules_to_save,
+                                                                        "lora.modules_to_save")) {
+      in.train_embedding |= t->role == models::TensorRole::kEmbedding;
+      in.train_position_embedding |= t->role == models::TensorRole::kPositionEmbedding;
+      in.train_final_norm |= t->role == models::TensorRole::kNorm;
+      in.train_head |= t->role == models::TensorRole::kHead;
+    }
   }
 
   in.micro_batch = micro_batch > 0 ? micro_batch

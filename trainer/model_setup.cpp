@@ -144,6 +144,14 @@ ModelBundle setup_model(const Config& c, const fs::path& adapter_dir) {
     b.adapter.base_model_name_or_path = c.model.name_or_path;
     b.adapter.fan_in_fan_out = model.spec().is_gpt2() || c.lora.fan_in_fan_out;
     b.notes.push_back("LoRA on " + std::to_string(s.modules.size()) + " projections: " + s.describe());
+    if (!c.lora.modules_to_save.empty()) {
+      const int64_t n = models::apply_modules_to_save(model, c.lora.modules_to_save, "lora.modules_to_save");
+      b.adapter.modules_to_save = c.lora.modules_to_save;
+      std::string names;
+      for (const models::TensorSlot* t : models::modules_to_save_tensors(model, c.lora.modules_to_save, ""))
+        names += (names.empty() ? "" : ", ") + t->name;
+      b.notes.push_back(str_cat("modules_to_save: ", names, " trained in full (", n, " parameters, fp32)"));
+    }
   } else {
     int64_t n = models::make_all_trainable(model);
     b.notes.push_back("full fine-tune: " + std::to_string(n) + " trainable parameters");

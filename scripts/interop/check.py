@@ -313,8 +313,8 @@ class Check:
             return d
         base = "hf-llama-fp32"
         cases = [
-            ("modules_to_save in adapter_config", {"modules_to_save": ["lm_head"]}, None, "modules_to_save"),
-            ("a modules_to_save tensor", None, ("base_model.model.lm_head.modules_to_save.default.weight",
+            ("modules_to_save without its tensor", {"modules_to_save": ["lm_head"]}, None, "modules_to_save"),
+            ("lm_head.modules_to_save.default.weight", None, ("base_model.model.lm_head.modules_to_save.default.weight",
                                                 [VOCAB, 64]), "modules_to_save"),
             ("LoRA on embed_tokens (target_modules)", {"target_modules": ["q_proj", "embed_tokens"]}, None,
              "embed_tokens"),
@@ -336,12 +336,22 @@ class Check:
             json.dump({"model": {"name_or_path": "hf-llama-fp32"},
                        "training": {"output_dir": "run-refused", "max_steps": 1},
                        "data": {"train_file": "rows.bin", "format": "tokens", "max_seq_length": SEQ}}, f)
-        for override, key in [("lora.modules_to_save=[lm_head]", "modules_to_save"),
+        for override, key in [("lora.modules_to_save=[q_proj]", "projection"),
+                              ("lora.modules_to_save=[norm]", "inside decoder layer"),
                               ("training.group_by_length=true", "group_by_length"),
                               ("data.eval_split=0.1", "eval_split"),
                               ("model.torch_dtype=bfloat16", "torch_dtype"),
                               ("model.low_cpu_mem_usage=false", "low_cpu_mem_usage")]:
             self.refused(f"config {override}", ["train", "refuse.yaml", override], key)
+
+    def tied_refusal(self):
+        with open(self.path("refuse-tied.yaml"), "w") as f:
+            json.dump({"model": {"name_or_path": "hf-qwen2-fp32"},
+                       "lora": {"modules_to_save": ["lm_head"]},
+                       "training": {"output_dir": "run-refused", "max_steps": 1},
+                       "data": {"train_file": "rows.bin", "format": "tokens", "max_seq_length": SEQ}}, f)
+        self.refused("config lora.modules_to_save=[lm_head], tied", ["train", "refuse-tied.yaml"],
+                     "tie_word_embeddings")
 
     def model_refusals(self):
         cases = [
@@ -405,9 +415,14 @@ class Check:
                                                                    "layers_to_transform": [1]})
             self.adapters("qlora-mistral-regex", "mistral", {"target_modules": r".*\.(q|k|v|o)_proj"},
                           quantized=True)
+            self.adapters("lora-llama-modules_to_save", "llama", {
+                "target_modules": ["q_proj", "v_proj"], "modules_to_save": ["embed_tokens", "model.norm", "lm_head"]})
+            self.adapters("qlora-gpt2-modules_to_save", "gpt2", {
+                "target_modules": "all-linear", "modules_to_save": ["wpe", "ln_f"]}, quantized=True)
         if want("refusal"):
             self.adapter_refusals()
             self.config_refusals()
+            self.tied_refusal()
             self.model_refusals()
         self.judge.close()
         table, fails = self.report.table()

@@ -117,7 +117,22 @@ def merge_adapter(model, adapter_dir):
     scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
     modules = dict(model.named_modules())
     merged = []
+    # modules_to_save: PEFT saves each selected module's tensors as base_model.model.<name>
+    # (a module is selected when its name ends with an entry) and they replace the base's.
+    mts = cfg.get("modules_to_save") or []
+    params = dict(model.named_parameters())
     with torch.no_grad():
+        for key in list(tensors):
+            name = key[len("base_model.model."):]
+            if name in params and not re.search(r"\.lora_[AB]\.", key):
+                if not any(name.rsplit(".", 1)[0].endswith(e) for e in mts):
+                    raise ValueError(f"{key} is a whole module but modules_to_save {mts} does not select it")
+                params[name].copy_(tensors.pop(key).to(params[name].dtype))
+                merged.append(name)
+        for module in modules:
+            if any(module.endswith(e) for e in mts) and hasattr(modules[module], "weight") and \
+                    module + ".weight" not in merged and module:
+                raise ValueError(f"modules_to_save selects {module} but the adapter has no base_model.model.{module}.weight")
         for key in tensors:
             m = re.fullmatch(r"base_model\.model\.(.+)\.lora_A(?:\.default)?\.weight", key)
             if not m:

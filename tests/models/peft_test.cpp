@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <set>
 
 #include "models/hf_model.h"
@@ -72,15 +73,106 @@ TEST(PeftAdapter, PlainLoraLoads) {
   EXPECT_EQ(s.modules.size(), static_cast<size_t>(model->num_layers()));
 }
 
-TEST(PeftAdapter, RefusesModulesToSave) {
+// PEFT saves a module of modules_to_save as "base_model.model.<module>.<param>" (its
+// get_peft_model_state_dict drops "modules_to_save.default"), and its loader maps exactly
+// that name back; the module's weights replace the base's.
+TEST(PeftAdapter, ModulesToSaveLoadAsPeftSavesThem) {
+  auto model = tiny_llama();
+  json c = base_config();
+  c["modules_to_save"] = {"lm_head", "embed_tokens"};
+  auto tensors = q_proj_tensors(*model);
+  const at::Tensor head = at::randn({1024, 128}), embed = at::randn({1024, 128});
+  tensors.emplace_back("base_model.model.lm_head.weight", head);
+  tensors.emplace_back("base_model.model.model.embed_tokens.weight", embed);
+  LoraSummary s = load_adapter(*model, write_adapter(c, tensors));
+  EXPECT_TRUE(at::equal(*model->find_tensor("lm_head.weight")->tensor, head));
+  EXPECT_TRUE(at::equal(*model->find_tensor("model.embed_tokens.weight")->tensor, embed));
+  EXPECT_TRUE(model->find_tensor("lm_head.weight")->tensor->requires_grad());
+  EXPECT_FALSE(model->find_tensor("model.norm.weight")->tensor->requires_grad());
+  EXPECT_EQ(s.modules.size(), static_cast<size_t>(model->num_layers()) + 2);
+}
+
+TEST(PeftAdapter, ModulesToSaveMismatchesAreRefused) {
   auto model = tiny_llama();
   json c = base_config();
   c["modules_to_save"] = {"lm_head"};
-  auto tensors = q_proj_tensors(*model);
-  tensors.emplace_back("base_model.model.lm_head.modules_to_save.weight", at::randn({1024, 128}));
-  expect_refused(write_adapter(c, tensors), {"modules_to_save", "lm_head"});
-  // The field alone (no tensor) is refused too: PEFT would fail to load such a file.
-  expect_refused(write_adapter(c, q_proj_tensors(*model)), {"modules_to_save", "lm_head"});
+  // The field without its tensor: PEFT's loader fails on the missing key.
+  expect_refused(write_adapter(c, q_proj_tensors(*model)), {"modules_to_save", "base_model.model.lm_head.weight"});
+  // A name PEFT never writes (and could not load).
+  auto odd = q_proj_tensors(*model);
+  odd.emplace_back("base_model.model.lm_head.modules_to_save.default.weight", at::randn({1024, 128}));
+  expect_refused(write_adapter(c, odd), {"lm_head.modules_to_save.default.weight", "base_model.model.lm_head.weight"});
+  // A saved module that the config does not list.
+  auto extra = q_proj_tensors(*model);
+  extra.emplace_back("base_model.model.lm_head.weight", at::randn({1024, 128}));
+  expect_refused(write_adapter(base_config(), extra), {"lm_head.weight", "modules_to_save"});
+  // The wrong shape.
+  auto wrong = q_proj_tensors(*model);
+  wrong.emplace_back("base_model.model.lm_head.weight", at::randn({1024, 64}));
+  expect_refused(write_adapter(c, wrong), {"lm_head.weight", "shape"});
+}
+
+// What memtune does not train as a module_to_save is refused by name (PEFT would train it).
+TEST(PeftAdapter, ModulesToSaveOutsideWhatMemtuneTrainsAreRefused) {
+  auto model = tiny_llama();
+  auto refused = [&](const CausalLM& m, const std::string& entry, const std::string& word) {
+    try {
+      modules_to_save_tensors(m, {entry}, "lora.modules_to_save");
+      ADD_FAILURE() << entry << " accepted; expected a refusal naming " << word;
+    } catch (const UserError& e) {
+      EXPECT_NE(std::string(e.what()).find("lora.modules_to_save: '" + entry + "'"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(word), std::string::npos) << e.what();
+    }
+  };
+  refused(*model, "q_proj", "projection");
+  refused(*model, "norm", "inside decoder layer");  // PEFT's suffix test: every layer's norms too
+  refused(*model, "layers.1", "block");
+  refused(*model, "score", "selects no module");
+  ModelSpec tied = *preset("tiny-llama");
+  tied.tie_word_embeddings = true;
+  auto tied_model = init_random_model(tied, 1);
+  refused(*tied_model, "lm_head", "tie_word_embeddings");
+  refused(*tied_model, "embed_tokens", "tie_word_embeddings");
+  // What it trains: the embeddings, the final norm named in full, an untied head.
+  auto ok = modules_to_save_tensors(*model, {"model.norm", "lm_head", "embed_tokens"}, "x");
+  std::vector<std::string> names;
+  for (const TensorSlot* s : ok) names.push_back(s->name);
+  EXPECT_EQ(names, (std::vector<std::string>{"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}));
+  auto gpt2 = init_random_model(*preset("tiny-gpt2"), 1);
+  names.clear();
+  for (const TensorSlot* s : modules_to_save_tensors(*gpt2, {"wpe", "ln_f"}, "x")) names.push_back(s->name);
+  EXPECT_EQ(names, (std::vector<std::string>{"transformer.wpe.weight", "transformer.ln_f.weight",
+                                             "transformer.ln_f.bias"}));
+}
+
+// Saved as PEFT saves them, and read back to the same weights.
+TEST(PeftAdapter, ModulesToSaveAreSavedUnderPeftsNames) {
+  auto model = tiny_llama();
+  LoraOptions o;
+  o.r = kRank;
+  LoraTargets t;
+  t.target_modules = {"q_proj"};
+  apply_lora(*model, o, t);
+  EXPECT_EQ(apply_modules_to_save(*model, {"lm_head"}, "lora.modules_to_save"), 1024 * 128);
+  {
+    at::NoGradGuard g;
+    model->find_tensor("lm_head.weight")->tensor->add_(1.0);  // as if trained
+  }
+  AdapterConfig config;
+  config.lora = o;
+  config.targets = t;
+  config.modules_to_save = {"lm_head"};
+  fs::path dir = temp_dir();
+  save_adapter(*model, config, dir);
+  EXPECT_EQ(json::parse(memtune::testing::read_file(dir / "adapter_config.json"))["modules_to_save"],
+            json::array({"lm_head"}));
+  SafetensorsFile file(dir / "adapter_model.safetensors");
+  const auto names = file.names();
+  ASSERT_EQ(std::count(names.begin(), names.end(), "base_model.model.lm_head.weight"), 1);
+  EXPECT_TRUE(at::equal(file.load("base_model.model.lm_head.weight"), *model->find_tensor("lm_head.weight")->tensor));
+  auto fresh = tiny_llama();
+  load_adapter(*fresh, dir);
+  EXPECT_TRUE(at::equal(*fresh->find_tensor("lm_head.weight")->tensor, *model->find_tensor("lm_head.weight")->tensor));
 }
 
 TEST(PeftAdapter, RefusesLoraOnEmbeddings) {

@@ -322,6 +322,17 @@ class Lora:
         self.scaling = alpha / math.sqrt(self.r) if c.get("use_rslora") else alpha / self.r
         raw = load_safetensors(os.path.join(adapter_dir, "adapter_model.safetensors"))
         self.tensors = {}  # PEFT key -> tensor
+        # modules_to_save (PEFT's ModulesToSaveWrapper): modules whose name ends with an entry
+        # are replaced by the adapter's copies, saved as "base_model.model.<param name>".
+        self.full = {}  # HF param name -> tensor
+        mts = c.get("modules_to_save") or []
+        for pname in param_shapes(cfg):
+            module = pname.rsplit(".", 1)[0]
+            if any(module.endswith(e) for e in mts):
+                key = f"base_model.model.{pname}"
+                if key not in raw:
+                    raise ValueError(f"modules_to_save selects {pname} but the adapter lacks {key}")
+                self.full[pname] = raw.pop(key)
         for k, v in raw.items():
             k = k.replace(".lora_A.default.weight", ".lora_A.weight") \
                  .replace(".lora_B.default.weight", ".lora_B.weight")
@@ -594,6 +605,10 @@ def run_forward(cfg, base, batch, lora=None, lora_tensors=None, dtype=torch.floa
             if want_grad:
                 t.requires_grad_(True)
             lp[k] = t
+    if lora is not None:
+        for k, v in lora.full.items():  # modules_to_save: the adapter's copies replace the base's
+            params[k] = v.to(dtype).requires_grad_(want_grad)
+            lp["base_model.model." + k] = params[k]
     fwd = Forward(cfg, params, lora, lp)
     with torch.set_grad_enabled(want_grad):
         logits = fwd(batch["input_ids"], batch["position_ids"], batch["segment_ids"])
@@ -752,13 +767,20 @@ def cmd_init_lora(a):
         B = 0.25 * torch.randn(fout, a.r, generator=g, dtype=torch.float64) / math.sqrt(a.r)
         tensors[f"base_model.model.{n}.lora_A.weight"] = A.float()
         tensors[f"base_model.model.{n}.lora_B.weight"] = B.float()
+    mts = a.modules_to_save.split(",") if a.modules_to_save else None
+    if mts:
+        _, base = load_model(a.model)
+        for pname, t in base.items():
+            if any(pname.rsplit(".", 1)[0].endswith(e) for e in mts):
+                tensors[f"base_model.model.{pname}"] = (
+                    t.double() + 0.1 * t.double().std() * torch.randn(t.shape, generator=g, dtype=torch.float64)).float()
     conv = any(lin[n][2] for n in names)
     conf = {
         "alpha_pattern": {}, "auto_mapping": None,
         "base_model_name_or_path": os.path.abspath(a.model),
         "bias": "none", "fan_in_fan_out": bool(conv), "inference_mode": False,
         "init_lora_weights": True, "layers_pattern": None, "layers_to_transform": None,
-        "lora_alpha": int(a.alpha) if float(a.alpha).is_integer() else a.alpha, "lora_dropout": 0.0, "modules_to_save": None,
+        "lora_alpha": int(a.alpha) if float(a.alpha).is_integer() else a.alpha, "lora_dropout": 0.0, "modules_to_save": mts,
         "peft_type": "LORA", "r": a.r, "rank_pattern": {}, "revision": None,
         "target_modules": targets, "task_type": "CAUSAL_LM", "use_dora": False,
         "use_rslora": bool(a.rslora),
@@ -826,15 +848,22 @@ def cmd_train(a):
     batch = load_batch(a.batch)
     lora = Lora(a.lora, cfg)
     dtype = _DTYPE_ARG[a.dtype]
-    names = list(lora.tensors)
-    master = {k: lora.tensors[k].float().clone().requires_grad_(True) for k in names}
+    full = {"base_model.model." + k: v for k, v in lora.full.items()}  # modules_to_save
+    names = list(lora.tensors) + list(full)
+    master = {k: (lora.tensors[k] if k in lora.tensors else full[k]).float().clone().requires_grad_(True)
+              for k in names}
     betas = tuple(float(x) for x in a.betas.split(","))
-    opt = torch.optim.AdamW([master[k] for k in names], lr=a.lr, betas=betas, eps=a.eps,
-                            weight_decay=a.weight_decay)
+    # Hugging Face's Trainer: no weight decay on biases and norm weights.
+    nodecay = [k for k in full if master[k].dim() < 2 or "norm" in k or "ln_" in k]
+    groups = [{"params": [master[k] for k in names if k not in nodecay], "weight_decay": a.weight_decay},
+              {"params": [master[k] for k in nodecay], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=a.lr, betas=betas, eps=a.eps)
     params = {k: v.to(dtype) for k, v in base.items()}
     losses = []
     for step in range(a.steps + 1):
         lp = {k: master[k].to(dtype) for k in names}  # fp32 leaves, grads come back as fp32
+        for k in full:
+            params[k[len("base_model.model."):]] = lp[k]
         fwd = Forward(cfg, params, lora, lp)
         with torch.set_grad_enabled(step < a.steps):
             logits = fwd(batch["input_ids"], batch["position_ids"], batch["segment_ids"])
@@ -1353,6 +1382,8 @@ def main(argv=None):
                    help="comma list, 'all-linear', or a regex (PEFT target_modules)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rslora", action="store_true")
+    p.add_argument("--modules-to-save", default=None,
+                   help="comma list (PEFT modules_to_save): saved as perturbed copies of the base's")
 
     p = sub.add_parser("make-batch")
     p.add_argument("--out", required=True)

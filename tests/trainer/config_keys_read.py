@@ -23,7 +23,6 @@ ONLY_IN_CONFIG = {
     "torch_dtype": "float32 only (memtune's dense weights are float32)",
     "low_cpu_mem_usage": "true only (loads always stream from the mmapped safetensors)",
     "bias": "none only",
-    "modules_to_save": "empty only (not implemented)",
     "task_type": "CAUSAL_LM only",
     "group_by_length": "false only (no LengthGroupedSampler)",
     "dataloader_pin_memory": "compatibility note",

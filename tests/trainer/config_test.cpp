@@ -381,10 +381,12 @@ TEST(ConfigErrors, LowCpuMemUsageFalseRefused) {
   EXPECT_TRUE(parse("model: {low_cpu_mem_usage: true}").model.low_cpu_mem_usage);
 }
 
-TEST(ConfigErrors, ModulesToSaveRefused) {
-  const std::string yaml = "lora:\n  modules_to_save: [lm_head]\n";
-  expect_invalid(yaml, "modules_to_save", "[lm_head]", "lora.modules_to_save", "[lm_head]",
-                 "modules_to_save) is not supported");
+TEST(ConfigErrors, ModulesToSaveEmptyNameRefused) {
+  const std::string yaml = "lora:\n  modules_to_save: [lm_head, \"\"]\n";
+  expect_invalid(yaml, "modules_to_save", "[lm_head, \"\"]", "lora.modules_to_save", "[lm_head, \"\"]",
+                 "must not be empty");
+  EXPECT_EQ(parse("lora: {modules_to_save: [lm_head, embed_tokens]}").lora.modules_to_save,
+            (std::vector<std::string>{"lm_head", "embed_tokens"}));
 }
 
 TEST(ConfigErrors, GroupByLengthRefused) {
@@ -641,6 +643,7 @@ Config every_field_changed() {
   l.lora_dropout = 0.05;
   l.target_modules = {"q_proj", "v_proj"};
   l.exclude_modules = {"lm_head"};
+  l.modules_to_save = {"lm_head", "embed_tokens"};
   l.layers_to_transform = {0, 2};
   l.use_rslora = true;
   l.init_lora_weights = "gaussian";
@@ -760,7 +763,7 @@ std::map<std::string, std::string> leaves(const std::string& yaml) {
 const std::set<std::string> kSingleValued = {
     "model.quantization_config.load_in_8bit", "model.quantization_config.bnb_4bit_quant_type",
     "model.quantization_config.bnb_4bit_quant_storage", "lora.bias", "lora.task_type", "model.torch_dtype",
-    "model.low_cpu_mem_usage", "lora.modules_to_save", "training.group_by_length", "data.eval_split"};
+    "model.low_cpu_mem_usage", "training.group_by_length", "data.eval_split"};
 
 TEST(ConfigRoundTrip, EveryFieldChangedIsComplete) {
   auto defaults = leaves(to_yaml(Config()));

@@ -138,6 +138,15 @@ INSTANTIATE_TEST_SUITE_P(
         Shape{"gpt2_nf4_qv_every2", {"model.name_or_path=tiny-gpt2", "model.quantization_config.load_in_4bit=true",
                                      "lora.target_modules=[c_attn]", "data.max_seq_length=256",
                                      "training.gradient_checkpointing={policy: every_n, n: 2}"}},
+        // lora.modules_to_save: whole tensors trained beside the adapters (their gradients,
+        // AdamW states, the head's dW in the loss, the embedding's gradient flowing through every layer).
+        Shape{"llama_nf4_lora_head_embed_norm", {"model.name_or_path=tiny-llama",
+                                                 "model.quantization_config.load_in_4bit=true",
+                                                 "lora.modules_to_save=[embed_tokens,model.norm,lm_head]",
+                                                 "data.max_seq_length=128", "training.per_device_train_batch_size=2"}},
+        Shape{"gpt2_nf4_qv_wpe_lnf", {"model.name_or_path=tiny-gpt2", "model.quantization_config.load_in_4bit=true",
+                                      "lora.target_modules=[c_attn]", "lora.modules_to_save=[wpe,ln_f]",
+                                      "data.max_seq_length=128"}},
         Shape{"gpt2_full", {"model.name_or_path=tiny-gpt2", "training.finetune=full", "data.max_seq_length=128",
                             "training.per_device_train_batch_size=2"}}),
     [](const ::testing::TestParamInfo<Shape>& info) { return info.param.name; });

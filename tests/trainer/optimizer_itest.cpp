@@ -1,6 +1,7 @@
 // memtune's AdamW (with weight decay and gradient clipping) against torch.optim.AdamW and
 // clip_grad_norm_ in PyTorch (tests/reference/hf_reference.py train): ten steps of LoRA
-// training on the same batch, losses and final adapter compared.
+// training on the same batch, losses and final adapter compared; and the same with PEFT's
+// modules_to_save (whole modules trained beside the adapters, saved in the adapter).
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -77,6 +78,76 @@ TEST(OptimizerReference, AdamWWithDecayAndClippingMatchesPyTorch) {
     }
   }
   EXPECT_EQ(compared, 12);
+}
+
+// lora.modules_to_save: the embedding, the final norm and the head trained in full beside the
+// adapters (fp32 master weights, their own AdamW state, no decay on the norm as Hugging Face's
+// Trainer), against the reference's PEFT semantics; the adapter memtune saves is read by the
+// reference as PEFT lays it out.
+TEST(OptimizerReference, ModulesToSaveTrainAsPeftAndSaveAsPeft) {
+  if (!python_torch_available()) GTEST_SKIP() << "python3-torch not installed";
+  fs::path d = temp_dir();
+  const std::string m = (d / "model").string(), a = (d / "adapter").string(), b = (d / "batch.safetensors").string();
+  py("init --arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 96 --vocab 256 --seed 5 --out " + m);
+  py("init-lora --model " + m + " --out " + a +
+     " --r 4 --alpha 8 --seed 6 --targets q_proj,v_proj --modules-to-save embed_tokens,model.norm,lm_head");
+  py("make-batch --out " + b + " --vocab 256 --rows 2 --seq 24 --seed 7");
+  const int steps = 8;
+  const double lr = 3e-3, wd = 0.1, max_norm = 1.0;
+  py("train --model " + m + " --batch " + b + " --lora " + a + " --steps " + std::to_string(steps) +
+     " --lr 3e-3 --weight-decay 0.1 --betas 0.9,0.95 --eps 1e-8 --max-grad-norm 1.0 --dtype float32 --out " +
+     (d / "ref.json").string() + " --out-tensors " + (d / "ref.safetensors").string());
+
+  auto model = models::load_hf_model(m, {});
+  models::LoraSummary summary = models::load_adapter(*model, a);
+  EXPECT_EQ(summary.modules.size(), 4u + 3u);  // q, v in two layers; embedding, norm, head
+  models::SafetensorsFile bf(b);
+  data::Batch batch;
+  batch.input_ids = bf.load("input_ids");
+  batch.targets = bf.load("targets");
+  batch.position_ids = bf.load("position_ids");
+  batch.segment_ids = bf.load("segment_ids");
+  trainer::OptimizerOptions o;
+  o.beta1 = 0.9;
+  o.beta2 = 0.95;
+  o.eps = 1e-8;
+  o.weight_decay = wd;
+  trainer::Optimizer opt(model->trainable_parameters(), o);
+  std::vector<double> losses;
+  models::ForwardOptions fo;
+  fo.training = true;
+  for (int s = 0; s < steps; ++s) {
+    opt.zero_grad();
+    auto out = model->forward(batch, fo);
+    at::Tensor loss = out.loss_sum / static_cast<double>(out.target_tokens);
+    losses.push_back(loss.item<double>());
+    loss.backward();
+    const double norm = trainer::grad_norm(opt.params());
+    opt.step(lr, norm > max_norm ? max_norm / (norm + 1e-6) : 1.0);
+  }
+  auto ref = nlohmann::json::parse(read_file(d / "ref.json"));
+  ASSERT_EQ(ref["losses"].size(), losses.size());
+  for (int s = 0; s < steps; ++s) EXPECT_NEAR(losses[s], ref["losses"][s].get<double>(), 1e-5) << "step " << s;
+  EXPECT_LT(losses.back(), losses.front());
+  models::SafetensorsFile rt(d / "ref.safetensors");
+  for (const char* name : {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}) {
+    at::Tensor mine = model->find_tensor(name)->tensor->detach();
+    at::Tensor theirs = rt.load(std::string("base_model.model.") + name);
+    EXPECT_LE((mine - theirs).abs().max().item<double>(), 2e-5 * std::max(1.0, theirs.abs().max().item<double>()))
+        << name;
+  }
+
+  // Saved by memtune, read by the reference as PEFT lays the file out: the same loss.
+  models::AdapterConfig config = models::read_adapter_config(a);
+  const fs::path saved = d / "saved";
+  models::save_adapter(*model, config, saved);
+  py("forward --model " + m + " --batch " + b + " --lora " + saved.string() + " --dtype float32 --no-grad --out " +
+     (d / "fwd.safetensors").string());
+  models::ForwardOptions eval;
+  const auto out = model->forward(batch, eval);
+  const double mine = (out.loss_sum / static_cast<double>(out.target_tokens)).item<double>();
+  const double theirs = models::SafetensorsFile(d / "fwd.safetensors").load("loss").item<double>();
+  EXPECT_NEAR(mine, theirs, 1e-5 * std::abs(theirs));
 }
 
 }  // namespace

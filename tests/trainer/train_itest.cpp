@@ -144,6 +144,11 @@ TEST(Train, ResumeWithDropoutEqualsUninterruptedRun) {
   expect_resume_equals_straight(temp_dir(), "lora.lora_dropout=0.1");
 }
 
+// modules_to_save: the whole modules' weights and AdamW states are in the checkpoint too.
+TEST(Train, ResumeWithModulesToSaveEqualsUninterruptedRun) {
+  expect_resume_equals_straight(temp_dir(), "lora.modules_to_save=[embed_tokens,model.norm,lm_head]");
+}
+
 TEST(Train, ResumeRefusesABreakingConfigChange) {
   fs::path d = temp_dir();
   TrainRun first = train(d, "training.max_steps=2");
