@@ -42,8 +42,8 @@ RopeScaling read_rope_scaling(const json& j, const std::string& where, int64_t m
                      : j.contains("type")     ? j["type"].get<std::string>()
                                               : "default";
   if (type == "default") return r;
-  MEMTUNE_CHECK(type == "linear" || type == "llama3" || type == "yarn", where, ": rope_scaling type '", type,
-                "' is not supported (supported: linear, llama3, yarn)");
+  MEMTUNE_CHECK(type == "linear" || type == "llama3" || type == "yarn" || type == "dynamic", where,
+                ": rope_scaling type '", type, "' is not supported (supported: linear, llama3, yarn, dynamic)");
   r.type = type;
   r.low_freq_factor = get_or<double>(j, "low_freq_factor", 1.0, where);
   r.high_freq_factor = get_or<double>(j, "high_freq_factor", 4.0, where);
@@ -74,6 +74,9 @@ RopeScaling read_rope_scaling(const json& j, const std::string& where, int64_t m
                   r.original_max_position_embeddings);
   }
   MEMTUNE_CHECK(r.factor > 0, where, ": rope_scaling.factor must be > 0, got ", r.factor);
+  // transformers' own check for dynamic (_validate_dynamic_scaling_rope_parameters).
+  MEMTUNE_CHECK(type != "dynamic" || r.factor >= 1, where, ": rope_scaling.factor must be >= 1 for dynamic, got ",
+                r.factor);
   return r;
 }
 

@@ -11,7 +11,7 @@
 namespace memtune::models {
 
 struct RopeScaling {
-  std::string type = "none";  // none|linear|llama3|yarn
+  std::string type = "none";  // none|linear|llama3|yarn|dynamic (models/arch/llama.cpp: within max_position_embeddings only)
   double factor = 1.0;
   double low_freq_factor = 1.0;                     // llama3
   double high_freq_factor = 4.0;                    // llama3

@@ -128,6 +128,12 @@ ModelBundle setup_model(const Config& c, const fs::path& adapter_dir) {
 
   b.model = load_base_model(c.model);
   models::CausalLM& model = *b.model;
+  const models::ModelSpec& spec = model.spec();
+  MEMTUNE_CHECK(spec.rope_scaling.type != "dynamic" || c.data.max_seq_length <= spec.max_position_embeddings,
+                "data.max_seq_length ", c.data.max_seq_length, " is past max_position_embeddings ",
+                spec.max_position_embeddings, " of a model with rope_scaling dynamic, whose scaling memtune applies "
+                "within max_position_embeddings only (transformers keeps the longest sequence's scaling for the "
+                "forwards that follow); set data.max_seq_length <= ", spec.max_position_embeddings);
   model.set_compute_dtype(b.compute_dtype);
   model.set_attention_kernel(models::parse_attention_kernel(c.model.attn_implementation));
 

@@ -1,7 +1,7 @@
 // Llama family (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM) with Hugging Face's
 // semantics: RMSNorm in fp32, rotary embeddings in the rotate_half layout (with linear,
-// llama3 and yarn frequency scaling), grouped-query attention, SwiGLU MLP, optional attention and MLP biases,
-// optionally tied embeddings.
+// llama3, yarn and, within max_position_embeddings, dynamic frequency scaling), grouped-query
+// attention, SwiGLU MLP, optional attention and MLP biases, optionally tied embeddings.
 #include <algorithm>
 #include <cmath>
 
@@ -12,6 +12,7 @@
 #include "models/layers/norm_act.h"
 #include "models/layers/rotary.h"
 #include "models/registry.h"
+#include "runtime/error.h"
 
 namespace memtune::models {
 
@@ -25,6 +26,10 @@ at::Tensor rope_inv_freq(const ModelSpec& s) {
   at::Tensor inv = 1.0 / at::pow(s.rope_theta, at::arange(0, d, 2, at::kFloat) / static_cast<double>(d));
   const RopeScaling& r = s.rope_scaling;
   if (r.type == "linear") return inv / r.factor;
+  // dynamic (NTK): transformers scales the base by (factor * L / max_position_embeddings -
+  // (factor - 1))^(d / (d - 2)) for L = max(longest sequence, max_position_embeddings): 1 up
+  // to max_position_embeddings, past which layer_context refuses the batch.
+  if (r.type == "dynamic") return inv;
   if (r.type == "llama3") {
     const double old_len = static_cast<double>(r.original_max_position_embeddings);
     const double low_wavelen = old_len / r.low_freq_factor;
@@ -106,6 +111,15 @@ class LlamaModel : public CausalLM {
     if (rope_scale_ != 1.0) {
       ctx.cos = ctx.cos * rope_scale_;
       ctx.sin = ctx.sin * rope_scale_;
+    }
+    if (spec_.rope_scaling.type == "dynamic") {
+      const int64_t longest = b.position_ids.numel() ? b.position_ids.max().item<int64_t>() + 1 : 0;
+      MEMTUNE_CHECK(longest <= spec_.max_position_embeddings, "rope_scaling dynamic: a sequence reaches ", longest,
+                    " positions, past max_position_embeddings ", spec_.max_position_embeddings,
+                    "; there transformers rescales the rotary base from the longest sequence of each forward and "
+                    "keeps it for the forwards that follow, a state memtune does not reproduce. memtune supports "
+                    "dynamic within max_position_embeddings (where it is the plain rotary embedding): keep "
+                    "sequences (data.max_seq_length, prompt and new tokens) within ", spec_.max_position_embeddings);
     }
     ctx.position_ids = b.position_ids;
     ctx.segment_ids = b.segment_ids;

@@ -38,6 +38,8 @@ FAMILIES = {
         "original_max_position_embeddings": 16}),
     "llama-rope-yarn": dict(BASE_LLAMA, rope_scaling={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+    # dynamic (NTK) within max_position_embeddings (longer sequences: refused, see model_refusals)
+    "llama-rope-dynamic": dict(BASE_LLAMA, rope_scaling={"rope_type": "dynamic", "factor": 4.0}),
     "mistral": dict(BASE_LLAMA, model_type="mistral", sliding_window=8),
     "qwen2": dict(BASE_LLAMA, model_type="qwen2", use_sliding_window=False, tie_word_embeddings=True),
     "gpt2": dict(model_type="gpt2", vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256,
@@ -355,8 +357,9 @@ class Check:
 
     def model_refusals(self):
         cases = [
-            ("rope_scaling dynamic", dict(BASE_LLAMA, rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
-             "dynamic"),
+            ("rope_scaling dynamic past max_position_embeddings",
+             dict(BASE_LLAMA, max_position_embeddings=16, rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+             "rope_scaling dynamic"),
             ("rope_scaling longrope", dict(BASE_LLAMA, rope_scaling={
                 "rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
                 "original_max_position_embeddings": 64}), "longrope"),
@@ -375,6 +378,17 @@ class Check:
                 continue
             self.refused(f"model {label}", ["eval", "--model", d, "--data", "rows.bin", "--format", "tokens",
                                             "--max-seq-length", str(SEQ)], key)
+            if "dynamic" in label:
+                s = self.judge("dynamic_state", model=d, short=self.rows[0][:12], long=self.rows[0] + self.rows[1])
+                if s["ok"]:
+                    self.report.add("refusal", "why: transformers' dynamic is stateful", "-",
+                                    f"{s['before']:.7f} -> {s['after']:.7f}", s["before"] != s["after"],
+                                    "a 12-token row's loss before / after one 64-token forward")
+                with open(self.path("refuse-dynamic.yaml"), "w") as f:
+                    json.dump({"model": {"name_or_path": d}, "training": {"output_dir": "run-refused", "max_steps": 1},
+                               "data": {"train_file": "rows.bin", "format": "tokens", "max_seq_length": SEQ}}, f)
+                self.refused("train, dynamic, max_seq_length past it", ["train", "refuse-dynamic.yaml"],
+                             "max_position_embeddings")
 
     def tokenizer_check(self):
         def run():

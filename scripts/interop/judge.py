@@ -15,6 +15,7 @@ Requests ({"op": ..., ...}):
   generate    model, prompt, n[, adapter]           greedy continuation: text, ids and the smallest
                                            top-1 / top-2 logit margin met on the way
   tokenize    model, text                  ids from the model directory's tokenizer
+  dynamic_state   model, short, long   a short row's loss before and after a long forward
   adapter_config  adapter, model           which adapter_config.json target_modules PEFT's
                                            matching rules select in the model
 """
@@ -194,6 +195,18 @@ def op_adapter_config(r):
                 if peft_matches(n, cfg["target_modules"], cfg.get("layers_to_transform"), layer_index)]
     return {"target_modules": cfg["target_modules"], "layers_to_transform": cfg.get("layers_to_transform"),
             "selected": selected}
+
+
+def op_dynamic_state(r):
+    """A dynamic-rope model's loss on a short row before and after one forward of a row past
+    max_position_embeddings: transformers keeps the longer row's rotary base."""
+    model, _ = load_model(r["model"])
+    short = torch.tensor([r["short"]])
+    with torch.no_grad():
+        before = model(input_ids=short, labels=short).loss.item()
+        model(input_ids=torch.tensor([r["long"]]))
+        after = model(input_ids=short, labels=short).loss.item()
+    return {"before": before, "after": after}
 
 
 OPS = {k[3:]: v for k, v in globals().items() if k.startswith("op_")}

@@ -10,6 +10,7 @@
 #include "models/io/safetensors.h"
 #include "models/lora.h"
 #include "models/peft.h"
+#include "runtime/error.h"
 #include "test_util.h"
 
 namespace memtune::testing {
@@ -102,6 +103,9 @@ INSTANTIATE_TEST_SUITE_P(
              "--arch llama --layers 1 --hidden 64 --heads 4 --kv-heads 4 --intermediate 96 --vocab 256 --max-pos 64 "
              "--rope-theta 100 --rope-parameters --rope-scaling '{\"rope_type\":\"yarn\",\"factor\":8.0,"
              "\"original_max_position_embeddings\":64,\"beta_fast\":1,\"beta_slow\":0.25,\"mscale\":0.707,\"mscale_all_dim\":1.0,\"truncate\":false}'"},
+        // dynamic within max_position_embeddings: transformers' NTK base is unchanged there.
+        Case{"llama_dynamic_rope", "--arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 96 "
+                                   "--vocab 256 --max-pos 24 --rope-scaling '{\"rope_type\":\"dynamic\",\"factor\":4.0}'"},
         Case{"llama_attention_and_mlp_bias", "--arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 2 "
                                              "--intermediate 96 --vocab 256 --attention-bias --mlp-bias"},
         Case{"qwen2_tied", "--arch llama --qwen2 --tie --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 96 --vocab 256"},
@@ -183,6 +187,25 @@ TEST(HfReferenceInitModel, LlamaBiasesAreWrittenAndRead) {
   models::ForwardOutput out = model->forward(load_batch(dir / "batch.safetensors"), {});
   models::SafetensorsFile ref(dir / "ref.safetensors");
   EXPECT_NEAR(out.loss_sum.item<double>() / out.target_tokens, ref.load("loss").item<double>(), 1e-5);
+}
+
+// dynamic past max_position_embeddings: transformers' frequencies then depend on the forwards
+// before (its cached base is never reset), so memtune refuses the batch by name.
+TEST(HfReferenceDynamicRope, PositionsPastMaxPositionEmbeddingsAreRefused) {
+  if (!python_torch_available()) GTEST_SKIP() << "python3-torch not installed";
+  fs::path dir = temp_dir();
+  run_ref("init --arch llama --layers 1 --hidden 32 --heads 2 --kv-heads 2 --intermediate 48 --vocab 256 --max-pos 8 "
+          "--rope-scaling '{\"rope_type\":\"dynamic\",\"factor\":2.0}' --out " + (dir / "model").string() + " --seed 3");
+  run_ref("make-batch --out " + (dir / "batch.safetensors").string() +
+          " --vocab 256 --rows 1 --seq 16 --max-docs 1 --no-pad --ignore-frac 0 --seed 5");
+  auto model = models::load_hf_model(dir / "model", {});
+  try {
+    model->forward(load_batch(dir / "batch.safetensors"), {});
+    ADD_FAILURE() << "a 16-position row ran on a dynamic-rope model with max_position_embeddings 8";
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("rope_scaling dynamic: a sequence reaches 16 positions, past "
+                                         "max_position_embeddings 8"), std::string::npos) << e.what();
+  }
 }
 
 TEST(HfReferenceSelftest, ReferencePassesItsOwnChecks) {

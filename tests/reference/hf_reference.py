@@ -189,7 +189,7 @@ class Cfg:
             self.rope_theta = float(d.get("rope_theta", 10000.0))
             scaling = dict(d.get("rope_scaling") or {})
         self.rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        if self.rope_type not in ("default", "linear", "llama3", "yarn"):
+        if self.rope_type not in ("default", "linear", "llama3", "yarn", "dynamic"):
             raise ValueError(f"rope_type {self.rope_type!r} is not supported by the reference")
         if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
             raise ValueError("partial_rotary_factor != 1 is not supported by the reference")
@@ -391,11 +391,18 @@ def rope_attention_scaling(cfg):
     return get_mscale(factor)
 
 
-def rope_inv_freq(cfg):
-    """inv_freq as HF computes it (fp32), with linear / llama3 / yarn scaling applied."""
+def rope_inv_freq(cfg, seq_len=None):
+    """inv_freq as HF computes it (fp32), with linear / llama3 / yarn / dynamic scaling applied.
+    dynamic (NTK): the base grows with the longest sequence of the forward (`seq_len`) past
+    max_position_embeddings, as on a freshly loaded transformers model's first forward."""
     d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    base = cfg.rope_theta
     sc = cfg.rope_scaling
+    if cfg.rope_type == "dynamic":
+        L = max(seq_len or 0, cfg.max_pos)
+        f = float(sc["factor"])
+        base = base * ((f * L / cfg.max_pos) - (f - 1)) ** (d / (d - 2))
+    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     if cfg.rope_type == "linear":
         inv_freq = inv_freq / float(sc["factor"])
     elif cfg.rope_type == "llama3":
@@ -433,7 +440,7 @@ def rope_inv_freq(cfg):
 
 
 def rope_cos_sin(cfg, position_ids, dtype):
-    inv = rope_inv_freq(cfg)  # (d/2,) fp32
+    inv = rope_inv_freq(cfg, int(position_ids.max()) + 1)  # (d/2,) fp32
     freqs = position_ids.float()[..., None] * inv[None, None, :]  # (B,T,d/2) fp32 like HF
     emb = torch.cat((freqs, freqs), dim=-1)
     scale = rope_attention_scaling(cfg)
