@@ -276,6 +276,30 @@ class Check:
                             "-", abs(b["loss"] - m["loss"]) > 1e-3, "base vs base+adapter")
         self.guarded(group, name, run)
 
+    # 3b. A full fine-tune: the model memtune writes, read by transformers.
+    def full_finetune(self, name, family):
+        group, base, out = "full", f"hf-{family}-fp32", f"run-{name}"
+
+        def run():
+            cfg = {"model": {"name_or_path": base},
+                   "training": {"output_dir": out, "finetune": "full", "max_steps": 4, "learning_rate": 1e-3,
+                                "per_device_train_batch_size": 2, "logging_steps": 4, "max_grad_norm": 0},
+                   "data": {"train_file": "rows.bin", "format": "tokens", "max_seq_length": SEQ}}
+            with open(self.path(f"{name}.yaml"), "w") as f:
+                json.dump(cfg, f)
+            self.mt.run("train", f"{name}.yaml")
+            model = f"{out}/model"
+            self.with_tokenizer(model)
+            info = self.judge("load", model=model)
+            bad = info.get("missing", []) + info.get("unexpected", []) if info["ok"] else [info["error"]]
+            self.report.add(group, f"{name}: transformers loads the model", "written", info.get("class", "-"),
+                            not bad, str(bad)[:200] if bad else "no missing keys")
+            self.loss_and_greedy(group, name, model)
+            b, m = self.mt.eval(base), self.mt.eval(model)
+            self.report.add(group, f"{name}: training changed the model", f"{b['loss']:.6f} -> {m['loss']:.6f}",
+                            "-", abs(b["loss"] - m["loss"]) > 1e-3, "base vs trained")
+        self.guarded(group, name, run)
+
     def _adapter_modules(self, adapter):
         with open(self.path(f"{adapter}/adapter_model.safetensors"), "rb") as f:
             n = struct.unpack("<Q", f.read(8))[0]
@@ -392,15 +416,18 @@ class Check:
 
     def tokenizer_check(self):
         def run():
-            text = "The tired traveler counted a map of the northern coast, 42 times!"
-            with open(self.path("tok.jsonl"), "w") as f:
-                f.write(json.dumps(text) + "\n")
+            texts = ["The tired traveler counted a map of the northern coast, 42 times!",
+                     "  Leading spaces,\ttabs\nand new lines  ", "Ünïcödé — naïve café, 東京, emoji 🙂",
+                     "<|im_start|>user\nSort: cezada<|im_end|>"]
             d = "hf-llama-fp32"
-            r = self.mt.run("tokenize", "--tokenizer", d, "--input", "tok.jsonl", "--add-special-tokens")
-            m = [int(x) for x in re.findall(r"-?\d+", r.stdout)]
-            h = self.judge("tokenize", model=d, text=text)
-            self.report.add("tokenizer", "tiny-tokenizer ids", f"{len(m)} ids", f"{len(h['ids'])} ids",
-                            m == h["ids"], "" if m == h["ids"] else f"{m} vs {h['ids']}")
+            for i, text in enumerate(texts):
+                with open(self.path("tok.jsonl"), "w") as f:
+                    f.write(json.dumps(text) + "\n")
+                r = self.mt.run("tokenize", "--tokenizer", d, "--input", "tok.jsonl", "--add-special-tokens")
+                m = [int(x) for x in re.findall(r"-?\d+", r.stdout)]
+                h = self.judge("tokenize", model=d, text=text)
+                self.report.add("tokenizer", f"tiny-tokenizer ids, text {i + 1}", f"{len(m)} ids",
+                                f"{len(h['ids'])} ids", m == h["ids"], "" if m == h["ids"] else f"{m} vs {h['ids']}")
         self.guarded("tokenizer", "ids", run)
 
     def run(self, only):
@@ -411,7 +438,7 @@ class Check:
         if want("mt->hf"):
             for family in FAMILIES:
                 self.memtune_writes(family)
-        if want("hf->mt") or want("adapter") or want("refusal") or want("tokenizer"):
+        if want("hf->mt") or want("adapter") or want("refusal") or want("tokenizer") or want("full"):
             for family in FAMILIES:
                 for dtype, shard in SAVES.get(family, [("fp32", None)]):
                     if want("hf->mt") or (dtype, shard) == ("fp32", None):
@@ -433,6 +460,9 @@ class Check:
                 "target_modules": ["q_proj", "v_proj"], "modules_to_save": ["embed_tokens", "model.norm", "lm_head"]})
             self.adapters("qlora-gpt2-modules_to_save", "gpt2", {
                 "target_modules": "all-linear", "modules_to_save": ["wpe", "ln_f"]}, quantized=True)
+        if want("full"):
+            self.full_finetune("full-llama-bias", "llama-bias")
+            self.full_finetune("full-gpt2", "gpt2")
         if want("refusal"):
             self.adapter_refusals()
             self.config_refusals()
@@ -469,7 +499,7 @@ def main():
     p.add_argument("--work", required=True, help="work directory on this machine")
     p.add_argument("--work-in-root", required=True, help="the same directory as the root sees it")
     p.add_argument("--judge-in-root", required=True, help="judge.py as the root sees it")
-    p.add_argument("--only", nargs="*", default=[], help="groups: mt->hf hf->mt adapter refusal tokenizer")
+    p.add_argument("--only", nargs="*", default=[], help="groups: mt->hf hf->mt adapter full refusal tokenizer")
     args = p.parse_args()
     sys.exit(1 if Check(args).run(set(args.only)) else 0)
 
