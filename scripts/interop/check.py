@@ -60,8 +60,8 @@ class Report:
 
     def add(self, group, name, memtune, hf, ok, note=""):
         self.rows.append((group, name, str(memtune), str(hf), "PASS" if ok else "FAIL", note))
-        g, n, m, h, v, note = self.rows[-1]
-        print(f"{v:4}  {g:10} {n:44} memtune {m:26} transformers {h:26} {note}", flush=True)
+        g, n, _, _, v, _ = self.rows[-1]
+        print(f"  {v} {g}: {n}", flush=True)  # progress; the table follows at the end
 
     def table(self):
         w = [max(len(r[i]) for r in self.rows) for i in range(5)]
