@@ -74,6 +74,17 @@ struct ProcessGroup::Impl {
   // every step): no allocation in the reduction after the first call.
   std::vector<int64_t> flat_layout;
   std::vector<at::Tensor> flats;
+  std::vector<int64_t> sent;  // per rank (sent_bytes())
+
+  void count_allreduce(int64_t bytes) {
+    const int64_t w = env.world_size;
+    for (auto& s : sent) s += 2 * (w - 1) * bytes / w;
+  }
+  void count_rooted(int64_t bytes, int root, bool root_sends) {
+    const int64_t w = env.world_size;
+    for (int r = 0; r < w; ++r)
+      if ((r == root) == root_sends) sent[static_cast<size_t>(r)] += root_sends ? (w - 1) * bytes : bytes;
+  }
 
   std::string arrival_key(int64_t s, int r) const { return str_cat("memtune/arrived/", s, "/", r); }
 
@@ -128,6 +139,7 @@ struct ProcessGroup::Impl {
     at::Tensor cpu = at::empty({static_cast<int64_t>(values.size())}, at::TensorOptions().dtype(dtype));
     std::copy(values.begin(), values.end(), cpu.data_ptr<T>());
     at::Tensor t = small(cpu);
+    count_allreduce(t.numel() * static_cast<int64_t>(t.element_size()));
     collective("allreduce", [&] {
       c10d::AllreduceOptions opts;
       opts.reduceOp = to_c10d(op);
@@ -152,6 +164,7 @@ ProcessGroup::ProcessGroup(const DistEnv& env, const ProcessGroupOptions& option
   MEMTUNE_CHECK(env.world_size >= 1 && env.rank >= 0 && env.rank < env.world_size, "rank ", env.rank,
                 " is not in [0, ", env.world_size, ")");
   m.timeout = std::chrono::milliseconds(static_cast<int64_t>(options.timeout_s * 1000));
+  m.sent.assign(static_cast<size_t>(env.world_size), 0);
   const double join_s = options.join_timeout_s > 0 ? options.join_timeout_s : options.timeout_s;
   const auto join_timeout = std::chrono::milliseconds(static_cast<int64_t>(join_s * 1000));
   m.device = c10::Device(options.device);
@@ -248,6 +261,8 @@ int ProcessGroup::rank() const { return impl_->env.rank; }
 int ProcessGroup::world_size() const { return impl_->env.world_size; }
 const std::string& ProcessGroup::backend() const { return impl_->backend_name; }
 int64_t ProcessGroup::sequence() const { return impl_->seq; }
+c10::Device ProcessGroup::device() const { return impl_->device; }
+std::vector<int64_t> ProcessGroup::sent_bytes() const { return impl_->sent; }
 
 void ProcessGroup::allreduce_sum(const std::vector<at::Tensor>& tensors) {
   Impl& m = *impl_;
@@ -299,6 +314,7 @@ void ProcessGroup::allreduce_sum(const std::vector<at::Tensor>& tensors) {
           offset += t.numel();
         }
         std::vector<at::Tensor> one{flat};
+        m.count_allreduce(flat.numel() * static_cast<int64_t>(flat.element_size()));
         works.push_back(m.backend->allreduce(one, opts));
         order.push_back(&bucket);
       }
@@ -326,6 +342,7 @@ void ProcessGroup::broadcast(const at::Tensor& tensor, int root) {
   Impl& m = *impl_;
   MEMTUNE_INTERNAL_ASSERT(root >= 0 && root < m.env.world_size, "broadcast: root ", root, " out of range");
   at::Tensor t = tensor.device() == m.device && tensor.is_contiguous() ? tensor : tensor.to(m.device).contiguous();
+  m.count_rooted(t.numel() * static_cast<int64_t>(t.element_size()), root, true);
   m.collective("broadcast", [&] {
     c10d::BroadcastOptions opts;
     opts.rootRank = root;
@@ -334,6 +351,23 @@ void ProcessGroup::broadcast(const at::Tensor& tensor, int root) {
     m.wait(m.backend->broadcast(one, opts));
   });
   if (!t.is_same(tensor)) tensor.copy_(t);
+}
+
+void ProcessGroup::reduce_sum(const at::Tensor& tensor, int root) {
+  Impl& m = *impl_;
+  MEMTUNE_INTERNAL_ASSERT(root >= 0 && root < m.env.world_size, "reduce_sum: root ", root, " out of range");
+  MEMTUNE_INTERNAL_ASSERT(tensor.device() == m.device && tensor.is_contiguous(), "reduce_sum: a contiguous tensor on ",
+                          m.device, " (got ", tensor.device(), ")");
+  m.count_rooted(tensor.numel() * static_cast<int64_t>(tensor.element_size()), root, false);
+  m.collective("reduce", [&] {
+    c10d::ReduceOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    opts.rootRank = root;
+    opts.rootTensor = 0;
+    opts.timeout = m.timeout;
+    std::vector<at::Tensor> one{tensor};
+    m.wait(m.backend->reduce(one, opts));
+  });
 }
 
 void ProcessGroup::barrier() {

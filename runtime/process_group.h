@@ -44,6 +44,7 @@ class ProcessGroup {
   int rank() const;
   int world_size() const;
   const std::string& backend() const;  // "gloo" or "nccl"
+  c10::Device device() const;          // where the collectives run
 
   // Sums the tensors in place over all ranks. Tensors are grouped by dtype and flattened
   // into buckets of about bucket_size_mb (one flat buffer per bucket: copy in, allreduce,
@@ -57,6 +58,9 @@ class ProcessGroup {
 
   // Copies root's tensor into every rank's (in place; same shape and dtype everywhere).
   void broadcast(const at::Tensor& tensor, int root = 0);
+  // Sums the tensor over all ranks into root's (in place); the other ranks' copies are left
+  // unspecified. A contiguous tensor on the group's device.
+  void reduce_sum(const at::Tensor& tensor, int root);
   void barrier();
 
   // One memory decision for all ranks: (any rank ran out of memory, the smallest
@@ -65,6 +69,13 @@ class ProcessGroup {
 
   // Collectives entered so far (the <seq> of the arrival marks).
   int64_t sequence() const;
+
+  // Bytes each rank has sent in the collectives so far, indexed by rank (every rank knows
+  // every rank's figure: all run the same collectives on the same sizes). Counted per
+  // collective of N bytes by the algorithm it asks for, the least each rank must send:
+  // allreduce as a ring, 2 (W-1)/W N per rank; reduce_sum: each rank but the root sends its
+  // N once; broadcast: the root sends N to each of the W-1 others. Barriers count 0.
+  std::vector<int64_t> sent_bytes() const;
 
  private:
   struct Impl;

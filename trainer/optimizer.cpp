@@ -286,8 +286,12 @@ bool decays(const std::string& name, const at::Tensor& t) {
   return name.find("norm") == std::string::npos && name.find("ln_") == std::string::npos;
 }
 
-Optimizer::Optimizer(std::vector<std::pair<std::string, at::Tensor>> params, OptimizerOptions options)
-    : options_(std::move(options)), params_(std::move(params)) {
+Optimizer::Optimizer(std::vector<std::pair<std::string, at::Tensor>> params, OptimizerOptions options,
+                     std::vector<bool> owned)
+    : options_(std::move(options)), params_(std::move(params)), owned_(std::move(owned)) {
+  if (owned_.empty()) owned_.assign(params_.size(), true);
+  MEMTUNE_INTERNAL_ASSERT(owned_.size() == params_.size(), "optimizer: ", owned_.size(), " ownership flags for ",
+                          params_.size(), " parameters");
   const std::string& k = options_.kind;
   MEMTUNE_CHECK(k == "adamw" || k == "adamw_8bit" || k == "adamw_32bit" || k == "sgd",
                 "training.optim: unknown optimizer kind '", k, "' (adamw, adamw_8bit, adamw_32bit, sgd)");
@@ -300,8 +304,16 @@ Optimizer::Optimizer(std::vector<std::pair<std::string, at::Tensor>> params, Opt
     dynamic_map(true);
     dynamic_map(false);
   }
-  for (const auto& [name, p] : params_) {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& [name, p] = params_[i];
     MEMTUNE_INTERNAL_ASSERT(p.scalar_type() == at::kFloat, "optimizer: ", name, " must be fp32");
+    if (!owned_[i]) {  // another rank's: no state here
+      exp_avg_.emplace_back();
+      if (k != "sgd") exp_avg_sq_.emplace_back();
+      absmax1_.emplace_back();
+      absmax2_.emplace_back();
+      continue;
+    }
     const bool eight = k == "adamw_8bit" && p.numel() >= kMin8bitSize;
     const at::ScalarType dt = eight ? at::kByte : at::kFloat;
     exp_avg_.push_back(state(p, p.sizes(), dt));
@@ -332,8 +344,8 @@ int64_t Optimizer::offload_states() {
       }
   if (options_.kind == "adamw") {  // the host update's denominator (see host_update)
     int64_t largest = 0;
-    for (const auto& [name, p] : params_)
-      if (!p.device().is_cpu()) largest = std::max(largest, p.numel());
+    for (size_t i = 0; i < params_.size(); ++i)
+      if (owned_[i] && !params_[i].second.device().is_cpu()) largest = std::max(largest, params_[i].second.numel());
     at::Tensor& w = workspaces_["cpu"];
     if (largest > 0 && (!w.defined() || w.numel() < largest)) w = at::empty({largest}, at::kFloat);
   }
@@ -369,7 +381,7 @@ void Optimizer::step(double lr, double grad_scale) {
   for (size_t i = 0; i < params_.size(); ++i) {
     auto& [name, p] = params_[i];
     const at::Tensor& g = p.grad();
-    if (!g.defined()) continue;
+    if (!g.defined() || !owned_[i]) continue;
     const double wd = decays(name, p) ? options_.weight_decay : 0.0;
     if (options_.kind == "adamw_8bit" || options_.kind == "adamw_32bit") {
       bnb_step(i, lr, wd, grad_scale);
@@ -457,6 +469,7 @@ int64_t Optimizer::state_bytes() const {
 std::vector<std::pair<std::string, at::Tensor>> Optimizer::state_tensors() const {
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (size_t i = 0; i < params_.size(); ++i) {
+    if (!owned_[i]) continue;
     out.emplace_back(params_[i].first + ".exp_avg", exp_avg_[i]);
     if (!exp_avg_sq_.empty()) out.emplace_back(params_[i].first + ".exp_avg_sq", exp_avg_sq_[i]);
     if (absmax1_[i].defined()) {
@@ -490,6 +503,7 @@ void Optimizer::load_state(const std::map<std::string, at::Tensor>& tensors, con
     dst.copy_(it->second);
   };
   for (size_t i = 0; i < params_.size(); ++i) {
+    if (!owned_[i]) continue;
     take(params_[i].first + ".exp_avg", exp_avg_[i]);
     if (!exp_avg_sq_.empty()) take(params_[i].first + ".exp_avg_sq", exp_avg_sq_[i]);
     if (absmax1_[i].defined()) {
@@ -501,6 +515,10 @@ void Optimizer::load_state(const std::map<std::string, at::Tensor>& tensors, con
 }
 
 double grad_norm(const std::vector<std::pair<std::string, at::Tensor>>& params) {
+  return std::sqrt(grad_square_sum(params));
+}
+
+double grad_square_sum(const std::vector<std::pair<std::string, at::Tensor>>& params) {
   at::NoGradGuard no_grad;
   double sq = 0;
   for (const auto& [name, p] : params) {
@@ -521,7 +539,7 @@ double grad_norm(const std::vector<std::pair<std::string, at::Tensor>>& params) 
       sq += g.to(at::kDouble).pow(2).sum().item<double>();
     }
   }
-  return std::sqrt(sq);
+  return sq;
 }
 
 }  // namespace memtune::trainer

@@ -48,7 +48,11 @@ bool decays(const std::string& name, const at::Tensor& t);
 
 class Optimizer {
  public:
-  Optimizer(std::vector<std::pair<std::string, at::Tensor>> params, OptimizerOptions options);
+  // `owned` (one flag per parameter; empty: all): the parameters this optimizer keeps state
+  // for and updates; the others (owned by other ranks under distributed.sharding) get no
+  // state and are left alone by step(), but zero_grad() drops their gradients too.
+  Optimizer(std::vector<std::pair<std::string, at::Tensor>> params, OptimizerOptions options,
+            std::vector<bool> owned = {});
 
   // One update with learning rate `lr`, from the parameters' .grad (scaled by grad_scale,
   // e.g. the clipping coefficient). Parameters without a gradient are left alone.
@@ -56,6 +60,7 @@ class Optimizer {
   void zero_grad();  // drops every .grad
   int64_t steps() const { return steps_; }
   const std::vector<std::pair<std::string, at::Tensor>>& params() const { return params_; }
+  bool owns(size_t i) const { return owned_[i]; }
   int64_t state_bytes() const;  // every state tensor and workspace, paged (host) ones included
 
   // Optimizer offload (DeepSpeed's offload_optimizer: cpu): every state tensor moves to host
@@ -69,6 +74,7 @@ class Optimizer {
 
   // State for training checkpoints: tensors (named "<param>.exp_avg", "<param>.exp_avg_sq";
   // for 8-bit states the uint8 codes under those names plus "<param>.absmax1/absmax2") and scalars.
+  // Only the owned parameters' tensors: load_state takes theirs and ignores the others.
   std::vector<std::pair<std::string, at::Tensor>> state_tensors() const;
   nlohmann::json state_scalars() const;
   void load_state(const std::map<std::string, at::Tensor>& tensors, const nlohmann::json& scalars);
@@ -80,6 +86,7 @@ class Optimizer {
               double bc2);
   OptimizerOptions options_;
   std::vector<std::pair<std::string, at::Tensor>> params_;
+  std::vector<bool> owned_;  // per parameter
   std::vector<at::Tensor> exp_avg_, exp_avg_sq_;  // adamw; exp_avg_ is the momentum buffer for sgd
   // adamw_8bit: per parameter fp32 [blocks] absmax of exp_avg_/exp_avg_sq_ (uint8 codes);
   // undefined where the tensor is under kMin8bitSize and its states are fp32.
@@ -92,5 +99,7 @@ class Optimizer {
 
 // Global L2 norm of the gradients (fp32); undefined gradients count as zero.
 double grad_norm(const std::vector<std::pair<std::string, at::Tensor>>& params);
+// Its square before the root, summed in double (per-rank parts of a sharded norm).
+double grad_square_sum(const std::vector<std::pair<std::string, at::Tensor>>& params);
 
 }  // namespace memtune::trainer

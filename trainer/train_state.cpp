@@ -1,6 +1,7 @@
 #include "trainer/train_state.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <fstream>
 #include <sstream>
 
@@ -77,7 +78,10 @@ int remove_incomplete_checkpoints(const fs::path& output_dir) {
     const std::string name = e.path().filename().string();
     if (!e.is_directory() || name.rfind("step-", 0) != 0 || name.find(".tmp-") != std::string::npos) continue;
     if (fs::exists(e.path() / "state.json")) continue;
-    spdlog::warn("checkpoints: removing {}: it has no state.json (left by an interrupted delete)", e.path().string());
+    if (name.size() > 7 && name.compare(name.size() - 7, 7, ".shards") == 0)
+      spdlog::warn("checkpoints: removing {}: optimizer shards of a save that did not complete", e.path().string());
+    else
+      spdlog::warn("checkpoints: removing {}: it has no state.json (left by an interrupted delete)", e.path().string());
     prune(e.path());
     ++removed;
   }
@@ -98,7 +102,8 @@ std::map<std::string, at::Tensor> load_all(const fs::path& file) {
 nlohmann::json TrainState::to_json() const {
   return {{"step", step},           {"sampler", sampler},     {"scaler", scaler},
           {"supervisor", supervisor}, {"optimizer", optimizer}, {"checkpoint_layers", checkpoint_layers},
-          {"activation_offload", activation_offload}, {"optimizer_offload", optimizer_offload}};
+          {"activation_offload", activation_offload}, {"optimizer_offload", optimizer_offload},
+          {"world_size", world_size}};
 }
 
 TrainState TrainState::from_json(const nlohmann::json& j, const std::string& origin) {
@@ -115,6 +120,7 @@ TrainState TrainState::from_json(const nlohmann::json& j, const std::string& ori
                   origin, ".checkpoint_layers is ", v.dump(), "; expected a list of true/false, one per layer");
     s.checkpoint_layers = v.get<std::vector<bool>>();
   }
+  if (j.contains("world_size")) s.world_size = json_int(j, "world_size", 1, int64_t{1} << 20, origin);
   for (auto [key, dst] : {std::pair{"activation_offload", &s.activation_offload}, {"optimizer_offload", &s.optimizer_offload}})
     if (j.contains(key)) {  // absent from checkpoints of earlier versions
       MEMTUNE_CHECK(j[key].is_boolean(), origin, ".", key, " is ", j[key].dump(), "; expected true or false");
@@ -127,7 +133,7 @@ fs::path save_training_checkpoint(const fs::path& output_dir, const TrainState& 
                                   const std::vector<std::pair<std::string, at::Tensor>>& trainable,
                                   const std::vector<std::pair<std::string, at::Tensor>>& optimizer,
                                   const at::Tensor& rng_state, const std::string& config_yaml,
-                                  int save_total_limit) {
+                                  int save_total_limit, int optimizer_shards) {
   fs::path root = output_dir / "checkpoints";
   fs::create_directories(root);
   remove_stale_temporaries(root);
@@ -136,11 +142,36 @@ fs::path save_training_checkpoint(const fs::path& output_dir, const TrainState& 
   std::vector<std::pair<std::string, at::Tensor>> weights;
   for (const auto& [name, t] : trainable) weights.emplace_back(name, t.detach().to(at::kFloat).contiguous());
   models::save_safetensors(dir.path() / "trainable.safetensors", weights);
-  models::save_safetensors(dir.path() / "optimizer.safetensors", optimizer);
+  if (optimizer_shards > 0) {
+    // Each rank's shard, written and synced by that rank, moves in; a rank that owns no
+    // tensor wrote none. The index (HF's format) names every tensor's shard.
+    nlohmann::ordered_json index = {{"metadata", {{"world_size", std::to_string(optimizer_shards)}}},
+                                    {"weight_map", nlohmann::ordered_json::object()}};
+    uint64_t total = 0;
+    for (int r = 0; r < optimizer_shards; ++r) {
+      const fs::path src = optimizer_shard_path(output_dir, state.step, r, optimizer_shards);
+      if (!fs::exists(src)) continue;
+      const fs::path dst = dir.path() / src.filename();
+      std::error_code ec;
+      fs::rename(src, dst, ec);
+      MEMTUNE_CHECK(!ec, "checkpoint: cannot move rank ", r, "'s optimizer shard ", src.string(), " into ",
+                    dir.path().string(), ": ", ec.message());
+      models::SafetensorsFile shard(dst);
+      for (const auto& name : shard.names()) {
+        index["weight_map"][name] = src.filename().string();
+        total += shard.info(name).nbytes();
+      }
+    }
+    index["metadata"]["total_size"] = std::to_string(total);
+    write_file_atomic(dir.path() / "optimizer.safetensors.index.json", index.dump(2) + "\n");
+  } else {
+    models::save_safetensors(dir.path() / "optimizer.safetensors", optimizer);
+  }
   models::save_safetensors(dir.path() / "rng.safetensors", {{"cpu", rng_state.contiguous()}});
   write_file_atomic(dir.path() / "config.yaml", config_yaml);
   write_file_atomic(dir.path() / "state.json", state.to_json().dump(2) + "\n");
   dir.commit();
+  if (optimizer_shards > 0) remove_tree(optimizer_shard_path(output_dir, state.step, 0, 1).parent_path().parent_path());
   remove_incomplete_checkpoints(output_dir);
   if (save_total_limit > 0) {
     auto all = list_checkpoints(output_dir);
@@ -149,11 +180,20 @@ fs::path save_training_checkpoint(const fs::path& output_dir, const TrainState& 
   return final_dir;
 }
 
-TrainingCheckpoint load_training_checkpoint(const fs::path& dir) {
+fs::path optimizer_shard_path(const fs::path& output_dir, int64_t step, int rank, int world) {
+  char name[64];
+  std::snprintf(name, sizeof name, "optimizer-%05d-of-%05d.safetensors", rank + 1, world);
+  return output_dir / "checkpoints" / str_cat("step-", step, ".shards") / str_cat("rank-", rank) / name;
+}
+
+TrainingCheckpoint load_training_checkpoint(const fs::path& dir,
+                                            const std::function<bool(const std::string&)>& want_optimizer) {
   MEMTUNE_CHECK(fs::is_directory(dir), "resume_from_checkpoint: '", dir.string(), "' is not a directory");
-  for (const char* f : {"state.json", "trainable.safetensors", "optimizer.safetensors", "rng.safetensors",
-                        "config.yaml"})
+  for (const char* f : {"state.json", "trainable.safetensors", "rng.safetensors", "config.yaml"})
     MEMTUNE_CHECK(fs::exists(dir / f), dir.string(), ": missing ", f, " (not a memtune training checkpoint?)");
+  MEMTUNE_CHECK(fs::exists(dir / "optimizer.safetensors") || fs::exists(dir / "optimizer.safetensors.index.json"),
+                dir.string(), ": missing optimizer.safetensors (or, sharded, optimizer.safetensors.index.json): not a "
+                "memtune training checkpoint?");
   TrainingCheckpoint c;
   std::ifstream in(dir / "state.json");
   std::stringstream text;
@@ -165,7 +205,9 @@ TrainingCheckpoint load_training_checkpoint(const fs::path& dir) {
                 ": step is ", c.state.step, " but the directory is ", name,
                 "; the checkpoint was renamed or damaged (its files would not continue that step)");
   c.trainable = load_all(dir / "trainable.safetensors");
-  c.optimizer = load_all(dir / "optimizer.safetensors");
+  const models::CheckpointReader optimizer(dir, "optimizer");  // whole, or the shards its index names
+  for (const auto& name : optimizer.names())
+    if (!want_optimizer || want_optimizer(name)) c.optimizer[name] = optimizer.load(name);
   auto rng = load_all(dir / "rng.safetensors");
   MEMTUNE_CHECK(rng.count("cpu") && rng["cpu"].scalar_type() == at::kByte && rng["cpu"].dim() == 1,
                 (dir / "rng.safetensors").string(), ": expected a uint8 tensor 'cpu' (the CPU generator's state)");
@@ -182,7 +224,8 @@ fs::path latest_checkpoint(const fs::path& output_dir) {
   return all.empty() ? fs::path() : all.back().second;
 }
 
-void check_resume_compatible(const Config& now, const Config& then, const fs::path& checkpoint) {
+void check_resume_compatible(const Config& now, const Config& then, const fs::path& checkpoint, int64_t world_now,
+                             int64_t world_then) {
   const auto a = flatten(now), b = flatten(then);
   for (const auto& [key, value] : a) {
     const auto it = b.find(key);
@@ -197,11 +240,21 @@ void check_resume_compatible(const Config& now, const Config& then, const fs::pa
                   before, "' -> '", value, "'); it changes what a step computes, so ", checkpoint.string(),
                   " cannot continue under it (start a new training.output_dir, or restore the key)");
   }
-  const int64_t per_step_now = now.training.per_device_train_batch_size * now.training.gradient_accumulation_steps;
-  const int64_t per_step_then = then.training.per_device_train_batch_size * then.training.gradient_accumulation_steps;
-  MEMTUNE_CHECK(per_step_now == per_step_then, "resume_from_checkpoint: training.per_device_train_batch_size x "
-                "gradient_accumulation_steps changed since the checkpoint ('", per_step_then, "' -> '", per_step_now,
-                "'); the samples per step must stay the same (split them differently, not more or fewer)");
+  if (world_then <= 0) world_then = world_now;  // older checkpoints: assumed the same
+  const int64_t per_rank_now = now.training.per_device_train_batch_size * now.training.gradient_accumulation_steps;
+  const int64_t per_rank_then = then.training.per_device_train_batch_size * then.training.gradient_accumulation_steps;
+  if (world_now == world_then) {
+    MEMTUNE_CHECK(per_rank_now == per_rank_then, "resume_from_checkpoint: training.per_device_train_batch_size x "
+                  "gradient_accumulation_steps changed since the checkpoint ('", per_rank_then, "' -> '", per_rank_now,
+                  "'); the samples per step must stay the same (split them differently, not more or fewer)");
+    return;
+  }
+  MEMTUNE_CHECK(per_rank_now * world_now == per_rank_then * world_then,
+                "resume_from_checkpoint: a step trained on ", per_rank_then * world_then, " samples (", world_then,
+                " ranks x ", per_rank_then, " = per_device_train_batch_size x gradient_accumulation_steps), this run "
+                "has ", world_now, " ranks x ", per_rank_now, " = ", per_rank_now * world_now,
+                "; the samples of a step over all ranks must stay the same. Hint: gradient_accumulation_steps or "
+                "per_device_train_batch_size such that ", world_now, " x their product = ", per_rank_then * world_then);
 }
 
 }  // namespace memtune::trainer

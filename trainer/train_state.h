@@ -3,12 +3,15 @@
 // directory output_dir/checkpoints/step-N written under a temporary name, synced, then
 // renamed, so a crash at any point leaves the previous checkpoint intact.
 //   trainable.safetensors   trainable tensors (LoRA adapters or all weights), fp32
-//   optimizer.safetensors   optimizer states
+//   optimizer.safetensors   optimizer states; under distributed.sharding instead one shard per
+//                           rank, optimizer-0000<r+1>-of-0000<W>.safetensors (written by rank r),
+//                           named by optimizer.safetensors.index.json (HF's index format)
 //   rng.safetensors         the CPU generator's state
 //   state.json              step, sampler position, scaler, supervisor, optimizer scalars
 //   config.yaml             the effective config of the run that wrote it
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
@@ -34,6 +37,7 @@ struct TrainState {
   std::vector<bool> checkpoint_layers;  // the policy the ladder settled on; empty in old checkpoints
   bool activation_offload = false;      // the ladder's (or the config's) activation offload; false in old ones
   bool optimizer_offload = false;       // the optimizer's state in host memory (ladder or config)
+  int64_t world_size = 0;               // ranks of the run that wrote it; 0 in old checkpoints (unknown)
 
   nlohmann::json to_json() const;
   // Every key present and of its type, step in range; `origin` names the file.
@@ -49,16 +53,28 @@ struct TrainingCheckpoint {
 };
 
 // Writes checkpoints/step-<step>; prunes the oldest beyond save_total_limit (> 0) only after
-// the new one is complete. Returns the final directory.
+// the new one is complete. Returns the final directory. `optimizer_shards` > 0: the optimizer
+// state is sharded over that many ranks, each of which has written its shard (atomically)
+// at optimizer_shard_path() before this call (`optimizer` is then ignored): the shards move
+// into the checkpoint, and the index naming every tensor's shard is written with them.
 std::filesystem::path save_training_checkpoint(
     const std::filesystem::path& output_dir, const TrainState& state,
     const std::vector<std::pair<std::string, at::Tensor>>& trainable,
     const std::vector<std::pair<std::string, at::Tensor>>& optimizer, const at::Tensor& rng_state,
-    const std::string& config_yaml, int save_total_limit);
+    const std::string& config_yaml, int save_total_limit, int optimizer_shards = 0);
+
+// Where rank `rank` of `world` writes its optimizer-state shard for the checkpoint of `step`
+// (checkpoints/step-<step>.shards/rank-<rank>/, a directory of its own so that no rank's
+// clean-up of temporaries meets another's); save_training_checkpoint moves it in.
+std::filesystem::path optimizer_shard_path(const std::filesystem::path& output_dir, int64_t step, int rank,
+                                           int world);
 
 // Reads and validates a checkpoint directory: every file present, state.json complete and
 // in range, its step equal to the directory's step-N. Throws UserError naming the file.
-TrainingCheckpoint load_training_checkpoint(const std::filesystem::path& dir);
+// `want_optimizer` (optional) picks the optimizer tensors to read by name (a rank's share
+// under sharding, whatever the sharding of the run that wrote it); the others stay on disk.
+TrainingCheckpoint load_training_checkpoint(const std::filesystem::path& dir,
+                                            const std::function<bool(const std::string&)>& want_optimizer = {});
 
 // Removes step-N directories that lost their state.json (an interrupted delete of an
 // older version) and stale temporaries under output_dir/checkpoints; returns how many
@@ -74,6 +90,9 @@ std::filesystem::path latest_checkpoint(const std::filesystem::path& output_dir)
 // threads and memory management; how a step's samples are split into micro-batches (their
 // product must stay) and what is recomputed. The run's length may change, with a warning:
 // the schedule after the checkpoint follows the new length, as in transformers' Trainer.
-void check_resume_compatible(const Config& now, const Config& then, const std::filesystem::path& checkpoint);
+// With the world sizes (then: 0 when the checkpoint does not say), the samples of a step
+// over all ranks must stay: 2 ranks x 3 samples may resume as 3 x 2.
+void check_resume_compatible(const Config& now, const Config& then, const std::filesystem::path& checkpoint,
+                             int64_t world_now = 1, int64_t world_then = 0);
 
 }  // namespace memtune::trainer
