@@ -49,7 +49,22 @@ Field checkpoint_ref_field() {
   f.normalize = normalize_checkpoint_ref;
   return f;
 }
+// distributed.sharding: DeepSpeed's stage names are the same levels.
+std::string normalize_sharding(const std::string& s, bool /*quoted*/) {
+  const std::string l = reflect::lower(s);
+  if (l == "zero1") return "optimizer";
+  if (l == "zero2") return "gradients";
+  if (l == "zero3") return "full";
+  return s;
+}
+
+Field sharding_field() {
+  Field f{"none", "optimizer", "gradients", "full"};
+  f.normalize = normalize_sharding;
+  return f;
+}
 const Field kDtype = dtype_field();
+const Field kSharding = sharding_field();
 const Field kCheckpointRef = checkpoint_ref_field();
 
 }  // namespace
@@ -229,6 +244,11 @@ void DistributedConfig::fields(F&& f) {
   f("backend", backend, "collectives; auto: nccl on CUDA, gloo on CPU", {"auto", "gloo", "nccl"});
   f("timeout", timeout, "seconds allowed for each collective");
   f("bucket_size_mb", bucket_size_mb, "MiB per gradient bucket");
+  f("sharding", sharding,
+    "ZeRO across ranks: optimizer (zero1): each rank keeps and updates 1/W of the optimizer state; gradients "
+    "(zero2): also each gradient reduced to its owner only; full (zero3, parameters too): not built yet, "
+    "refused. One process: as none",
+    kSharding);
 }
 
 // `source` is not a key: it says where the config came from.
@@ -560,6 +580,9 @@ void validate(const RuntimeConfig& r, const std::string& p, const Checker& c) {
 void validate(const DistributedConfig& d, const std::string& p, const Checker& c) {
   c.check(d.timeout > 0, p + ".timeout", d.timeout, "must be > 0 seconds");
   c.check(d.bucket_size_mb >= 1, p + ".bucket_size_mb", d.bucket_size_mb, "must be at least 1 MiB");
+  c.check(d.sharding != "full", p + ".sharding", d.sharding,
+          "full (ZeRO-3: parameters sharded per transformer block) is not built yet. Hint: optimizer (zero1) or "
+          "gradients (zero2) shard the optimizer state and the gradients");
 }
 
 void validate(const Config& config, const Checker& c) {

@@ -45,6 +45,7 @@
 #include "trainer/model_setup.h"
 #include "trainer/optimizer.h"
 #include "trainer/schedule.h"
+#include "trainer/sharding.h"
 #include "trainer/metrics_log.h"
 #include "trainer/oom_injector.h"
 #include "trainer/train_state.h"
@@ -106,6 +107,7 @@ struct StepRecord {
   int64_t allocated = 0;   // device memory after the step
   int64_t peak = 0;        // device peak over the step
   std::vector<SupervisorEvent> events;
+  std::vector<int64_t> sent_bytes;  // distributed: bytes each rank sent in the step's collectives
 };
 
 // One run of `memtune train`. The constructor sets everything up (process group, memory
@@ -159,6 +161,7 @@ class Trainer {
   std::unique_ptr<data::Sampler> sampler_;
 
   Schedule schedule_;
+  std::unique_ptr<Sharding> sharding_;  // distributed.sharding: which rank owns which tensors' state
   std::unique_ptr<Optimizer> optimizer_;
   std::vector<std::pair<std::string, at::Tensor>> params_;
   std::unique_ptr<GradScaler> scaler_;
@@ -299,8 +302,12 @@ void Trainer::build_update() {
   oo.eps = t.adam_epsilon;
   oo.weight_decay = t.weight_decay;
   oo.momentum = t.momentum;
-  optimizer_ = std::make_unique<Optimizer>(bundle_.model->trainable_parameters(), oo);
+  // distributed.sharding: this rank keeps state for, and updates, its share of the tensors.
+  sharding_ = std::make_unique<Sharding>(shard_level(c_.distributed.sharding), pg_.get(),
+                                         bundle_.model->trainable_parameters(), c_.distributed.bucket_size_mb << 20);
+  optimizer_ = std::make_unique<Optimizer>(bundle_.model->trainable_parameters(), oo, sharding_->owned());
   params_ = optimizer_->params();
+  spdlog::info("{}; optimizer state here: {}", sharding_->describe(), format_bytes(optimizer_->state_bytes()));
   if (c_.memory.optimizer_offload == "cpu") {
     if (oo.paged)
       spdlog::info("memory.optimizer_offload: cpu: {} keeps its state in host memory already", t.optim);
@@ -418,8 +425,10 @@ void Trainer::resume() {
     spdlog::info("resume_from_checkpoint: latest: no checkpoint under {} yet, starting fresh", out_dir_.string());
     return;
   }
-  TrainingCheckpoint ck = load_training_checkpoint(dir);
-  check_resume_compatible(c_, parse_config(ck.config_yaml, (dir / "config.yaml").string()), dir);
+  // Each rank reads the optimizer state of the tensors it owns, however the writer sharded it.
+  TrainingCheckpoint ck = load_training_checkpoint(dir, [this](const std::string& key) { return sharding_->owns_state(key); });
+  check_resume_compatible(c_, parse_config(ck.config_yaml, (dir / "config.yaml").string()), dir, dist_.world_size,
+                          ck.state.world_size);
   at::NoGradGuard no_grad;
   for (auto& [name, p] : params_) {
     auto it = ck.trainable.find(name);
@@ -434,7 +443,11 @@ void Trainer::resume() {
     data::from_json(ck.state.sampler, ss);
     sampler_->restore(ss);
     scaler_->load_state(ck.state.scaler);
-    supervisor_->load_state(ck.state.supervisor);
+    if (ck.state.world_size <= 0 || ck.state.world_size == dist_.world_size)
+      supervisor_->load_state(ck.state.supervisor);
+    else  // its micro-batch was per rank of another split of the step
+      spdlog::info("resume: {} ranks where the checkpoint's run had {}: the micro-batch plan starts from the config's",
+                   dist_.world_size, ck.state.world_size);
   } catch (const UserError& e) {
     fail((dir / "state.json").string(), ": ", e.what());
   }
@@ -552,23 +565,16 @@ StepRecord Trainer::step() {
     }
   };
   stages.prepare = [&] {
-    if (pg_) {  // distributed: sum the gradients over ranks before unscale and clipping
-      std::vector<at::Tensor> grads;
-      for (const auto& [name, p] : params_) {
-        if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
-        grads.push_back(p.grad());
-      }
+    if (pg_) {  // distributed: sum the gradients over ranks (to their owners when sharded) before unscale and clipping
       dist_extra_.data_ptr<double>()[0] = loss_sum;
       dist_extra_.data_ptr<double>()[1] = g_stop_signal.load() ? 1 : 0;
-      grads.push_back(dist_extra_);
-      pg_->allreduce_sum(grads);
+      sharding_->reduce_gradients(params_, dist_extra_);
       loss_sum = dist_extra_.data_ptr<double>()[0];
       dist_stop_ = dist_extra_.data_ptr<double>()[1] > 0;
     }
     mem_->reset_peak();
     injector_->at(step_, "optimizer");
-    r.skipped = !scaler_->unscale(params_);
-    r.grad_norm = r.skipped ? NAN : grad_norm(params_);
+    std::tie(r.skipped, r.grad_norm) = sharding_->check_gradients(scaler_->unscale(params_), params_);
     note_peak(2);
   };
   stages.apply = [&] {
@@ -582,16 +588,21 @@ StepRecord Trainer::step() {
     double coef = 1.0;
     const double max_norm = c_.training.max_grad_norm;
     if (max_norm > 0 && r.grad_norm > max_norm) coef = max_norm / (r.grad_norm + 1e-6);
-    optimizer_->step(r.lr, coef);
+    sharding_->step(*optimizer_, r.lr, coef);  // this rank's tensors, then every rank gets them all
     scaler_->update(false);
   };
   stages.cleanup = [&] {
     optimizer_->zero_grad();
     mem_->release_cached();
   };
+  const std::vector<int64_t> sent_before = pg_ ? pg_->sent_bytes() : std::vector<int64_t>{};
   profiler_.begin(step_ + 1);
   supervisor_->run_step(step_, stages);
   profiler_.end();
+  if (pg_) {
+    r.sent_bytes = pg_->sent_bytes();
+    for (size_t k = 0; k < r.sent_bytes.size(); ++k) r.sent_bytes[k] -= sent_before[k];
+  }
   ++step_;
   r.step = step_;
   r.seconds = seconds_since(t0);
@@ -631,7 +642,7 @@ void Trainer::log_step(const StepRecord& r) {
   const double tok_s = static_cast<double>(r.tokens) / std::max(1e-9, r.seconds);
   json events = json::array();
   for (const auto& e : r.events) events.push_back(e.to_json());
-  metrics_->write({{"step", r.step},
+  json row = {{"step", r.step},
                    {"epoch", r.epoch},
                    {"loss", r.loss},
                    {"lr", r.lr},
@@ -642,7 +653,9 @@ void Trainer::log_step(const StepRecord& r) {
                    {"micro_batch", supervisor_->micro_batch()},
                    {"accumulation", supervisor_->accumulation()},
                    {"memory", {{mem_->device(), {{"allocated", r.allocated}, {"peak", r.peak}, {"limit", limit_}}}}},
-                   {"events", events}});
+                   {"events", events}};
+  if (!r.sent_bytes.empty()) row["sent_bytes"] = r.sent_bytes;
+  metrics_->write(row);
   const double eta = seconds_since(start_) / static_cast<double>(steps_this_run_) *
                      static_cast<double>(total_steps_ - r.step);
   const std::string line =
@@ -658,6 +671,8 @@ void Trainer::log_step(const StepRecord& r) {
 }
 
 void Trainer::save_checkpoint() {
+  // distributed.sharding: every rank writes its optimizer state's shard first.
+  const int shards = sharding_->write_state_shard(out_dir_, step_, *optimizer_);
   if (!writer_) {  // distributed: rank 0 writes, the others wait for it
     pg_->barrier();
     return;
@@ -671,8 +686,10 @@ void Trainer::save_checkpoint() {
   state.checkpoint_layers = ckpt_layers_;
   state.activation_offload = offload_activations_;
   state.optimizer_offload = optimizer_->states_offloaded();
-  const fs::path p = save_training_checkpoint(out_dir_, state, params_, optimizer_->state_tensors(), cpu_rng_state(),
-                                              config_yaml_, c_.training.save_total_limit);
+  state.world_size = dist_.world_size;
+  const fs::path p = save_training_checkpoint(
+      out_dir_, state, params_, shards > 0 ? std::vector<std::pair<std::string, at::Tensor>>{} : optimizer_->state_tensors(),
+      cpu_rng_state(), config_yaml_, c_.training.save_total_limit, shards);
   result_.checkpoint = p.string();
   spdlog::info("checkpoint: {}", p.string());
   if (pg_) pg_->barrier();

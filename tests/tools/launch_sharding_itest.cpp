@@ -1,0 +1,316 @@
+// distributed.sharding end to end: `memtune launch` with 2 and 3 CPU processes (Gloo on
+// 127.0.0.1) against one process on the same global batch, for each level, optimizer and
+// fine-tuning mode; the optimizer state split into one shard per rank that add up to the
+// one process's state; a stop mid-run resumed equal to the straight run; and a resume under
+// another world size (the state resharded by name) equal to the run that kept its size.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
+#include <set>
+#include <thread>
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include "runtime/error.h"
+#include "test_util.h"
+#include "trainer/train_state.h"
+
+namespace memtune::testing {
+namespace {
+
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+std::string base_config(const fs::path& out) {
+  fs::path src = source_dir();
+  return "model:\n"
+         "  name_or_path: tiny-llama\n"
+         "  tokenizer: " + (src / "examples/tiny-tokenizer").string() + "\n"
+         "  quantization_config: {load_in_4bit: true, bnb_4bit_compute_dtype: auto}\n"
+         "lora: {r: 4, lora_alpha: 8, lora_dropout: 0.0, target_modules: all-linear}\n"
+         "runtime: {device: cpu}\n"
+         "training:\n"
+         "  output_dir: " + out.string() + "\n"
+         "  per_device_train_batch_size: 2\n"
+         "  gradient_accumulation_steps: 1\n"
+         "  learning_rate: 1.0e-3\n"
+         "  max_steps: 4\n"
+         "  logging_steps: 1\n"
+         "  lr_scheduler_type: linear\n"
+         "  warmup_steps: 1\n"
+         "  max_grad_norm: 1.0\n"  // clipping on: the global norm must be the one process's
+         "  seed: 7\n"
+         "data:\n"
+         "  train_file: " + (src / "examples/data/tasks_train.jsonl").string() + "\n"
+         "  format: instruction\n"
+         "  max_seq_length: 64\n"
+         "  cache_dir: " + (out.parent_path() / "cache").string() + "\n"
+         "distributed: {timeout: 120}\n";
+}
+
+fs::path write_config(const fs::path& dir) {
+  fs::create_directories(dir);
+  write_file(dir / "config.yaml.in", base_config(dir / "out"));
+  return dir / "config.yaml.in";
+}
+
+std::string train_cmd(const fs::path& config, const std::string& overrides) {
+  return memtune_bin() + " train " + config.string() + " " + overrides;
+}
+
+std::string launch_cmd(int nproc, const fs::path& config, const std::string& overrides) {
+  return memtune_bin() + " launch --standalone --stop-timeout 5 --nproc-per-node " + std::to_string(nproc) +
+         " -- train " + config.string() + " " + overrides;
+}
+
+std::vector<double> step_losses(const fs::path& out) {
+  std::vector<double> l;
+  for (const auto& m : read_jsonl(out / "metrics.jsonl", "loss")) l.push_back(m["loss"].get<double>());
+  return l;
+}
+
+void expect_same_losses(const std::vector<double>& a, const std::vector<double>& b, double tol) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], tol * std::max(1.0, std::abs(b[i]))) << "step " << i;
+}
+
+int64_t bytes_of(const std::map<std::string, at::Tensor>& tensors) {
+  int64_t n = 0;
+  for (const auto& [name, t] : tensors) n += t.numel() * static_cast<int64_t>(t.element_size());
+  return n;
+}
+
+// The optimizer state of a checkpoint: whole, or every shard its index names.
+std::map<std::string, at::Tensor> optimizer_state(const fs::path& ck) {
+  if (fs::exists(ck / "optimizer.safetensors")) return load_all_tensors(ck / "optimizer.safetensors");
+  std::map<std::string, at::Tensor> all;
+  const json index = json::parse(read_file(ck / "optimizer.safetensors.index.json"));
+  std::set<std::string> files;
+  for (const auto& [name, file] : index["weight_map"].items()) files.insert(file.get<std::string>());
+  for (const auto& f : files)
+    for (auto& [name, t] : load_all_tensors(ck / f)) EXPECT_TRUE(all.emplace(name, t).second) << name << " twice";
+  return all;
+}
+
+struct Case {
+  std::string level;
+  int world;
+  std::string optim;
+  std::string finetune;  // lora (QLoRA) | full (dense base, every weight)
+  double tol;
+};
+
+void PrintTo(const Case& k, std::ostream* os) { *os << k.level << " W=" << k.world << " " << k.optim << " " << k.finetune; }
+
+std::string name_of(const ::testing::TestParamInfo<Case>& info) {
+  return info.param.level + "_W" + std::to_string(info.param.world) + "_" + info.param.optim + "_" + info.param.finetune;
+}
+
+class ShardedRun : public ::testing::TestWithParam<Case> {};
+
+TEST_P(ShardedRun, EqualsOneProcessOnTheGlobalBatch) {
+  MEMTUNE_REQUIRE_GLOO();
+  const Case k = GetParam();
+  fs::path d = temp_dir();
+  std::string common = "training.optim=" + k.optim + " training.momentum=0.9 training.save_steps=2";
+  if (k.optim == "sgd") common += " training.learning_rate=0.05";
+  if (k.finetune == "full") common += " training.finetune=full model.quantization_config.load_in_4bit=false";
+  auto one = run(train_cmd(write_config(d / "one"), common + " training.per_device_train_batch_size=" +
+                                                        std::to_string(2 * k.world)),
+                 600);
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  auto many = run(launch_cmd(k.world, write_config(d / "many"), common + " distributed.sharding=" + k.level), 600);
+  ASSERT_EQ(many.exit_code, 0) << many.output;
+
+  expect_same_losses(step_losses(d / "one/out"), step_losses(d / "many/out"), k.tol);
+  if (k.finetune == "lora")
+    expect_same_tensors(d / "one/out/adapter/adapter_model.safetensors", d / "many/out/adapter/adapter_model.safetensors",
+                        k.tol);
+  else
+    expect_same_tensors(d / "one/out/model/model.safetensors", d / "many/out/model/model.safetensors", k.tol);
+
+  // Every rank owns a share and says so; the rest of the state lives elsewhere.
+  for (int r = 0; r < k.world; ++r)
+    EXPECT_NE(many.output.find(str_cat("distributed.sharding: ", k.level, ": rank ", r, " of ", k.world, " owns")),
+              std::string::npos) << many.output;
+  if (k.level == "gradients") EXPECT_NE(many.output.find("the exact equivalent of a reduce-scatter"), std::string::npos);
+
+  // The last checkpoint's optimizer state: one shard per rank, each within one tensor of
+  // 1/W, together the one process's state (to the run's tolerance).
+  const fs::path ck_one = d / "one/out/checkpoints/step-4", ck = d / "many/out/checkpoints/step-4";
+  ASSERT_TRUE(fs::exists(ck / "optimizer.safetensors.index.json"));
+  EXPECT_FALSE(fs::exists(ck / "optimizer.safetensors"));
+  EXPECT_FALSE(fs::exists(d / "many/out/checkpoints/step-4.shards")) << "the staging directory is gone";
+  const auto whole = optimizer_state(ck_one), sharded = optimizer_state(ck);
+  ASSERT_EQ(whole.size(), sharded.size());
+  int64_t largest = 0;
+  for (const auto& [name, t] : whole) {
+    ASSERT_TRUE(sharded.count(name)) << name;
+    largest = std::max<int64_t>(largest, 2 * t.numel() * static_cast<int64_t>(t.element_size()));
+    if (t.scalar_type() == at::kFloat)
+      EXPECT_TRUE(at::allclose(sharded.at(name), t, 1e-4, 1e-7)) << name;  // moments of gradients equal to ~1e-6
+  }
+  int shards = 0;
+  for (int r = 0; r < k.world; ++r) {
+    const fs::path f = ck / str_cat("optimizer-0000", r + 1, "-of-0000", k.world, ".safetensors");
+    ASSERT_TRUE(fs::exists(f)) << f;
+    ++shards;
+    EXPECT_LE(bytes_of(load_all_tensors(f)), bytes_of(whole) / k.world + largest) << f;
+  }
+  EXPECT_EQ(shards, k.world);
+
+  // Each step's row names the bytes every rank sent.
+  for (const auto& row : read_jsonl(d / "many/out/metrics.jsonl", "loss")) {
+    ASSERT_TRUE(row.contains("sent_bytes")) << row.dump();
+    ASSERT_EQ(row["sent_bytes"].size(), static_cast<size_t>(k.world));
+    for (const auto& b : row["sent_bytes"]) EXPECT_GT(b.get<int64_t>(), 0);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Levels, ShardedRun,
+    ::testing::Values(Case{"optimizer", 2, "sgd", "lora", 1e-6}, Case{"optimizer", 3, "adamw", "lora", 1e-5},
+                      Case{"gradients", 2, "adamw", "lora", 1e-5}, Case{"gradients", 3, "sgd", "lora", 1e-6},
+                      Case{"optimizer", 2, "adamw", "full", 1e-5}, Case{"gradients", 3, "adamw", "full", 1e-5},
+                      Case{"gradients", 2, "sgd", "full", 1e-6}, Case{"optimizer", 3, "adamw_8bit", "lora", 1e-5},
+                      Case{"gradients", 2, "paged_adamw_8bit", "lora", 1e-5},
+                      Case{"gradients", 3, "paged_adamw_32bit", "lora", 1e-5}),
+    name_of);
+
+// Rows written so far (a line being written is skipped).
+size_t rows_so_far(const fs::path& metrics) {
+  size_t n = 0;
+  std::ifstream in(metrics);
+  std::string line;
+  while (std::getline(in, line)) n += !line.empty() && line.back() == '}' && line.find("\"loss\"") != std::string::npos;
+  return n;
+}
+
+// A launcher in the background, its output in `log`.
+struct Background {
+  pid_t pid = -1;
+  Background(const std::string& cmd, const fs::path& log) {
+    pid = fork();
+    if (pid == 0) {
+      execl("/bin/sh", "sh", "-c", ("exec " + cmd + " > " + log.string() + " 2>&1").c_str(), nullptr);
+      _exit(127);
+    }
+  }
+  ~Background() {
+    if (pid > 0) {
+      kill(pid, SIGKILL);
+      waitpid(pid, nullptr, 0);
+    }
+  }
+  int wait(double limit_s) {
+    auto deadline = Clock::now() + std::chrono::duration<double>(limit_s);
+    while (Clock::now() < deadline) {
+      int status = 0;
+      if (waitpid(pid, &status, WNOHANG) == pid) {
+        pid = -1;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return -1;
+  }
+};
+
+class ShardedResume : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ShardedResume, AStopMidRunResumedEqualsTheStraightRun) {
+  MEMTUNE_REQUIRE_GLOO();
+  fs::path d = temp_dir();
+  const std::string args = "training.max_steps=30 training.optim=adamw distributed.sharding=" + GetParam();
+  auto straight = run(launch_cmd(2, write_config(d / "straight"), args), 600);
+  ASSERT_EQ(straight.exit_code, 0) << straight.output;
+
+  const fs::path cfg = write_config(d / "stopped");
+  {
+    Background launcher(launch_cmd(2, cfg, args), d / "stopped/log");
+    auto deadline = Clock::now() + std::chrono::seconds(300);
+    while (Clock::now() < deadline && rows_so_far(d / "stopped/out/metrics.jsonl") < 3)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    kill(launcher.pid, SIGTERM);
+    ASSERT_EQ(launcher.wait(120), 128 + SIGTERM) << read_file(d / "stopped/log");
+  }
+  const fs::path ck = trainer::latest_checkpoint(d / "stopped/out");
+  ASSERT_FALSE(ck.empty()) << read_file(d / "stopped/log");
+  const int64_t stopped_at = std::stoll(ck.filename().string().substr(5));
+  ASSERT_LT(stopped_at, 30) << "the stop landed after the run's end: nothing to resume";
+  EXPECT_TRUE(fs::exists(ck / "optimizer.safetensors.index.json"));
+  auto resumed = run(launch_cmd(2, cfg, args + " training.resume_from_checkpoint=latest"), 600);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find(str_cat("resumed from ", ck.string(), " at step ", stopped_at)), std::string::npos)
+      << resumed.output;
+  expect_same_losses(step_losses(d / "straight/out"), step_losses(d / "stopped/out"), 1e-5);
+  expect_same_tensors(d / "straight/out/adapter/adapter_model.safetensors",
+                      d / "stopped/out/adapter/adapter_model.safetensors", 1e-5);
+}
+
+// The checkpoint a run of `from` ranks wrote at step 2 continues under `to` ranks (one: a
+// plain process), the global batch kept (6 samples), and ends where the `from` run ended.
+struct Reshard {
+  std::string level;
+  int from, to;
+};
+
+void PrintTo(const Reshard& k, std::ostream* os) { *os << k.level << " " << k.from << " -> " << k.to << " ranks"; }
+
+class ShardedReshard : public ::testing::TestWithParam<Reshard> {};
+
+TEST_P(ShardedReshard, AResumeUnderAnotherWorldSizeEqualsTheRunThatKeptIt) {
+  MEMTUNE_REQUIRE_GLOO();
+  const Reshard k = GetParam();
+  fs::path d = temp_dir();
+  const std::string args = "training.optim=adamw training.save_steps=2 distributed.sharding=" + k.level;
+  auto straight = run(launch_cmd(k.from, write_config(d / "straight"),
+                                 args + " training.per_device_train_batch_size=" + std::to_string(6 / k.from)),
+                      600);
+  ASSERT_EQ(straight.exit_code, 0) << straight.output;
+
+  const fs::path cfg = write_config(d / "moved");
+  fs::create_directories(d / "moved/out/checkpoints");
+  fs::copy(d / "straight/out/checkpoints/step-2", d / "moved/out/checkpoints/step-2", fs::copy_options::recursive);
+  auto cmd = [&](int per_device) {
+    const std::string o = args + " training.resume_from_checkpoint=latest training.per_device_train_batch_size=" +
+                          std::to_string(per_device);
+    return k.to == 1 ? train_cmd(cfg, o) : launch_cmd(k.to, cfg, o);
+  };
+  // The same per-rank batch on another number of ranks would change the step's samples: refused.
+  auto refused = run(cmd(6 / k.from), 600);
+  EXPECT_NE(refused.exit_code, 0);
+  EXPECT_NE(refused.output.find("the samples of a step over all ranks must stay the same"), std::string::npos)
+      << refused.output;
+  auto moved = run(cmd(6 / k.to), 600);
+  ASSERT_EQ(moved.exit_code, 0) << moved.output;
+  EXPECT_NE(moved.output.find("resumed from"), std::string::npos) << moved.output;
+  const auto a = step_losses(d / "straight/out"), b = step_losses(d / "moved/out");
+  ASSERT_EQ(a.size(), 4u);
+  expect_same_losses(std::vector<double>(a.begin() + 2, a.end()), b, 1e-5);
+  expect_same_tensors(d / "straight/out/adapter/adapter_model.safetensors",
+                      d / "moved/out/adapter/adapter_model.safetensors", 1e-5);
+  const fs::path ck = d / "moved/out/checkpoints/step-4";
+  if (k.to > 1) {
+    const json index = json::parse(read_file(ck / "optimizer.safetensors.index.json"));
+    EXPECT_EQ(index["metadata"]["world_size"], std::to_string(k.to));
+  } else {
+    EXPECT_TRUE(fs::exists(ck / "optimizer.safetensors"));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, ShardedResume, ::testing::Values("optimizer", "gradients"));
+INSTANTIATE_TEST_SUITE_P(Worlds, ShardedReshard,
+                         ::testing::Values(Reshard{"optimizer", 3, 2}, Reshard{"gradients", 2, 3},
+                                           Reshard{"gradients", 3, 1}),
+                         [](const auto& info) {
+                           return str_cat(info.param.level, "_", info.param.from, "_to_", info.param.to);
+                         });
+
+}  // namespace
+}  // namespace memtune::testing

@@ -1,0 +1,187 @@
+// Sharding (trainer/sharding.h) over Gloo with 2 and 3 processes on 127.0.0.1: gradients
+// reduced to their owners (or to every rank) against sums worked out here, the global norm
+// and the agreed skip, the update reaching every rank against SGD on those sums, and the
+// bytes each rank sent against the counting rule, with buckets small enough that tensors
+// split across them. Each process is this binary re-run with MEMTUNE_SHARDING_SCENARIO set.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <numeric>
+
+#include <ATen/ATen.h>
+
+#include "runtime/dist_env.h"
+#include "runtime/error.h"
+#include "runtime/process_group.h"
+#include "test_util.h"
+#include "trainer/optimizer.h"
+#include "trainer/sharding.h"
+
+namespace fs = std::filesystem;
+using namespace memtune;
+using namespace memtune::trainer;
+
+namespace {
+
+int free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  socklen_t len = sizeof addr;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+std::vector<int> run_workers(const std::string& scenario, int world, const fs::path& dir, int timeout_s = 120) {
+  const std::string self = fs::read_symlink("/proc/self/exe").string();
+  const int port = free_port();
+  std::string cmd;
+  for (int r = 0; r < world; ++r)
+    cmd += str_cat("(MEMTUNE_SHARDING_SCENARIO=", scenario, " RANK=", r, " WORLD_SIZE=", world, " LOCAL_RANK=", r,
+                   " LOCAL_WORLD_SIZE=", world, " MASTER_ADDR=127.0.0.1 MASTER_PORT=", port, " OMP_NUM_THREADS=1 ",
+                   self, " --gtest_filter=ShardingWorker.Run > ", (dir / str_cat("rank", r, ".log")).string(),
+                   " 2>&1; echo $? > ", (dir / str_cat("rc", r)).string(), ") & ");
+  cmd += "wait";
+  memtune::testing::run(cmd, timeout_s);
+  std::vector<int> codes;
+  for (int r = 0; r < world; ++r) {
+    const std::string rc = memtune::testing::read_file(dir / str_cat("rc", r));
+    codes.push_back(rc.empty() ? -1 : std::atoi(rc.c_str()));
+    if (codes.back() != 0)
+      ADD_FAILURE() << "rank " << r << ":\n" << memtune::testing::read_file(dir / str_cat("rank", r, ".log"));
+  }
+  return codes;
+}
+
+// The same tensors on every rank (sizes chosen so that 256-element buckets cut some).
+std::vector<std::pair<std::string, at::Tensor>> make_params() {
+  at::manual_seed(5);
+  return {{"a.lora_A.weight", at::randn({4, 300})}, {"a.lora_B.weight", at::randn({70, 4})},
+          {"norm.weight", at::randn({33})},         {"b.lora_A.weight", at::randn({4, 70})},
+          {"b.lora_B.weight", at::randn({600})},    {"c.weight", at::randn({5})}};
+}
+
+// Rank r's gradient of tensor i: base_i * (r + 1); tensor 2 has none on rank 0 (counts as 0).
+at::Tensor base_grad(size_t i, const at::Tensor& like) {
+  at::manual_seed(100 + static_cast<int64_t>(i));
+  return at::randn(like.sizes(), at::kDouble);
+}
+double weight_sum(size_t i, int world) {  // sum over the ranks that have a gradient of (r + 1)
+  double s = 0;
+  for (int r = 0; r < world; ++r)
+    if (!(i == 2 && r == 0)) s += r + 1;
+  return s;
+}
+
+void scenario(ProcessGroup& pg, ShardLevel level) {
+  const int me = pg.rank(), w = pg.world_size();
+  auto params = make_params();
+  const auto initial = make_params();
+  for (size_t i = 0; i < params.size(); ++i)
+    if (!(i == 2 && me == 0)) params[i].second.mutable_grad() = (base_grad(i, params[i].second) * (me + 1)).to(at::kFloat);
+  const int64_t bucket_bytes = 256 * 4;
+  Sharding s(level, &pg, params, bucket_bytes);
+  ASSERT_EQ(s.level(), level);
+  std::vector<int64_t> numels;
+  for (const auto& [name, p] : params) numels.push_back(p.numel());
+  const std::vector<int> owner = partition_by_numel(numels, w);
+  EXPECT_EQ(s.owners(), owner);
+  EXPECT_EQ(s.buffer_bytes(), bucket_bytes) << "one bucket's buffer, every owner has more than a bucket";
+
+  // Gradients: summed over the ranks, with the extra values.
+  std::vector<int64_t> sent0 = pg.sent_bytes();
+  at::Tensor extra = at::tensor({static_cast<double>(me), 1.0}, at::kDouble);
+  s.reduce_gradients(params, extra);
+  EXPECT_DOUBLE_EQ(extra[0].item<double>(), w * (w - 1) / 2.0);
+  EXPECT_DOUBLE_EQ(extra[1].item<double>(), w);
+  double sq = 0;
+  std::vector<at::Tensor> expected;
+  for (size_t i = 0; i < params.size(); ++i) {
+    expected.push_back(base_grad(i, params[i].second) * weight_sum(i, w));
+    sq += expected.back().pow(2).sum().item<double>();
+    const at::Tensor& g = params[i].second.grad();
+    if (level == ShardLevel::gradients && owner[i] != me) {
+      EXPECT_FALSE(g.defined()) << "tensor " << i << " is rank " << owner[i] << "'s: no gradient kept here";
+      continue;
+    }
+    ASSERT_TRUE(g.defined()) << "tensor " << i;
+    EXPECT_TRUE(at::allclose(g.to(at::kDouble), expected.back(), 1e-6, 1e-6)) << "tensor " << i;
+  }
+  // Bytes: the counting rule of ProcessGroup::sent_bytes, worked out per rank.
+  const int64_t total = std::accumulate(numels.begin(), numels.end(), int64_t{0}) * 4;
+  std::vector<int64_t> own(static_cast<size_t>(w), 0);
+  for (size_t i = 0; i < numels.size(); ++i) own[static_cast<size_t>(owner[i])] += numels[i] * 4;
+  std::vector<int64_t> sent = pg.sent_bytes();
+  for (int r = 0; r < w; ++r) {
+    const int64_t want = level == ShardLevel::gradients ? (total - own[r]) + 2 * (w - 1) * 16 / w   // reduce + extra
+                                                        : 2 * (w - 1) * total / w + 2 * (w - 1) * 16 / w;  // allreduce
+    EXPECT_EQ(sent[r] - sent0[r], want) << "rank " << r << " in the reduction";
+  }
+
+  // The norm over every rank's share, and the skip every rank agrees on.
+  auto [skip, norm] = s.check_gradients(true, params);
+  EXPECT_FALSE(skip);
+  EXPECT_NEAR(norm, std::sqrt(sq), 1e-6 * std::sqrt(sq));
+  if (level == ShardLevel::gradients) {
+    auto [skip2, norm2] = s.check_gradients(me != w - 1, params);  // only the last rank saw inf/nan
+    EXPECT_TRUE(skip2);
+    EXPECT_TRUE(std::isnan(norm2));
+  }
+
+  // The update: SGD on the summed gradients, each tensor by its owner, then on every rank.
+  OptimizerOptions o;
+  o.kind = "sgd";
+  Optimizer opt(params, o, s.owned());
+  sent0 = pg.sent_bytes();
+  s.step(opt, 0.1, 0.5);
+  sent = pg.sent_bytes();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor want = initial[i].second.to(at::kDouble) - 0.1 * 0.5 * expected[i];
+    EXPECT_TRUE(at::allclose(params[i].second.to(at::kDouble), want, 1e-6, 1e-6)) << "tensor " << i << " on rank " << me;
+  }
+  for (int r = 0; r < w; ++r) EXPECT_EQ(sent[r] - sent0[r], (w - 1) * own[r]) << "rank " << r << " in the gather";
+}
+
+}  // namespace
+
+TEST(ShardingWorker, Run) {
+  const char* which = std::getenv("MEMTUNE_SHARDING_SCENARIO");
+  if (!which) GTEST_SKIP() << "a worker of ShardingItest";
+  ProcessGroupOptions options;
+  options.timeout_s = 60;
+  options.join_timeout_s = 60;
+  ProcessGroup pg(DistEnv::from_environment(), options);
+  scenario(pg, shard_level(which));
+}
+
+class ShardingItest : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
+
+TEST_P(ShardingItest, ReduceNormAndUpdateAgreeWithTheSums) {
+  MEMTUNE_REQUIRE_GLOO();
+  const auto [level, world] = GetParam();
+  EXPECT_EQ(run_workers(level, world, memtune::testing::temp_dir()), std::vector<int>(static_cast<size_t>(world), 0));
+}
+
+INSTANTIATE_TEST_SUITE_P(LevelsAndWorlds, ShardingItest,
+                         ::testing::Combine(::testing::Values("optimizer", "gradients"), ::testing::Values(2, 3)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_W" + std::to_string(std::get<1>(info.param));
+                         });
+
+TEST(ShardingItest, OneProcessActsAsNone) {
+  auto params = make_params();
+  Sharding s(ShardLevel::gradients, nullptr, params, 1024);
+  EXPECT_EQ(s.level(), ShardLevel::none);
+  EXPECT_EQ(s.owned(), std::vector<bool>(params.size(), true));
+  EXPECT_EQ(s.buffer_bytes(), 0);
+  EXPECT_TRUE(s.owns_state("a.lora_A.weight.exp_avg"));
+  EXPECT_FALSE(s.owns_state("z.weight.exp_avg"));
+}

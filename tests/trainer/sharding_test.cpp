@@ -1,0 +1,189 @@
+// distributed.sharding without processes: the partition against hand-worked cases and the
+// greedy bound, the level's names and refusals, and the optimizer's share: W optimizers each
+// owning 1/W of the tensors update them exactly as one optimizer owning all (the reference,
+// itself tested against torch.optim and bitsandbytes), with 1/W of its state.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <numeric>
+
+#include <ATen/ATen.h>
+
+#include "runtime/cpu_budget_allocator.h"
+#include "runtime/error.h"
+#include "trainer/config.h"
+#include "trainer/optimizer.h"
+#include "trainer/sharding.h"
+
+namespace memtune::trainer {
+namespace {
+
+std::vector<int64_t> loads(const std::vector<int64_t>& numels, const std::vector<int>& owner, int world) {
+  std::vector<int64_t> l(static_cast<size_t>(world), 0);
+  for (size_t i = 0; i < numels.size(); ++i) l[static_cast<size_t>(owner[i])] += numels[i];
+  return l;
+}
+
+TEST(ShardingPartition, HandWorkedCases) {
+  // Largest first, each to the least loaded rank (the lower on ties):
+  // 10 -> r0, 8 -> r1, 5 -> r1 (8 < 10), 4 -> r0 (10 < 13), 1 -> r1 (13 < 14).
+  EXPECT_EQ(partition_by_numel({5, 10, 1, 8, 4}, 2), (std::vector<int>{1, 0, 1, 1, 0}));
+  // Equal sizes go round the ranks in index order.
+  EXPECT_EQ(partition_by_numel({3, 3, 3, 3, 3}, 3), (std::vector<int>{0, 1, 2, 0, 1}));
+  // One rank owns everything; more ranks than tensors leave some with none.
+  EXPECT_EQ(partition_by_numel({7, 1, 2}, 1), (std::vector<int>{0, 0, 0}));
+  EXPECT_EQ(partition_by_numel({7, 1}, 3), (std::vector<int>{0, 1}));
+  EXPECT_TRUE(partition_by_numel({}, 2).empty());
+}
+
+TEST(ShardingPartition, BalancedWithinTheLargestTensorOfTheIdeal) {
+  // LoRA-like sizes: A (r x in) and B (out x r) of many projections.
+  std::vector<int64_t> numels;
+  for (int layer = 0; layer < 12; ++layer)
+    for (int64_t out : {768, 768, 256, 768, 2048, 2048, 768}) {
+      numels.push_back(16 * 768);
+      numels.push_back(out * 16);
+    }
+  const int64_t total = std::accumulate(numels.begin(), numels.end(), int64_t{0});
+  const int64_t largest = *std::max_element(numels.begin(), numels.end());
+  for (int w : {2, 3, 4, 7}) {
+    const std::vector<int> owner = partition_by_numel(numels, w);
+    EXPECT_EQ(owner, partition_by_numel(numels, w)) << "deterministic";
+    const auto l = loads(numels, owner, w);
+    EXPECT_EQ(std::accumulate(l.begin(), l.end(), int64_t{0}), total);
+    for (int64_t x : l) EXPECT_LE(x, (total + w - 1) / w + largest) << "W " << w;
+    EXPECT_LE(*std::max_element(l.begin(), l.end()) - *std::min_element(l.begin(), l.end()), largest) << "W " << w;
+  }
+}
+
+TEST(ShardingLevel, NamesAliasesAndRefusals) {
+  EXPECT_EQ(shard_level("none"), ShardLevel::none);
+  EXPECT_EQ(shard_level("optimizer"), ShardLevel::optimizer);
+  EXPECT_EQ(shard_level("zero2"), ShardLevel::gradients);
+  try {
+    shard_level("full");
+    FAIL() << "full accepted";
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("not built yet"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(shard_level("stage2"), UserError);
+}
+
+TEST(ShardingLevel, ConfigTakesDeepSpeedStageNamesAndRefusesFullByName) {
+  const std::string base = "model: {name_or_path: tiny-llama}\n";
+  EXPECT_EQ(parse_config(base, "t.yaml").distributed.sharding, "none");
+  EXPECT_EQ(parse_config(base, "t.yaml", {"distributed.sharding=zero1"}).distributed.sharding, "optimizer");
+  EXPECT_EQ(parse_config(base, "t.yaml", {"distributed.sharding=ZeRO2"}).distributed.sharding, "gradients");
+  EXPECT_EQ(parse_config(base + "distributed: {sharding: gradients}\n", "t.yaml").distributed.sharding, "gradients");
+  for (const char* full : {"full", "zero3"}) {
+    try {
+      parse_config(base, "t.yaml", {std::string("distributed.sharding=") + full});
+      FAIL() << full << " accepted";
+    } catch (const UserError& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find("distributed.sharding"), std::string::npos) << m;
+      EXPECT_NE(m.find("not built yet"), std::string::npos) << m;
+      EXPECT_NE(m.find("Hint: optimizer (zero1) or gradients (zero2)"), std::string::npos) << m;
+    }
+  }
+  try {
+    parse_config(base, "t.yaml", {"distributed.sharding=optimiser"});
+    FAIL() << "a misspelt level accepted";
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("optimizer"), std::string::npos) << e.what();
+  }
+}
+
+// Parameters of mixed sizes (8-bit states from 4096 elements), norms among them.
+std::vector<std::pair<std::string, at::Tensor>> make_params() {
+  at::manual_seed(3);
+  return {{"l0.q.lora_A.weight", at::randn({8, 640})}, {"l0.q.lora_B.weight", at::randn({96, 8})},
+          {"l0.norm.weight", at::randn({96})},         {"l1.up.lora_A.weight", at::randn({8, 96})},
+          {"l1.up.lora_B.weight", at::randn({800, 8})}, {"lm_head.weight", at::randn({7, 96})}};
+}
+
+struct Outcome {
+  std::vector<at::Tensor> params;
+  std::vector<std::pair<std::string, at::Tensor>> state;
+  int64_t state_bytes = 0;
+  int64_t held = 0;  // budget bytes the optimizer allocated
+};
+
+// Three updates from gradients drawn from a fixed seed; `owned` as the optimizer takes it.
+Outcome run(const std::string& optim, const std::vector<bool>& owned) {
+  install_cpu_budget_allocator();
+  auto params = make_params();
+  dynamic_map(true);
+  dynamic_map(false);
+  OptimizerOptions o;
+  set_optimizer_kind(optim, o);
+  o.weight_decay = 0.01;
+  o.momentum = 0.9;
+  const int64_t before = cpu_allocated_bytes();
+  Optimizer opt(params, o, owned);
+  Outcome r;
+  r.held = cpu_allocated_bytes() - before;
+  at::manual_seed(11);
+  for (int step = 0; step < 3; ++step) {
+    for (auto& [name, p] : params) p.mutable_grad() = at::randn(p.sizes());
+    opt.step(1e-2, 0.5);
+  }
+  for (auto& [name, p] : params) r.params.push_back(p.clone());
+  for (auto& [name, t] : opt.state_tensors()) r.state.emplace_back(name, t.clone());
+  r.state_bytes = opt.state_bytes();
+  opt.zero_grad();
+  for (auto& [name, p] : params) EXPECT_FALSE(p.grad().defined()) << name << ": zero_grad drops every gradient";
+  return r;
+}
+
+class ShardedOptimizer : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ShardedOptimizer, EachShardUpdatesItsTensorsAsTheWholeOptimizerDoes) {
+  const Outcome whole = run(GetParam(), {});
+  std::vector<int64_t> numels;
+  for (const auto& [name, p] : make_params()) numels.push_back(p.numel());
+  for (int w : {2, 3}) {
+    const std::vector<int> owner = partition_by_numel(numels, w);
+    std::vector<int> seen(numels.size(), 0);
+    std::map<std::string, at::Tensor> states;
+    int64_t bytes = 0;
+    for (int r = 0; r < w; ++r) {
+      std::vector<bool> owned;
+      for (int o : owner) owned.push_back(o == r);
+      const Outcome part = run(GetParam(), owned);
+      bytes += part.state_bytes;
+      for (size_t i = 0; i < numels.size(); ++i) {
+        if (!owned[i]) {  // left alone: the initial value
+          EXPECT_TRUE(at::equal(part.params[i], make_params()[i].second)) << "W " << w << " rank " << r << " tensor " << i;
+          continue;
+        }
+        ++seen[i];
+        EXPECT_TRUE(at::equal(part.params[i], whole.params[i])) << "W " << w << " rank " << r << " tensor " << i;
+      }
+      for (const auto& [name, t] : part.state) EXPECT_TRUE(states.emplace(name, t).second) << name << " in two shards";
+    }
+    EXPECT_EQ(seen, std::vector<int>(numels.size(), 1)) << "every tensor updated by exactly one shard";
+    ASSERT_EQ(states.size(), whole.state.size());
+    for (const auto& [name, t] : whole.state) EXPECT_TRUE(at::equal(states.at(name), t)) << name;
+    // The shards' states add up to the whole's (workspaces aside: each shard's is its largest tensor).
+    if (GetParam() != "adamw_torch") EXPECT_EQ(bytes, whole.state_bytes) << "W " << w;
+  }
+}
+
+TEST_P(ShardedOptimizer, StateIsAllocatedForOwnedTensorsOnly) {
+  const Outcome whole = run(GetParam(), {});
+  const Outcome none = run(GetParam(), std::vector<bool>(6, false));
+  EXPECT_GT(whole.state_bytes, 0);
+  EXPECT_EQ(none.state_bytes, 0);
+  EXPECT_TRUE(none.state.empty());
+  if (GetParam().rfind("paged", 0) != 0) {  // paged states live outside the budget
+    EXPECT_EQ(whole.held, whole.state_bytes) << "the budget allocator sees the state";
+    EXPECT_EQ(none.held, 0);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Kinds, ShardedOptimizer,
+                         ::testing::Values("adamw_torch", "sgd", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"));
+
+}  // namespace
+}  // namespace memtune::trainer

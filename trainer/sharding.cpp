@@ -1,0 +1,220 @@
+#include "trainer/sharding.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <spdlog/spdlog.h>
+
+#include "models/io/safetensors.h"
+#include "runtime/atomic_file.h"
+#include "runtime/error.h"
+#include "runtime/log.h"
+#include "runtime/process_group.h"
+#include "runtime/units.h"
+#include "trainer/optimizer.h"
+#include "trainer/train_state.h"
+
+namespace memtune::trainer {
+
+namespace fs = std::filesystem;
+
+ShardLevel shard_level(const std::string& name) {
+  if (name == "none") return ShardLevel::none;
+  if (name == "optimizer" || name == "zero1") return ShardLevel::optimizer;
+  if (name == "gradients" || name == "zero2") return ShardLevel::gradients;
+  MEMTUNE_CHECK(name != "full" && name != "zero3", "distributed.sharding: ", name,
+                " (ZeRO-3: parameters sharded per transformer block) is not built yet. Hint: optimizer (zero1) or "
+                "gradients (zero2)");
+  fail("distributed.sharding: unknown level '", name, "' (none, optimizer, gradients; zero1, zero2)");
+}
+
+const char* shard_level_name(ShardLevel level) {
+  switch (level) {
+    case ShardLevel::none: return "none";
+    case ShardLevel::optimizer: return "optimizer";
+    case ShardLevel::gradients: return "gradients";
+  }
+  return "none";
+}
+
+std::vector<int> partition_by_numel(const std::vector<int64_t>& numels, int world) {
+  MEMTUNE_INTERNAL_ASSERT(world >= 1, "partition_by_numel: world size ", world);
+  std::vector<size_t> order(numels.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return numels[a] > numels[b]; });
+  std::vector<int64_t> load(static_cast<size_t>(world), 0);
+  std::vector<int> owner(numels.size(), 0);
+  for (size_t i : order) {
+    const auto least = std::min_element(load.begin(), load.end());  // the first of equals: the lower rank
+    owner[i] = static_cast<int>(least - load.begin());
+    *least += numels[i];
+  }
+  return owner;
+}
+
+Sharding::Sharding(ShardLevel level, ProcessGroup* pg, const Params& params, int64_t bucket_bytes)
+    : level_(level), pg_(pg) {
+  if (pg_) {
+    rank_ = pg_->rank();
+    world_ = pg_->world_size();
+  }
+  if (world_ <= 1) level_ = ShardLevel::none;
+  for (const auto& [name, p] : params) {
+    MEMTUNE_INTERNAL_ASSERT(p.scalar_type() == at::kFloat && p.is_contiguous(), "sharding: trainable tensor ", name,
+                            " must be contiguous fp32");
+    numels_.push_back(p.numel());
+    total_numel_ += p.numel();
+  }
+  owners_ = level_ == ShardLevel::none ? std::vector<int>(params.size(), rank_) : partition_by_numel(numels_, world_);
+  for (size_t i = 0; i < params.size(); ++i) {
+    owned_.push_back(owners_[i] == rank_);
+    if (owned_.back()) {
+      owned_names_.insert(params[i].first);
+      owned_numel_ += numels_[i];
+    }
+  }
+  if (level_ == ShardLevel::none) return;
+
+  // Buckets: each owner's tensors in order, cut into runs of at most bucket_numel elements.
+  const int64_t bucket_numel = std::max<int64_t>(1, bucket_bytes / 4);
+  int64_t largest = 0;
+  for (int r = 0; r < world_; ++r) {
+    Bucket b{r, {}, 0};
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (owners_[i] != r) continue;
+      for (int64_t off = 0; off < numels_[i];) {
+        if (b.numel == bucket_numel) {
+          largest = std::max(largest, b.numel);
+          buckets_.push_back(std::move(b));
+          b = Bucket{r, {}, 0};
+        }
+        const int64_t len = std::min(numels_[i] - off, bucket_numel - b.numel);
+        b.segments.push_back({i, off, len});
+        b.numel += len;
+        off += len;
+      }
+    }
+    if (b.numel > 0) {
+      largest = std::max(largest, b.numel);
+      buckets_.push_back(std::move(b));
+    }
+  }
+  buffer_ = at::empty({std::max<int64_t>(1, largest)}, at::TensorOptions(at::kFloat).device(pg_->device()));
+  if (level_ == ShardLevel::gradients)
+    log_once("sharding-reduce-scatter",
+             "distributed.sharding: gradients: each bucket is reduced to its owner with one reduce (the exact "
+             "equivalent of a reduce-scatter: Gloo in LibTorch 1.13 has no reduce_scatter, and whole-tensor shards "
+             "differ in size)");
+}
+
+bool Sharding::owns_state(const std::string& key) const {
+  const size_t dot = key.rfind('.');
+  return dot != std::string::npos && owned_names_.count(key.substr(0, dot)) > 0;
+}
+
+int64_t Sharding::buffer_bytes() const { return buffer_.defined() ? buffer_.numel() * 4 : 0; }
+
+std::string Sharding::describe() const {
+  if (level_ == ShardLevel::none)
+    return str_cat("distributed.sharding: none", world_ > 1 ? "" : " (one process)", ": every rank keeps the whole "
+                   "optimizer state and every gradient");
+  const int64_t tensors = std::count(owned_.begin(), owned_.end(), true);
+  return str_cat("distributed.sharding: ", shard_level_name(level_), ": rank ", rank_, " of ", world_, " owns ", tensors,
+                 " of ", owned_.size(), " trainable tensors (", owned_numel_, " of ", total_numel_,
+                 " parameters): their optimizer state", level_ == ShardLevel::gradients ? " and reduced gradients" : "",
+                 " live here only; ", buckets_.size(), " buckets through a buffer of ", format_bytes(buffer_bytes()));
+}
+
+void Sharding::reduce_gradients(const Params& params, const at::Tensor& extra) {
+  if (!pg_) return;
+  at::NoGradGuard no_grad;
+  // Every rank passes every tensor (the same shapes in the same order): allocate the missing
+  // ones before the first collective, so an out-of-memory error stops no rank inside one.
+  for (const auto& [name, p] : params)
+    if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+  if (level_ != ShardLevel::gradients) {
+    std::vector<at::Tensor> grads;
+    for (const auto& [name, p] : params) grads.push_back(p.grad());
+    if (extra.defined()) grads.push_back(extra);
+    pg_->allreduce_sum(grads);
+    return;
+  }
+  for (const auto& [name, p] : params)
+    MEMTUNE_INTERNAL_ASSERT(p.grad().is_contiguous(), "sharding: the gradient of ", name, " is not contiguous");
+  for (const Bucket& b : buckets_) {
+    at::Tensor flat = buffer_.narrow(0, 0, b.numel);
+    int64_t pos = 0;
+    for (const Segment& s : b.segments) {
+      flat.narrow(0, pos, s.length).copy_(params[s.tensor].second.grad().view(-1).narrow(0, s.offset, s.length));
+      pos += s.length;
+    }
+    pg_->reduce_sum(flat, b.owner);
+    pos = 0;
+    for (const Segment& s : b.segments) {
+      const at::Tensor& p = params[s.tensor].second;
+      if (b.owner == rank_)
+        p.grad().view(-1).narrow(0, s.offset, s.length).copy_(flat.narrow(0, pos, s.length));
+      else if (s.offset + s.length == numels_[s.tensor])  // its last run is reduced: the owner has it
+        p.mutable_grad() = at::Tensor();
+      pos += s.length;
+    }
+  }
+  if (extra.defined()) {
+    const at::Tensor e = extra.to(at::kCPU, at::kDouble).contiguous();
+    std::vector<double> v(e.data_ptr<double>(), e.data_ptr<double>() + e.numel());
+    v = pg_->allreduce(std::move(v), ReduceOp::sum);
+    extra.copy_(at::tensor(v, at::TensorOptions(at::kDouble)));
+  }
+}
+
+std::pair<bool, double> Sharding::check_gradients(bool finite_here, const Params& params) {
+  if (level_ != ShardLevel::gradients) return {!finite_here, finite_here ? grad_norm(params) : NAN};
+  // Each rank holds its own tensors' gradients: one all-reduce of [squared norm, non-finite].
+  const std::vector<double> v =
+      pg_->allreduce(std::vector<double>{finite_here ? grad_square_sum(params) : 0.0, finite_here ? 0.0 : 1.0},
+                     ReduceOp::sum);
+  const bool skip = v[1] > 0;
+  return {skip, skip ? NAN : std::sqrt(v[0])};
+}
+
+void Sharding::step(Optimizer& optimizer, double lr, double grad_scale) {
+  optimizer.step(lr, grad_scale);
+  if (level_ == ShardLevel::none) return;
+  at::NoGradGuard no_grad;
+  const auto& params = optimizer.params();
+  for (const Bucket& b : buckets_) {
+    at::Tensor flat = buffer_.narrow(0, 0, b.numel);
+    int64_t pos = 0;
+    if (b.owner == rank_)
+      for (const Segment& s : b.segments) {
+        flat.narrow(0, pos, s.length).copy_(params[s.tensor].second.detach().view(-1).narrow(0, s.offset, s.length));
+        pos += s.length;
+      }
+    pg_->broadcast(flat, b.owner);
+    if (b.owner == rank_) continue;
+    pos = 0;
+    for (const Segment& s : b.segments) {
+      params[s.tensor].second.detach().view(-1).narrow(0, s.offset, s.length).copy_(flat.narrow(0, pos, s.length));
+      pos += s.length;
+    }
+  }
+}
+
+int Sharding::write_state_shard(const fs::path& output_dir, int64_t step, const Optimizer& optimizer) {
+  if (level_ == ShardLevel::none) return 0;
+  const fs::path path = optimizer_shard_path(output_dir, step, rank_, world_);
+  const auto tensors = optimizer.state_tensors();
+  if (!tensors.empty()) {
+    models::save_safetensors(path, tensors);  // temporary name, fsync, rename (runtime/atomic_file.h)
+  } else {
+    std::error_code ec;
+    fs::remove(path, ec);  // a rank that owns nothing writes no shard
+  }
+  pg_->barrier();  // every shard is on disk before rank 0 moves them into the checkpoint
+  return world_;
+}
+
+}  // namespace memtune::trainer
