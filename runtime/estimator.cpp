@@ -67,6 +67,9 @@ class Planner {
                   "estimate: the model shape has a non-positive size");
     MEMTUNE_CHECK(m_.micro_batch > 0 && m_.seq_length > 0, "estimate: micro-batch ", m_.micro_batch,
                   " and sequence length ", m_.seq_length, " must be positive");
+    MEMTUNE_CHECK(m_.world_size >= 1, "estimate: world size ", m_.world_size, " must be at least 1");
+    MEMTUNE_CHECK(m_.sharding == "none" || m_.sharding == "optimizer" || m_.sharding == "gradients",
+                  "estimate: sharding '", m_.sharding, "' (none, optimizer or gradients)");
     full_ = m_.finetune == "full";
     T_ = (m_.seq_length + 7) / 8 * 8;  // data::collate pads to a multiple of 8
     E_ = m_.micro_batch * T_;
@@ -329,7 +332,18 @@ class Planner {
     }
     // Only torch's AdamW off the fused CPU kernel keeps a workspace (trainer/optimizer.cpp).
     e.optimizer_workspace = m_.optimizer == "adamw" ? largest_trainable * kF32 : 0;
-    const int64_t persistent = e.weights_nf4 + e.weights_dense + e.lora_parameters + e.optimizer_states + e.optimizer_workspace;
+    // Sharding (trainer/sharding.h): the ideal 1/W share; its whole-tensor partition is within
+    // one tensor of it.
+    const int64_t W = m_.world_size;
+    const bool shard_states = W > 1 && m_.sharding != "none", shard_grads = W > 1 && m_.sharding == "gradients";
+    const int64_t states_whole = e.optimizer_states;
+    if (shard_states) {
+      e.optimizer_states = (e.optimizer_states + W - 1) / W;
+      e.sharding_buffer = std::min((e.gradients + W - 1) / W, m_.bucket_bytes) / kF32 * kF32;
+    }
+    e.gradients_after_reduce = shard_grads ? (e.gradients + W - 1) / W : e.gradients;
+    const int64_t persistent = e.weights_nf4 + e.weights_dense + e.lora_parameters + e.optimizer_states +
+                               e.optimizer_workspace + e.sharding_buffer;
 
     // Activations kept for backward.
     const int64_t batch = 4 * E * kI64;                            // input_ids, targets, positions, segments
@@ -403,7 +417,7 @@ class Planner {
     e.backward_peak = persistent + bwd;
 
     // Optimizer: the gradient norm converts the largest gradient to fp64 and squares it.
-    e.optimizer_peak = persistent + e.gradients + 2 * largest_trainable * 8;
+    e.optimizer_peak = persistent + e.gradients_after_reduce + 2 * largest_trainable * 8;
     e.peak_bytes = std::max({e.forward_peak, e.backward_peak, e.optimizer_peak});
 
     auto add = [&](std::string name, int64_t bytes, std::string note) {
@@ -426,7 +440,14 @@ class Planner {
                     static_cast<double>(e.optimizer_states) / static_cast<double>(trainable));
       states_how += per;
     }
+    if (shard_states)
+      states_how = str_cat("per rank, 1/", W, " of ", format_bytes(states_whole), " (distributed.sharding: ",
+                           m_.sharding, "); ", states_how);
     add("optimizer states", e.optimizer_states, states_how);
+    if (shard_grads)
+      add("gradients after reduction", e.gradients_after_reduce,
+          str_cat("per rank in the update, 1/", W, " (distributed.sharding: gradients)"));
+    if (e.sharding_buffer) add("sharding buffer", e.sharding_buffer, "one bucket of the sharded collectives");
     if (e.optimizer_workspace) add("optimizer workspace", e.optimizer_workspace, "the largest trainable tensor, fp32");
     // Runs of layers that keep the same bytes the same way are one line.
     for (int i = 0; i < L;) {

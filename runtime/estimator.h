@@ -66,6 +66,14 @@ struct EstimateInput {
   bool fused_cpu_attention = false;
   int64_t threads = 1;
   int64_t loss_chunk_rows = 0;      // rows of logits formed at a time; 0: loss_chunk_rows(vocab)
+
+  // Data parallel over world_size ranks; the figures are per rank. sharding
+  // (distributed.sharding): none | optimizer (each rank keeps 1/W of the optimizer state) |
+  // gradients (also 1/W of the gradients once reduced, for the update; backward still holds
+  // them all). A sharded level keeps one buffer of bucket_bytes (at most its share).
+  int64_t world_size = 1;
+  std::string sharding = "none";
+  int64_t bucket_bytes = int64_t{25} << 20;
 };
 
 // Rows of fp32 logits the loss forms at a time (models/layers/cross_entropy.h): as many as
@@ -89,6 +97,8 @@ struct Estimate {
   int64_t gradients = 0;          // one fp32 gradient per trainable tensor
   int64_t optimizer_states = 0;
   int64_t optimizer_workspace = 0;  // the largest trainable tensor, fp32
+  int64_t gradients_after_reduce = 0;  // held in the update: gradients, or 1/W of them when sharded
+  int64_t sharding_buffer = 0;      // the sharded collectives' bucket buffer
   // Per step.
   std::vector<int64_t> activations_per_layer;  // kept for backward (only the input when checkpointed)
   int64_t activations = 0;        // sum of the above + final norm + rotary tables + batch

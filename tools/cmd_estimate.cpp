@@ -1,13 +1,15 @@
-// memtune estimate CONFIG [--device-memory SIZE] [--json] [key=value ...]: the memory plan of
-// a training step (weights by storage, LoRA, gradients, optimizer states, activations per
-// layer, loss, workspace), the predicted peak, and the largest micro-batch and sequence
-// length that fit the device.
+// memtune estimate CONFIG [--device-memory SIZE] [--nproc N] [--json] [key=value ...]: the
+// memory plan of a training step (weights by storage, LoRA, gradients, optimizer states,
+// activations per layer, loss, workspace), the predicted peak, and the largest micro-batch
+// and sequence length that fit the device; with --nproc, per rank of N, and the optimizer
+// state, gradients and peak of each distributed.sharding level.
 #include <cstdio>
 #include <iostream>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "runtime/error.h"
 #include "runtime/memory.h"
 #include "runtime/units.h"
 #include "tools/commands.h"
@@ -24,6 +26,7 @@ void add_estimate_command(CLI::App& app) {
     std::vector<std::string> overrides;
     std::string device_memory;
     bool json = false;
+    int64_t nproc = 1;
   };
   auto a = std::make_shared<Args>();
   cmd->add_option("config", a->config, "the YAML config (see configs/)")->required();
@@ -31,11 +34,27 @@ void add_estimate_command(CLI::App& app) {
   cmd->add_option("--device-memory", a->device_memory,
                   "device size to fit (e.g. 6GiB); default memory.device_limit, else the device's total");
   cmd->add_flag("--json", a->json, "one JSON object instead of a table");
+  cmd->add_option("--nproc", a->nproc,
+                  "data-parallel ranks (memtune launch --nproc-per-node): per-rank figures under distributed.sharding, "
+                  "and a line per sharding level");
   cmd->callback([a] {
     const trainer::Config c = trainer::load_config(a->config, a->overrides);
     const models::ModelSpec spec = trainer::model_spec(c);
-    const EstimateInput in = trainer::estimate_input(c, spec);
+    MEMTUNE_CHECK(a->nproc >= 1, "memtune estimate: --nproc ", a->nproc, " must be at least 1 (ranks)");
+    EstimateInput in = trainer::estimate_input(c, spec);
+    in.world_size = a->nproc;
     const Estimate e = estimate_memory(in);
+    // Per rank, each sharding level at this size.
+    struct Level {
+      std::string name;
+      Estimate e;
+    };
+    std::vector<Level> levels;
+    for (const char* level : {"none", "optimizer", "gradients"}) {
+      EstimateInput l = in;
+      l.sharding = level;
+      levels.push_back({level, estimate_memory(l)});
+    }
 
     const int64_t total = memory_backend(trainer::resolve_device(c.runtime.device)).stats().total;
     int64_t budget = total;
@@ -76,7 +95,16 @@ void add_estimate_command(CLI::App& app) {
                           {"trainable_parameters", e.trainable_parameters},
                           {"auto_micro_batch", is_auto ? nlohmann::json(auto_mb) : nlohmann::json(nullptr)},
                           {"activations_per_layer", e.activations_per_layer},
-                          {"components", components}};
+                          {"components", components},
+                          {"world_size", in.world_size},
+                          {"sharding", in.sharding}};
+      for (const auto& l : levels)
+        j["sharding_levels"].push_back({{"level", l.name},
+                                        {"optimizer_states", l.e.optimizer_states},
+                                        {"gradients", l.e.gradients},
+                                        {"gradients_after_reduce", l.e.gradients_after_reduce},
+                                        {"sharding_buffer", l.e.sharding_buffer},
+                                        {"peak_bytes", l.e.peak_bytes}});
       std::cout << j.dump(2) << "\n";
       return;
     }
@@ -96,6 +124,16 @@ void add_estimate_command(CLI::App& app) {
     std::printf("longest sequence that fits: %lld (at micro-batch %lld)\n", static_cast<long long>(max_t),
                 static_cast<long long>(in.micro_batch));
     std::printf("with every layer checkpointed at micro-batch 1: %s\n", format_bytes(min_peak).c_str());
+    if (in.world_size > 1) {
+      std::printf("per rank of %lld (distributed.sharding; the update holds the gradients after reduction):\n",
+                  static_cast<long long>(in.world_size));
+      std::printf("  %-10s %16s %16s %16s %16s\n", "level", "optimizer state", "gradients", "in the update",
+                  "predicted peak");
+      for (const auto& l : levels)
+        std::printf("  %-10s %16s %16s %16s %16s%s\n", l.name.c_str(), format_bytes(l.e.optimizer_states).c_str(),
+                    format_bytes(l.e.gradients).c_str(), format_bytes(l.e.gradients_after_reduce).c_str(),
+                    format_bytes(l.e.peak_bytes).c_str(), l.name == in.sharding ? "  (configured)" : "");
+    }
     if (is_auto)
       std::printf("per_device_train_batch_size: auto starts at %lld (under %.0f%% of the device)\n",
                   static_cast<long long>(auto_mb), 100 * c.memory.warning_threshold);

@@ -109,6 +109,8 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
   set_optimizer_kind(c.training.optim, oo);
   in.optimizer = oo.kind;
   in.optimizer_paged = oo.paged || c.memory.optimizer_offload == "cpu";
+  in.sharding = c.distributed.sharding;  // world_size stays 1: the caller knows the ranks
+  in.bucket_bytes = c.distributed.bucket_size_mb << 20;
   std::string note;
   const c10::Device device = resolve_device(c.runtime.device);
   in.compute_bytes = static_cast<int64_t>(c10::elementSize(resolve_compute_dtype(c, device, &note)));
