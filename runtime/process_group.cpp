@@ -80,10 +80,15 @@ struct ProcessGroup::Impl {
     const int64_t w = env.world_size;
     for (auto& s : sent) s += 2 * (w - 1) * bytes / w;
   }
-  void count_rooted(int64_t bytes, int root, bool root_sends) {
+  // broadcast: the root sends N to each other rank (Gloo's one-to-all).
+  void count_broadcast(int64_t bytes, int root) {
+    sent[static_cast<size_t>(root)] += (env.world_size - 1) * bytes;
+  }
+  // reduce: a ring reduce-scatter, then each rank but the root sends its reduced part to the
+  // root: N from each other rank, (W-1)/W N from the root.
+  void count_reduce(int64_t bytes, int root) {
     const int64_t w = env.world_size;
-    for (int r = 0; r < w; ++r)
-      if ((r == root) == root_sends) sent[static_cast<size_t>(r)] += root_sends ? (w - 1) * bytes : bytes;
+    for (int r = 0; r < w; ++r) sent[static_cast<size_t>(r)] += r == root ? (w - 1) * bytes / w : bytes;
   }
 
   std::string arrival_key(int64_t s, int r) const { return str_cat("memtune/arrived/", s, "/", r); }
@@ -342,7 +347,7 @@ void ProcessGroup::broadcast(const at::Tensor& tensor, int root) {
   Impl& m = *impl_;
   MEMTUNE_INTERNAL_ASSERT(root >= 0 && root < m.env.world_size, "broadcast: root ", root, " out of range");
   at::Tensor t = tensor.device() == m.device && tensor.is_contiguous() ? tensor : tensor.to(m.device).contiguous();
-  m.count_rooted(t.numel() * static_cast<int64_t>(t.element_size()), root, true);
+  m.count_broadcast(t.numel() * static_cast<int64_t>(t.element_size()), root);
   m.collective("broadcast", [&] {
     c10d::BroadcastOptions opts;
     opts.rootRank = root;
@@ -358,7 +363,7 @@ void ProcessGroup::reduce_sum(const at::Tensor& tensor, int root) {
   MEMTUNE_INTERNAL_ASSERT(root >= 0 && root < m.env.world_size, "reduce_sum: root ", root, " out of range");
   MEMTUNE_INTERNAL_ASSERT(tensor.device() == m.device && tensor.is_contiguous(), "reduce_sum: a contiguous tensor on ",
                           m.device, " (got ", tensor.device(), ")");
-  m.count_rooted(tensor.numel() * static_cast<int64_t>(tensor.element_size()), root, false);
+  m.count_reduce(tensor.numel() * static_cast<int64_t>(tensor.element_size()), root);
   m.collective("reduce", [&] {
     c10d::ReduceOptions opts;
     opts.reduceOp = c10d::ReduceOp::SUM;

@@ -72,9 +72,11 @@ class ProcessGroup {
 
   // Bytes each rank has sent in the collectives so far, indexed by rank (every rank knows
   // every rank's figure: all run the same collectives on the same sizes). Counted per
-  // collective of N bytes by the algorithm it asks for, the least each rank must send:
-  // allreduce as a ring, 2 (W-1)/W N per rank; reduce_sum: each rank but the root sends its
-  // N once; broadcast: the root sends N to each of the W-1 others. Barriers count 0.
+  // collective of N bytes by the ring algorithms Gloo and NCCL run: allreduce 2 (W-1)/W N per
+  // rank; reduce_sum (a reduce-scatter, then the parts to the root) N per rank, (W-1)/W N
+  // from the root; broadcast: the root sends N to each of the W-1 others (Gloo's one-to-all).
+  // Barriers and the store's arrival marks count 0. bench/sharding_memory.cpp sets the
+  // count beside the bytes Gloo's sockets wrote.
   std::vector<int64_t> sent_bytes() const;
 
  private:

@@ -103,12 +103,17 @@ struct Case {
   std::string optim;
   std::string finetune;  // lora (QLoRA) | full (dense base, every weight)
   double tol;
+  std::string extra = "";  // more overrides
+  std::string tag = "";    // in the test's name
 };
 
-void PrintTo(const Case& k, std::ostream* os) { *os << k.level << " W=" << k.world << " " << k.optim << " " << k.finetune; }
+void PrintTo(const Case& k, std::ostream* os) {
+  *os << k.level << " W=" << k.world << " " << k.optim << " " << k.finetune << " " << k.extra;
+}
 
 std::string name_of(const ::testing::TestParamInfo<Case>& info) {
-  return info.param.level + "_W" + std::to_string(info.param.world) + "_" + info.param.optim + "_" + info.param.finetune;
+  return info.param.level + "_W" + std::to_string(info.param.world) + "_" + info.param.optim + "_" + info.param.finetune +
+         info.param.tag;
 }
 
 class ShardedRun : public ::testing::TestWithParam<Case> {};
@@ -120,6 +125,7 @@ TEST_P(ShardedRun, EqualsOneProcessOnTheGlobalBatch) {
   std::string common = "training.optim=" + k.optim + " training.momentum=0.9 training.save_steps=2";
   if (k.optim == "sgd") common += " training.learning_rate=0.05";
   if (k.finetune == "full") common += " training.finetune=full model.quantization_config.load_in_4bit=false";
+  common += " " + k.extra;
   auto one = run(train_cmd(write_config(d / "one"), common + " training.per_device_train_batch_size=" +
                                                         std::to_string(2 * k.world)),
                  600);
@@ -128,6 +134,15 @@ TEST_P(ShardedRun, EqualsOneProcessOnTheGlobalBatch) {
   ASSERT_EQ(many.exit_code, 0) << many.output;
 
   expect_same_losses(step_losses(d / "one/out"), step_losses(d / "many/out"), k.tol);
+  // The same steps skipped (fp16 overflow: every rank agrees) at the same loss scales.
+  const auto rows_one = read_jsonl(d / "one/out/metrics.jsonl", "loss"), rows_many = read_jsonl(d / "many/out/metrics.jsonl", "loss");
+  ASSERT_EQ(rows_one.size(), rows_many.size());
+  for (size_t i = 0; i < rows_one.size(); ++i) {
+    EXPECT_EQ(rows_one[i]["events"].dump(), rows_many[i]["events"].dump()) << "step " << i;
+    EXPECT_EQ(rows_one[i]["loss_scale"], rows_many[i]["loss_scale"]) << "step " << i;
+  }
+  if (k.extra.find("fp16") != std::string::npos)
+    EXPECT_NE(rows_many.front()["events"].dump().find("skip"), std::string::npos) << "the first step overflowed";
   if (k.finetune == "lora")
     expect_same_tensors(d / "one/out/adapter/adapter_model.safetensors", d / "many/out/adapter/adapter_model.safetensors",
                         k.tol);
@@ -179,7 +194,10 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"optimizer", 2, "adamw", "full", 1e-5}, Case{"gradients", 3, "adamw", "full", 1e-5},
                       Case{"gradients", 2, "sgd", "full", 1e-6}, Case{"optimizer", 3, "adamw_8bit", "lora", 1e-5},
                       Case{"gradients", 2, "paged_adamw_8bit", "lora", 1e-5},
-                      Case{"gradients", 3, "paged_adamw_32bit", "lora", 1e-5}),
+                      Case{"gradients", 3, "paged_adamw_32bit", "lora", 1e-5},
+                      Case{"gradients", 2, "adamw", "full", 1e-5, "model.name_or_path=tiny-gpt2", "_tied_gpt2"},
+                      Case{"gradients", 3, "adamw", "lora", 1e-5, "training.fp16=true training.fp16_init_scale=1e39",
+                           "_fp16_overflow"}),
     name_of);
 
 // Rows written so far (a line being written is skipped).
