@@ -1,19 +1,26 @@
 // distributed.sharding without processes: the partition against hand-worked cases and the
 // greedy bound, the level's names and refusals, and the optimizer's share: W optimizers each
 // owning 1/W of the tensors update them exactly as one optimizer owning all (the reference,
-// itself tested against torch.optim and bitsandbytes), with 1/W of its state.
+// itself tested against torch.optim and bitsandbytes), with 1/W of its state; the sharded
+// checkpoint's layout, partial reads, a missing shard, the staged shards of a save that died,
+// and the resume check across world sizes.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
 #include <numeric>
 
 #include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
 
+#include "models/io/safetensors.h"
 #include "runtime/cpu_budget_allocator.h"
 #include "runtime/error.h"
 #include "trainer/config.h"
 #include "trainer/optimizer.h"
 #include "trainer/sharding.h"
+#include "trainer/train_state.h"
 
 namespace memtune::trainer {
 namespace {
@@ -184,6 +191,92 @@ TEST_P(ShardedOptimizer, StateIsAllocatedForOwnedTensorsOnly) {
 
 INSTANTIATE_TEST_SUITE_P(Kinds, ShardedOptimizer,
                          ::testing::Values("adamw_torch", "sgd", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"));
+
+}  // namespace
+}  // namespace memtune::trainer
+
+namespace memtune::trainer {
+namespace {
+
+namespace fs = std::filesystem;
+
+fs::path fresh_dir(const std::string& name) {
+  const fs::path d = fs::path(MEMTUNE_BUILD_DIR) / "test-tmp" / ("ShardedCheckpoint_" + name);
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d;
+}
+
+// A checkpoint as two ranks write it: each its shard, then rank 0 the rest and the index.
+fs::path save_two_shards(const fs::path& out, int64_t step) {
+  models::save_safetensors(optimizer_shard_path(out, step, 0, 2),
+                           {{"a.weight.exp_avg", at::full({3}, 1.0f)}, {"a.weight.exp_avg_sq", at::full({3}, 2.0f)}});
+  models::save_safetensors(optimizer_shard_path(out, step, 1, 2), {{"b.weight.exp_avg", at::full({2, 2}, 3.0f)},
+                                                                   {"b.weight.exp_avg_sq", at::full({2, 2}, 4.0f)}});
+  TrainState s;
+  s.step = step;
+  s.sampler = {{"epoch", 0}, {"offset", 0}, {"seed", 1}};
+  s.scaler = s.supervisor = s.optimizer = nlohmann::json::object();
+  s.world_size = 2;
+  return save_training_checkpoint(out, s, {{"a.weight", at::zeros({3})}, {"b.weight", at::zeros({2, 2})}}, {},
+                                  at::zeros({4}, at::kByte), "model: {name_or_path: tiny-llama}\n", 0, 2);
+}
+
+TEST(ShardedCheckpoint, ShardsMoveInWithAnIndexAndEachRankReadsItsOwnTensors) {
+  const fs::path out = fresh_dir("layout");
+  const fs::path ck = save_two_shards(out, 4);
+  EXPECT_EQ(ck, out / "checkpoints/step-4");
+  EXPECT_TRUE(fs::exists(ck / "optimizer-00001-of-00002.safetensors"));
+  EXPECT_TRUE(fs::exists(ck / "optimizer-00002-of-00002.safetensors"));
+  EXPECT_FALSE(fs::exists(ck / "optimizer.safetensors"));
+  EXPECT_FALSE(fs::exists(out / "checkpoints/step-4.shards")) << "the staging directory is gone";
+  const auto index = nlohmann::json::parse(std::ifstream(ck / "optimizer.safetensors.index.json"));
+  EXPECT_EQ(index["weight_map"]["b.weight.exp_avg_sq"], "optimizer-00002-of-00002.safetensors");
+  EXPECT_EQ(index["metadata"]["world_size"], "2");
+  // Rank 1 of 3 under another partition wants b's state only; a plain process all of it.
+  const TrainingCheckpoint some = load_training_checkpoint(ck, [](const std::string& k) { return k[0] == 'b'; });
+  ASSERT_EQ(some.optimizer.size(), 2u);
+  EXPECT_TRUE(at::equal(some.optimizer.at("b.weight.exp_avg_sq"), at::full({2, 2}, 4.0f)));
+  EXPECT_EQ(load_training_checkpoint(ck).optimizer.size(), 4u);
+  EXPECT_EQ(some.state.world_size, 2);
+  // A shard gone: refused, naming it.
+  fs::remove(ck / "optimizer-00002-of-00002.safetensors");
+  try {
+    load_training_checkpoint(ck);
+    FAIL() << "a checkpoint without one of its shards loaded";
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("optimizer-00002-of-00002.safetensors"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("incomplete"), std::string::npos) << e.what();
+  }
+}
+
+TEST(ShardedCheckpoint, TheShardsOfASaveThatDiedAreRemovedAndThePreviousCheckpointStays) {
+  const fs::path out = fresh_dir("died");
+  save_two_shards(out, 2);
+  // Step 4: both ranks wrote their shards, then the run died before rank 0 committed.
+  models::save_safetensors(optimizer_shard_path(out, 4, 0, 2), {{"a.weight.exp_avg", at::zeros({3})}});
+  models::save_safetensors(optimizer_shard_path(out, 4, 1, 2), {{"b.weight.exp_avg", at::zeros({2, 2})}});
+  EXPECT_EQ(latest_checkpoint(out), out / "checkpoints/step-2") << "staged shards are no checkpoint";
+  EXPECT_EQ(remove_incomplete_checkpoints(out), 1);
+  EXPECT_FALSE(fs::exists(out / "checkpoints/step-4.shards"));
+  EXPECT_EQ(latest_checkpoint(out), out / "checkpoints/step-2");
+  EXPECT_EQ(load_training_checkpoint(out / "checkpoints/step-2").optimizer.size(), 4u);
+}
+
+TEST(ShardedCheckpoint, ResumeKeepsTheSamplesOfAStepOverAllRanks) {
+  const Config c2 = parse_config("model: {name_or_path: tiny-llama}\ntraining: {per_device_train_batch_size: 3}\n", "t");
+  const Config c3 = parse_config("model: {name_or_path: tiny-llama}\ntraining: {per_device_train_batch_size: 2}\n", "t");
+  EXPECT_NO_THROW(check_resume_compatible(c3, c2, "ck", 3, 2));  // 3 x 2 after 2 x 3
+  EXPECT_NO_THROW(check_resume_compatible(c2, c2, "ck", 2, 0));  // an older checkpoint: the same world assumed
+  try {
+    check_resume_compatible(c2, c2, "ck", 3, 2);  // 3 x 3 after 2 x 3
+    FAIL() << "a step of 9 samples continued one of 6";
+  } catch (const UserError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("a step trained on 6 samples (2 ranks x 3"), std::string::npos) << m;
+    EXPECT_NE(m.find("this run has 3 ranks x 3 = 9"), std::string::npos) << m;
+  }
+}
 
 }  // namespace
 }  // namespace memtune::trainer
