@@ -122,8 +122,8 @@ std::string Sharding::describe() const {
     return str_cat("distributed.sharding: none", world_ > 1 ? "" : " (one process)", ": every rank keeps the whole "
                    "optimizer state and every gradient");
   const int64_t tensors = std::count(owned_.begin(), owned_.end(), true);
-  return str_cat("distributed.sharding: ", shard_level_name(level_), ": rank ", rank_, " of ", world_, " owns ", tensors,
-                 " of ", owned_.size(), " trainable tensors (", owned_numel_, " of ", total_numel_,
+  return str_cat("distributed.sharding: ", shard_level_name(level_), ": rank ", rank_, " of ", world_, " owns ",
+                 tensors, " of ", owned_.size(), " trainable tensors (", owned_numel_, " of ", total_numel_,
                  " parameters): their optimizer state", level_ == ShardLevel::gradients ? " and reduced gradients" : "",
                  " live here only; ", buckets_.size(), " buckets through a buffer of ", format_bytes(buffer_bytes()));
 }

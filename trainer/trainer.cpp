@@ -426,7 +426,8 @@ void Trainer::resume() {
     return;
   }
   // Each rank reads the optimizer state of the tensors it owns, however the writer sharded it.
-  TrainingCheckpoint ck = load_training_checkpoint(dir, [this](const std::string& key) { return sharding_->owns_state(key); });
+  TrainingCheckpoint ck =
+      load_training_checkpoint(dir, [this](const std::string& key) { return sharding_->owns_state(key); });
   check_resume_compatible(c_, parse_config(ck.config_yaml, (dir / "config.yaml").string()), dir, dist_.world_size,
                           ck.state.world_size);
   at::NoGradGuard no_grad;
@@ -565,7 +566,7 @@ StepRecord Trainer::step() {
     }
   };
   stages.prepare = [&] {
-    if (pg_) {  // distributed: sum the gradients over ranks (to their owners when sharded) before unscale and clipping
+    if (pg_) {  // distributed: sum the gradients over ranks (to their owners when sharded), then unscale and clip
       dist_extra_.data_ptr<double>()[0] = loss_sum;
       dist_extra_.data_ptr<double>()[1] = g_stop_signal.load() ? 1 : 0;
       sharding_->reduce_gradients(params_, dist_extra_);
@@ -643,17 +644,17 @@ void Trainer::log_step(const StepRecord& r) {
   json events = json::array();
   for (const auto& e : r.events) events.push_back(e.to_json());
   json row = {{"step", r.step},
-                   {"epoch", r.epoch},
-                   {"loss", r.loss},
-                   {"lr", r.lr},
-                   {"grad_norm", std::isfinite(r.grad_norm) ? json(r.grad_norm) : json(nullptr)},
-                   {"tokens", r.tokens},
-                   {"tokens_per_s", tok_s},
-                   {"loss_scale", scaler_->scale()},
-                   {"micro_batch", supervisor_->micro_batch()},
-                   {"accumulation", supervisor_->accumulation()},
-                   {"memory", {{mem_->device(), {{"allocated", r.allocated}, {"peak", r.peak}, {"limit", limit_}}}}},
-                   {"events", events}};
+              {"epoch", r.epoch},
+              {"loss", r.loss},
+              {"lr", r.lr},
+              {"grad_norm", std::isfinite(r.grad_norm) ? json(r.grad_norm) : json(nullptr)},
+              {"tokens", r.tokens},
+              {"tokens_per_s", tok_s},
+              {"loss_scale", scaler_->scale()},
+              {"micro_batch", supervisor_->micro_batch()},
+              {"accumulation", supervisor_->accumulation()},
+              {"memory", {{mem_->device(), {{"allocated", r.allocated}, {"peak", r.peak}, {"limit", limit_}}}}},
+              {"events", events}};
   if (!r.sent_bytes.empty()) row["sent_bytes"] = r.sent_bytes;
   metrics_->write(row);
   const double eta = seconds_since(start_) / static_cast<double>(steps_this_run_) *
@@ -687,9 +688,9 @@ void Trainer::save_checkpoint() {
   state.activation_offload = offload_activations_;
   state.optimizer_offload = optimizer_->states_offloaded();
   state.world_size = dist_.world_size;
-  const fs::path p = save_training_checkpoint(
-      out_dir_, state, params_, shards > 0 ? std::vector<std::pair<std::string, at::Tensor>>{} : optimizer_->state_tensors(),
-      cpu_rng_state(), config_yaml_, c_.training.save_total_limit, shards);
+  const auto whole_state = shards > 0 ? std::vector<std::pair<std::string, at::Tensor>>{} : optimizer_->state_tensors();
+  const fs::path p = save_training_checkpoint(out_dir_, state, params_, whole_state, cpu_rng_state(), config_yaml_,
+                                              c_.training.save_total_limit, shards);
   result_.checkpoint = p.string();
   spdlog::info("checkpoint: {}", p.string());
   if (pg_) pg_->barrier();

@@ -135,7 +135,8 @@ TEST_P(ShardedRun, EqualsOneProcessOnTheGlobalBatch) {
 
   expect_same_losses(step_losses(d / "one/out"), step_losses(d / "many/out"), k.tol);
   // The same steps skipped (fp16 overflow: every rank agrees) at the same loss scales.
-  const auto rows_one = read_jsonl(d / "one/out/metrics.jsonl", "loss"), rows_many = read_jsonl(d / "many/out/metrics.jsonl", "loss");
+  const auto rows_one = read_jsonl(d / "one/out/metrics.jsonl", "loss");
+  const auto rows_many = read_jsonl(d / "many/out/metrics.jsonl", "loss");
   ASSERT_EQ(rows_one.size(), rows_many.size());
   for (size_t i = 0; i < rows_one.size(); ++i) {
     EXPECT_EQ(rows_one[i]["events"].dump(), rows_many[i]["events"].dump()) << "step " << i;
