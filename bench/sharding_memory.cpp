@@ -34,6 +34,7 @@
 #include "runtime/threads.h"
 #include "trainer/config.h"
 #include "trainer/estimate.h"
+#include "trainer/grad_scaler.h"
 #include "trainer/model_setup.h"
 #include "trainer/optimizer.h"
 #include "trainer/sharding.h"
@@ -139,9 +140,10 @@ int worker(const Model& m, const std::string& level) {
   const std::vector<int64_t> sent0 = pg ? pg->sent_bytes() : std::vector<int64_t>{};
   const int64_t w0 = wchar();
   at::Tensor extra = at::zeros({2}, at::kDouble);
-  sharding.reduce_gradients(params, extra);
+  const trainer::GradScaler fp32(false);
+  sharding.reduce_gradients(params, extra, fp32);
   const int64_t after_reduce = cpu_allocated_bytes() - a2;
-  auto [skip, norm] = sharding.check_gradients(true, params);
+  auto [skip, norm] = sharding.check_gradients(fp32, params);
   sharding.step(optimizer, 1e-4, norm > 1.0 ? 1.0 / (norm + 1e-6) : 1.0);
   const int64_t written = wchar() - w0;
   const int64_t peak = cpu_peak_bytes();

@@ -10,10 +10,12 @@
 
 #include "models/io/safetensors.h"
 #include "runtime/atomic_file.h"
+#include "runtime/compat.h"
 #include "runtime/error.h"
 #include "runtime/log.h"
 #include "runtime/process_group.h"
 #include "runtime/units.h"
+#include "trainer/grad_scaler.h"
 #include "trainer/optimizer.h"
 #include "trainer/train_state.h"
 
@@ -128,7 +130,7 @@ std::string Sharding::describe() const {
                  " live here only; ", buckets_.size(), " buckets through a buffer of ", format_bytes(buffer_bytes()));
 }
 
-void Sharding::reduce_gradients(const Params& params, const at::Tensor& extra) {
+void Sharding::reduce_gradients(const Params& params, const at::Tensor& extra, const GradScaler& scaler) {
   if (!pg_) return;
   at::NoGradGuard no_grad;
   // Every rank passes every tensor (the same shapes in the same order): allocate the missing
@@ -162,22 +164,46 @@ void Sharding::reduce_gradients(const Params& params, const at::Tensor& extra) {
       pos += s.length;
     }
   }
-  if (extra.defined()) {
-    const at::Tensor e = extra.to(at::kCPU, at::kDouble).contiguous();
-    std::vector<double> v(e.data_ptr<double>(), e.data_ptr<double>() + e.numel());
-    v = pg_->allreduce(std::move(v), ReduceOp::sum);
-    extra.copy_(at::tensor(v, at::TensorOptions(at::kDouble)));
+  // This rank's gradients unscaled and their squared norm, then one all-reduce of [extra...,
+  // squared norm, non-finite, out of memory]: a rank that runs out of memory here still
+  // enters it, and every rank learns of it there.
+  double sq = 0, nonfinite = 0, oom = 0;
+  std::string oom_what;
+  try {
+    if (scaler.unscale(params))
+      sq = grad_square_sum(params);
+    else
+      nonfinite = 1;
+  } catch (const std::exception& e) {
+    if (!compat::is_out_of_memory(e)) throw;
+    oom = 1;
+    oom_what = e.what();
   }
+  MEMTUNE_INTERNAL_ASSERT(!extra.defined() || (extra.device().is_cpu() && extra.scalar_type() == at::kDouble &&
+                                               extra.is_contiguous()),
+                          "sharding: the extra values are a contiguous fp64 CPU tensor");
+  const int64_t n = extra.defined() ? extra.numel() : 0;
+  std::vector<double> v(extra.defined() ? extra.data_ptr<double>() : nullptr,
+                        extra.defined() ? extra.data_ptr<double>() + n : nullptr);
+  v.insert(v.end(), {sq, nonfinite, oom});
+  v = pg_->allreduce(std::move(v), ReduceOp::sum);
+  std::copy(v.begin(), v.begin() + n, extra.defined() ? extra.data_ptr<double>() : nullptr);
+  if (v[n + 2] > 0)
+    compat::throw_out_of_memory(oom > 0 ? oom_what
+                                        : std::string("out of memory on another rank while it unscaled its gradients"));
+  checked_ = true;
+  skip_ = v[n + 1] > 0;
+  norm_ = skip_ ? NAN : std::sqrt(v[n]);
 }
 
-std::pair<bool, double> Sharding::check_gradients(bool finite_here, const Params& params) {
-  if (level_ != ShardLevel::gradients) return {!finite_here, finite_here ? grad_norm(params) : NAN};
-  // Each rank holds its own tensors' gradients: one all-reduce of [squared norm, non-finite].
-  const std::vector<double> v =
-      pg_->allreduce(std::vector<double>{finite_here ? grad_square_sum(params) : 0.0, finite_here ? 0.0 : 1.0},
-                     ReduceOp::sum);
-  const bool skip = v[1] > 0;
-  return {skip, skip ? NAN : std::sqrt(v[0])};
+std::pair<bool, double> Sharding::check_gradients(const GradScaler& scaler, const Params& params) {
+  if (level_ == ShardLevel::gradients) {
+    MEMTUNE_INTERNAL_ASSERT(checked_, "sharding: check_gradients without reduce_gradients in this attempt");
+    checked_ = false;
+    return {skip_, norm_};
+  }
+  const bool finite = scaler.unscale(params);
+  return {!finite, finite ? grad_norm(params) : NAN};
 }
 
 void Sharding::step(Optimizer& optimizer, double lr, double grad_scale) {

@@ -6,9 +6,13 @@
 // only those tensors (Optimizer's `owned` flags). The trainer's step then runs:
 //   reduce_gradients  none, optimizer: every gradient all-reduced (as without sharding);
 //                     gradients: each owner's gradients reduced to it, bucket by bucket, and
-//                     dropped on the other ranks once reduced (a reduce-scatter)
-//   check_gradients   inf/nan and the global L2 norm (with sharded gradients: an all-reduce
-//                     of the ranks' squared norms), for unscaling and clipping
+//                     dropped on the other ranks once reduced (a reduce-scatter); then each
+//                     rank unscales its own and their squared norms are all-reduced
+//   check_gradients   unscaled, inf/nan on any rank, and the global L2 norm, for clipping
+// No collective follows a point where one rank alone may run out of memory without the
+// others learning it in that collective: the supervisor agrees on an out-of-memory error
+// after the stage, and a rank that left early would pair its agreement with another rank's
+// collective.
 //   step              the optimizer's update of this rank's tensors, then each tensor sent
 //                     from its owner to every rank (an all-gather), so all ranks hold the
 //                     same weights
@@ -30,6 +34,7 @@ class ProcessGroup;
 
 namespace memtune::trainer {
 
+class GradScaler;
 class Optimizer;
 
 enum class ShardLevel { none, optimizer, gradients };
@@ -65,12 +70,14 @@ class Sharding {
 
   // Sums the gradients over the ranks (undefined ones count as zero), and `extra` (a small
   // fp64 CPU tensor: loss sum, stop flag) with them. Under `gradients` only this rank's
-  // tensors keep a gradient afterwards.
-  void reduce_gradients(const Params& params, const at::Tensor& extra);
-  // {skip, norm} after unscaling: skip when some rank's gradients hold inf/nan
-  // (`finite_here` false there); the L2 norm over every gradient of every rank, NaN when
-  // skipped. Unsharded gradients: as a single process computes it.
-  std::pair<bool, double> check_gradients(bool finite_here, const Params& params);
+  // tensors keep a gradient afterwards, already unscaled by `scaler`, and the check below is
+  // agreed here; an out-of-memory error while unscaling on any rank is thrown on every rank.
+  void reduce_gradients(const Params& params, const at::Tensor& extra, const GradScaler& scaler);
+  // {skip, norm}: the gradients unscaled by `scaler`; skip when any rank's hold inf/nan; the
+  // L2 norm over every gradient of every rank, NaN when skipped. Unsharded gradients: as a
+  // single process computes it (unscale, then grad_norm); sharded: what reduce_gradients
+  // agreed, with no collective here.
+  std::pair<bool, double> check_gradients(const GradScaler& scaler, const Params& params);
   // The update: `optimizer` steps this rank's tensors, then every rank receives each tensor
   // from its owner. All ranks call it (or none: a skipped step).
   void step(Optimizer& optimizer, double lr, double grad_scale);
@@ -103,6 +110,9 @@ class Sharding {
   int64_t owned_numel_ = 0, total_numel_ = 0;
   std::vector<Bucket> buckets_;  // owner by owner, each owner's tensors in order
   at::Tensor buffer_;            // fp32 [largest bucket] on the group's device
+  // `gradients`: the check agreed in reduce_gradients, for check_gradients.
+  bool checked_ = false, skip_ = false;
+  double norm_ = 0;
 };
 
 }  // namespace memtune::trainer

@@ -569,13 +569,13 @@ StepRecord Trainer::step() {
     if (pg_) {  // distributed: sum the gradients over ranks (to their owners when sharded), then unscale and clip
       dist_extra_.data_ptr<double>()[0] = loss_sum;
       dist_extra_.data_ptr<double>()[1] = g_stop_signal.load() ? 1 : 0;
-      sharding_->reduce_gradients(params_, dist_extra_);
+      sharding_->reduce_gradients(params_, dist_extra_, *scaler_);
       loss_sum = dist_extra_.data_ptr<double>()[0];
       dist_stop_ = dist_extra_.data_ptr<double>()[1] > 0;
     }
     mem_->reset_peak();
     injector_->at(step_, "optimizer");
-    std::tie(r.skipped, r.grad_norm) = sharding_->check_gradients(scaler_->unscale(params_), params_);
+    std::tie(r.skipped, r.grad_norm) = sharding_->check_gradients(*scaler_, params_);  // unscaled, inf/nan, norm
     note_peak(2);
   };
   stages.apply = [&] {

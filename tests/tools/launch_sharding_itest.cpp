@@ -201,6 +201,26 @@ INSTANTIATE_TEST_SUITE_P(
                            "_fp16_overflow"}),
     name_of);
 
+TEST(ShardedOom, AnOomAfterTheShardedReductionRetriesEveryRankAndKeepsTheMath) {
+  MEMTUNE_REQUIRE_GLOO();
+  // Rank 1 runs out of memory in the optimizer phase of step 2, after the gradients were
+  // reduced to their owners and dropped elsewhere: every rank drops the step's gradients,
+  // shrinks and runs the same samples again.
+  fs::path d = temp_dir();
+  const std::string args = "training.optim=adamw distributed.sharding=gradients";
+  auto clean = run(launch_cmd(2, write_config(d / "clean"), args), 600);
+  ASSERT_EQ(clean.exit_code, 0) << clean.output;
+  auto oom = run(launch_cmd(2, write_config(d / "oom"), args + " memory.inject_oom=2:optimizer:1"), 600);
+  ASSERT_EQ(oom.exit_code, 0) << oom.output;
+  const auto rows = read_jsonl(d / "oom/out/metrics.jsonl", "loss");
+  ASSERT_EQ(rows.size(), 4u);
+  EXPECT_NE(rows[2]["events"].dump().find("oom"), std::string::npos) << rows[2].dump();
+  EXPECT_EQ(rows[2]["micro_batch"], 1) << rows[2].dump();
+  expect_same_losses(step_losses(d / "clean/out"), step_losses(d / "oom/out"), 1e-5);
+  expect_same_tensors(d / "clean/out/adapter/adapter_model.safetensors", d / "oom/out/adapter/adapter_model.safetensors",
+                      1e-5);
+}
+
 // Rows written so far (a line being written is skipped).
 size_t rows_so_far(const fs::path& metrics) {
   size_t n = 0;

@@ -19,6 +19,9 @@
 #include "runtime/error.h"
 #include "runtime/process_group.h"
 #include "test_util.h"
+#include "runtime/compat.h"
+#include "runtime/cpu_budget_allocator.h"
+#include "trainer/grad_scaler.h"
 #include "trainer/optimizer.h"
 #include "trainer/sharding.h"
 
@@ -99,7 +102,8 @@ void scenario(ProcessGroup& pg, ShardLevel level) {
   // Gradients: summed over the ranks, with the extra values.
   std::vector<int64_t> sent0 = pg.sent_bytes();
   at::Tensor extra = at::tensor({static_cast<double>(me), 1.0}, at::kDouble);
-  s.reduce_gradients(params, extra);
+  const GradScaler off(false);
+  s.reduce_gradients(params, extra, off);
   EXPECT_DOUBLE_EQ(extra[0].item<double>(), w * (w - 1) / 2.0);
   EXPECT_DOUBLE_EQ(extra[1].item<double>(), w);
   double sq = 0;
@@ -127,20 +131,18 @@ void scenario(ProcessGroup& pg, ShardLevel level) {
   };
   std::vector<int64_t> sent = pg.sent_bytes();
   for (int r = 0; r < w; ++r) {
-    const int64_t want = level == ShardLevel::gradients ? (total - own[r]) + as_root(r) + 2 * (w - 1) * 16 / w
+    // gradients: the extra values travel with [squared norm, non-finite, out of memory]
+    const int64_t want = level == ShardLevel::gradients ? (total - own[r]) + as_root(r) + 2 * (w - 1) * 40 / w
                                                         : 2 * (w - 1) * total / w + 2 * (w - 1) * 16 / w;  // allreduce
     EXPECT_EQ(sent[r] - sent0[r], want) << "rank " << r << " in the reduction";
   }
 
-  // The norm over every rank's share, and the skip every rank agrees on.
-  auto [skip, norm] = s.check_gradients(true, params);
+  // The norm over every rank's share.
+  const int64_t seq = pg.sequence();
+  auto [skip, norm] = s.check_gradients(off, params);
+  EXPECT_EQ(pg.sequence(), seq) << "no collective after the point where one rank may run out of memory";
   EXPECT_FALSE(skip);
   EXPECT_NEAR(norm, std::sqrt(sq), 1e-6 * std::sqrt(sq));
-  if (level == ShardLevel::gradients) {
-    auto [skip2, norm2] = s.check_gradients(me != w - 1, params);  // only the last rank saw inf/nan
-    EXPECT_TRUE(skip2);
-    EXPECT_TRUE(std::isnan(norm2));
-  }
 
   // The update: SGD on the summed gradients, each tensor by its owner, then on every rank.
   OptimizerOptions o;
@@ -154,6 +156,48 @@ void scenario(ProcessGroup& pg, ShardLevel level) {
     EXPECT_TRUE(at::allclose(params[i].second.to(at::kDouble), want, 1e-6, 1e-6)) << "tensor " << i << " on rank " << me;
   }
   for (int r = 0; r < w; ++r) EXPECT_EQ(sent[r] - sent0[r], (w - 1) * own[r]) << "rank " << r << " in the gather";
+  if (level != ShardLevel::gradients) return;
+
+  // inf in one rank's gradient of tensor 0: its owner alone sees it after the reduction, and
+  // every rank skips. Unscaling by 4 (fp16's scaler) divides each rank's own gradients.
+  for (size_t i = 0; i < params.size(); ++i)
+    params[i].second.mutable_grad() = (base_grad(i, params[i].second) * (me + 1)).to(at::kFloat);
+  if (me == w - 1) params[0].second.grad()[0] = INFINITY;
+  GradScaler scaler(true, 4.0);
+  s.reduce_gradients(params, extra, scaler);
+  auto [skip2, norm2] = s.check_gradients(scaler, params);
+  EXPECT_TRUE(skip2);
+  EXPECT_TRUE(std::isnan(norm2));
+  double sq3 = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    params[i].second.mutable_grad() = (base_grad(i, params[i].second) * (me + 1)).to(at::kFloat);
+    sq3 += (base_grad(i, params[i].second) * (w * (w + 1) / 2.0) / 4.0).pow(2).sum().item<double>();
+  }
+  s.reduce_gradients(params, extra, scaler);
+  auto [skip3, norm3] = s.check_gradients(scaler, params);
+  EXPECT_FALSE(skip3);
+  EXPECT_NEAR(norm3, std::sqrt(sq3), 1e-6 * std::sqrt(sq3)) << "the norm of the unscaled sums";
+  for (size_t i = 0; i < params.size(); ++i)
+    if (owner[i] == me)
+      EXPECT_TRUE(at::allclose(params[i].second.grad().to(at::kDouble),
+                               base_grad(i, params[i].second) * (w * (w + 1) / 2.0) / 4.0, 1e-6, 1e-6))
+          << "tensor " << i << " unscaled once";
+
+  // Out of memory while the last rank unscales (its first allocation after the buckets):
+  // every rank gets the error from the same collective, and the group goes on.
+  for (size_t i = 0; i < params.size(); ++i)
+    params[i].second.mutable_grad() = (base_grad(i, params[i].second) * (me + 1)).to(at::kFloat);
+  if (me == w - 1) inject_oom_on_next_alloc();
+  bool oom = false;
+  try {
+    s.reduce_gradients(params, extra, scaler);
+  } catch (const std::exception& e) {
+    oom = compat::is_out_of_memory(e);
+    if (me != w - 1) EXPECT_NE(std::string(e.what()).find("out of memory on another rank"), std::string::npos) << e.what();
+  }
+  cancel_injected_oom();
+  EXPECT_TRUE(oom) << "rank " << me;
+  EXPECT_EQ(pg.allreduce(std::vector<int64_t>{1}, ReduceOp::sum)[0], w) << "the ranks still pair their collectives";
 }
 
 }  // namespace
