@@ -164,6 +164,19 @@ class LayerFetch {
   std::vector<std::pair<at::Tensor*, at::Tensor>> dense_;
 };
 
+// A sharded layer's weights gathered for the duration of its forward.
+class LayerGathered {
+ public:
+  LayerGathered(LayerSource& source, int layer) : source_(source), layer_(layer) { source_.gather(layer_); }
+  ~LayerGathered() { source_.release(layer_); }
+  LayerGathered(const LayerGathered&) = delete;
+  LayerGathered& operator=(const LayerGathered&) = delete;
+
+ private:
+  LayerSource& source_;
+  int layer_;
+};
+
 }  // namespace
 
 void CausalLM::set_offloaded(int layer, bool off) {
@@ -271,10 +284,15 @@ ForwardOutput CausalLM::forward(const data::Batch& batch, const ForwardOptions& 
   for (int i = 0; i < spec_.num_layers; ++i) {
     const c10::Device device = layer_device(i);
     if (x.device() != device) x = x.to(device);  // its gradient goes back the same way
-    const bool off = offloaded(i);
-    const bool ckpt = off || (i < static_cast<int>(options.checkpoint_layers.size()) && options.checkpoint_layers[i]);
+    const bool off = offloaded(i), shard = sharded(i);
+    const bool ckpt = off || shard ||
+                      (i < static_cast<int>(options.checkpoint_layers.size()) && options.checkpoint_layers[i]);
     // The context is captured by value: a checkpointed layer reruns during backward.
-    BlockFn fn = [this, i, ctx = context_on(device), off, device](const at::Tensor& h) {
+    BlockFn fn = [this, i, ctx = context_on(device), off, shard, device](const at::Tensor& h) {
+      if (shard) {
+        LayerGathered gathered(*layer_source_, i);
+        return layer(i, h, ctx);
+      }
       if (!off) return layer(i, h, ctx);
       LayerFetch fetched(slots_, i, device);
       return layer(i, h, ctx);

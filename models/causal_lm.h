@@ -44,6 +44,19 @@ struct LayerContext {
   AttentionOptions attention;   // the model's attention kernel, and whether rows are one document
 };
 
+// Layers whose frozen weights are not all on this process (distributed.sharding: full,
+// trainer/layer_shards.h): gather() makes layer `i`'s tensors whole until release(). The
+// forward gathers a covered layer just before it runs and releases it after, and such a
+// layer is always checkpointed, so its rerun in backward gathers again. gather() is all or
+// nothing: when it throws, the layer is as it was.
+class LayerSource {
+ public:
+  virtual ~LayerSource() = default;
+  virtual bool covers(int layer) const = 0;
+  virtual void gather(int layer) = 0;
+  virtual void release(int layer) = 0;
+};
+
 struct ForwardOptions {
   bool training = false;
   std::vector<bool> checkpoint_layers;  // per layer: recompute in backward
@@ -114,6 +127,11 @@ class CausalLM {
   }
   int64_t layer_weight_bytes(int layer) const;
 
+  // Sharded layers: `source` (owned by the caller, outlives the model's use; nullptr: none)
+  // gathers the layers it covers around their forward.
+  void set_layer_source(LayerSource* source) { layer_source_ = source; }
+  bool sharded(int layer) const { return layer_source_ && layer_source_->covers(layer); }
+
   // Pieces an architecture provides.
   virtual at::Tensor embed(const at::Tensor& input_ids, const at::Tensor& position_ids) = 0;  // (B,T,C)
   virtual LayerContext layer_context(const data::Batch& batch) = 0;
@@ -129,6 +147,7 @@ class CausalLM {
   ModelSpec spec_;
   Placement placement_;
   std::vector<bool> offloaded_;
+  LayerSource* layer_source_ = nullptr;
   std::vector<TensorSlot> slots_;
   std::vector<std::unique_ptr<Linear>> linears_;
   at::ScalarType compute_dtype_ = at::kFloat;

@@ -68,8 +68,9 @@ class Planner {
     MEMTUNE_CHECK(m_.micro_batch > 0 && m_.seq_length > 0, "estimate: micro-batch ", m_.micro_batch,
                   " and sequence length ", m_.seq_length, " must be positive");
     MEMTUNE_CHECK(m_.world_size >= 1, "estimate: world size ", m_.world_size, " must be at least 1");
-    MEMTUNE_CHECK(m_.sharding == "none" || m_.sharding == "optimizer" || m_.sharding == "gradients",
-                  "estimate: sharding '", m_.sharding, "' (none, optimizer or gradients)");
+    MEMTUNE_CHECK(m_.sharding == "none" || m_.sharding == "optimizer" || m_.sharding == "gradients" ||
+                      m_.sharding == "full",
+                  "estimate: sharding '", m_.sharding, "' (none, optimizer, gradients or full)");
     full_ = m_.finetune == "full";
     T_ = (m_.seq_length + 7) / 8 * 8;  // data::collate pads to a multiple of 8
     E_ = m_.micro_batch * T_;
@@ -88,8 +89,12 @@ class Planner {
     return false;
   }
   bool checkpointed(int layer) const {
-    return layer < static_cast<int>(m_.checkpoint_layers.size()) && m_.checkpoint_layers[layer];
+    return shard_layers() ||
+           (layer < static_cast<int>(m_.checkpoint_layers.size()) && m_.checkpoint_layers[layer]);
   }
+  // distributed.sharding: full over several ranks (trainer/layer_shards.h): each rank keeps
+  // 1/W of every layer's frozen weights, gathers a layer around its forward, checkpoints all.
+  bool shard_layers() const { return m_.world_size > 1 && m_.sharding == "full" && !full_; }
   // The layer's input requires grad: something below it (or the embedding) is trained.
   bool input_grad(int layer) const {
     if (full_ || m_.train_embedding || m_.train_position_embedding) return true;
@@ -275,12 +280,28 @@ class Planner {
       largest = std::max(largest, p.in * p.out);
       if (p.bias) dense_numel += L * p.out;
     }
+    // The layers' own dense tensors: norms, biases, dense projections.
+    int64_t layer_dense = L * (gpt2 ? 4 * C : 2 * C);
+    for (const auto& p : proj_)
+      if (p.bias) layer_dense += L * p.out;
     if (m_.load_in_4bit && !full_) {
       for (const auto& p : proj_) e.weights_nf4 += L * nf4_storage_bytes(p.in * p.out, m_.blocksize, m_.double_quant);
     } else {
       dense_numel += L * proj_numel;
+      layer_dense += L * proj_numel;
     }
     e.weights_dense = dense_numel * wb;
+    // Sharded layers: this rank's 1/W (the whole-tensor partition is within a tensor of it),
+    // and one whole layer while it is gathered (forward, and its rerun in backward).
+    int64_t gathered = 0;
+    if (shard_layers()) {
+      const int64_t W = m_.world_size, layers = e.weights_nf4 + layer_dense * wb;
+      e.layers_sharded_from = layers;
+      e.weights_nf4 = (e.weights_nf4 + W - 1) / W;
+      e.weights_dense = (dense_numel - layer_dense) * wb + (layer_dense * wb + W - 1) / W;
+      gathered = (layers + L - 1) / L;
+      e.gathered_layer = gathered;
+    }
 
     // Trainable tensors, their gradients and the optimizer's states.
     int64_t trainable = 0, largest_trainable = 0;
@@ -335,7 +356,8 @@ class Planner {
     // Sharding (trainer/sharding.h): the ideal 1/W share; its whole-tensor partition is within
     // one tensor of it.
     const int64_t W = m_.world_size;
-    const bool shard_states = W > 1 && m_.sharding != "none", shard_grads = W > 1 && m_.sharding == "gradients";
+    const bool shard_states = W > 1 && m_.sharding != "none",
+               shard_grads = W > 1 && (m_.sharding == "gradients" || m_.sharding == "full");
     const int64_t states_whole = e.optimizer_states;
     if (shard_states) {
       e.optimizer_states = (e.optimizer_states + W - 1) / W;
@@ -382,7 +404,7 @@ class Planner {
       below += e.activations_per_layer[i];
     }
     fwd = std::max(fwd, e.activations + e.loss);
-    e.forward_peak = persistent + fwd;  // gradients were dropped before the step (zero_grad)
+    e.forward_peak = persistent + fwd + gathered;  // gradients were dropped before the step (zero_grad)
 
     // Backward: the loss node (its saved gradients and their product with the loss's
     // gradient), then from the top layer down: a checkpointed layer is first rebuilt with
@@ -414,7 +436,7 @@ class Planner {
     if (!full_ && (m_.train_embedding || m_.train_position_embedding)) bwd = std::max(bwd, e.gradients + batch + grad_in);
     e.recompute = recompute;
     e.workspace = workspace;
-    e.backward_peak = persistent + bwd;
+    e.backward_peak = persistent + bwd + gathered;
 
     // Optimizer: the gradient norm converts the largest gradient to fp64 and squares it.
     e.optimizer_peak = persistent + e.gradients_after_reduce + 2 * largest_trainable * 8;
@@ -427,6 +449,10 @@ class Planner {
       add("weights: NF4", e.weights_nf4,
           str_cat("projections, blocksize ", m_.blocksize, m_.double_quant ? ", double quant" : ""));
     add("weights: dense", e.weights_dense, str_cat(wb, " bytes per element"));
+    if (gathered)
+      add("weights: gathered layer", gathered,
+          str_cat("one whole layer while it runs, in forward and in backward; the layers' weights above are 1/",
+                  m_.world_size, " of ", format_bytes(e.layers_sharded_from), " (distributed.sharding: full)"));
     if (e.lora_parameters) add("LoRA parameters", e.lora_parameters, str_cat("r=", m_.lora_r, ", fp32"));
     add("gradients", e.gradients, str_cat(trainable, " trainable parameters, fp32"));
     std::string states_how = m_.optimizer == "sgd"           ? "sgd: momentum buffer"
@@ -446,7 +472,7 @@ class Planner {
     add("optimizer states", e.optimizer_states, states_how);
     if (shard_grads)
       add("gradients after reduction", e.gradients_after_reduce,
-          str_cat("per rank in the update, 1/", W, " (distributed.sharding: gradients)"));
+          str_cat("per rank in the update, 1/", W, " (distributed.sharding: ", m_.sharding, ")"));
     if (e.sharding_buffer) add("sharding buffer", e.sharding_buffer, "one bucket of the sharded collectives");
     if (e.optimizer_workspace) add("optimizer workspace", e.optimizer_workspace, "the largest trainable tensor, fp32");
     // Runs of layers that keep the same bytes the same way are one line.

@@ -70,7 +70,9 @@ struct EstimateInput {
   // Data parallel over world_size ranks; the figures are per rank. sharding
   // (distributed.sharding): none | optimizer (each rank keeps 1/W of the optimizer state) |
   // gradients (also 1/W of the gradients once reduced, for the update; backward still holds
-  // them all). A sharded level keeps one buffer of bucket_bytes (at most its share).
+  // them all) | full (also 1/W of the layers' frozen weights, one layer gathered at a time,
+  // every layer checkpointed; LoRA only). A sharded level keeps one buffer of bucket_bytes
+  // (at most its share).
   int64_t world_size = 1;
   std::string sharding = "none";
   int64_t bucket_bytes = int64_t{25} << 20;
@@ -92,6 +94,8 @@ struct Estimate {
   // Persistent across the step.
   int64_t weights_nf4 = 0;        // packed codes + absmax (+ nested absmax and map)
   int64_t weights_dense = 0;      // embeddings, norms, head, biases, dense projections
+  int64_t layers_sharded_from = 0; // sharding full: every layer's weights, of which this rank keeps 1/W
+  int64_t gathered_layer = 0;     // sharding full: one layer gathered whole around its forward
   int64_t lora_parameters = 0;    // A and B, fp32
   int64_t trainable_parameters = 0;  // count
   int64_t gradients = 0;          // one fp32 gradient per trainable tensor

@@ -50,7 +50,8 @@ void add_estimate_command(CLI::App& app) {
       Estimate e;
     };
     std::vector<Level> levels;
-    for (const char* level : {"none", "optimizer", "gradients"}) {
+    for (const char* level : {"none", "optimizer", "gradients", "full"}) {
+      if (std::string(level) == "full" && c.training.finetune != "lora") continue;  // full shards a frozen base
       EstimateInput l = in;
       l.sharding = level;
       levels.push_back({level, estimate_memory(l)});
@@ -100,6 +101,8 @@ void add_estimate_command(CLI::App& app) {
                           {"sharding", in.sharding}};
       for (const auto& l : levels)
         j["sharding_levels"].push_back({{"level", l.name},
+                                        {"weights", l.e.weights_nf4 + l.e.weights_dense},
+                                        {"gathered_layer", l.e.gathered_layer},
                                         {"optimizer_states", l.e.optimizer_states},
                                         {"gradients", l.e.gradients},
                                         {"gradients_after_reduce", l.e.gradients_after_reduce},
@@ -127,12 +130,14 @@ void add_estimate_command(CLI::App& app) {
     if (in.world_size > 1) {
       std::printf("per rank of %lld (distributed.sharding; the update holds the gradients after reduction):\n",
                   static_cast<long long>(in.world_size));
-      std::printf("  %-10s %16s %16s %16s %16s\n", "level", "optimizer state", "gradients", "in the update",
-                  "predicted peak");
+      std::printf("  %-10s %16s %16s %16s %16s %16s\n", "level", "weights", "optimizer state", "gradients",
+                  "in the update", "predicted peak");
       for (const auto& l : levels)
-        std::printf("  %-10s %16s %16s %16s %16s%s\n", l.name.c_str(), format_bytes(l.e.optimizer_states).c_str(),
-                    format_bytes(l.e.gradients).c_str(), format_bytes(l.e.gradients_after_reduce).c_str(),
-                    format_bytes(l.e.peak_bytes).c_str(), l.name == in.sharding ? "  (configured)" : "");
+        std::printf("  %-10s %16s %16s %16s %16s %16s%s\n", l.name.c_str(),
+                    format_bytes(l.e.weights_nf4 + l.e.weights_dense + l.e.gathered_layer).c_str(),
+                    format_bytes(l.e.optimizer_states).c_str(), format_bytes(l.e.gradients).c_str(),
+                    format_bytes(l.e.gradients_after_reduce).c_str(), format_bytes(l.e.peak_bytes).c_str(),
+                    l.name == in.sharding ? "  (configured)" : "");
     }
     if (is_auto)
       std::printf("per_device_train_batch_size: auto starts at %lld (under %.0f%% of the device)\n",

@@ -246,8 +246,9 @@ void DistributedConfig::fields(F&& f) {
   f("bucket_size_mb", bucket_size_mb, "MiB per gradient bucket");
   f("sharding", sharding,
     "ZeRO across ranks: optimizer (zero1): each rank keeps and updates 1/W of the optimizer state; gradients "
-    "(zero2): also each gradient reduced to its owner only; full (zero3, parameters too): not built yet, "
-    "refused. One process: as none",
+    "(zero2): also each gradient reduced to its owner only; full (zero3): also the layers' frozen base "
+    "weights, each rank keeping 1/W of every layer and gathering a layer just before it runs (LoRA only; every "
+    "layer checkpointed). One process: as none",
     kSharding);
 }
 
@@ -580,9 +581,6 @@ void validate(const RuntimeConfig& r, const std::string& p, const Checker& c) {
 void validate(const DistributedConfig& d, const std::string& p, const Checker& c) {
   c.check(d.timeout > 0, p + ".timeout", d.timeout, "must be > 0 seconds");
   c.check(d.bucket_size_mb >= 1, p + ".bucket_size_mb", d.bucket_size_mb, "must be at least 1 MiB");
-  c.check(d.sharding != "full", p + ".sharding", d.sharding,
-          "full (ZeRO-3: parameters sharded per transformer block) is not built yet. Hint: optimizer (zero1) or "
-          "gradients (zero2) shard the optimizer state and the gradients");
 }
 
 void validate(const Config& config, const Checker& c) {
@@ -594,6 +592,11 @@ void validate(const Config& config, const Checker& c) {
   validate(config.memory, "memory", c);
   validate(config.runtime, "runtime", c);
   validate(config.distributed, "distributed", c);
+  // full shards the frozen base of the decoder layers; a full fine-tune has none.
+  c.check(config.distributed.sharding != "full" || config.training.finetune == "lora", "distributed.sharding",
+          config.distributed.sharding,
+          "full shards the frozen base weights of the layers, and training.finetune: full trains them all. Hint: "
+          "gradients (zero2) shards a full fine-tune's gradients and optimizer state");
 }
 
 }  // namespace

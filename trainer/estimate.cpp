@@ -132,15 +132,19 @@ int64_t auto_micro_batch(const Config& c, const EstimateInput& in, int64_t budge
   return std::clamp<int64_t>(max_micro_batch(in, under, cap), 1, cap);
 }
 
-void check_fits(const Config& c, const models::ModelSpec& spec, int64_t budget) {
+void check_fits(const Config& c, const models::ModelSpec& spec, int64_t budget, int64_t world_size) {
   EstimateInput best = with_every_saving(estimate_input(c, spec, 1));
+  best.world_size = world_size;
   best.offload_activations = best.offload_activations || (c.memory.supervise && c.memory.on_oom.activation_offload);
   best.optimizer_paged = best.optimizer_paged || (c.memory.supervise && c.memory.on_oom.optimizer_offload);
   int64_t peak = estimate_peak(best);
   // With offloading allowed (LoRA on a frozen base; device_map or the supervisor's ladder),
   // every decoder layer can leave the device but the one running: the layers' share of the
   // weights is not needed at once.
-  const bool can_offload = best.finetune == "lora" && (c.memory.on_oom.offload_layers || !c.model.device_map.entries.empty());
+  // Sharded layers (distributed.sharding: full) are not offloaded: the estimate counts 1/W of them.
+  const bool sharded = world_size > 1 && c.distributed.sharding == "full";
+  const bool can_offload = best.finetune == "lora" && !sharded &&
+                           (c.memory.on_oom.offload_layers || !c.model.device_map.entries.empty());
   if (can_offload && best.num_layers > 1) {
     const Estimate e = estimate_memory(best);
     const int64_t C = best.hidden_size, V = best.vocab_size;

@@ -35,6 +35,7 @@ int64_t auto_micro_batch(const Config& config, const EstimateInput& in, int64_t 
 // Refuses (MemoryExhausted, a UserError) a run whose estimated peak at micro-batch 1 with every layer
 // checkpointed exceeds `budget` bytes, saying what would fit: load_in_4bit, a shorter
 // data.max_seq_length, fewer layers' adapters, or a device of the needed size.
-void check_fits(const Config& config, const models::ModelSpec& spec, int64_t budget);
+// `world_size`: per rank of that many (distributed.sharding).
+void check_fits(const Config& config, const models::ModelSpec& spec, int64_t budget, int64_t world_size = 1);
 
 }  // namespace memtune::trainer

@@ -27,10 +27,8 @@ ShardLevel shard_level(const std::string& name) {
   if (name == "none") return ShardLevel::none;
   if (name == "optimizer" || name == "zero1") return ShardLevel::optimizer;
   if (name == "gradients" || name == "zero2") return ShardLevel::gradients;
-  MEMTUNE_CHECK(name != "full" && name != "zero3", "distributed.sharding: ", name,
-                " (ZeRO-3: parameters sharded per transformer block) is not built yet. Hint: optimizer (zero1) or "
-                "gradients (zero2)");
-  fail("distributed.sharding: unknown level '", name, "' (none, optimizer, gradients; zero1, zero2)");
+  if (name == "full" || name == "zero3") return ShardLevel::full;
+  fail("distributed.sharding: unknown level '", name, "' (none, optimizer, gradients, full; zero1, zero2, zero3)");
 }
 
 const char* shard_level_name(ShardLevel level) {
@@ -38,6 +36,7 @@ const char* shard_level_name(ShardLevel level) {
     case ShardLevel::none: return "none";
     case ShardLevel::optimizer: return "optimizer";
     case ShardLevel::gradients: return "gradients";
+    case ShardLevel::full: return "full";
   }
   return "none";
 }
@@ -105,7 +104,7 @@ Sharding::Sharding(ShardLevel level, ProcessGroup* pg, const Params& params, int
     }
   }
   buffer_ = at::empty({std::max<int64_t>(1, largest)}, at::TensorOptions(at::kFloat).device(pg_->device()));
-  if (level_ == ShardLevel::gradients)
+  if (shards_gradients())
     log_once("sharding-reduce-scatter",
              "distributed.sharding: gradients: each bucket is reduced to its owner with one reduce (the exact "
              "equivalent of a reduce-scatter: Gloo in LibTorch 1.13 has no reduce_scatter, and whole-tensor shards "
@@ -126,7 +125,7 @@ std::string Sharding::describe() const {
   const int64_t tensors = std::count(owned_.begin(), owned_.end(), true);
   return str_cat("distributed.sharding: ", shard_level_name(level_), ": rank ", rank_, " of ", world_, " owns ",
                  tensors, " of ", owned_.size(), " trainable tensors (", owned_numel_, " of ", total_numel_,
-                 " parameters): their optimizer state", level_ == ShardLevel::gradients ? " and reduced gradients" : "",
+                 " parameters): their optimizer state", shards_gradients() ? " and reduced gradients" : "",
                  " live here only; ", buckets_.size(), " buckets through a buffer of ", format_bytes(buffer_bytes()));
 }
 
@@ -137,7 +136,7 @@ void Sharding::reduce_gradients(const Params& params, const at::Tensor& extra, c
   // ones before the first collective, so an out-of-memory error stops no rank inside one.
   for (const auto& [name, p] : params)
     if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
-  if (level_ != ShardLevel::gradients) {
+  if (!shards_gradients()) {
     std::vector<at::Tensor> grads;
     for (const auto& [name, p] : params) grads.push_back(p.grad());
     if (extra.defined()) grads.push_back(extra);
@@ -197,7 +196,7 @@ void Sharding::reduce_gradients(const Params& params, const at::Tensor& extra, c
 }
 
 std::pair<bool, double> Sharding::check_gradients(const GradScaler& scaler, const Params& params) {
-  if (level_ == ShardLevel::gradients) {
+  if (shards_gradients()) {
     MEMTUNE_INTERNAL_ASSERT(checked_, "sharding: check_gradients without reduce_gradients in this attempt");
     checked_ = false;
     return {skip_, norm_};

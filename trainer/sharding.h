@@ -1,5 +1,6 @@
 #pragma once
-// ZeRO across data-parallel ranks (distributed.sharding), stages 1 and 2.
+// ZeRO across data-parallel ranks (distributed.sharding), stages 1 and 2 (and the trainable
+// part of 3: the frozen base's part is trainer/layer_shards.h).
 //
 // The trainable tensors are partitioned by whole tensors among the W ranks (balanced by
 // element count, the same on every rank): rank r owns its part's optimizer state and updates
@@ -37,10 +38,12 @@ namespace memtune::trainer {
 class GradScaler;
 class Optimizer;
 
-enum class ShardLevel { none, optimizer, gradients };
+// full: gradients, and the layers' frozen base (trainer/layer_shards.h); here it acts as
+// gradients.
+enum class ShardLevel { none, optimizer, gradients, full };
 
-// distributed.sharding's value (the config maps zero1/zero2 to optimizer/gradients); full
-// and anything else: UserError.
+// distributed.sharding's value (the config maps zero1/2/3 to optimizer/gradients/full);
+// anything else: UserError.
 ShardLevel shard_level(const std::string& name);
 const char* shard_level_name(ShardLevel level);
 
@@ -58,6 +61,7 @@ class Sharding {
   Sharding(ShardLevel level, ProcessGroup* pg, const Params& params, int64_t bucket_bytes);
 
   ShardLevel level() const { return level_; }  // as it acts: none without several ranks
+  bool shards_gradients() const { return level_ == ShardLevel::gradients || level_ == ShardLevel::full; }
   int rank() const { return rank_; }
   int world_size() const { return world_; }
   const std::vector<int>& owners() const { return owners_; }  // per tensor

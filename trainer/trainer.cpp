@@ -42,6 +42,7 @@
 #include "trainer/estimate.h"
 #include "trainer/evaluate.h"
 #include "trainer/grad_scaler.h"
+#include "trainer/layer_shards.h"
 #include "trainer/model_setup.h"
 #include "trainer/optimizer.h"
 #include "trainer/schedule.h"
@@ -134,6 +135,9 @@ class Trainer {
   void evaluate_loss(const char* when);
   void evaluate_accuracy(const char* when);
   int stop_signal() const;  // 0, or the signal to stop for (distributed: agreed in the step)
+  // Whether an evaluation stops (or does not start) for a signal. Under sharded layers every
+  // rank runs the same forwards (each gathers with the others): only the agreed stop counts.
+  bool eval_stopped() const { return layer_shards_ ? stop_signal() != 0 : stop_requested(); }
   TrainResult stop(int sig);
   TrainResult finish();
   void note_peak(int phase);
@@ -152,6 +156,7 @@ class Trainer {
   EstimateInput plan_;
 
   ModelBundle bundle_;
+  std::unique_ptr<LayerShards> layer_shards_;  // distributed.sharding: full (destroyed before the model)
   std::unique_ptr<data::Dataset> train_set_, eval_set_;
   int32_t pad_id_ = 0;
   int64_t micro_batch_ = 1;  // the configured (largest) micro-batch
@@ -227,8 +232,9 @@ void Trainer::join_and_plan() {
   // with every layer checkpointed, and log the estimate of the configured one.
   budget_ = limit_ > 0 ? limit_ : mem_->stats().total;
   const models::ModelSpec spec = model_spec(c_);
-  check_fits(c_, spec, budget_);
+  check_fits(c_, spec, budget_, dist_.world_size);
   plan_ = estimate_input(c_, spec);
+  plan_.world_size = dist_.world_size;  // per-rank figures under distributed.sharding
   spdlog::info("memory plan: estimated peak {} at micro-batch {} x {} tokens, budget {} (memtune estimate)",
                format_bytes(estimate_peak(plan_)), plan_.micro_batch, plan_.seq_length, format_bytes(budget_));
 }
@@ -237,8 +243,13 @@ void Trainer::load_model() {
   bundle_ = setup_model(c_);
   models::CausalLM& model = *bundle_.model;
   for (const auto& n : bundle_.notes) spdlog::info("{}", n);
+  const bool shard_layers = pg_ && pg_->world_size() > 1 && shard_level(c_.distributed.sharding) == ShardLevel::full;
+  std::vector<models::DeviceBudget> budgets = auto_budgets(c_, device_, limit_, dist_.enabled());
+  // Sharded layers are not offloaded (device_map: auto): each rank keeps 1/W of every layer.
+  if (shard_layers)
+    for (auto& b : budgets) b.bytes = 0;
   spdlog::info("{}", models::apply_device_map(model, c_.model.device_map.single, c_.model.device_map.entries, device_,
-                                              auto_budgets(c_, device_, limit_, dist_.enabled())));
+                                              budgets));
   const std::vector<c10::Device> devices = models::devices_of(model.placement());
   // distributed: gradients are reduced in per-dtype buckets on the rank's one device.
   MEMTUNE_CHECK(!pg_ || devices.size() == 1, "model.device_map places the model on ", devices.size(),
@@ -247,6 +258,11 @@ void Trainer::load_model() {
   if (devices.size() > 1)
     spdlog::info("memory: the supervisor watches {}; the model also computes on {} other device(s), whose "
                  "memory it does not watch", device_.str(), devices.size() - 1);
+  // distributed.sharding: full: each rank keeps its share of every layer's frozen weights.
+  if (shard_layers) {
+    layer_shards_ = std::make_unique<LayerShards>(model, *pg_);
+    spdlog::info("{}", layer_shards_->describe());
+  }
   // The budget applies once the model is placed: loading goes through host memory, and
   // offloaded layers live outside the device (as on a GPU).
   if (limit_ > 0) {
@@ -324,6 +340,7 @@ void Trainer::build_update() {
 
 void Trainer::build_supervisor() {
   ckpt_layers_ = checkpoint_plan(c_.training.gradient_checkpointing, bundle_.model->num_layers());
+  if (layer_shards_) ckpt_layers_.assign(ckpt_layers_.size(), true);  // a sharded layer is always checkpointed
   configured_ckpt_ = ckpt_layers_;
   for (int64_t i = 0; i < bundle_.model->num_layers(); ++i) configured_offload_.push_back(bundle_.model->offloaded(i));
   offload_activations_ = c_.training.activation_offload == "checkpoints";
@@ -339,7 +356,12 @@ void Trainer::build_supervisor() {
   so.critical = c_.memory.critical_threshold;
   so.emergency = c_.memory.emergency_threshold;
   supervisor_ = std::make_unique<Supervisor>(so);
-  if (pg_) supervisor_->set_agreement([this](bool oom, int64_t micro) { return pg_->agree(oom, micro); });
+  if (pg_)
+    supervisor_->set_agreement([this](bool oom, int64_t micro) {
+      // A sharded layer's gather may have made this stage's agreement already (layer_shards.h).
+      if (layer_shards_ && layer_shards_->take_agreed_oom()) return std::make_pair(true, micro);
+      return pg_->agree(oom, micro);
+    });
   // Each rung with its undo: grow-back reverts the ladder's changes, never the config's.
   if (c_.memory.on_oom.checkpoint_more)
     supervisor_->add_ladder_rung(
@@ -385,7 +407,10 @@ void Trainer::build_supervisor() {
           const int64_t bytes = optimizer_->restore_states();
           return bytes > 0 ? str_cat("optimizer offload (", format_bytes(bytes), " back on the device)") : "";
         });
-  if (c_.memory.on_oom.offload_layers)
+  if (c_.memory.on_oom.offload_layers && layer_shards_)
+    spdlog::info("memory.on_oom.offload_layers: not a rung under distributed.sharding: full (each rank keeps 1/{} "
+                 "of every layer already)", pg_->world_size());
+  else if (c_.memory.on_oom.offload_layers)
     supervisor_->add_ladder_rung(
         "offload layers", [this] { return models::offload_one_more_layer(*bundle_.model); },
         [this]() -> std::string {
@@ -697,9 +722,9 @@ void Trainer::save_checkpoint() {
 }
 
 void Trainer::evaluate_loss(const char* when) {
-  if (!eval_set_ || stop_requested()) return;
-  const EvalResult r =
-      evaluate(*bundle_.model, *eval_set_, c_.training.per_device_eval_batch_size, -1, stop_requested);
+  if (!eval_set_ || eval_stopped()) return;
+  const EvalResult r = evaluate(*bundle_.model, *eval_set_, c_.training.per_device_eval_batch_size, -1,
+                                [this] { return eval_stopped(); });
   if (r.stopped) {
     spdlog::warn("eval ({}): stopped by signal {} after {} tokens; not recorded", when, g_stop_signal.load(), r.tokens);
     return;
@@ -714,10 +739,11 @@ void Trainer::evaluate_loss(const char* when) {
 }
 
 void Trainer::evaluate_accuracy(const char* when) {
-  if (c_.training.eval_accuracy_rows <= 0 || c_.data.eval_file.empty() || !bundle_.tokenizer || stop_requested())
+  if (c_.training.eval_accuracy_rows <= 0 || c_.data.eval_file.empty() || !bundle_.tokenizer || eval_stopped())
     return;
   const AccuracyResult a = instruction_accuracy(*bundle_.model, *bundle_.tokenizer, c_.data.template_name,
-                                                c_.data.eval_file, c_.training.eval_accuracy_rows, 12, stop_requested);
+                                                c_.data.eval_file, c_.training.eval_accuracy_rows, 12,
+                                                [this] { return eval_stopped(); });
   if (a.stopped) {
     spdlog::warn("accuracy ({}): stopped by signal {} after {} rows; not recorded", when, g_stop_signal.load(),
                  a.total);

@@ -155,6 +155,10 @@ TEST_P(ShardedRun, EqualsOneProcessOnTheGlobalBatch) {
     EXPECT_NE(many.output.find(str_cat("distributed.sharding: ", k.level, ": rank ", r, " of ", k.world, " owns")),
               std::string::npos) << many.output;
   if (k.level == "gradients") EXPECT_NE(many.output.find("the exact equivalent of a reduce-scatter"), std::string::npos);
+  if (k.level == "full")
+    for (int r = 0; r < k.world; ++r)
+      EXPECT_NE(many.output.find(str_cat("distributed.sharding: full: rank ", r, " of ", k.world, " keeps ")),
+                std::string::npos) << many.output;
 
   // The last checkpoint's optimizer state: one shard per rank, each within one tensor of
   // 1/W, together the one process's state (to the run's tolerance).
@@ -198,7 +202,16 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"gradients", 3, "paged_adamw_32bit", "lora", 1e-5},
                       Case{"gradients", 2, "adamw", "full", 1e-5, "model.name_or_path=tiny-gpt2", "_tied_gpt2"},
                       Case{"gradients", 3, "adamw", "lora", 1e-5, "training.fp16=true training.fp16_init_scale=1e39",
-                           "_fp16_overflow"}),
+                           "_fp16_overflow"},
+                      // full: the layers' frozen base sharded too (QLoRA, a dense base, GPT-2's biases and
+                      // LayerNorms), with evaluations, whose forwards gather as training's do.
+                      Case{"full", 2, "sgd", "lora", 1e-6}, Case{"full", 3, "adamw", "lora", 1e-5},
+                      Case{"full", 2, "adamw", "lora", 1e-5, "model.quantization_config.load_in_4bit=false", "_dense"},
+                      Case{"full", 3, "adamw", "lora", 1e-5,
+                           "model.name_or_path=tiny-gpt2 data.eval_file=" +
+                               (source_dir() / "examples/data/tasks_eval.jsonl").string() +
+                               " training.eval_steps=2 training.eval_accuracy_rows=4",
+                           "_gpt2_eval"}),
     name_of);
 
 TEST(ShardedOom, AnOomAfterTheShardedReductionRetriesEveryRankAndKeepsTheMath) {
@@ -219,6 +232,98 @@ TEST(ShardedOom, AnOomAfterTheShardedReductionRetriesEveryRankAndKeepsTheMath) {
   expect_same_losses(step_losses(d / "clean/out"), step_losses(d / "oom/out"), 1e-5);
   expect_same_tensors(d / "clean/out/adapter/adapter_model.safetensors", d / "oom/out/adapter/adapter_model.safetensors",
                       1e-5);
+}
+
+// distributed.sharding: full: one rank runs out of memory inside the layers (forward, or the
+// reruns of backward) while the others run on to their next gather; every rank learns it
+// there, drops the step, shrinks and runs the same samples again: the losses and the adapter
+// are the clean run's.
+class ShardedFullOom : public ::testing::TestWithParam<std::tuple<int, std::string>> {};
+
+TEST_P(ShardedFullOom, EveryRankRetriesTheStepAndTheMathStays) {
+  MEMTUNE_REQUIRE_GLOO();
+  const auto [world, point] = GetParam();
+  fs::path d = temp_dir();
+  const std::string args = "training.optim=adamw distributed.sharding=full";
+  auto clean = run(launch_cmd(world, write_config(d / "clean"), args), 600);
+  ASSERT_EQ(clean.exit_code, 0) << clean.output;
+  auto oom = run(launch_cmd(world, write_config(d / "oom"), args + " memory.inject_oom=" + point), 600);
+  ASSERT_EQ(oom.exit_code, 0) << oom.output;
+  const auto rows = read_jsonl(d / "oom/out/metrics.jsonl", "loss");
+  ASSERT_EQ(rows.size(), 4u);
+  EXPECT_NE(rows[2]["events"].dump().find("oom"), std::string::npos) << rows[2].dump();
+  EXPECT_EQ(rows[2]["micro_batch"], 1) << rows[2].dump();
+  expect_same_losses(step_losses(d / "clean/out"), step_losses(d / "oom/out"), 1e-5);
+  expect_same_tensors(d / "clean/out/adapter/adapter_model.safetensors", d / "oom/out/adapter/adapter_model.safetensors",
+                      1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(Points, ShardedFullOom,
+                         ::testing::Values(std::make_tuple(2, "2:forward:1"), std::make_tuple(3, "2:backward:1"),
+                                           std::make_tuple(3, "2:forward:0")),
+                         [](const auto& info) {
+                           std::string p = std::get<1>(info.param);
+                           for (char& c : p)
+                             if (c == ':') c = '_';
+                           return "W" + std::to_string(std::get<0>(info.param)) + "_step" + p;
+                         });
+
+// The point of distributed.sharding: full: a model that does not fit one rank's
+// memory.device_limit trains on 3 ranks with that limit each. A Llama whose layers hold most
+// of its bytes (8 layers of hidden 256, a dense fp32 base: 32 MiB of its 33) under 28 MiB:
+// one process is refused before loading (every saving estimated at 36.6 MiB), so are 3 ranks
+// sharding only the optimizer state and gradients; with the layers sharded each rank keeps
+// 1/3 of them plus the layer it runs, and the run's losses and adapter are those of the
+// 3-rank run without a limit.
+TEST(ShardedFull, AModelThatDoesNotFitOneRanksLimitTrainsOnThreeRanks) {
+  MEMTUNE_REQUIRE_GLOO();
+  fs::path d = temp_dir();
+  const json cfg = {{"architectures", {"LlamaForCausalLM"}}, {"model_type", "llama"}, {"hidden_size", 256},
+                    {"intermediate_size", 1024}, {"num_hidden_layers", 8}, {"num_attention_heads", 4},
+                    {"num_key_value_heads", 4}, {"head_dim", 64}, {"hidden_act", "silu"},
+                    {"max_position_embeddings", 1024}, {"rms_norm_eps", 1e-5}, {"rope_theta", 10000.0},
+                    {"tie_word_embeddings", true}, {"vocab_size", 1024}, {"bos_token_id", 1019},
+                    {"eos_token_id", 1020}, {"torch_dtype", "float32"}};
+  fs::create_directories(d / "spec");
+  write_file(d / "spec/config.json", cfg.dump(1));
+  auto init = run(memtune_bin() + " init-model --config " + (d / "spec/config.json").string() + " --out " +
+                  (d / "model").string() + " --tokenizer " + (source_dir() / "examples/tiny-tokenizer").string());
+  ASSERT_EQ(init.exit_code, 0) << init.output;
+  const std::string args = "model.name_or_path=" + (d / "model").string() +
+                           " model.quantization_config.load_in_4bit=false training.per_device_train_batch_size=1 "
+                           "memory.on_oom.offload_layers=false";
+  const std::string limit = " memory.device_limit=28MiB";
+
+  auto one = run(train_cmd(write_config(d / "one"), args + limit), 600);
+  EXPECT_EQ(one.exit_code, 3) << one.output;
+  EXPECT_NE(one.output.find("cannot fit in 28.00 MiB"), std::string::npos) << one.output;
+  auto zero2 = run(launch_cmd(3, write_config(d / "zero2"), args + limit + " distributed.sharding=gradients"), 600);
+  EXPECT_NE(zero2.exit_code, 0) << zero2.output;
+  EXPECT_NE(zero2.output.find("cannot fit in 28.00 MiB"), std::string::npos) << zero2.output;
+
+  auto free = run(launch_cmd(3, write_config(d / "free"), args + " distributed.sharding=gradients"), 600);
+  ASSERT_EQ(free.exit_code, 0) << free.output;
+  auto full = run(launch_cmd(3, write_config(d / "full"), args + limit + " distributed.sharding=full"), 600);
+  ASSERT_EQ(full.exit_code, 0) << full.output;
+  for (int r = 0; r < 3; ++r)
+    EXPECT_NE(full.output.find(str_cat("[rank ", r, "] distributed.sharding: full: rank ", r, " of 3 keeps ")),
+              std::string::npos) << full.output;
+  expect_same_losses(step_losses(d / "free/out"), step_losses(d / "full/out"), 1e-5);
+  expect_same_tensors(d / "free/out/adapter/adapter_model.safetensors", d / "full/out/adapter/adapter_model.safetensors",
+                      1e-5);
+  // Rank 0's measured step peaks against the memory model's per-rank figure for full.
+  auto est = run(memtune_bin() + " estimate " + write_config(d / "est").string() + " --nproc 3 --json " + args +
+                 " distributed.sharding=full");
+  ASSERT_EQ(est.exit_code, 0) << est.output;
+  const json e = json::parse(est.output);
+  const int64_t predicted = e["peak_bytes"].get<int64_t>();
+  EXPECT_LT(predicted, int64_t{28} << 20);
+  for (const auto& row : read_jsonl(d / "full/out/metrics.jsonl", "loss")) {
+    EXPECT_EQ(row["events"].dump().find("oom"), std::string::npos) << "no out-of-memory error: " << row.dump();
+    const int64_t peak = row["memory"]["cpu"]["peak"].get<int64_t>();
+    EXPECT_LE(peak, predicted) << row.dump();
+    EXPECT_GE(peak, predicted * 8 / 10) << row.dump();
+  }
 }
 
 // Rows written so far (a line being written is skipped).

@@ -2,7 +2,11 @@
 // reduced to their owners (or to every rank) against sums worked out here, the global norm
 // and the agreed skip, the update reaching every rank against SGD on those sums, and the
 // bytes each rank sent against the counting rule, with buckets small enough that tensors
-// split across them. Each process is this binary re-run with MEMTUNE_SHARDING_SCENARIO set.
+// split across them. LayerShards (distributed.sharding: full): every layer gathered equal to
+// the whole model's tensors, the shards adding up to the model, the loss and the adapters'
+// gradients of the sharded model equal to the whole model's, and an out-of-memory error on
+// one rank (in a gather, or before it) reaching every rank from one agreement. Each process
+// is this binary re-run with MEMTUNE_SHARDING_SCENARIO set.
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
@@ -21,7 +25,12 @@
 #include "test_util.h"
 #include "runtime/compat.h"
 #include "runtime/cpu_budget_allocator.h"
+#include "data/batch.h"
+#include "models/hf_model.h"
+#include "models/layers/linear.h"
+#include "runtime/nf4.h"
 #include "trainer/grad_scaler.h"
+#include "trainer/layer_shards.h"
 #include "trainer/optimizer.h"
 #include "trainer/sharding.h"
 
@@ -200,6 +209,155 @@ void scenario(ProcessGroup& pg, ShardLevel level) {
   EXPECT_EQ(pg.allreduce(std::vector<int64_t>{1}, ReduceOp::sum)[0], w) << "the ranks still pair their collectives";
 }
 
+// The bytes of every frozen tensor of each layer: dense ones, and each NF4 weight's tensors.
+std::vector<std::vector<at::Tensor>> layer_tensors(models::CausalLM& m) {
+  std::vector<std::vector<at::Tensor>> out(static_cast<size_t>(m.num_layers()));
+  for (const auto& s : m.tensors()) {
+    if (s.layer < 0) continue;
+    if (s.role == models::TensorRole::kLinearWeight && s.linear->quantized()) {
+      const NF4Tensor& q = *s.linear->qweight();
+      for (const at::Tensor& t : {q.packed, q.absmax, q.nested_absmax, q.nested_quant_map})
+        if (t.defined()) out[s.layer].push_back(t);
+    } else if (s.tensor->defined() && !s.tensor->requires_grad()) {
+      out[s.layer].push_back(*s.tensor);
+    }
+  }
+  return out;
+}
+
+int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+
+// tiny-llama with layers 0-1 in NF4 and 2-3 dense, LoRA on every projection.
+std::unique_ptr<models::CausalLM> layers_model() {
+  auto m = models::init_random_model(*models::preset("tiny-llama"), 11);
+  at::manual_seed(5);
+  models::LoraOptions lo;
+  lo.r = 4;
+  lo.init = "gaussian";  // B = 0 would give A no gradient
+  for (models::Linear* l : m->linears()) {
+    if (l->name().find("layers.0.") != std::string::npos || l->name().find("layers.1.") != std::string::npos)
+      l->quantize(64, true);
+    l->add_lora(lo);
+    at::NoGradGuard ng;
+    l->lora->B.normal_(0, 0.02);
+  }
+  return m;
+}
+
+data::Batch layers_batch(int rank) {
+  std::vector<data::Sample> samples(2);
+  for (int b = 0; b < 2; ++b)
+    for (int t = 0; t < 20; ++t) {
+      samples[b].input_ids.push_back((7 * t + 13 * b + 31 * rank + 1) % 1000);
+      samples[b].targets.push_back(t + 1 < 20 ? (7 * (t + 1) + 13 * b + 31 * rank + 1) % 1000 : data::kIgnoreIndex);
+      samples[b].position_ids.push_back(t);
+      samples[b].segment_ids.push_back(0);
+    }
+  return data::collate(samples, 1, 0);
+}
+
+std::pair<double, std::vector<at::Tensor>> layers_loss_and_grads(models::CausalLM& m, const data::Batch& batch) {
+  models::ForwardOptions fo;
+  fo.training = true;
+  fo.checkpoint_layers.assign(4, true);
+  auto out = m.forward(batch, fo);
+  out.loss_sum.backward();
+  std::vector<at::Tensor> grads;
+  for (auto& [name, p] : m.trainable_parameters()) {
+    grads.push_back(p.grad().clone());
+    p.mutable_grad() = at::Tensor();
+  }
+  return {out.loss_sum.item<double>(), grads};
+}
+
+void layers_scenario(ProcessGroup& pg) {
+  const int me = pg.rank(), w = pg.world_size();
+  auto m = layers_model();
+  const auto whole = layer_tensors(*m);
+  std::vector<std::vector<at::Tensor>> copies;
+  for (const auto& l : whole) {
+    copies.emplace_back();
+    for (const auto& t : l) copies.back().push_back(t.clone());
+  }
+  const data::Batch batch = layers_batch(me);
+  const auto [loss_whole, grads_whole] = layers_loss_and_grads(*m, batch);
+
+  LayerShards shards(*m, pg);
+  ASSERT_TRUE(m->sharded(0));
+  // Resident: this rank's tensors hold storage, the others are meta; together every byte once.
+  int64_t resident = 0, total = 0;
+  const auto after = layer_tensors(*m);
+  for (size_t i = 0; i < after.size(); ++i)
+    for (size_t k = 0; k < after[i].size(); ++k) {
+      ASSERT_EQ(after[i][k].sizes(), copies[i][k].sizes());
+      total += nbytes(copies[i][k]);
+      if (!after[i][k].is_meta()) {
+        EXPECT_TRUE(at::equal(after[i][k], copies[i][k])) << "layer " << i << " tensor " << k;
+        resident += nbytes(after[i][k]);
+      }
+    }
+  EXPECT_EQ(shards.total_bytes(), total);
+  EXPECT_EQ(pg.allreduce(std::vector<int64_t>{resident}, ReduceOp::sum)[0], total) << "each byte on one rank";
+  EXPECT_LT(resident, total / w + shards.largest_layer_bytes()) << "about 1/W per rank";
+
+  // Gathered: every tensor of the layer equal to the whole model's; released: meta again.
+  for (int i = 0; i < 4; ++i) {
+    shards.gather(i);
+    const auto g = layer_tensors(*m);
+    for (size_t k = 0; k < g[i].size(); ++k) {
+      ASSERT_FALSE(g[i][k].is_meta()) << "layer " << i << " tensor " << k;
+      EXPECT_TRUE(at::equal(g[i][k], copies[i][k])) << "layer " << i << " tensor " << k;
+    }
+    shards.release(i);
+    const auto r = layer_tensors(*m);
+    for (size_t k = 0; k < r[i].size(); ++k)
+      EXPECT_EQ(r[i][k].is_meta(), after[i][k].is_meta()) << "layer " << i << " tensor " << k;
+  }
+
+  // The sharded model's loss and adapter gradients: the whole model's, exactly (the same
+  // bytes in the same kernels).
+  const auto [loss, grads] = layers_loss_and_grads(*m, batch);
+  EXPECT_EQ(loss, loss_whole);
+  ASSERT_EQ(grads.size(), grads_whole.size());
+  for (size_t k = 0; k < grads.size(); ++k) EXPECT_TRUE(at::equal(grads[k], grads_whole[k])) << "gradient " << k;
+
+  // Out of memory while the last rank allocates its receive buffers: every rank throws from
+  // the gather's agreement and takes it as the stage's agreement; nothing is left gathered.
+  if (me == w - 1) inject_oom_on_next_alloc();
+  bool oom = false;
+  try {
+    shards.gather(2);
+  } catch (const std::exception& e) {
+    oom = compat::is_out_of_memory(e);
+  }
+  cancel_injected_oom();
+  EXPECT_TRUE(oom) << "rank " << me;
+  EXPECT_TRUE(shards.take_agreed_oom());
+  EXPECT_FALSE(shards.take_agreed_oom()) << "once";
+  EXPECT_EQ(layer_tensors(*m)[2][0].is_meta(), after[2][0].is_meta()) << "the layer is as it was";
+
+  // A rank that ran out inside the layers (here: the last) enters the supervisor's
+  // agreement while the others reach their next gather: they learn it there.
+  if (me == w - 1) {
+    EXPECT_TRUE(pg.agree(true, 3).first);
+  } else {
+    std::string what;
+    try {
+      shards.gather(3);
+    } catch (const std::exception& e) {
+      what = e.what();
+    }
+    EXPECT_NE(what.find("out of memory on another rank"), std::string::npos) << what;
+    EXPECT_TRUE(shards.take_agreed_oom());
+  }
+  // The ranks still pair their collectives, and the next gather works.
+  EXPECT_EQ(pg.allreduce(std::vector<int64_t>{1}, ReduceOp::sum)[0], w);
+  shards.gather(3);
+  const auto g = layer_tensors(*m);
+  for (size_t k = 0; k < g[3].size(); ++k) EXPECT_TRUE(at::equal(g[3][k], copies[3][k])) << "tensor " << k;
+  shards.release(3);
+}
+
 }  // namespace
 
 TEST(ShardingWorker, Run) {
@@ -209,7 +367,10 @@ TEST(ShardingWorker, Run) {
   options.timeout_s = 60;
   options.join_timeout_s = 60;
   ProcessGroup pg(DistEnv::from_environment(), options);
-  scenario(pg, shard_level(which));
+  if (std::string(which) == "layers")
+    layers_scenario(pg);
+  else
+    scenario(pg, shard_level(which));
 }
 
 class ShardingItest : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
@@ -225,6 +386,17 @@ INSTANTIATE_TEST_SUITE_P(LevelsAndWorlds, ShardingItest,
                          [](const auto& info) {
                            return std::get<0>(info.param) + "_W" + std::to_string(std::get<1>(info.param));
                          });
+
+class LayerShardsItest : public ::testing::TestWithParam<int> {};
+
+TEST_P(LayerShardsItest, GatheredLayersEqualTheWholeModelAndAnOomReachesEveryRank) {
+  MEMTUNE_REQUIRE_GLOO();
+  const int world = GetParam();
+  EXPECT_EQ(run_workers("layers", world, memtune::testing::temp_dir()), std::vector<int>(static_cast<size_t>(world), 0));
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, LayerShardsItest, ::testing::Values(2, 3),
+                         [](const auto& info) { return "W" + std::to_string(info.param); });
 
 TEST(ShardingItest, OneProcessActsAsNone) {
   auto params = make_params();

@@ -1,0 +1,184 @@
+#include "trainer/layer_shards.h"
+
+#include <algorithm>
+#include <limits>
+#include <memory>
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+
+#include "models/layers/linear.h"
+#include "runtime/compat.h"
+#include "runtime/error.h"
+#include "runtime/nf4.h"
+#include "runtime/process_group.h"
+#include "runtime/units.h"
+#include "trainer/sharding.h"
+
+namespace memtune::trainer {
+
+namespace {
+
+constexpr int kNf4Fields = 4;  // packed, absmax, nested_absmax, nested_quant_map
+constexpr int64_t kAlign = 64;  // each piece starts on a cache line (and any dtype's alignment)
+
+at::Tensor& nf4_field(NF4Tensor& q, int field) {
+  switch (field) {
+    case 0: return q.packed;
+    case 1: return q.absmax;
+    case 2: return q.nested_absmax;
+    default: return q.nested_quant_map;
+  }
+}
+
+int64_t bytes_of(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+
+at::Tensor meta_like(const at::Tensor& t) {
+  return at::empty(t.sizes(), at::TensorOptions(t.scalar_type()).device(at::kMeta));
+}
+
+// `bytes` of `buffer` from `offset` as a tensor shaped like `meta`.
+at::Tensor view_in(const at::Tensor& buffer, int64_t offset, const at::Tensor& meta) {
+  return buffer.narrow(0, offset, bytes_of(meta)).view(meta.scalar_type()).view(meta.sizes());
+}
+
+}  // namespace
+
+LayerShards::LayerShards(models::CausalLM& model, ProcessGroup& pg)
+    : model_(model), pg_(pg), rank_(pg.rank()), world_(pg.world_size()) {
+  at::NoGradGuard no_grad;
+  const c10::Device device = pg_.device();
+  layers_.resize(static_cast<size_t>(model_.num_layers()));
+  // The pieces of each layer, in the tensor list's order (the same on every rank).
+  std::vector<std::vector<Piece>> all(layers_.size());
+  for (auto& s : model_.tensors()) {
+    if (s.layer < 0) continue;
+    MEMTUNE_CHECK(!model_.offloaded(s.layer), "distributed.sharding: full: layer ", s.layer,
+                  " is offloaded; a sharded layer already lives 1/W on each rank. Hint: drop the offload from "
+                  "model.device_map, or shard at gradients");
+    if (s.role == models::TensorRole::kLinearWeight && s.linear->quantized()) {
+      for (int f = 0; f < kNf4Fields; ++f) {
+        const at::Tensor& t = nf4_field(const_cast<NF4Tensor&>(*s.linear->qweight()), f);
+        if (!t.defined()) continue;
+        Piece p;
+        p.linear = s.linear;
+        p.field = f;
+        p.meta = meta_like(t);
+        all[s.layer].push_back(p);
+      }
+    } else if (s.tensor->defined() && !s.tensor->requires_grad()) {
+      MEMTUNE_CHECK(s.tensor->device() == device, "distributed.sharding: full: ", s.name, " is on ",
+                    s.tensor->device().str(), ", the process group on ", device.str());
+      Piece p;
+      p.dense = s.tensor;
+      p.meta = meta_like(*s.tensor);
+      all[s.layer].push_back(p);
+    }
+  }
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    Layer& L = layers_[i];
+    std::vector<int64_t> sizes;
+    for (const Piece& p : all[i]) sizes.push_back(bytes_of(p.meta));
+    const std::vector<int> owner = partition_by_numel(sizes, world_);
+    L.pieces.resize(static_cast<size_t>(world_));
+    L.owner_bytes.assign(static_cast<size_t>(world_), 0);
+    for (size_t k = 0; k < all[i].size(); ++k) {
+      Piece p = all[i][k];
+      int64_t& end = L.owner_bytes[owner[k]];
+      p.offset = end;
+      p.bytes = sizes[k];
+      end += (p.bytes + kAlign - 1) / kAlign * kAlign;
+      L.bytes += p.bytes;
+      L.pieces[owner[k]].push_back(p);
+    }
+    // This rank's pieces move into its buffer; the others' become meta tensors.
+    L.own = at::empty({std::max<int64_t>(1, L.owner_bytes[rank_])}, at::TensorOptions(at::kByte).device(device));
+    for (const Piece& p : L.pieces[rank_]) {
+      const at::Tensor src = p.dense ? *p.dense : nf4_field(const_cast<NF4Tensor&>(*p.linear->qweight()), p.field);
+      view_in(L.own, p.offset, p.meta).copy_(src);
+    }
+    for (int r = 0; r < world_; ++r) point(L, r, r == rank_ ? L.own : at::Tensor());
+    owned_bytes_ += L.owner_bytes[rank_];
+    total_bytes_ += L.bytes;
+  }
+  model_.set_layer_source(this);
+}
+
+LayerShards::~LayerShards() { model_.set_layer_source(nullptr); }
+
+void LayerShards::point(Layer& layer, int owner, const at::Tensor& buffer) {
+  // NF4 weights are replaced whole (their holder is shared and const): group the fields.
+  std::vector<std::pair<models::Linear*, std::shared_ptr<NF4Tensor>>> nf4;
+  for (const Piece& p : layer.pieces[owner]) {
+    at::Tensor t = buffer.defined() ? view_in(buffer, p.offset, p.meta) : p.meta;
+    if (p.dense) {
+      *p.dense = std::move(t);
+      continue;
+    }
+    if (nf4.empty() || nf4.back().first != p.linear)
+      nf4.emplace_back(p.linear, std::make_shared<NF4Tensor>(*p.linear->qweight()));
+    nf4_field(*nf4.back().second, p.field) = std::move(t);
+  }
+  for (auto& [linear, q] : nf4) linear->set_quantized(std::move(q));
+}
+
+bool LayerShards::covers(int layer) const { return layer >= 0 && layer < static_cast<int>(layers_.size()); }
+
+void LayerShards::gather(int layer) {
+  Layer& L = layers_.at(static_cast<size_t>(layer));
+  MEMTUNE_INTERNAL_ASSERT(!L.gathered, "layer_shards: layer ", layer, " gathered twice");
+  at::NoGradGuard no_grad;
+  // Allocate first: a rank that runs out here says so in the agreement below, before any
+  // rank enters a broadcast.
+  std::vector<at::Tensor> received(static_cast<size_t>(world_));
+  bool oom = false;
+  std::string what;
+  try {
+    for (int r = 0; r < world_; ++r)
+      if (r != rank_ && L.owner_bytes[r] > 0)
+        received[r] = at::empty({L.owner_bytes[r]}, at::TensorOptions(at::kByte).device(pg_.device()));
+  } catch (const std::exception& e) {
+    if (!compat::is_out_of_memory(e)) throw;
+    oom = true;
+    what = e.what();
+  }
+  if (pg_.agree(oom, std::numeric_limits<int64_t>::max()).first) {
+    agreed_oom_ = true;
+    compat::throw_out_of_memory(oom ? what
+                                    : str_cat("out of memory on another rank (learned before gathering layer ", layer,
+                                              ")"));
+  }
+  for (int r = 0; r < world_; ++r) {
+    if (L.owner_bytes[r] == 0) continue;
+    pg_.broadcast(r == rank_ ? L.own : received[r], r);
+  }
+  for (int r = 0; r < world_; ++r)
+    if (r != rank_) point(L, r, received[r]);
+  L.received = std::move(received);
+  L.gathered = true;
+}
+
+void LayerShards::release(int layer) {
+  Layer& L = layers_.at(static_cast<size_t>(layer));
+  if (!L.gathered) return;
+  for (int r = 0; r < world_; ++r)
+    if (r != rank_) point(L, r, at::Tensor());
+  L.received.clear();  // freed once autograd no longer holds views of them
+  L.gathered = false;
+}
+
+bool LayerShards::take_agreed_oom() { return std::exchange(agreed_oom_, false); }
+
+int64_t LayerShards::largest_layer_bytes() const {
+  int64_t m = 0;
+  for (const Layer& L : layers_) m = std::max(m, L.bytes);
+  return m;
+}
+
+std::string LayerShards::describe() const {
+  return str_cat("distributed.sharding: full: rank ", rank_, " of ", world_, " keeps ", format_bytes(owned_bytes_),
+                 " of the layers' ", format_bytes(total_bytes_), " frozen weights; each layer is gathered (at most ",
+                 format_bytes(largest_layer_bytes()), ") just before it runs, in forward and again in backward");
+}
+
+}  // namespace memtune::trainer

@@ -1,0 +1,83 @@
+#pragma once
+// ZeRO stage 3 for the frozen base (distributed.sharding: full): each decoder layer's frozen
+// tensors (NF4 projections with their quantization state, dense projections, biases, norms)
+// are partitioned among the ranks by whole tensors (trainer/sharding.h partition_by_numel,
+// layer by layer), and a rank keeps only its own, packed into one buffer per layer. The
+// others are meta tensors: shape and dtype, no storage. The forward gathers a layer just
+// before it runs (one broadcast per owner, into one buffer per owner) and drops the gathered
+// tensors when it returns; the layer reruns in backward (it is checkpointed) and gathers
+// again. Trainable tensors (LoRA adapters, modules_to_save) stay whole on every rank, under
+// the `gradients` level's sharding of their gradients and optimizer state.
+//
+// Out of memory: a rank that runs out inside the forward or backward leaves it and enters
+// the supervisor's agreement (ProcessGroup::agree) while the others run on to their next
+// gather. Each gather therefore starts with the same agreement: it allocates the buffers it
+// will receive into, then agrees; when some rank ran out, every rank throws an
+// out-of-memory error from there and the supervisor takes the agreement as made
+// (take_agreed_oom), so the ranks' collectives stay paired and the step is retried.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "models/causal_lm.h"
+
+namespace memtune {
+class ProcessGroup;
+}
+
+namespace memtune::trainer {
+
+class LayerShards : public models::LayerSource {
+ public:
+  // Shards every decoder layer of `model` (placed on the group's device) over the group's
+  // ranks. Trainable tensors inside a layer are left whole. The model's layer source is
+  // set to this object, and reset when it is destroyed.
+  LayerShards(models::CausalLM& model, ProcessGroup& pg);
+  ~LayerShards() override;
+  LayerShards(const LayerShards&) = delete;
+  LayerShards& operator=(const LayerShards&) = delete;
+
+  bool covers(int layer) const override;
+  void gather(int layer) override;
+  void release(int layer) override;
+
+  // True once after a gather learned that another rank ran out of memory (the agreement
+  // for the stage has been made in that collective).
+  bool take_agreed_oom();
+
+  int64_t owned_bytes() const { return owned_bytes_; }    // this rank's shards, all layers
+  int64_t total_bytes() const { return total_bytes_; }    // every layer's sharded tensors
+  int64_t largest_layer_bytes() const;                    // a gathered layer at most
+  std::string describe() const;
+
+ private:
+  // One tensor of a layer: a dense slot's tensor, or one of an NF4 weight's tensors.
+  struct Piece {
+    at::Tensor* dense = nullptr;          // the slot's tensor, or
+    models::Linear* linear = nullptr;     // the NF4 weight's owner, and
+    int field = 0;                        // which of its tensors (packed, absmax, nested absmax, map)
+    at::Tensor meta;                      // shape and dtype
+    int64_t offset = 0, bytes = 0;        // in its owner's buffer
+  };
+  struct Layer {
+    std::vector<std::vector<Piece>> pieces;  // by owner
+    std::vector<int64_t> owner_bytes;        // buffer size per owner
+    int64_t bytes = 0;                       // the whole layer
+    at::Tensor own;                          // this rank's buffer (holds its pieces)
+    std::vector<at::Tensor> received;        // while gathered: the other owners' buffers
+    bool gathered = false;
+  };
+  // Points the pieces of `owner` in `layer` at `buffer`, or at their meta tensors.
+  void point(Layer& layer, int owner, const at::Tensor& buffer);
+
+  models::CausalLM& model_;
+  ProcessGroup& pg_;
+  int rank_ = 0, world_ = 1;
+  std::vector<Layer> layers_;
+  int64_t owned_bytes_ = 0, total_bytes_ = 0;
+  bool agreed_oom_ = false;
+};
+
+}  // namespace memtune::trainer
