@@ -182,6 +182,9 @@ class LayerGathered {
 void CausalLM::set_offloaded(int layer, bool off) {
   if (offloaded_.size() < static_cast<size_t>(spec_.num_layers)) offloaded_.resize(spec_.num_layers, false);
   if (offloaded_[layer] == off) return;
+  MEMTUNE_CHECK(!off || !sharded(layer), "offload: layer ", layer,
+                " is sharded over the ranks (distributed.sharding: full), each keeping 1/W of it; it is not "
+                "offloaded. Hint: drop the offload from model.device_map");
   const c10::Device device = layer_device(layer);
   auto move = [&](const at::Tensor& t) { return off ? to_offload_storage(t) : fetch_from_offload(t, device); };
   at::NoGradGuard no_grad;
@@ -220,6 +223,8 @@ void CausalLM::place(const Placement& placement) {
       move(s.linear->lora->B, d);
     }
     if (s.layer >= 0 && offloaded(s.layer)) continue;  // fetched to its layer's device when it runs
+    // A sharded layer's frozen tensors live in its source's buffers on the group's device.
+    if (s.layer >= 0 && sharded(s.layer) && !(s.tensor->defined() && s.tensor->requires_grad())) continue;
     if (s.role == TensorRole::kLinearWeight && s.linear->quantized()) {
       if (s.linear->qweight()->packed.device() != d)
         s.linear->set_quantized(std::make_shared<NF4Tensor>(

@@ -128,7 +128,8 @@ class CausalLM {
   int64_t layer_weight_bytes(int layer) const;
 
   // Sharded layers: `source` (owned by the caller, outlives the model's use; nullptr: none)
-  // gathers the layers it covers around their forward.
+  // gathers the layers it covers around their forward. place() leaves their frozen tensors
+  // where the source keeps them, and they cannot be offloaded.
   void set_layer_source(LayerSource* source) { layer_source_ = source; }
   bool sharded(int layer) const { return layer_source_ && layer_source_->covers(layer); }
 

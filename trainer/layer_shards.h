@@ -31,9 +31,12 @@ namespace memtune::trainer {
 
 class LayerShards : public models::LayerSource {
  public:
-  // Shards every decoder layer of `model` (placed on the group's device) over the group's
-  // ranks. Trainable tensors inside a layer are left whole. The model's layer source is
-  // set to this object, and reset when it is destroyed.
+  // Shards every decoder layer of `model` over the group's ranks: this rank's tensors are
+  // copied (from wherever they were loaded: host memory) into buffers on the group's
+  // device, the others' memory is released. Call it before placing the model, so the device
+  // never holds more than this rank's share; place() leaves sharded tensors where they are.
+  // Trainable tensors inside a layer are left whole. The model's layer source is set to
+  // this object, and reset when it is destroyed.
   LayerShards(models::CausalLM& model, ProcessGroup& pg);
   ~LayerShards() override;
   LayerShards(const LayerShards&) = delete;

@@ -244,6 +244,12 @@ void Trainer::load_model() {
   models::CausalLM& model = *bundle_.model;
   for (const auto& n : bundle_.notes) spdlog::info("{}", n);
   const bool shard_layers = pg_ && pg_->world_size() > 1 && shard_level(c_.distributed.sharding) == ShardLevel::full;
+  // distributed.sharding: full: each rank keeps its share of every layer's frozen weights,
+  // moved to the device before the model is placed (the device never holds the whole base).
+  if (shard_layers) {
+    layer_shards_ = std::make_unique<LayerShards>(model, *pg_);
+    spdlog::info("{}", layer_shards_->describe());
+  }
   std::vector<models::DeviceBudget> budgets = auto_budgets(c_, device_, limit_, dist_.enabled());
   // Sharded layers are not offloaded (device_map: auto): each rank keeps 1/W of every layer.
   if (shard_layers)
@@ -258,11 +264,6 @@ void Trainer::load_model() {
   if (devices.size() > 1)
     spdlog::info("memory: the supervisor watches {}; the model also computes on {} other device(s), whose "
                  "memory it does not watch", device_.str(), devices.size() - 1);
-  // distributed.sharding: full: each rank keeps its share of every layer's frozen weights.
-  if (shard_layers) {
-    layer_shards_ = std::make_unique<LayerShards>(model, *pg_);
-    spdlog::info("{}", layer_shards_->describe());
-  }
   // The budget applies once the model is placed: loading goes through host memory, and
   // offloaded layers live outside the device (as on a GPU).
   if (limit_ > 0) {

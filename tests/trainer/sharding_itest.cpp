@@ -284,6 +284,14 @@ void layers_scenario(ProcessGroup& pg) {
 
   LayerShards shards(*m, pg);
   ASSERT_TRUE(m->sharded(0));
+  // A sharded layer is not offloaded (model.device_map's offload, the ladder's rung): refused by name.
+  try {
+    m->set_offloaded(1, true);
+    ADD_FAILURE() << "a sharded layer offloaded";
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("sharded over the ranks"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(m->offloaded(1));
   // Resident: this rank's tensors hold storage, the others are meta; together every byte once.
   int64_t resident = 0, total = 0;
   const auto after = layer_tensors(*m);
