@@ -65,7 +65,7 @@ def train(args, mode, name, rung):
                      "gradient_accumulation_steps": 4, "max_steps": args.steps, "logging_steps": 1,
                      "save_steps": 0, "learning_rate": 1e-4},
         "data": {"train_file": args.tokens, "format": "tokens", "max_seq_length": m["seq"]},
-        "memory": {"supervise": False, "on_oom": {"checkpoint_more": False}},
+        "memory": {"supervise": False, "on_oom": {"ladder": []}},
     }
     extra = dict(rung)
     if extra.pop("layers_offloaded", False):

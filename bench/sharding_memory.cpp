@@ -6,8 +6,13 @@
 // reduction (with the reduction's own buffers), the sharding buffer and the step's peak; and
 // the bytes it sent, as ProcessGroup::sent_bytes counts them, next to the bytes the process
 // wrote through write/writev during the collectives (/proc/self/io wchar: Gloo's sockets,
-// the yardstick of that count). The table shows the largest rank's figures.
-// Usage: bench_sharding_memory [MODEL_SUBSTRING]   (models: M QLoRA, M full, GPT-2 124M full)
+// the yardstick of that count). The table shows the largest rank's figures. Under `full`
+// (LoRA models) the layers' frozen weights are sharded too (trainer/layer_shards.h): the
+// weights column is what the rank keeps, and the forward and backward gather each layer,
+// so their bytes count in the step's traffic. LoRA models checkpoint every layer at every
+// level, as `full` must, so the levels compare.
+// Usage: bench_sharding_memory [MODEL_SUBSTRING]
+//   (models: M QLoRA, M full, GPT-2 124M QLoRA, GPT-2 124M full)
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -35,6 +40,7 @@
 #include "trainer/config.h"
 #include "trainer/estimate.h"
 #include "trainer/grad_scaler.h"
+#include "trainer/layer_shards.h"
 #include "trainer/model_setup.h"
 #include "trainer/optimizer.h"
 #include "trainer/sharding.h"
@@ -55,6 +61,8 @@ const std::vector<Model>& bench_models() {
       {"M QLoRA r16", {"model.name_or_path=tiny-llama", "model.quantization_config.load_in_4bit=true", "lora.r=16",
                        "lora.target_modules=all-linear"}, true},
       {"M full", {"model.name_or_path=tiny-llama", "training.finetune=full"}, true},
+      {"GPT-2 124M QLoRA", {"model.name_or_path=gpt2", "model.quantization_config.load_in_4bit=true", "lora.r=16",
+                            "lora.target_modules=all-linear"}, false},
       {"GPT-2 124M full", {"model.name_or_path=gpt2", "training.finetune=full"}, false},
   };
   return all;
@@ -120,7 +128,10 @@ int worker(const Model& m, const std::string& level) {
   }
   trainer::dynamic_map(true);
   trainer::dynamic_map(false);
-  const int64_t a0 = cpu_allocated_bytes();
+  std::unique_ptr<trainer::LayerShards> layer_shards;
+  if (pg && trainer::shard_level(level) == trainer::ShardLevel::full)
+    layer_shards = std::make_unique<trainer::LayerShards>(*model, *pg);
+  const int64_t a0 = cpu_allocated_bytes();  // the model as this rank keeps it
   trainer::Sharding sharding(trainer::shard_level(level), pg.get(), params, int64_t{25} << 20);
   const int64_t a1 = cpu_allocated_bytes();
   trainer::OptimizerOptions oo;  // adamw
@@ -128,17 +139,18 @@ int worker(const Model& m, const std::string& level) {
   const int64_t a2 = cpu_allocated_bytes();
 
   reset_cpu_peak();
+  const std::vector<int64_t> sent0 = pg ? pg->sent_bytes() : std::vector<int64_t>{};
+  const int64_t w0 = wchar();
   {
     std::vector<data::Sample> samples = {row(128, spec.vocab_size, env.rank)};
     data::Batch batch = data::collate(samples, 8, 0);
     models::ForwardOptions fo;
     fo.training = true;
+    if (c.training.finetune == "lora") fo.checkpoint_layers.assign(static_cast<size_t>(spec.num_layers), true);
     models::ForwardOutput out = model->forward(batch, fo);
     (out.loss_sum / static_cast<double>(batch.target_tokens)).backward();
   }
   const int64_t after_backward = cpu_allocated_bytes() - a2;
-  const std::vector<int64_t> sent0 = pg ? pg->sent_bytes() : std::vector<int64_t>{};
-  const int64_t w0 = wchar();
   at::Tensor extra = at::zeros({2}, at::kDouble);
   const trainer::GradScaler fp32(false);
   sharding.reduce_gradients(params, extra, fp32);
@@ -154,6 +166,7 @@ int worker(const Model& m, const std::string& level) {
             {"world", env.world_size},
             {"level", level},
             {"trainable", n},
+            {"weights", a0},
             {"state", a2 - a1},
             {"buffer", a1 - a0},
             {"grads_backward", after_backward},
@@ -218,28 +231,30 @@ int main(int argc, char** argv) {
   if (const char* m = std::getenv("BENCH_SHARDING_MODEL"))
     return worker(bench_models().at(static_cast<size_t>(std::atoi(m))), std::getenv("BENCH_SHARDING_LEVEL"));
   const std::string filter = argc > 1 ? argv[1] : "";
-  std::printf("%-16s %2s %-9s | %10s %10s %10s %10s %10s | %12s %12s\n", "model", "W", "sharding", "opt state",
-              "grads bwd", "grads upd", "buffer", "step peak", "sent/step", "wchar/step");
+  std::printf("%-16s %2s %-9s | %10s %10s %10s %10s %10s %10s | %12s %12s\n", "model", "W", "sharding", "weights",
+              "opt state", "grads bwd", "grads upd", "buffer", "step peak", "sent/step", "wchar/step");
   for (size_t i = 0; i < bench_models().size(); ++i) {
     const Model& m = bench_models()[i];
     if (!filter.empty() && m.name.find(filter) == std::string::npos) continue;
     for (int w : {1, 2, 3})
-      for (const char* level : {"none", "optimizer", "gradients"}) {
+      for (const char* level : {"none", "optimizer", "gradients", "full"}) {
         if (w == 1 && std::string(level) != "none") continue;
+        if (std::string(level) == "full" && m.name.find("full") != std::string::npos) continue;  // LoRA only
         const std::vector<json> rows = launch(i, level, w);
         auto most = [&](const char* key) {
           int64_t v = 0;
           for (const auto& r : rows) v = std::max(v, r[key].get<int64_t>());
           return v;
         };
-        std::printf("%-16s %2d %-9s | %10.2f %10.2f %10.2f %10.2f %10.2f | %12.3f %12.3f\n", m.name.c_str(), w, level,
-                    mib(most("state")), mib(most("grads_backward")), mib(most("grads_update")), mib(most("buffer")),
+        std::printf("%-16s %2d %-9s | %10.2f %10.2f %10.2f %10.2f %10.2f %10.2f | %12.3f %12.3f\n", m.name.c_str(), w,
+                    level, mib(most("weights")), mib(most("state")), mib(most("grads_backward")), mib(most("grads_update")), mib(most("buffer")),
                     mib(most("peak")), mib(most("sent")), mib(most("wchar")));
         std::fflush(stdout);
         std::fprintf(stderr, "%s W=%d %s: %s\n", m.name.c_str(), w, level, json(rows).dump().c_str());
       }
   }
-  std::printf("MiB per rank, the largest rank; trainable fp32, AdamW; one step of 1 x 128 tokens. opt state: the "
+  std::printf("MiB per rank, the largest rank; trainable fp32, AdamW; one step of 1 x 128 tokens (LoRA models: every "
+              "layer checkpointed). weights: the model and adapters as the rank keeps them; opt state: the "
               "optimizer's allocation; grads bwd / upd: gradients held after backward / after the reduction (with "
               "the reduction's buffers); sent: ProcessGroup::sent_bytes; wchar: bytes written by the process during "
               "the collectives (/proc/self/io)\n");

@@ -134,7 +134,7 @@ void Supervisor::run_step(int64_t step, const StepStages& stages) {
     if (tries + 1 >= options_.max_retries)
       throw MemoryExhausted(str_cat("out of memory: step ", step, " failed ", tries + 1,
                                     " times (memory.on_oom.max_retries)\n", report_ ? report_() : ""));
-    if (micro_ > 1) {
+    if (micro_ > 1 && options_.shrink) {
       shrink(step, "out of memory");
       good_steps_ = 0;
       continue;
@@ -157,8 +157,9 @@ void Supervisor::run_step(int64_t step, const StepStages& stages) {
     if (changed.empty()) {
       std::string tried;
       for (const auto& h : history_) tried += "  " + h + "\n";
-      throw MemoryExhausted(str_cat("out of memory at micro-batch 1 with every saving enabled (step ", step,
-                                    ").\nWhat was tried:\n", tried, report_ ? report_() : ""));
+      throw MemoryExhausted(str_cat("out of memory at micro-batch ", micro_,
+                                    " with every saving enabled (step ", step, ").\nWhat was tried:\n", tried,
+                                    report_ ? report_() : ""));
     }
   }
 }
@@ -168,7 +169,7 @@ void Supervisor::observe_peak(int64_t step, double peak, const std::function<voi
   if (!options_.enabled || peak <= 0) return;
   grown_from_ = 0;  // the step completed at this size
   undone_ = -1;     // and without the rung a grow undid
-  if (peak >= options_.emergency && micro_ > 1) {
+  if (peak >= options_.emergency && micro_ > 1 && options_.shrink) {
     shrink(step, "peak " + std::to_string(static_cast<int>(peak * 100)) + "% of the limit, above the emergency threshold");
     good_steps_ = 0;
     return;

@@ -25,6 +25,7 @@ struct SupervisorOptions {
   int64_t samples_per_step = 1;   // per rank: micro_batch x accumulation
   int64_t micro_batch = 1;        // the configured (largest) micro-batch
   double shrink_factor = 0.5;
+  bool shrink = true;             // false: the micro-batch stays; an out-of-memory error climbs the ladder
   int max_retries = 16;
   int64_t grow_after_steps = 50;
   double grow_threshold = 0.6;    // peak share of the limit that counts as headroom

@@ -201,15 +201,22 @@ void DataConfig::fields(F&& f) {
   f("cache_dir", cache_dir, "tokenized cache; empty: output_dir/../.cache/tokenized");
 }
 
+bool OnOomConfig::allows(const std::string& rung) const {
+  return std::find(ladder.begin(), ladder.end(), rung) != ladder.end();
+}
+
 template <class F>
 void OnOomConfig::fields(F&& f) {
   f("shrink_factor", shrink_factor, "micro-batch *= factor on OOM (at least one less), in (0, 1)");
   f("max_retries", max_retries, "attempts of one step before giving up");
-  f("checkpoint_more", checkpoint_more, "at micro-batch 1: checkpoint more layers");
-  f("activation_offload", activation_offload,
-    "then keep each checkpointed layer's input in host memory until its backward");
-  f("optimizer_offload", optimizer_offload, "then move the optimizer's state to host memory (memory.optimizer_offload)");
-  f("offload_layers", offload_layers, "then offload layers through the device map");
+  f("ladder", ladder,
+    "the savings an out-of-memory error may take, in order; each keeps the math: micro_batch (shrink it, the "
+    "step's samples kept; first when listed), checkpointing (more layers), activation_offload (checkpointed layers' "
+    "inputs in host memory), optimizer_offload (the optimizer's state in host memory), layer_offload (frozen "
+    "layers' weights in host memory); optimizer_8bit is refused (it changes the numerics; not built). The memory "
+    "model decides how far to climb",
+    Field{"micro_batch", "checkpointing", "activation_offload", "optimizer_offload", "layer_offload",
+          "optimizer_8bit"});
 }
 
 template <class F>
@@ -529,6 +536,18 @@ void validate(const DataConfig& d, const std::string& p, const Checker& c) {
 void validate(const OnOomConfig& o, const std::string& p, const Checker& c) {
   c.check(o.shrink_factor > 0 && o.shrink_factor < 1, p + ".shrink_factor", o.shrink_factor, "must be in (0, 1)");
   c.check(o.max_retries >= 1, p + ".max_retries", o.max_retries, "must be at least 1");
+  for (size_t i = 0; i < o.ladder.size(); ++i) {
+    const std::string& r = o.ladder[i];
+    c.check(r != "optimizer_8bit", p + ".ladder", r,
+            "8-bit optimizer state as a rung is not built (it would change the numerics mid-run). Hint: "
+            "training.optim: adamw_8bit from the start");
+    c.check(std::find(o.ladder.begin(), o.ladder.begin() + static_cast<std::ptrdiff_t>(i), r) ==
+                o.ladder.begin() + static_cast<std::ptrdiff_t>(i),
+            p + ".ladder", r, "listed twice");
+    c.check(r != "micro_batch" || i == 0, p + ".ladder", r,
+            "the micro-batch shrinks before any other rung: list micro_batch first, or leave it out to keep the "
+            "micro-batch");
+  }
 }
 
 }  // namespace

@@ -147,10 +147,12 @@ struct DataConfig {
 struct OnOomConfig {
   double shrink_factor = 0.5;     // micro-batch *= factor on OOM (at least one less)
   int max_retries = 16;           // attempts of one step before giving up
-  bool checkpoint_more = true;     // ladder at micro-batch 1: checkpoint more layers
-  bool activation_offload = true;  // then keep checkpointed layers' inputs in host memory
-  bool optimizer_offload = true;   // then move the optimizer's state to host memory
-  bool offload_layers = true;      // then offload layers through the device map
+  // The savings the supervisor may use after an out-of-memory error, in this order:
+  // micro_batch (shrink it, keeping the step's samples; first when listed), checkpointing
+  // (more layers), activation_offload, optimizer_offload, layer_offload.
+  std::vector<std::string> ladder = {"micro_batch", "checkpointing", "activation_offload", "optimizer_offload",
+                                     "layer_offload"};
+  bool allows(const std::string& rung) const;
   template <class F> void fields(F&& f);
 };
 

@@ -337,8 +337,12 @@ void check_choices(const S& s, const std::string& prefix, const Checker& c) {
     const std::string path = join(prefix, name);
     if constexpr (HasFields<T>::value)
       check_choices(member, path, c);
-    else if constexpr (std::is_same_v<T, std::string>)
+    else if constexpr (std::is_same_v<T, std::string>) {
       if (!f.choices.empty()) c.one_of(path, member, f.choices, f.choice_note);
+    } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+      if (!f.choices.empty())
+        for (const std::string& v : member) c.one_of(path, v, f.choices, f.choice_note);
+    }
   });
 }
 

@@ -133,10 +133,13 @@ int64_t auto_micro_batch(const Config& c, const EstimateInput& in, int64_t budge
 }
 
 void check_fits(const Config& c, const models::ModelSpec& spec, int64_t budget, int64_t world_size) {
-  EstimateInput best = with_every_saving(estimate_input(c, spec, 1));
+  // The plan with every saving memory.on_oom.ladder allows.
+  EstimateInput best = estimate_input(c, spec, c.memory.on_oom.allows("micro_batch") ? 1 : 0);
+  if (c.memory.on_oom.allows("checkpointing")) best = with_every_saving(best);
   best.world_size = world_size;
-  best.offload_activations = best.offload_activations || (c.memory.supervise && c.memory.on_oom.activation_offload);
-  best.optimizer_paged = best.optimizer_paged || (c.memory.supervise && c.memory.on_oom.optimizer_offload);
+  best.offload_activations =
+      best.offload_activations || (c.memory.supervise && c.memory.on_oom.allows("activation_offload"));
+  best.optimizer_paged = best.optimizer_paged || (c.memory.supervise && c.memory.on_oom.allows("optimizer_offload"));
   int64_t peak = estimate_peak(best);
   // With offloading allowed (LoRA on a frozen base; device_map or the supervisor's ladder),
   // every decoder layer can leave the device but the one running: the layers' share of the
@@ -144,7 +147,7 @@ void check_fits(const Config& c, const models::ModelSpec& spec, int64_t budget, 
   // Sharded layers (distributed.sharding: full) are not offloaded: the estimate counts 1/W of them.
   const bool sharded = world_size > 1 && c.distributed.sharding == "full";
   const bool can_offload = best.finetune == "lora" && !sharded &&
-                           (c.memory.on_oom.offload_layers || !c.model.device_map.entries.empty());
+                           (c.memory.on_oom.allows("layer_offload") || !c.model.device_map.entries.empty());
   if (can_offload && best.num_layers > 1) {
     const Estimate e = estimate_memory(best);
     const int64_t C = best.hidden_size, V = best.vocab_size;
@@ -167,8 +170,8 @@ void check_fits(const Config& c, const models::ModelSpec& spec, int64_t budget, 
   would += str_cat("; a device with at least ", format_bytes(peak), " (memory.device_limit)");
   // MemoryExhausted (exit code 3), as when the supervisor runs out of rungs: nothing loaded.
   throw MemoryExhausted(str_cat(
-      "memory: this run cannot fit in ", format_bytes(budget), ": the estimate at micro-batch 1 with every layer "
-      "checkpointed is ", format_bytes(peak), " (", c.model.name_or_path, ", data.max_seq_length ", c.data.max_seq_length,
+      "memory: this run cannot fit in ", format_bytes(budget), ": the estimate at micro-batch ", best.micro_batch,
+      " with every saving memory.on_oom.ladder allows is ", format_bytes(peak), " (", c.model.name_or_path, ", data.max_seq_length ", c.data.max_seq_length,
       ", ", best.load_in_4bit ? "4-bit" : "dense", " weights, finetune ", best.finetune,
       "). What was tried: the estimate before loading the model (memtune estimate). What would fit", would));
 }

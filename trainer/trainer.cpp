@@ -350,6 +350,7 @@ void Trainer::build_supervisor() {
   so.samples_per_step = samples_per_step_;
   so.micro_batch = micro_batch_;
   so.shrink_factor = c_.memory.on_oom.shrink_factor;
+  so.shrink = c_.memory.on_oom.allows("micro_batch");
   so.max_retries = c_.memory.on_oom.max_retries;
   so.grow_after_steps = c_.memory.grow_after_steps;
   so.grow_threshold = c_.memory.grow_threshold;
@@ -364,9 +365,14 @@ void Trainer::build_supervisor() {
       return pg_->agree(oom, micro);
     });
   // Each rung with its undo: grow-back reverts the ladder's changes, never the config's.
-  if (c_.memory.on_oom.checkpoint_more)
-    supervisor_->add_ladder_rung(
-        "checkpoint more layers",
+  // Added in memory.on_oom.ladder's order (micro_batch is the supervisor's own shrinking).
+  struct Rung {
+    const char* name;
+    std::function<std::string()> apply, undo;
+  };
+  const std::map<std::string, Rung> rungs = {
+      {"checkpointing",
+       {"checkpoint more layers",
         [this]() -> std::string {
           for (size_t i = 0; i < ckpt_layers_.size(); ++i)
             if (!ckpt_layers_[i]) {
@@ -382,10 +388,9 @@ void Trainer::build_supervisor() {
               return "checkpointing layer " + std::to_string(i);
             }
           return "";
-        });
-  if (c_.memory.on_oom.activation_offload)
-    supervisor_->add_ladder_rung(
-        "offload activations",
+        }}},
+      {"activation_offload",
+       {"offload activations",
         [this]() -> std::string {
           if (offload_activations_ || std::count(ckpt_layers_.begin(), ckpt_layers_.end(), true) == 0) return "";
           offload_activations_ = true;
@@ -395,10 +400,9 @@ void Trainer::build_supervisor() {
           if (!offload_activations_ || c_.training.activation_offload == "checkpoints") return "";
           offload_activations_ = false;
           return "activation offload";
-        });
-  if (c_.memory.on_oom.optimizer_offload)
-    supervisor_->add_ladder_rung(
-        "offload optimizer state",
+        }}},
+      {"optimizer_offload",
+       {"offload optimizer state",
         [this]() -> std::string {
           if (optimizer_->states_offloaded()) return "";
           return str_cat("optimizer state (", format_bytes(optimizer_->offload_states()), ") moved to host memory");
@@ -407,13 +411,9 @@ void Trainer::build_supervisor() {
           if (c_.memory.optimizer_offload == "cpu") return "";
           const int64_t bytes = optimizer_->restore_states();
           return bytes > 0 ? str_cat("optimizer offload (", format_bytes(bytes), " back on the device)") : "";
-        });
-  if (c_.memory.on_oom.offload_layers && layer_shards_)
-    spdlog::info("memory.on_oom.offload_layers: not a rung under distributed.sharding: full (each rank keeps 1/{} "
-                 "of every layer already)", pg_->world_size());
-  else if (c_.memory.on_oom.offload_layers)
-    supervisor_->add_ladder_rung(
-        "offload layers", [this] { return models::offload_one_more_layer(*bundle_.model); },
+        }}},
+      {"layer_offload",
+       {"offload layers", [this] { return models::offload_one_more_layer(*bundle_.model); },
         [this]() -> std::string {
           for (int64_t i = 0; i < bundle_.model->num_layers(); ++i)
             if (bundle_.model->offloaded(i) && !configured_offload_[static_cast<size_t>(i)]) {
@@ -421,7 +421,18 @@ void Trainer::build_supervisor() {
               return "offloading layer " + std::to_string(i);
             }
           return "";
-        });
+        }}},
+  };
+  for (const std::string& name : c_.memory.on_oom.ladder) {
+    if (name == "micro_batch") continue;
+    if (name == "layer_offload" && layer_shards_) {
+      spdlog::info("memory.on_oom.ladder: layer_offload is not a rung under distributed.sharding: full (each rank "
+                   "keeps 1/{} of every layer already)", pg_->world_size());
+      continue;
+    }
+    const Rung& r = rungs.at(name);
+    supervisor_->add_ladder_rung(r.name, r.apply, r.undo);
+  }
   // With a budget, the ladder climbs as far as the estimate says is needed at once.
   if (limit_ > 0)
     supervisor_->set_fits([this] {

@@ -291,7 +291,7 @@ TEST(ShardedFull, AModelThatDoesNotFitOneRanksLimitTrainsOnThreeRanks) {
   ASSERT_EQ(init.exit_code, 0) << init.output;
   const std::string args = "model.name_or_path=" + (d / "model").string() +
                            " model.quantization_config.load_in_4bit=false training.per_device_train_batch_size=1 "
-                           "memory.on_oom.offload_layers=false";
+                           "\"memory.on_oom.ladder=[micro_batch,checkpointing,activation_offload,optimizer_offload]\"";
   const std::string limit = " memory.device_limit=28MiB";
 
   auto one = run(train_cmd(write_config(d / "one"), args + limit), 600);

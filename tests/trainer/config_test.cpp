@@ -706,10 +706,7 @@ Config every_field_changed() {
   mem.emergency_threshold = 0.97;
   mem.on_oom.shrink_factor = 0.25;
   mem.on_oom.max_retries = 4;
-  mem.on_oom.checkpoint_more = false;
-  mem.on_oom.activation_offload = false;
-  mem.on_oom.optimizer_offload = false;
-  mem.on_oom.offload_layers = false;
+  mem.on_oom.ladder = {"activation_offload", "checkpointing"};
   mem.optimizer_offload = "cpu";
   mem.grow_after_steps = 20;
   mem.grow_threshold = 0.5;
@@ -770,7 +767,7 @@ TEST(ConfigRoundTrip, EveryFieldChangedIsComplete) {
   auto defaults = leaves(to_yaml(Config()));
   auto a = leaves(to_yaml(every_field_changed()));
   auto b = leaves(to_yaml(every_field_changed_b()));
-  EXPECT_EQ(defaults.size(), 101u);  // the leaves config.h declares: a new key belongs in every_field_changed()
+  EXPECT_EQ(defaults.size(), 98u);  // the leaves config.h declares: a new key belongs in every_field_changed()
   for (const auto& [path, value] : defaults) {
     if (kSingleValued.count(path)) continue;
     EXPECT_TRUE(a.at(path) != value || b.at(path) != value) << path << " is never changed from " << value;
@@ -919,4 +916,26 @@ TEST(ConfigErrors, ActivationOffloadNeedsCheckpointingAndRefusesAll) {
 }
 
 }  // namespace
+
+TEST(ConfigErrors, OnOomLadderNamesEachRungOnceAndMicroBatchFirst) {
+  const std::string base = "model: {name_or_path: tiny-llama}\n";
+  EXPECT_EQ(parse_config(base, "t.yaml", {"memory.on_oom.ladder=[checkpointing, layer_offload]"}).memory.on_oom.ladder,
+            (std::vector<std::string>{"checkpointing", "layer_offload"}));
+  EXPECT_TRUE(parse_config(base, "t.yaml", {"memory.on_oom.ladder=[]"}).memory.on_oom.ladder.empty());
+  auto refused = [&](const std::string& value, const std::string& says) {
+    try {
+      parse_config(base, "t.yaml", {"memory.on_oom.ladder=" + value});
+      ADD_FAILURE() << value << " accepted";
+    } catch (const UserError& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find("memory.on_oom.ladder"), std::string::npos) << m;
+      EXPECT_NE(m.find(says), std::string::npos) << m;
+    }
+  };
+  refused("[checkpointing, micro_batch]", "list micro_batch first");
+  refused("[checkpointing, checkpointing]", "listed twice");
+  refused("[micro_batch, optimizer_8bit]", "training.optim: adamw_8bit");
+  refused("[checkpointng]", "checkpointing");  // the nearest name
+}
+
 }  // namespace memtune::trainer

@@ -197,8 +197,7 @@ TEST(EstimateCommand, PreLoadCheckRefusesARunThatCannotFitAndSaysWhatWould) {
   json min = estimate_json(d / "c.yaml", "training.per_device_train_batch_size=1 training.gradient_checkpointing=true");
   const int64_t need = min["peak_bytes"].get<int64_t>();
   ASSERT_GT(need, 0);
-  auto r = run(memtune_bin() + " train " + (d / "c.yaml").string() + " memory.on_oom.offload_layers=false "
-                   "memory.on_oom.activation_offload=false memory.on_oom.optimizer_offload=false "
+  auto r = run(memtune_bin() + " train " + (d / "c.yaml").string() + " \"memory.on_oom.ladder=[micro_batch,checkpointing]\" "
                    "memory.device_limit=" + std::to_string(need - 4096),
                300);
   EXPECT_EQ(r.exit_code, 3) << r.output;

@@ -203,6 +203,33 @@ TEST(Supervisor, LadderReachesActivationAndOptimizerOffloadAndKeepsTheMath) {
   EXPECT_TRUE(state.optimizer_offload);
 }
 
+// memory.on_oom.ladder sets the rungs and their order: without micro_batch the micro-batch
+// stays at 2 and optimizer offload, listed first, comes before checkpointing. Three injected
+// OOMs at step 0 take optimizer offload, then layers 0 and 1 checkpointed; the run equals one
+// configured with those from the start.
+TEST(Supervisor, TheConfiguredLadderKeepsTheMicroBatchAndItsOrder) {
+  fs::path d = temp_dir();
+  const std::string shape = "training.per_device_train_batch_size=2 training.max_steps=3 lora.lora_dropout=0.1 ";
+  TrainRun ref = train(d / "ref", shape + "memory.optimizer_offload=cpu \"training.gradient_checkpointing={policy: layers, layers: [0, 1]}\"");
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  TrainRun ladder = train(d / "ladder", shape + "memory.grow_after_steps=1000 memory.inject_oom=0:forward,0:forward,0:backward "
+                                                "\"memory.on_oom.ladder=[optimizer_offload, checkpointing]\"");
+  ASSERT_EQ(ladder.exit_code, 0) << ladder.output;
+  std::vector<std::string> rungs;
+  for (const auto& r : rows(ladder.out)) {
+    EXPECT_EQ(r["micro_batch"], 2) << r.dump();
+    for (const auto& e : r["events"]) {
+      EXPECT_NE(e["kind"], "shrink") << r.dump();
+      if (e["kind"] == "ladder") rungs.push_back(e["detail"].get<std::string>());
+    }
+  }
+  ASSERT_EQ(rungs.size(), 3u) << ladder.output;
+  EXPECT_NE(rungs[0].find("optimizer state"), std::string::npos) << rungs[0];
+  EXPECT_NE(rungs[1].find("checkpointing layer 0"), std::string::npos) << rungs[1];
+  EXPECT_NE(rungs[2].find("checkpointing layer 1"), std::string::npos) << rungs[2];
+  expect_same_run(ladder.out, ref.out, 1e-6);
+}
+
 // With headroom (a roomy budget), the supervisor grows back: it undoes the ladder in the
 // reverse order it was climbed, two good steps per undo, then grows the micro-batch; the run
 // keeps the math of the plain run all along.
