@@ -60,7 +60,9 @@ std::unique_ptr<CausalLM> load_hf_model(const fs::path& dir, const LoadOptions& 
   const int64_t total = static_cast<int64_t>(model->tensors().size());
   int64_t done = 0;
   at::NoGradGuard no_grad;
+  const std::vector<bool> skip = options.skip ? options.skip(*model) : std::vector<bool>();
   for (TensorSlot& slot : model->tensors()) {
+    const bool skipped = !skip.empty() && skip[static_cast<size_t>(&slot - model->tensors().data())];
     const bool projection = slot.role == TensorRole::kLinearWeight;
     if (projection && is_bnb_nf4(keys, slot.name)) {
       auto get = [&](const std::string& key) { return ckpt.contains(key) ? ckpt.load(key) : at::Tensor(); };
@@ -77,6 +79,20 @@ std::unique_ptr<CausalLM> load_hf_model(const fs::path& dir, const LoadOptions& 
       MEMTUNE_CHECK(info.shape == slot.shape, ckpt.file_of(stored).string(), ": tensor '", stored,
                     "' has shape ", at::IntArrayRef(info.shape), ", expected ", at::IntArrayRef(slot.shape),
                     " from config.json");
+      if (skipped) {  // checked, not read
+        const bool floating =
+            info.dtype == at::kFloat || info.dtype == at::kHalf || info.dtype == at::kBFloat16;
+        if (projection && options.load_in_4bit) {
+          std::vector<int64_t> out_in = info.shape;
+          if (slot.linear->fan_in_fan_out()) std::swap(out_in[0], out_in[1]);
+          slot.linear->set_quantized(std::make_shared<NF4Tensor>(
+              nf4_meta(out_in, floating ? info.dtype : at::kFloat, options.blocksize, options.double_quant)));
+        } else {
+          *slot.tensor = at::empty(info.shape, at::TensorOptions(options.dense_dtype).device(at::kMeta));
+        }
+        if (options.on_tensor) options.on_tensor(slot.name, ++done, total);
+        continue;
+      }
       at::Tensor view = ckpt.view(stored);  // zero-copy over the mapping
       if (projection && options.load_in_4bit) {
         at::Tensor w = view.scalar_type() == at::kFloat || view.scalar_type() == at::kHalf ||

@@ -18,6 +18,11 @@ struct LoadOptions {
   int64_t blocksize = 64;
   bool double_quant = true;
   at::ScalarType dense_dtype = at::kFloat;  // dtype kept for dense tensors
+  // Which tensors to check but not read (another process holds them: distributed.sharding
+  // full), one flag per tensor of the model just built; each becomes a meta tensor (shape
+  // and dtype, no memory), or an NF4 weight of meta tensors. A checkpoint already in NF4 is
+  // read whole.
+  std::function<std::vector<bool>(const CausalLM& built)> skip;
   // Called after each tensor is loaded (progress bars, memory checks).
   std::function<void(const std::string& name, int64_t done, int64_t total)> on_tensor;
 };

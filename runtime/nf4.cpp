@@ -219,6 +219,25 @@ double nf4_bits_per_parameter(const NF4Tensor& q) {
   return n == 0 ? 0.0 : 8.0 * static_cast<double>(q.storage_bytes()) / static_cast<double>(n);
 }
 
+NF4Tensor nf4_meta(const std::vector<int64_t>& shape, at::ScalarType dtype, int64_t blocksize, bool double_quant) {
+  NF4Tensor q;
+  q.shape = shape;
+  q.blocksize = blocksize;
+  q.double_quant = double_quant;
+  q.dtype = dtype;
+  const int64_t nb = q.nblocks();
+  auto meta = [](int64_t n, at::ScalarType t) { return at::empty({n}, at::TensorOptions(t).device(at::kMeta)); };
+  q.packed = meta(ceil_div(q.numel(), 2), at::kByte);
+  if (!double_quant) {
+    q.absmax = meta(nb, at::kFloat);
+  } else {
+    q.absmax = meta(nb, at::kByte);
+    q.nested_absmax = meta(ceil_div(nb, kNf4NestedBlocksize), at::kFloat);
+    q.nested_quant_map = meta(256, at::kFloat);
+  }
+  return q;
+}
+
 NF4Tensor nf4_quantize(const at::Tensor& w, int64_t blocksize, bool double_quant, const std::string& name) {
   const std::string what = name.empty() ? std::string("tensor") : "tensor '" + name + "'";
   MEMTUNE_CHECK(w.defined(), "nf4_quantize: ", what, " is undefined");

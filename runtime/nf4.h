@@ -51,6 +51,10 @@ struct NF4Tensor {
 // Throws UserError on inf/nan (count and first flat index) and on a blocksize that is not
 // a power of two in [32, 4096]. A CUDA tensor is quantized on the CPU and the result moved
 // back to its device. An all-zero block gets the code of 0.0 for every element.
+// The form nf4_quantize gives a tensor of this shape and dtype, as meta tensors (shapes and
+// dtypes, no memory; nested_offset 0): a placeholder for a weight another process holds.
+NF4Tensor nf4_meta(const std::vector<int64_t>& shape, at::ScalarType dtype, int64_t blocksize, bool double_quant);
+
 NF4Tensor nf4_quantize(const at::Tensor& w, int64_t blocksize = 64, bool double_quant = true,
                        const std::string& name = "");
 

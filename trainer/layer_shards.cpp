@@ -44,55 +44,92 @@ at::Tensor view_in(const at::Tensor& buffer, int64_t offset, const at::Tensor& m
 
 }  // namespace
 
+std::vector<int> LayerShards::owners(const models::CausalLM& model, int world) {
+  const auto& slots = model.tensors();
+  std::vector<int> out(slots.size(), -1);
+  for (int layer = 0; layer < model.num_layers(); ++layer) {
+    std::vector<size_t> index;
+    std::vector<int64_t> numels;
+    for (size_t i = 0; i < slots.size(); ++i) {
+      if (slots[i].layer != layer) continue;
+      int64_t n = 1;
+      for (int64_t d : slots[i].shape) n *= d;
+      index.push_back(i);
+      numels.push_back(n);
+    }
+    const std::vector<int> owner = partition_by_numel(numels, world);
+    for (size_t k = 0; k < index.size(); ++k) out[index[k]] = owner[k];
+  }
+  return out;
+}
+
 LayerShards::LayerShards(models::CausalLM& model, ProcessGroup& pg)
     : model_(model), pg_(pg), rank_(pg.rank()), world_(pg.world_size()) {
   at::NoGradGuard no_grad;
   const c10::Device device = pg_.device();
+  const std::vector<int> owner = owners(model_, world_);
   layers_.resize(static_cast<size_t>(model_.num_layers()));
-  // The pieces of each layer, in the tensor list's order (the same on every rank).
-  std::vector<std::vector<Piece>> all(layers_.size());
-  for (auto& s : model_.tensors()) {
+  for (auto& L : layers_) {
+    L.pieces.resize(static_cast<size_t>(world_));
+    L.owner_bytes.assign(static_cast<size_t>(world_), 0);
+  }
+  // The nested offsets of NF4 weights (a float each, not a tensor): from their owners.
+  std::vector<double> offsets;
+  std::vector<models::Linear*> nf4_linears;
+  auto& slots = model_.tensors();
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const auto& s = slots[i];
     if (s.layer < 0) continue;
     MEMTUNE_CHECK(!model_.offloaded(s.layer), "distributed.sharding: full: layer ", s.layer,
                   " is offloaded; a sharded layer already lives 1/W on each rank. Hint: drop the offload from "
                   "model.device_map, or shard at gradients");
+    Layer& L = layers_[s.layer];
+    const int r = owner[i];
+    auto add = [&](Piece p) {
+      p.offset = L.owner_bytes[r];
+      p.bytes = bytes_of(p.meta);
+      L.owner_bytes[r] += (p.bytes + kAlign - 1) / kAlign * kAlign;
+      L.bytes += p.bytes;
+      L.pieces[r].push_back(std::move(p));
+    };
     if (s.role == models::TensorRole::kLinearWeight && s.linear->quantized()) {
+      const NF4Tensor& q = *s.linear->qweight();
+      if (q.double_quant) {
+        offsets.push_back(r == rank_ ? q.nested_offset : 0.0);
+        nf4_linears.push_back(s.linear);
+      }
       for (int f = 0; f < kNf4Fields; ++f) {
-        const at::Tensor& t = nf4_field(const_cast<NF4Tensor&>(*s.linear->qweight()), f);
+        const at::Tensor& t = nf4_field(const_cast<NF4Tensor&>(q), f);
         if (!t.defined()) continue;
         Piece p;
         p.linear = s.linear;
         p.field = f;
         p.meta = meta_like(t);
-        all[s.layer].push_back(p);
+        add(std::move(p));
       }
-    } else if (s.tensor->defined() && !s.tensor->requires_grad()) {
+    } else if (s.tensor->defined()) {
+      MEMTUNE_CHECK(!s.tensor->requires_grad(), "distributed.sharding: full: ", s.name,
+                    " is trainable; full shards a frozen base (training.finetune: lora)");
       Piece p;
       p.dense = s.tensor;
       p.meta = meta_like(*s.tensor);
-      all[s.layer].push_back(p);
+      add(std::move(p));
     }
   }
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    Layer& L = layers_[i];
-    std::vector<int64_t> sizes;
-    for (const Piece& p : all[i]) sizes.push_back(bytes_of(p.meta));
-    const std::vector<int> owner = partition_by_numel(sizes, world_);
-    L.pieces.resize(static_cast<size_t>(world_));
-    L.owner_bytes.assign(static_cast<size_t>(world_), 0);
-    for (size_t k = 0; k < all[i].size(); ++k) {
-      Piece p = all[i][k];
-      int64_t& end = L.owner_bytes[owner[k]];
-      p.offset = end;
-      p.bytes = sizes[k];
-      end += (p.bytes + kAlign - 1) / kAlign * kAlign;
-      L.bytes += p.bytes;
-      L.pieces[owner[k]].push_back(p);
+  if (!offsets.empty()) {
+    offsets = pg_.allreduce(std::move(offsets), ReduceOp::sum);
+    for (size_t k = 0; k < nf4_linears.size(); ++k) {
+      auto q = std::make_shared<NF4Tensor>(*nf4_linears[k]->qweight());
+      q->nested_offset = static_cast<float>(offsets[k]);
+      nf4_linears[k]->set_quantized(std::move(q));
     }
+  }
+  for (Layer& L : layers_) {
     // This rank's pieces move into its buffer; the others' become meta tensors.
     L.own = at::empty({std::max<int64_t>(1, L.owner_bytes[rank_])}, at::TensorOptions(at::kByte).device(device));
     for (const Piece& p : L.pieces[rank_]) {
       const at::Tensor src = p.dense ? *p.dense : nf4_field(const_cast<NF4Tensor&>(*p.linear->qweight()), p.field);
+      MEMTUNE_INTERNAL_ASSERT(!src.is_meta(), "layer_shards: this rank's tensor was not loaded");
       view_in(L.own, p.offset, p.meta).copy_(src);
     }
     for (int r = 0; r < world_; ++r) point(L, r, r == rank_ ? L.own : at::Tensor());

@@ -2,7 +2,9 @@
 // ZeRO stage 3 for the frozen base (distributed.sharding: full): each decoder layer's frozen
 // tensors (NF4 projections with their quantization state, dense projections, biases, norms)
 // are partitioned among the ranks by whole tensors (trainer/sharding.h partition_by_numel,
-// layer by layer), and a rank keeps only its own, packed into one buffer per layer. The
+// layer by layer; owners()), and a rank keeps only its own, packed into one buffer per
+// layer; it need not even read the others' from the checkpoint (trainer::setup_model's
+// skip). The
 // others are meta tensors: shape and dtype, no storage. The forward gathers a layer just
 // before it runs (one broadcast per owner, into one buffer per owner) and drops the gathered
 // tensors when it returns; the layer reruns in backward (it is checkpointed) and gathers
@@ -33,7 +35,8 @@ class LayerShards : public models::LayerSource {
  public:
   // Shards every decoder layer of `model` over the group's ranks: this rank's tensors are
   // copied (from wherever they were loaded: host memory) into buffers on the group's
-  // device, the others' memory is released. Call it before placing the model, so the device
+  // device, the others' memory is released (they may be meta tensors already, skipped at
+  // load; NF4 weights' nested offsets are then learned from their owners here). Call it before placing the model, so the device
   // never holds more than this rank's share; place() leaves sharded tensors where they are.
   // Trainable tensors inside a layer are left whole. The model's layer source is set to
   // this object, and reset when it is destroyed.
@@ -41,6 +44,11 @@ class LayerShards : public models::LayerSource {
   ~LayerShards() override;
   LayerShards(const LayerShards&) = delete;
   LayerShards& operator=(const LayerShards&) = delete;
+
+  // The owner of each of the model's tensors (-1: outside the layers): each layer's tensors
+  // among `world` ranks by whole tensors, from their shapes alone, so a loader can skip the
+  // others' tensors before reading any (SkipTensors) and the shards agree with it.
+  static std::vector<int> owners(const models::CausalLM& model, int world);
 
   bool covers(int layer) const override;
   void gather(int layer) override;

@@ -85,7 +85,7 @@ models::ModelSpec model_spec(const ModelConfig& m) {
   return *spec;
 }
 
-std::unique_ptr<models::CausalLM> load_base_model(const ModelConfig& m) {
+std::unique_ptr<models::CausalLM> load_base_model(const ModelConfig& m, const SkipTensors& skip) {
   const auto& q = m.quantization_config;
   fs::path dir(m.name_or_path);
   if (fs::is_directory(dir)) {
@@ -93,6 +93,7 @@ std::unique_ptr<models::CausalLM> load_base_model(const ModelConfig& m) {
     o.load_in_4bit = q.load_in_4bit;
     o.blocksize = q.blocksize;
     o.double_quant = q.bnb_4bit_use_double_quant;
+    o.skip = skip;
     return models::load_hf_model(dir, o);
   }
   auto model = models::init_random_model(model_spec(m), m.init_seed);
@@ -119,14 +120,14 @@ models::LoraTargets lora_targets(const LoraConfig& l) {
   return t;
 }
 
-ModelBundle setup_model(const Config& c, const fs::path& adapter_dir) {
+ModelBundle setup_model(const Config& c, const fs::path& adapter_dir, const SkipTensors& skip) {
   ModelBundle b;
   b.device = resolve_device(c.runtime.device);
   std::string note;
   b.compute_dtype = resolve_compute_dtype(c, b.device, &note);
   b.notes.push_back(note);
 
-  b.model = load_base_model(c.model);
+  b.model = load_base_model(c.model, skip);
   models::CausalLM& model = *b.model;
   const models::ModelSpec& spec = model.spec();
   MEMTUNE_CHECK(spec.rope_scaling.type != "dynamic" || c.data.max_seq_length <= spec.max_position_embeddings,

@@ -3,6 +3,7 @@
 // preset, NF4 projections when asked, LoRA adapters or all weights trainable, the compute
 // dtype chosen for this machine (and said in the log).
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -45,11 +46,15 @@ models::ModelSpec model_spec(const ModelConfig& config);
 
 // The model's structure and weights, without adapters: a Hugging Face directory (loaded
 // tensor by tensor, quantized as it arrives) or a preset (random weights from init_seed).
-std::unique_ptr<models::CausalLM> load_base_model(const ModelConfig& config);
+// `skip` (optional, a Hugging Face directory only): the tensors this process does not read
+// (models::LoadOptions::skip; distributed.sharding: full).
+using SkipTensors = std::function<std::vector<bool>(const models::CausalLM& built)>;
+std::unique_ptr<models::CausalLM> load_base_model(const ModelConfig& config, const SkipTensors& skip = {});
 
 // The base model, quantized as configured, with LoRA (or everything trainable), and its
 // tokenizer. `adapter_dir` (optional) loads an existing PEFT adapter instead of new LoRA.
-ModelBundle setup_model(const Config& config, const std::filesystem::path& adapter_dir = {});
+ModelBundle setup_model(const Config& config, const std::filesystem::path& adapter_dir = {},
+                        const SkipTensors& skip = {});
 
 // The devices `device_map: auto` fills, in order, each with the bytes its base weights may
 // take (60 % of the device's budget: the rest holds adapters, optimizer state and

@@ -240,12 +240,21 @@ void Trainer::join_and_plan() {
 }
 
 void Trainer::load_model() {
-  bundle_ = setup_model(c_);
+  const bool shard_layers = pg_ && pg_->world_size() > 1 && shard_level(c_.distributed.sharding) == ShardLevel::full;
+  // distributed.sharding: full: a rank reads only its share of the layers from the checkpoint.
+  SkipTensors skip;
+  if (shard_layers)
+    skip = [rank = pg_->rank(), world = pg_->world_size()](const models::CausalLM& built) {
+      const std::vector<int> owner = LayerShards::owners(built, world);
+      std::vector<bool> out(owner.size());
+      for (size_t i = 0; i < owner.size(); ++i) out[i] = owner[i] >= 0 && owner[i] != rank;
+      return out;
+    };
+  bundle_ = setup_model(c_, {}, skip);
   models::CausalLM& model = *bundle_.model;
   for (const auto& n : bundle_.notes) spdlog::info("{}", n);
-  const bool shard_layers = pg_ && pg_->world_size() > 1 && shard_level(c_.distributed.sharding) == ShardLevel::full;
-  // distributed.sharding: full: each rank keeps its share of every layer's frozen weights,
-  // moved to the device before the model is placed (the device never holds the whole base).
+  // Each rank keeps its share of every layer's frozen weights, moved to the device before
+  // the model is placed (the device never holds the whole base).
   if (shard_layers) {
     layer_shards_ = std::make_unique<LayerShards>(model, *pg_);
     spdlog::info("{}", layer_shards_->describe());

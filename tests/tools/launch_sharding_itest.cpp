@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/error.h"
+#include "runtime/units.h"
 #include "test_util.h"
 #include "trainer/train_state.h"
 
@@ -311,6 +312,29 @@ TEST(ShardedFull, AModelThatDoesNotFitOneRanksLimitTrainsOnThreeRanks) {
   expect_same_losses(step_losses(d / "free/out"), step_losses(d / "full/out"), 1e-5);
   expect_same_tensors(d / "free/out/adapter/adapter_model.safetensors", d / "full/out/adapter/adapter_model.safetensors",
                       1e-5);
+  // Each rank read only its share of the layers from the checkpoint: the peak while loading
+  // (the memory report's, rank 0) is under half the unsharded run's.
+  auto load_peak = [](const fs::path& out) {
+    const std::string r = read_file(out / "memory_report.txt");
+    const size_t at = r.find("peak at load:");
+    EXPECT_NE(at, std::string::npos) << r;
+    std::string v = r.substr(at + 13, r.find('\n', at) - at - 13);
+    v.erase(0, v.find_first_not_of(' '));
+    return parse_size(v, "peak at load").bytes;
+  };
+  EXPECT_LT(load_peak(d / "full/out"), load_peak(d / "free/out") / 2);
+
+  // QLoRA from the same directory: the skipped projections are quantized by their owners
+  // (their nested offsets reach the others at sharding), and the run equals `gradients`.
+  const std::string qlora = args + " model.quantization_config.load_in_4bit=true";
+  auto q2 = run(launch_cmd(3, write_config(d / "q2"), qlora + " distributed.sharding=gradients"), 600);
+  ASSERT_EQ(q2.exit_code, 0) << q2.output;
+  auto q3 = run(launch_cmd(3, write_config(d / "q3"), qlora + " distributed.sharding=full"), 600);
+  ASSERT_EQ(q3.exit_code, 0) << q3.output;
+  expect_same_losses(step_losses(d / "q2/out"), step_losses(d / "q3/out"), 1e-5);
+  expect_same_tensors(d / "q2/out/adapter/adapter_model.safetensors", d / "q3/out/adapter/adapter_model.safetensors",
+                      1e-5);
+
   // Rank 0's measured step peaks against the memory model's per-rank figure for full.
   auto est = run(memtune_bin() + " estimate " + write_config(d / "est").string() + " --nproc 3 --json " + args +
                  " distributed.sharding=full");
