@@ -472,10 +472,10 @@ TEST_P(ShardedReshard, AResumeUnderAnotherWorldSizeEqualsTheRunThatKeptIt) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Worlds, ShardedResume, ::testing::Values("optimizer", "gradients"));
+INSTANTIATE_TEST_SUITE_P(Worlds, ShardedResume, ::testing::Values("optimizer", "gradients", "full"));
 INSTANTIATE_TEST_SUITE_P(Worlds, ShardedReshard,
                          ::testing::Values(Reshard{"optimizer", 3, 2}, Reshard{"gradients", 2, 3},
-                                           Reshard{"gradients", 3, 1}),
+                                           Reshard{"gradients", 3, 1}, Reshard{"full", 3, 2}),
                          [](const auto& info) {
                            return str_cat(info.param.level, "_", info.param.from, "_to_", info.param.to);
                          });
