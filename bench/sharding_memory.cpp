@@ -13,9 +13,6 @@
 // level, as `full` must, so the levels compare.
 // Usage: bench_sharding_memory [MODEL_SUBSTRING]
 //   (models: M QLoRA, M full, GPT-2 124M QLoRA, GPT-2 124M full)
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -180,23 +177,11 @@ int worker(const Model& m, const std::string& level) {
   return 0;
 }
 
-int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-  socklen_t len = sizeof addr;
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
-
 std::vector<json> launch(size_t model, const std::string& level, int world) {
   const std::string self = std::string(realpath("/proc/self/exe", nullptr));
   const std::string dir = "/tmp/bench_sharding_" + std::to_string(getpid());
   std::system(("mkdir -p " + dir).c_str());
-  const int port = free_port();
+  const int port = free_tcp_port();
   std::string cmd;
   for (int r = 0; r < world; ++r)
     cmd += str_cat("BENCH_SHARDING_MODEL=", model, " BENCH_SHARDING_LEVEL=", level, " RANK=", r, " WORLD_SIZE=", world,

@@ -1,6 +1,13 @@
 #include "runtime/dist_env.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <cstdlib>
 
 #include "runtime/error.h"
@@ -167,6 +174,20 @@ DistEnv DistEnv::from_environment(const Lookup& getenv_fn) {
   }
   MEMTUNE_CHECK(d.master_port < 65536, "MASTER_PORT=", d.master_port, " is not a TCP port");
   return d;
+}
+
+int free_tcp_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  MEMTUNE_CHECK(fd >= 0, "free_tcp_port: socket: ", std::strerror(errno));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  socklen_t len = sizeof addr;
+  bool ok = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
+            getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  close(fd);
+  MEMTUNE_CHECK(ok, "cannot find a free TCP port: ", std::strerror(errno));
+  return ntohs(addr.sin_port);
 }
 
 }  // namespace memtune

@@ -30,4 +30,7 @@ struct DistEnv {
 // Zero padding of a range's bounds is kept. Throws UserError on malformed lists.
 std::vector<std::string> expand_slurm_nodelist(const std::string& nodelist);
 
+// A TCP port free on this host now (launch --standalone, tests, benchmarks).
+int free_tcp_port();
+
 }  // namespace memtune

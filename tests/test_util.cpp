@@ -1,16 +1,23 @@
 #include "test_util.h"
 
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <array>
+#include <chrono>
+#include <cstdlib>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
+#include <thread>
 
 #include <ATen/Context.h>
 
 #include "runtime/atomic_file.h"
+#include "runtime/dist_env.h"
+#include "runtime/error.h"
 #include "runtime/process_group.h"
 
 namespace memtune::testing {
@@ -46,6 +53,74 @@ CommandResult run(const std::string& command, int timeout_s) {
     result.exit_code = 128 + WTERMSIG(status);
   return result;
 }
+
+Background::Background(const std::string& cmd, fs::path log_file) : log(std::move(log_file)) {
+  pid = fork();
+  if (pid == 0) {
+    execl("/bin/sh", "sh", "-c", ("exec " + cmd + " > " + log.string() + " 2>&1").c_str(), nullptr);
+    _exit(127);
+  }
+}
+
+Background::~Background() {
+  if (pid > 0) {
+    kill(pid, SIGKILL);
+    waitpid(pid, nullptr, 0);
+  }
+}
+
+int Background::wait(double limit_s) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(limit_s);
+  while (std::chrono::steady_clock::now() < deadline) {
+    int status = 0;
+    if (waitpid(pid, &status, WNOHANG) == pid) {
+      pid = -1;
+      return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return -1;
+}
+
+pid_t Background::worker(int rank) const {
+  for (const auto& entry : fs::directory_iterator("/proc")) {
+    const std::string name = entry.path().filename();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::string stat = read_file(entry.path() / "stat");
+    size_t close = stat.rfind(')');
+    if (close == std::string::npos) continue;
+    int ppid = 0;
+    char state = 0;
+    if (sscanf(stat.c_str() + close + 1, " %c %d", &state, &ppid) != 2 || ppid != pid) continue;
+    std::string env = read_file(entry.path() / "environ");
+    if (env.find(std::string("\0RANK=", 6) + std::to_string(rank) + '\0') != std::string::npos ||
+        env.rfind("RANK=" + std::to_string(rank) + '\0', 0) == 0)
+      return std::stoi(name);
+  }
+  return -1;
+}
+
+std::vector<int> run_workers(const std::string& env, const std::string& worker, int world, const fs::path& dir,
+                             int timeout_s) {
+  const std::string self = fs::read_symlink("/proc/self/exe").string();
+  const int port = free_tcp_port();
+  std::string cmd;
+  for (int r = 0; r < world; ++r)
+    cmd += str_cat("(", env, " RANK=", r, " WORLD_SIZE=", world, " LOCAL_RANK=", r, " LOCAL_WORLD_SIZE=", world,
+                   " MASTER_ADDR=127.0.0.1 MASTER_PORT=", port, " OMP_NUM_THREADS=1 ", self, " --gtest_filter=", worker,
+                   " > ", (dir / str_cat("rank", r, ".log")).string(), " 2>&1; echo $? > ",
+                   (dir / str_cat("rc", r)).string(), ") & ");
+  cmd += "wait";
+  run(cmd, timeout_s);
+  std::vector<int> codes;
+  for (int r = 0; r < world; ++r) {
+    const std::string rc = read_file(dir / str_cat("rc", r));
+    codes.push_back(rc.empty() ? -1 : std::atoi(rc.c_str()));
+    if (codes.back() != 0) ADD_FAILURE() << "rank " << r << ":\n" << read_file(dir / str_cat("rank", r, ".log"));
+  }
+  return codes;
+}
+
 
 std::string memtune_bin() { return MEMTUNE_BIN; }
 fs::path source_dir() { return MEMTUNE_SOURCE_DIR; }

@@ -2,6 +2,7 @@
 // Helpers shared by memtune's tests: temporary directories, running the real command,
 // and the paths of the source tree and the build.
 #include <filesystem>
+#include <sys/types.h>
 #include <string>
 #include <vector>
 
@@ -27,6 +28,29 @@ std::string python();  // "/usr/bin/python3"
 bool python_torch_available();
 
 std::string read_file(const fs::path& path);
+
+// A command (memtune launch) running in the background, its output in `log`; killed with
+// SIGKILL when it goes out of scope while still running.
+struct Background {
+  pid_t pid = -1;
+  fs::path log;
+
+  Background(const std::string& cmd, fs::path log_file);
+  ~Background();
+  Background(const Background&) = delete;
+  Background& operator=(const Background&) = delete;
+  // Exit status (128 + signal when killed), or -1 when still running after `limit_s`.
+  int wait(double limit_s);
+  // The pid of its child process with RANK=rank in its environment (a launcher's worker), or -1.
+  pid_t worker(int rank) const;
+};
+
+// Runs `world` copies of this test binary at once as the ranks of a group on 127.0.0.1
+// (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT; one thread each), each with `env`
+// ("NAME=value") set and only the test `worker` selected. Returns their exit codes; a
+// failing rank's log (kept in `dir`) is added to the test's failures.
+std::vector<int> run_workers(const std::string& env, const std::string& worker, int world, const fs::path& dir,
+                             int timeout_s);
 void write_file(const fs::path& path, const std::string& text);
 
 }  // namespace memtune::testing

@@ -6,6 +6,7 @@
 #include <CLI/CLI.hpp>
 #include <unistd.h>
 
+#include "runtime/dist_env.h"
 #include "runtime/error.h"
 #include "tools/commands.h"
 #include "tools/launcher.h"
@@ -62,7 +63,7 @@ void add_launch_command(CLI::App& app) {
     if (a->standalone) {
       MEMTUNE_CHECK(o.nnodes == 1, "--standalone runs on one node, but --nnodes is ", o.nnodes);
       o.master_addr = "127.0.0.1";
-      o.master_port = tools::free_tcp_port();
+      o.master_port = free_tcp_port();
       if (o.run_id == "none") {
         std::random_device rd;
         o.run_id = str_cat(std::hex, rd(), rd());

@@ -312,20 +312,6 @@ std::vector<std::string> worker_environment(const LaunchOptions& o, int local_ra
   return env;
 }
 
-int free_tcp_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  MEMTUNE_CHECK(fd >= 0, "--standalone: socket: ", std::strerror(errno));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_ANY);
-  socklen_t len = sizeof addr;
-  bool ok = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
-            getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
-  close(fd);
-  MEMTUNE_CHECK(ok, "--standalone: cannot find a free port: ", std::strerror(errno));
-  return ntohs(addr.sin_port);
-}
-
 int run_launcher(const LaunchOptions& options) {
   MEMTUNE_CHECK(options.nnodes >= 1, "--nnodes ", options.nnodes, " must be at least 1");
   MEMTUNE_CHECK(options.nproc_per_node >= 1, "--nproc-per-node ", options.nproc_per_node, " must be at least 1");

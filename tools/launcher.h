@@ -34,7 +34,4 @@ std::vector<std::string> worker_environment(const LaunchOptions& options, int lo
 // after SIGINT/SIGTERM returns 128 + the signal.
 int run_launcher(const LaunchOptions& options);
 
-// A TCP port free on this host now (for --standalone).
-int free_tcp_port();
-
 }  // namespace memtune::tools

@@ -14,6 +14,7 @@
 
 #include <ATen/ATen.h>
 
+#include "runtime/dist_env.h"
 #include "runtime/error.h"
 #include "runtime/process_group.h"
 #include "test_util.h"
@@ -23,38 +24,10 @@ using namespace memtune;
 
 namespace {
 
-int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-  socklen_t len = sizeof addr;
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
-
 // Runs `world` workers of `scenario` concurrently; returns their exit codes, logs in `dir`.
 std::vector<int> run_workers(const std::string& scenario, int world, const fs::path& dir, int timeout_s = 60) {
-  const std::string self = fs::read_symlink("/proc/self/exe").string();
-  const int port = free_port();
-  std::string cmd;
-  for (int r = 0; r < world; ++r) {
-    cmd += str_cat("(MEMTUNE_PG_SCENARIO=", scenario, " RANK=", r, " WORLD_SIZE=", world, " LOCAL_RANK=", r,
-                   " LOCAL_WORLD_SIZE=", world, " MASTER_ADDR=127.0.0.1 MASTER_PORT=", port, " OMP_NUM_THREADS=1 ",
-                   self, " --gtest_filter=ProcessGroupWorker.Run > ", (dir / str_cat("rank", r, ".log")).string(),
-                   " 2>&1; echo $? > ", (dir / str_cat("rc", r)).string(), ") & ");
-  }
-  cmd += "wait";
-  memtune::testing::run(cmd, timeout_s);
-  std::vector<int> codes;
-  for (int r = 0; r < world; ++r) {
-    std::string rc = memtune::testing::read_file(dir / str_cat("rc", r));
-    codes.push_back(rc.empty() ? -1 : std::atoi(rc.c_str()));
-    if (codes.back() != 0) ADD_FAILURE() << "rank " << r << ":\n" << memtune::testing::read_file(dir / str_cat("rank", r, ".log"));
-  }
-  return codes;
+  return memtune::testing::run_workers("MEMTUNE_PG_SCENARIO=" + scenario, "ProcessGroupWorker.Run", world, dir,
+                                       timeout_s);
 }
 
 // Rank r's contribution, (r + 1) * base, so the sum over W ranks is W (W + 1) / 2 * base.
@@ -162,7 +135,7 @@ TEST(ProcessGroupItest, RendezvousTimeoutSaysWhoIsMissing) {
   DistEnv env;
   env.world_size = 2;
   env.master_addr = "127.0.0.1";
-  env.master_port = free_port();
+  env.master_port = free_tcp_port();
   ProcessGroupOptions options;
   options.timeout_s = 1;
   auto start = std::chrono::steady_clock::now();

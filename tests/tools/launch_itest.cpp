@@ -84,59 +84,6 @@ void expect_same_losses(const std::vector<double>& a, const std::vector<double>&
   for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], tol * std::max(1.0, std::abs(b[i]))) << "step " << i;
 }
 
-// A launcher in the background, its output in `log`.
-struct Background {
-  pid_t pid = -1;
-  fs::path log;
-
-  Background(const std::string& cmd, fs::path log_file) : log(std::move(log_file)) {
-    pid = fork();
-    if (pid == 0) {
-      execl("/bin/sh", "sh", "-c", ("exec " + cmd + " > " + log.string() + " 2>&1").c_str(), nullptr);
-      _exit(127);
-    }
-  }
-  ~Background() {
-    if (pid > 0) {
-      kill(pid, SIGKILL);
-      waitpid(pid, nullptr, 0);
-    }
-  }
-
-  // Exit status (128 + signal when killed), or -1 when still running after `limit_s`.
-  int wait(double limit_s) {
-    auto deadline = Clock::now() + std::chrono::duration<double>(limit_s);
-    while (Clock::now() < deadline) {
-      int status = 0;
-      if (waitpid(pid, &status, WNOHANG) == pid) {
-        pid = -1;
-        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    return -1;
-  }
-
-  // The pid of the worker with RANK=rank among the launcher's children, or -1.
-  pid_t worker(int rank) const {
-    for (const auto& entry : fs::directory_iterator("/proc")) {
-      const std::string name = entry.path().filename();
-      if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-      std::string stat = read_file(entry.path() / "stat");
-      size_t close = stat.rfind(')');
-      if (close == std::string::npos) continue;
-      int ppid = 0;
-      char state = 0;
-      if (sscanf(stat.c_str() + close + 1, " %c %d", &state, &ppid) != 2 || ppid != pid) continue;
-      std::string env = read_file(entry.path() / "environ");
-      if (env.find(std::string("\0RANK=", 6) + std::to_string(rank) + '\0') != std::string::npos ||
-          env.rfind("RANK=" + std::to_string(rank) + '\0', 0) == 0)
-        return std::stoi(name);
-    }
-    return -1;
-  }
-};
-
 bool wait_for(const std::function<bool()>& cond, double limit_s) {
   auto deadline = Clock::now() + std::chrono::duration<double>(limit_s);
   while (Clock::now() < deadline) {

@@ -143,8 +143,9 @@ TEST_P(ShardedRun, EqualsOneProcessOnTheGlobalBatch) {
     EXPECT_EQ(rows_one[i]["events"].dump(), rows_many[i]["events"].dump()) << "step " << i;
     EXPECT_EQ(rows_one[i]["loss_scale"], rows_many[i]["loss_scale"]) << "step " << i;
   }
-  if (k.extra.find("fp16") != std::string::npos)
+  if (k.extra.find("fp16") != std::string::npos) {
     EXPECT_NE(rows_many.front()["events"].dump().find("skip"), std::string::npos) << "the first step overflowed";
+  }
   if (k.finetune == "lora")
     expect_same_tensors(d / "one/out/adapter/adapter_model.safetensors", d / "many/out/adapter/adapter_model.safetensors",
                         k.tol);
@@ -155,11 +156,15 @@ TEST_P(ShardedRun, EqualsOneProcessOnTheGlobalBatch) {
   for (int r = 0; r < k.world; ++r)
     EXPECT_NE(many.output.find(str_cat("distributed.sharding: ", k.level, ": rank ", r, " of ", k.world, " owns")),
               std::string::npos) << many.output;
-  if (k.level == "gradients") EXPECT_NE(many.output.find("the exact equivalent of a reduce-scatter"), std::string::npos);
-  if (k.level == "full")
-    for (int r = 0; r < k.world; ++r)
+  if (k.level == "gradients") {
+    EXPECT_NE(many.output.find("the exact equivalent of a reduce-scatter"), std::string::npos);
+  }
+  if (k.level == "full") {
+    for (int r = 0; r < k.world; ++r) {
       EXPECT_NE(many.output.find(str_cat("distributed.sharding: full: rank ", r, " of ", k.world, " keeps ")),
                 std::string::npos) << many.output;
+    }
+  }
 
   // The last checkpoint's optimizer state: one shard per rank, each within one tensor of
   // 1/W, together the one process's state (to the run's tolerance).
@@ -173,8 +178,9 @@ TEST_P(ShardedRun, EqualsOneProcessOnTheGlobalBatch) {
   for (const auto& [name, t] : whole) {
     ASSERT_TRUE(sharded.count(name)) << name;
     largest = std::max<int64_t>(largest, 2 * t.numel() * static_cast<int64_t>(t.element_size()));
-    if (t.scalar_type() == at::kFloat)
+    if (t.scalar_type() == at::kFloat) {
       EXPECT_TRUE(at::allclose(sharded.at(name), t, 1e-4, 1e-7)) << name;  // moments of gradients equal to ~1e-6
+    }
   }
   int shards = 0;
   for (int r = 0; r < k.world; ++r) {
@@ -358,36 +364,6 @@ size_t rows_so_far(const fs::path& metrics) {
   while (std::getline(in, line)) n += !line.empty() && line.back() == '}' && line.find("\"loss\"") != std::string::npos;
   return n;
 }
-
-// A launcher in the background, its output in `log`.
-struct Background {
-  pid_t pid = -1;
-  Background(const std::string& cmd, const fs::path& log) {
-    pid = fork();
-    if (pid == 0) {
-      execl("/bin/sh", "sh", "-c", ("exec " + cmd + " > " + log.string() + " 2>&1").c_str(), nullptr);
-      _exit(127);
-    }
-  }
-  ~Background() {
-    if (pid > 0) {
-      kill(pid, SIGKILL);
-      waitpid(pid, nullptr, 0);
-    }
-  }
-  int wait(double limit_s) {
-    auto deadline = Clock::now() + std::chrono::duration<double>(limit_s);
-    while (Clock::now() < deadline) {
-      int status = 0;
-      if (waitpid(pid, &status, WNOHANG) == pid) {
-        pid = -1;
-        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    return -1;
-  }
-};
 
 class ShardedResume : public ::testing::TestWithParam<std::string> {};
 

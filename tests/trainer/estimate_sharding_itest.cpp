@@ -64,8 +64,9 @@ TEST_P(EstimateSharding, PerRankOptimizerStateAgreesWithTheShardedOptimizers) {
           << GetParam().name << " W " << w << " rank " << r << ": measured " << measured << ", estimated "
           << e.optimizer_states << " + workspace " << e.optimizer_workspace;
     }
-    if (oo.kind != "adamw")  // no workspace: the ranks' states add up to one process's
+    if (oo.kind != "adamw") {  // no workspace: the ranks' states add up to one process's
       EXPECT_LE(std::abs(sum - w * e.optimizer_states), w) << GetParam().name << " W " << w;
+    }
   }
 }
 

@@ -7,10 +7,7 @@
 // gradients of the sharded model equal to the whole model's, and an out-of-memory error on
 // one rank (in a gather, or before it) reaching every rank from one agreement. Each process
 // is this binary re-run with MEMTUNE_SHARDING_SCENARIO set.
-#include <arpa/inet.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -18,6 +15,7 @@
 #include <numeric>
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include "runtime/dist_env.h"
 #include "runtime/error.h"
@@ -40,37 +38,9 @@ using namespace memtune::trainer;
 
 namespace {
 
-int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-  socklen_t len = sizeof addr;
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
-
 std::vector<int> run_workers(const std::string& scenario, int world, const fs::path& dir, int timeout_s = 120) {
-  const std::string self = fs::read_symlink("/proc/self/exe").string();
-  const int port = free_port();
-  std::string cmd;
-  for (int r = 0; r < world; ++r)
-    cmd += str_cat("(MEMTUNE_SHARDING_SCENARIO=", scenario, " RANK=", r, " WORLD_SIZE=", world, " LOCAL_RANK=", r,
-                   " LOCAL_WORLD_SIZE=", world, " MASTER_ADDR=127.0.0.1 MASTER_PORT=", port, " OMP_NUM_THREADS=1 ",
-                   self, " --gtest_filter=ShardingWorker.Run > ", (dir / str_cat("rank", r, ".log")).string(),
-                   " 2>&1; echo $? > ", (dir / str_cat("rc", r)).string(), ") & ");
-  cmd += "wait";
-  memtune::testing::run(cmd, timeout_s);
-  std::vector<int> codes;
-  for (int r = 0; r < world; ++r) {
-    const std::string rc = memtune::testing::read_file(dir / str_cat("rc", r));
-    codes.push_back(rc.empty() ? -1 : std::atoi(rc.c_str()));
-    if (codes.back() != 0)
-      ADD_FAILURE() << "rank " << r << ":\n" << memtune::testing::read_file(dir / str_cat("rank", r, ".log"));
-  }
-  return codes;
+  return memtune::testing::run_workers("MEMTUNE_SHARDING_SCENARIO=" + scenario, "ShardingWorker.Run", world, dir,
+                                       timeout_s);
 }
 
 // The same tensors on every rank (sizes chosen so that 256-element buckets cut some).
@@ -187,10 +157,11 @@ void scenario(ProcessGroup& pg, ShardLevel level) {
   EXPECT_FALSE(skip3);
   EXPECT_NEAR(norm3, std::sqrt(sq3), 1e-6 * std::sqrt(sq3)) << "the norm of the unscaled sums";
   for (size_t i = 0; i < params.size(); ++i)
-    if (owner[i] == me)
+    if (owner[i] == me) {
       EXPECT_TRUE(at::allclose(params[i].second.grad().to(at::kDouble),
                                base_grad(i, params[i].second) * (w * (w + 1) / 2.0) / 4.0, 1e-6, 1e-6))
           << "tensor " << i << " unscaled once";
+    }
 
   // Out of memory while the last rank unscales (its first allocation after the buckets):
   // every rank gets the error from the same collective, and the group goes on.
@@ -202,7 +173,9 @@ void scenario(ProcessGroup& pg, ShardLevel level) {
     s.reduce_gradients(params, extra, scaler);
   } catch (const std::exception& e) {
     oom = compat::is_out_of_memory(e);
-    if (me != w - 1) EXPECT_NE(std::string(e.what()).find("out of memory on another rank"), std::string::npos) << e.what();
+    if (me != w - 1) {
+      EXPECT_NE(std::string(e.what()).find("out of memory on another rank"), std::string::npos) << e.what();
+    }
   }
   cancel_injected_oom();
   EXPECT_TRUE(oom) << "rank " << me;
