@@ -54,47 +54,10 @@ phase() {  # prints the time the previous phase took
 }
 total_start=$(date +%s)
 
-# One run at a time per root (CI and a developer may share a machine).
-mkdir -p "$(dirname "$ROOT")"
-exec 9>"$ROOT.lock"
-flock 9
-
-# Mounts live only while this script runs; the trap unmounts them on every exit path.
-mounted=()
-cleanup() {
-  local i
-  for ((i = ${#mounted[@]} - 1; i >= 0; i--)); do
-    umount "${mounted[i]}" 2>/dev/null || umount -l "${mounted[i]}" || true
-  done
-  mounted=()
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-bind() {  # bind <host path> <path in root>
-  mkdir -p "$ROOT$2"
-  mountpoint -q "$ROOT$2" && umount "$ROOT$2"  # left by a run that was killed
-  mount --bind "$1" "$ROOT$2"
-  mounted+=("$ROOT$2")
-}
-unmount_all_under_root() {  # before deleting the root: never delete through a mount
-  findmnt -rn -o TARGET | grep -E "^$ROOT(/|$)" | sort -r | while read -r m; do umount -l "$m"; done
-  if findmnt -rn -o TARGET | grep -qE "^$ROOT(/|$)"; then
-    echo "gpu_build: mounts remain under $ROOT; not deleting it" >&2
-    exit 1
-  fi
-}
-in_root() {  # in_root <command...>: a clean environment inside the root
-  chroot "$ROOT" /usr/bin/env -i HOME=/root LANG=C.UTF-8 TERM=dumb \
-    PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-    DEBIAN_FRONTEND=noninteractive CCACHE_DIR=/var/cache/ccache "$@"
-}
-
-default_mirror() {
-  local m
-  m=$(grep -rhoE 'https?://[^ ]+/debian/?( |$)' /etc/apt/sources.list /etc/apt/sources.list.d/ \
-        2>/dev/null | head -1 | tr -d ' ')
-  echo "${m:-http://deb.debian.org/debian}"
-}
+ROOT_TAG=gpu_build
+ROOT_ENV=(CCACHE_DIR=/var/cache/ccache)
+# shellcheck source=scripts/debian_root.sh
+source "$src/scripts/debian_root.sh"
 
 # cuDNN: libtorch-cuda-2.6 depends on nvidia-cudnn, which is only a downloader that fetches
 # cuDNN from NVIDIA's site when installed, unreachable here. The LibTorch files need only
@@ -118,24 +81,12 @@ make_root() {
   local cudnn; cudnn=$(find_cudnn)
   if [ ! -f "$ROOT/.memtune-debootstrap-done" ]; then
     phase "debootstrap trixie from $mirror"
-    command -v debootstrap >/dev/null || apt-get install -y -qq debootstrap >/dev/null
-    if [ -e "$ROOT" ]; then
-      unmount_all_under_root
-      rm -rf --one-file-system "$ROOT"
-    fi
-    debootstrap --variant=minbase --components=main,contrib,non-free trixie "$ROOT" "$mirror" \
-      >"$ROOT.debootstrap.log" 2>&1 || { tail -20 "$ROOT.debootstrap.log" >&2; exit 1; }
-    touch "$ROOT/.memtune-debootstrap-done"
+    debootstrap_root trixie "$mirror" --components=main,contrib,non-free
   fi
 
   phase "apt-get install in the root"
   echo "deb $mirror trixie main contrib non-free" >"$ROOT/etc/apt/sources.list"
-  cp -L /etc/resolv.conf "$ROOT/etc/resolv.conf"
-  printf '#!/bin/sh\nexit 101\n' >"$ROOT/usr/sbin/policy-rc.d"  # no services start in the root
-  chmod +x "$ROOT/usr/sbin/policy-rc.d"
-  bind /proc /proc
-  bind /sys /sys
-  bind /dev /dev
+  prepare_root
   bind /dev/pts /dev/pts
   in_root apt-get update -qq
 

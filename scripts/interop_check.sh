@@ -35,28 +35,13 @@ fi
 
 bash "$src/scripts/interop_root.sh"
 
-exec 9>"$ROOT.lock"  # the root is not remade under a running check
-flock 9
+ROOT_TAG=interop_check
+ROOT_ENV=()
+# The root's lock (it is not remade under a running check) and its bind mounts.
+# shellcheck source=scripts/debian_root.sh
+source "$src/scripts/debian_root.sh"
 
 work=$(mktemp -d /tmp/memtune-interop.XXXXXX)
-mounted=()
-cleanup() {
-  local i
-  for ((i = ${#mounted[@]} - 1; i >= 0; i--)); do
-    umount "${mounted[i]}" 2>/dev/null || umount -l "${mounted[i]}" || true
-  done
-  mounted=()
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-bind() {  # bind <host path> <path in root> [ro]
-  mkdir -p "$ROOT$2"
-  mountpoint -q "$ROOT$2" && umount "$ROOT$2"  # left by a run that was killed
-  mount --bind "$1" "$ROOT$2"
-  mounted+=("$ROOT$2")
-  [ "${3:-}" = ro ] && mount -o remount,bind,ro "$ROOT$2"
-  return 0
-}
 
 main() {
   bind /proc /proc
