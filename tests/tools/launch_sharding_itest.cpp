@@ -221,37 +221,18 @@ INSTANTIATE_TEST_SUITE_P(
                            "_gpt2_eval"}),
     name_of);
 
-TEST(ShardedOom, AnOomAfterTheShardedReductionRetriesEveryRankAndKeepsTheMath) {
-  MEMTUNE_REQUIRE_GLOO();
-  // Rank 1 runs out of memory in the optimizer phase of step 2, after the gradients were
-  // reduced to their owners and dropped elsewhere: every rank drops the step's gradients,
-  // shrinks and runs the same samples again.
-  fs::path d = temp_dir();
-  const std::string args = "training.optim=adamw distributed.sharding=gradients";
-  auto clean = run(launch_cmd(2, write_config(d / "clean"), args), 600);
-  ASSERT_EQ(clean.exit_code, 0) << clean.output;
-  auto oom = run(launch_cmd(2, write_config(d / "oom"), args + " memory.inject_oom=2:optimizer:1"), 600);
-  ASSERT_EQ(oom.exit_code, 0) << oom.output;
-  const auto rows = read_jsonl(d / "oom/out/metrics.jsonl", "loss");
-  ASSERT_EQ(rows.size(), 4u);
-  EXPECT_NE(rows[2]["events"].dump().find("oom"), std::string::npos) << rows[2].dump();
-  EXPECT_EQ(rows[2]["micro_batch"], 1) << rows[2].dump();
-  expect_same_losses(step_losses(d / "clean/out"), step_losses(d / "oom/out"), 1e-5);
-  expect_same_tensors(d / "clean/out/adapter/adapter_model.safetensors", d / "oom/out/adapter/adapter_model.safetensors",
-                      1e-5);
-}
+// One rank runs out of memory while the others go on; every rank learns it, drops the
+// step, shrinks and runs the same samples again: the losses and the adapter are the clean
+// run's. gradients: in the optimizer phase, after the gradients were reduced to their
+// owners and dropped elsewhere. full: inside the layers (forward, or the reruns of
+// backward), while the others run on to their next gather, where they learn it.
+class ShardedOom : public ::testing::TestWithParam<std::tuple<std::string, int, std::string>> {};
 
-// distributed.sharding: full: one rank runs out of memory inside the layers (forward, or the
-// reruns of backward) while the others run on to their next gather; every rank learns it
-// there, drops the step, shrinks and runs the same samples again: the losses and the adapter
-// are the clean run's.
-class ShardedFullOom : public ::testing::TestWithParam<std::tuple<int, std::string>> {};
-
-TEST_P(ShardedFullOom, EveryRankRetriesTheStepAndTheMathStays) {
+TEST_P(ShardedOom, EveryRankRetriesTheStepAndTheMathStays) {
   MEMTUNE_REQUIRE_GLOO();
-  const auto [world, point] = GetParam();
+  const auto [level, world, point] = GetParam();
   fs::path d = temp_dir();
-  const std::string args = "training.optim=adamw distributed.sharding=full";
+  const std::string args = "training.optim=adamw distributed.sharding=" + level;
   auto clean = run(launch_cmd(world, write_config(d / "clean"), args), 600);
   ASSERT_EQ(clean.exit_code, 0) << clean.output;
   auto oom = run(launch_cmd(world, write_config(d / "oom"), args + " memory.inject_oom=" + point), 600);
@@ -265,14 +246,16 @@ TEST_P(ShardedFullOom, EveryRankRetriesTheStepAndTheMathStays) {
                       1e-5);
 }
 
-INSTANTIATE_TEST_SUITE_P(Points, ShardedFullOom,
-                         ::testing::Values(std::make_tuple(2, "2:forward:1"), std::make_tuple(3, "2:backward:1"),
-                                           std::make_tuple(3, "2:forward:0")),
+INSTANTIATE_TEST_SUITE_P(Points, ShardedOom,
+                         ::testing::Values(std::make_tuple("gradients", 2, "2:optimizer:1"),
+                                           std::make_tuple("full", 2, "2:forward:1"),
+                                           std::make_tuple("full", 3, "2:backward:1"),
+                                           std::make_tuple("full", 3, "2:forward:0")),
                          [](const auto& info) {
-                           std::string p = std::get<1>(info.param);
+                           std::string p = std::get<2>(info.param);
                            for (char& c : p)
                              if (c == ':') c = '_';
-                           return "W" + std::to_string(std::get<0>(info.param)) + "_step" + p;
+                           return std::get<0>(info.param) + "_W" + std::to_string(std::get<1>(info.param)) + "_step" + p;
                          });
 
 // The point of distributed.sharding: full: a model that does not fit one rank's
