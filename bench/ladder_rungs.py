@@ -4,10 +4,11 @@ micro-batch 1 with nothing else, then with every layer checkpointed, + activatio
 + optimizer offload, + every decoder layer offloaded (LoRA only: full fine-tuning trains
 those weights), measured with `memtune train` in one run, side by side.
 
-    python3 bench/ladder_rungs.py [--model M|S] [--steps N] [--json FILE]
+    python3 bench/ladder_rungs.py [--model M|S|gpt2] [--steps N] [--modes qlora,full] [--json FILE]
 
 Builds nothing: run `bash scripts/build.sh` first. The model is bench/train_vs_peer.py's
-(random weights, llm.c token file of random ids, seq 256, micro-batch 1 x 4 per step).
+(random weights, llm.c token file of random ids, seq 256, micro-batch 1 x 4 per step);
+gpt2 is GPT-2 124M, memtune's `gpt2` preset with random weights (use --modes full).
 QLoRA: NF4 base, LoRA r 16 on every projection. Full: every weight trained, fp32 AdamW.
 Peak: the largest of memory_report.txt's forward, backward and optimizer peaks (the CPU
 budget allocator's count; offloaded bytes are outside it, as on a GPU). tokens/s: median
@@ -23,7 +24,9 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_vs_peer import MODELS, ROOT, built, llama_config, log, run, write_tokens  # noqa: E402
+from train_vs_peer import MODELS as PEER_MODELS, ROOT, built, llama_config, log, run, write_tokens  # noqa: E402
+
+MODELS = dict(PEER_MODELS, gpt2=dict(layers=12, hidden=768, vocab=50257, seq=256, preset="gpt2"))
 
 RUNGS = [
     ("micro-batch 1", {}),
@@ -93,11 +96,14 @@ def main():
     (args.memtune,) = built(args.build, "memtune")
     os.makedirs(args.work, exist_ok=True)
     m = MODELS[args.model]
-    config = os.path.join(args.work, "config.json")
-    with open(config, "w") as f:
-        json.dump(llama_config(m), f)
-    args.model_dir = os.path.join(args.work, "model")
-    run([args.memtune, "init-model", "--config", config, "--out", args.model_dir, "--seed", "1"])
+    if "preset" in m:
+        args.model_dir = m["preset"]
+    else:
+        config = os.path.join(args.work, "config.json")
+        with open(config, "w") as f:
+            json.dump(llama_config(m), f)
+        args.model_dir = os.path.join(args.work, "model")
+        run([args.memtune, "init-model", "--config", config, "--out", args.model_dir, "--seed", "1"])
     args.tokens = os.path.join(args.work, "tokens.bin")
     write_tokens(args.tokens, m["vocab"], m["seq"] * 4 * (args.steps + 2) + 1, 7)
 
@@ -111,8 +117,8 @@ def main():
         print(f"\n{mode}:\n| rung | peak (MiB) | vs micro-batch 1 | tokens/s | vs micro-batch 1 |\n|---|---|---|---|---|")
         first = None
         for name, rung in RUNGS:
-            if mode == "full" and rung.get("layers_offloaded"):
-                continue  # the offloaded layers' weights would be trained: refused by the device map
+            if rung.get("layers_offloaded") and (mode == "full" or "preset" in m):
+                continue  # full: the offloaded layers' weights would be trained (refused); gpt2: Llama's module names
             log(f"{mode}: {name}")
             peak, tok_s = train(args, mode, name, rung)
             first = first or (peak, tok_s)
