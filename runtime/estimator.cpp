@@ -438,8 +438,9 @@ class Planner {
     e.workspace = workspace;
     e.backward_peak = persistent + bwd + gathered;
 
-    // Optimizer: the gradient norm converts the largest gradient to fp64 and squares it.
-    e.optimizer_peak = persistent + e.gradients_after_reduce + 2 * largest_trainable * 8;
+    // Optimizer: off the CPU the gradient norm converts the largest gradient to fp64 and
+    // squares it (trainer/optimizer.cpp grad_square_sum); on the CPU it sums in place.
+    e.optimizer_peak = persistent + e.gradients_after_reduce + (m_.cpu_update ? 0 : 2 * largest_trainable * 8);
     e.peak_bytes = std::max({e.forward_peak, e.backward_peak, e.optimizer_peak});
 
     auto add = [&](std::string name, int64_t bytes, std::string note) {

@@ -64,6 +64,9 @@ struct EstimateInput {
   // Attention runs the fused CPU kernel (models/layers/attention_cpu.h: CPU, fp32), whose
   // scratch is per intra-op thread; otherwise the blocked ATen one.
   bool fused_cpu_attention = false;
+  // The update runs on the CPU: the gradient norm sums fp32 gradients in place (elsewhere it
+  // converts the largest gradient to fp64 and squares it).
+  bool cpu_update = false;
   int64_t threads = 1;
   int64_t loss_chunk_rows = 0;      // rows of logits formed at a time; 0: loss_chunk_rows(vocab)
 

@@ -117,6 +117,7 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
   // Activations are fp32 (LoadOptions::dense_dtype); on the CPU attention takes the fused
   // kernel unless the config asks for another.
   in.fused_cpu_attention = device.is_cpu() && in.compute_bytes == 4 && c.model.attn_implementation == "auto";
+  in.cpu_update = device.is_cpu();
   in.threads = at::get_num_threads();
   return in;
 }
