@@ -18,13 +18,12 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_vs_peer import MODELS as PEER_MODELS, ROOT, built, llama_config, log, run, write_tokens  # noqa: E402
+from train_vs_peer import MODELS as PEER_MODELS, ROOT, built, cpu_name, llama_config, log, run, write_tokens  # noqa: E402
 
 MODELS = dict(PEER_MODELS, gpt2=dict(layers=12, hidden=768, vocab=50257, seq=256, preset="gpt2"))
 
@@ -107,9 +106,7 @@ def main():
     args.tokens = os.path.join(args.work, "tokens.bin")
     write_tokens(args.tokens, m["vocab"], m["seq"] * 4 * (args.steps + 2) + 1, 7)
 
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")),
-               platform.processor())
-    avx512 = "avx512f" in open("/proc/cpuinfo").read()
+    cpu, avx512 = cpu_name()
     print(f"# ladder rungs, {args.model} model ({m['layers']} x {m['hidden']}), seq {m['seq']}, micro-batch 1 x 4, "
           f"{datetime.date.today()}, {cpu} ({'AVX-512' if avx512 else 'AVX2'}), {os.cpu_count()} CPUs")
     results = []

@@ -16,14 +16,13 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_vs_peer import ROOT, built, log, write_tokens  # noqa: E402
+from train_vs_peer import ROOT, built, cpu_name, log, write_tokens  # noqa: E402
 
 OPTIONS = [
     ("adamw_torch", {}),
@@ -92,9 +91,7 @@ def main():
     os.makedirs(args.work, exist_ok=True)
     args.tokens = os.path.join(args.work, "tokens.bin")
     write_tokens(args.tokens, 50257, 64 * 4 * (args.steps + 2) + 1, 7)
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")),
-               platform.processor())
-    avx512 = "avx512f" in open("/proc/cpuinfo").read()
+    cpu, avx512 = cpu_name()
     print(f"# GPT-2 124M full fine-tune, micro-batch 4 x 64, supervisor off; {datetime.datetime.utcnow():%Y-%m-%d %H:%M} "
           f"UTC, {cpu} ({'AVX-512' if avx512 else 'AVX2'}), {os.cpu_count()} CPUs")
     print("| optimizer | smallest device_limit (MiB) | vs adamw_torch | tokens/s | vs adamw_torch |\n|---|---|---|---|---|")

@@ -52,6 +52,13 @@ def log(*a):
     print(*a, file=sys.stderr, flush=True)
 
 
+def cpu_name():
+    """This machine's CPU for a figure's header: its model name and whether it has AVX-512."""
+    info = open("/proc/cpuinfo").read()
+    name = next((l.split(":", 1)[1].strip() for l in info.splitlines() if l.startswith("model name")), "unknown CPU")
+    return name, "avx512f" in info
+
+
 def run(cmd, env=None):
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if p.returncode != 0:
