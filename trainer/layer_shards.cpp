@@ -30,6 +30,7 @@ at::Tensor& nf4_field(NF4Tensor& q, int field) {
     default: return q.nested_quant_map;
   }
 }
+const at::Tensor& nf4_field(const NF4Tensor& q, int field) { return nf4_field(const_cast<NF4Tensor&>(q), field); }
 
 int64_t bytes_of(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
 
@@ -99,7 +100,7 @@ LayerShards::LayerShards(models::CausalLM& model, ProcessGroup& pg)
         nf4_linears.push_back(s.linear);
       }
       for (int f = 0; f < kNf4Fields; ++f) {
-        const at::Tensor& t = nf4_field(const_cast<NF4Tensor&>(q), f);
+        const at::Tensor& t = nf4_field(q, f);
         if (!t.defined()) continue;
         Piece p;
         p.linear = s.linear;
@@ -128,7 +129,7 @@ LayerShards::LayerShards(models::CausalLM& model, ProcessGroup& pg)
     // This rank's pieces move into its buffer; the others' become meta tensors.
     L.own = at::empty({std::max<int64_t>(1, L.owner_bytes[rank_])}, at::TensorOptions(at::kByte).device(device));
     for (const Piece& p : L.pieces[rank_]) {
-      const at::Tensor src = p.dense ? *p.dense : nf4_field(const_cast<NF4Tensor&>(*p.linear->qweight()), p.field);
+      const at::Tensor src = p.dense ? *p.dense : nf4_field(*p.linear->qweight(), p.field);
       MEMTUNE_INTERNAL_ASSERT(!src.is_meta(), "layer_shards: this rank's tensor was not loaded");
       view_in(L.own, p.offset, p.meta).copy_(src);
     }

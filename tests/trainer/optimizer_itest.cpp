@@ -22,6 +22,46 @@ void py(const std::string& args) {
   ASSERT_EQ(r.exit_code, 0) << args << "\n" << r.output;
 }
 
+// The batch the reference's make-batch command wrote.
+data::Batch load_batch(const std::string& file) {
+  models::SafetensorsFile bf(file);
+  data::Batch batch;
+  batch.input_ids = bf.load("input_ids");
+  batch.targets = bf.load("targets");
+  batch.position_ids = bf.load("position_ids");
+  batch.segment_ids = bf.load("segment_ids");
+  return batch;
+}
+
+// `steps` AdamW steps (betas 0.9, 0.95, eps 1e-8, decay `wd`) with clipping at `max_norm`
+// on `batch`, as the reference's train command runs them; the losses are compared with the
+// reference's (`ref_json`) and must fall.
+void train_and_compare_losses(models::CausalLM& model, const data::Batch& batch, int steps, double lr, double wd,
+                              double max_norm, const fs::path& ref_json) {
+  trainer::OptimizerOptions o;
+  o.beta1 = 0.9;
+  o.beta2 = 0.95;
+  o.eps = 1e-8;
+  o.weight_decay = wd;
+  trainer::Optimizer opt(model.trainable_parameters(), o);
+  std::vector<double> losses;
+  models::ForwardOptions fo;
+  fo.training = true;
+  for (int s = 0; s < steps; ++s) {
+    opt.zero_grad();
+    auto out = model.forward(batch, fo);
+    at::Tensor loss = out.loss_sum / static_cast<double>(out.target_tokens);
+    losses.push_back(loss.item<double>());
+    loss.backward();
+    const double norm = trainer::grad_norm(opt.params());
+    opt.step(lr, norm > max_norm ? max_norm / (norm + 1e-6) : 1.0);
+  }
+  auto ref = nlohmann::json::parse(read_file(ref_json));
+  ASSERT_EQ(ref["losses"].size(), losses.size());
+  for (int s = 0; s < steps; ++s) EXPECT_NEAR(losses[s], ref["losses"][s].get<double>(), 1e-5) << "step " << s;
+  EXPECT_LT(losses.back(), losses.front());
+}
+
 TEST(OptimizerReference, AdamWWithDecayAndClippingMatchesPyTorch) {
   if (!python_torch_available()) GTEST_SKIP() << "python3-torch not installed";
   fs::path d = temp_dir();
@@ -37,34 +77,8 @@ TEST(OptimizerReference, AdamWWithDecayAndClippingMatchesPyTorch) {
 
   auto model = models::load_hf_model(m, {});
   models::load_adapter(*model, a);
-  models::SafetensorsFile bf(b);
-  data::Batch batch;
-  batch.input_ids = bf.load("input_ids");
-  batch.targets = bf.load("targets");
-  batch.position_ids = bf.load("position_ids");
-  batch.segment_ids = bf.load("segment_ids");
-  trainer::OptimizerOptions o;
-  o.beta1 = 0.9;
-  o.beta2 = 0.95;
-  o.eps = 1e-8;
-  o.weight_decay = wd;
-  trainer::Optimizer opt(model->trainable_parameters(), o);
-  std::vector<double> losses;
-  models::ForwardOptions fo;
-  fo.training = true;
-  for (int s = 0; s < steps; ++s) {
-    opt.zero_grad();
-    auto out = model->forward(batch, fo);
-    at::Tensor loss = out.loss_sum / static_cast<double>(out.target_tokens);
-    losses.push_back(loss.item<double>());
-    loss.backward();
-    const double norm = trainer::grad_norm(opt.params());
-    opt.step(lr, norm > max_norm ? max_norm / (norm + 1e-6) : 1.0);
-  }
-  auto ref = nlohmann::json::parse(read_file(d / "ref.json"));
-  ASSERT_EQ(ref["losses"].size(), losses.size());
-  for (int s = 0; s < steps; ++s) EXPECT_NEAR(losses[s], ref["losses"][s].get<double>(), 1e-5) << "step " << s;
-  EXPECT_LT(losses.back(), losses.front());
+  const data::Batch batch = load_batch(b);
+  ASSERT_NO_FATAL_FAILURE(train_and_compare_losses(*model, batch, steps, lr, wd, max_norm, d / "ref.json"));
   models::SafetensorsFile rt(d / "ref.safetensors");
   int compared = 0;
   for (models::Linear* l : model->linears()) {
@@ -101,34 +115,8 @@ TEST(OptimizerReference, ModulesToSaveTrainAsPeftAndSaveAsPeft) {
   auto model = models::load_hf_model(m, {});
   models::LoraSummary summary = models::load_adapter(*model, a);
   EXPECT_EQ(summary.modules.size(), 4u + 3u);  // q, v in two layers; embedding, norm, head
-  models::SafetensorsFile bf(b);
-  data::Batch batch;
-  batch.input_ids = bf.load("input_ids");
-  batch.targets = bf.load("targets");
-  batch.position_ids = bf.load("position_ids");
-  batch.segment_ids = bf.load("segment_ids");
-  trainer::OptimizerOptions o;
-  o.beta1 = 0.9;
-  o.beta2 = 0.95;
-  o.eps = 1e-8;
-  o.weight_decay = wd;
-  trainer::Optimizer opt(model->trainable_parameters(), o);
-  std::vector<double> losses;
-  models::ForwardOptions fo;
-  fo.training = true;
-  for (int s = 0; s < steps; ++s) {
-    opt.zero_grad();
-    auto out = model->forward(batch, fo);
-    at::Tensor loss = out.loss_sum / static_cast<double>(out.target_tokens);
-    losses.push_back(loss.item<double>());
-    loss.backward();
-    const double norm = trainer::grad_norm(opt.params());
-    opt.step(lr, norm > max_norm ? max_norm / (norm + 1e-6) : 1.0);
-  }
-  auto ref = nlohmann::json::parse(read_file(d / "ref.json"));
-  ASSERT_EQ(ref["losses"].size(), losses.size());
-  for (int s = 0; s < steps; ++s) EXPECT_NEAR(losses[s], ref["losses"][s].get<double>(), 1e-5) << "step " << s;
-  EXPECT_LT(losses.back(), losses.front());
+  const data::Batch batch = load_batch(b);
+  ASSERT_NO_FATAL_FAILURE(train_and_compare_losses(*model, batch, steps, lr, wd, max_norm, d / "ref.json"));
   models::SafetensorsFile rt(d / "ref.safetensors");
   for (const char* name : {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}) {
     at::Tensor mine = model->find_tensor(name)->tensor->detach();
