@@ -1,9 +1,7 @@
 #include "trainer/optimizer.h"
 
 #include <algorithm>
-#include <cfloat>
 #include <cmath>
-#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -15,6 +13,7 @@
 #include "runtime/error.h"
 #include "runtime/json_input.h"
 #include "runtime/offload.h"
+#include "trainer/adamw8bit_kernels.h"
 
 namespace memtune::trainer {
 
@@ -47,111 +46,6 @@ bool fused_adamw_applies(const at::Tensor& p, const at::Tensor& g, const at::Ten
   return true;
 }
 
-// bitsandbytes' quantize_2D<SIGNED>: a 7-step binary search over the sorted map from entry
-// 127 (the kernel's "quadrants" are entries 63, 127 and 191, the ones the search visits
-// first), then the nearer of the entries it last passed on either side (-1 or 0 and 1.0
-// before any) by an fp32 midpoint. NaN (0/0 of an all-zero block) compares false throughout
-// and ends at code 0. Computed here without the search: its comparisons go right at internal entry j (the odd ones, 1..253)
-// exactly when x > code[j], so the leaf it reaches is 2 * #{odd j : code[j] < x} and the
-// entries it last passed on either side depend on the leaf alone. A table on x's top 12
-// bits bounds that count; a short scan finishes it. Same codes as quantize_2d (the test
-// against the reference and the exhaustive comparison in adamw8bit_test check it).
-struct CodeSearch {
-  const float* code;
-  float keys[127];                      // code[1], code[3], ..., code[253]
-  uint8_t lo[4096], hi[4096];           // bounds of the count for x's top 12 bits
-  int lower_pivot[256], upper_pivot[256];
-  float lower[256], upper[256];         // per leaf (even entries)
-
-  CodeSearch(const float* c, bool is_signed) : code(c) {
-    for (int k = 0; k < 127; ++k) keys[k] = code[2 * k + 1];
-    auto count = [&](float x) {
-      int n = 0;
-      for (int k = 0; k < 127; ++k) n += keys[k] < x;
-      return n;
-    };
-    for (uint32_t b = 0; b < 4096; ++b) {
-      const uint32_t first = b << 20, last = first | 0xFFFFFu;
-      float a, z;
-      std::memcpy(&a, &first, 4);
-      std::memcpy(&z, &last, 4);
-      if (std::isnan(a) || std::isnan(z) || std::isinf(a) || std::isinf(z)) {
-        lo[b] = 0;
-        hi[b] = 127;
-        continue;
-      }
-      const int ca = count(a), cz = count(z);
-      lo[b] = static_cast<uint8_t>(std::min(ca, cz));
-      hi[b] = static_cast<uint8_t>(std::max(ca, cz));
-    }
-    for (int leaf = 0; leaf < 256; leaf += 2) {
-      int pivot = 127, up = 255, low = 0;
-      float lv = is_signed ? -1.0f : 0.0f, uv = 1.0f;
-      for (int i = 64; i > 0; i >>= 1) {
-        if (leaf > pivot) {
-          low = pivot;
-          lv = code[pivot];
-          pivot += i;
-        } else {
-          up = pivot;
-          uv = code[pivot];
-          pivot -= i;
-        }
-      }
-      TORCH_CHECK(pivot == leaf, "code search: leaf ", leaf, " reached ", pivot);
-      lower_pivot[leaf] = low;
-      upper_pivot[leaf] = up;
-      lower[leaf] = lv;
-      upper[leaf] = uv;
-    }
-  }
-
-  uint8_t operator()(float x) const {
-    uint32_t bits;
-    std::memcpy(&bits, &x, 4);
-    const uint32_t b = bits >> 20;
-    int n = lo[b];
-    for (int k = lo[b]; k < hi[b]; ++k) n += keys[k] < x;
-    const int pivot = 2 * n;
-    const float val = code[pivot];
-    if (x > val) {
-      const float midpoint = (upper[pivot] + val) * 0.5f;
-      return static_cast<uint8_t>(x > midpoint ? upper_pivot[pivot] : pivot);
-    }
-    const float midpoint = (lower[pivot] + val) * 0.5f;
-    return static_cast<uint8_t>(x < midpoint ? lower_pivot[pivot] : pivot);
-  }
-};
-
-const CodeSearch& code_search(bool is_signed) {
-  static const CodeSearch kSigned(dynamic_map(true).data_ptr<float>(), true);
-  static const CodeSearch kUnsigned(dynamic_map(false).data_ptr<float>(), false);
-  return is_signed ? kSigned : kUnsigned;
-}
-
-// The fp32 scalars bitsandbytes' kernels derive from (step, lr, betas).
-struct BnbScalars {
-  float b1, b2, one_minus_b1, one_minus_b2, eps_c2, step_size, decay, gs;
-  bool decay_on;
-  BnbScalars(int64_t step, double lr, double beta1, double beta2, double eps, double wd, double grad_scale) {
-    const float lrf = static_cast<float>(lr), wdf = static_cast<float>(wd), t = static_cast<float>(step);
-    b1 = static_cast<float>(beta1);
-    b2 = static_cast<float>(beta2);
-    one_minus_b1 = 1.0f - b1;
-    one_minus_b2 = 1.0f - b2;
-    // beta^t as a correctly rounded fp32 (the power of the fp32 beta in double, rounded once):
-    // the kernels' powf, without depending on which libm's last bit.
-    auto powf = [&](float b) { return static_cast<float>(std::pow(static_cast<double>(b), static_cast<double>(t))); };
-    const float c1 = 1.0f - powf(b1);
-    const float c2 = std::sqrt(1.0f - powf(b2));
-    step_size = (-lrf * c2) / c1;
-    eps_c2 = c2 * static_cast<float>(eps);  // the 8-bit kernel's correction2 * eps
-    decay_on = wdf > 0.0f;
-    decay = 1.0f - lrf * wdf;
-    gs = static_cast<float>(grad_scale);
-  }
-};
-
 // bitsandbytes' kOptimizer32bit2State<ADAM> (no max_unorm, no skip_zeros) over contiguous
 // fp32 CPU tensors: its order of operations, one fp32 rounding each.
 void bnb_adam32(const BnbScalars& s, float* p, const float* g, float* m, float* v, int64_t n) {
@@ -170,63 +64,14 @@ void bnb_adam32(const BnbScalars& s, float* p, const float* g, float* m, float* 
   });
 }
 
-// bitsandbytes' kOptimizerStatic8bit2StateBlockwise<ADAM, 256>, one block of 256 lanes per
-// iteration: dequantize with the old absmax, update the fp32 states, take the new absmax
-// over the block (lanes past the tensor's end count with g 0, code1 128, code2 0, as the
-// kernel's padded loads), update p from the unquantized states, requantize. A non-finite
-// gradient zeroes that element's states and leaves its parameter.
+// bitsandbytes' kOptimizerStatic8bit2StateBlockwise<ADAM, 256> (trainer/adamw8bit_kernels.h:
+// the AVX2 kernel where the CPU has it, else the scalar one; the same bytes).
 void bnb_adam8(const BnbScalars& s, const float* q1, const float* q2, float* p, const float* g, uint8_t* c1,
                uint8_t* c2, float* absmax1, float* absmax2, int64_t n) {
-  const int64_t blocks = (n + kBlock8bit - 1) / kBlock8bit;
-  const CodeSearch& search1 = code_search(true);
-  const CodeSearch& search2 = code_search(false);
-  TORCH_CHECK(search1.code == q1 && search2.code == q2, "bnb_adam8: the maps are the dynamic maps");
-  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
-    float s1[kBlock8bit], s2[kBlock8bit];
-    bool finite[kBlock8bit];
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t base = b * kBlock8bit, len = std::min<int64_t>(kBlock8bit, n - base);
-      const float old1 = absmax1[b], old2 = absmax2[b];
-      float max1 = -FLT_MAX, max2 = -FLT_MAX;
-      for (int64_t j = 0; j < kBlock8bit; ++j) {
-        const bool in = j < len;
-        const float gj = in ? g[base + j] : 0.0f;
-        const uint8_t k1 = in ? c1[base + j] : 128, k2 = in ? c2[base + j] : 0;
-        finite[j] = std::isfinite(gj);
-        if (finite[j]) {
-          const float gv = gj * s.gs;
-          float v = q2[k2] * old2;
-          v = v * s.b2 + (s.one_minus_b2 * gv) * gv;
-          float m = q1[k1] * old1;
-          m = m * s.b1 + s.one_minus_b1 * gv;
-          s1[j] = m;
-          s2[j] = v;
-        } else {
-          s1[j] = 0.0f;
-          s2[j] = 0.0f;
-        }
-        max1 = std::fmax(max1, std::fabs(s1[j]));
-        max2 = std::fmax(max2, std::fabs(s2[j]));
-      }
-      absmax1[b] = max1;
-      absmax2[b] = max2;
-      for (int64_t j = 0; j < len; ++j) {
-        if (finite[j]) {
-          float pj = p[base + j] + s.step_size * (s1[j] / (std::sqrt(s2[j]) + s.eps_c2));
-          if (s.decay_on) pj = pj * s.decay;
-          p[base + j] = pj;
-        }
-      }
-      for (int64_t j = 0; j < len; ++j) {
-        uint8_t k1 = search1(s1[j] / max1);
-        const uint8_t k2 = search2(s2[j] / max2);
-        // the first moment's code keeps its sign (bitsandbytes moves it one step)
-        if (std::signbit(q1[k1]) != std::signbit(s1[j])) k1 = static_cast<uint8_t>(s1[j] > 0.0f ? k1 + 1 : k1 - 1);
-        c1[base + j] = k1;
-        c2[base + j] = k2;
-      }
-    }
-  });
+  const Adam8Tensors t{&code_table(true), &code_table(false), p, g, c1, c2, absmax1, absmax2, n};
+  TORCH_CHECK(t.t1->code == q1 && t.t2->code == q2, "bnb_adam8: the maps are the dynamic maps");
+  at::parallel_for(0, (n + kBlock8bit - 1) / kBlock8bit, 16,
+                   [&](int64_t b0, int64_t b1) { adam8_blocks(s, t, b0, b1); });
 }
 
 bool cpu_f32_contiguous(const at::Tensor& t) {
@@ -235,7 +80,27 @@ bool cpu_f32_contiguous(const at::Tensor& t) {
 
 }  // namespace
 
-uint8_t quantize_dynamic(bool is_signed, float x) { return code_search(is_signed)(x); }
+// The fp32 scalars bitsandbytes' kernels derive from (step, lr, betas).
+BnbScalars::BnbScalars(int64_t step, double lr, double beta1, double beta2, double eps, double wd,
+                       double grad_scale) {
+  const float lrf = static_cast<float>(lr), wdf = static_cast<float>(wd), t = static_cast<float>(step);
+  b1 = static_cast<float>(beta1);
+  b2 = static_cast<float>(beta2);
+  one_minus_b1 = 1.0f - b1;
+  one_minus_b2 = 1.0f - b2;
+  // beta^t as a correctly rounded fp32 (the power of the fp32 beta in double, rounded once):
+  // the kernels' powf, without depending on which libm's last bit.
+  auto powf = [&](float b) { return static_cast<float>(std::pow(static_cast<double>(b), static_cast<double>(t))); };
+  const float c1 = 1.0f - powf(b1);
+  const float c2 = std::sqrt(1.0f - powf(b2));
+  step_size = (-lrf * c2) / c1;
+  eps_c2 = c2 * static_cast<float>(eps);  // the 8-bit kernel's correction2 * eps
+  decay_on = wdf > 0.0f;
+  decay = 1.0f - lrf * wdf;
+  gs = static_cast<float>(grad_scale);
+}
+
+uint8_t quantize_dynamic(bool is_signed, float x) { return code_table(is_signed)(x); }
 
 at::Tensor dynamic_map(bool is_signed) {
   // create_dynamic_map(signed, max_exponent_bits=7, total_bits=8): for i in 0..6, the means

@@ -1,0 +1,81 @@
+#pragma once
+// The CPU kernels of bitsandbytes' 8-bit AdamW (kOptimizerStatic8bit2StateBlockwise<ADAM, 256>)
+// that trainer/optimizer.cpp dispatches to: a portable scalar one (adamw8bit_kernels.cpp) and
+// an AVX2 one (adamw8bit_kernels_avx2.cpp, compiled for AVX2 by function attributes and called
+// only when the CPU has it). Both give the same bytes: every fp32 operation is the kernel's,
+// in its order, one rounding each (both files build with -ffp-contract=off; no FMA anywhere).
+// Internal to trainer/optimizer; the tests compare the two paths.
+#include <cstdint>
+
+#if defined(__x86_64__) || defined(__i386__)
+#define MEMTUNE_ADAM8_X86 1
+#endif
+
+namespace memtune::trainer {
+
+// The fp32 scalars bitsandbytes' kernels derive from (step, lr, betas); the constructor is
+// in optimizer.cpp.
+struct BnbScalars {
+  float b1, b2, one_minus_b1, one_minus_b2, eps_c2, step_size, decay, gs;
+  bool decay_on;
+  BnbScalars(int64_t step, double lr, double beta1, double beta2, double eps, double wd, double grad_scale);
+};
+
+// bitsandbytes' quantize_2D<SIGNED> on a sorted 256-entry map, as the kernel writes it: a
+// 7-step binary search from entry 127, then the nearer of the entries it last passed on either
+// side by an fp32 midpoint. The definition the fast tables below are built from and checked
+// against.
+uint8_t quantize_2d_search(const float* code, bool is_signed, float x);
+
+// The same function without the search. quantize_2D is monotone in x (NaN aside, which ends
+// at code 0), so it is the number of its 255 thresholds x lies above: code(x) = #{j : x >
+// upper[j]}, upper[j] the largest float whose code is below j. That count comes from a table
+// keyed on x's top 16 bits (sign, exponent, 7 mantissa bits; magnitudes at or above 1.0 share
+// the top bucket, under 2^-24 the bottom one) whose buckets hold at most one threshold each
+// (checked when the table is built): lo[bucket] = the code of the bucket's lowest float, and
+// x passes at most the next threshold, upper[lo + 1] (+inf after the last).
+struct CodeTable {
+  static constexpr uint32_t kBase = 0x3380;  // 2^-24's top 16 bits: the bottom bucket
+  static constexpr uint32_t kTop = 0x3F80;   // 1.0's: the top bucket
+  static constexpr uint32_t kPerSign = kTop - kBase + 1;
+  const float* code;
+  int negatives;     // entries with the sign bit set: code[0..negatives) (checked)
+  float upper[257];  // upper[j], j = 1..255; upper[256] = +inf
+  uint8_t lo[2 * kPerSign + 3];  // positive buckets, then negative; 3 bytes of padding for 32-bit gathers
+
+  CodeTable(const float* map, bool is_signed);
+
+  static uint32_t bucket(uint32_t bits) {
+    uint32_t h = (bits & 0x7FFFFFFFu) >> 16;
+    h = h < kBase ? kBase : h > kTop ? kTop : h;
+    return h - kBase + (bits >> 31) * kPerSign;
+  }
+  uint8_t operator()(float x) const;
+};
+
+// The tables of dynamic_map(true) and dynamic_map(false), built once.
+const CodeTable& code_table(bool is_signed);
+
+// One 8-bit AdamW update of blocks [b0, b1) of an n-element tensor: q1, q2 the signed and
+// unsigned dynamic maps (t1, t2 their tables), c1, c2 the uint8 states, absmax1, absmax2 one
+// fp32 per block.
+struct Adam8Tensors {
+  const CodeTable *t1, *t2;
+  float* p;
+  const float* g;
+  uint8_t *c1, *c2;
+  float *absmax1, *absmax2;
+  int64_t n;
+};
+void adam8_blocks_scalar(const BnbScalars& s, const Adam8Tensors& t, int64_t b0, int64_t b1);
+// The fastest of the above the CPU runs.
+void adam8_blocks(const BnbScalars& s, const Adam8Tensors& t, int64_t b0, int64_t b1);
+
+#ifdef MEMTUNE_ADAM8_X86
+bool adam8_cpu_has_avx2();
+// The scalar kernels' results, bit for bit, 8 lanes at a time.
+void adam8_blocks_avx2(const BnbScalars& s, const Adam8Tensors& t, int64_t b0, int64_t b1);
+void quantize_avx2(const CodeTable& table, const float* x, int64_t n, uint8_t* out);
+#endif
+
+}  // namespace memtune::trainer
