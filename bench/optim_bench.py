@@ -2,14 +2,16 @@
 """Optimizer options side by side: device bytes of optimizer state per trainable parameter,
 the measured step memory, the loss after N steps and the speed.
 
-    python3 bench/optim_bench.py [--steps N] [--config FILE] [--json FILE]
+    python3 bench/optim_bench.py [--steps N] [--config FILE] [--options A,B] [--runs DIR] [--json FILE]
 
 Builds nothing: run `bash scripts/build.sh` first. For each training.optim it runs
 `memtune estimate --json` (the "optimizer states" component over the trainable parameters)
 and `memtune train` for N steps (default 150: the quickstart's full-training stage,
 configs/quickstart-base.yaml, on the CPU), and prints the estimate, the allocated bytes the
 budget allocator counts after a step, its peak, the mean loss of the last 10 steps, the last
-loss and the median tokens/s.
+loss and the median tokens/s. With --runs the runs' output_dirs are kept there (one per
+option), and the `memtune report` command that draws the 8-bit and 32-bit curves side by
+side is printed.
 """
 import argparse
 import json
@@ -56,15 +58,17 @@ def main():
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--config", default="configs/quickstart-base.yaml")
     ap.add_argument("--options", default=",".join(OPTIONS))
+    ap.add_argument("--runs", help="keep each option's run in DIR/OPTION (default: a temporary directory)")
     ap.add_argument("--json")
     a = ap.parse_args()
     if not os.path.exists(MEMTUNE):
         sys.exit("build/memtune is missing: run bash scripts/build.sh")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
+        runs = os.path.abspath(a.runs) if a.runs else tmp
         for optim in a.options.split(","):
             states, trainable = estimate(a.config, optim)
-            r = train(a.config, optim, a.steps, os.path.join(tmp, optim))
+            r = train(a.config, optim, a.steps, os.path.join(runs, optim))
             r.update(estimated_state_bytes=states, trainable_parameters=trainable,
                      state_bytes_per_param=states / trainable)
             results[optim] = r
@@ -81,6 +85,9 @@ def main():
         l32 = statistics.mean(base["losses"][-10:])
         l8 = statistics.mean(results["adamw_8bit"]["losses"][-10:])
         print(f"8-bit vs 32-bit: mean loss of the last 10 steps {l8:.4f} vs {l32:.4f} ({100 * (l8 - l32) / l32:+.2f} %)")
+        if a.runs:
+            print(f"curves side by side: {MEMTUNE} report {os.path.join(runs, 'adamw_8bit')} "
+                  f"--compare {os.path.join(runs, 'adamw_torch')}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"config": a.config, "steps": a.steps, "results": results}, f, indent=1)

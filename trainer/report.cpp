@@ -178,6 +178,29 @@ RunMetrics read_metrics(const fs::path& file) {
   return m;
 }
 
+// A compared run: its label on the plot and in the table (the directory's name), its metrics.
+struct Compared {
+  std::string label;
+  RunMetrics m;
+};
+
+std::string run_label(const fs::path& dir) {
+  const fs::path d = fs::absolute(dir).lexically_normal();
+  const std::string name = (d.has_filename() ? d : d.parent_path()).filename().string();
+  return name.empty() ? d.string() : name;
+}
+
+// The mean loss of the last n logged steps (fewer when fewer were logged): what "the loss
+// after training" means for a noisy per-step loss.
+double tail_mean(const RunMetrics& m, size_t n) {
+  const size_t k = std::min(n, m.steps.size());
+  double sum = 0;
+  for (size_t i = m.steps.size() - k; i < m.steps.size(); ++i) sum += m.steps[i].loss;
+  return sum / static_cast<double>(k);
+}
+
+constexpr size_t kTailSteps = 10;
+
 std::string read_text(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);
   std::ostringstream ss;
@@ -240,7 +263,8 @@ std::vector<std::string> devices(const RunMetrics& m) {
   return out;
 }
 
-std::string gnuplot_script(const RunMetrics& m, const fs::path& out, const ReportOptions& o) {
+std::string gnuplot_script(const RunMetrics& m, const std::vector<Compared>& others, const std::string& label,
+                           const fs::path& out, const ReportOptions& o) {
   std::ostringstream g;
   g << "# memtune report: plots of metrics.jsonl (gnuplot 5)\n";
   g << "set terminal pngcairo size " << o.width << "," << o.height << " noenhanced font \"sans,10\"\n";
@@ -249,6 +273,10 @@ std::string gnuplot_script(const RunMetrics& m, const fs::path& out, const Repor
   // From step 0 (before training), so sparse logging (logging_steps) still shows the start.
   int64_t x0 = 0, x1 = m.steps.back().step;
   for (const auto& e : m.evals) x1 = std::max(x1, e.step);
+  for (const auto& c : others) {
+    x1 = std::max(x1, c.m.steps.back().step);
+    for (const auto& e : c.m.evals) x1 = std::max(x1, e.step);
+  }
   if (x1 <= x0) x1 = x0 + 1;
   g << "set xrange [" << x0 << ":" << x1 << "]\n";
 
@@ -275,6 +303,17 @@ std::string gnuplot_script(const RunMetrics& m, const fs::path& out, const Repor
     g << "$eval << EOD\n";
     for (const auto& e : m.evals) g << e.step << " " << num(e.loss) << "\n";
     g << "EOD\n";
+  }
+  // Compared runs: step loss, then their evals.
+  for (size_t i = 0; i < others.size(); ++i) {
+    g << "$compare" << i << " << EOD\n";
+    for (const auto& s : others[i].m.steps) g << s.step << " " << num(s.loss) << "\n";
+    g << "EOD\n";
+    if (!others[i].m.evals.empty()) {
+      g << "$compare" << i << "_eval << EOD\n";
+      for (const auto& e : others[i].m.evals) g << e.step << " " << num(e.loss) << "\n";
+      g << "EOD\n";
+    }
   }
 
   // Events: one dashed vertical line per step, labelled with its kinds.
@@ -327,9 +366,23 @@ std::string gnuplot_script(const RunMetrics& m, const fs::path& out, const Repor
     return std::any_of(m.steps.begin(), m.steps.end(), [&](const StepRow& s) { return std::isfinite(get(s)); });
   };
 
-  std::vector<std::string> items = {"$steps using 1:2 with lines lw 2 lc rgb \"#1f77b4\" title \"train loss\""};
-  if (!m.evals.empty()) items.push_back("$eval using 1:2 with linespoints lw 2 pt 7 lc rgb \"#d62728\" title \"eval loss\"");
-  plot("loss.png", "loss", "loss (mean cross-entropy per target token)", items);
+  // With compared runs each line names its run; this run keeps its colours, the others
+  // theirs from a palette (train solid, eval with points).
+  const std::string own = others.empty() ? "" : ": " + label;
+  std::vector<std::string> items = {"$steps using 1:2 with lines lw 2 lc rgb \"#1f77b4\" title " +
+                                    gp_quote("train loss" + own)};
+  if (!m.evals.empty())
+    items.push_back("$eval using 1:2 with linespoints lw 2 pt 7 lc rgb \"#d62728\" title " + gp_quote("eval loss" + own));
+  const char* compare_palette[] = {"#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"};
+  for (size_t i = 0; i < others.size(); ++i) {
+    const std::string c = gp_quote(compare_palette[i % 6]);
+    items.push_back(fmt::format("$compare{} using 1:2 with lines lw 2 lc rgb {} title {}", i, c,
+                                gp_quote("train loss: " + others[i].label)));
+    if (!others[i].m.evals.empty())
+      items.push_back(fmt::format("$compare{}_eval using 1:2 with linespoints lw 2 pt 5 dt 2 lc rgb {} title {}", i, c,
+                                  gp_quote("eval loss: " + others[i].label)));
+  }
+  plot("loss.png", others.empty() ? "loss" : "loss, compared", "loss (mean cross-entropy per target token)", items);
 
   items.clear();
   if (any([](const StepRow& s) { return s.lr; }))
@@ -527,7 +580,30 @@ std::vector<std::pair<std::string, std::string>> summary(const RunMetrics& m) {
   return rows;
 }
 
-std::string html(const fs::path& run_dir, const RunMetrics& m, const std::vector<fs::path>& plots) {
+// The compared runs' table: final figures, and the relative difference of the tail mean
+// against this run's (negative: lower loss than this run).
+void compared_table(std::ostringstream& h, const std::string& label, const RunMetrics& m,
+                    const std::vector<Compared>& others) {
+  const double mine = tail_mean(m, kTailSteps);
+  h << "<h2>Compared runs</h2>\n<table>\n<tr><th>run</th><th>steps</th><th>final loss</th><th>mean loss of the last "
+    << kTailSteps << " logged steps</th><th>vs " << html_escape(label)
+    << "</th><th>final eval loss</th><th>accuracy after training</th></tr>\n";
+  auto row = [&](const std::string& name, const RunMetrics& r) {
+    const double tail = tail_mean(r, kTailSteps);
+    h << "<tr><td>" << html_escape(name) << "</td><td>" << r.steps.back().step << "</td><td>"
+      << fmt::format("{:.4f}", r.steps.back().loss) << "</td><td>" << fmt::format("{:.4f}", tail) << "</td><td>"
+      << (&r == &m ? std::string("-") : fmt::format("{:+.1f}%", 100.0 * (tail - mine) / mine)) << "</td><td>"
+      << (r.evals.empty() ? std::string("-") : fmt::format("{:.4f}", r.evals.back().loss)) << "</td><td>"
+      << (r.accuracy.empty() || r.accuracy.back().step == 0 ? std::string("-") : percent(r.accuracy.back().accuracy))
+      << "</td></tr>\n";
+  };
+  row(label, m);
+  for (const auto& c : others) row(c.label, c.m);
+  h << "</table>\n";
+}
+
+std::string html(const fs::path& run_dir, const RunMetrics& m, const std::vector<Compared>& others,
+                 const std::vector<fs::path>& plots) {
   std::ostringstream h;
   const std::string name = html_escape(fs::absolute(run_dir).lexically_normal().string());
   h << "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\n<title>memtune report: " << name
@@ -542,7 +618,9 @@ std::string html(const fs::path& run_dir, const RunMetrics& m, const std::vector
        "</style></head><body>\n<h1>memtune report</h1>\n<p>Run: <code>"
     << name << "</code></p>\n<h2>Summary</h2>\n<table>\n";
   for (const auto& [k, v] : summary(m)) h << "<tr><th>" << html_escape(k) << "</th><td>" << html_escape(v) << "</td></tr>\n";
-  h << "</table>\n<h2>Plots</h2>\n";
+  h << "</table>\n";
+  if (!others.empty()) compared_table(h, run_label(run_dir), m, others);
+  h << "<h2>Plots</h2>\n";
   for (const auto& p : plots)
     h << "<p><img alt=\"" << html_escape(p.stem().string()) << "\" src=\"data:image/png;base64,"
       << base64(read_text(p)) << "\"></p>\n";
@@ -579,6 +657,13 @@ ReportFiles write_report(const fs::path& run_dir, const ReportOptions& o) {
   MEMTUNE_CHECK(fs::is_regular_file(metrics_file), "memtune report: ", metrics_file.string(),
                 " not found; is '", run_dir.string(), "' the output_dir of a `memtune train` run?");
   const RunMetrics m = read_metrics(metrics_file);
+  std::vector<Compared> others;
+  for (const fs::path& dir : o.compare) {
+    const fs::path f = dir / "metrics.jsonl";
+    MEMTUNE_CHECK(fs::is_regular_file(f), "memtune report --compare: ", f.string(), " not found; is '", dir.string(),
+                  "' the output_dir of a `memtune train` run?");
+    others.push_back({run_label(dir), read_metrics(f)});
+  }
   MEMTUNE_CHECK(o.width >= 200 && o.height >= 150, "memtune report: plot size ", o.width, "x", o.height,
                 " is too small (at least 200x150)");
 
@@ -593,13 +678,13 @@ ReportFiles write_report(const fs::path& run_dir, const ReportOptions& o) {
     fs::remove(out / n, ec);  // a stale plot must not pass for a new one
   }
   files.script = out / "plots.gnuplot";
-  write_file_atomic(files.script, gnuplot_script(m, out, o));
+  write_file_atomic(files.script, gnuplot_script(m, others, run_label(run_dir), out, o));
   run_gnuplot(o.gnuplot, files.script);
   for (const auto& p : files.plots)
     MEMTUNE_CHECK(fs::is_regular_file(p) && fs::file_size(p) > 0, "gnuplot ran but did not write ", p.string(),
                   "; see ", files.script.string());
   files.html = out / "report.html";
-  write_file_atomic(files.html, html(run_dir, m, files.plots));
+  write_file_atomic(files.html, html(run_dir, m, others, files.plots));
   return files;
 }
 

@@ -6,7 +6,9 @@
 
 #include <cmath>
 #include <fstream>
+#include <sstream>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "runtime/error.h"
@@ -221,6 +223,79 @@ TEST(Report, BadInputsSayWhatAndWhere) {
   m = throws_message([&] { trainer::write_report(bad, o); });
   EXPECT_NE(m.find("exited with status 3"), std::string::npos) << m;
   EXPECT_NE(m.find("pngcairo: unknown terminal"), std::string::npos) << m;
+}
+
+// Two runs side by side, as the 8-bit against 32-bit AdamW comparison: the other run's losses
+// are in the plot's data and named in its legend, and the table's figures are those the test
+// computes from the rows it wrote.
+TEST(Report, ComparedRunsAreDrawnAndTabled) {
+  const fs::path base = temp_dir();
+  const fs::path mine = base / "adamw_torch", other = base / "adamw_8bit", out = base / "out";
+  write_rows(mine, known_run());
+  std::vector<json> rows;
+  std::vector<double> losses;
+  for (int64_t s = 1; s <= 14; ++s) {  // two steps more than this run: the x range covers both
+    losses.push_back(3.1 - 0.17 * static_cast<double>(s));
+    rows.push_back(step_row(s, losses.back(), 4, GiB));
+  }
+  rows.push_back({{"step", 14}, {"eval_loss", 0.625}, {"eval_perplexity", std::exp(0.625)}, {"eval_tokens", 512}});
+  write_rows(other, rows);
+
+  trainer::ReportOptions o;
+  o.out_dir = out;
+  o.compare = {other};
+  const trainer::ReportFiles f = trainer::write_report(mine, o);
+  EXPECT_EQ(png_size(out / "loss.png"), std::make_pair(960u, 480u));
+
+  // The script holds the other run's 14 losses and its eval, both named in the legend.
+  const std::string script = read_file(f.script);
+  const size_t block = script.find("$compare0 << EOD\n");
+  ASSERT_NE(block, std::string::npos) << script;
+  std::istringstream data(script.substr(block + 17));
+  std::string line;
+  int64_t n = 0;
+  while (std::getline(data, line) && line != "EOD") {
+    std::istringstream fields(line);
+    int64_t step;
+    double loss;
+    fields >> step >> loss;
+    ASSERT_LT(n, 14) << line;
+    EXPECT_EQ(step, n + 1);
+    EXPECT_NEAR(loss, losses[n], 1e-9);
+    ++n;
+  }
+  EXPECT_EQ(n, 14);
+  EXPECT_NE(script.find("$compare0_eval << EOD\n14 0.625\nEOD"), std::string::npos) << script;
+  EXPECT_NE(script.find("title \"train loss: adamw_8bit\""), std::string::npos);
+  EXPECT_NE(script.find("title \"eval loss: adamw_8bit\""), std::string::npos);
+  EXPECT_NE(script.find("title \"train loss: adamw_torch\""), std::string::npos);
+  EXPECT_NE(script.find("set xrange [0:14]"), std::string::npos);
+
+  // The table: the mean of each run's last 10 losses, and the other's relative to this one's.
+  double mine_tail = 0, other_tail = 0;
+  for (int64_t s = 3; s <= 12; ++s) mine_tail += s == 12 ? 0.8125 : 3.0 - 0.15 * static_cast<double>(s);
+  for (int64_t i = 4; i < 14; ++i) other_tail += losses[i];
+  mine_tail /= 10;  // 1.83625: summed, then divided, so the double (and its rounding to 4 places) is the code's
+  other_tail /= 10;
+  const std::string html = read_file(f.html);
+  EXPECT_NE(html.find("<h2>Compared runs</h2>"), std::string::npos);
+  EXPECT_NE(html.find(fmt::format("<tr><td>adamw_torch</td><td>12</td><td>0.8125</td><td>{:.4f}</td><td>-</td>"
+                                  "<td>1.7500</td><td>75.0%</td></tr>",
+                                  mine_tail)),
+            std::string::npos)
+      << html;
+  EXPECT_NE(html.find(fmt::format("<tr><td>adamw_8bit</td><td>14</td><td>{:.4f}</td><td>{:.4f}</td><td>{:+.1f}%</td>"
+                                  "<td>0.6250</td><td>-</td></tr>",
+                                  losses.back(), other_tail, 100 * (other_tail - mine_tail) / mine_tail)),
+            std::string::npos)
+      << html;
+
+  // A compared directory that is not a run: named, and nothing is written.
+  fs::remove_all(out);
+  o.compare = {base / "nope"};
+  const std::string m = throws_message([&] { trainer::write_report(mine, o); });
+  EXPECT_NE(m.find("--compare: " + (base / "nope" / "metrics.jsonl").string() + " not found"), std::string::npos) << m;
+  EXPECT_FALSE(fs::exists(out / "report.html"));
 }
 
 TEST(Report, CommandPrintsThePathsItWrote) {
