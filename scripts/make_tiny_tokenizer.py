@@ -7,7 +7,17 @@ merges learned here, then the specials <|begin_of_text|> (bos), <|end_of_text|> 
 The training text is generated (English sentences, arithmetic and string tasks, chat
 turns), so the output is the same on every run. Standard library only:
   python3 scripts/make_tiny_tokenizer.py examples/tiny-tokenizer
+  python3 scripts/make_tiny_tokenizer.py examples/char-tokenizer --merges 0
+
+With --merges 0 the tokenizer is character-level (one byte token per ASCII character), the
+quickstart's: its tasks ask for a word's first or last letter or its length, which a model
+of 1.1M parameters reads off single-letter tokens, where BPE tokens would have it learn each
+token's spelling first. The specials
+keep their ids 1019..1023 whatever the number of merges (reserved special tokens fill the ids
+in between, as in Llama 3's file), so the tiny presets' 1024-row embeddings and their bos/eos
+ids fit every variant.
 """
+import argparse
 import collections
 import json
 import os
@@ -17,6 +27,7 @@ import sys
 
 N_MERGES = 763
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
+FIRST_SPECIAL = 256 + N_MERGES  # 1019: the tiny presets' bos_token_id
 # Llama 3's pre-tokenizer regex, as written in its tokenizer.json.
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
                   r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -138,15 +149,26 @@ def learn(text, n_merges):
 
 
 def main():
-    out_dir = sys.argv[1] if len(sys.argv) > 1 else "examples/tiny-tokenizer"
-    b2u, merges = learn(training_text(random.Random(20240520)), N_MERGES)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out_dir", nargs="?", default="examples/tiny-tokenizer")
+    ap.add_argument("--merges", type=int, default=N_MERGES, help=f"0..{N_MERGES} (default {N_MERGES})")
+    args = ap.parse_args()
+    if not 0 <= args.merges <= N_MERGES:
+        sys.exit(f"--merges {args.merges}: must be in 0..{N_MERGES}, so the specials keep ids {FIRST_SPECIAL}..")
+    out_dir = args.out_dir
+    b2u, merges = learn(training_text(random.Random(20240520)), args.merges)
     vocab = {b2u[b]: b for b in range(256)}
     for a, b in merges:
         vocab.setdefault(a + b, len(vocab))
     assert len(vocab) == 256 + len(merges), "a merge produced a token twice"
+    # Fewer merges leave ids free below the specials: reserved special tokens fill them, as in
+    # Llama 3's file, so the ids run without a gap (the tokenizers library numbers added
+    # tokens from the end of the vocabulary and finds none past a gap).
+    reserved = [f"<|reserved_special_token_{i}|>" for i in range(FIRST_SPECIAL - len(vocab))]
     added = [{"id": len(vocab) + i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
-              "normalized": False, "special": True} for i, s in enumerate(SPECIALS)]
-    bos = {"id": SPECIALS[0], "ids": [len(vocab)], "tokens": [SPECIALS[0]]}
+              "normalized": False, "special": True} for i, s in enumerate(reserved + SPECIALS)]
+    assert added[len(reserved)]["id"] == FIRST_SPECIAL
+    bos = {"id": SPECIALS[0], "ids": [FIRST_SPECIAL], "tokens": [SPECIALS[0]]}
     tok = {
         "version": "1.0",
         "truncation": None,
@@ -187,7 +209,7 @@ def main():
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, ensure_ascii=False, indent=2)
         f.write("\n")
-    print(f"{out_dir}: {len(vocab) + len(SPECIALS)} ids ({len(merges)} merges)")
+    print(f"{out_dir}: {len(vocab) + len(added)} tokens ({len(merges)} merges, {len(reserved)} reserved)")
 
 
 if __name__ == "__main__":

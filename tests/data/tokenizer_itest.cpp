@@ -26,7 +26,7 @@ bool node_ready(std::string& why) {
     return false;
   }
   if (!fs::exists(reference_dir() / "node_modules" / "tokenizers")) {
-    auto r = run("bash " + (source_dir() / "tools" / "setup_node.sh").string(), 600);
+    auto r = run("bash " + (source_dir() / "scripts" / "setup_node.sh").string(), 600);
     if (r.exit_code != 0) {
       why = "scripts/setup_node.sh failed: " + r.output;
       return false;
@@ -124,6 +124,11 @@ TEST(TokenizerLibrary, Llama2) {
 
 TEST(TokenizerLibrary, TinyTokenizer) {
   compare_with_library(source_dir() / "examples" / "tiny-tokenizer");
+}
+
+// The quickstart's character-level variant: no merges, specials at ids 1019..1023 past a gap.
+TEST(TokenizerLibrary, CharTokenizer) {
+  compare_with_library(source_dir() / "examples" / "char-tokenizer");
 }
 
 // Variants of the real files with the other pre-tokenizers and decoders that released
