@@ -7,11 +7,15 @@ Standard library only; deterministic for a given --seed (the committed files use
   python3 scripts/make_bundled_data.py [--seed 1234] [--out examples/data]
 
 Task records (instruction format, one JSON object per line):
-  {"task": "reverse", "instruction": "Reverse: abc", "output": "cba"}
-  {"task": "add",     "instruction": "Add: 12+7",    "output": "19"}
-  {"task": "upper",   "instruction": "Upper: hello", "output": "HELLO"}
-  {"task": "sort",    "instruction": "Sort: dbca",   "output": "abcd"}
-The eval set holds no instruction that is also in the training set.
+  {"task": "parity", "instruction": "Parity: 4817",  "output": "odd"}
+  {"task": "last",   "instruction": "Last: qdeur",   "output": "r"}
+  {"task": "first",  "instruction": "First: kvnm",   "output": "k"}
+  {"task": "length", "instruction": "Length: abcde", "output": "5"}
+The eval set holds no instruction that is also in the training set. The four are chosen so
+that the quickstart's tiny model (1.1M parameters, LoRA on a base that saw only the corpus)
+learns them on two CPU cores in a few minutes: each answer rests on a token at a fixed place
+(the last digit, the last or first letter) or on a count, not on copying a whole string, which
+a model this small learns only after many more steps.
 """
 import argparse
 import json
@@ -19,9 +23,7 @@ import random
 import string
 from pathlib import Path
 
-TASKS = ("reverse", "add", "upper", "sort")
-WORDS = ("river stone cloud apple maple tiger lemon quiet green silver window garden "
-         "candle market pocket bridge forest winter summer yellow little orange purple").split()
+TASKS = ("parity", "last", "first", "length")
 
 
 def letters(rng, lo=3, hi=6):
@@ -29,17 +31,17 @@ def letters(rng, lo=3, hi=6):
 
 
 def example(rng, task):
-    if task == "reverse":
+    if task == "parity":
+        n = rng.randint(0, 9999)
+        return f"Parity: {n}", "even" if n % 2 == 0 else "odd"
+    if task == "last":
         s = letters(rng)
-        return f"Reverse: {s}", s[::-1]
-    if task == "add":
-        a, b = rng.randint(0, 99), rng.randint(0, 99)
-        return f"Add: {a}+{b}", str(a + b)
-    if task == "upper":
-        s = rng.choice(WORDS) if rng.random() < 0.5 else letters(rng)
-        return f"Upper: {s}", s.upper()
-    s = letters(rng, 4, 6)
-    return f"Sort: {s}", "".join(sorted(s))
+        return f"Last: {s}", s[-1]
+    if task == "first":
+        s = letters(rng)
+        return f"First: {s}", s[0]
+    s = letters(rng, 3, 9)
+    return f"Length: {s}", str(len(s))
 
 
 def make_split(rng, count, exclude):
@@ -92,7 +94,9 @@ def main():
     write_jsonl(out / "tasks_train.jsonl", train)
     write_jsonl(out / "tasks_eval.jsonl", evaluation)
 
-    paragraphs = [paragraph(rng) for _ in range(60)]
+    # The corpus from its own generator, so that changing the tasks leaves it as it is.
+    corpus_rng = random.Random(f"{args.seed}-corpus")
+    paragraphs = [paragraph(corpus_rng) for _ in range(60)]
     (out / "corpus.txt").write_text("\n\n".join(paragraphs) + "\n", encoding="utf-8")
     write_jsonl(out / "corpus.jsonl", [{"text": p} for p in paragraphs])
 
