@@ -16,7 +16,7 @@ Supervisor::Supervisor(SupervisorOptions options)
   agree_ = [](bool oom, int64_t proposal) { return std::make_pair(oom, proposal); };
 }
 
-void Supervisor::set_fits(std::function<bool()> fits) { fits_ = std::move(fits); }
+void Supervisor::set_fits(std::function<bool(int64_t)> fits) { fits_ = std::move(fits); }
 
 void Supervisor::add_ladder_rung(std::string name, std::function<std::string()> rung,
                                  std::function<std::string()> undo) {
@@ -93,9 +93,17 @@ void Supervisor::shrink(int64_t step, const std::string& why) {
   // Rounded up, so no size is skipped that might fit (3 x 0.5 -> 2, not 1), and at least one less.
   int64_t next = std::min<int64_t>(micro_ - 1, static_cast<int64_t>(std::ceil(micro_ * options_.shrink_factor)));
   next = std::max<int64_t>(1, next);
+  std::string chosen;
+  if (fits_ && !fits_(micro_)) {
+    // The memory model agrees the failed size does not fit: the largest it says does (8 -> 6
+    // where the factor would give 4), or 1 and then the ladder.
+    next = micro_ - 1;
+    while (next > 1 && !fits_(next)) --next;
+    chosen = ", the largest the memory model says fits";
+  }
   const int64_t before = micro_;
   micro_ = next;
-  event(step, "shrink", "micro-batch " + std::to_string(before) + " -> " + std::to_string(micro_) +
+  event(step, "shrink", "micro-batch " + std::to_string(before) + " -> " + std::to_string(micro_) + chosen +
                             ", accumulation " + std::to_string(accumulation()) + " (" + why + ")");
 }
 
@@ -151,7 +159,7 @@ void Supervisor::run_step(int64_t step, const StepStages& stages) {
       climbed = true;
       taken_.push_back(static_cast<int>(i));
       event(step, "ladder", ladder_[i].name + ": " + changed);
-      if (!fits_ || fits_()) break;
+      if (!fits_ || fits_(micro_)) break;
     }
     if (climbed) changed = "climbed";
     if (changed.empty()) {

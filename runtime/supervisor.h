@@ -72,10 +72,13 @@ class Supervisor {
   void set_agreement(std::function<std::pair<bool, int64_t>(bool, int64_t)> agree);
   // What to say when the run stops (the estimate, what would fit).
   void set_report(std::function<std::string()> report);
-  // The memory model's verdict on the current plan (micro-batch 1 and the rungs taken):
-  // after an out-of-memory error the ladder climbs, without running the step in between,
-  // until it says the plan fits (at least one rung per error, as without it).
-  void set_fits(std::function<bool()> fits);
+  // The memory model's verdict on the plan at a micro-batch, with the rungs taken now. After
+  // an out-of-memory error at micro-batch 1 the ladder climbs, without running the step in
+  // between, until it says the plan fits (at least one rung per error, as without it). A
+  // shrink goes to the largest micro-batch it says fits, where it agrees that the failed one
+  // does not; where it said that one fits, it has just been proved wrong there, and the
+  // shrink takes the fixed factor (memory.on_oom.shrink_factor) instead.
+  void set_fits(std::function<bool(int64_t micro_batch)> fits);
 
   // Runs the step to completion, retrying the same samples after an out-of-memory error.
   void run_step(int64_t step, const StepStages& stages);
@@ -109,7 +112,7 @@ class Supervisor {
   bool grow_back(int64_t step);     // undoes the latest rung with an undo; false when none is left
   std::function<std::pair<bool, int64_t>(bool, int64_t)> agree_;
   std::function<std::string()> report_;
-  std::function<bool()> fits_;
+  std::function<bool(int64_t)> fits_;
   std::vector<SupervisorEvent> events_;
   std::vector<std::string> history_;  // everything tried, for the final report
 };

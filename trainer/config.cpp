@@ -207,7 +207,9 @@ bool OnOomConfig::allows(const std::string& rung) const {
 
 template <class F>
 void OnOomConfig::fields(F&& f) {
-  f("shrink_factor", shrink_factor, "micro-batch *= factor on OOM (at least one less), in (0, 1)");
+  f("shrink_factor", shrink_factor,
+    "micro-batch *= factor on OOM (at least one less), in (0, 1); under a budget the memory model's largest "
+    "fitting micro-batch instead, unless it had said the failed one fits");
   f("max_retries", max_retries, "attempts of one step before giving up");
   f("ladder", ladder,
     "the savings an out-of-memory error may take, in order; each keeps the math: micro_batch (shrink it, the "

@@ -442,11 +442,12 @@ void Trainer::build_supervisor() {
     const Rung& r = rungs.at(name);
     supervisor_->add_ladder_rung(r.name, r.apply, r.undo);
   }
-  // With a budget, the ladder climbs as far as the estimate says is needed at once.
+  // With a budget, the ladder climbs as far as the estimate says is needed at once, and a
+  // shrink goes to the largest micro-batch it says fits.
   if (limit_ > 0)
-    supervisor_->set_fits([this] {
+    supervisor_->set_fits([this](int64_t micro_batch) {
       EstimateInput now = plan_;
-      now.micro_batch = supervisor_->micro_batch();
+      now.micro_batch = micro_batch;
       now.checkpoint_layers = ckpt_layers_;
       now.offload_activations = offload_activations_;
       now.optimizer_paged = now.optimizer_paged || optimizer_->states_offloaded();

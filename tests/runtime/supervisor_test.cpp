@@ -68,6 +68,47 @@ TEST(Supervisor, ShrinkRoundsUpSoNoSizeThatMightFitIsSkipped) {
   EXPECT_EQ(s.accumulation(), 3);
 }
 
+// With a memory model that knows the failed size does not fit, the shrink goes straight to
+// the largest size it says fits (6), where the factor would have given 4.
+TEST(Supervisor, ShrinkGoesToTheLargestSizeTheMemoryModelSaysFits) {
+  Supervisor s(options(24, 8));
+  s.set_fits([](int64_t m) { return m <= 6; });
+  Recorder r;
+  r.oom_in_compute = [](int64_t m) { return m > 6; };
+  s.run_step(0, r.stages());
+  EXPECT_EQ(r.micro_batches, (std::vector<int64_t>{8, 6}));
+  EXPECT_EQ(s.accumulation(), 4);  // 6 x 4 = the step's 24 samples
+  const auto events = s.take_events();
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[1].kind, "shrink");
+  EXPECT_NE(events[1].detail.find("micro-batch 8 -> 6, the largest the memory model says fits"), std::string::npos)
+      << events[1].detail;
+}
+
+// A model that said the failed size fits has just been proved wrong there: the shrink keeps
+// the fixed factor (8 -> 4 -> 2), rather than stepping down one size per error on its word.
+TEST(Supervisor, AMemoryModelProvedWrongLeavesTheShrinkToTheFactor) {
+  Supervisor s(options(8, 8));
+  s.set_fits([](int64_t) { return true; });
+  Recorder r;
+  r.oom_in_compute = [](int64_t m) { return m > 2; };
+  s.run_step(0, r.stages());
+  EXPECT_EQ(r.micro_batches, (std::vector<int64_t>{8, 4, 2}));
+}
+
+// Where the model says nothing fits, the shrink goes to 1 (and the ladder from there).
+TEST(Supervisor, WhereNothingFitsTheShrinkGoesToOne) {
+  Supervisor s(options(8, 8));
+  int rung = 0;
+  s.add_ladder_rung("save", [&]() -> std::string { return rung < 1 ? "saved " + std::to_string(++rung) : ""; });
+  s.set_fits([&](int64_t m) { return m == 1 && rung == 1; });
+  Recorder r;
+  r.oom_in_compute = [&](int64_t m) { return m > 1 || rung == 0; };
+  s.run_step(0, r.stages());
+  EXPECT_EQ(r.micro_batches, (std::vector<int64_t>{8, 1, 1}));
+  EXPECT_EQ(rung, 1);
+}
+
 TEST(Supervisor, OomInPrepareDropsTheStepAndUpdatesOnce) {
   Supervisor s(options(4, 4));
   Recorder r;
@@ -193,7 +234,7 @@ TEST(Supervisor, TheMemoryModelChoosesHowFarToClimb) {
   int first = 0, second = 0;
   s.add_ladder_rung("first", [&]() -> std::string { return first < 2 ? "first " + std::to_string(++first) : ""; });
   s.add_ladder_rung("second", [&]() -> std::string { return second < 2 ? "second " + std::to_string(++second) : ""; });
-  s.set_fits([&] { return first + second >= 3; });
+  s.set_fits([&](int64_t) { return first + second >= 3; });
   Recorder r;
   int ooms = 1;
   r.oom_in_compute = [&](int64_t) { return ooms-- > 0; };
