@@ -1,5 +1,5 @@
-// The portable 8-bit AdamW kernel and the code tables (see adamw8bit_kernels.h), and the
-// dispatch to the AVX2 kernel. Built with -ffp-contract=off, as optimizer.cpp.
+// bitsandbytes' 8-bit AdamW maps and scalars, the portable kernel and the code tables (see
+// adamw8bit_kernels.h), and the dispatch to the AVX2 kernel. Built with -ffp-contract=off.
 #include "trainer/adamw8bit_kernels.h"
 
 #include <algorithm>
@@ -7,10 +7,9 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include <ATen/ATen.h>
-
-#include "trainer/optimizer.h"
 
 namespace memtune::trainer {
 
@@ -39,6 +38,53 @@ float from_order_key(int64_t k) {
 }
 
 }  // namespace
+
+// The fp32 scalars bitsandbytes' kernels derive from (step, lr, betas).
+BnbScalars::BnbScalars(int64_t step, double lr, double beta1, double beta2, double eps, double wd,
+                       double grad_scale) {
+  const float lrf = static_cast<float>(lr), wdf = static_cast<float>(wd), t = static_cast<float>(step);
+  b1 = static_cast<float>(beta1);
+  b2 = static_cast<float>(beta2);
+  one_minus_b1 = 1.0f - b1;
+  one_minus_b2 = 1.0f - b2;
+  // beta^t as a correctly rounded fp32 (the power of the fp32 beta in double, rounded once):
+  // the kernels' powf, without depending on which libm's last bit.
+  auto powf = [&](float b) { return static_cast<float>(std::pow(static_cast<double>(b), static_cast<double>(t))); };
+  const float c1 = 1.0f - powf(b1);
+  const float c2 = std::sqrt(1.0f - powf(b2));
+  step_size = (-lrf * c2) / c1;
+  eps_c2 = c2 * static_cast<float>(eps);  // the 8-bit kernel's correction2 * eps
+  decay_on = wdf > 0.0f;
+  decay = 1.0f - lrf * wdf;
+  gs = static_cast<float>(grad_scale);
+}
+
+uint8_t quantize_dynamic(bool is_signed, float x) { return code_table(is_signed)(x); }
+
+at::Tensor dynamic_map(bool is_signed) {
+  // create_dynamic_map(signed, max_exponent_bits=7, total_bits=8): for i in 0..6, the means
+  // of linspace(0.1, 1, 2^i + 1) (signed) or linspace(0.1, 1, 2^(i+1) + 1) (unsigned), fp32,
+  // times 10^(i-6) (and its negative when signed); then 0 and 1.0; sorted.
+  auto build = [](bool sg) {
+    static const double kScale[7] = {1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0};
+    std::vector<float> data;
+    for (int i = 0; i < 7; ++i) {
+      at::Tensor b = at::linspace(0.1, 1.0, (int64_t{1} << (sg ? i : i + 1)) + 1, at::TensorOptions(at::kFloat));
+      const float* bp = b.data_ptr<float>();
+      const float sc = static_cast<float>(kScale[i]);
+      for (int64_t k = 0; k + 1 < b.numel(); ++k) data.push_back(sc * ((bp[k] + bp[k + 1]) / 2.0f));
+      if (sg)
+        for (int64_t k = 0; k + 1 < b.numel(); ++k) data.push_back(-sc * ((bp[k] + bp[k + 1]) / 2.0f));
+    }
+    data.push_back(0.0f);
+    data.push_back(1.0f);
+    TORCH_CHECK(data.size() == 256, "dynamic map has ", data.size(), " values");
+    std::sort(data.begin(), data.end());
+    return at::tensor(data, at::TensorOptions(at::kFloat));
+  };
+  static const at::Tensor kSigned = build(true), kUnsigned = build(false);
+  return is_signed ? kSigned : kUnsigned;
+}
 
 uint8_t quantize_2d_search(const float* code, bool is_signed, float x) {
   int pivot = 127, upper_pivot = 255, lower_pivot = 0;

@@ -1,11 +1,13 @@
 #pragma once
-// The CPU kernels of bitsandbytes' 8-bit AdamW (kOptimizerStatic8bit2StateBlockwise<ADAM, 256>)
-// that trainer/optimizer.cpp dispatches to: a portable scalar one (adamw8bit_kernels.cpp) and
-// an AVX2 one (adamw8bit_kernels_avx2.cpp, compiled for AVX2 by function attributes and called
-// only when the CPU has it). Both give the same bytes: every fp32 operation is the kernel's,
-// in its order, one rounding each (both files build with -ffp-contract=off; no FMA anywhere).
-// Internal to trainer/optimizer; the tests compare the two paths.
+// bitsandbytes' 8-bit AdamW (kOptimizerStatic8bit2StateBlockwise<ADAM, 256>) on the CPU: its
+// constants and code maps, and the kernels trainer/optimizer.cpp dispatches to, a portable
+// scalar one (adamw8bit_kernels.cpp) and an AVX2 one (adamw8bit_kernels_avx2.cpp, compiled for
+// AVX2 by function attributes and called only when the CPU has it). Both give the same bytes:
+// every fp32 operation is the kernel's, in its order, one rounding each (both files build with
+// -ffp-contract=off; no FMA anywhere). The tests compare the two paths.
 #include <cstdint>
+
+#include <ATen/core/Tensor.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #define MEMTUNE_ADAM8_X86 1
@@ -13,8 +15,16 @@
 
 namespace memtune::trainer {
 
-// The fp32 scalars bitsandbytes' kernels derive from (step, lr, betas); the constructor is
-// in optimizer.cpp.
+// States of tensors with at least kMin8bitSize elements are uint8 codes in blocks of
+// kBlock8bit, one fp32 absmax per block and state.
+inline constexpr int64_t kMin8bitSize = 4096;
+inline constexpr int64_t kBlock8bit = 256;
+// create_dynamic_map(signed) of bitsandbytes: 256 sorted fp32 values.
+at::Tensor dynamic_map(bool is_signed);
+// bitsandbytes' quantize_2D on that map (x is the state over its block's absmax).
+uint8_t quantize_dynamic(bool is_signed, float x);
+
+// The fp32 scalars bitsandbytes' kernels derive from (step, lr, betas).
 struct BnbScalars {
   float b1, b2, one_minus_b1, one_minus_b2, eps_c2, step_size, decay, gs;
   bool decay_on;

@@ -12,7 +12,6 @@
 #include <cfloat>
 #include <cstring>
 
-#include "trainer/optimizer.h"
 
 #define MEMTUNE_AVX2 __attribute__((target("avx2"), always_inline)) inline
 

@@ -15,6 +15,8 @@
 #include <ATen/core/Tensor.h>
 #include <nlohmann/json_fwd.hpp>
 
+#include "trainer/adamw8bit_kernels.h"
+
 namespace memtune::trainer {
 
 struct OptimizerOptions {
@@ -33,14 +35,8 @@ struct OptimizerOptions {
 void set_optimizer_kind(const std::string& optim, OptimizerOptions& o);
 inline constexpr const char* kOptimNames = "adamw_torch, adamw, adamw_bnb_8bit, adamw_8bit, paged_adamw_8bit, paged_adamw_32bit, sgd";
 
-// bitsandbytes' 8-bit AdamW constants: states of tensors with at least kMin8bitSize elements
-// are uint8 codes in blocks of kBlock8bit, one fp32 absmax per block and state.
-inline constexpr int64_t kMin8bitSize = 4096;
-inline constexpr int64_t kBlock8bit = 256;
-// create_dynamic_map(signed) of bitsandbytes: 256 sorted fp32 values.
-at::Tensor dynamic_map(bool is_signed);
-// bitsandbytes' quantize_2D on that map (x is the state over its block's absmax).
-uint8_t quantize_dynamic(bool is_signed, float x);
+// bitsandbytes' 8-bit AdamW constants and maps (kMin8bitSize, kBlock8bit, dynamic_map,
+// quantize_dynamic): trainer/adamw8bit_kernels.h, included above.
 
 // Weight decay applies to matrices (LoRA A/B, projection and embedding weights), not to
 // norm weights or biases.
