@@ -648,22 +648,22 @@ std::string html(const fs::path& run_dir, const RunMetrics& m, const std::vector
   return h.str();
 }
 
+// A run directory's metrics.jsonl, read; `who` names the command (and flag) in the error.
+RunMetrics read_run(const fs::path& dir, const std::string& who) {
+  const fs::path file = dir / "metrics.jsonl";
+  MEMTUNE_CHECK(fs::is_regular_file(file), who, ": ", file.string(), " not found; is '", dir.string(),
+                "' the output_dir of a `memtune train` run?");
+  return read_metrics(file);
+}
+
 }  // namespace
 
 ReportFiles write_report(const fs::path& run_dir, const ReportOptions& o) {
   MEMTUNE_CHECK(fs::is_directory(run_dir), "memtune report: run directory '", run_dir.string(),
                 "' does not exist (or is not a directory); give the training.output_dir of a run");
-  const fs::path metrics_file = run_dir / "metrics.jsonl";
-  MEMTUNE_CHECK(fs::is_regular_file(metrics_file), "memtune report: ", metrics_file.string(),
-                " not found; is '", run_dir.string(), "' the output_dir of a `memtune train` run?");
-  const RunMetrics m = read_metrics(metrics_file);
+  const RunMetrics m = read_run(run_dir, "memtune report");
   std::vector<Compared> others;
-  for (const fs::path& dir : o.compare) {
-    const fs::path f = dir / "metrics.jsonl";
-    MEMTUNE_CHECK(fs::is_regular_file(f), "memtune report --compare: ", f.string(), " not found; is '", dir.string(),
-                  "' the output_dir of a `memtune train` run?");
-    others.push_back({run_label(dir), read_metrics(f)});
-  }
+  for (const fs::path& dir : o.compare) others.push_back({run_label(dir), read_run(dir, "memtune report --compare")});
   MEMTUNE_CHECK(o.width >= 200 && o.height >= 150, "memtune report: plot size ", o.width, "x", o.height,
                 " is too small (at least 200x150)");
 
