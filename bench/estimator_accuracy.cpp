@@ -1,4 +1,4 @@
-// Predicted (runtime/estimator.h) vs measured peak memory of a training step: the CPU budget
+// Predicted (trainer/estimator.h) vs measured peak memory of a training step: the CPU budget
 // allocator's peak over real steps run in-process the way the trainer runs them (collate,
 // forward with the checkpointing plan, loss / tokens, backward, gradient norm, optimizer
 // update), on configs varying architecture, layers, sequence length, micro-batch,
@@ -17,7 +17,7 @@
 #include "models/hf_model.h"
 #include "models/lora.h"
 #include "runtime/cpu_budget_allocator.h"
-#include "runtime/estimator.h"
+#include "trainer/estimator.h"
 #include "runtime/threads.h"
 #include "runtime/units.h"
 #include "trainer/config.h"
@@ -154,7 +154,7 @@ int main(int argc, char** argv) {
     models::ModelSpec spec = trainer::model_spec(c);
     spec.num_layers = k.layers;
     if (k.shape) k.shape(spec);
-    const Estimate e = estimate_memory(trainer::estimate_input(c, spec));
+    const trainer::Estimate e = estimate_memory(trainer::estimate_input(c, spec));
     const Measured m = measure(c, spec, 2);
     const double err = 100.0 * (static_cast<double>(e.peak_bytes) - m.peak()) / m.peak();
     if (std::fabs(err) > std::fabs(worst)) {

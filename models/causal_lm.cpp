@@ -8,11 +8,14 @@
 #include <unordered_map>
 
 #include "data/batch.h"
+#include "models/layers/attention.h"
 #include "models/layers/cross_entropy.h"
+#include "models/layers/linear4bit.h"
+#include "models/layers/lora_linear.h"
+#include "models/layers/norm_act.h"
 #include "runtime/activation_checkpoint.h"
 #include "runtime/error.h"
 #include "runtime/keyed_dropout.h"
-#include "runtime/estimator.h"
 #include "runtime/nf4.h"
 #include "runtime/offload.h"
 
@@ -234,6 +237,31 @@ void CausalLM::place(const Placement& placement) {
     }
   }
   placement_ = placement;
+}
+
+LayerMemory CausalLM::layer_memory(int index, const StepShape& s, const LayerPlan& plan) const {
+  const int64_t E = s.rows(), C = spec_.hidden_size, a = s.act_bytes;
+  LayerMemory m;
+  m.stated = false;
+  int64_t widest = C, panel = 0;
+  for (const Linear* l : layer_linears(index)) {
+    const LinearTraining t = plan.training(*l);
+    m.kept += E * (l->in_features() + l->out_features()) * a + lora_kept(E, l->in_features(), t.lora_r, t.lora_dropout);
+    widest = std::max({widest, l->in_features(), l->out_features()});
+    if (t.nf4) panel = std::max(panel, nf4_panel_bytes(l->out_features(), l->in_features(), s.compute_bytes));
+  }
+  const AttentionMemory at = attention_memory(s.batch, spec_.num_heads, spec_.num_kv_heads, s.tokens, spec_.head_dim, a,
+                                              s.fused_cpu_attention, s.threads);
+  m.kept += at.kept + 2 * layer_norm_kept(E, C, a);
+  m.forward = m.kept + at.forward_transient + E * widest * a + panel;
+  m.forward_no_grad = m.forward;
+  m.workspace = std::max(at.backward_transient, 3 * E * widest * 4) + panel;
+  m.backward = m.kept + m.workspace;
+  return m;
+}
+
+StackMemory CausalLM::stack_memory(const StepShape& s) const {
+  return {0, layer_norm_kept(s.rows(), spec_.hidden_size, s.act_bytes)};
 }
 
 int64_t CausalLM::layer_weight_bytes(int layer) const {

@@ -13,6 +13,7 @@
 
 #include "models/layers/attention.h"
 #include "models/layers/linear.h"
+#include "models/memory.h"
 #include "models/model_spec.h"
 #include "models/placement.h"
 
@@ -62,7 +63,7 @@ struct ForwardOptions {
   std::vector<bool> checkpoint_layers;  // per layer: recompute in backward
   bool offload_activations = false;     // checkpointed layers' inputs wait in host memory (activation offload)
   bool return_logits = false;           // also the full (B,T,V) logits (tests, generation)
-  int64_t loss_chunk_rows = 0;  // 0: by vocabulary size, runtime/estimator.h loss_chunk_rows()
+  int64_t loss_chunk_rows = 0;  // 0: by vocabulary size, models/layers/cross_entropy.h loss_chunk_rows()
 };
 
 struct ForwardOutput {
@@ -139,6 +140,15 @@ class CausalLM {
   virtual at::Tensor layer(int index, const at::Tensor& x, const LayerContext& ctx) = 0;
   virtual at::Tensor final_norm(const at::Tensor& x) = 0;
   virtual const at::Tensor& head_weight() const = 0;  // (V,C); the embedding when tied
+
+  // Memory accounting (models/memory.h): what layer `index` keeps and holds in a step of
+  // these shapes under `plan`, and what the forward holds beside the layers. An
+  // architecture states them next to its forward, from its kernels' own accounting (see
+  // models/arch/llama.cpp). The defaults are a bound for architectures that state nothing:
+  // every projection's input and output kept, one attention of the spec's heads, a
+  // LayerNorm's statistics; the estimate says when it used them.
+  virtual LayerMemory layer_memory(int index, const StepShape& shape, const LayerPlan& plan) const;
+  virtual StackMemory stack_memory(const StepShape& shape) const;
 
  protected:
   void add_tensor(std::string name, std::vector<int64_t> shape, TensorRole role, at::Tensor* tensor,

@@ -214,6 +214,14 @@ int64_t NF4Tensor::storage_bytes() const {
   return bytes(packed) + bytes(absmax) + bytes(nested_absmax) + bytes(nested_quant_map);
 }
 
+int64_t nf4_storage_bytes(int64_t numel, int64_t blocksize, bool double_quant) {
+  const int64_t nblocks = (numel + blocksize - 1) / blocksize;
+  const int64_t packed = (numel + 1) / 2;
+  if (!double_quant) return packed + nblocks * 4;
+  const int64_t nested = (nblocks + 255) / 256;
+  return packed + nblocks + nested * 4 + 256 * 4;
+}
+
 double nf4_bits_per_parameter(const NF4Tensor& q) {
   const int64_t n = q.numel();
   return n == 0 ? 0.0 : 8.0 * static_cast<double>(q.storage_bytes()) / static_cast<double>(n);

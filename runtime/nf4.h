@@ -72,6 +72,11 @@ at::Tensor nf4_dequantize_generic(const NF4Tensor& q, at::ScalarType out_dtype);
 // The fp32 absmax per block ([nblocks]), undoing double quantization when present.
 at::Tensor nf4_absmax_fp32(const NF4Tensor& q);
 
+// Bytes nf4_quantize makes for n elements, before quantizing (storage_bytes() of the result):
+// n/2 codes and fp32 absmax per block, or with double quantization uint8 absmax codes, fp32
+// per 256 blocks and the 256-entry fp32 map.
+int64_t nf4_storage_bytes(int64_t numel, int64_t blocksize, bool double_quant);
+
 // Storage in bits per parameter: 8 * storage_bytes() / numel() (about 4.127 with double
 // quantization at blocksize 64 for large tensors, 4.5 without).
 double nf4_bits_per_parameter(const NF4Tensor& q);

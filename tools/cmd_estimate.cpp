@@ -19,6 +19,13 @@
 
 namespace memtune::cli {
 
+using trainer::Estimate;
+using trainer::EstimateInput;
+using trainer::estimate_memory;
+using trainer::estimate_peak;
+using trainer::max_micro_batch;
+using trainer::max_seq_length;
+
 void add_estimate_command(CLI::App& app) {
   auto* cmd = app.add_subcommand("estimate", "predict a training run's peak memory and what fits the device");
   struct Args {

@@ -37,35 +37,11 @@ std::vector<bool> checkpoint_plan(const CheckpointingConfig& c, int64_t layers) 
   return out;
 }
 
-namespace {
-
-// The estimator's short name of a projection: llama's last component; gpt2's c_attn, c_fc,
-// attn.c_proj, mlp.c_proj.
-std::string short_name(const std::string& module) {
-  const size_t last = module.rfind('.');
-  std::string tail = module.substr(last + 1);
-  if (tail != "c_proj") return tail;
-  const size_t prev = module.rfind('.', last - 1);
-  return module.substr(prev + 1);
-}
-
-}  // namespace
-
 EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_t micro_batch) {
   EstimateInput in;
-  in.family = s.is_gpt2() ? "gpt2" : "llama";
-  in.vocab_size = s.vocab_size;
-  in.hidden_size = s.hidden_size;
-  in.intermediate_size = s.intermediate_size;
+  std::shared_ptr<const models::CausalLM> structure = models::build_model(s);  // no tensor memory
+  in.model = structure;
   in.num_layers = s.num_layers;
-  in.num_heads = s.num_heads;
-  in.num_kv_heads = s.num_kv_heads;
-  in.head_dim = s.head_dim;
-  in.max_position_embeddings = s.max_position_embeddings;
-  in.tie_word_embeddings = s.tie_word_embeddings;
-  in.qkv_bias = s.attention_bias;
-  in.o_bias = s.attention_bias && s.model_type != "qwen2";
-  in.mlp_bias = s.mlp_bias;
 
   const auto& q = c.model.quantization_config;
   in.load_in_4bit = q.load_in_4bit;
@@ -77,25 +53,15 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
   in.lora_r = c.lora.r;
   in.lora_dropout = c.lora.lora_dropout;
   if (in.finetune == "lora") {
-    // The model's own list of projections (built without weights), matched as PEFT does.
-    std::unique_ptr<models::CausalLM> structure = models::build_model(s);
+    // The model's own projections, matched as PEFT does, and the tensors trained whole.
     const models::LoraTargets targets = lora_targets(c.lora);
-    in.lora_layers.assign(static_cast<size_t>(s.num_layers), false);
-    for (const auto& slot : structure->tensors()) {
-      if (slot.role != models::TensorRole::kLinearWeight || slot.layer < 0) continue;
-      if (!models::lora_targets(targets, slot.linear->name(), slot.layer)) continue;
-      in.lora_layers[slot.layer] = true;
-      const std::string n = short_name(slot.linear->name());
-      if (std::find(in.lora_projections.begin(), in.lora_projections.end(), n) == in.lora_projections.end())
-        in.lora_projections.push_back(n);
-    }
-    for (const models::TensorSlot* t : models::modules_to_save_tensors(*structure, c.lora.modules_to_save,
-                                                                        "lora.modules_to_save")) {
-      in.train_embedding |= t->role == models::TensorRole::kEmbedding;
-      in.train_position_embedding |= t->role == models::TensorRole::kPositionEmbedding;
-      in.train_final_norm |= t->role == models::TensorRole::kNorm;
-      in.train_head |= t->role == models::TensorRole::kHead;
-    }
+    for (const models::TensorSlot& t : structure->tensors())  // in the order of linears()
+      if (t.role == models::TensorRole::kLinearWeight)
+        in.adapted.push_back(models::lora_targets(targets, t.linear->name(), t.layer));
+    const std::vector<const models::TensorSlot*> whole =
+        models::modules_to_save_tensors(*structure, c.lora.modules_to_save, "lora.modules_to_save");
+    for (const models::TensorSlot& t : structure->tensors())
+      in.trained.push_back(std::find(whole.begin(), whole.end(), &t) != whole.end());
   }
 
   in.micro_batch = micro_batch > 0 ? micro_batch
@@ -150,11 +116,7 @@ void check_fits(const Config& c, const models::ModelSpec& spec, int64_t budget, 
   const bool can_offload = best.finetune == "lora" && !sharded &&
                            (c.memory.on_oom.allows("layer_offload") || !c.model.device_map.entries.empty());
   if (can_offload && best.num_layers > 1) {
-    const Estimate e = estimate_memory(best);
-    const int64_t C = best.hidden_size, V = best.vocab_size;
-    const int64_t outside = V * C * best.dense_bytes * (best.tie_word_embeddings ? 1 : 2) +
-                            (best.family == "gpt2" ? best.max_position_embeddings * C * best.dense_bytes : 0);
-    const int64_t layers = std::max<int64_t>(0, e.weights_nf4 + e.weights_dense - outside);
+    const int64_t layers = estimate_memory(best).weights_layers;
     peak -= layers - layers / best.num_layers;
   }
   if (peak <= budget) return;

@@ -1,13 +1,13 @@
 #pragma once
-// The memory estimate of a configured run (runtime/estimator.h), built from the config and
-// the model's shape before anything is loaded: `memtune estimate`, the auto micro-batch, the
+// The memory estimate of a configured run (trainer/estimator.h), built from the config and
+// the model's structure before anything is loaded: `memtune estimate`, the auto micro-batch, the
 // pre-load check and the monitor's suggestions all ask here.
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "models/model_spec.h"
-#include "runtime/estimator.h"
+#include "trainer/estimator.h"
 #include "trainer/config.h"
 
 namespace memtune::trainer {

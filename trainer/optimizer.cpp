@@ -80,6 +80,13 @@ bool cpu_f32_contiguous(const at::Tensor& t) {
 
 }  // namespace
 
+int64_t optimizer_state_bytes(const std::string& kind, bool paged, int64_t numel) {
+  if (paged) return 0;
+  if (kind == "sgd") return numel * 4;
+  if (kind == "adamw_8bit" && numel >= kMin8bitSize) return 2 * numel + 2 * ((numel + kBlock8bit - 1) / kBlock8bit) * 4;
+  return 2 * numel * 4;
+}
+
 void set_optimizer_kind(const std::string& optim, OptimizerOptions& o) {
   o.paged = false;
   if (optim == "adamw_torch" || optim == "adamw") {

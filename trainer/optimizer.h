@@ -35,6 +35,11 @@ struct OptimizerOptions {
 void set_optimizer_kind(const std::string& optim, OptimizerOptions& o);
 inline constexpr const char* kOptimNames = "adamw_torch, adamw, adamw_bnb_8bit, adamw_8bit, paged_adamw_8bit, paged_adamw_32bit, sgd";
 
+// Device bytes of the states of `kind` (OptimizerOptions::kind) for one trainable tensor of
+// n elements: 0 when paged; adamw_8bit: uint8 codes and fp32 absmax per kBlock8bit for
+// tensors of kMin8bitSize elements or more, else fp32 as adamw.
+int64_t optimizer_state_bytes(const std::string& kind, bool paged, int64_t numel);
+
 // bitsandbytes' 8-bit AdamW constants and maps (kMin8bitSize, kBlock8bit, dynamic_map,
 // quantize_dynamic): trainer/adamw8bit_kernels.h, included above.
 

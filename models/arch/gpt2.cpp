@@ -3,11 +3,15 @@
 // [in, out] (read as stored; adapters on them use fan_in_fan_out as PEFT does), the output
 // head tied to the token embedding.
 #include <cmath>
+#include <tuple>
 
 #include <ATen/ATen.h>
 
 #include "data/batch.h"
 #include "models/layers/attention.h"
+#include "models/layers/linear4bit.h"
+#include "models/layers/lora_linear.h"
+#include "models/layers/norm_act.h"
 #include "models/registry.h"
 
 namespace memtune::models {
@@ -76,6 +80,50 @@ class Gpt2Model : public CausalLM {
   }
 
   const at::Tensor& head_weight() const override { return spec_.tie_word_embeddings ? wte_ : lm_head_; }
+
+  // layer()'s memory, op by op (see LlamaModel::layer_memory): LayerNorms keep x and fp32
+  // mean and rstd, GELU keeps its input, q, k and v are views of one (B,T,3C) projection.
+  LayerMemory layer_memory(int i, const StepShape& s, const LayerPlan& plan) const override {
+    const Layer& L = layers_[i];
+    const int64_t E = s.rows(), C = spec_.hidden_size, F = spec_.intermediate_size, H = spec_.num_heads;
+    const int64_t a = s.act_bytes;
+    const LinearTraining tqkv = plan.training(*L.c_attn), to = plan.training(*L.c_proj), tfc = plan.training(*L.fc),
+                         tp = plan.training(*L.proj);
+    int64_t attn = 0, mlp = 0, r = 0, panel = 0;
+    for (auto [l, t, part] : {std::tuple{L.c_attn, tqkv, &attn}, {L.c_proj, to, &mlp}, {L.fc, tfc, &mlp}, {L.proj, tp, &mlp}}) {
+      *part += lora_kept(E, l->in_features(), t.lora_r, t.lora_dropout);
+      r = std::max(r, t.lora_r);
+      if (t.nf4) panel = std::max(panel, nf4_panel_bytes(l->out_features(), l->in_features(), s.compute_bytes));
+    }
+    const bool g_in = plan.input_grad;
+    if (g_in) attn += layer_norm_kept(E, C, a);
+    if (tqkv.keeps_input()) attn += E * C * a;  // h
+    const AttentionMemory at = attention_memory(s.batch, H, H, s.tokens, spec_.head_dim, a, s.fused_cpu_attention, s.threads);
+    const bool g_attention = g_in || tqkv.keeps_input();
+    if (g_attention) attn += at.kept;
+    if (to.keeps_input()) mlp += E * C * a;  // the merged heads
+    const bool g_y = g_attention || to.keeps_input();
+    if (g_y) mlp += layer_norm_kept(E, C, a);
+    if (tfc.keeps_input()) mlp += E * C * a;           // h
+    if (g_y || tfc.keeps_input()) mlp += E * F * a;   // GELU's input
+    if (tp.keeps_input()) mlp += E * F * a;           // GELU's output
+
+    const int64_t qkv = E * 3 * C * a;
+    LayerMemory m;
+    m.kept = attn + mlp;
+    m.forward = std::max(attn + (s.fused_cpu_attention ? 0 : qkv) + at.forward_transient,
+                         m.kept + qkv + E * r * 4 + panel);
+    m.forward_no_grad = std::max(E * C * a + qkv + at.no_grad_own + at.forward_transient,
+                                 3 * E * C * a + qkv + E * C * a + 5 * E * F * a + panel);
+    const int64_t at_mlp = gelu_backward_transient(E, F) + E * C * 4 + panel;
+    m.backward = std::max(m.kept + at_mlp, attn + at.backward_transient);
+    m.workspace = std::max(at_mlp, at.backward_transient);
+    return m;
+  }
+
+  StackMemory stack_memory(const StepShape& s) const override {
+    return {0, layer_norm_kept(s.rows(), spec_.hidden_size, s.act_bytes)};
+  }
 
  private:
   struct Layer {

@@ -4,11 +4,14 @@
 // attention, SwiGLU MLP, optional attention and MLP biases, optionally tied embeddings.
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 
 #include <ATen/ATen.h>
 
 #include "data/batch.h"
 #include "models/layers/attention.h"
+#include "models/layers/linear4bit.h"
+#include "models/layers/lora_linear.h"
 #include "models/layers/norm_act.h"
 #include "models/layers/rotary.h"
 #include "models/registry.h"
@@ -150,6 +153,62 @@ class LlamaModel : public CausalLM {
   }
 
   at::Tensor final_norm(const at::Tensor& x) override { return rms_norm(x, norm_, spec_.norm_eps); }
+
+  // layer()'s memory, op by op. A tensor is kept only by an op that needs it for a wanted
+  // gradient: an adapter or a trained weight keeps its projection's input (h is shared by
+  // q, k and v, and by gate and up), a frozen weight keeps nothing of it. The attention's
+  // part of what is kept lives until its backward; the MLP's is freed before.
+  LayerMemory layer_memory(int i, const StepShape& s, const LayerPlan& plan) const override {
+    const Layer& L = layers_[i];
+    const ModelSpec& sp = spec_;
+    const int64_t E = s.rows(), C = sp.hidden_size, F = sp.intermediate_size, q = sp.q_dim(), kv = sp.kv_dim();
+    const int64_t a = s.act_bytes;
+    const LinearTraining tq = plan.training(*L.q), tk = plan.training(*L.k), tv = plan.training(*L.v),
+                         to = plan.training(*L.o), tg = plan.training(*L.gate), tu = plan.training(*L.up),
+                         td = plan.training(*L.down);
+    int64_t attn = 0, mlp = 0, r = 0, panel = 0;
+    for (auto [l, t, part] : {std::tuple{L.q, tq, &attn}, {L.k, tk, &attn}, {L.v, tv, &attn}, {L.o, to, &mlp},
+                              {L.gate, tg, &mlp}, {L.up, tu, &mlp}, {L.down, td, &mlp}}) {
+      *part += lora_kept(E, l->in_features(), t.lora_r, t.lora_dropout);
+      r = std::max(r, t.lora_r);
+      if (t.nf4) panel = std::max(panel, nf4_panel_bytes(l->out_features(), l->in_features(), s.compute_bytes));
+    }
+    const bool g_in = plan.input_grad;
+    if (g_in) attn += rms_norm_kept(E, C, a);
+    const bool qkv_trained = tq.keeps_input() || tk.keeps_input() || tv.keeps_input();
+    if (qkv_trained) attn += E * C * a;  // h
+    const AttentionMemory at =
+        attention_memory(s.batch, sp.num_heads, sp.num_kv_heads, s.tokens, sp.head_dim, a, s.fused_cpu_attention, s.threads);
+    const bool g_attention = g_in || qkv_trained;
+    if (g_attention) attn += at.kept;
+    if (to.keeps_input()) mlp += E * q * a;  // the merged heads
+    const bool g_y = g_attention || to.keeps_input();
+    if (g_y) mlp += rms_norm_kept(E, C, a);
+    if (tg.keeps_input() || tu.keeps_input()) mlp += E * C * a;  // h
+    if (g_y || tg.keeps_input() || tu.keeps_input()) mlp += swiglu_kept(E, F, a);
+    if (td.keeps_input()) mlp += E * F * a;  // silu(gate) * up
+
+    const int64_t qkv = E * (q + 2 * kv) * a;  // q, k (after rotary), v: the layer's locals
+    LayerMemory m;
+    m.kept = attn + mlp;
+    // The fused kernel reads q, k, v in place; up's output beside its adapter's x A^T (the
+    // fused LoRA node adds the adapter inside the base's GEMM, no full-size delta).
+    m.forward = std::max(attn + (s.fused_cpu_attention ? 0 : qkv) + at.forward_transient,
+                         m.kept + qkv + E * r * 4 + panel);
+    // Unrecorded: x, h, the locals, the merged heads, y, and the MLP's gate, up's parts,
+    // silu and the product.
+    m.forward_no_grad = std::max(E * C * a + qkv + at.no_grad_own + at.forward_transient,
+                                 3 * E * C * a + qkv + E * q * a + 5 * E * F * a + panel);
+    const int64_t at_mlp = swiglu_backward_transient(E, F) + E * C * 4 + panel;
+    m.backward = std::max(m.kept + at_mlp, attn + at.backward_transient);
+    m.workspace = std::max(at_mlp, at.backward_transient);
+    return m;
+  }
+
+  StackMemory stack_memory(const StepShape& s) const override {
+    // cos and sin (B,T,1,D) fp32; the final RMSNorm.
+    return {2 * s.rows() * spec_.head_dim * 4, rms_norm_kept(s.rows(), spec_.hidden_size, s.act_bytes)};
+  }
 
   const at::Tensor& head_weight() const override {
     return spec_.tie_word_embeddings ? embed_tokens_ : lm_head_;

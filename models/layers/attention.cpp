@@ -21,6 +21,17 @@ using torch::autograd::variable_list;
 // (the query's own included), the first key row t0's window reaches.
 int64_t first_key(int64_t t0, int64_t window) { return window > 0 ? std::max<int64_t>(0, t0 - window + 1) : 0; }
 
+// The blocked kernel keeps the probabilities of B rows of H heads when half their fp32
+// (T x T) matrices fit the limit (the causal half is what the blocks hold).
+bool keeps_probabilities(int64_t B, int64_t H, int64_t T, int64_t limit) { return B * H * T * T * 4 / 2 <= limit; }
+
+// Scores the blocked kernel forms: the sum over query blocks of rows x keys up to the block's end.
+int64_t block_area(int64_t T, int64_t block) {
+  int64_t area = 0;
+  for (int64_t t0 = 0; t0 < T; t0 += block) area += (std::min(T, t0 + block) - t0) * std::min(T, t0 + block);
+  return area;
+}
+
 // Additive mask (B,1,1,bt,tk) in fp32 over keys [k0,t1): 0 where query t0+i may see key
 // k0+j (same segment, not later, within the window), -inf elsewhere.
 at::Tensor block_mask(const at::Tensor& seg, int64_t t0, int64_t t1, int64_t k0, int64_t window) {
@@ -53,7 +64,7 @@ struct SegmentAttention : public torch::autograd::Function<SegmentAttention> {
     const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), T = q.size(3), D = q.size(4);
     at::Tensor out = at::empty_like(q);
     at::Tensor lse = at::empty({B, Hkv, G, T}, q.options().dtype(at::kFloat));
-    const bool keep = B * Hkv * G * T * T * 4 / 2 <= keep_probs_bytes;
+    const bool keep = keeps_probabilities(B, Hkv * G, T, keep_probs_bytes);
     variable_list probs;
     for (int64_t t0 = 0; t0 < T; t0 += block) {
       const int64_t t1 = std::min(T, t0 + block), bt = t1 - t0;
@@ -164,6 +175,34 @@ AttentionOptions::Kernel parse_attention_kernel(const std::string& name) {
     return AttentionOptions::Kernel::kSdpa;
   }
   MEMTUNE_CHECK(false, "model.attn_implementation: '", name, "' is not one of auto, eager, sdpa");
+}
+
+AttentionMemory attention_memory(int64_t B, int64_t Hq, int64_t Hkv, int64_t T, int64_t D, int64_t a,
+                                 bool fused_cpu, int64_t threads, const AttentionOptions& o) {
+  constexpr int64_t kF32 = 4, kI64 = 8;
+  const int64_t E = B * T, q = Hq * D, kv = Hkv * D;
+  const int64_t bt = std::min(T, o.query_block);
+  const bool keep = keeps_probabilities(B, Hq, T, o.keep_probs_bytes);
+  const int64_t probs = keep ? B * Hq * block_area(T, o.query_block) * a : 0;
+  const int64_t scores = B * Hq * bt * T * kF32;  // one query block's fp32 scores
+  const int64_t mask = B * bt * T * (kF32 + 3);   // its additive mask and the booleans that build it
+  const int64_t lse = E * Hq * kF32;
+  AttentionMemory m;
+  if (fused_cpu) {
+    // Per thread the backward's scratch, the larger of the two passes (taken for both).
+    const int64_t scratch = std::max<int64_t>(threads, 1) * detail::fused_cpu_attention_scratch_bytes(T, D);
+    m.kept = E * (2 * q + 2 * kv) * a + lse + E * kI64;  // q, k, v, out, lse, each query's first key
+    m.forward_transient = scratch;
+    m.no_grad_own = E * q * a + lse + E * kI64;  // reads q, k, v in place
+    m.backward_transient = E * (2 * q + 2 * kv) * kF32 + scratch;
+    return m;
+  }
+  // The blocked kernel: contiguous copies of q, k, v; the probabilities kept or formed again.
+  m.kept = E * (2 * q + 2 * kv) * a + lse + probs;
+  m.forward_transient = scores + (keep ? 0 : scores) + mask;
+  m.no_grad_own = m.kept;
+  m.backward_transient = E * (4 * q + 2 * kv) * kF32 + lse + (keep ? 2 * scores : 3 * scores + mask);
+  return m;
 }
 
 bool uses_fused_cpu_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -49,6 +49,19 @@ at::Tensor causal_segment_attention(const at::Tensor& q, const at::Tensor& k, co
                                     const at::Tensor& segment_ids, double scale, int64_t sliding_window = 0,
                                     const AttentionOptions& options = {});
 
+// Memory of one causal_segment_attention at B rows of T tokens, Hq query and Hkv key/value
+// heads of D dimensions, elements of `elem_bytes` (the accounting of the memory model,
+// models/memory.h; `fused_cpu`: the fused CPU kernel runs it on `threads` threads).
+struct AttentionMemory {
+  int64_t kept = 0;                // saved for backward: q, k, v, the output, the log-sum-exp, and
+                                   // the probabilities (blocked, when they fit) or each query's first key (fused)
+  int64_t forward_transient = 0;   // beyond inputs and output while the forward runs
+  int64_t no_grad_own = 0;         // what the op itself holds when nothing records (a checkpointed forward)
+  int64_t backward_transient = 0;  // dq, dk, dv, the incoming gradient's copy, the per-block gradients
+};
+AttentionMemory attention_memory(int64_t B, int64_t Hq, int64_t Hkv, int64_t T, int64_t D, int64_t elem_bytes,
+                                 bool fused_cpu, int64_t threads, const AttentionOptions& options = {});
+
 // Whether causal_segment_attention runs the fused CPU kernel for these inputs.
 bool uses_fused_cpu_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const at::Tensor& segment_ids);

@@ -365,6 +365,10 @@ at::Tensor first_keys(const at::Tensor& segment_ids, int64_t window) {
 
 }  // namespace
 
+int64_t fused_cpu_attention_scratch_bytes(int64_t T, int64_t D) {
+  return Scratch(T, D).backward_floats() * static_cast<int64_t>(sizeof(float));
+}
+
 bool fused_cpu_attention_applies(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& segment_ids) {
   return dtypes_and_devices_fit(q, k, v, segment_ids) && first_keys(segment_ids, 0).defined();

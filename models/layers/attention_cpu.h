@@ -22,4 +22,8 @@ bool fused_cpu_attention_applies(const at::Tensor& q, const at::Tensor& k, const
 at::Tensor fused_cpu_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& segment_ids, double scale, int64_t sliding_window);
 
+// Bytes of one thread's scratch in the backward pass (the larger pass) at T tokens of D
+// dimensions.
+int64_t fused_cpu_attention_scratch_bytes(int64_t T, int64_t D);
+
 }  // namespace memtune::models::detail

@@ -1,5 +1,7 @@
 #include "models/layers/cross_entropy.h"
 
+#include <algorithm>
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
@@ -9,6 +11,11 @@
 #include "runtime/error.h"
 
 namespace memtune::models {
+
+int64_t loss_chunk_rows(int64_t vocab_size) {
+  const int64_t fit = (int64_t{8} << 20) / (std::max<int64_t>(vocab_size, 1) * 4);
+  return std::clamp<int64_t>(fit, 128, 1024);
+}
 
 namespace {
 

@@ -13,6 +13,10 @@ namespace memtune::models {
 // (the loss is a sum, so d loss / d logits is known then), and only scaled in backward:
 // peak extra memory is one chunk of logits, and no logits are recomputed.
 // `correct` (optional) receives how many trained rows have their target as the argmax.
+// Rows of fp32 logits formed at a time by default: as many as fit 8 MiB, at least 128
+// (smaller GEMMs would re-read the head's weight for little gain) and at most 1024.
+int64_t loss_chunk_rows(int64_t vocab_size);
+
 at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& weight,
                                     const at::Tensor& targets, int64_t chunk_rows = 1024,
                                     int64_t* correct = nullptr);

@@ -21,9 +21,9 @@ using torch::autograd::variable_list;
 // then one GEMM at 1.2x-1.4x.
 constexpr int64_t kPanelBytes = int64_t{16} << 20;
 
+int64_t panel_rows(int64_t in, int64_t elem_bytes) { return std::max<int64_t>(1, kPanelBytes / (in * elem_bytes)); }
 int64_t panel_rows(const NF4Tensor& q, at::ScalarType dt) {
-  const int64_t in = q.shape[1];
-  return std::max<int64_t>(1, kPanelBytes / (in * static_cast<int64_t>(c10::elementSize(dt))));
+  return panel_rows(q.shape[1], static_cast<int64_t>(c10::elementSize(dt)));
 }
 
 bool use_panels(const NF4Tensor& q, Nf4MatmulPath path) {
@@ -32,6 +32,10 @@ bool use_panels(const NF4Tensor& q, Nf4MatmulPath path) {
 }
 
 }  // namespace
+
+int64_t nf4_panel_bytes(int64_t out, int64_t in, int64_t elem_bytes) {
+  return std::min(panel_rows(in, elem_bytes), out) * in * elem_bytes;
+}
 
 // y [M, out] = x [M, in] @ deq(W)^T
 at::Tensor nf4_matmul_wt(const at::Tensor& x, const NF4Tensor& q, at::ScalarType ct, Nf4MatmulPath path) {

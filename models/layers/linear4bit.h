@@ -26,6 +26,10 @@ enum class Nf4MatmulPath {
 at::Tensor nf4_matmul_wt(const at::Tensor& x, const NF4Tensor& q, at::ScalarType ct, Nf4MatmulPath path);
 at::Tensor nf4_matmul_w(const at::Tensor& g, const NF4Tensor& q, at::ScalarType ct, Nf4MatmulPath path);
 
+// Bytes of the dequantized panel the CPU products hold while they run, for a W [out, in]
+// in the compute dtype of `elem_bytes` (the memory model's transient, models/memory.h).
+int64_t nf4_panel_bytes(int64_t out, int64_t in, int64_t elem_bytes);
+
 // Keeps W's quantized state (its tensors share storage, nothing is copied) in an autograd
 // node's saved data for its backward, and gets it back there.
 void save_nf4(torch::autograd::AutogradContext* ctx, const NF4Tensor& q);

@@ -21,6 +21,12 @@ struct FrozenWeight {
   std::shared_ptr<const NF4Tensor> nf4;
 };
 
+// What an adapter of rank r on a projection of `in` features keeps for backward at `rows`
+// rows (models/memory.h): x A^T (fp32), and with dropout the dropped input and its mask.
+inline int64_t lora_kept(int64_t rows, int64_t in, int64_t r, double dropout) {
+  return r > 0 ? rows * r * 4 + (dropout > 0 ? 2 * rows * in * 4 : 0) : 0;
+}
+
 // x (..., in); adapter_input: what the adapter sees, x after LoRA dropout (undefined: x
 // itself, and grad_x sums both paths in one GEMM); bias [out] or undefined; A [r, in],
 // B [out, r]. Every tensor in one dtype and on one device. Gradients flow to x, the adapter

@@ -3,6 +3,8 @@
 // autograd keeps every intermediate (RMSNorm: x, x^2, the rsqrt, the normalised rows;
 // SwiGLU: gate, silu(gate), up) and walks one node per op; here the forward keeps only what
 // the backward cannot cheaply rebuild, and the backward is a few fused expressions.
+#include <cstdint>
+
 #include <ATen/core/Tensor.h>
 
 namespace memtune::models {
@@ -13,5 +15,17 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
 // silu(gate) * up, in their dtype. Keeps gate and up; silu(gate) is rebuilt in backward.
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
+
+// Their memory at `rows` rows (models/memory.h), elements of `elem_bytes`: what each keeps
+// for backward, and the transient of SwiGLU's backward (sigmoid(gate) rebuilt, both
+// gradients formed, in fp32). at::layer_norm (GPT-2) keeps x and fp32 mean and rstd per
+// row; at::gelu keeps its input.
+inline int64_t rms_norm_kept(int64_t rows, int64_t width, int64_t elem_bytes) { return rows * width * elem_bytes + rows * 4; }
+inline int64_t layer_norm_kept(int64_t rows, int64_t width, int64_t elem_bytes) {
+  return rows * width * elem_bytes + 2 * rows * 4;
+}
+inline int64_t swiglu_kept(int64_t rows, int64_t width, int64_t elem_bytes) { return 2 * rows * width * elem_bytes; }
+inline int64_t swiglu_backward_transient(int64_t rows, int64_t width) { return 3 * rows * width * 4; }
+inline int64_t gelu_backward_transient(int64_t rows, int64_t width) { return rows * width * 4; }
 
 }  // namespace memtune::models

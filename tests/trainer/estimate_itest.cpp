@@ -121,7 +121,7 @@ class EstimateVsModel : public ::testing::TestWithParam<Shape> {};
 TEST_P(EstimateVsModel, KeptActivationsAndPeakAgreeWithTheAllocator) {
   trainer::Config c = trainer::parse_config("runtime: {device: cpu}", "test", GetParam().overrides);
   const models::ModelSpec spec = trainer::model_spec(c);
-  const Estimate e = estimate_memory(trainer::estimate_input(c, spec));
+  const trainer::Estimate e = estimate_memory(trainer::estimate_input(c, spec));
   const Measured m = measure(c, spec);
   EXPECT_NEAR(rel(e.after_forward, m.kept_after_forward), 0.0, 0.10)
       << "kept after forward: estimated " << e.after_forward << ", measured " << m.kept_after_forward;

@@ -9,7 +9,7 @@
 #include "data/tokenizer.h"
 #include "models/causal_lm.h"
 #include "runtime/cpu_budget_allocator.h"
-#include "runtime/estimator.h"
+#include "trainer/estimator.h"
 #include "test_util.h"
 #include "trainer/config.h"
 #include "trainer/estimate.h"
@@ -44,13 +44,13 @@ TEST_P(EstimateSharding, PerRankOptimizerStateAgreesWithTheShardedOptimizers) {
   int64_t largest_state = 0;
   for (const auto& [name, p] : params) {
     numels.push_back(p.numel());
-    largest_state = std::max(largest_state, optimizer_state_bytes(oo.kind, false, p.numel()) + p.numel() * 4);
+    largest_state = std::max(largest_state, trainer::optimizer_state_bytes(oo.kind, false, p.numel()) + p.numel() * 4);
   }
   for (int w : {1, 2, 3}) {
-    EstimateInput in = trainer::estimate_input(c, trainer::model_spec(c));
+    trainer::EstimateInput in = trainer::estimate_input(c, trainer::model_spec(c));
     in.world_size = w;
     in.sharding = "optimizer";
-    const Estimate e = estimate_memory(in);
+    const trainer::Estimate e = estimate_memory(in);
     const std::vector<int> owner = trainer::partition_by_numel(numels, w);
     int64_t sum = 0;
     for (int r = 0; r < w; ++r) {

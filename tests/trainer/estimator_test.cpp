@@ -1,15 +1,19 @@
 // The memory estimator's counts against hand-computed sizes and nf4_quantize's real
 // storage, its monotonicity, and the consistency of max_micro_batch / max_seq_length with
-// the peak it predicts. (Agreement with measured peaks: tests/trainer/estimate_itest.cpp
-// and bench/estimator_accuracy.cpp.)
+// the peak it predicts. Every input comes from a config through trainer::estimate_input, on
+// the model structure the trainer builds. (Agreement with measured peaks:
+// tests/trainer/estimate_itest.cpp and bench/estimator_accuracy.cpp.)
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
 
-#include "runtime/estimator.h"
+#include "models/model_spec.h"
 #include "runtime/nf4.h"
+#include "trainer/config.h"
+#include "trainer/estimate.h"
+#include "trainer/optimizer.h"
 
-namespace memtune {
+namespace memtune::trainer {
 namespace {
 
 const EstimateComponent* find(const Estimate& e, const std::string& name) {
@@ -19,21 +23,28 @@ const EstimateComponent* find(const Estimate& e, const std::string& name) {
 }
 
 // llama: V 32, C 8, F 16, 2 layers, 2 heads of 4, 1 kv head, untied.
-EstimateInput small_llama() {
-  EstimateInput in;
-  in.family = "llama";
-  in.vocab_size = 32;
-  in.hidden_size = 8;
-  in.intermediate_size = 16;
-  in.num_layers = 2;
-  in.num_heads = 2;
-  in.num_kv_heads = 1;
-  in.head_dim = 4;
-  in.lora_r = 2;
-  in.lora_projections = {"q_proj", "v_proj"};
-  in.micro_batch = 1;
-  in.seq_length = 8;
-  return in;
+models::ModelSpec small_llama() {
+  models::ModelSpec s;
+  s.vocab_size = 32;
+  s.hidden_size = 8;
+  s.intermediate_size = 16;
+  s.num_layers = 2;
+  s.num_heads = 2;
+  s.num_kv_heads = 1;
+  s.head_dim = 4;
+  return s;
+}
+
+// The estimate's input for `spec` under a config with LoRA r=2 on q and v, micro-batch 1 of
+// 8 tokens, and `overrides`.
+EstimateInput input(const models::ModelSpec& spec, std::vector<std::string> overrides = {}) {
+  const Config c = parse_config(
+      "runtime: {device: cpu}\n"
+      "lora: {r: 2, target_modules: [q_proj, v_proj]}\n"
+      "training: {per_device_train_batch_size: 1, gradient_checkpointing: false}\n"
+      "data: {max_seq_length: 8}\n",
+      "test", overrides);
+  return estimate_input(c, spec);
 }
 
 TEST(Estimator, Nf4BytesByHand) {
@@ -58,7 +69,10 @@ TEST(Estimator, Nf4BytesEqualTheQuantizedTensors) {
 }
 
 TEST(Estimator, WeightsLoraGradientsAndOptimizerByHand) {
-  EstimateInput in = small_llama();
+  const std::vector<std::string> nf4 = {"model.quantization_config.load_in_4bit=true",
+                                        "model.quantization_config.blocksize=32",
+                                        "model.quantization_config.bnb_4bit_use_double_quant=false"};
+  EstimateInput in = input(small_llama());
   Estimate e = estimate_memory(in);
   // Dense: embed 32*8 + head 32*8 + norms (2 per layer + final) 5*8 = 552; projections per
   // layer q 64 + k 32 + v 32 + o 64 + gate 128 + up 128 + down 128 = 576, x2 layers.
@@ -73,26 +87,24 @@ TEST(Estimator, WeightsLoraGradientsAndOptimizerByHand) {
   ASSERT_NE(find(e, "weights: dense"), nullptr);
   EXPECT_EQ(find(e, "weights: dense")->bytes, e.weights_dense);
 
-  in.load_in_4bit = true;
-  in.blocksize = 32;
-  in.double_quant = false;
+  in = input(small_llama(), nf4);
   e = estimate_memory(in);
-  const int64_t nf4 = [] {
+  const int64_t nf4_bytes = [] {
     int64_t b = 0;
     for (int64_t n : {64, 32, 32, 64, 128, 128, 128}) b += n / 2 + (n + 31) / 32 * 4;
     return 2 * b;
   }();
-  EXPECT_EQ(e.weights_nf4, nf4);
+  EXPECT_EQ(e.weights_nf4, nf4_bytes);
   EXPECT_EQ(e.weights_dense, 552 * 4);
+  // What layer offload can move: the layers' NF4 projections and norms.
+  EXPECT_EQ(e.weights_layers, nf4_bytes + 4 * 8 * 4);
 
-  in.optimizer = "sgd";
-  EXPECT_EQ(estimate_memory(in).optimizer_states, 112 * 4);
+  std::vector<std::string> sgd = nf4;
+  sgd.push_back("training.optim=sgd");
+  EXPECT_EQ(estimate_memory(input(small_llama(), sgd)).optimizer_states, 112 * 4);
 
   // Full fine-tuning: every base tensor is trained (fp32), none NF4.
-  in.load_in_4bit = false;
-  in.finetune = "full";
-  in.optimizer = "adamw";
-  e = estimate_memory(in);
+  e = estimate_memory(input(small_llama(), {"training.finetune=full"}));
   EXPECT_EQ(e.trainable_parameters, 552 + 2 * 576);
   EXPECT_EQ(e.optimizer_states, 2 * 4 * (552 + 2 * 576));
   EXPECT_EQ(e.optimizer_workspace, 32 * 8 * 4);  // the embedding
@@ -111,69 +123,69 @@ TEST(Estimator, OptimizerStateBytesPerOption) {
   EXPECT_EQ(optimizer_state_bytes("adamw_32bit", true, 1 << 20), 0);
 
   // Full fine-tune of the small llama with hidden 8: every tensor is under 4096, all fp32.
-  EstimateInput in = small_llama();
-  in.finetune = "full";
-  in.optimizer = "adamw_8bit";
-  Estimate e = estimate_memory(in);
+  Estimate e = estimate_memory(input(small_llama(), {"training.finetune=full", "training.optim=adamw_8bit"}));
   EXPECT_EQ(e.optimizer_states, 2 * 4 * (552 + 2 * 576));
   EXPECT_EQ(e.optimizer_workspace, 0);
   // Wider: hidden 64, vocab 128 -> embed and head 8192 elements each (8-bit), norms 64 (fp32).
-  in.hidden_size = 64;
-  in.vocab_size = 128;
-  in.num_heads = 4;
-  in.num_kv_heads = 4;
-  in.head_dim = 16;
-  in.intermediate_size = 64;
-  e = estimate_memory(in);
+  models::ModelSpec wide = small_llama();
+  wide.hidden_size = 64;
+  wide.vocab_size = 128;
+  wide.num_heads = 4;
+  wide.num_kv_heads = 4;
+  wide.head_dim = 16;
+  wide.intermediate_size = 64;
+  e = estimate_memory(input(wide, {"training.finetune=full", "training.optim=adamw_8bit"}));
   const int64_t big = 2 * 8192 + 2 * 32 * 4;  // embed, head
   const int64_t proj = 2 * 4096 + 2 * 16 * 4;  // each 64 x 64 projection: 4096 elements
   EXPECT_EQ(e.optimizer_states, 2 * big + 2 * 4 * 64 * 5 + 2 * 7 * proj);
-  in.optimizer_paged = true;
-  e = estimate_memory(in);
+  e = estimate_memory(input(wide, {"training.finetune=full", "training.optim=paged_adamw_8bit"}));
   EXPECT_EQ(e.optimizer_states, 0);
 }
 
 // Llama's attention_bias (q, k, v, o) and mlp_bias (gate, up, down) add their vectors.
 TEST(Estimator, LlamaBiasesByHand) {
-  EstimateInput in = small_llama();
-  const int64_t without = estimate_memory(in).weights_dense;
-  in.qkv_bias = in.o_bias = true;
-  in.mlp_bias = true;
+  models::ModelSpec s = small_llama();
+  const int64_t without = estimate_memory(input(s)).weights_dense;
+  s.attention_bias = true;
+  s.mlp_bias = true;
   // Per layer: q 8 + k 4 + v 4 + o 8 + gate 16 + up 16 + down 8 = 64, x2 layers.
-  EXPECT_EQ(estimate_memory(in).weights_dense - without, 2 * 64 * 4);
+  EXPECT_EQ(estimate_memory(input(s)).weights_dense - without, 2 * 64 * 4);
+  // Qwen2's biases are on q, k and v only.
+  s.model_type = "qwen2";
+  s.architecture = "Qwen2ForCausalLM";
+  s.mlp_bias = false;
+  EXPECT_EQ(estimate_memory(input(s)).weights_dense - without, 2 * 16 * 4);
 }
 
 TEST(Estimator, Gpt2WeightsByHand) {
-  EstimateInput in;
-  in.family = "gpt2";
-  in.vocab_size = 50;
-  in.hidden_size = 8;
-  in.intermediate_size = 32;
-  in.num_layers = 1;
-  in.num_heads = 2;
-  in.num_kv_heads = 2;
-  in.head_dim = 4;
-  in.max_position_embeddings = 16;
-  in.tie_word_embeddings = true;
-  in.lora_projections = {"c_attn"};
-  in.lora_r = 4;
-  const Estimate e = estimate_memory(in);
+  models::ModelSpec s;
+  s.architecture = "GPT2LMHeadModel";
+  s.model_type = "gpt2";
+  s.vocab_size = 50;
+  s.hidden_size = 8;
+  s.intermediate_size = 32;
+  s.num_layers = 1;
+  s.num_heads = 2;
+  s.num_kv_heads = 2;
+  s.head_dim = 4;
+  s.max_position_embeddings = 16;
+  s.tie_word_embeddings = true;
+  const Estimate e = estimate_memory(input(s, {"lora.r=4", "lora.target_modules=[c_attn]"}));
   // wte 400 + wpe 128 + ln 4*8 + ln_f 16 + biases 24+8+32+8 + c_attn 192 + c_proj 64 + fc 256 + proj 256.
   EXPECT_EQ(e.weights_dense, (400 + 128 + 32 + 16 + 72 + 192 + 64 + 256 + 256) * 4);
   EXPECT_EQ(e.trainable_parameters, 4 * (8 + 24));
 }
 
 TEST(Estimator, MoreCheckpointingLowersThePeak) {
-  EstimateInput in = small_llama();
-  in.num_layers = 6;
-  in.hidden_size = 64;
-  in.intermediate_size = 172;
-  in.num_heads = 4;
-  in.num_kv_heads = 2;
-  in.head_dim = 16;
-  in.seq_length = 256;
-  in.micro_batch = 2;
-  in.lora_projections = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+  models::ModelSpec s = small_llama();
+  s.num_layers = 6;
+  s.hidden_size = 64;
+  s.intermediate_size = 172;
+  s.num_heads = 4;
+  s.num_kv_heads = 2;
+  s.head_dim = 16;
+  EstimateInput in = input(s, {"data.max_seq_length=256", "training.per_device_train_batch_size=2",
+                               "lora.target_modules=all-linear"});
   std::vector<int64_t> peak;
   for (int checkpointed = 0; checkpointed <= 6; ++checkpointed) {
     in.checkpoint_layers.assign(6, false);
@@ -194,7 +206,7 @@ TEST(Estimator, MoreCheckpointingLowersThePeak) {
 }
 
 TEST(Estimator, LargerShapesRaiseThePeak) {
-  EstimateInput in = small_llama();
+  EstimateInput in = input(small_llama());
   int64_t previous = 0;
   for (int64_t b : {1, 2, 3, 4, 8, 16}) {
     in.micro_batch = b;
@@ -213,8 +225,7 @@ TEST(Estimator, LargerShapesRaiseThePeak) {
 }
 
 TEST(Estimator, MaxMicroBatchIsTheLargestThatFits) {
-  EstimateInput in = small_llama();
-  in.seq_length = 128;
+  EstimateInput in = input(small_llama(), {"data.max_seq_length=128"});
   for (int64_t budget : {int64_t{200} << 10, int64_t{1} << 20, int64_t{5} << 20, int64_t{50} << 20}) {
     const int64_t b = max_micro_batch(in, budget);
     EstimateInput x = in;
@@ -234,10 +245,9 @@ TEST(Estimator, MaxMicroBatchIsTheLargestThatFits) {
 }
 
 TEST(Estimator, MaxSeqLengthIsTheLargestThatFits) {
-  EstimateInput in = small_llama();
-  in.micro_batch = 2;
-  in.max_position_embeddings = 4096;
-  in.seq_length = 64;
+  models::ModelSpec s = small_llama();
+  s.max_position_embeddings = 4096;
+  EstimateInput in = input(s, {"training.per_device_train_batch_size=2", "data.max_seq_length=64"});
   const int64_t budget = estimate_peak(in) * 3;
   const int64_t t = max_seq_length(in, budget);
   ASSERT_GT(t, 64);
@@ -252,4 +262,4 @@ TEST(Estimator, MaxSeqLengthIsTheLargestThatFits) {
 }
 
 }  // namespace
-}  // namespace memtune
+}  // namespace memtune::trainer

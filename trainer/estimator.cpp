@@ -1,0 +1,364 @@
+#include "trainer/estimator.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <unordered_map>
+
+#include "models/causal_lm.h"
+#include "models/layers/cross_entropy.h"
+#include "runtime/error.h"
+#include "runtime/nf4.h"
+#include "runtime/units.h"
+#include "trainer/optimizer.h"
+
+namespace memtune::trainer {
+
+namespace {
+
+using models::TensorRole;
+using models::TensorSlot;
+
+constexpr int64_t kF32 = 4;
+constexpr int64_t kI64 = 8;
+
+int64_t numel(const TensorSlot& t) {
+  int64_t n = 1;
+  for (int64_t d : t.shape) n *= d;
+  return n;
+}
+
+class Planner {
+ public:
+  explicit Planner(const EstimateInput& in) : m_(in) {
+    MEMTUNE_INTERNAL_ASSERT(m_.model != nullptr, "estimate: no model structure");
+    const models::CausalLM& model = *m_.model;
+    MEMTUNE_CHECK(m_.micro_batch > 0 && m_.seq_length > 0, "estimate: micro-batch ", m_.micro_batch,
+                  " and sequence length ", m_.seq_length, " must be positive");
+    MEMTUNE_CHECK(m_.world_size >= 1, "estimate: world size ", m_.world_size, " must be at least 1");
+    MEMTUNE_CHECK(m_.sharding == "none" || m_.sharding == "optimizer" || m_.sharding == "gradients" ||
+                      m_.sharding == "full",
+                  "estimate: sharding '", m_.sharding, "' (none, optimizer, gradients or full)");
+    full_ = m_.finetune == "full";
+    L_ = static_cast<int>(model.num_layers());
+    const int64_t T = (m_.seq_length + 7) / 8 * 8;  // data::collate pads to a multiple of 8
+    shape_ = {m_.micro_batch, T, full_ ? kF32 : m_.dense_bytes, m_.compute_bytes, m_.fused_cpu_attention, m_.threads};
+    E_ = shape_.rows();
+    act_ = shape_.act_bytes;  // the residual stream's dtype: the embedding's
+
+    // How each projection is trained, and which tensors are trained whole.
+    const std::vector<models::Linear*> linears = model.linears();
+    MEMTUNE_INTERNAL_ASSERT(m_.adapted.empty() || m_.adapted.size() == linears.size(), "estimate: ", m_.adapted.size(),
+                            " adapter flags for ", linears.size(), " projections");
+    for (size_t k = 0; k < linears.size(); ++k) {
+      models::LinearTraining t;
+      t.full = full_;
+      if (!full_ && k < m_.adapted.size() && m_.adapted[k]) {
+        t.lora_r = m_.lora_r;
+        t.lora_dropout = m_.lora_dropout;
+      }
+      t.nf4 = m_.load_in_4bit && !full_;
+      training_[linears[k]] = t;
+    }
+    const auto& slots = model.tensors();
+    layer_trains_.assign(static_cast<size_t>(L_), false);
+    for (size_t k = 0; k < slots.size(); ++k) {
+      const TensorSlot& t = slots[k];
+      const bool whole = full_ || (k < m_.trained.size() && m_.trained[k]);
+      const bool adapted = t.role == TensorRole::kLinearWeight && training_.at(t.linear).lora_r > 0;
+      if (t.layer >= 0 && (whole || adapted)) layer_trains_[t.layer] = true;
+      if (!whole) continue;
+      trained_.push_back(&t);
+      embedding_trained_ |= t.role == TensorRole::kEmbedding || t.role == TensorRole::kPositionEmbedding;
+      head_trained_ |= t.role == TensorRole::kHead || (t.role == TensorRole::kEmbedding && tied());
+      final_norm_trained_ |= t.role == TensorRole::kNorm && t.layer < 0;
+    }
+    layers_.reserve(static_cast<size_t>(L_));
+    for (int i = 0; i < L_; ++i) {
+      models::LayerPlan plan;
+      plan.input_grad = input_grad(i);
+      plan.training = [this](const models::Linear& l) { return training_.at(&l); };
+      layers_.push_back(model.layer_memory(i, shape_, plan));
+    }
+  }
+
+  bool tied() const { return m_.model->spec().tie_word_embeddings; }
+  bool checkpointed(int layer) const {
+    return shard_layers() ||
+           (layer < static_cast<int>(m_.checkpoint_layers.size()) && m_.checkpoint_layers[layer]);
+  }
+  // distributed.sharding: full over several ranks (trainer/layer_shards.h): each rank keeps
+  // 1/W of every layer's frozen weights, gathers a layer around its forward, checkpoints all.
+  bool shard_layers() const { return m_.world_size > 1 && m_.sharding == "full" && !full_; }
+  // The layer's input requires grad: something below it (or the embedding) is trained.
+  bool input_grad(int layer) const {
+    if (embedding_trained_) return true;
+    for (int j = 0; j < layer; ++j)
+      if (layer_trains_[j]) return true;
+    return false;
+  }
+  // What a checkpointed layer keeps: its input, when a gradient is wanted through it and it
+  // is not in host memory.
+  int64_t checkpoint_input(int i) const {
+    return (input_grad(i) || layer_trains_[i]) ? E_ * m_.model->spec().hidden_size * act_ : 0;
+  }
+
+  Estimate run() const {
+    Estimate e;
+    const models::CausalLM& model = *m_.model;
+    const int64_t C = model.spec().hidden_size, V = model.spec().vocab_size, E = E_;
+    const int64_t wb = full_ ? kF32 : m_.dense_bytes;
+    const bool nf4 = m_.load_in_4bit && !full_;
+
+    // Weights, tensor by tensor.
+    int64_t layers_nf4 = 0, layers_dense = 0, largest = 0;
+    for (const TensorSlot& t : model.tensors()) {
+      const int64_t n = numel(t);
+      largest = std::max(largest, n);
+      const int64_t bytes = nf4 && t.role == TensorRole::kLinearWeight ? nf4_storage_bytes(n, m_.blocksize, m_.double_quant) : n * wb;
+      (nf4 && t.role == TensorRole::kLinearWeight ? e.weights_nf4 : e.weights_dense) += bytes;
+      if (t.layer >= 0) (nf4 && t.role == TensorRole::kLinearWeight ? layers_nf4 : layers_dense) += bytes;
+    }
+    e.weights_layers = layers_nf4 + layers_dense;
+    // Sharded layers: this rank's 1/W (the whole-tensor partition is within a tensor of it),
+    // and one whole layer while it is gathered (forward, and its rerun in backward).
+    int64_t gathered = 0;
+    if (shard_layers()) {
+      const int64_t W = m_.world_size;
+      e.layers_sharded_from = e.weights_layers;
+      e.weights_nf4 = (layers_nf4 + W - 1) / W + (e.weights_nf4 - layers_nf4);
+      e.weights_dense = (layers_dense + W - 1) / W + (e.weights_dense - layers_dense);
+      gathered = (e.weights_layers + L_ - 1) / L_;
+      e.gathered_layer = gathered;
+    }
+
+    // Trainable tensors, their gradients and the optimizer's states, tensor by tensor (8-bit
+    // states depend on each tensor's size).
+    int64_t trainable = 0, largest_trainable = 0;
+    std::vector<int64_t> layer_trainable(static_cast<size_t>(L_), 0);
+    int64_t outside_trainable = 0;  // trained outside the layers, but the embeddings: final norm, head
+    auto train = [&](int64_t n, int layer, bool embedding) {
+      trainable += n;
+      largest_trainable = std::max(largest_trainable, n);
+      e.optimizer_states += optimizer_state_bytes(m_.optimizer, m_.optimizer_paged, n);
+      if (layer >= 0) layer_trainable[layer] += n;
+      else if (!embedding) outside_trainable += n;
+    };
+    for (const TensorSlot& s : model.tensors()) {
+      if (s.role != TensorRole::kLinearWeight) continue;
+      const models::LinearTraining& t = training_.at(s.linear);
+      if (t.lora_r == 0) continue;
+      train(t.lora_r * s.linear->in_features(), s.layer, false);
+      train(t.lora_r * s.linear->out_features(), s.layer, false);
+    }
+    e.lora_parameters = trainable * kF32;
+    for (const TensorSlot* t : trained_)
+      train(numel(*t), t->layer, t->role == TensorRole::kEmbedding || t->role == TensorRole::kPositionEmbedding);
+    e.trainable_parameters = trainable;
+    e.gradients = trainable * kF32;
+    // Only torch's AdamW off the fused CPU kernel keeps a workspace (trainer/optimizer.cpp).
+    e.optimizer_workspace = m_.optimizer == "adamw" ? largest_trainable * kF32 : 0;
+    // Sharding (trainer/sharding.h): the ideal 1/W share; its whole-tensor partition is within
+    // one tensor of it.
+    const int64_t W = m_.world_size;
+    const bool shard_states = W > 1 && m_.sharding != "none",
+               shard_grads = W > 1 && (m_.sharding == "gradients" || m_.sharding == "full");
+    const int64_t states_whole = e.optimizer_states;
+    if (shard_states) {
+      e.optimizer_states = (e.optimizer_states + W - 1) / W;
+      e.sharding_buffer = std::min((e.gradients + W - 1) / W, m_.bucket_bytes) / kF32 * kF32;
+    }
+    e.gradients_after_reduce = shard_grads ? (e.gradients + W - 1) / W : e.gradients;
+    const int64_t persistent = e.weights_nf4 + e.weights_dense + e.lora_parameters + e.optimizer_states +
+                               e.optimizer_workspace + e.sharding_buffer;
+
+    // Activations kept for backward.
+    const models::StackMemory stack = model.stack_memory(shape_);
+    const int64_t batch = 4 * E * kI64;  // input_ids, targets, positions, segments
+    int64_t kept = 0;
+    for (int i = 0; i < L_; ++i) {
+      const int64_t s = checkpointed(i) ? (m_.offload_activations ? 0 : checkpoint_input(i)) : layers_[i].kept;
+      e.activations_per_layer.push_back(s);
+      kept += s;
+      e.layers_stated = e.layers_stated && layers_[i].stated;
+    }
+    // The final norm keeps the last layer's output and its statistics when a gradient is wanted through it.
+    const bool g_last = final_norm_trained_ || input_grad(L_);
+    const int64_t final_norm = g_last ? stack.final_norm : 0;
+    e.activations = kept + final_norm + batch + stack.context;
+
+    // Loss (models/layers/cross_entropy.cpp): gradients are formed in the forward. Alive at
+    // once: the normed hidden (E,C), its trained rows, their fp32 gradient, a chunk of fp32
+    // logits (softmaxed in place) and a chunk of gathered head rows; at the end the full (E,C)
+    // gradient, kept for backward (and dW (V,C) fp32 when the head is trained).
+    const int64_t chunk = std::min(E, m_.loss_chunk_rows > 0 ? m_.loss_chunk_rows : models::loss_chunk_rows(V));
+    const int64_t hidden = E * C * act_;
+    const int64_t dh = E * C * kF32;
+    const int64_t head_grad = head_trained_ ? V * C * kF32 : 0;
+    const int64_t loss_chunk = hidden + hidden + dh + chunk * V * kF32 + chunk * C * kF32 + head_grad;
+    const int64_t loss_end = hidden + hidden + 2 * dh + head_grad;
+    e.loss = std::max(loss_chunk, loss_end);
+    e.after_forward = e.activations + dh + head_grad;
+
+    // Forward: each layer on top of what the layers below keep, then the loss.
+    int64_t below = batch + stack.context, fwd = 0;
+    for (int i = 0; i < L_; ++i) {
+      const int64_t input = input_grad(i) ? 0 : E * C * act_;  // the embedding's output, not kept
+      fwd = std::max(fwd, below + (checkpointed(i) ? layers_[i].forward_no_grad : layers_[i].forward + input));
+      below += e.activations_per_layer[i];
+    }
+    fwd = std::max(fwd, e.activations + e.loss);
+    e.forward_peak = persistent + fwd + gathered;  // gradients were dropped before the step (zero_grad)
+
+    // Backward: the loss node (its saved gradients and their product with the loss's
+    // gradient), then from the top layer down: a checkpointed layer is first rebuilt with
+    // autograd, then its backward runs with the layers below kept and the gradient flowing
+    // in. Gradients appear as their layer finishes: at layer i those of the final norm and
+    // head and of layers >= i. The embedding's gradient comes last.
+    int64_t bwd = e.activations + 2 * (dh + head_grad);
+    int64_t recompute = 0, workspace = 0;
+    int64_t grads = outside_trainable * kF32 + (tied() ? head_grad : 0);  // the final norm's and the head's
+    below = batch + stack.context + kept;
+    const int64_t grad_in = E * C * kF32;
+    for (int i = L_ - 1; i >= 0; --i) {
+      below -= e.activations_per_layer[i];
+      const models::LayerMemory& l = layers_[i];
+      int64_t worst = l.backward;
+      if (checkpointed(i)) {
+        // Offloaded, the input comes back to the device for the recomputation.
+        const int64_t fetched = m_.offload_activations ? checkpoint_input(i) : 0;
+        recompute = std::max(recompute, l.kept + fetched);
+        worst = std::max(worst + fetched, l.forward + fetched + (input_grad(i) ? 0 : E * C * act_));
+      }
+      workspace = std::max(workspace, l.workspace);
+      bwd = std::max(bwd, grads + below + grad_in + worst);
+      grads += layer_trainable[i] * kF32;
+    }
+    // The embedding's backward: a dense (V,C) gradient, added in place when tied to a head
+    // that already has one.
+    if (embedding_trained_)
+      bwd = std::max(bwd, e.gradients + batch + grad_in + (tied() && head_trained_ ? V * C * kF32 : 0));
+    e.recompute = recompute;
+    e.workspace = workspace;
+    e.backward_peak = persistent + bwd + gathered;
+
+    // Optimizer: off the CPU the gradient norm converts the largest gradient to fp64 and
+    // squares it (trainer/optimizer.cpp grad_square_sum); on the CPU it sums in place.
+    e.optimizer_peak = persistent + e.gradients_after_reduce + (m_.cpu_update ? 0 : 2 * largest_trainable * 8);
+    e.peak_bytes = std::max({e.forward_peak, e.backward_peak, e.optimizer_peak});
+
+    auto add = [&](std::string name, int64_t bytes, std::string note) {
+      e.components.push_back({std::move(name), bytes, std::move(note)});
+    };
+    if (e.weights_nf4)
+      add("weights: NF4", e.weights_nf4,
+          str_cat("projections, blocksize ", m_.blocksize, m_.double_quant ? ", double quant" : ""));
+    add("weights: dense", e.weights_dense, str_cat(wb, " bytes per element"));
+    if (gathered)
+      add("weights: gathered layer", gathered,
+          str_cat("one whole layer while it runs, in forward and in backward; the layers' weights above are 1/",
+                  m_.world_size, " of ", format_bytes(e.layers_sharded_from), " (distributed.sharding: full)"));
+    if (e.lora_parameters) add("LoRA parameters", e.lora_parameters, str_cat("r=", m_.lora_r, ", fp32"));
+    add("gradients", e.gradients, str_cat(trainable, " trainable parameters, fp32"));
+    std::string states_how = m_.optimizer == "sgd"           ? "sgd: momentum buffer"
+                      : m_.optimizer == "adamw_8bit"  ? "adamw 8-bit: uint8 codes + absmax per 256 (fp32 under 4096 elements)"
+                      : m_.optimizer == "adamw_32bit" ? "adamw (bitsandbytes 32-bit): exp_avg, exp_avg_sq"
+                                                      : "adamw: exp_avg, exp_avg_sq";
+    if (m_.optimizer_paged) states_how = "paged: in host memory, none on the device";
+    if (trainable > 0) {
+      char per[64];
+      std::snprintf(per, sizeof per, " (%.3f B per trainable parameter)",
+                    static_cast<double>(e.optimizer_states) / static_cast<double>(trainable));
+      states_how += per;
+    }
+    if (shard_states)
+      states_how = str_cat("per rank, 1/", W, " of ", format_bytes(states_whole), " (distributed.sharding: ",
+                           m_.sharding, "); ", states_how);
+    add("optimizer states", e.optimizer_states, states_how);
+    if (shard_grads)
+      add("gradients after reduction", e.gradients_after_reduce,
+          str_cat("per rank in the update, 1/", W, " (distributed.sharding: ", m_.sharding, ")"));
+    if (e.sharding_buffer) add("sharding buffer", e.sharding_buffer, "one bucket of the sharded collectives");
+    if (e.optimizer_workspace) add("optimizer workspace", e.optimizer_workspace, "the largest trainable tensor, fp32");
+    // Runs of layers that keep the same bytes the same way are one line.
+    const std::string bound =
+        e.layers_stated ? "" : str_cat(" (a bound: ", model.spec().architecture, " states no layer accounting)");
+    for (int i = 0; i < L_;) {
+      int j = i;
+      while (j + 1 < L_ && e.activations_per_layer[j + 1] == e.activations_per_layer[i] &&
+             checkpointed(j + 1) == checkpointed(i))
+        ++j;
+      const std::string how = (!checkpointed(i)            ? "kept for backward"
+                               : m_.offload_activations ? "checkpointed, its input in host memory"
+                                                        : "checkpointed: its input") + bound;
+      if (j == i)
+        add(str_cat("activations: layer ", i), e.activations_per_layer[i], how);
+      else
+        add(str_cat("activations: layers ", i, "-", j), e.activations_per_layer[i] * (j - i + 1),
+            str_cat(format_bytes(e.activations_per_layer[i]), " each, ", how));
+      i = j + 1;
+    }
+    add("activations: outside the layers", final_norm + stack.context + batch,
+        "the final norm, the layer context (rotary tables), the batch");
+    add("logits and loss", e.loss, str_cat("chunks of ", chunk, " rows x ", V, " fp32 logits"));
+    add("recompute (checkpointed layer)", e.recompute, "one layer rebuilt in backward");
+    add("workspace (layer backward)", e.workspace, "temporaries of one layer's backward");
+    return e;
+  }
+
+ private:
+  const EstimateInput& m_;
+  bool full_ = false;
+  int L_ = 0;
+  models::StepShape shape_;
+  int64_t E_ = 0, act_ = 4;
+  std::unordered_map<const models::Linear*, models::LinearTraining> training_;
+  std::vector<const TensorSlot*> trained_;  // tensors trained whole
+  std::vector<bool> layer_trains_;          // per layer: something in it is trained
+  bool embedding_trained_ = false;          // the token or position embedding
+  bool head_trained_ = false;
+  bool final_norm_trained_ = false;
+  std::vector<models::LayerMemory> layers_;
+};
+
+}  // namespace
+
+Estimate estimate_memory(const EstimateInput& in) { return Planner(in).run(); }
+
+int64_t max_micro_batch(const EstimateInput& in, int64_t budget, int64_t limit) {
+  EstimateInput x = in;
+  auto fits = [&](int64_t b) {
+    x.micro_batch = b;
+    return estimate_peak(x) <= budget;
+  };
+  if (!fits(1)) return 0;
+  int64_t lo = 1, hi = 2;
+  while (hi <= limit && fits(hi)) {
+    lo = hi;
+    hi *= 2;
+  }
+  hi = std::min(hi, limit + 1);
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    (fits(mid) ? lo : hi) = mid;
+  }
+  return lo;
+}
+
+int64_t max_seq_length(const EstimateInput& in, int64_t budget) {
+  EstimateInput x = in;
+  auto fits = [&](int64_t t) {
+    x.seq_length = t;
+    return estimate_peak(x) <= budget;
+  };
+  const int64_t top = std::max<int64_t>(8, in.model->spec().max_position_embeddings / 8 * 8);
+  if (!fits(8)) return 0;
+  int64_t lo = 1, hi = top / 8 + 1;  // in units of 8 tokens; lo fits, hi does not
+  if (fits(top)) return top;
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    (fits(mid * 8) ? lo : hi) = mid;
+  }
+  return lo * 8;
+}
+
+}  // namespace memtune::trainer
