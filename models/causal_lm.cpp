@@ -253,9 +253,9 @@ LayerMemory CausalLM::layer_memory(int index, const StepShape& s, const LayerPla
   const AttentionMemory at = attention_memory(s.batch, spec_.num_heads, spec_.num_kv_heads, s.tokens, spec_.head_dim, a,
                                               s.fused_cpu_attention, s.threads);
   m.kept += at.kept + 2 * layer_norm_kept(E, C, a);
-  m.forward = m.kept + at.forward_transient + E * widest * a + panel;
+  m.forward = m.kept + at.forward_transient + 2 * E * widest * a + panel;
   m.forward_no_grad = m.forward;
-  m.workspace = std::max(at.backward_transient, 3 * E * widest * 4) + panel;
+  m.workspace = std::max(at.backward_transient, 4 * E * widest * 4) + panel;
   m.backward = m.kept + m.workspace;
   return m;
 }

@@ -5,12 +5,16 @@
 // attention, RMSNorm, the checkpointed forward of CausalLM) and registers itself by name, so config.json
 // files with "architectures": ["ParallelBlockForCausalLM"] load with it, and
 // `memtune-custom init-model --arch ParallelBlockForCausalLM` makes one.
+#include <algorithm>
 #include <cmath>
+#include <tuple>
 
 #include <ATen/ATen.h>
 
 #include "data/batch.h"
 #include "models/layers/attention.h"
+#include "models/layers/linear4bit.h"
+#include "models/layers/lora_linear.h"
 #include "models/layers/norm_act.h"
 #include "models/registry.h"
 
@@ -65,6 +69,47 @@ class ParallelBlockModel : public CausalLM {
 
   at::Tensor final_norm(const at::Tensor& x) override { return rms_norm(x, norm_, spec_.norm_eps); }
   const at::Tensor& head_weight() const override { return head_; }
+
+  // What layer() keeps and holds, op by op, from the building blocks' own accounting
+  // (models/memory.h): `memtune estimate`, the auto micro-batch, the pre-load check and the
+  // supervisor's ladder all plan with it. Left out, CausalLM's default bound is used.
+  LayerMemory layer_memory(int i, const StepShape& s, const LayerPlan& plan) const override {
+    const Layer& L = layers_[i];
+    const int64_t E = s.rows(), C = spec_.hidden_size, F = spec_.intermediate_size, H = spec_.num_heads * spec_.head_dim;
+    const int64_t a = s.act_bytes;
+    const LinearTraining tqkv = plan.training(*L.qkv), to = plan.training(*L.o), tu = plan.training(*L.up),
+                         td = plan.training(*L.down);
+    // `attn`: what lives until the attention's backward, the last of the layer's to run;
+    // `rest`: the output projection's and the MLP's, freed before it.
+    int64_t attn = 0, rest = 0, r = 0, panel = 0;
+    for (auto [l, t, part] : {std::tuple{L.qkv, tqkv, &attn}, {L.o, to, &rest}, {L.up, tu, &rest}, {L.down, td, &rest}}) {
+      *part += lora_kept(E, l->in_features(), t.lora_r, t.lora_dropout);
+      r = std::max(r, t.lora_r);
+      if (t.nf4) panel = std::max(panel, nf4_panel_bytes(l->out_features(), l->in_features(), s.compute_bytes));
+    }
+    if (plan.input_grad) attn += rms_norm_kept(E, C, a);
+    if (tqkv.keeps_input() || tu.keeps_input()) attn += E * C * a;  // h, shared by qkv and up
+    const AttentionMemory at = attention_memory(s.batch, spec_.num_heads, spec_.num_heads, s.tokens, spec_.head_dim,
+                                                a, s.fused_cpu_attention, s.threads);
+    if (plan.input_grad || tqkv.keeps_input()) attn += at.kept;
+    if (to.keeps_input()) rest += E * H * a;                   // the merged heads
+    if (plan.input_grad || tu.keeps_input()) rest += E * F * a;  // GELU's input
+    if (td.keeps_input()) rest += E * F * a;                   // GELU's output
+    const int64_t qkv = E * 3 * H * a;  // the projection q, k and v are views of (the fused kernel keeps them)
+    LayerMemory m;
+    m.kept = attn + rest;
+    m.forward = std::max(attn + (s.fused_cpu_attention ? 0 : qkv) + at.forward_transient,
+                         m.kept + (s.fused_cpu_attention ? 0 : qkv) + E * r * 4 + panel);
+    m.forward_no_grad = E * C * a + qkv + std::max(at.no_grad_own + at.forward_transient, E * H * a + 2 * E * F * a + panel);
+    const int64_t at_mlp = gelu_backward_transient(E, F) + E * C * 4 + panel;
+    m.backward = std::max(m.kept + at_mlp, attn + at.backward_transient);
+    m.workspace = std::max(at_mlp, at.backward_transient);
+    return m;
+  }
+
+  StackMemory stack_memory(const StepShape& s) const override {
+    return {0, rms_norm_kept(s.rows(), spec_.hidden_size, s.act_bytes)};  // no rotary tables; the final RMSNorm
+  }
 
  private:
   struct Layer {

@@ -112,7 +112,7 @@ class Gpt2Model : public CausalLM {
     LayerMemory m;
     m.kept = attn + mlp;
     m.forward = std::max(attn + (s.fused_cpu_attention ? 0 : qkv) + at.forward_transient,
-                         m.kept + qkv + E * r * 4 + panel);
+                         m.kept + (s.fused_cpu_attention ? 0 : qkv) + E * r * 4 + panel);
     m.forward_no_grad = std::max(E * C * a + qkv + at.no_grad_own + at.forward_transient,
                                  3 * E * C * a + qkv + E * C * a + 5 * E * F * a + panel);
     const int64_t at_mlp = gelu_backward_transient(E, F) + E * C * 4 + panel;

@@ -191,10 +191,11 @@ class LlamaModel : public CausalLM {
     const int64_t qkv = E * (q + 2 * kv) * a;  // q, k (after rotary), v: the layer's locals
     LayerMemory m;
     m.kept = attn + mlp;
-    // The fused kernel reads q, k, v in place; up's output beside its adapter's x A^T (the
-    // fused LoRA node adds the adapter inside the base's GEMM, no full-size delta).
+    // The fused kernel keeps the locals q, k, v themselves (the blocked one contiguous
+    // copies); up's output beside its adapter's x A^T (the fused LoRA node adds the adapter
+    // inside the base's GEMM, no full-size delta).
     m.forward = std::max(attn + (s.fused_cpu_attention ? 0 : qkv) + at.forward_transient,
-                         m.kept + qkv + E * r * 4 + panel);
+                         m.kept + (s.fused_cpu_attention ? 0 : qkv) + E * r * 4 + panel);
     // Unrecorded: x, h, the locals, the merged heads, y, and the MLP's gate, up's parts,
     // silu and the product.
     m.forward_no_grad = std::max(E * C * a + qkv + at.no_grad_own + at.forward_transient,

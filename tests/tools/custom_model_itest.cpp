@@ -39,5 +39,40 @@ TEST(CustomModel, RegisteredArchitectureInitialisesAndTrains) {
   EXPECT_NE(plain.output.find("examples/custom_model"), std::string::npos) << plain.output;
 }
 
+// The architecture states its layers' memory beside its forward (CausalLM::layer_memory),
+// and the estimate of the real binary agrees with the peak its own training run measures.
+TEST(CustomModel, TheEstimateOfARegisteredArchitectureAgreesWithItsTrainingPeak) {
+  ASSERT_TRUE(fs::exists(custom_bin())) << custom_bin();
+  fs::path d = temp_dir();
+  auto init = run(custom_bin() + " init-model --arch ParallelBlockForCausalLM --preset tiny-llama --tokenizer " +
+                  (source_dir() / "examples/tiny-tokenizer").string() + " --out " + (d / "model").string());
+  ASSERT_EQ(init.exit_code, 0) << init.output;
+  for (const std::string shape : {"training.per_device_train_batch_size=2 data.max_seq_length=128",
+                                  "training.per_device_train_batch_size=4 data.max_seq_length=256"}) {
+    const std::string args = " " + (source_dir() / "configs/quickstart.yaml").string() +
+                             " runtime.device=cpu model.name_or_path=" + (d / "model").string() +
+                             " model.tokenizer=" + (d / "model").string() +
+                             " training.max_steps=2 training.logging_steps=1 training.eval_accuracy_rows=0 "
+                             "training.eval_steps=0 training.gradient_accumulation_steps=1 data.train_file=" +
+                             (source_dir() / "examples/data/tasks_train.jsonl").string() + " data.eval_file=" +
+                             (source_dir() / "examples/data/tasks_eval.jsonl").string() + " data.cache_dir=" +
+                             (d / "cache").string() + " " + shape;
+    auto est = run(custom_bin() + " estimate" + args + " --json");
+    ASSERT_EQ(est.exit_code, 0) << est.output;
+    const auto j = nlohmann::json::parse(est.output.substr(est.output.find('{')));
+    EXPECT_EQ(est.output.find("states no layer accounting"), std::string::npos) << est.output;
+    fs::remove_all(d / "run");
+    auto train = run(custom_bin() + " train" + args + " training.output_dir=" + (d / "run").string());
+    ASSERT_EQ(train.exit_code, 0) << train.output;
+    int64_t measured = 0;
+    for (const auto& row : read_jsonl(d / "run/metrics.jsonl"))
+      if (row.contains("memory")) measured = std::max(measured, row["memory"]["cpu"]["peak"].get<int64_t>());
+    const double predicted = j["peak_bytes"].get<double>();
+    ASSERT_GT(measured, 0);
+    EXPECT_NEAR(predicted / static_cast<double>(measured), 1.0, 0.10)
+        << shape << ": estimated " << predicted << ", measured " << measured;
+  }
+}
+
 }  // namespace
 }  // namespace memtune::testing

@@ -3,11 +3,14 @@
 // the peak it predicts. Every input comes from a config through trainer::estimate_input, on
 // the model structure the trainer builds. (Agreement with measured peaks:
 // tests/trainer/estimate_itest.cpp and bench/estimator_accuracy.cpp.)
+#include <stdexcept>
+
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
 
 #include "models/model_spec.h"
+#include "models/registry.h"
 #include "runtime/nf4.h"
 #include "trainer/config.h"
 #include "trainer/estimate.h"
@@ -45,6 +48,57 @@ EstimateInput input(const models::ModelSpec& spec, std::vector<std::string> over
       "data: {max_seq_length: 8}\n",
       "test", overrides);
   return estimate_input(c, spec);
+}
+
+// A registered architecture that states no layer accounting: one projection per layer.
+class NoAccounting : public models::CausalLM {
+ public:
+  explicit NoAccounting(const models::ModelSpec& s) : CausalLM(s) {
+    add_tensor("embed.weight", {s.vocab_size, s.hidden_size}, models::TensorRole::kEmbedding, &embed_);
+    for (int i = 0; i < s.num_layers; ++i)
+      add_linear(std::make_unique<models::Linear>("layers." + std::to_string(i) + ".proj", s.hidden_size,
+                                                  s.hidden_size, false),
+                 i);
+    add_tensor("norm.weight", {s.hidden_size}, models::TensorRole::kNorm, &norm_);
+    add_tensor("lm_head.weight", {s.vocab_size, s.hidden_size}, models::TensorRole::kHead, &head_);
+  }
+  at::Tensor embed(const at::Tensor&, const at::Tensor&) override { throw std::logic_error("not run"); }
+  models::LayerContext layer_context(const data::Batch&) override { throw std::logic_error("not run"); }
+  at::Tensor layer(int, const at::Tensor&, const models::LayerContext&) override { throw std::logic_error("not run"); }
+  at::Tensor final_norm(const at::Tensor&) override { throw std::logic_error("not run"); }
+  const at::Tensor& head_weight() const override { return head_; }
+
+ private:
+  at::Tensor embed_, norm_, head_;
+};
+const models::ArchitectureRegistrar kNoAccounting("NoAccountingForCausalLM", [](const models::ModelSpec& s) {
+  return std::make_unique<NoAccounting>(s);
+});
+
+// The estimate walks whatever structure the registry builds: a user's architecture is
+// counted from its own tensor list, and where it states no layer accounting the estimate
+// uses CausalLM's bound and says so.
+TEST(Estimator, ARegisteredArchitectureIsCountedFromItsOwnTensorsAndSaysWhenItUsedTheBound) {
+  models::ModelSpec s = small_llama();
+  s.architecture = "NoAccountingForCausalLM";
+  s.model_type = "noaccounting";
+  const Estimate e = estimate_memory(input(s, {"lora.target_modules=[proj]"}));
+  // embed 32*8 + 2 layers' proj 8*8 + norm 8 + head 32*8.
+  EXPECT_EQ(e.weights_dense, (256 + 2 * 64 + 8 + 256) * 4);
+  EXPECT_EQ(e.trainable_parameters, 2 * 2 * (8 + 8));
+  EXPECT_FALSE(e.layers_stated);
+  bool said = false;
+  for (const auto& c : e.components) said |= c.note.find("NoAccountingForCausalLM states no layer accounting") != std::string::npos;
+  EXPECT_TRUE(said);
+  EXPECT_TRUE(estimate_memory(input(small_llama())).layers_stated);
+}
+
+// Adapters are counted where PEFT's match puts them, projection by projection: a regex
+// that adapts q in layer 0 and v in layer 1 adds those two, not q and v in both layers.
+TEST(Estimator, AdaptersAreCountedWhereTheTargetsMatch) {
+  const Estimate e = estimate_memory(
+      input(small_llama(), {"lora.target_modules=model\\.layers\\.(0\\.self_attn\\.q_proj|1\\.self_attn\\.v_proj)"}));
+  EXPECT_EQ(e.trainable_parameters, 2 * (8 + 8) + 2 * (8 + 4));  // q (8 -> 8), v (8 -> 4), r = 2
 }
 
 TEST(Estimator, Nf4BytesByHand) {
