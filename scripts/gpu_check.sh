@@ -28,7 +28,9 @@ check() {  # check NAME COMMAND...: runs it, logs it, prints one line
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 "$bin" --version
 
-check gpu-tests bash -c "cd '$build' && ctest --output-on-failure -R '_CUDA|Sdpa'"
+# Integration tests are CTest tests of their own; unit tests run inside their binaries.
+check gpu-tests bash -c "cd '$build' && ctest --output-on-failure -R '_CUDA|Sdpa' &&
+  for b in tests/test_*; do \$b --gtest_filter='*_CUDA*:*Sdpa*' || exit 1; done"
 
 out=$logs/runs
 rm -rf "$out"

@@ -3,7 +3,7 @@
 # configures build-asan with g++ (the compiler Debian's LibTorch is built with) and
 # MEMTUNE_SANITIZE=ON, builds the unit test binaries, runs `ctest -L unit` there. Any
 # sanitizer report fails its test (UBSan does not recover; ASan aborts).
-#   bash scripts/sanitize.sh [extra ctest arguments, e.g. -R Safetensors]
+#   bash scripts/sanitize.sh [extra ctest arguments, e.g. -R test_runtime]
 # Environment: SANITIZE_BUILD_DIR (default build-asan), JOBS, CTEST_JOBS (default 2).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
