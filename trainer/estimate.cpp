@@ -68,6 +68,7 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
                    : c.training.per_device_train_batch_size == TrainingConfig::kAuto
                        ? 1
                        : c.training.per_device_train_batch_size;
+  in.accumulation_steps = c.training.gradient_accumulation_steps;
   in.seq_length = c.data.max_seq_length;
   in.checkpoint_layers = checkpoint_plan(c.training.gradient_checkpointing, s.num_layers);
   in.offload_activations = c.training.activation_offload == "checkpoints";

@@ -43,6 +43,9 @@ class Planner {
     const int64_t T = (m_.seq_length + 7) / 8 * 8;  // data::collate pads to a multiple of 8
     shape_ = {m_.micro_batch, T, full_ ? kF32 : m_.dense_bytes, m_.compute_bytes, m_.fused_cpu_attention, m_.threads};
     E_ = shape_.rows();
+    const int64_t samples =
+        m_.samples_per_step > 0 ? m_.samples_per_step : m_.micro_batch * std::max<int64_t>(1, m_.accumulation_steps);
+    accumulating_ = (samples + m_.micro_batch - 1) / m_.micro_batch > 1;
     act_ = shape_.act_bytes;  // the residual stream's dtype: the embedding's
 
     // How each projection is trained, and which tensors are trained whole.
@@ -207,14 +210,17 @@ class Planner {
       below += e.activations_per_layer[i];
     }
     fwd = std::max(fwd, e.activations + e.loss);
-    e.forward_peak = persistent + fwd + gathered;  // gradients were dropped before the step (zero_grad)
+    // Gradients were dropped before the step (zero_grad); after the step's first
+    // micro-batch every one of them is held while the next ones run.
+    const int64_t held = accumulating_ ? e.gradients : 0;
+    e.forward_peak = persistent + fwd + gathered + held;
 
     // Backward: the loss node (its saved gradients and their product with the loss's
     // gradient), then from the top layer down: a checkpointed layer is first rebuilt with
     // autograd, then its backward runs with the layers below kept and the gradient flowing
     // in. Gradients appear as their layer finishes: at layer i those of the final norm and
     // head and of layers >= i. The embedding's gradient comes last.
-    int64_t bwd = e.activations + 2 * (dh + head_grad);
+    int64_t bwd = held + e.activations + 2 * (dh + head_grad);
     int64_t recompute = 0, workspace = 0;
     int64_t grads = outside_trainable * kF32 + (tied() ? head_grad : 0);  // the final norm's and the head's
     below = batch + stack.context + kept;
@@ -230,7 +236,7 @@ class Planner {
         worst = std::max(worst + fetched, l.forward + fetched + (input_grad(i) ? 0 : E * C * act_));
       }
       workspace = std::max(workspace, l.workspace);
-      bwd = std::max(bwd, grads + below + grad_in + worst);
+      bwd = std::max(bwd, std::max(grads, held) + below + grad_in + worst);
       grads += layer_trainable[i] * kF32;
     }
     // The embedding's backward: a dense (V,C) gradient, added in place when tied to a head
@@ -311,6 +317,7 @@ class Planner {
   int L_ = 0;
   models::StepShape shape_;
   int64_t E_ = 0, act_ = 4;
+  bool accumulating_ = false;  // several micro-batches per step: the gradients outlive each
   std::unordered_map<const models::Linear*, models::LinearTraining> training_;
   std::vector<const TensorSlot*> trained_;  // tensors trained whole
   std::vector<bool> layer_trains_;          // per layer: something in it is trained

@@ -41,6 +41,11 @@ struct EstimateInput {
 
   // Training shape.
   int64_t micro_batch = 1;          // B
+  // Samples of one optimizer step (per rank); 0: micro_batch x accumulation_steps. With more
+  // than one micro-batch per step, every gradient is held through the later ones' forward
+  // and backward.
+  int64_t samples_per_step = 0;
+  int64_t accumulation_steps = 1;   // training.gradient_accumulation_steps
   int64_t seq_length = 512;         // T (rows are padded to a multiple of 8)
   std::vector<bool> checkpoint_layers;  // per layer: recomputed in backward (empty: none)
   bool offload_activations = false;     // a checkpointed layer's input waits in host memory

@@ -448,6 +448,7 @@ void Trainer::build_supervisor() {
     supervisor_->set_fits([this](int64_t micro_batch) {
       EstimateInput now = plan_;
       now.micro_batch = micro_batch;
+      now.samples_per_step = samples_per_step_;
       now.checkpoint_layers = ckpt_layers_;
       now.offload_activations = offload_activations_;
       now.optimizer_paged = now.optimizer_paged || optimizer_->states_offloaded();
@@ -666,6 +667,7 @@ StepRecord Trainer::step() {
                               if (std::count(ckpt_layers_.begin(), ckpt_layers_.end(), false) > 0) {
                                 EstimateInput now = plan_;
                                 now.micro_batch = supervisor_->micro_batch();
+                                now.samples_per_step = samples_per_step_;
                                 now.checkpoint_layers = ckpt_layers_;
                                 const int64_t saved = estimate_peak(now) - estimate_peak(with_every_saving(now));
                                 if (saved > 0)
