@@ -84,11 +84,11 @@ void print_plans(const trainer::Config& c, const models::ModelSpec& spec, int64_
               world_size > 1 ? " per rank" : "");
   if (fit.empty()) {
     const trainer::Plan& p = trainer::smallest_plan(all);
-    std::printf("no plan fits: the smallest needs %s (step time %.2fx the configured run's):\n  %s\n",
+    std::printf("no plan fits: the smallest needs %s (step time %.3fx the configured run's):\n  %s\n",
                 format_bytes(p.peak_bytes).c_str(), p.relative_time, override_line(trainer::plan_overrides(c, p)).c_str());
   }
   for (size_t i = 0; i < fit.size(); ++i)
-    std::printf("%zu. predicted peak %s, step time %.2fx the configured run's\n   %s\n", i + 1,
+    std::printf("%zu. predicted peak %s, step time %.3fx the configured run's\n   %s\n", i + 1,
                 format_bytes(fit[i].peak_bytes).c_str(), fit[i].relative_time,
                 override_line(trainer::plan_overrides(c, fit[i])).c_str());
   const trainer::PlanCostModel m = trainer::plan_cost_model(c);

@@ -161,7 +161,7 @@ TEST(PlanCommand, PrintsPastableOverridesOrTheSmallestPlan) {
                120);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   char head[128];
-  std::snprintf(head, sizeof head, "1. predicted peak %s, step time %.2fx the configured run's\n   ",
+  std::snprintf(head, sizeof head, "1. predicted peak %s, step time %.3fx the configured run's\n   ",
                 format_bytes(first.peak_bytes).c_str(), first.relative_time);
   std::string line;
   for (const std::string& o : trainer::plan_overrides(c, first))
