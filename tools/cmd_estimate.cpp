@@ -1,8 +1,11 @@
-// memtune estimate CONFIG [--device-memory SIZE] [--nproc N] [--json] [key=value ...]: the
-// memory plan of a training step (weights by storage, LoRA, gradients, optimizer states,
+// memtune estimate CONFIG [--device-memory SIZE] [--nproc N] [--plan] [--json] [key=value ...]:
+// the memory plan of a training step (weights by storage, LoRA, gradients, optimizer states,
 // activations per layer, loss, workspace), the predicted peak, and the largest micro-batch
 // and sequence length that fit the device; with --nproc, per rank of N, and the optimizer
-// state, gradients and peak of each distributed.sharding level.
+// state, gradients and peak of each distributed.sharding level. With --plan, instead, the
+// fastest configurations that fit the device and keep the effective batch (trainer/plan.h),
+// as overrides to paste.
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
 
@@ -16,6 +19,7 @@
 #include "trainer/config.h"
 #include "trainer/estimate.h"
 #include "trainer/model_setup.h"
+#include "trainer/plan.h"
 
 namespace memtune::cli {
 
@@ -26,13 +30,86 @@ using trainer::estimate_peak;
 using trainer::max_micro_batch;
 using trainer::max_seq_length;
 
+namespace {
+
+// How many plans that fit --plan shows.
+constexpr size_t kPlansShown = 3;
+
+// An override as a shell takes it: quoted when YAML's flow map needs its spaces.
+std::string shell_word(const std::string& s) {
+  return s.find_first_of(" {}") == std::string::npos ? s : "'" + s + "'";
+}
+
+std::string override_line(const std::vector<std::string>& overrides) {
+  if (overrides.empty()) return "(as configured)";
+  std::string line;
+  for (const auto& o : overrides) line += (line.empty() ? "" : " ") + shell_word(o);
+  return line;
+}
+
+nlohmann::json plan_json(const trainer::Config& c, const trainer::Plan& p, int64_t budget) {
+  nlohmann::json checkpointing = {{"policy", p.checkpointing.policy}};
+  if (p.checkpointing.policy == "every_n") checkpointing["n"] = p.checkpointing.n;
+  return {{"fits", p.peak_bytes <= budget},
+          {"peak_bytes", p.peak_bytes},
+          {"relative_step_time", p.relative_time},
+          {"overrides", trainer::plan_overrides(c, p)},
+          {"configured", p.configured},
+          {"per_device_train_batch_size", p.micro_batch},
+          {"gradient_accumulation_steps", p.accumulation},
+          {"gradient_checkpointing", checkpointing},
+          {"activation_offload", p.activation_offload ? "checkpoints" : "false"},
+          {"optimizer_offload", p.optimizer_offload ? "cpu" : "none"}};
+}
+
+// --plan: the best plans that fit `budget`, or the smallest one when none does (exit 0, as
+// the estimate of a run that does not fit).
+void print_plans(const trainer::Config& c, const models::ModelSpec& spec, int64_t world_size, int64_t budget,
+                 const std::string& budget_from, bool json) {
+  const std::vector<trainer::Plan> all = trainer::candidate_plans(c, spec, world_size);
+  std::vector<trainer::Plan> fit = trainer::fitting_plans(all, budget);
+  const size_t fitting = static_cast<size_t>(
+      std::count_if(all.begin(), all.end(), [&](const trainer::Plan& p) { return p.peak_bytes <= budget; }));
+  if (fit.size() > kPlansShown) fit.resize(kPlansShown);
+  if (json) {
+    nlohmann::json out = nlohmann::json::array();
+    for (const auto& p : fit) out.push_back(plan_json(c, p, budget));
+    if (fit.empty()) out.push_back(plan_json(c, trainer::smallest_plan(all), budget));
+    std::cout << out.dump(2) << "\n";
+    return;
+  }
+  const int64_t effective = int64_t{c.training.per_device_train_batch_size} * c.training.gradient_accumulation_steps;
+  std::printf("plans for %s (%s), keeping %lld samples per step%s (micro-batch x accumulation), fastest first:\n",
+              format_bytes(budget).c_str(), budget_from.c_str(), static_cast<long long>(effective),
+              world_size > 1 ? " per rank" : "");
+  if (fit.empty()) {
+    const trainer::Plan& p = trainer::smallest_plan(all);
+    std::printf("no plan fits: the smallest needs %s (step time %.3fx the configured run's):\n  %s\n",
+                format_bytes(p.peak_bytes).c_str(), p.relative_time, override_line(trainer::plan_overrides(c, p)).c_str());
+  }
+  for (size_t i = 0; i < fit.size(); ++i)
+    std::printf("%zu. predicted peak %s, step time %.3fx the configured run's\n   %s\n", i + 1,
+                format_bytes(fit[i].peak_bytes).c_str(), fit[i].relative_time,
+                override_line(trainer::plan_overrides(c, fit[i])).c_str());
+  const trainer::PlanCostModel m = trainer::plan_cost_model(c);
+  std::printf("%zu of %zu candidates fit; step times by the %s cost model (trainer/plan.cpp: %g TFLOP/s, "
+              "%g tokens of work per micro-batch, host copies at %g GB/s, a checkpointed layer's forward again)\n",
+              fitting, all.size(), m.name.c_str(), m.flops_per_second / 1e12, m.micro_batch_overhead,
+              m.host_bytes_per_second / 1e9);
+}
+
+}  // namespace
+
 void add_estimate_command(CLI::App& app) {
-  auto* cmd = app.add_subcommand("estimate", "predict a training run's peak memory and what fits the device");
+  auto* cmd = app.add_subcommand("estimate",
+                                "predict a training run's peak memory and what fits the device; with --plan, the "
+                                "fastest configurations that fit");
   struct Args {
     std::string config;
     std::vector<std::string> overrides;
     std::string device_memory;
     bool json = false;
+    bool plan = false;
     int64_t nproc = 1;
   };
   auto a = std::make_shared<Args>();
@@ -40,7 +117,11 @@ void add_estimate_command(CLI::App& app) {
   cmd->add_option("overrides", a->overrides, "key=value overrides, as for train");
   cmd->add_option("--device-memory", a->device_memory,
                   "device size to fit (e.g. 6GiB); default memory.device_limit, else the device's total");
-  cmd->add_flag("--json", a->json, "one JSON object instead of a table");
+  cmd->add_flag("--json", a->json, "one JSON object instead of a table (with --plan, an array of plans)");
+  cmd->add_flag("--plan", a->plan,
+                "the fastest configurations that fit the device and keep the effective batch (micro-batch, "
+                "accumulation, checkpointing, activation and optimizer offload), as overrides to paste, with their "
+                "predicted peak and step time relative to the configured run");
   cmd->add_option("--nproc", a->nproc,
                   "data-parallel ranks (memtune launch --nproc-per-node): per-rank figures under distributed.sharding, "
                   "and a line per sharding level");
@@ -74,6 +155,7 @@ void add_estimate_command(CLI::App& app) {
       budget = c.memory.device_limit.resolve(total);
       budget_from = "memory.device_limit";
     }
+    if (a->plan) return print_plans(c, spec, a->nproc, budget, budget_from, a->json);
     const int64_t max_mb = max_micro_batch(in, budget);
     const int64_t max_t = max_seq_length(in, budget);
     const bool is_auto = c.training.per_device_train_batch_size == trainer::TrainingConfig::kAuto;
