@@ -97,6 +97,7 @@ struct Planner {
 
   // `in` (at s.micro_batch) with the shape's savings.
   EstimateInput with(EstimateInput in, const Shape& s) const {
+    in.samples_per_step = s.micro_batch * s.accumulation;  // gradients held across micro-batches
     in.checkpoint_layers = checkpoint_plan(s.checkpointing, in.num_layers);
     in.offload_activations = s.activation_offload;
     in.optimizer_paged = optimizer_pages || s.optimizer_offload;
