@@ -7,8 +7,8 @@
 // What a layer keeps and holds comes from the model itself (CausalLM::layer_memory, built
 // from its kernels' accounting, models/memory.h); this file sums it over the real tensor
 // list under the run's storage, fine-tuning mode, checkpoint policy, offload, optimizer and
-// sharding. It names no architecture. bench/estimator_accuracy.cpp measures it with the CPU
-// budget allocator.
+// sharding. It names no architecture. bench/estimator_accuracy.py measures it against the
+// real training binary.
 #include <cstdint>
 #include <memory>
 #include <string>

@@ -98,8 +98,10 @@ class ParallelBlockModel : public CausalLM {
     const int64_t qkv = E * 3 * H * a;  // the projection q, k and v are views of (the fused kernel keeps them)
     LayerMemory m;
     m.kept = attn + rest;
+    // At the MLP's end: GELU's output (a transient unless down keeps it), down's output.
+    const int64_t mlp_end = (td.keeps_input() ? 0 : E * F * a) + E * C * a + E * r * 4 + panel;
     m.forward = std::max(attn + (s.fused_cpu_attention ? 0 : qkv) + at.forward_transient,
-                         m.kept + (s.fused_cpu_attention ? 0 : qkv) + E * r * 4 + panel);
+                         m.kept + (s.fused_cpu_attention ? 0 : qkv) + mlp_end);
     m.forward_no_grad = E * C * a + qkv + std::max(at.no_grad_own + at.forward_transient, E * H * a + 2 * E * F * a + panel);
     const int64_t at_mlp = gelu_backward_transient(E, F) + E * C * 4 + panel;
     m.backward = std::max(m.kept + at_mlp, attn + at.backward_transient);

@@ -111,8 +111,11 @@ class Gpt2Model : public CausalLM {
     const int64_t qkv = E * 3 * C * a;
     LayerMemory m;
     m.kept = attn + mlp;
+    // At the MLP's end: GELU's output (a transient unless the projection keeps it), the
+    // projection's output before the residual sum.
+    const int64_t mlp_end = (tp.keeps_input() ? 0 : E * F * a) + E * C * a + E * r * 4 + panel;
     m.forward = std::max(attn + (s.fused_cpu_attention ? 0 : qkv) + at.forward_transient,
-                         m.kept + (s.fused_cpu_attention ? 0 : qkv) + E * r * 4 + panel);
+                         m.kept + (s.fused_cpu_attention ? 0 : qkv) + mlp_end);
     m.forward_no_grad = std::max(E * C * a + qkv + at.no_grad_own + at.forward_transient,
                                  3 * E * C * a + qkv + E * C * a + 5 * E * F * a + panel);
     const int64_t at_mlp = gelu_backward_transient(E, F) + E * C * 4 + panel;

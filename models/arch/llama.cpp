@@ -192,15 +192,18 @@ class LlamaModel : public CausalLM {
     LayerMemory m;
     m.kept = attn + mlp;
     // The fused kernel keeps the locals q, k, v themselves (the blocked one contiguous
-    // copies); up's output beside its adapter's x A^T (the fused LoRA node adds the adapter
-    // inside the base's GEMM, no full-size delta).
+    // copies). At the MLP's end: silu(gate) * up (a transient unless down keeps it), down's
+    // output before the residual sum, an adapter's x A^T (the fused LoRA node adds the
+    // adapter inside the base's GEMM, no full-size delta).
+    const int64_t mlp_end = (td.keeps_input() ? 0 : E * F * a) + E * C * a + E * r * 4 + panel;
     m.forward = std::max(attn + (s.fused_cpu_attention ? 0 : qkv) + at.forward_transient,
-                         m.kept + (s.fused_cpu_attention ? 0 : qkv) + E * r * 4 + panel);
+                         m.kept + (s.fused_cpu_attention ? 0 : qkv) + mlp_end);
     // Unrecorded: x, h, the locals, the merged heads, y, and the MLP's gate, up's parts,
     // silu and the product.
     m.forward_no_grad = std::max(E * C * a + qkv + at.no_grad_own + at.forward_transient,
                                  3 * E * C * a + qkv + E * q * a + 5 * E * F * a + panel);
-    const int64_t at_mlp = swiglu_backward_transient(E, F) + E * C * 4 + panel;
+    // The MLP's backward: the gradient flowing in, the product's from down, SwiGLU's.
+    const int64_t at_mlp = E * C * 4 + E * F * 4 + swiglu_backward_transient(E, F) + panel;
     m.backward = std::max(m.kept + at_mlp, attn + at.backward_transient);
     m.workspace = std::max(at_mlp, at.backward_transient);
     return m;

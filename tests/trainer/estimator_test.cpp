@@ -2,7 +2,7 @@
 // storage, its monotonicity, and the consistency of max_micro_batch / max_seq_length with
 // the peak it predicts. Every input comes from a config through trainer::estimate_input, on
 // the model structure the trainer builds. (Agreement with measured peaks:
-// tests/trainer/estimate_itest.cpp and bench/estimator_accuracy.cpp.)
+// tests/trainer/estimate_itest.cpp and bench/estimator_accuracy.py.)
 #include <stdexcept>
 
 #include <gtest/gtest.h>
