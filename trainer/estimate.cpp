@@ -55,13 +55,13 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
   if (in.finetune == "lora") {
     // The model's own projections, matched as PEFT does, and the tensors trained whole.
     const models::LoraTargets targets = lora_targets(c.lora);
-    for (const models::TensorSlot& t : structure->tensors())  // in the order of linears()
-      if (t.role == models::TensorRole::kLinearWeight)
-        in.adapted.push_back(models::lora_targets(targets, t.linear->name(), t.layer));
     const std::vector<const models::TensorSlot*> whole =
         models::modules_to_save_tensors(*structure, c.lora.modules_to_save, "lora.modules_to_save");
-    for (const models::TensorSlot& t : structure->tensors())
+    for (const models::TensorSlot& t : structure->tensors()) {
+      in.adapted.push_back(t.role == models::TensorRole::kLinearWeight &&
+                           models::lora_targets(targets, t.linear->name(), t.layer));
       in.trained.push_back(std::find(whole.begin(), whole.end(), &t) != whole.end());
+    }
   }
 
   in.micro_batch = micro_batch > 0 ? micro_batch
@@ -108,7 +108,8 @@ void check_fits(const Config& c, const models::ModelSpec& spec, int64_t budget, 
   best.offload_activations =
       best.offload_activations || (c.memory.supervise && c.memory.on_oom.allows("activation_offload"));
   best.optimizer_paged = best.optimizer_paged || (c.memory.supervise && c.memory.on_oom.allows("optimizer_offload"));
-  int64_t peak = estimate_peak(best);
+  const Estimate estimate = estimate_memory(best);
+  int64_t peak = estimate.peak_bytes;
   // With offloading allowed (LoRA on a frozen base; device_map or the supervisor's ladder),
   // every decoder layer can leave the device but the one running: the layers' share of the
   // weights is not needed at once.
@@ -117,7 +118,7 @@ void check_fits(const Config& c, const models::ModelSpec& spec, int64_t budget, 
   const bool can_offload = best.finetune == "lora" && !sharded &&
                            (c.memory.on_oom.allows("layer_offload") || !c.model.device_map.entries.empty());
   if (can_offload && best.num_layers > 1) {
-    const int64_t layers = estimate_memory(best).weights_layers;
+    const int64_t layers = estimate.weights_layers;
     peak -= layers - layers / best.num_layers;
   }
   if (peak <= budget) return;

@@ -49,25 +49,25 @@ class Planner {
     act_ = shape_.act_bytes;  // the residual stream's dtype: the embedding's
 
     // How each projection is trained, and which tensors are trained whole.
-    const std::vector<models::Linear*> linears = model.linears();
-    MEMTUNE_INTERNAL_ASSERT(m_.adapted.empty() || m_.adapted.size() == linears.size(), "estimate: ", m_.adapted.size(),
-                            " adapter flags for ", linears.size(), " projections");
-    for (size_t k = 0; k < linears.size(); ++k) {
-      models::LinearTraining t;
-      t.full = full_;
-      if (!full_ && k < m_.adapted.size() && m_.adapted[k]) {
-        t.lora_r = m_.lora_r;
-        t.lora_dropout = m_.lora_dropout;
-      }
-      t.nf4 = m_.load_in_4bit && !full_;
-      training_[linears[k]] = t;
-    }
     const auto& slots = model.tensors();
+    auto flag = [&](const std::vector<bool>& v, size_t k, const char* what) {
+      MEMTUNE_INTERNAL_ASSERT(v.empty() || v.size() == slots.size(), "estimate: ", v.size(), " ", what,
+                              " flags for ", slots.size(), " tensors");
+      return !v.empty() && v[k];
+    };
     layer_trains_.assign(static_cast<size_t>(L_), false);
     for (size_t k = 0; k < slots.size(); ++k) {
       const TensorSlot& t = slots[k];
-      const bool whole = full_ || (k < m_.trained.size() && m_.trained[k]);
-      const bool adapted = t.role == TensorRole::kLinearWeight && training_.at(t.linear).lora_r > 0;
+      const bool whole = full_ || flag(m_.trained, k, "trained");
+      const bool adapted = !full_ && flag(m_.adapted, k, "adapter");
+      if (t.role == TensorRole::kLinearWeight) {
+        models::LinearTraining lt;
+        lt.full = full_;
+        lt.lora_r = adapted ? m_.lora_r : 0;
+        lt.lora_dropout = adapted ? m_.lora_dropout : 0.0;
+        lt.nf4 = m_.load_in_4bit && !full_;
+        training_[t.linear] = lt;
+      }
       if (t.layer >= 0 && (whole || adapted)) layer_trains_[t.layer] = true;
       if (!whole) continue;
       trained_.push_back(&t);
@@ -75,6 +75,9 @@ class Planner {
       head_trained_ |= t.role == TensorRole::kHead || (t.role == TensorRole::kEmbedding && tied());
       final_norm_trained_ |= t.role == TensorRole::kNorm && t.layer < 0;
     }
+    // A layer's input needs a gradient when something below it (or the embedding) trains.
+    input_grad_.assign(static_cast<size_t>(L_) + 1, embedding_trained_);
+    for (int i = 1; i <= L_; ++i) input_grad_[i] = input_grad_[i - 1] || layer_trains_[i - 1];
     layers_.reserve(static_cast<size_t>(L_));
     for (int i = 0; i < L_; ++i) {
       models::LayerPlan plan;
@@ -92,13 +95,8 @@ class Planner {
   // distributed.sharding: full over several ranks (trainer/layer_shards.h): each rank keeps
   // 1/W of every layer's frozen weights, gathers a layer around its forward, checkpoints all.
   bool shard_layers() const { return m_.world_size > 1 && m_.sharding == "full" && !full_; }
-  // The layer's input requires grad: something below it (or the embedding) is trained.
-  bool input_grad(int layer) const {
-    if (embedding_trained_) return true;
-    for (int j = 0; j < layer; ++j)
-      if (layer_trains_[j]) return true;
-    return false;
-  }
+  // Layer `layer`'s input (the final norm's at num_layers) requires grad.
+  bool input_grad(int layer) const { return input_grad_[layer]; }
   // What a checkpointed layer keeps: its input, when a gradient is wanted through it and it
   // is not in host memory.
   int64_t checkpoint_input(int i) const {
@@ -321,6 +319,7 @@ class Planner {
   std::unordered_map<const models::Linear*, models::LinearTraining> training_;
   std::vector<const TensorSlot*> trained_;  // tensors trained whole
   std::vector<bool> layer_trains_;          // per layer: something in it is trained
+  std::vector<bool> input_grad_;            // per layer and the final norm: its input needs a gradient
   bool embedding_trained_ = false;          // the token or position embedding
   bool head_trained_ = false;
   bool final_norm_trained_ = false;

@@ -36,8 +36,10 @@ struct EstimateInput {
   std::string finetune = "lora";    // lora | full (every base tensor trainable, fp32)
   int64_t lora_r = 8;
   double lora_dropout = 0.0;        // > 0: each adapter keeps its dropped input and mask
-  std::vector<bool> adapted;        // per model->linears(): an adapter there (lora)
-  std::vector<bool> trained;        // per model->tensors(): trained whole beside the adapters (lora.modules_to_save)
+  // Per model->tensors() (empty: none): an adapter on that projection weight (lora), and the
+  // tensors trained whole beside the adapters (lora.modules_to_save).
+  std::vector<bool> adapted;
+  std::vector<bool> trained;
 
   // Training shape.
   int64_t micro_batch = 1;          // B

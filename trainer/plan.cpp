@@ -3,7 +3,6 @@
 #include <algorithm>
 
 #include "models/causal_lm.h"
-#include "models/registry.h"
 #include "runtime/error.h"
 #include "trainer/estimate.h"
 #include "trainer/model_setup.h"
@@ -52,11 +51,11 @@ struct Work {
   }
 };
 
-Work forward_work(const models::ModelSpec& spec, int64_t seq_length) {
+Work forward_work(const models::CausalLM& structure, int64_t seq_length) {
+  const models::ModelSpec& spec = structure.spec();
   Work w;
   w.layer.assign(static_cast<size_t>(spec.num_layers), 2.0 * static_cast<double>(seq_length) * spec.q_dim());
-  std::unique_ptr<models::CausalLM> structure = models::build_model(spec);
-  for (const auto& slot : structure->tensors()) {
+  for (const auto& slot : structure.tensors()) {
     if (slot.role != models::TensorRole::kLinearWeight || slot.layer < 0) continue;
     double n = 1;
     for (int64_t d : slot.shape) n *= static_cast<double>(d);
@@ -81,17 +80,21 @@ struct Planner {
     OptimizerOptions oo;
     set_optimizer_kind(config.training.optim, oo);
     optimizer_pages = oo.paged;
-    EstimateInput in = input(config.training.per_device_train_batch_size);
-    seq_length = in.seq_length;
-    work = forward_work(spec, seq_length);
+    // The configured run's input, built once (with the model's structure); plans change
+    // only the micro-batch and the savings.
+    base = estimate_input(config, spec, config.training.per_device_train_batch_size);
+    base.world_size = world_size;
+    seq_length = base.seq_length;
+    work = forward_work(*base.model, seq_length);
     // The states' device bytes when not offloaded: what offload copies out and back each step.
+    EstimateInput in = base;
     in.optimizer_paged = false;
     optimizer_state_bytes = estimate_memory(in).optimizer_states;
   }
 
   EstimateInput input(int64_t micro_batch) const {
-    EstimateInput in = estimate_input(c, spec, micro_batch);
-    in.world_size = world_size;
+    EstimateInput in = base;
+    in.micro_batch = micro_batch;
     return in;
   }
 
@@ -131,6 +134,7 @@ struct Planner {
   int64_t world_size;
   PlanCostModel model;
   bool optimizer_pages = false;  // training.optim keeps its states in host memory (paged_*)
+  EstimateInput base;            // the configured run's estimate input
   int64_t seq_length = 0;
   Work work;
   int64_t optimizer_state_bytes = 0;

@@ -7,15 +7,13 @@
 // `memtune-custom init-model --arch ParallelBlockForCausalLM` makes one.
 #include <algorithm>
 #include <cmath>
-#include <tuple>
 
 #include <ATen/ATen.h>
 
 #include "data/batch.h"
 #include "models/layers/attention.h"
-#include "models/layers/linear4bit.h"
-#include "models/layers/lora_linear.h"
 #include "models/layers/norm_act.h"
+#include "models/layers/projection_memory.h"
 #include "models/registry.h"
 
 namespace {
@@ -81,12 +79,10 @@ class ParallelBlockModel : public CausalLM {
                          td = plan.training(*L.down);
     // `attn`: what lives until the attention's backward, the last of the layer's to run;
     // `rest`: the output projection's and the MLP's, freed before it.
-    int64_t attn = 0, rest = 0, r = 0, panel = 0;
-    for (auto [l, t, part] : {std::tuple{L.qkv, tqkv, &attn}, {L.o, to, &rest}, {L.up, tu, &rest}, {L.down, td, &rest}}) {
-      *part += lora_kept(E, l->in_features(), t.lora_r, t.lora_dropout);
-      r = std::max(r, t.lora_r);
-      if (t.nf4) panel = std::max(panel, nf4_panel_bytes(l->out_features(), l->in_features(), s.compute_bytes));
-    }
+    ProjectionTally p;
+    int64_t attn = p.add(*L.qkv, tqkv, s);
+    int64_t rest = p.add(*L.o, to, s) + p.add(*L.up, tu, s) + p.add(*L.down, td, s);
+    const int64_t r = p.lora_rank, panel = p.panel;
     if (plan.input_grad) attn += rms_norm_kept(E, C, a);
     if (tqkv.keeps_input() || tu.keeps_input()) attn += E * C * a;  // h, shared by qkv and up
     const AttentionMemory at = attention_memory(s.batch, spec_.num_heads, spec_.num_heads, s.tokens, spec_.head_dim,

@@ -3,15 +3,13 @@
 // [in, out] (read as stored; adapters on them use fan_in_fan_out as PEFT does), the output
 // head tied to the token embedding.
 #include <cmath>
-#include <tuple>
 
 #include <ATen/ATen.h>
 
 #include "data/batch.h"
 #include "models/layers/attention.h"
-#include "models/layers/linear4bit.h"
-#include "models/layers/lora_linear.h"
 #include "models/layers/norm_act.h"
+#include "models/layers/projection_memory.h"
 #include "models/registry.h"
 
 namespace memtune::models {
@@ -89,12 +87,10 @@ class Gpt2Model : public CausalLM {
     const int64_t a = s.act_bytes;
     const LinearTraining tqkv = plan.training(*L.c_attn), to = plan.training(*L.c_proj), tfc = plan.training(*L.fc),
                          tp = plan.training(*L.proj);
-    int64_t attn = 0, mlp = 0, r = 0, panel = 0;
-    for (auto [l, t, part] : {std::tuple{L.c_attn, tqkv, &attn}, {L.c_proj, to, &mlp}, {L.fc, tfc, &mlp}, {L.proj, tp, &mlp}}) {
-      *part += lora_kept(E, l->in_features(), t.lora_r, t.lora_dropout);
-      r = std::max(r, t.lora_r);
-      if (t.nf4) panel = std::max(panel, nf4_panel_bytes(l->out_features(), l->in_features(), s.compute_bytes));
-    }
+    ProjectionTally p;
+    int64_t attn = p.add(*L.c_attn, tqkv, s);
+    int64_t mlp = p.add(*L.c_proj, to, s) + p.add(*L.fc, tfc, s) + p.add(*L.proj, tp, s);
+    const int64_t r = p.lora_rank, panel = p.panel;
     const bool g_in = plan.input_grad;
     if (g_in) attn += layer_norm_kept(E, C, a);
     if (tqkv.keeps_input()) attn += E * C * a;  // h

@@ -4,15 +4,13 @@
 // attention, SwiGLU MLP, optional attention and MLP biases, optionally tied embeddings.
 #include <algorithm>
 #include <cmath>
-#include <tuple>
 
 #include <ATen/ATen.h>
 
 #include "data/batch.h"
 #include "models/layers/attention.h"
-#include "models/layers/linear4bit.h"
-#include "models/layers/lora_linear.h"
 #include "models/layers/norm_act.h"
+#include "models/layers/projection_memory.h"
 #include "models/layers/rotary.h"
 #include "models/registry.h"
 #include "runtime/error.h"
@@ -166,13 +164,10 @@ class LlamaModel : public CausalLM {
     const LinearTraining tq = plan.training(*L.q), tk = plan.training(*L.k), tv = plan.training(*L.v),
                          to = plan.training(*L.o), tg = plan.training(*L.gate), tu = plan.training(*L.up),
                          td = plan.training(*L.down);
-    int64_t attn = 0, mlp = 0, r = 0, panel = 0;
-    for (auto [l, t, part] : {std::tuple{L.q, tq, &attn}, {L.k, tk, &attn}, {L.v, tv, &attn}, {L.o, to, &mlp},
-                              {L.gate, tg, &mlp}, {L.up, tu, &mlp}, {L.down, td, &mlp}}) {
-      *part += lora_kept(E, l->in_features(), t.lora_r, t.lora_dropout);
-      r = std::max(r, t.lora_r);
-      if (t.nf4) panel = std::max(panel, nf4_panel_bytes(l->out_features(), l->in_features(), s.compute_bytes));
-    }
+    ProjectionTally p;
+    int64_t attn = p.add(*L.q, tq, s) + p.add(*L.k, tk, s) + p.add(*L.v, tv, s);
+    int64_t mlp = p.add(*L.o, to, s) + p.add(*L.gate, tg, s) + p.add(*L.up, tu, s) + p.add(*L.down, td, s);
+    const int64_t r = p.lora_rank, panel = p.panel;
     const bool g_in = plan.input_grad;
     if (g_in) attn += rms_norm_kept(E, C, a);
     const bool qkv_trained = tq.keeps_input() || tk.keeps_input() || tv.keeps_input();

@@ -1,0 +1,26 @@
+#pragma once
+// What a layer's projections add to its memory (models/memory.h), for an architecture's
+// CausalLM::layer_memory: each adapter's kept tensors, the widest adapter's rank (its x A^T
+// sits beside a product) and the largest dequantized NF4 panel.
+#include <algorithm>
+#include <cstdint>
+
+#include "models/layers/linear.h"
+#include "models/layers/linear4bit.h"
+#include "models/layers/lora_linear.h"
+#include "models/memory.h"
+
+namespace memtune::models {
+
+struct ProjectionTally {
+  int64_t lora_rank = 0;
+  int64_t panel = 0;
+  // Notes `l`'s adapter rank and panel; returns what its adapter keeps for backward.
+  int64_t add(const Linear& l, const LinearTraining& t, const StepShape& s) {
+    lora_rank = std::max(lora_rank, t.lora_r);
+    if (t.nf4) panel = std::max(panel, nf4_panel_bytes(l.out_features(), l.in_features(), s.compute_bytes));
+    return lora_kept(s.rows(), l.in_features(), t.lora_r, t.lora_dropout);
+  }
+};
+
+}  // namespace memtune::models
