@@ -65,8 +65,11 @@ TEST_P(LoraLinearTest, MatchesComposedOps) {
   y_ref.backward(gy);
   expect_close(A.grad(), A_ref.grad(), 1e-5, "grad_A");
   expect_close(B.grad(), B_ref.grad(), 1e-5, "grad_B");
-  if (c.x_grad) expect_close(x.grad(), x_ref.grad(), 1e-5, "grad_x");
-  else EXPECT_FALSE(x.grad().defined());
+  if (c.x_grad) {
+    expect_close(x.grad(), x_ref.grad(), 1e-5, "grad_x");
+  } else {
+    EXPECT_FALSE(x.grad().defined());
+  }
   if (c.bias && c.bias_grad) expect_close(b.grad(), b_ref.grad(), 1e-5, "grad_bias");
   if (c.bias && !c.bias_grad) EXPECT_FALSE(b.grad().defined());
 }

@@ -16,7 +16,7 @@ ModelSpec family(const std::string& name) {
 }
 
 TEST(LayerMemory, TheDefaultIsABoundOnEveryStatedFamily) {
-  for (const std::string& name : {"tiny-llama", "tiny-gpt2"}) {
+  for (const char* name : {"tiny-llama", "tiny-gpt2"}) {
     std::unique_ptr<CausalLM> model = build_model(family(name));
     for (const char* training : {"frozen", "lora", "lora+dropout", "nf4+lora", "full"})
       for (bool input_grad : {false, true})
@@ -40,7 +40,7 @@ TEST(LayerMemory, TheDefaultIsABoundOnEveryStatedFamily) {
             s.threads = 2;
             const LayerMemory stated = model->layer_memory(0, s, plan);
             const LayerMemory bound = model->CausalLM::layer_memory(0, s, plan);
-            const std::string where = name + " " + t + (input_grad ? " input-grad" : "") + (fused ? " fused" : "") +
+            const std::string where = std::string(name) + " " + t + (input_grad ? " input-grad" : "") + (fused ? " fused" : "") +
                                       " B" + std::to_string(B) + " T" + std::to_string(T);
             EXPECT_TRUE(stated.stated) << where;
             EXPECT_FALSE(bound.stated) << where;
@@ -49,7 +49,9 @@ TEST(LayerMemory, TheDefaultIsABoundOnEveryStatedFamily) {
             EXPECT_GE(bound.forward_no_grad, stated.forward_no_grad) << where;
             EXPECT_GE(bound.backward, stated.backward) << where;
             // The stated accounting counts something real: a trained layer keeps its inputs.
-            if (t != "frozen" || input_grad) EXPECT_GT(stated.kept, 0) << where;
+            if (t != "frozen" || input_grad) {
+              EXPECT_GT(stated.kept, 0) << where;
+            }
           }
   }
 }
