@@ -394,7 +394,16 @@ void Dataset::build_rows() {
     if (row_len > 0) row_begin_.push_back(static_cast<int64_t>(spans_.size()));
   }
   stats_.samples = size();
-  for (const Span& s : spans_) stats_.target_tokens += span_targets(s);
+  for (int64_t i = 0; i < size(); ++i) {
+    int64_t length = 0, targets = 0;
+    for (int64_t r = row_begin_[i]; r < row_begin_[i + 1]; ++r) {
+      length += spans_[r].length;
+      targets += span_targets(spans_[r]);
+    }
+    stats_.target_tokens += targets;
+    stats_.longest_sample = std::max(stats_.longest_sample, length);
+    stats_.most_sample_targets = std::max(stats_.most_sample_targets, targets);
+  }
 }
 
 int64_t Dataset::span_targets(const Span& s) const {

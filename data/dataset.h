@@ -64,6 +64,11 @@ struct DatasetStats {
   int64_t skipped_invalid = 0;  // malformed records skipped (skip_invalid)
   int64_t samples = 0;          // rows
   int64_t target_tokens = 0;    // targets != kIgnoreIndex over all samples
+  // The largest sample, and the most targets in one sample: what bounds a micro-batch's
+  // activations (rows are padded to the batch's longest) and its loss (only trained rows
+  // form logits). The memory estimate plans with them (trainer/estimator.h).
+  int64_t longest_sample = 0;
+  int64_t most_sample_targets = 0;
 };
 
 class Dataset {

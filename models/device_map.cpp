@@ -119,6 +119,48 @@ std::string describe_placement(const CausalLM& model) {
   return out + ", head " + p.head.str();
 }
 
+AutoPlan plan_entries(const CausalLM& model, const std::vector<std::pair<std::string, std::string>>& entries,
+                      const c10::Device& compute) {
+  const int n = static_cast<int>(model.num_layers());
+  AutoPlan plan;
+  Placement& placement = plan.placement;
+  placement.embeddings = placement.head = compute;
+  placement.layers.assign(n, compute);
+  std::vector<bool>& offload = plan.offloaded;
+  offload.assign(n, false);
+  for (const auto& [key, dev] : entries) {
+    const std::string where = "model.device_map." + key;
+    const bool to_offload = dev == "offload";
+    const c10::Device device = to_offload ? compute : resolve(where, dev, compute);
+    bool matched = false;
+    for (int i = 0; i < n; ++i)
+      if (entry_matches(key, layer_prefix(model, i), i)) {
+        matched = true;
+        MEMTUNE_CHECK(!to_offload || !has_trainable_base(model, i), where,
+                      ": offload needs a frozen base (training.finetune: lora)");
+        offload[i] = to_offload;
+        if (!to_offload) placement.layers[i] = device;
+      }
+    for (int i = 0; i < n && !matched; ++i) {
+      const std::string inside = layer_prefix(model, i) + ".";
+      MEMTUNE_CHECK(key.compare(0, inside.size(), inside) != 0, where, ": names a part of layer ", i,
+                    "; a layer is placed as a whole (", layer_prefix(model, i), ")");
+    }
+    if (!matched && (is_embedding_key(key) || is_head_key(key))) {  // outside the layers
+      MEMTUNE_CHECK(!to_offload, where, ": only decoder layers can be offloaded");
+      (is_embedding_key(key) ? placement.embeddings : placement.head) = device;
+      matched = true;
+    }
+    MEMTUNE_CHECK(matched, "model.device_map: '", key, "' names no module of this model (layers are '",
+                  layer_prefix(model, 0), "' to '", layer_prefix(model, n - 1), "'; ranges like ",
+                  layer_prefix(model, 0).substr(0, layer_prefix(model, 0).rfind('.') + 1), "0-3)");
+  }
+  // An offloaded layer computes where the layer before it does.
+  for (int i = 0; i < n; ++i)
+    if (offload[i]) placement.layers[i] = i > 0 ? placement.layers[i - 1] : placement.embeddings;
+  return plan;
+}
+
 std::string apply_device_map(CausalLM& model, const std::string& single,
                              const std::vector<std::pair<std::string, std::string>>& entries,
                              const c10::Device& compute, const std::vector<DeviceBudget>& budgets) {
@@ -128,36 +170,9 @@ std::string apply_device_map(CausalLM& model, const std::string& single,
   placement.layers.assign(n, compute);
   std::vector<bool> offload(n, false);
   if (!entries.empty()) {
-    for (const auto& [key, dev] : entries) {
-      const std::string where = "model.device_map." + key;
-      const bool to_offload = dev == "offload";
-      const c10::Device device = to_offload ? compute : resolve(where, dev, compute);
-      bool matched = false;
-      for (int i = 0; i < n; ++i)
-        if (entry_matches(key, layer_prefix(model, i), i)) {
-          matched = true;
-          MEMTUNE_CHECK(!to_offload || !has_trainable_base(model, i), where,
-                        ": offload needs a frozen base (training.finetune: lora)");
-          offload[i] = to_offload;
-          if (!to_offload) placement.layers[i] = device;
-        }
-      for (int i = 0; i < n && !matched; ++i) {
-        const std::string inside = layer_prefix(model, i) + ".";
-        MEMTUNE_CHECK(key.compare(0, inside.size(), inside) != 0, where, ": names a part of layer ", i,
-                      "; a layer is placed as a whole (", layer_prefix(model, i), ")");
-      }
-      if (!matched && (is_embedding_key(key) || is_head_key(key))) {  // outside the layers
-        MEMTUNE_CHECK(!to_offload, where, ": only decoder layers can be offloaded");
-        (is_embedding_key(key) ? placement.embeddings : placement.head) = device;
-        matched = true;
-      }
-      MEMTUNE_CHECK(matched, "model.device_map: '", key, "' names no module of this model (layers are '",
-                    layer_prefix(model, 0), "' to '", layer_prefix(model, n - 1), "'; ranges like ",
-                    layer_prefix(model, 0).substr(0, layer_prefix(model, 0).rfind('.') + 1), "0-3)");
-    }
-    // An offloaded layer computes where the layer before it does.
-    for (int i = 0; i < n; ++i)
-      if (offload[i]) placement.layers[i] = i > 0 ? placement.layers[i - 1] : placement.embeddings;
+    AutoPlan plan = plan_entries(model, entries, compute);
+    placement = plan.placement;
+    offload = plan.offloaded;
   } else if (single != "auto") {
     const c10::Device device = resolve("model.device_map", single, compute);
     MEMTUNE_CHECK(device == compute, "model.device_map: '", single, "' differs from runtime.device (", compute.str(),

@@ -35,6 +35,11 @@ struct AutoPlan {
 AutoPlan plan_auto(int64_t embedding_bytes, int64_t head_bytes, const std::vector<int64_t>& layer_bytes,
                    const std::vector<bool>& frozen, const std::vector<DeviceBudget>& budgets);
 
+// An explicit map's plan (module prefixes -> cuda:N | cpu | offload; not `auto`), checked as
+// apply_device_map applies it: the memory estimate reads which layers are offloaded here.
+AutoPlan plan_entries(const CausalLM& model, const std::vector<std::pair<std::string, std::string>>& entries,
+                      const c10::Device& compute);
+
 // The module prefix of layer i ("model.layers.3", "transformer.h.3").
 std::string layer_prefix(const CausalLM& model, int layer);
 

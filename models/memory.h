@@ -30,8 +30,12 @@ struct LinearTraining {
   int64_t lora_r = 0;    // > 0: an adapter of this rank
   double lora_dropout = 0;
   bool nf4 = false;      // a frozen NF4 base: its products hold a dequantized panel
-  // A trained weight's gradient needs the projection's input kept.
-  bool keeps_input() const { return full || lora_r > 0; }
+  // Its output needs a gradient (a trained weight or an adapter).
+  bool trains() const { return full || lora_r > 0; }
+  // The projection keeps its input for backward: a trained weight's gradient needs it, and
+  // so does an adapter's A without dropout. With LoRA dropout the adapter keeps its own
+  // dropped copy instead (lora_kept), and the input is freed unless another op keeps it.
+  bool keeps_input() const { return full || (lora_r > 0 && lora_dropout <= 0); }
 };
 
 // What the accounting of a layer is told about the run.

@@ -7,11 +7,15 @@
 // as overrides to paste.
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
+#include <optional>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "data/dataset.h"
+#include "data/tokenizer.h"
 #include "runtime/error.h"
 #include "runtime/memory.h"
 #include "runtime/units.h"
@@ -20,6 +24,7 @@
 #include "trainer/estimate.h"
 #include "trainer/model_setup.h"
 #include "trainer/plan.h"
+#include "trainer/trainer.h"
 
 namespace memtune::cli {
 
@@ -31,6 +36,25 @@ using trainer::max_micro_batch;
 using trainer::max_seq_length;
 
 namespace {
+
+// The training set's stats, loaded as the trainer loads it (the same tokenization cache), so
+// the estimate is bounded by the real data (trainer::fit_to_data). None when data.train_file
+// is unset or missing, or `skip`; `note` says which data the estimate assumed.
+std::optional<data::DatasetStats> training_data(const trainer::Config& c, bool skip, std::string* note) {
+  const std::string& file = c.data.train_file;
+  if (skip || file.empty() || !std::filesystem::exists(file)) {
+    *note = str_cat("rows of data.max_seq_length (", c.data.max_seq_length, "), every position trained (",
+                    skip ? "--no-data" : file.empty() ? "no data.train_file" : "data.train_file " + file + " not found",
+                    ")");
+    return std::nullopt;
+  }
+  const std::unique_ptr<data::Tokenizer> tokenizer = trainer::load_tokenizer(c.model);
+  const data::Dataset set(file, tokenizer.get(), trainer::dataset_options(c.data, c.training.output_dir));
+  const data::DatasetStats& s = set.stats();
+  *note = str_cat(file, ": ", s.samples, " samples, the longest ", s.longest_sample, " tokens, at most ",
+                  s.most_sample_targets, " trained");
+  return s;
+}
 
 // How many plans that fit --plan shows.
 constexpr size_t kPlansShown = 3;
@@ -64,9 +88,9 @@ nlohmann::json plan_json(const trainer::Config& c, const trainer::Plan& p, int64
 
 // --plan: the best plans that fit `budget`, or the smallest one when none does (exit 0, as
 // the estimate of a run that does not fit).
-void print_plans(const trainer::Config& c, const models::ModelSpec& spec, int64_t world_size, int64_t budget,
-                 const std::string& budget_from, bool json) {
-  const std::vector<trainer::Plan> all = trainer::candidate_plans(c, spec, world_size);
+void print_plans(const trainer::Config& c, const models::ModelSpec& spec, int64_t world_size,
+                 const data::DatasetStats* data, int64_t budget, const std::string& budget_from, bool json) {
+  const std::vector<trainer::Plan> all = trainer::candidate_plans(c, spec, world_size, data);
   std::vector<trainer::Plan> fit = trainer::fitting_plans(all, budget);
   const size_t fitting = static_cast<size_t>(
       std::count_if(all.begin(), all.end(), [&](const trainer::Plan& p) { return p.peak_bytes <= budget; }));
@@ -110,6 +134,7 @@ void add_estimate_command(CLI::App& app) {
     std::string device_memory;
     bool json = false;
     bool plan = false;
+    bool no_data = false;
     int64_t nproc = 1;
   };
   auto a = std::make_shared<Args>();
@@ -122,6 +147,9 @@ void add_estimate_command(CLI::App& app) {
                 "the fastest configurations that fit the device and keep the effective batch (micro-batch, "
                 "accumulation, checkpointing, activation and optimizer offload), as overrides to paste, with their "
                 "predicted peak and step time relative to the configured run");
+  cmd->add_flag("--no-data", a->no_data,
+                "do not read data.train_file: estimate rows of data.max_seq_length with every position trained (a "
+                "bound; by default the data's longest sample and most trained tokens per sample bound the rows)");
   cmd->add_option("--nproc", a->nproc,
                   "data-parallel ranks (memtune launch --nproc-per-node): per-rank figures under distributed.sharding, "
                   "and a line per sharding level");
@@ -129,7 +157,10 @@ void add_estimate_command(CLI::App& app) {
     const trainer::Config c = trainer::load_config(a->config, a->overrides);
     const models::ModelSpec spec = trainer::model_spec(c);
     MEMTUNE_CHECK(a->nproc >= 1, "memtune estimate: --nproc ", a->nproc, " must be at least 1 (ranks)");
+    std::string data_note;
+    const std::optional<data::DatasetStats> data = training_data(c, a->no_data, &data_note);
     EstimateInput in = trainer::estimate_input(c, spec);
+    if (data) in = trainer::fit_to_data(in, *data);
     in.world_size = a->nproc;
     const Estimate e = estimate_memory(in);
     // Per rank, each sharding level at this size.
@@ -155,7 +186,7 @@ void add_estimate_command(CLI::App& app) {
       budget = c.memory.device_limit.resolve(total);
       budget_from = "memory.device_limit";
     }
-    if (a->plan) return print_plans(c, spec, a->nproc, budget, budget_from, a->json);
+    if (a->plan) return print_plans(c, spec, a->nproc, data ? &*data : nullptr, budget, budget_from, a->json);
     const int64_t max_mb = max_micro_batch(in, budget);
     const int64_t max_t = max_seq_length(in, budget);
     const bool is_auto = c.training.per_device_train_batch_size == trainer::TrainingConfig::kAuto;
@@ -172,6 +203,8 @@ void add_estimate_command(CLI::App& app) {
       nlohmann::json j = {{"model", c.model.name_or_path},
                           {"micro_batch", in.micro_batch},
                           {"seq_length", in.seq_length},
+                          {"max_sample_targets", in.max_sample_targets},
+                          {"data", data_note},
                           {"peak_bytes", e.peak_bytes},
                           {"forward_peak_bytes", e.forward_peak},
                           {"backward_peak_bytes", e.backward_peak},
@@ -203,6 +236,7 @@ void add_estimate_command(CLI::App& app) {
     std::printf("memory estimate: %s, micro-batch %lld x %lld tokens, finetune %s%s\n", c.model.name_or_path.c_str(),
                 static_cast<long long>(in.micro_batch), static_cast<long long>(in.seq_length), in.finetune.c_str(),
                 in.load_in_4bit ? ", NF4 base" : "");
+    std::printf("data: %s\n", data_note.c_str());
     for (const auto& k : e.components)
       std::printf("  %-38s %12s  %s\n", k.name.c_str(), format_bytes(k.bytes).c_str(), k.note.c_str());
     std::printf("  %-38s %12s\n", "peak in forward", format_bytes(e.forward_peak).c_str());

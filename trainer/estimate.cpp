@@ -7,6 +7,7 @@
 #include <c10/core/ScalarType.h>
 
 #include "models/causal_lm.h"
+#include "models/device_map.h"
 #include "models/hf_model.h"
 #include "models/lora.h"
 #include "models/registry.h"
@@ -71,6 +72,11 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
   in.accumulation_steps = c.training.gradient_accumulation_steps;
   in.seq_length = c.data.max_seq_length;
   in.checkpoint_layers = checkpoint_plan(c.training.gradient_checkpointing, s.num_layers);
+  const c10::Device device = resolve_device(c.runtime.device);
+  // An explicit device map's offloaded layers (`auto` depends on the device's budget: the
+  // trainer sets them once the model is placed).
+  if (!c.model.device_map.entries.empty())
+    in.offloaded_layers = models::plan_entries(*structure, c.model.device_map.entries, device).offloaded;
   in.offload_activations = c.training.activation_offload == "checkpoints";
   OptimizerOptions oo;
   set_optimizer_kind(c.training.optim, oo);
@@ -79,13 +85,20 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
   in.sharding = c.distributed.sharding;  // world_size stays 1: the caller knows the ranks
   in.bucket_bytes = c.distributed.bucket_size_mb << 20;
   std::string note;
-  const c10::Device device = resolve_device(c.runtime.device);
   in.compute_bytes = static_cast<int64_t>(c10::elementSize(resolve_compute_dtype(c, device, &note)));
-  // Activations are fp32 (LoadOptions::dense_dtype); on the CPU attention takes the fused
-  // kernel unless the config asks for another.
-  in.fused_cpu_attention = device.is_cpu() && in.compute_bytes == 4 && c.model.attn_implementation == "auto";
+  // Activations are in the dense dtype (fp32: LoadOptions::dense_dtype) whatever the compute
+  // dtype: each projection casts its output back, so q, k and v reach attention in fp32 and
+  // on the CPU take the fused kernel (its rule: fp32 CPU tensors) unless the config asks
+  // for another.
+  in.fused_cpu_attention = device.is_cpu() && in.dense_bytes == 4 && c.model.attn_implementation == "auto";
   in.cpu_update = device.is_cpu();
   in.threads = at::get_num_threads();
+  return in;
+}
+
+EstimateInput fit_to_data(EstimateInput in, const data::DatasetStats& stats) {
+  if (stats.longest_sample > 0) in.seq_length = std::min(in.seq_length, stats.longest_sample);
+  if (stats.samples > 0) in.max_sample_targets = std::max<int64_t>(1, stats.most_sample_targets);
   return in;
 }
 
@@ -108,19 +121,13 @@ void check_fits(const Config& c, const models::ModelSpec& spec, int64_t budget, 
   best.offload_activations =
       best.offload_activations || (c.memory.supervise && c.memory.on_oom.allows("activation_offload"));
   best.optimizer_paged = best.optimizer_paged || (c.memory.supervise && c.memory.on_oom.allows("optimizer_offload"));
-  const Estimate estimate = estimate_memory(best);
-  int64_t peak = estimate.peak_bytes;
-  // With offloading allowed (LoRA on a frozen base; device_map or the supervisor's ladder),
-  // every decoder layer can leave the device but the one running: the layers' share of the
-  // weights is not needed at once.
-  // Sharded layers (distributed.sharding: full) are not offloaded: the estimate counts 1/W of them.
+  // With the ladder's layer offload (LoRA on a frozen base), every decoder layer can leave the
+  // device but the one running. Sharded layers (distributed.sharding: full) are not
+  // offloaded: the estimate counts 1/W of them.
   const bool sharded = world_size > 1 && c.distributed.sharding == "full";
-  const bool can_offload = best.finetune == "lora" && !sharded &&
-                           (c.memory.on_oom.allows("layer_offload") || !c.model.device_map.entries.empty());
-  if (can_offload && best.num_layers > 1) {
-    const int64_t layers = estimate.weights_layers;
-    peak -= layers - layers / best.num_layers;
-  }
+  if (best.finetune == "lora" && !sharded && c.memory.on_oom.allows("layer_offload"))
+    best.offloaded_layers.assign(static_cast<size_t>(best.num_layers), true);
+  const int64_t peak = estimate_memory(best).peak_bytes;
   if (peak <= budget) return;
   std::string would;
   if (!best.load_in_4bit && best.finetune == "lora") {

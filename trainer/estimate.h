@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "data/dataset.h"
 #include "models/model_spec.h"
 #include "trainer/estimator.h"
 #include "trainer/config.h"
@@ -23,6 +24,13 @@ std::vector<bool> checkpoint_plan(const CheckpointingConfig& c, int64_t layers);
 // The estimator's input for this config and shape: micro_batch <= 0 takes the config's
 // per_device_train_batch_size (1 when auto); sequence length is data.max_seq_length.
 EstimateInput estimate_input(const Config& config, const models::ModelSpec& spec, int64_t micro_batch = 0);
+
+// `in` bounded by the training data (the loaded dataset's stats): a micro-batch's rows are
+// padded to its longest sample (data::collate), so no longer than the data's longest; and
+// only trained positions form logits, at most the data's most per sample. Without it the
+// estimate assumes rows of data.max_seq_length with every position trained, a bound that
+// can be several times the real peak with packing off or prompt tokens masked.
+EstimateInput fit_to_data(EstimateInput in, const data::DatasetStats& stats);
 
 // The same input with every saving enabled: every layer checkpointed.
 EstimateInput with_every_saving(EstimateInput in);

@@ -89,8 +89,11 @@ class Planner {
 
   bool tied() const { return m_.model->spec().tie_word_embeddings; }
   bool checkpointed(int layer) const {
-    return shard_layers() ||
+    return shard_layers() || offloaded(layer) ||
            (layer < static_cast<int>(m_.checkpoint_layers.size()) && m_.checkpoint_layers[layer]);
+  }
+  bool offloaded(int layer) const {
+    return layer >= 0 && layer < static_cast<int>(m_.offloaded_layers.size()) && m_.offloaded_layers[layer];
   }
   // distributed.sharding: full over several ranks (trainer/layer_shards.h): each rank keeps
   // 1/W of every layer's frozen weights, gathers a layer around its forward, checkpoints all.
@@ -112,14 +115,23 @@ class Planner {
 
     // Weights, tensor by tensor.
     int64_t layers_nf4 = 0, layers_dense = 0, largest = 0;
+    std::vector<int64_t> offloaded_bytes(static_cast<size_t>(L_), 0);
     for (const TensorSlot& t : model.tensors()) {
       const int64_t n = numel(t);
       largest = std::max(largest, n);
       const int64_t bytes = nf4 && t.role == TensorRole::kLinearWeight ? nf4_storage_bytes(n, m_.blocksize, m_.double_quant) : n * wb;
+      if (offloaded(t.layer)) {
+        offloaded_bytes[t.layer] += bytes;
+        continue;
+      }
       (nf4 && t.role == TensorRole::kLinearWeight ? e.weights_nf4 : e.weights_dense) += bytes;
       if (t.layer >= 0) (nf4 && t.role == TensorRole::kLinearWeight ? layers_nf4 : layers_dense) += bytes;
     }
     e.weights_layers = layers_nf4 + layers_dense;
+    for (int64_t b : offloaded_bytes) {
+      e.weights_offloaded += b;
+      e.fetched_layer = std::max(e.fetched_layer, b);
+    }
     // Sharded layers: this rank's 1/W (the whole-tensor partition is within a tensor of it),
     // and one whole layer while it is gathered (forward, and its rerun in backward).
     int64_t gathered = 0;
@@ -131,6 +143,9 @@ class Planner {
       gathered = (e.weights_layers + L_ - 1) / L_;
       e.gathered_layer = gathered;
     }
+    // An offloaded layer's weights come to the device for its forward and again for its
+    // rerun and backward (a sharded layer is never offloaded).
+    gathered = std::max(gathered, e.fetched_layer);
 
     // Trainable tensors, their gradients and the optimizer's states, tensor by tensor (8-bit
     // states depend on each tensor's size).
@@ -188,15 +203,17 @@ class Planner {
     e.activations = kept + final_norm + batch + stack.context;
 
     // Loss (models/layers/cross_entropy.cpp): gradients are formed in the forward. Alive at
-    // once: the normed hidden (E,C), its trained rows, their fp32 gradient, a chunk of fp32
+    // once: the normed hidden (E,C), its N trained rows, their fp32 gradient, a chunk of fp32
     // logits (softmaxed in place) and a chunk of gathered head rows; at the end the full (E,C)
     // gradient, kept for backward (and dW (V,C) fp32 when the head is trained).
-    const int64_t chunk = std::min(E, m_.loss_chunk_rows > 0 ? m_.loss_chunk_rows : models::loss_chunk_rows(V));
+    const int64_t N = m_.max_sample_targets > 0 ? std::min(E, m_.micro_batch * m_.max_sample_targets) : E;
+    const int64_t chunk = std::min(N, m_.loss_chunk_rows > 0 ? m_.loss_chunk_rows : models::loss_chunk_rows(V));
     const int64_t hidden = E * C * act_;
+    const int64_t rows = N * C * act_, d_rows = N * C * kF32;
     const int64_t dh = E * C * kF32;
     const int64_t head_grad = head_trained_ ? V * C * kF32 : 0;
-    const int64_t loss_chunk = hidden + hidden + dh + chunk * V * kF32 + chunk * C * kF32 + head_grad;
-    const int64_t loss_end = hidden + hidden + 2 * dh + head_grad;
+    const int64_t loss_chunk = hidden + rows + d_rows + chunk * V * kF32 + chunk * C * kF32 + head_grad;
+    const int64_t loss_end = hidden + rows + d_rows + dh + head_grad;
     e.loss = std::max(loss_chunk, loss_end);
     e.after_forward = e.activations + dh + head_grad;
 
@@ -228,10 +245,13 @@ class Planner {
       const models::LayerMemory& l = layers_[i];
       int64_t worst = l.backward;
       if (checkpointed(i)) {
-        // Offloaded, the input comes back to the device for the recomputation.
+        // Offloaded, the input comes back to the device for the recomputation; the rebuilt
+        // layer's output stays alive through the layer's backward
+        // (runtime/activation_checkpoint.cpp).
         const int64_t fetched = m_.offload_activations ? checkpoint_input(i) : 0;
-        recompute = std::max(recompute, l.kept + fetched);
-        worst = std::max(worst + fetched, l.forward + fetched + (input_grad(i) ? 0 : E * C * act_));
+        const int64_t output = E * C * act_;
+        recompute = std::max(recompute, l.kept + fetched + output);
+        worst = std::max(worst + fetched + output, l.forward + fetched + (input_grad(i) ? 0 : E * C * act_));
       }
       workspace = std::max(workspace, l.workspace);
       bwd = std::max(bwd, std::max(grads, held) + below + grad_in + worst);
@@ -257,8 +277,12 @@ class Planner {
       add("weights: NF4", e.weights_nf4,
           str_cat("projections, blocksize ", m_.blocksize, m_.double_quant ? ", double quant" : ""));
     add("weights: dense", e.weights_dense, str_cat(wb, " bytes per element"));
-    if (gathered)
-      add("weights: gathered layer", gathered,
+    if (e.fetched_layer)
+      add("weights: offloaded layer", e.fetched_layer,
+          str_cat("the largest offloaded layer, fetched while it runs; the offloaded layers' ",
+                  format_bytes(e.weights_offloaded), " wait in host memory (model.device_map)"));
+    if (e.gathered_layer)
+      add("weights: gathered layer", e.gathered_layer,
           str_cat("one whole layer while it runs, in forward and in backward; the layers' weights above are 1/",
                   m_.world_size, " of ", format_bytes(e.layers_sharded_from), " (distributed.sharding: full)"));
     if (e.lora_parameters) add("LoRA parameters", e.lora_parameters, str_cat("r=", m_.lora_r, ", fp32"));
@@ -289,11 +313,13 @@ class Planner {
     for (int i = 0; i < L_;) {
       int j = i;
       while (j + 1 < L_ && e.activations_per_layer[j + 1] == e.activations_per_layer[i] &&
-             checkpointed(j + 1) == checkpointed(i))
+             checkpointed(j + 1) == checkpointed(i) && offloaded(j + 1) == offloaded(i))
         ++j;
-      const std::string how = (!checkpointed(i)            ? "kept for backward"
-                               : m_.offload_activations ? "checkpointed, its input in host memory"
-                                                        : "checkpointed: its input") + bound;
+      const std::string how = (offloaded(i) ? "offloaded (model.device_map), " : "") +
+                              std::string(!checkpointed(i)            ? "kept for backward"
+                                          : m_.offload_activations ? "checkpointed, its input in host memory"
+                                                                   : "checkpointed: its input") +
+                              bound;
       if (j == i)
         add(str_cat("activations: layer ", i), e.activations_per_layer[i], how);
       else
@@ -303,7 +329,9 @@ class Planner {
     }
     add("activations: outside the layers", final_norm + stack.context + batch,
         "the final norm, the layer context (rotary tables), the batch");
-    add("logits and loss", e.loss, str_cat("chunks of ", chunk, " rows x ", V, " fp32 logits"));
+    add("logits and loss", e.loss,
+        str_cat("chunks of ", chunk, " rows x ", V, " fp32 logits",
+                N < E ? str_cat(", ", N, " trained rows (at most ", m_.max_sample_targets, " per sample)") : ""));
     add("recompute (checkpointed layer)", e.recompute, "one layer rebuilt in backward");
     add("workspace (layer backward)", e.workspace, "temporaries of one layer's backward");
     return e;

@@ -49,7 +49,15 @@ struct EstimateInput {
   int64_t samples_per_step = 0;
   int64_t accumulation_steps = 1;   // training.gradient_accumulation_steps
   int64_t seq_length = 512;         // T (rows are padded to a multiple of 8)
+  // The most trained positions (targets not ignored) in one sample; 0: every position. Only
+  // trained positions form logits in the loss, so a micro-batch's loss holds at most
+  // micro_batch x this many rows (fit_to_data in trainer/estimate.h sets it from the data).
+  int64_t max_sample_targets = 0;
   std::vector<bool> checkpoint_layers;  // per layer: recomputed in backward (empty: none)
+  // Per layer (empty: none): offloaded by model.device_map, its frozen weights in host memory
+  // outside the budget and fetched for each run of the layer, which is always checkpointed
+  // (models::CausalLM::forward).
+  std::vector<bool> offloaded_layers;
   bool offload_activations = false;     // a checkpointed layer's input waits in host memory
   // adamw (2 fp32 states + a workspace) | adamw_8bit (bitsandbytes: 2 uint8 codes + 2 fp32
   // absmax per 256 elements for tensors of >= 4096 elements, else 2 fp32) | adamw_32bit
@@ -91,6 +99,8 @@ struct Estimate {
   int64_t weights_layers = 0;     // of the two above, the decoder layers' (what layer offload can move)
   int64_t layers_sharded_from = 0; // sharding full: every layer's weights, of which this rank keeps 1/W
   int64_t gathered_layer = 0;     // sharding full: one layer gathered whole around its forward
+  int64_t weights_offloaded = 0;  // offloaded layers' weights, in host memory (not in the peaks)
+  int64_t fetched_layer = 0;      // the largest offloaded layer, on the device while it runs
   int64_t lora_parameters = 0;    // A and B, fp32
   int64_t trainable_parameters = 0;  // count
   int64_t gradients = 0;          // one fp32 gradient per trainable tensor

@@ -176,19 +176,22 @@ ModelBundle setup_model(const Config& c, const fs::path& adapter_dir, const Skip
                               " bits per parameter)"));
   b.notes.push_back("base weights: " + format_bytes(model.base_storage_bytes()));
 
-  fs::path tok = !c.model.tokenizer.empty() ? fs::path(c.model.tokenizer) : fs::path(c.model.name_or_path);
+  b.tokenizer = load_tokenizer(c.model, &b.tokenizer_path);
+  MEMTUNE_CHECK(!b.tokenizer || b.tokenizer->vocab_size() <= model.spec().vocab_size, "model.tokenizer: ",
+                b.tokenizer_path.string(), " has ", b.tokenizer ? b.tokenizer->vocab_size() : 0,
+                " ids but the model's vocab_size is ", model.spec().vocab_size);
+  return b;
+}
+
+std::unique_ptr<data::Tokenizer> load_tokenizer(const ModelConfig& m, fs::path* path) {
+  fs::path tok = !m.tokenizer.empty() ? fs::path(m.tokenizer) : fs::path(m.name_or_path);
   if (fs::exists(tok) && (fs::is_regular_file(tok) || fs::exists(tok / "tokenizer.json") ||
                           fs::exists(tok / "tokenizer.model"))) {
-    b.tokenizer = data::Tokenizer::load(tok);
-    b.tokenizer_path = tok;
-    MEMTUNE_CHECK(b.tokenizer->vocab_size() <= model.spec().vocab_size, "model.tokenizer: ", tok.string(),
-                  " has ", b.tokenizer->vocab_size(), " ids but the model's vocab_size is ",
-                  model.spec().vocab_size);
-  } else {
-    MEMTUNE_CHECK(c.model.tokenizer.empty(), "model.tokenizer: '", c.model.tokenizer,
-                  "' has no tokenizer.json or tokenizer.model");
+    if (path) *path = tok;
+    return data::Tokenizer::load(tok);
   }
-  return b;
+  MEMTUNE_CHECK(m.tokenizer.empty(), "model.tokenizer: '", m.tokenizer, "' has no tokenizer.json or tokenizer.model");
+  return nullptr;
 }
 
 // The share is of model.max_memory's size for the device, else of the device_limit or, on a

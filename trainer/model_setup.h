@@ -51,6 +51,11 @@ models::ModelSpec model_spec(const ModelConfig& config);
 using SkipTensors = std::function<std::vector<bool>(const models::CausalLM& built)>;
 std::unique_ptr<models::CausalLM> load_base_model(const ModelConfig& config, const SkipTensors& skip = {});
 
+// The tokenizer model.tokenizer names, else the model directory's (tokenizer.json or
+// tokenizer.model); `path` receives where it was read. Null when a preset or a directory has
+// none; a model.tokenizer that holds none is a UserError.
+std::unique_ptr<data::Tokenizer> load_tokenizer(const ModelConfig& config, std::filesystem::path* path = nullptr);
+
 // The base model, quantized as configured, with LoRA (or everything trainable), and its
 // tokenizer. `adapter_dir` (optional) loads an existing PEFT adapter instead of new LoRA.
 ModelBundle setup_model(const Config& config, const std::filesystem::path& adapter_dir = {},

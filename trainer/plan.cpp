@@ -75,7 +75,8 @@ struct Shape {
 };
 
 struct Planner {
-  Planner(const Config& config, const models::ModelSpec& model_spec, int64_t ranks, const PlanCostModel& cost)
+  Planner(const Config& config, const models::ModelSpec& model_spec, int64_t ranks, const PlanCostModel& cost,
+          const data::DatasetStats* data)
       : c(config), spec(model_spec), world_size(ranks), model(cost) {
     OptimizerOptions oo;
     set_optimizer_kind(config.training.optim, oo);
@@ -83,6 +84,7 @@ struct Planner {
     // The configured run's input, built once (with the model's structure); plans change
     // only the micro-batch and the savings.
     base = estimate_input(config, spec, config.training.per_device_train_batch_size);
+    if (data) base = fit_to_data(base, *data);
     base.world_size = world_size;
     seq_length = base.seq_length;
     work = forward_work(*base.model, seq_length);
@@ -167,17 +169,18 @@ std::vector<std::string> plan_overrides(const Config& c, const Plan& p) {
   return out;
 }
 
-std::vector<Plan> candidate_plans(const Config& c, const models::ModelSpec& spec, int64_t world_size) {
-  return candidate_plans(c, spec, world_size, plan_cost_model(c));
+std::vector<Plan> candidate_plans(const Config& c, const models::ModelSpec& spec, int64_t world_size,
+                                  const data::DatasetStats* data) {
+  return candidate_plans(c, spec, world_size, plan_cost_model(c), data);
 }
 
 std::vector<Plan> candidate_plans(const Config& c, const models::ModelSpec& spec, int64_t world_size,
-                                  const PlanCostModel& model) {
+                                  const PlanCostModel& model, const data::DatasetStats* data) {
   MEMTUNE_CHECK(c.training.per_device_train_batch_size != TrainingConfig::kAuto,
                 "training.per_device_train_batch_size: auto: a plan keeps the effective batch "
                 "(per_device_train_batch_size x gradient_accumulation_steps), which auto leaves to the run; "
                 "set per_device_train_batch_size to a number");
-  const Planner planner(c, spec, world_size, model);
+  const Planner planner(c, spec, world_size, model, data);
   const int64_t effective = int64_t{c.training.per_device_train_batch_size} * c.training.gradient_accumulation_steps;
   const int64_t layers = spec.num_layers;
 

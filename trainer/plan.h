@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "data/dataset.h"
 #include "models/model_spec.h"
 #include "trainer/config.h"
 
@@ -56,10 +57,12 @@ std::vector<std::string> plan_overrides(const Config& config, const Plan& plan);
 // ties by lower peak: micro-batches dividing the effective batch, checkpointing none,
 // every_n for n in {4, 3, 2} below the layer count, and all; activation offload with
 // checkpointing; optimizer offload (not when training.optim pages its states already).
-// Peaks per rank of `world_size`; times by `model` (default: the config's device's).
+// Peaks per rank of `world_size`; times by `model` (default: the config's device's); with
+// `data` (the training set's stats), shapes bounded by the data (fit_to_data).
 std::vector<Plan> candidate_plans(const Config& config, const models::ModelSpec& spec, int64_t world_size,
-                                  const PlanCostModel& model);
-std::vector<Plan> candidate_plans(const Config& config, const models::ModelSpec& spec, int64_t world_size = 1);
+                                  const PlanCostModel& model, const data::DatasetStats* data = nullptr);
+std::vector<Plan> candidate_plans(const Config& config, const models::ModelSpec& spec, int64_t world_size = 1,
+                                  const data::DatasetStats* data = nullptr);
 
 // The candidates worth running under `budget` bytes, fastest first: those whose peak fits,
 // each listed only if its peak is below every faster one's (a slower plan that saves no

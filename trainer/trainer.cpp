@@ -281,6 +281,9 @@ void Trainer::load_model() {
                  format_bytes(limit_), format_bytes(mem_->stats().allocated));
   }
   load_peak_ = mem_->stats().peak;
+  // The memory plan follows the placement (device_map: auto decides it only now).
+  plan_.offloaded_layers.assign(static_cast<size_t>(model.num_layers()), false);
+  for (int i = 0; i < static_cast<int>(model.num_layers()); ++i) plan_.offloaded_layers[i] = model.offloaded(i);
   pad_id_ = bundle_.tokenizer && bundle_.tokenizer->pad_id ? *bundle_.tokenizer->pad_id : 0;
 }
 
@@ -295,6 +298,12 @@ void Trainer::load_data() {
                st.dropped, st.skipped_invalid, train_set_->from_cache() ? " (from cache)" : "");
   if (!c_.data.eval_file.empty())
     eval_set_ = std::make_unique<data::Dataset>(c_.data.eval_file, bundle_.tokenizer.get(), dopts);
+  // From here the memory plan knows the data: its longest sample and most targets per sample.
+  plan_ = fit_to_data(plan_, st);
+  if (plan_.seq_length < c_.data.max_seq_length || plan_.max_sample_targets < plan_.seq_length)
+    spdlog::info("memory plan: samples of at most {} tokens, at most {} of them trained: estimated peak {} at "
+                 "micro-batch {}",
+                 plan_.seq_length, plan_.max_sample_targets, format_bytes(estimate_peak(plan_)), plan_.micro_batch);
 
   micro_batch_ = c_.training.per_device_train_batch_size;
   if (micro_batch_ == TrainingConfig::kAuto) {
@@ -452,10 +461,10 @@ void Trainer::build_supervisor() {
       now.checkpoint_layers = ckpt_layers_;
       now.offload_activations = offload_activations_;
       now.optimizer_paged = now.optimizer_paged || optimizer_->states_offloaded();
-      int64_t peak = estimate_peak(now);
+      // Offloaded layers (the map's and the ladder's): weights off the device, checkpointed.
       for (int64_t i = 0; i < bundle_.model->num_layers(); ++i)
-        if (bundle_.model->offloaded(i)) peak -= bundle_.model->layer_weight_bytes(i);
-      return peak <= limit_;
+        now.offloaded_layers[static_cast<size_t>(i)] = bundle_.model->offloaded(i);
+      return estimate_peak(now) <= limit_;
     });
   supervisor_->set_report([this] {
     return str_cat("memory limit ", limit_ ? format_bytes(limit_) : std::string("none"), ", load peak ",

@@ -87,9 +87,10 @@ class ParallelBlockModel : public CausalLM {
     if (tqkv.keeps_input() || tu.keeps_input()) attn += E * C * a;  // h, shared by qkv and up
     const AttentionMemory at = attention_memory(s.batch, spec_.num_heads, spec_.num_heads, s.tokens, spec_.head_dim,
                                                 a, s.fused_cpu_attention, s.threads);
-    if (plan.input_grad || tqkv.keeps_input()) attn += at.kept;
-    if (to.keeps_input()) rest += E * H * a;                   // the merged heads
-    if (plan.input_grad || tu.keeps_input()) rest += E * F * a;  // GELU's input
+    if (plan.input_grad || tqkv.trains()) attn += at.kept;
+    // The merged heads: a view of the fused kernel's output, which it keeps itself.
+    if (to.keeps_input() && !(s.fused_cpu_attention && (plan.input_grad || tqkv.trains()))) rest += E * H * a;
+    if (plan.input_grad || tu.trains()) rest += E * F * a;       // GELU's input
     if (td.keeps_input()) rest += E * F * a;                   // GELU's output
     const int64_t qkv = E * 3 * H * a;  // the projection q, k and v are views of (the fused kernel keeps them)
     LayerMemory m;

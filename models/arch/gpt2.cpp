@@ -95,13 +95,14 @@ class Gpt2Model : public CausalLM {
     if (g_in) attn += layer_norm_kept(E, C, a);
     if (tqkv.keeps_input()) attn += E * C * a;  // h
     const AttentionMemory at = attention_memory(s.batch, H, H, s.tokens, spec_.head_dim, a, s.fused_cpu_attention, s.threads);
-    const bool g_attention = g_in || tqkv.keeps_input();
+    const bool g_attention = g_in || tqkv.trains();
     if (g_attention) attn += at.kept;
-    if (to.keeps_input()) mlp += E * C * a;  // the merged heads
-    const bool g_y = g_attention || to.keeps_input();
+    // The merged heads: a view of the fused kernel's output, which it keeps itself.
+    if (to.keeps_input() && !(s.fused_cpu_attention && g_attention)) mlp += E * C * a;
+    const bool g_y = g_attention || to.trains();
     if (g_y) mlp += layer_norm_kept(E, C, a);
     if (tfc.keeps_input()) mlp += E * C * a;           // h
-    if (g_y || tfc.keeps_input()) mlp += E * F * a;   // GELU's input
+    if (g_y || tfc.trains()) mlp += E * F * a;        // GELU's input
     if (tp.keeps_input()) mlp += E * F * a;           // GELU's output
 
     const int64_t qkv = E * 3 * C * a;
@@ -112,9 +113,11 @@ class Gpt2Model : public CausalLM {
     const int64_t mlp_end = (tp.keeps_input() ? 0 : E * F * a) + E * C * a + E * r * 4 + panel;
     m.forward = std::max(attn + (s.fused_cpu_attention ? 0 : qkv) + at.forward_transient,
                          m.kept + (s.fused_cpu_attention ? 0 : qkv) + mlp_end);
+    // Unrecorded: x, h, the projection, the merged heads, y, and the MLP's fc output and GELU's.
     m.forward_no_grad = std::max(E * C * a + qkv + at.no_grad_own + at.forward_transient,
-                                 3 * E * C * a + qkv + E * C * a + 5 * E * F * a + panel);
-    const int64_t at_mlp = gelu_backward_transient(E, F) + E * C * 4 + panel;
+                                 3 * E * C * a + qkv + E * C * a + 2 * E * F * a + panel);
+    // The MLP's backward, beside the gradient flowing in (the caller's).
+    const int64_t at_mlp = gelu_backward_transient(E, F) + panel;
     m.backward = std::max(m.kept + at_mlp, attn + at.backward_transient);
     m.workspace = std::max(at_mlp, at.backward_transient);
     return m;

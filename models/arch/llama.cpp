@@ -153,9 +153,9 @@ class LlamaModel : public CausalLM {
   at::Tensor final_norm(const at::Tensor& x) override { return rms_norm(x, norm_, spec_.norm_eps); }
 
   // layer()'s memory, op by op. A tensor is kept only by an op that needs it for a wanted
-  // gradient: an adapter or a trained weight keeps its projection's input (h is shared by
-  // q, k and v, and by gate and up), a frozen weight keeps nothing of it. The attention's
-  // part of what is kept lives until its backward; the MLP's is freed before.
+  // gradient: a trained weight or an adapter without dropout keeps its projection's input
+  // (h is shared by q, k and v, and by gate and up), a frozen weight keeps nothing of it.
+  // The attention's part of what is kept lives until its backward; the MLP's is freed before.
   LayerMemory layer_memory(int i, const StepShape& s, const LayerPlan& plan) const override {
     const Layer& L = layers_[i];
     const ModelSpec& sp = spec_;
@@ -166,21 +166,23 @@ class LlamaModel : public CausalLM {
                          td = plan.training(*L.down);
     ProjectionTally p;
     int64_t attn = p.add(*L.q, tq, s) + p.add(*L.k, tk, s) + p.add(*L.v, tv, s);
-    int64_t mlp = p.add(*L.o, to, s) + p.add(*L.gate, tg, s) + p.add(*L.up, tu, s) + p.add(*L.down, td, s);
+    const int64_t down_adapter = p.add(*L.down, td, s);
+    int64_t mlp = p.add(*L.o, to, s) + p.add(*L.gate, tg, s) + p.add(*L.up, tu, s) + down_adapter;
     const int64_t r = p.lora_rank, panel = p.panel;
     const bool g_in = plan.input_grad;
     if (g_in) attn += rms_norm_kept(E, C, a);
-    const bool qkv_trained = tq.keeps_input() || tk.keeps_input() || tv.keeps_input();
-    if (qkv_trained) attn += E * C * a;  // h
+    const bool qkv_trained = tq.trains() || tk.trains() || tv.trains();
+    if (tq.keeps_input() || tk.keeps_input() || tv.keeps_input()) attn += E * C * a;  // h
     const AttentionMemory at =
         attention_memory(s.batch, sp.num_heads, sp.num_kv_heads, s.tokens, sp.head_dim, a, s.fused_cpu_attention, s.threads);
     const bool g_attention = g_in || qkv_trained;
     if (g_attention) attn += at.kept;
-    if (to.keeps_input()) mlp += E * q * a;  // the merged heads
-    const bool g_y = g_attention || to.keeps_input();
+    // The merged heads: a view of the fused kernel's output, which it keeps itself.
+    if (to.keeps_input() && !(s.fused_cpu_attention && g_attention)) mlp += E * q * a;
+    const bool g_y = g_attention || to.trains();
     if (g_y) mlp += rms_norm_kept(E, C, a);
     if (tg.keeps_input() || tu.keeps_input()) mlp += E * C * a;  // h
-    if (g_y || tg.keeps_input() || tu.keeps_input()) mlp += swiglu_kept(E, F, a);
+    if (g_y || tg.trains() || tu.trains()) mlp += swiglu_kept(E, F, a);
     if (td.keeps_input()) mlp += E * F * a;  // silu(gate) * up
 
     const int64_t qkv = E * (q + 2 * kv) * a;  // q, k (after rotary), v: the layer's locals
@@ -193,13 +195,16 @@ class LlamaModel : public CausalLM {
     const int64_t mlp_end = (td.keeps_input() ? 0 : E * F * a) + E * C * a + E * r * 4 + panel;
     m.forward = std::max(attn + (s.fused_cpu_attention ? 0 : qkv) + at.forward_transient,
                          m.kept + (s.fused_cpu_attention ? 0 : qkv) + mlp_end);
-    // Unrecorded: x, h, the locals, the merged heads, y, and the MLP's gate, up's parts,
-    // silu and the product.
+    // Unrecorded: x, h, the locals, the merged heads, y, and the MLP's gate, up and the
+    // product (silu(gate), multiplied by up in place).
     m.forward_no_grad = std::max(E * C * a + qkv + at.no_grad_own + at.forward_transient,
-                                 3 * E * C * a + qkv + E * q * a + 5 * E * F * a + panel);
-    // The MLP's backward: the gradient flowing in, the product's from down, SwiGLU's.
-    const int64_t at_mlp = E * C * 4 + E * F * 4 + swiglu_backward_transient(E, F) + panel;
-    m.backward = std::max(m.kept + at_mlp, attn + at.backward_transient);
+                                 3 * E * C * a + qkv + E * q * a + 3 * E * F * a + panel);
+    // The MLP's backward, beside the gradient flowing in (the caller's): the product's
+    // gradient from down and SwiGLU's transients, once down's node has run and released
+    // what it kept.
+    const int64_t down_kept = (td.keeps_input() ? E * F * a : 0) + down_adapter;
+    const int64_t at_mlp = E * F * 4 + swiglu_backward_transient(E, F) + panel;
+    m.backward = std::max(m.kept - down_kept + at_mlp, attn + at.backward_transient);
     m.workspace = std::max(at_mlp, at.backward_transient);
     return m;
   }

@@ -25,7 +25,9 @@ inline int64_t layer_norm_kept(int64_t rows, int64_t width, int64_t elem_bytes) 
   return rows * width * elem_bytes + 2 * rows * 4;
 }
 inline int64_t swiglu_kept(int64_t rows, int64_t width, int64_t elem_bytes) { return 2 * rows * width * elem_bytes; }
-inline int64_t swiglu_backward_transient(int64_t rows, int64_t width) { return 3 * rows * width * 4; }
+// SwiGLU's backward at its widest: sigmoid(gate), up's gradient, 1 - sigmoid and gate's
+// gradient forming, all fp32 (norm_act.cpp).
+inline int64_t swiglu_backward_transient(int64_t rows, int64_t width) { return 4 * rows * width * 4; }
 inline int64_t gelu_backward_transient(int64_t rows, int64_t width) { return rows * width * 4; }
 
 }  // namespace memtune::models

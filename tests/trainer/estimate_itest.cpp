@@ -13,6 +13,7 @@
 #include "models/hf_model.h"
 #include "models/lora.h"
 #include "runtime/cpu_budget_allocator.h"
+#include "runtime/keyed_dropout.h"
 #include "runtime/nf4.h"
 #include "runtime/units.h"
 #include "test_util.h"
@@ -91,6 +92,8 @@ Measured measure(const trainer::Config& c, const models::ModelSpec& spec) {
   ScopedPeakReset peak;
   {
     data::Batch batch = data::collate(samples, 8, 0);
+    // Keyed LoRA dropout, as the trainer runs it (each row's mask from its own key).
+    for (size_t b = 0; b < samples.size(); ++b) batch.row_keys.push_back(dropout_row_key(7, 1, static_cast<int64_t>(b)));
     const int64_t before = cpu_allocated_bytes() - batch.input_ids.numel() * 8 * 4;
     models::ForwardOutput out = model->forward(batch, fo);
     m.kept_after_forward = cpu_allocated_bytes() - before;
@@ -138,6 +141,16 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         Shape{"llama_nf4_lora_none", {"model.name_or_path=tiny-llama", "model.quantization_config.load_in_4bit=true",
                                       "data.max_seq_length=128", "training.per_device_train_batch_size=2"}},
+        // LoRA dropout: each adapter keeps its dropped input and mask, and its projection's
+        // input is no longer kept for it. bf16 compute: the residual stream stays fp32, so
+        // attention still takes the fused CPU kernel.
+        Shape{"llama_nf4_lora_dropout", {"model.name_or_path=tiny-llama", "model.quantization_config.load_in_4bit=true",
+                                         "lora.lora_dropout=0.1", "lora.target_modules=all-linear", "data.max_seq_length=256",
+                                         "training.per_device_train_batch_size=2"}},
+        Shape{"gpt2_dense_lora_dropout_bf16", {"model.name_or_path=tiny-gpt2", "lora.lora_dropout=0.05",
+                                               "lora.target_modules=all-linear",
+                                               "training.bf16=true", "data.max_seq_length=256",
+                                               "training.per_device_train_batch_size=2"}},
         Shape{"llama_dense_lora_all", {"model.name_or_path=tiny-llama", "data.max_seq_length=256",
                                        "training.per_device_train_batch_size=2", "training.gradient_checkpointing=true"}},
         Shape{"llama_dense_lora_all_offloaded", {"model.name_or_path=tiny-llama", "data.max_seq_length=256",
@@ -182,10 +195,46 @@ TEST(EstimateCommand, AccumulatedGradientsAreCountedThroughTheLaterMicroBatches)
   }
 }
 
+// With packing off a micro-batch is padded to its longest sample, and with the prompt
+// masked only the answers form logits: the estimate reads the data and plans with its
+// longest sample and most trained tokens per sample. Eight short instruction rows, trained
+// for one epoch (so the longest is in a measured step) at max_seq_length 512: the estimate
+// agrees with the run's measured peak; without the data (--no-data) it is the bound of
+// full 512-token rows, several times the peak.
+TEST(EstimateCommand, TheDataBoundsTheRowsAndTheLoss) {
+  fs::path d = temp_dir();
+  std::ifstream tasks(source_dir() / "examples/data/tasks_train.jsonl");
+  std::string rows, line;
+  for (int i = 0; i < 8 && std::getline(tasks, line); ++i) rows += line + "\n";
+  write_file(d / "eight.jsonl", rows);
+  write_file(d / "c.yaml", config_yaml(d / "out"));
+  const std::string args = " data.train_file=" + (d / "eight.jsonl").string() +
+                           " data.pack_sequences=false data.max_seq_length=512 training.per_device_train_batch_size=4"
+                           " training.max_steps=2 training.logging_steps=1 data.shuffle=false";
+  const json j = estimate_json(d / "c.yaml", args);
+  const json bound = estimate_json(d / "c.yaml", args + " --no-data");
+  EXPECT_LT(j["seq_length"].get<int64_t>(), 128) << j.dump();
+  EXPECT_EQ(bound["seq_length"], 512);
+  EXPECT_GT(j["max_sample_targets"].get<int64_t>(), 0);
+  auto train = run(memtune_bin() + " train " + (d / "c.yaml").string() + args, 300);
+  ASSERT_EQ(train.exit_code, 0) << train.output;
+  int64_t measured = 0, samples = 0;
+  for (const auto& r : read_jsonl(d / "out/metrics.jsonl"))
+    if (r.contains("memory")) {
+      measured = std::max(measured, r["memory"]["cpu"]["peak"].get<int64_t>());
+      samples += r["micro_batch"].get<int64_t>();
+    }
+  ASSERT_EQ(samples, 8) << "both steps ran at micro-batch 4: every row was in a measured step";
+  EXPECT_NEAR(rel(j["peak_bytes"].get<int64_t>(), measured), 0.0, 0.05)
+      << "estimated " << j["peak_bytes"] << ", measured " << measured;
+  EXPECT_GT(rel(bound["peak_bytes"].get<int64_t>(), measured), 1.0)
+      << "estimated without the data " << bound["peak_bytes"] << ", measured " << measured;
+}
+
 TEST(EstimateCommand, JsonHasThePeakTheBreakdownAndWhatFits) {
   fs::path d = temp_dir();
   write_file(d / "c.yaml", config_yaml(d / "out"));
-  json j = estimate_json(d / "c.yaml", "--device-memory 256MiB");
+  json j = estimate_json(d / "c.yaml", "--device-memory 256MiB --no-data");
   ASSERT_TRUE(j.contains("peak_bytes")) << j.dump();
   ASSERT_TRUE(j.contains("max_micro_batch"));
   ASSERT_TRUE(j.contains("max_seq_length"));
@@ -202,15 +251,15 @@ TEST(EstimateCommand, JsonHasThePeakTheBreakdownAndWhatFits) {
   EXPECT_GT(j["max_micro_batch"].get<int64_t>(), 2);
 
   // The device exactly as large as the configured run's peak: micro-batch 2 is the largest.
-  json at = estimate_json(d / "c.yaml", "--device-memory " + std::to_string(peak));
+  json at = estimate_json(d / "c.yaml", "--no-data --device-memory " + std::to_string(peak));
   EXPECT_EQ(at["max_micro_batch"], 2) << at.dump();
   EXPECT_EQ(at["fits"], true);
-  json below = estimate_json(d / "c.yaml", "--device-memory " + std::to_string(peak - 1));
+  json below = estimate_json(d / "c.yaml", "--no-data --device-memory " + std::to_string(peak - 1));
   EXPECT_EQ(below["max_micro_batch"], 1) << below.dump();
   EXPECT_EQ(below["fits"], false);
 
   // key=value overrides as for train; memory.device_limit is the default budget.
-  json four = estimate_json(d / "c.yaml", "training.per_device_train_batch_size=4 memory.device_limit=100MiB");
+  json four = estimate_json(d / "c.yaml", "--no-data training.per_device_train_batch_size=4 memory.device_limit=100MiB");
   EXPECT_EQ(four["micro_batch"], 4);
   EXPECT_GT(four["peak_bytes"].get<int64_t>(), peak);
   EXPECT_EQ(four["budget_bytes"], int64_t{100} << 20);
@@ -220,6 +269,9 @@ TEST(EstimateCommand, JsonHasThePeakTheBreakdownAndWhatFits) {
   EXPECT_EQ(table.exit_code, 0) << table.output;
   EXPECT_NE(table.output.find("predicted peak"), std::string::npos) << table.output;
   EXPECT_NE(table.output.find("largest micro-batch that fits"), std::string::npos) << table.output;
+  EXPECT_NE(table.output.find("data: " + (source_dir() / "examples/data/tasks_train.jsonl").string() + ": 1000 samples"),
+            std::string::npos)
+      << table.output;
 }
 
 TEST(EstimateCommand, PreLoadCheckRefusesARunThatCannotFitAndSaysWhatWould) {

@@ -156,7 +156,7 @@ TEST(PlanCommand, PrintsPastableOverridesOrTheSmallestPlan) {
     if (trainer::fitting_plans(all, p.peak_bytes).front().checkpointing.policy == "every_n") budget = p.peak_bytes;
   ASSERT_GT(budget, 0);
   const trainer::Plan first = trainer::fitting_plans(all, budget).front();
-  auto r = run(memtune_bin() + " estimate " + (d / "c.yaml").string() + " --plan --device-memory " +
+  auto r = run(memtune_bin() + " estimate " + (d / "c.yaml").string() + " --plan --no-data --device-memory " +
                    std::to_string(budget),
                120);
   ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -169,14 +169,14 @@ TEST(PlanCommand, PrintsPastableOverridesOrTheSmallestPlan) {
   EXPECT_NE(r.output.find(head + line + "\n"), std::string::npos) << head << line << "\n" << r.output;
   EXPECT_NE(line.find("'training.gradient_checkpointing={policy: every_n, n: "), std::string::npos) << line;
 
-  auto none = run(memtune_bin() + " estimate " + (d / "c.yaml").string() + " --plan --device-memory " +
+  auto none = run(memtune_bin() + " estimate " + (d / "c.yaml").string() + " --plan --no-data --device-memory " +
                       std::to_string(smallest.peak_bytes - 1),
                   120);
   ASSERT_EQ(none.exit_code, 0) << none.output;
   EXPECT_NE(none.output.find("no plan fits: the smallest needs " + format_bytes(smallest.peak_bytes)),
             std::string::npos)
       << none.output;
-  auto j = run(memtune_bin() + " estimate " + (d / "c.yaml").string() + " --plan --json --device-memory " +
+  auto j = run(memtune_bin() + " estimate " + (d / "c.yaml").string() + " --plan --json --no-data --device-memory " +
                    std::to_string(smallest.peak_bytes - 1),
                120);
   ASSERT_EQ(j.exit_code, 0) << j.output;
