@@ -131,6 +131,7 @@ void add_estimate_command(CLI::App& app) {
     MEMTUNE_CHECK(a->nproc >= 1, "memtune estimate: --nproc ", a->nproc, " must be at least 1 (ranks)");
     EstimateInput in = trainer::estimate_input(c, spec);
     in.world_size = a->nproc;
+    in.gradients_offloaded = in.gradients_offloaded && trainer::gradient_offload_applies(c, in.world_size);
     const Estimate e = estimate_memory(in);
     // Per rank, each sharding level at this size.
     struct Level {

@@ -76,6 +76,7 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
   set_optimizer_kind(c.training.optim, oo);
   in.optimizer = oo.kind;
   in.optimizer_paged = oo.paged || c.memory.optimizer_offload == "cpu";
+  in.gradients_offloaded = c.memory.optimizer_offload == "cpu";  // the caller knows the ranks: see below
   in.sharding = c.distributed.sharding;  // world_size stays 1: the caller knows the ranks
   in.bucket_bytes = c.distributed.bucket_size_mb << 20;
   std::string note;
@@ -87,6 +88,10 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
   in.cpu_update = device.is_cpu();
   in.threads = at::get_num_threads();
   return in;
+}
+
+bool gradient_offload_applies(const Config& c, int64_t world_size) {
+  return world_size <= 1 || resolve_device(c.runtime.device).is_cpu();
 }
 
 EstimateInput with_every_saving(EstimateInput in) {
@@ -108,6 +113,9 @@ void check_fits(const Config& c, const models::ModelSpec& spec, int64_t budget, 
   best.offload_activations =
       best.offload_activations || (c.memory.supervise && c.memory.on_oom.allows("activation_offload"));
   best.optimizer_paged = best.optimizer_paged || (c.memory.supervise && c.memory.on_oom.allows("optimizer_offload"));
+  best.gradients_offloaded =
+      (best.gradients_offloaded || (c.memory.supervise && c.memory.on_oom.allows("optimizer_offload"))) &&
+      gradient_offload_applies(c, world_size);
   const Estimate estimate = estimate_memory(best);
   int64_t peak = estimate.peak_bytes;
   // With offloading allowed (LoRA on a frozen base; device_map or the supervisor's ladder),

@@ -24,6 +24,11 @@ std::vector<bool> checkpoint_plan(const CheckpointingConfig& c, int64_t layers);
 // per_device_train_batch_size (1 when auto); sequence length is data.max_seq_length.
 EstimateInput estimate_input(const Config& config, const models::ModelSpec& spec, int64_t micro_batch = 0);
 
+// Whether memory.optimizer_offload: cpu (and its ladder rung) takes the gradients off the
+// device as well as the state (trainer/gradient_offload.h): everywhere but on several ranks
+// of a GPU, whose collectives (NCCL) reduce device memory.
+bool gradient_offload_applies(const Config& config, int64_t world_size);
+
 // The same input with every saving enabled: every layer checkpointed.
 EstimateInput with_every_saving(EstimateInput in);
 
