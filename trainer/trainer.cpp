@@ -541,7 +541,9 @@ void Trainer::resume() {
   step_ = ck.state.step;
   if (!ck.state.checkpoint_layers.empty()) ckpt_layers_ = ck.state.checkpoint_layers;
   offload_activations_ = offload_activations_ || ck.state.activation_offload;
-  if (ck.state.optimizer_offload) offload_optimizer();
+  if (ck.state.optimizer_offload)
+    if (const std::string moved = offload_optimizer(); !moved.empty())
+      spdlog::info("resume: {} in host memory (the checkpoint's optimizer offload)", moved);
   spdlog::info("resumed from {} at step {}", dir.string(), step_);
 }
 
