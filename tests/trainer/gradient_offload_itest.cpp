@@ -183,5 +183,33 @@ TEST(GradientOffload, LadderAfterOomsInBackwardAndOptimizerEqualsTheSettledPlanA
   }
 }
 
+// The estimate counts offloaded gradients as off the device, so the pre-flight check and the
+// ladder choose by it: under a 9,000,000-byte budget (the estimate at micro-batch 1 with every
+// layer checkpointed is 9.2 MB with the gradients on the device, 5.7 MB without) a run whose
+// ladder lacks optimizer_offload is refused before loading, and one whose ladder has it
+// settles under the budget with gradient offload, with the losses of the unconstrained run.
+TEST(GradientOffload, ABudgetBelowTheHeldGradientsIsRefusedWithoutTheRungAndFitsWithIt) {
+  const fs::path d = temp_dir();
+  const std::string shape = "training.optim=paged_adamw_32bit memory.device_limit=9000000 ";
+  const TrainRun refused = train(d / "refused", shape + "\"memory.on_oom.ladder=[micro_batch, checkpointing]\"");
+  EXPECT_EQ(refused.exit_code, 3) << refused.output;
+  EXPECT_FALSE(fs::exists(refused.out / "metrics.jsonl")) << "refused before training, not stopped in it";
+  const TrainRun fits = train(d / "fits", shape);
+  ASSERT_EQ(fits.exit_code, 0) << fits.output;
+  bool offloaded = false;
+  for (const auto& r : rows(fits.out)) {
+    EXPECT_LE(r["memory"]["cpu"]["peak"].get<int64_t>(), 9000000) << r.dump();
+    for (const auto& e : r["events"])
+      offloaded = offloaded || (e["kind"] == "ladder" && e["detail"].get<std::string>().find("gradients (") != std::string::npos);
+  }
+  EXPECT_TRUE(offloaded) << fits.output;
+  const TrainRun free = train(d / "free", "training.optim=paged_adamw_32bit");
+  ASSERT_EQ(free.exit_code, 0) << free.output;
+  const auto rf = rows(free.out), rb = rows(fits.out);
+  ASSERT_EQ(rf.size(), rb.size());
+  for (size_t i = 0; i < rf.size(); ++i)
+    EXPECT_NEAR(rf[i]["loss"].get<double>(), rb[i]["loss"].get<double>(), 1e-5) << "step " << i;
+}
+
 }  // namespace
 }  // namespace memtune::testing
