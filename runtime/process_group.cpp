@@ -20,6 +20,7 @@
 #include "runtime/compat.h"
 #include MEMTUNE_C10D_BACKEND_HEADER  // the collectives' class (compat::C10dBackend)
 #include "runtime/error.h"
+#include "runtime/offload.h"
 #ifdef MEMTUNE_CUDA
 #include "runtime/cuda/process_group_nccl.h"
 #endif
@@ -269,8 +270,9 @@ int64_t ProcessGroup::sequence() const { return impl_->seq; }
 c10::Device ProcessGroup::device() const { return impl_->device; }
 std::vector<int64_t> ProcessGroup::sent_bytes() const { return impl_->sent; }
 
-void ProcessGroup::allreduce_sum(const std::vector<at::Tensor>& tensors) {
+void ProcessGroup::allreduce_sum(const std::vector<at::Tensor>& tensors, bool host_buffers) {
   Impl& m = *impl_;
+  MEMTUNE_INTERNAL_ASSERT(!host_buffers || m.device.is_cpu(), "allreduce_sum: host buffers for a group on ", m.device);
   const int64_t bucket_bytes = m.options.bucket_size_mb << 20;
   // Buckets of same-dtype tensors, in the given order (the same on every rank).
   std::map<c10::ScalarType, std::vector<std::vector<at::Tensor>>> buckets;
@@ -287,7 +289,7 @@ void ProcessGroup::allreduce_sum(const std::vector<at::Tensor>& tensors) {
     list.back().push_back(t);
     bytes += t.numel() * static_cast<int64_t>(t.element_size());
   }
-  std::vector<int64_t> layout;
+  std::vector<int64_t> layout{host_buffers ? 1 : 0};
   for (const auto& [dtype, list] : buckets)
     for (const auto& bucket : list) {
       layout.push_back(static_cast<int64_t>(dtype));
@@ -301,7 +303,8 @@ void ProcessGroup::allreduce_sum(const std::vector<at::Tensor>& tensors) {
       for (const auto& bucket : list) {
         int64_t numel = 0;
         for (const auto& t : bucket) numel += t.numel();
-        m.flats.push_back(at::empty({numel}, at::TensorOptions().dtype(dtype).device(m.device)));
+        m.flats.push_back(host_buffers ? offload_zeros({numel}, dtype)
+                                       : at::empty({numel}, at::TensorOptions().dtype(dtype).device(m.device)));
       }
   }
   m.collective("allreduce_sum", [&] {

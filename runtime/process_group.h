@@ -49,8 +49,10 @@ class ProcessGroup {
   // Sums the tensors in place over all ranks. Tensors are grouped by dtype and flattened
   // into buckets of about bucket_size_mb (one flat buffer per bucket: copy in, allreduce,
   // copy out); the buckets' reductions run concurrently. The flat buffers are kept while
-  // the list's layout stays the same, so later calls allocate nothing.
-  void allreduce_sum(const std::vector<at::Tensor>& tensors);
+  // the list's layout stays the same, so later calls allocate nothing. `host_buffers`: the
+  // flat buffers in host memory outside the device budget (runtime/offload.h), for tensors
+  // that live there (offloaded gradients); the group must run on the CPU.
+  void allreduce_sum(const std::vector<at::Tensor>& tensors, bool host_buffers = false);
 
   // Element-wise reduction of a small vector over all ranks.
   std::vector<int64_t> allreduce(std::vector<int64_t> values, ReduceOp op);

@@ -214,7 +214,7 @@ void OnOomConfig::fields(F&& f) {
   f("ladder", ladder,
     "the savings an out-of-memory error may take, in order; each keeps the math: micro_batch (shrink it, the "
     "step's samples kept; first when listed), checkpointing (more layers), activation_offload (checkpointed layers' "
-    "inputs in host memory), optimizer_offload (the optimizer's state in host memory), layer_offload (frozen "
+    "inputs in host memory), optimizer_offload (the optimizer's state and the gradients in host memory), layer_offload (frozen "
     "layers' weights in host memory); optimizer_8bit is refused (it changes the numerics; not built). The memory "
     "model decides how far to climb",
     Field{"micro_batch", "checkpointing", "activation_offload", "optimizer_offload", "layer_offload",
@@ -230,8 +230,10 @@ void MemoryConfig::fields(F&& f) {
   f("emergency_threshold", emergency_threshold,
     "share of the limit at which the micro-batch shrinks before an OOM");
   f("optimizer_offload", optimizer_offload,
-    "cpu: the optimizer's state lives in host memory outside the device budget (DeepSpeed's offload_optimizer: "
-    "cpu); the update is the same (on the host for parameters on a GPU)",
+    "cpu: the optimizer's state lives in host memory outside the device budget, and each gradient moves there as "
+    "backward produces it and accumulates there (DeepSpeed's offload_optimizer: cpu, ZeRO-Offload); the update "
+    "is the same, bit for bit (on the host for parameters on a GPU). Several ranks on GPUs keep the gradients on "
+    "the device (NCCL reduces device memory)",
     {"none", "cpu"});
   f("on_oom", on_oom, "what an out-of-memory error does");
   f("grow_after_steps", grow_after_steps,

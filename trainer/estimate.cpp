@@ -82,6 +82,7 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
   set_optimizer_kind(c.training.optim, oo);
   in.optimizer = oo.kind;
   in.optimizer_paged = oo.paged || c.memory.optimizer_offload == "cpu";
+  in.gradients_offloaded = c.memory.optimizer_offload == "cpu";  // the caller knows the ranks: see below
   in.sharding = c.distributed.sharding;  // world_size stays 1: the caller knows the ranks
   in.bucket_bytes = c.distributed.bucket_size_mb << 20;
   std::string note;
@@ -100,6 +101,10 @@ EstimateInput fit_to_data(EstimateInput in, const data::DatasetStats& stats) {
   if (stats.longest_sample > 0) in.seq_length = std::min(in.seq_length, stats.longest_sample);
   if (stats.samples > 0) in.max_sample_targets = std::max<int64_t>(1, stats.most_sample_targets);
   return in;
+}
+
+bool gradient_offload_applies(const Config& c, int64_t world_size) {
+  return world_size <= 1 || resolve_device(c.runtime.device).is_cpu();
 }
 
 EstimateInput with_every_saving(EstimateInput in) {
@@ -121,6 +126,9 @@ void check_fits(const Config& c, const models::ModelSpec& spec, int64_t budget, 
   best.offload_activations =
       best.offload_activations || (c.memory.supervise && c.memory.on_oom.allows("activation_offload"));
   best.optimizer_paged = best.optimizer_paged || (c.memory.supervise && c.memory.on_oom.allows("optimizer_offload"));
+  best.gradients_offloaded =
+      (best.gradients_offloaded || (c.memory.supervise && c.memory.on_oom.allows("optimizer_offload"))) &&
+      gradient_offload_applies(c, world_size);
   // With the ladder's layer offload (LoRA on a frozen base), every decoder layer can leave the
   // device but the one running. Sharded layers (distributed.sharding: full) are not
   // offloaded: the estimate counts 1/W of them.

@@ -32,6 +32,11 @@ EstimateInput estimate_input(const Config& config, const models::ModelSpec& spec
 // can be several times the real peak with packing off or prompt tokens masked.
 EstimateInput fit_to_data(EstimateInput in, const data::DatasetStats& stats);
 
+// Whether memory.optimizer_offload: cpu (and its ladder rung) takes the gradients off the
+// device as well as the state (trainer/gradient_offload.h): everywhere but on several ranks
+// of a GPU, whose collectives (NCCL) reduce device memory.
+bool gradient_offload_applies(const Config& config, int64_t world_size);
+
 // The same input with every saving enabled: every layer checkpointed.
 EstimateInput with_every_saving(EstimateInput in);
 

@@ -227,7 +227,8 @@ class Planner {
     fwd = std::max(fwd, e.activations + e.loss);
     // Gradients were dropped before the step (zero_grad); after the step's first
     // micro-batch every one of them is held while the next ones run.
-    const int64_t held = accumulating_ ? e.gradients : 0;
+    const bool grads_off = m_.gradients_offloaded;  // on the host as backward produces them
+    const int64_t held = accumulating_ && !grads_off ? e.gradients : 0;
     e.forward_peak = persistent + fwd + gathered + held;
 
     // Backward: the loss node (its saved gradients and their product with the loss's
@@ -237,7 +238,7 @@ class Planner {
     // head and of layers >= i. The embedding's gradient comes last.
     int64_t bwd = held + e.activations + 2 * (dh + head_grad);
     int64_t recompute = 0, workspace = 0;
-    int64_t grads = outside_trainable * kF32 + (tied() ? head_grad : 0);  // the final norm's and the head's
+    int64_t grads = (grads_off ? 0 : outside_trainable * kF32) + (tied() ? head_grad : 0);  // the final norm's and the head's
     below = batch + stack.context + kept;
     const int64_t grad_in = E * C * kF32;
     for (int i = L_ - 1; i >= 0; --i) {
@@ -254,20 +255,27 @@ class Planner {
         worst = std::max(worst + fetched + output, l.forward + fetched + (input_grad(i) ? 0 : E * C * act_));
       }
       workspace = std::max(workspace, l.workspace);
-      bwd = std::max(bwd, std::max(grads, held) + below + grad_in + worst);
-      grads += layer_trainable[i] * kF32;
+      // Offloaded, a layer's gradients stay only until their accumulators take them.
+      const int64_t own = grads_off ? layer_trainable[i] * kF32 : 0;
+      bwd = std::max(bwd, std::max(grads, held) + own + below + grad_in + worst);
+      if (!grads_off) grads += layer_trainable[i] * kF32;
     }
     // The embedding's backward: a dense (V,C) gradient, added in place when tied to a head
     // that already has one.
+    int64_t embedding_grads = e.gradients;
+    if (grads_off) {  // only the embeddings' own
+      embedding_grads = trainable * kF32 - outside_trainable * kF32;
+      for (int64_t n : layer_trainable) embedding_grads -= n * kF32;
+    }
     if (embedding_trained_)
-      bwd = std::max(bwd, e.gradients + batch + grad_in + (tied() && head_trained_ ? V * C * kF32 : 0));
+      bwd = std::max(bwd, embedding_grads + batch + grad_in + (tied() && head_trained_ ? V * C * kF32 : 0));
     e.recompute = recompute;
     e.workspace = workspace;
     e.backward_peak = persistent + bwd + gathered;
 
     // Optimizer: off the CPU the gradient norm converts the largest gradient to fp64 and
     // squares it (trainer/optimizer.cpp grad_square_sum); on the CPU it sums in place.
-    e.optimizer_peak = persistent + e.gradients_after_reduce + (m_.cpu_update ? 0 : 2 * largest_trainable * 8);
+    e.optimizer_peak = persistent + (grads_off ? 0 : e.gradients_after_reduce + (m_.cpu_update ? 0 : 2 * largest_trainable * 8));
     e.peak_bytes = std::max({e.forward_peak, e.backward_peak, e.optimizer_peak});
 
     auto add = [&](std::string name, int64_t bytes, std::string note) {
@@ -286,7 +294,9 @@ class Planner {
           str_cat("one whole layer while it runs, in forward and in backward; the layers' weights above are 1/",
                   m_.world_size, " of ", format_bytes(e.layers_sharded_from), " (distributed.sharding: full)"));
     if (e.lora_parameters) add("LoRA parameters", e.lora_parameters, str_cat("r=", m_.lora_r, ", fp32"));
-    add("gradients", e.gradients, str_cat(trainable, " trainable parameters, fp32"));
+    add("gradients", e.gradients,
+        str_cat(trainable, " trainable parameters, fp32",
+                grads_off ? "; in host memory as backward produces them (memory.optimizer_offload: cpu)" : ""));
     std::string states_how = m_.optimizer == "sgd"           ? "sgd: momentum buffer"
                       : m_.optimizer == "adamw_8bit"  ? "adamw 8-bit: uint8 codes + absmax per 256 (fp32 under 4096 elements)"
                       : m_.optimizer == "adamw_32bit" ? "adamw (bitsandbytes 32-bit): exp_avg, exp_avg_sq"

@@ -64,6 +64,9 @@ struct EstimateInput {
   // (bitsandbytes: 2 fp32, no workspace) | sgd (1: momentum buffer)
   std::string optimizer = "adamw";
   bool optimizer_paged = false;     // states in host memory: nothing on the device
+  // Gradients in host memory as backward produces them (memory.optimizer_offload: cpu,
+  // trainer/gradient_offload.h): none held on the device across micro-batches or in the update.
+  bool gradients_offloaded = false;
   int64_t compute_bytes = 4;        // bytes per element of the base matmuls
   // Attention runs the fused CPU kernel (models/layers/attention_cpu.h: CPU, fp32), whose
   // scratch is per intra-op thread; otherwise the blocked ATen one.

@@ -91,7 +91,9 @@ struct Planner {
     // The states' device bytes when not offloaded: what offload copies out and back each step.
     EstimateInput in = base;
     in.optimizer_paged = false;
-    optimizer_state_bytes = estimate_memory(in).optimizer_states;
+    const Estimate kept = estimate_memory(in);
+    optimizer_state_bytes = kept.optimizer_states;
+    gradient_bytes = kept.gradients;
   }
 
   EstimateInput input(int64_t micro_batch) const {
@@ -106,6 +108,7 @@ struct Planner {
     in.checkpoint_layers = checkpoint_plan(s.checkpointing, in.num_layers);
     in.offload_activations = s.activation_offload;
     in.optimizer_paged = optimizer_pages || s.optimizer_offload;
+    in.gradients_offloaded = s.optimizer_offload && gradient_offload_applies(c, world_size);
     return in;
   }
 
@@ -128,6 +131,9 @@ struct Planner {
     // Offloaded states stream to the device and back for each step's update (not on the CPU,
     // where the update reads them where they are).
     if (in.optimizer_paged && !model.host_is_device) bytes += 2.0 * static_cast<double>(optimizer_state_bytes);
+    // Offloaded gradients go to the host once per micro-batch, the updated weights come back.
+    if (in.gradients_offloaded && !model.host_is_device)
+      bytes += static_cast<double>(gradient_bytes) * static_cast<double>(s.accumulation + 1);
     return flops / model.flops_per_second + bytes / model.host_bytes_per_second;
   }
 
@@ -140,6 +146,7 @@ struct Planner {
   int64_t seq_length = 0;
   Work work;
   int64_t optimizer_state_bytes = 0;
+  int64_t gradient_bytes = 0;  // every trainable tensor's, fp32
 };
 
 std::string checkpointing_value(const CheckpointingConfig& g) {

@@ -13,6 +13,7 @@
 #include "runtime/compat.h"
 #include "runtime/error.h"
 #include "runtime/log.h"
+#include "runtime/offload.h"
 #include "runtime/process_group.h"
 #include "runtime/units.h"
 #include "trainer/grad_scaler.h"
@@ -129,18 +130,20 @@ std::string Sharding::describe() const {
                  " live here only; ", buckets_.size(), " buckets through a buffer of ", format_bytes(buffer_bytes()));
 }
 
-void Sharding::reduce_gradients(const Params& params, const at::Tensor& extra, const GradScaler& scaler) {
+void Sharding::reduce_gradients(const Params& params, const at::Tensor& extra, const GradScaler& scaler,
+                                bool host_gradients) {
   if (!pg_) return;
   at::NoGradGuard no_grad;
   // Every rank passes every tensor (the same shapes in the same order): allocate the missing
   // ones before the first collective, so an out-of-memory error stops no rank inside one.
   for (const auto& [name, p] : params)
-    if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+    if (!p.grad().defined())
+      p.mutable_grad() = host_gradients ? offload_zeros(p.sizes(), at::kFloat) : at::zeros_like(p);
   if (!shards_gradients()) {
     std::vector<at::Tensor> grads;
     for (const auto& [name, p] : params) grads.push_back(p.grad());
     if (extra.defined()) grads.push_back(extra);
-    pg_->allreduce_sum(grads);
+    pg_->allreduce_sum(grads, host_gradients);
     return;
   }
   for (const auto& [name, p] : params)

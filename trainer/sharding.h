@@ -76,7 +76,10 @@ class Sharding {
   // fp64 CPU tensor: loss sum, stop flag) with them. Under `gradients` only this rank's
   // tensors keep a gradient afterwards, already unscaled by `scaler`, and the check below is
   // agreed here; an out-of-memory error while unscaling on any rank is thrown on every rank.
-  void reduce_gradients(const Params& params, const at::Tensor& extra, const GradScaler& scaler);
+  // `host_gradients`: the gradients are offloaded (trainer/gradient_offload.h) and the group
+  // runs on the CPU: the all-reduce's flat buffers stay outside the device budget too.
+  void reduce_gradients(const Params& params, const at::Tensor& extra, const GradScaler& scaler,
+                        bool host_gradients = false);
   // {skip, norm}: the gradients unscaled by `scaler`; skip when any rank's hold inf/nan; the
   // L2 norm over every gradient of every rank, NaN when skipped. Unsharded gradients: as a
   // single process computes it (unscale, then grad_norm); sharded: what reduce_gradients

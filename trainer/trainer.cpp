@@ -42,6 +42,7 @@
 #include "trainer/estimate.h"
 #include "trainer/evaluate.h"
 #include "trainer/grad_scaler.h"
+#include "trainer/gradient_offload.h"
 #include "trainer/layer_shards.h"
 #include "trainer/model_setup.h"
 #include "trainer/optimizer.h"
@@ -127,6 +128,10 @@ class Trainer {
   void load_data();       // datasets, micro-batch (auto resolved), sampler, run length
   void build_update();    // schedule, optimizer, loss scaler
   void build_supervisor();
+  // Optimizer offload's two halves: the state, and the gradients where they can leave the
+  // device. offload_optimizer() returns what moved ("" when nothing did).
+  std::string offload_optimizer();
+  bool optimizer_offloaded() const;
   void resume();          // training.resume_from_checkpoint
 
   StepRecord step();
@@ -169,6 +174,10 @@ class Trainer {
   std::unique_ptr<Sharding> sharding_;  // distributed.sharding: which rank owns which tensors' state
   std::unique_ptr<Optimizer> optimizer_;
   std::vector<std::pair<std::string, at::Tensor>> params_;
+  // memory.optimizer_offload's gradients (trainer/gradient_offload.h), where they can leave
+  // the device (gradient_offload_applies); with the optimizer's state, one setting and one rung.
+  std::unique_ptr<GradientOffload> grad_offload_;
+  bool grads_can_leave_ = false;
   std::unique_ptr<GradScaler> scaler_;
   std::vector<bool> ckpt_layers_;  // the checkpoint policy; the ladder may add layers
   std::vector<bool> configured_ckpt_, configured_offload_;  // what the config asked for: the floor of grow-back
@@ -235,6 +244,7 @@ void Trainer::join_and_plan() {
   check_fits(c_, spec, budget_, dist_.world_size);
   plan_ = estimate_input(c_, spec);
   plan_.world_size = dist_.world_size;  // per-rank figures under distributed.sharding
+  plan_.gradients_offloaded = plan_.gradients_offloaded && gradient_offload_applies(c_, dist_.world_size);
   spdlog::info("memory plan: estimated peak {} at micro-batch {} x {} tokens, budget {} (memtune estimate)",
                format_bytes(estimate_peak(plan_)), plan_.micro_batch, plan_.seq_length, format_bytes(budget_));
 }
@@ -342,19 +352,36 @@ void Trainer::build_update() {
                                          bundle_.model->trainable_parameters(), c_.distributed.bucket_size_mb << 20);
   optimizer_ = std::make_unique<Optimizer>(bundle_.model->trainable_parameters(), oo, sharding_->owned());
   params_ = optimizer_->params();
+  grad_offload_ = std::make_unique<GradientOffload>(params_);
+  grads_can_leave_ = gradient_offload_applies(c_, dist_.world_size);
   spdlog::info("{}; optimizer state here: {}", sharding_->describe(), format_bytes(optimizer_->state_bytes()));
   if (c_.memory.optimizer_offload == "cpu") {
-    if (oo.paged)
-      spdlog::info("memory.optimizer_offload: cpu: {} keeps its state in host memory already", t.optim);
-    else
-      spdlog::info("memory.optimizer_offload: cpu: {} of optimizer state in host memory",
-                   format_bytes(optimizer_->offload_states()));
+    if (oo.paged) spdlog::info("memory.optimizer_offload: cpu: {} keeps its state in host memory already", t.optim);
+    if (const std::string moved = offload_optimizer(); !moved.empty())
+      spdlog::info("memory.optimizer_offload: cpu: {} in host memory; the update runs there", moved);
+    if (!grads_can_leave_)
+      spdlog::info("memory.optimizer_offload: cpu: gradients stay on {} ({} ranks reduce them in device memory)",
+                   device_.str(), dist_.world_size);
   }
   if (pg_) {  // distributed: every rank starts from rank 0's trainable weights
     at::NoGradGuard no_grad;
     for (const auto& [name, p] : params_) pg_->broadcast(p, 0);
   }
   scaler_ = std::make_unique<GradScaler>(t.fp16, t.fp16_init_scale, t.fp16_growth_interval);
+}
+
+std::string Trainer::offload_optimizer() {
+  std::string moved;
+  if (!optimizer_->states_offloaded())
+    moved = str_cat("optimizer state (", format_bytes(optimizer_->offload_states()), ")");
+  if (grads_can_leave_ && !grad_offload_->enabled())
+    moved += str_cat(moved.empty() ? "" : " and ", "gradients (", format_bytes(grad_offload_->enable()),
+                     ", moved as backward produces them, accumulated there)");
+  return moved;
+}
+
+bool Trainer::optimizer_offloaded() const {
+  return optimizer_->states_offloaded() && (!grads_can_leave_ || grad_offload_->enabled());
 }
 
 void Trainer::build_supervisor() {
@@ -422,13 +449,16 @@ void Trainer::build_supervisor() {
       {"optimizer_offload",
        {"offload optimizer state",
         [this]() -> std::string {
-          if (optimizer_->states_offloaded()) return "";
-          return str_cat("optimizer state (", format_bytes(optimizer_->offload_states()), ") moved to host memory");
+          const std::string moved = offload_optimizer();
+          return moved.empty() ? "" : moved + " moved to host memory";
         },
         [this]() -> std::string {
           if (c_.memory.optimizer_offload == "cpu") return "";
           const int64_t bytes = optimizer_->restore_states();
-          return bytes > 0 ? str_cat("optimizer offload (", format_bytes(bytes), " back on the device)") : "";
+          const bool grads = grad_offload_->disable() > 0;  // dropped between steps: nothing to move
+          if (bytes == 0 && !grads) return "";
+          return str_cat("optimizer offload (", format_bytes(bytes), " of state back on the device",
+                         grads ? ", gradients kept there again" : "", ")");
         }}},
       {"layer_offload",
        {"offload layers", [this] { return models::offload_one_more_layer(*bundle_.model); },
@@ -461,6 +491,7 @@ void Trainer::build_supervisor() {
       now.checkpoint_layers = ckpt_layers_;
       now.offload_activations = offload_activations_;
       now.optimizer_paged = now.optimizer_paged || optimizer_->states_offloaded();
+      now.gradients_offloaded = grad_offload_->enabled();
       // Offloaded layers (the map's and the ladder's): weights off the device, checkpointed.
       for (int64_t i = 0; i < bundle_.model->num_layers(); ++i)
         now.offloaded_layers[static_cast<size_t>(i)] = bundle_.model->offloaded(i);
@@ -519,7 +550,9 @@ void Trainer::resume() {
   step_ = ck.state.step;
   if (!ck.state.checkpoint_layers.empty()) ckpt_layers_ = ck.state.checkpoint_layers;
   offload_activations_ = offload_activations_ || ck.state.activation_offload;
-  if (ck.state.optimizer_offload) optimizer_->offload_states();
+  if (ck.state.optimizer_offload)
+    if (const std::string moved = offload_optimizer(); !moved.empty())
+      spdlog::info("resume: {} in host memory (the checkpoint's optimizer offload)", moved);
   spdlog::info("resumed from {} at step {}", dir.string(), step_);
 }
 
@@ -626,7 +659,7 @@ StepRecord Trainer::step() {
     if (pg_) {  // distributed: sum the gradients over ranks (to their owners when sharded), then unscale and clip
       dist_extra_.data_ptr<double>()[0] = loss_sum;
       dist_extra_.data_ptr<double>()[1] = g_stop_signal.load() ? 1 : 0;
-      sharding_->reduce_gradients(params_, dist_extra_, *scaler_);
+      sharding_->reduce_gradients(params_, dist_extra_, *scaler_, grad_offload_->enabled());
       loss_sum = dist_extra_.data_ptr<double>()[0];
       dist_stop_ = dist_extra_.data_ptr<double>()[1] > 0;
     }
@@ -744,7 +777,7 @@ void Trainer::save_checkpoint() {
   state.optimizer = optimizer_->state_scalars();
   state.checkpoint_layers = ckpt_layers_;
   state.activation_offload = offload_activations_;
-  state.optimizer_offload = optimizer_->states_offloaded();
+  state.optimizer_offload = optimizer_offloaded();
   state.world_size = dist_.world_size;
   const auto whole_state = shards > 0 ? std::vector<std::pair<std::string, at::Tensor>>{} : optimizer_->state_tensors();
   const fs::path p = save_training_checkpoint(out_dir_, state, params_, whole_state, cpu_rng_state(), config_yaml_,

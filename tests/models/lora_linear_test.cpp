@@ -71,7 +71,9 @@ TEST_P(LoraLinearTest, MatchesComposedOps) {
     EXPECT_FALSE(x.grad().defined());
   }
   if (c.bias && c.bias_grad) expect_close(b.grad(), b_ref.grad(), 1e-5, "grad_bias");
-  if (c.bias && !c.bias_grad) EXPECT_FALSE(b.grad().defined());
+  if (c.bias && !c.bias_grad) {
+    EXPECT_FALSE(b.grad().defined());
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
