@@ -13,6 +13,7 @@
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
 
 #include "data/dataset.h"
 #include "data/tokenizer.h"
@@ -49,6 +50,13 @@ std::optional<data::DatasetStats> training_data(const trainer::Config& c, bool s
     return std::nullopt;
   }
   const std::unique_ptr<data::Tokenizer> tokenizer = trainer::load_tokenizer(c.model);
+  // The loader's progress lines would land in the middle of the estimate (and --json's
+  // object): its warnings (truncated or skipped records) still show; the note says the rest.
+  struct WarningsOnly {
+    spdlog::level::level_enum was = spdlog::get_level();
+    WarningsOnly() { spdlog::set_level(std::max(was, spdlog::level::warn)); }
+    ~WarningsOnly() { spdlog::set_level(was); }
+  } quiet;
   const data::Dataset set(file, tokenizer.get(), trainer::dataset_options(c.data, c.training.output_dir));
   const data::DatasetStats& s = set.stats();
   *note = str_cat(file, ": ", s.samples, " samples, the longest ", s.longest_sample, " tokens, at most ",
