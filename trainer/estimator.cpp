@@ -171,8 +171,10 @@ class Planner {
       train(numel(*t), t->layer, t->role == TensorRole::kEmbedding || t->role == TensorRole::kPositionEmbedding);
     e.trainable_parameters = trainable;
     e.gradients = trainable * kF32;
-    // Only torch's AdamW off the fused CPU kernel keeps a workspace (trainer/optimizer.cpp).
-    e.optimizer_workspace = m_.optimizer == "adamw" ? largest_trainable * kF32 : 0;
+    // Only torch's AdamW off the fused CPU kernel keeps a workspace (trainer/optimizer.cpp):
+    // not on the CPU, nor for offloaded states (updated on the host, by that kernel).
+    e.optimizer_workspace =
+        m_.optimizer == "adamw" && !m_.cpu_update && !m_.optimizer_paged ? largest_trainable * kF32 : 0;
     // Sharding (trainer/sharding.h): the ideal 1/W share; its whole-tensor partition is within
     // one tensor of it.
     const int64_t W = m_.world_size;

@@ -151,10 +151,25 @@ Optimizer::Optimizer(std::vector<std::pair<std::string, at::Tensor>> params, Opt
       absmax1_.emplace_back();
       absmax2_.emplace_back();
     }
-    if (k == "adamw") {  // the ATen path's denominator (torch semantics off the fused CPU kernel)
-      at::Tensor& w = workspaces_[p.device().str()];
-      if (!w.defined() || w.numel() < p.numel()) w = at::empty({p.numel()}, p.options().requires_grad(false));
-    }
+  }
+}
+
+void Optimizer::reserve_workspaces() {
+  if (options_.kind != "adamw") return;
+  std::map<std::string, std::pair<int64_t, at::TensorOptions>> need;  // per device
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& p = params_[i].second;
+    const at::Tensor& g = p.grad();
+    if (!owned_[i] || !g.defined()) continue;
+    // The host update of offloaded states and the fused CPU kernel need none.
+    if ((offloaded_ && !p.device().is_cpu()) || fused_adamw_applies(p, g, exp_avg_[i], exp_avg_sq_[i])) continue;
+    auto& [n, options] = need.try_emplace(p.device().str(), 0, p.options().dtype(at::kFloat).requires_grad(false))
+                             .first->second;
+    n = std::max(n, p.numel());
+  }
+  for (const auto& [device, what] : need) {
+    at::Tensor& w = workspaces_[device];
+    if (!w.defined() || w.numel() < what.first) w = at::empty({what.first}, what.second);
   }
 }
 
@@ -167,13 +182,6 @@ int64_t Optimizer::offload_states() {
         moved += t.numel() * static_cast<int64_t>(t.element_size());
         t = to_offload_storage(t);
       }
-  if (options_.kind == "adamw") {  // the host update's denominator (see host_update)
-    int64_t largest = 0;
-    for (size_t i = 0; i < params_.size(); ++i)
-      if (owned_[i] && !params_[i].second.device().is_cpu()) largest = std::max(largest, params_[i].second.numel());
-    at::Tensor& w = workspaces_["cpu"];
-    if (largest > 0 && (!w.defined() || w.numel() < largest)) w = at::empty({largest}, at::kFloat);
-  }
   offloaded_ = true;
   return moved;
 }
@@ -199,6 +207,7 @@ void Optimizer::zero_grad() {
 
 void Optimizer::step(double lr, double grad_scale) {
   at::NoGradGuard no_grad;
+  reserve_workspaces();  // before anything of the step changes: an out-of-memory error here leaves it to retry
   ++steps_;
   const double b1 = options_.beta1, b2 = options_.beta2;
   const double bc1 = 1.0 - std::pow(b1, static_cast<double>(steps_));

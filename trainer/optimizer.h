@@ -82,6 +82,10 @@ class Optimizer {
 
  private:
   void bnb_step(size_t i, double lr, double wd, double grad_scale);  // adamw_8bit / adamw_32bit
+  // torch's AdamW off the fused CPU kernel (a GPU) takes a denominator the size of the largest
+  // parameter it updates, per device: allocated at the start of a step, before any parameter
+  // changes, and only where that path runs (never on the CPU, nor for offloaded states).
+  void reserve_workspaces();
   // torch's AdamW or SGD on parameter i's tensors (p, g: the parameter's or their host copies).
   void update(const at::Tensor& p, const at::Tensor& g, size_t i, double lr, double wd, double grad_scale, double bc1,
               double bc2);
@@ -92,7 +96,7 @@ class Optimizer {
   // adamw_8bit: per parameter fp32 [blocks] absmax of exp_avg_/exp_avg_sq_ (uint8 codes);
   // undefined where the tensor is under kMin8bitSize and its states are fp32.
   std::vector<at::Tensor> absmax1_, absmax2_;
-  // Per device the parameters are on: the largest parameter's size there, fp32.
+  // Per device where torch's AdamW path runs: the largest parameter's size there, fp32.
   std::map<std::string, at::Tensor> workspaces_;
   int64_t steps_ = 0;
   bool offloaded_ = false;  // offload_states() ran

@@ -137,7 +137,13 @@ TEST(Estimator, WeightsLoraGradientsAndOptimizerByHand) {
   EXPECT_EQ(e.lora_parameters, 112 * 4);
   EXPECT_EQ(e.gradients, 112 * 4);
   EXPECT_EQ(e.optimizer_states, 2 * 112 * 4);
-  EXPECT_EQ(e.optimizer_workspace, 16 * 4);  // largest adapter matrix: q's A or B, 2 x 8
+  // torch's AdamW path (a GPU) takes a workspace, the largest adapter matrix: q's A or B, 2 x 8;
+  // the CPU's fused kernel none.
+  EXPECT_EQ(e.optimizer_workspace, in.cpu_update ? 0 : 16 * 4);
+  in.cpu_update = false;
+  EXPECT_EQ(estimate_memory(in).optimizer_workspace, 16 * 4);
+  in.cpu_update = true;
+  EXPECT_EQ(estimate_memory(in).optimizer_workspace, 0);
   ASSERT_NE(find(e, "weights: dense"), nullptr);
   EXPECT_EQ(find(e, "weights: dense")->bytes, e.weights_dense);
 
@@ -158,7 +164,9 @@ TEST(Estimator, WeightsLoraGradientsAndOptimizerByHand) {
   EXPECT_EQ(estimate_memory(input(small_llama(), sgd)).optimizer_states, 112 * 4);
 
   // Full fine-tuning: every base tensor is trained (fp32), none NF4.
-  e = estimate_memory(input(small_llama(), {"training.finetune=full"}));
+  in = input(small_llama(), {"training.finetune=full"});
+  in.cpu_update = false;
+  e = estimate_memory(in);
   EXPECT_EQ(e.trainable_parameters, 552 + 2 * 576);
   EXPECT_EQ(e.optimizer_states, 2 * 4 * (552 + 2 * 576));
   EXPECT_EQ(e.optimizer_workspace, 32 * 8 * 4);  // the embedding

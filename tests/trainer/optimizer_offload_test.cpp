@@ -53,5 +53,28 @@ TEST_P(OptimizerOffload, SameUpdatesWithTheStateOutsideTheBudget) {
 
 INSTANTIATE_TEST_SUITE_P(Kinds, OptimizerOffload, ::testing::Values("adamw_torch", "sgd", "adamw_8bit"));
 
+// On the CPU torch's AdamW runs the fused kernel, which needs no denominator workspace: after
+// three steps the optimizer holds its two fp32 states and nothing else (a workspace the size
+// of the largest parameter was allocated, and never used, before), and nothing once they are
+// offloaded.
+TEST(OptimizerOffload, TheCpuAdamWHoldsItsStatesAndNoWorkspace) {
+  install_cpu_budget_allocator();
+  for (bool offload : {false, true}) {
+    std::vector<std::pair<std::string, at::Tensor>> params = {{"a.weight", at::randn({96, 64})},
+                                                             {"b.weight", at::randn({16, 8})}};
+    const int64_t before = cpu_allocated_bytes();
+    OptimizerOptions o;
+    set_optimizer_kind("adamw_torch", o);
+    Optimizer opt(params, o);
+    if (offload) opt.offload_states();
+    for (int step = 0; step < 3; ++step) {
+      for (auto& [name, p] : params) p.mutable_grad() = at::randn(p.sizes());
+      opt.step(1e-2);
+    }
+    opt.zero_grad();
+    EXPECT_EQ(cpu_allocated_bytes() - before, offload ? 0 : 2 * (96 * 64 + 16 * 8) * 4) << "offload " << offload;
+  }
+}
+
 }  // namespace
 }  // namespace memtune::trainer
