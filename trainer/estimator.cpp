@@ -262,15 +262,17 @@ class Planner {
       bwd = std::max(bwd, std::max(grads, held) + own + below + grad_in + worst);
       if (!grads_off) grads += layer_trainable[i] * kF32;
     }
-    // The embedding's backward: a dense (V,C) gradient, added in place when tied to a head
-    // that already has one.
+    // The embedding's backward: a dense (V,C) gradient. Tied to a trained head, the tensor's
+    // two gradients meet in autograd's input buffer before its accumulator runs: the head's,
+    // waiting since the loss's backward, the embedding's and their sum, all (V,C) fp32
+    // (measured: GPT-2 124M's backward with gradient offload, 475 MiB of weights + 3 x 147).
     int64_t embedding_grads = e.gradients;
     if (grads_off) {  // only the embeddings' own
       embedding_grads = trainable * kF32 - outside_trainable * kF32;
       for (int64_t n : layer_trainable) embedding_grads -= n * kF32;
     }
     if (embedding_trained_)
-      bwd = std::max(bwd, embedding_grads + batch + grad_in + (tied() && head_trained_ ? V * C * kF32 : 0));
+      bwd = std::max(bwd, embedding_grads + batch + grad_in + (tied() && head_trained_ ? 2 * V * C * kF32 : 0));
     e.recompute = recompute;
     e.workspace = workspace;
     e.backward_peak = persistent + bwd + gathered;
