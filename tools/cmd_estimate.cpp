@@ -170,7 +170,6 @@ void add_estimate_command(CLI::App& app) {
     EstimateInput in = trainer::estimate_input(c, spec);
     if (data) in = trainer::fit_to_data(in, *data);
     in.world_size = a->nproc;
-    in.gradients_offloaded = in.gradients_offloaded && trainer::gradient_offload_applies(c, in.world_size);
     const Estimate e = estimate_memory(in);
     // Per rank, each sharding level at this size.
     struct Level {

@@ -82,7 +82,7 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
   set_optimizer_kind(c.training.optim, oo);
   in.optimizer = oo.kind;
   in.optimizer_paged = oo.paged || c.memory.optimizer_offload == "cpu";
-  in.gradients_offloaded = c.memory.optimizer_offload == "cpu";  // the caller knows the ranks: see below
+  in.gradients_offloaded = c.memory.optimizer_offload == "cpu";
   in.sharding = c.distributed.sharding;  // world_size stays 1: the caller knows the ranks
   in.bucket_bytes = c.distributed.bucket_size_mb << 20;
   std::string note;
@@ -104,7 +104,7 @@ EstimateInput fit_to_data(EstimateInput in, const data::DatasetStats& stats) {
 }
 
 bool gradient_offload_applies(const Config& c, int64_t world_size) {
-  return world_size <= 1 || resolve_device(c.runtime.device).is_cpu();
+  return gradients_can_leave(world_size, resolve_device(c.runtime.device).is_cpu());
 }
 
 EstimateInput with_every_saving(EstimateInput in) {
@@ -127,8 +127,7 @@ void check_fits(const Config& c, const models::ModelSpec& spec, int64_t budget, 
       best.offload_activations || (c.memory.supervise && c.memory.on_oom.allows("activation_offload"));
   best.optimizer_paged = best.optimizer_paged || (c.memory.supervise && c.memory.on_oom.allows("optimizer_offload"));
   best.gradients_offloaded =
-      (best.gradients_offloaded || (c.memory.supervise && c.memory.on_oom.allows("optimizer_offload"))) &&
-      gradient_offload_applies(c, world_size);
+      best.gradients_offloaded || (c.memory.supervise && c.memory.on_oom.allows("optimizer_offload"));
   // With the ladder's layer offload (LoRA on a frozen base), every decoder layer can leave the
   // device but the one running. Sharded layers (distributed.sharding: full) are not
   // offloaded: the estimate counts 1/W of them.

@@ -152,12 +152,14 @@ class Planner {
     int64_t trainable = 0, largest_trainable = 0;
     std::vector<int64_t> layer_trainable(static_cast<size_t>(L_), 0);
     int64_t outside_trainable = 0;  // trained outside the layers, but the embeddings: final norm, head
+    int64_t embedding_trainable = 0;
     auto train = [&](int64_t n, int layer, bool embedding) {
       trainable += n;
       largest_trainable = std::max(largest_trainable, n);
       e.optimizer_states += optimizer_state_bytes(m_.optimizer, m_.optimizer_paged, n);
       if (layer >= 0) layer_trainable[layer] += n;
       else if (!embedding) outside_trainable += n;
+      else embedding_trainable += n;
     };
     for (const TensorSlot& s : model.tensors()) {
       if (s.role != TensorRole::kLinearWeight) continue;
@@ -229,7 +231,8 @@ class Planner {
     fwd = std::max(fwd, e.activations + e.loss);
     // Gradients were dropped before the step (zero_grad); after the step's first
     // micro-batch every one of them is held while the next ones run.
-    const bool grads_off = m_.gradients_offloaded;  // on the host as backward produces them
+    // On the host as backward produces them.
+    const bool grads_off = m_.gradients_offloaded && gradients_can_leave(m_.world_size, m_.cpu_update);
     const int64_t held = accumulating_ && !grads_off ? e.gradients : 0;
     e.forward_peak = persistent + fwd + gathered + held;
 
@@ -266,11 +269,7 @@ class Planner {
     // two gradients meet in autograd's input buffer before its accumulator runs: the head's,
     // waiting since the loss's backward, the embedding's and their sum, all (V,C) fp32
     // (measured: GPT-2 124M's backward with gradient offload, 475 MiB of weights + 3 x 147).
-    int64_t embedding_grads = e.gradients;
-    if (grads_off) {  // only the embeddings' own
-      embedding_grads = trainable * kF32 - outside_trainable * kF32;
-      for (int64_t n : layer_trainable) embedding_grads -= n * kF32;
-    }
+    const int64_t embedding_grads = grads_off ? embedding_trainable * kF32 : e.gradients;  // offloaded: its own only
     if (embedding_trained_)
       bwd = std::max(bwd, embedding_grads + batch + grad_in + (tied() && head_trained_ ? 2 * V * C * kF32 : 0));
     e.recompute = recompute;

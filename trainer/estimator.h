@@ -65,7 +65,9 @@ struct EstimateInput {
   std::string optimizer = "adamw";
   bool optimizer_paged = false;     // states in host memory: nothing on the device
   // Gradients in host memory as backward produces them (memory.optimizer_offload: cpu,
-  // trainer/gradient_offload.h): none held on the device across micro-batches or in the update.
+  // trainer/gradient_offload.h): none held on the device across micro-batches or in the
+  // update. Asked for; the estimate applies it where gradient offload runs
+  // (gradients_can_leave: one rank, or a CPU group).
   bool gradients_offloaded = false;
   int64_t compute_bytes = 4;        // bytes per element of the base matmuls
   // Attention runs the fused CPU kernel (models/layers/attention_cpu.h: CPU, fp32), whose
@@ -128,6 +130,10 @@ struct Estimate {
 };
 
 Estimate estimate_memory(const EstimateInput& in);
+
+// Whether optimizer offload takes the gradients off the device too: everywhere but on several
+// ranks of a GPU, whose collectives (NCCL) reduce device memory only.
+inline bool gradients_can_leave(int64_t world_size, bool on_cpu) { return world_size <= 1 || on_cpu; }
 inline int64_t estimate_peak(const EstimateInput& in) { return estimate_memory(in).peak_bytes; }
 
 // The largest micro-batch (sequence length) whose estimated peak fits `budget`, the other

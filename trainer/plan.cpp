@@ -108,7 +108,7 @@ struct Planner {
     in.checkpoint_layers = checkpoint_plan(s.checkpointing, in.num_layers);
     in.offload_activations = s.activation_offload;
     in.optimizer_paged = optimizer_pages || s.optimizer_offload;
-    in.gradients_offloaded = s.optimizer_offload && gradient_offload_applies(c, world_size);
+    in.gradients_offloaded = s.optimizer_offload;
     return in;
   }
 
@@ -132,7 +132,7 @@ struct Planner {
     // where the update reads them where they are).
     if (in.optimizer_paged && !model.host_is_device) bytes += 2.0 * static_cast<double>(optimizer_state_bytes);
     // Offloaded gradients go to the host once per micro-batch, the updated weights come back.
-    if (in.gradients_offloaded && !model.host_is_device)
+    if (in.gradients_offloaded && !model.host_is_device && gradient_offload_applies(c, world_size))
       bytes += static_cast<double>(gradient_bytes) * static_cast<double>(s.accumulation + 1);
     return flops / model.flops_per_second + bytes / model.host_bytes_per_second;
   }

@@ -66,6 +66,13 @@ extern "C" void on_stop_signal(int sig) { g_stop_signal.store(sig); }
 // A stop request is honoured in every phase: evaluations end at their next batch.
 bool stop_requested() { return g_stop_signal.load() != 0; }
 
+// Per decoder layer: offloaded (the device map's, and the ladder's layer rung).
+std::vector<bool> offloaded_layers(const models::CausalLM& model) {
+  std::vector<bool> out;
+  for (int i = 0; i < static_cast<int>(model.num_layers()); ++i) out.push_back(model.offloaded(i));
+  return out;
+}
+
 }  // namespace
 
 data::DatasetOptions dataset_options(const DataConfig& d, const fs::path& output_dir) {
@@ -244,7 +251,6 @@ void Trainer::join_and_plan() {
   check_fits(c_, spec, budget_, dist_.world_size);
   plan_ = estimate_input(c_, spec);
   plan_.world_size = dist_.world_size;  // per-rank figures under distributed.sharding
-  plan_.gradients_offloaded = plan_.gradients_offloaded && gradient_offload_applies(c_, dist_.world_size);
   spdlog::info("memory plan: estimated peak {} at micro-batch {} x {} tokens, budget {} (memtune estimate)",
                format_bytes(estimate_peak(plan_)), plan_.micro_batch, plan_.seq_length, format_bytes(budget_));
 }
@@ -292,8 +298,7 @@ void Trainer::load_model() {
   }
   load_peak_ = mem_->stats().peak;
   // The memory plan follows the placement (device_map: auto decides it only now).
-  plan_.offloaded_layers.assign(static_cast<size_t>(model.num_layers()), false);
-  for (int i = 0; i < static_cast<int>(model.num_layers()); ++i) plan_.offloaded_layers[i] = model.offloaded(i);
+  plan_.offloaded_layers = offloaded_layers(model);
   pad_id_ = bundle_.tokenizer && bundle_.tokenizer->pad_id ? *bundle_.tokenizer->pad_id : 0;
 }
 
@@ -388,7 +393,7 @@ void Trainer::build_supervisor() {
   ckpt_layers_ = checkpoint_plan(c_.training.gradient_checkpointing, bundle_.model->num_layers());
   if (layer_shards_) ckpt_layers_.assign(ckpt_layers_.size(), true);  // a sharded layer is always checkpointed
   configured_ckpt_ = ckpt_layers_;
-  for (int64_t i = 0; i < bundle_.model->num_layers(); ++i) configured_offload_.push_back(bundle_.model->offloaded(i));
+  configured_offload_ = offloaded_layers(*bundle_.model);
   offload_activations_ = c_.training.activation_offload == "checkpoints";
   SupervisorOptions so;
   so.enabled = c_.memory.supervise;
@@ -492,9 +497,7 @@ void Trainer::build_supervisor() {
       now.offload_activations = offload_activations_;
       now.optimizer_paged = now.optimizer_paged || optimizer_->states_offloaded();
       now.gradients_offloaded = grad_offload_->enabled();
-      // Offloaded layers (the map's and the ladder's): weights off the device, checkpointed.
-      for (int64_t i = 0; i < bundle_.model->num_layers(); ++i)
-        now.offloaded_layers[static_cast<size_t>(i)] = bundle_.model->offloaded(i);
+      now.offloaded_layers = offloaded_layers(*bundle_.model);  // weights off the device, checkpointed
       return estimate_peak(now) <= limit_;
     });
   supervisor_->set_report([this] {

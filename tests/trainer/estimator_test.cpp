@@ -267,6 +267,31 @@ TEST(Estimator, MoreCheckpointingLowersThePeak) {
   EXPECT_GT(every2, peak[6]);
 }
 
+// memory.optimizer_offload: cpu takes the gradients to the host where gradient offload runs:
+// one rank, or a CPU group (Gloo reduces host tensors). Several GPU ranks reduce on the device
+// (NCCL), so their estimate keeps the gradients there.
+TEST(Estimator, OffloadedGradientsLeaveTheDeviceOnOneRankOrACpuGroup) {
+  EstimateInput in = input(small_llama(), {"training.finetune=full", "training.gradient_accumulation_steps=2"});
+  for (const bool cpu : {true, false})
+    for (const int64_t ranks : {1, 2}) {
+      in.cpu_update = cpu;
+      in.world_size = ranks;
+      in.gradients_offloaded = false;
+      const Estimate kept = estimate_memory(in);
+      in.gradients_offloaded = true;
+      const Estimate off = estimate_memory(in);
+      SCOPED_TRACE((cpu ? "cpu, " : "gpu, ") + std::to_string(ranks) + " ranks");
+      if (cpu || ranks == 1) {
+        // Accumulating: the forward no longer holds the previous micro-batches' gradients.
+        EXPECT_EQ(off.forward_peak, kept.forward_peak - kept.gradients);
+        EXPECT_LT(off.optimizer_peak, kept.optimizer_peak);
+      } else {
+        EXPECT_EQ(off.peak_bytes, kept.peak_bytes);
+        EXPECT_EQ(off.optimizer_peak, kept.optimizer_peak);
+      }
+    }
+}
+
 TEST(Estimator, LargerShapesRaiseThePeak) {
   EstimateInput in = input(small_llama());
   int64_t previous = 0;
