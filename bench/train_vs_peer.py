@@ -18,9 +18,13 @@ its spread printed beside it.
 
 Models (the issue's): S = 4 layers, hidden 256, 4 heads, intermediate 688, vocab 8000,
 seq 256, micro-batch 4, accumulation 2; M = 12 / 768 / 12 / 2048 / 32000, seq 256,
-micro-batch 2, accumulation 2; gpt2 = the GPT-2 124M preset, full fine-tune at B=4, T=64
-against llm.c's CPU trainer (34.8 tok/s measured on this machine, quoted: llm.c is not
-built here). LoRA r 16, alpha 32 on q,k,v,o,gate,up,down.
+micro-batch 2, accumulation 2; gpt2 = GPT-2 124M, full fine-tune at B=4, T=64, against
+llm.c's CPU trainer (train_gpt2.c) run in the same session: with --llmc DIR (a checkout with
+`make train_gpt2` built and ../shared/bench/make_llmc_inputs.py's files in it, as
+../shared/bench/README.md says) memtune trains llm.c's own weights (llmc_to_hf.py) on its
+token file with its settings (AdamW lr 1e-4 constant, no weight decay), the two runs
+alternating; without it, memtune's figure alone. LoRA r 16, alpha 32 on
+q,k,v,o,gate,up,down.
 """
 import argparse
 import datetime
@@ -36,7 +40,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEER = os.path.join(os.path.dirname(ROOT), "shared", "bench", "peer_lora.py")
-LLM_C_TOK_S = 34.8  # llm.c train_gpt2.c, GPT-2 124M, B=4 T=64, this machine (issue 9)
+SHARED_BENCH = os.path.dirname(PEER)
 
 MODELS = {
     "S": dict(layers=4, hidden=256, heads=4, intermediate=688, vocab=8000, seq=256, micro_batch=4, accum=2,
@@ -114,7 +118,7 @@ def flops_per_token(m, mode):
     return 2 * linear + 3 * attn + 3 * lora
 
 
-def memtune_run(name, m, mode, ckpt, args, model_dir, tokens):
+def memtune_run(name, m, mode, ckpt, args, model_dir, tokens, training=None):
     out = os.path.join(args.work, f"run-{name}-{mode}-{ckpt}")
     shutil.rmtree(out, ignore_errors=True)
     cfg = {
@@ -127,6 +131,7 @@ def memtune_run(name, m, mode, ckpt, args, model_dir, tokens):
         },
         "data": {"train_file": tokens, "format": "tokens", "max_seq_length": m["seq"]},
     }
+    cfg["training"].update(training or {})
     if mode != "full":
         cfg["lora"] = {"r": LORA_R, "lora_alpha": LORA_ALPHA, "target_modules": TARGETS}
     if mode == "qlora":
@@ -167,6 +172,51 @@ def peer_run(m, ckpt):
             "first_loss": out["first_loss"], "final_loss": out["final_loss"]}
 
 
+def llmc_run(llmc):
+    """llm.c's train_gpt2 for 10 steps through ../shared/bench/run_llmc.py (its JSON line)."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(os.cpu_count() or 1))
+    p = run(["/usr/bin/python3", os.path.join(SHARED_BENCH, "run_llmc.py"), "--llmc", llmc], env=env)
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def gpt2_row(args):
+    """GPT-2 124M full fine-tune at B=4, T=64: memtune against llm.c, alternating per repeat."""
+    m = dict(layers=12, hidden=768, heads=12, intermediate=3072, vocab=50257, seq=64, micro_batch=4, accum=1,
+             steps=10, warmup=2)
+    model_dir = os.path.join(args.work, "model-gpt2")
+    shutil.rmtree(model_dir, ignore_errors=True)
+    extra = {}
+    if args.llmc:
+        train_bin = os.path.join(args.llmc, "train_gpt2")
+        ckpt = os.path.join(args.llmc, "gpt2_124M.bin")
+        tokens = os.path.join(args.llmc, "dev", "data", "tinyshakespeare", "tiny_shakespeare_train.bin")
+        for f in (train_bin, ckpt, tokens):
+            if not os.path.exists(f):
+                raise SystemExit(f"{f} is missing: build llm.c and make its inputs as "
+                                 f"{os.path.join(SHARED_BENCH, 'README.md')} says")
+        # The same weights and tokens as llm.c, its optimizer settings: the same work.
+        run(["/usr/bin/python3", os.path.join(SHARED_BENCH, "llmc_to_hf.py"), ckpt, model_dir])
+        extra = {"learning_rate": 1e-4, "lr_scheduler_type": "constant"}
+    else:
+        run([args.memtune, "init-model", "--preset", "gpt2", "--out", model_dir, "--seed", "1"])
+        tokens = os.path.join(args.work, "tokens-gpt2.bin")
+        write_tokens(tokens, m["vocab"], m["seq"] * m["micro_batch"] * (m["steps"] + 2) + 1, 7)
+    llmcs, runs = [], []
+    for rep in range(args.repeat):
+        if args.llmc:
+            llmcs.append(llmc_run(args.llmc))
+            log(f"gpt2 llm.c: {llmcs[-1]['tokens_per_s']:.1f} tok/s, {llmcs[-1]['peak_rss_mib']:.0f} MiB")
+        runs.append(memtune_run("gpt2", m, "full", "none", args, model_dir, tokens, extra))
+        log(f"gpt2 memtune: {runs[-1]['tokens_per_s']:.1f} tok/s, RSS {runs[-1]['peak_rss_mib']:.0f} MiB")
+    r = median_of(runs)
+    r.update(model="gpt2-124M", mode="full", checkpointing="none", runs=len(runs))
+    if llmcs:
+        pairs = [mt["tokens_per_s"] / lc["tokens_per_s"] for mt, lc in zip(runs, llmcs)]
+        r.update(llm_c=median_of(llmcs), speed_vs_llm_c=statistics.median(pairs), speed_vs_llm_c_pairs=pairs)
+        r["rss_vs_llm_c"] = r["peak_rss_mib"] / r["llm_c"]["peak_rss_mib"]
+    return r
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="S,M,gpt2", help="comma-separated: S, M, gpt2")
@@ -174,6 +224,7 @@ def main():
     p.add_argument("--work", default=os.path.join(ROOT, "build", "bench-train"))
     p.add_argument("--repeat", type=int, default=1, help="alternating runs per figure (median)")
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--llmc", help="llm.c checkout with train_gpt2 built and its inputs made (the gpt2 yardstick)")
     args = p.parse_args()
     args.memtune, peak_bin = built(args.build, "memtune", "bench/bench_matmul_peak")
     have_peer = os.path.exists(PEER) and subprocess.run(["/usr/bin/python3", "-c", "import torch"],
@@ -225,17 +276,7 @@ def main():
                 rows.append(r)
 
     if "gpt2" in wanted:
-        m = dict(layers=12, hidden=768, heads=12, intermediate=3072, vocab=50257, seq=64, micro_batch=4, accum=1,
-                 steps=8, warmup=2)
-        model_dir = os.path.join(args.work, "model-gpt2")
-        run([args.memtune, "init-model", "--preset", "gpt2", "--out", model_dir, "--seed", "1"])
-        tokens = os.path.join(args.work, "tokens-gpt2.bin")
-        write_tokens(tokens, m["vocab"], m["seq"] * m["micro_batch"] * (m["steps"] + 2) + 1, 7)
-        r = memtune_run("gpt2", m, "full", "none", args, model_dir, tokens)
-        r.update(model="gpt2-124M", mode="full", checkpointing="none", llm_c_tokens_per_s=LLM_C_TOK_S,
-                 speed_vs_llm_c=r["tokens_per_s"] / LLM_C_TOK_S)
-        log(f"gpt2 full: {r['tokens_per_s']:.1f} tok/s ({r['speed_vs_llm_c']:.2f}x llm.c)")
-        rows.append(r)
+        rows.append(gpt2_row(args))
 
     result = {
         "date": datetime.date.today().isoformat(), "host": platform.node(), "cpus": os.cpu_count(),
@@ -258,12 +299,13 @@ def print_table(res):
         if peer:
             ref, ratio, prss, rratio = (f"{peer['tokens_per_s']:.0f}", f"{r['speed_vs_peer']:.2f}",
                                         f"{peer['peak_rss_mib']:.0f}", f"{r['rss_vs_peer']:.2f}")
-        elif "llm_c_tokens_per_s" in r:
-            ref, ratio, prss, rratio = f"{r['llm_c_tokens_per_s']:.1f}", f"{r['speed_vs_llm_c']:.2f}", "-", "-"
+        elif "llm_c" in r:
+            ref, ratio = f"{r['llm_c']['tokens_per_s']:.1f}", f"{r['speed_vs_llm_c']:.2f}"
+            prss, rratio = f"{r['llm_c']['peak_rss_mib']:.0f}", f"{r['rss_vs_llm_c']:.2f}"
         else:
             ref = ratio = prss = rratio = "-"
         mfu = f"{100 * r['mfu']:.0f}%" if "mfu" in r else "-"
-        pairs = r.get("speed_vs_peer_pairs")
+        pairs = r.get("speed_vs_peer_pairs") or r.get("speed_vs_llm_c_pairs")
         spread = f"{min(pairs):.2f}-{max(pairs):.2f}" if pairs else "-"
         print(f"{r['model']:<10}{r['mode']:<7}{r['checkpointing']:<6}{r['tokens_per_s']:>8.0f}{ref:>8}{ratio:>7}"
               f"{spread:>12}{mfu:>6}{r['budget_peak_mib']:>11.0f}{r['peak_rss_mib']:>9.0f}{prss:>9}{rratio:>10}")
