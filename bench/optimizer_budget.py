@@ -2,10 +2,10 @@
 """The smallest device budget each optimizer option trains GPT-2 124M in, measured: a full
 fine-tune at micro-batch 4 x 64 tokens (the supervisor off, so nothing else gives way),
 `memory.device_limit` searched by bisection to 8 MiB for adamw_torch, adamw_8bit,
-paged_adamw_8bit and adamw_torch with memory.optimizer_offload: cpu; beside each, the
-tokens/s of an unconstrained run of the same option against adamw_torch's, in one run.
+paged_adamw_8bit, adafactor and adamw_torch with memory.optimizer_offload: cpu; beside each,
+the tokens/s of an unconstrained run of the same option against adamw_torch's, in one run.
 
-    python3 bench/optimizer_budget.py [--steps N] [--speed-only] [--json FILE]
+    python3 bench/optimizer_budget.py [--steps N] [--speed-only] [--options A,B] [--json FILE]
 
 --speed-only measures the tokens/s alone (a few minutes instead of most of an hour): for a
 change that moves speed and not memory.
@@ -31,6 +31,7 @@ OPTIONS = [
     ("adamw_torch", {}),
     ("adamw_8bit", {"training": {"optim": "adamw_8bit"}}),
     ("paged_adamw_8bit", {"training": {"optim": "paged_adamw_8bit"}}),
+    ("adafactor", {"training": {"optim": "adafactor"}}),
     ("adamw_torch + optimizer_offload", {"memory": {"optimizer_offload": "cpu"}}),
 ]
 MIB = 2**20
@@ -89,8 +90,14 @@ def main():
     p.add_argument("--build", default=os.path.join(ROOT, "build"))
     p.add_argument("--work", default=os.path.join(ROOT, "build", "bench-optimizer-budget"))
     p.add_argument("--speed-only", action="store_true", help="tokens/s only, no budget search")
+    p.add_argument("--options", default=",".join(n for n, _ in OPTIONS),
+                   help="comma-separated names from the list above (adamw_torch, the yardstick, always runs first)")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
+    wanted = set(args.options.split(",")) | {"adamw_torch"}
+    unknown = wanted - {n for n, _ in OPTIONS}
+    if unknown:
+        raise SystemExit(f"--options: unknown {', '.join(sorted(unknown))} (one of {', '.join(n for n, _ in OPTIONS)})")
     (args.memtune,) = built(args.build, "memtune")
     os.makedirs(args.work, exist_ok=True)
     args.tokens = os.path.join(args.work, "tokens.bin")
@@ -100,7 +107,7 @@ def main():
           f"UTC, {cpu} ({'AVX-512' if avx512 else 'AVX2'}), {os.cpu_count()} CPUs")
     print("| optimizer | smallest device_limit (MiB) | vs adamw_torch | tokens/s | vs adamw_torch |\n|---|---|---|---|---|")
     results, first = [], None
-    for name, extra in OPTIONS:
+    for name, extra in [o for o in OPTIONS if o[0] in wanted]:
         log(f"{name}: tokens/s")
         tok_s = train(args, name, extra, args.steps)
         budget = None

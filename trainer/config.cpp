@@ -157,8 +157,10 @@ void TrainingConfig::fields(F&& f) {
   f("optim", optim,
     "optimizer (Hugging Face's names): adamw_torch and adamw are torch's AdamW (fp32 states); adamw_bnb_8bit and "
     "adamw_8bit bitsandbytes' 8-bit AdamW; paged_* bitsandbytes' paged AdamW (states in host memory outside the "
-    "device budget)",
-    {"adamw_torch", "adamw", "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "sgd"});
+    "device budget); adafactor transformers' Adafactor as the Trainer builds it (factored second moments, "
+    "the schedule's learning rate; reads no adam_* key)",
+    {"adamw_torch", "adamw", "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor",
+     "sgd"});
   f("momentum", momentum, "SGD momentum, in [0, 1)");
   f("max_grad_norm", max_grad_norm, "clip the global gradient norm to this; <= 0: no clipping");
   f("logging_steps", logging_steps, "log metrics every this many steps");

@@ -153,10 +153,12 @@ class Planner {
     std::vector<int64_t> layer_trainable(static_cast<size_t>(L_), 0);
     int64_t outside_trainable = 0;  // trained outside the layers, but the embeddings: final norm, head
     int64_t embedding_trainable = 0;
-    auto train = [&](int64_t n, int layer, bool embedding) {
+    auto train = [&](const std::vector<int64_t>& shape, int layer, bool embedding) {
+      int64_t n = 1;
+      for (int64_t d : shape) n *= d;
       trainable += n;
       largest_trainable = std::max(largest_trainable, n);
-      e.optimizer_states += optimizer_state_bytes(m_.optimizer, m_.optimizer_paged, n);
+      e.optimizer_states += optimizer_state_bytes(m_.optimizer, m_.optimizer_paged, shape);
       if (layer >= 0) layer_trainable[layer] += n;
       else if (!embedding) outside_trainable += n;
       else embedding_trainable += n;
@@ -165,18 +167,19 @@ class Planner {
       if (s.role != TensorRole::kLinearWeight) continue;
       const models::LinearTraining& t = training_.at(s.linear);
       if (t.lora_r == 0) continue;
-      train(t.lora_r * s.linear->in_features(), s.layer, false);
-      train(t.lora_r * s.linear->out_features(), s.layer, false);
+      train({t.lora_r, s.linear->in_features()}, s.layer, false);   // A
+      train({s.linear->out_features(), t.lora_r}, s.layer, false);  // B
     }
     e.lora_parameters = trainable * kF32;
     for (const TensorSlot* t : trained_)
-      train(numel(*t), t->layer, t->role == TensorRole::kEmbedding || t->role == TensorRole::kPositionEmbedding);
+      train(t->shape, t->layer, t->role == TensorRole::kEmbedding || t->role == TensorRole::kPositionEmbedding);
     e.trainable_parameters = trainable;
     e.gradients = trainable * kF32;
     // Only torch's AdamW off the fused CPU kernel keeps a workspace (trainer/optimizer.cpp):
-    // not on the CPU, nor for offloaded states (updated on the host, by that kernel).
-    e.optimizer_workspace =
-        m_.optimizer == "adamw" && !m_.cpu_update && !m_.optimizer_paged ? largest_trainable * kF32 : 0;
+    // not on the CPU, nor for offloaded states (updated on the host, by that kernel); Adafactor
+    // one on every device, in host memory with offloaded states.
+    const bool has_workspace = (m_.optimizer == "adamw" && !m_.cpu_update) || m_.optimizer == "adafactor";
+    e.optimizer_workspace = has_workspace && !m_.optimizer_paged ? largest_trainable * kF32 : 0;
     // Sharding (trainer/sharding.h): the ideal 1/W share; its whole-tensor partition is within
     // one tensor of it.
     const int64_t W = m_.world_size;
@@ -303,6 +306,7 @@ class Planner {
     std::string states_how = m_.optimizer == "sgd"           ? "sgd: momentum buffer"
                       : m_.optimizer == "adamw_8bit"  ? "adamw 8-bit: uint8 codes + absmax per 256 (fp32 under 4096 elements)"
                       : m_.optimizer == "adamw_32bit" ? "adamw (bitsandbytes 32-bit): exp_avg, exp_avg_sq"
+                      : m_.optimizer == "adafactor"   ? "adafactor: a matrix's second moment per row and per column"
                                                       : "adamw: exp_avg, exp_avg_sq";
     if (m_.optimizer_paged) states_how = "paged: in host memory, none on the device";
     if (trainable > 0) {

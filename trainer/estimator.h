@@ -61,7 +61,8 @@ struct EstimateInput {
   bool offload_activations = false;     // a checkpointed layer's input waits in host memory
   // adamw (2 fp32 states + a workspace) | adamw_8bit (bitsandbytes: 2 uint8 codes + 2 fp32
   // absmax per 256 elements for tensors of >= 4096 elements, else 2 fp32) | adamw_32bit
-  // (bitsandbytes: 2 fp32, no workspace) | sgd (1: momentum buffer)
+  // (bitsandbytes: 2 fp32, no workspace) | adafactor (fp32 per row and per column of a matrix,
+  // per element of a vector, and a workspace) | sgd (1: momentum buffer)
   std::string optimizer = "adamw";
   bool optimizer_paged = false;     // states in host memory: nothing on the device
   // Gradients in host memory as backward produces them (memory.optimizer_offload: cpu,

@@ -80,8 +80,15 @@ bool cpu_f32_contiguous(const at::Tensor& t) {
 
 }  // namespace
 
-int64_t optimizer_state_bytes(const std::string& kind, bool paged, int64_t numel) {
+int64_t optimizer_state_bytes(const std::string& kind, bool paged, at::IntArrayRef shape) {
   if (paged) return 0;
+  int64_t numel = 1;
+  for (int64_t d : shape) numel *= d;
+  if (kind == "adafactor") {
+    if (shape.size() < 2) return numel * 4;
+    const int64_t cols = shape.back(), rows = numel / std::max<int64_t>(cols, 1);
+    return (rows + numel / std::max<int64_t>(shape[shape.size() - 2], 1)) * 4;
+  }
   if (kind == "sgd") return numel * 4;
   if (kind == "adamw_8bit" && numel >= kMin8bitSize) return 2 * numel + 2 * ((numel + kBlock8bit - 1) / kBlock8bit) * 4;
   return 2 * numel * 4;
@@ -99,6 +106,8 @@ void set_optimizer_kind(const std::string& optim, OptimizerOptions& o) {
   } else if (optim == "paged_adamw_32bit") {
     o.kind = "adamw_32bit";
     o.paged = true;
+  } else if (optim == "adafactor") {
+    o.kind = "adafactor";
   } else if (optim == "sgd") {
     o.kind = "sgd";
   } else {
@@ -118,8 +127,8 @@ Optimizer::Optimizer(std::vector<std::pair<std::string, at::Tensor>> params, Opt
   MEMTUNE_INTERNAL_ASSERT(owned_.size() == params_.size(), "optimizer: ", owned_.size(), " ownership flags for ",
                           params_.size(), " parameters");
   const std::string& k = options_.kind;
-  MEMTUNE_CHECK(k == "adamw" || k == "adamw_8bit" || k == "adamw_32bit" || k == "sgd",
-                "training.optim: unknown optimizer kind '", k, "' (adamw, adamw_8bit, adamw_32bit, sgd)");
+  MEMTUNE_CHECK(k == "adamw" || k == "adamw_8bit" || k == "adamw_32bit" || k == "adafactor" || k == "sgd",
+                "training.optim: unknown optimizer kind '", k, "' (adamw, adamw_8bit, adamw_32bit, adafactor, sgd)");
   // A state tensor: on the parameter's device, or in host memory outside the budget (paged).
   auto state = [&](const at::Tensor& like, at::IntArrayRef sizes, at::ScalarType dt) {
     if (options_.paged) return offload_zeros(sizes, dt);
@@ -132,11 +141,28 @@ Optimizer::Optimizer(std::vector<std::pair<std::string, at::Tensor>> params, Opt
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& [name, p] = params_[i];
     MEMTUNE_INTERNAL_ASSERT(p.scalar_type() == at::kFloat, "optimizer: ", name, " must be fp32");
+    sq_row_.emplace_back();
+    sq_col_.emplace_back();
     if (!owned_[i]) {  // another rank's: no state here
       exp_avg_.emplace_back();
       if (k != "sgd") exp_avg_sq_.emplace_back();
       absmax1_.emplace_back();
       absmax2_.emplace_back();
+      continue;
+    }
+    if (k == "adafactor") {  // no first moment; a matrix's second moment factored
+      exp_avg_.emplace_back();
+      absmax1_.emplace_back();
+      absmax2_.emplace_back();
+      if (p.dim() < 2) {
+        exp_avg_sq_.push_back(state(p, p.sizes(), at::kFloat));
+        continue;
+      }
+      exp_avg_sq_.emplace_back();
+      std::vector<int64_t> col(p.sizes().begin(), p.sizes().end());
+      col.erase(col.end() - 2);
+      sq_row_.back() = state(p, p.sizes().slice(0, p.dim() - 1), at::kFloat);
+      sq_col_.back() = state(p, col, at::kFloat);
       continue;
     }
     const bool eight = k == "adamw_8bit" && p.numel() >= kMin8bitSize;
@@ -154,35 +180,46 @@ Optimizer::Optimizer(std::vector<std::pair<std::string, at::Tensor>> params, Opt
   }
 }
 
+std::string Optimizer::workspace_key(size_t i) const {
+  const at::Tensor& p = params_[i].second;
+  if (options_.kind == "adafactor" && states_offloaded()) return "host";
+  return p.device().str();
+}
+
 void Optimizer::reserve_workspaces() {
-  if (options_.kind != "adamw") return;
+  const bool adafactor = options_.kind == "adafactor";
+  if (options_.kind != "adamw" && !adafactor) return;
   std::map<std::string, std::pair<int64_t, at::TensorOptions>> need;  // per device
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& p = params_[i].second;
     const at::Tensor& g = p.grad();
     if (!owned_[i] || !g.defined()) continue;
-    // The host update of offloaded states and the fused CPU kernel need none.
-    if ((offloaded_ && !p.device().is_cpu()) || fused_adamw_applies(p, g, exp_avg_[i], exp_avg_sq_[i])) continue;
-    auto& [n, options] = need.try_emplace(p.device().str(), 0, p.options().dtype(at::kFloat).requires_grad(false))
+    // AdamW: the host update of offloaded states and the fused CPU kernel need none.
+    if (!adafactor &&
+        ((offloaded_ && !p.device().is_cpu()) || fused_adamw_applies(p, g, exp_avg_[i], exp_avg_sq_[i])))
+      continue;
+    auto& [n, options] = need.try_emplace(workspace_key(i), 0, p.options().dtype(at::kFloat).requires_grad(false))
                              .first->second;
     n = std::max(n, p.numel());
   }
-  for (const auto& [device, what] : need) {
-    at::Tensor& w = workspaces_[device];
-    if (!w.defined() || w.numel() < what.first) w = at::empty({what.first}, what.second);
+  for (const auto& [where, what] : need) {
+    at::Tensor& w = workspaces_[where];
+    if (w.defined() && w.numel() >= what.first) continue;
+    w = where == "host" ? offload_zeros({what.first}, at::kFloat) : at::empty({what.first}, what.second);
   }
 }
 
 int64_t Optimizer::offload_states() {
   if (states_offloaded()) return 0;
   int64_t moved = 0;
-  for (auto* v : {&exp_avg_, &exp_avg_sq_, &absmax1_, &absmax2_})
+  for (auto* v : {&exp_avg_, &exp_avg_sq_, &absmax1_, &absmax2_, &sq_row_, &sq_col_})
     for (auto& t : *v)
       if (t.defined()) {
         moved += t.numel() * static_cast<int64_t>(t.element_size());
         t = to_offload_storage(t);
       }
   offloaded_ = true;
+  if (options_.kind == "adafactor") workspaces_.clear();  // the host's from the next step on
   return moved;
 }
 
@@ -191,13 +228,14 @@ int64_t Optimizer::restore_states() {
   int64_t moved = 0;
   for (size_t i = 0; i < params_.size(); ++i) {
     const c10::Device d = params_[i].second.device();
-    for (auto* v : {&exp_avg_, &exp_avg_sq_, &absmax1_, &absmax2_})
+    for (auto* v : {&exp_avg_, &exp_avg_sq_, &absmax1_, &absmax2_, &sq_row_, &sq_col_})
       if (i < v->size() && (*v)[i].defined()) {
         moved += (*v)[i].numel() * static_cast<int64_t>((*v)[i].element_size());
         (*v)[i] = fetch_from_offload((*v)[i], d);
       }
   }
   offloaded_ = false;
+  if (options_.kind == "adafactor") workspaces_.clear();  // the device's from the next step on
   return moved;
 }
 
@@ -219,6 +257,10 @@ void Optimizer::step(double lr, double grad_scale) {
     const double wd = decays(name, p) ? options_.weight_decay : 0.0;
     if (options_.kind == "adamw_8bit" || options_.kind == "adamw_32bit") {
       bnb_step(i, lr, wd, grad_scale);
+      continue;
+    }
+    if (options_.kind == "adafactor") {
+      adafactor_step(i, lr, wd, grad_scale);
       continue;
     }
     // Offloaded states of a parameter off the host: the update runs on the host, as
@@ -291,10 +333,51 @@ void Optimizer::bnb_step(size_t i, double lr, double wd, double grad_scale) {
     if (st[k].defined() && !st[k].is_same(sh[k])) st[k].copy_(sh[k]);
 }
 
+// transformers' Adafactor.step for one tensor with scale_parameter and relative_step off and no
+// first moment, in its order of operations (ATen's ops, so the same bits on the same build):
+//   u = g^2 + eps;  matrix: row = b2t row + (1-b2t) mean_col(u), col = b2t col + (1-b2t) mean_row(u),
+//                           u = rsqrt(row / mean(row)) rsqrt(col) g;
+//                   vector: v = b2t v + (1-b2t) u, u = rsqrt(v) g;
+//   u /= max(1, rms(u) / clip);  u *= lr;  p += -wd lr p;  p -= u
+// with b2t = 1 - t^decay_rate. u lives in the workspace; the row and column factors are the only
+// allocations (one value per row and column).
+void Optimizer::adafactor_step(size_t i, double lr, double wd, double grad_scale) {
+  const at::Tensor& p = params_[i].second;
+  // Offloaded states of a parameter off the host: the update runs on the host.
+  const bool on_host = offloaded_ && !p.device().is_cpu();
+  at::Tensor ph = on_host ? p.detach().to(at::kCPU).contiguous() : p;
+  at::Tensor g = on_host ? p.grad().to(at::kCPU, at::kFloat) : p.grad();
+  if (grad_scale != 1.0) g.mul_(grad_scale);
+  const int64_t n = p.numel();
+  const double b2t = 1.0 - std::pow(static_cast<double>(steps_), options_.adafactor_decay_rate);
+  at::Tensor u = workspaces_.at(workspace_key(i)).narrow(0, 0, n).view(p.sizes());
+  at::mul_out(u, g, g);
+  u.add_(options_.adafactor_eps);
+  if (sq_row_[i].defined()) {
+    at::Tensor& row = sq_row_[i];
+    at::Tensor& col = sq_col_[i];
+    row.mul_(b2t).add_(u.mean(-1), 1.0 - b2t);
+    col.mul_(b2t).add_(u.mean(-2), 1.0 - b2t);
+    const at::Tensor r = (row / row.mean(-1, /*keepdim=*/true)).rsqrt_().unsqueeze(-1);
+    const at::Tensor c = col.unsqueeze(-2).rsqrt();
+    at::mul_out(u, r.to(u.device()), c.to(u.device()));
+  } else {
+    exp_avg_sq_[i].mul_(b2t).add_(u, 1.0 - b2t);
+    at::rsqrt_out(u, exp_avg_sq_[i]);
+  }
+  u.mul_(g);
+  const at::Tensor rms = at::linalg_vector_norm(u, 2) / std::sqrt(static_cast<double>(n));
+  u.div_((rms / options_.adafactor_clip).clamp_min_(1.0));
+  u.mul_(lr);
+  if (wd != 0) ph.add_(ph, -wd * lr);
+  ph.sub_(u);
+  if (on_host) const_cast<at::Tensor&>(p).copy_(ph);
+}
+
 int64_t Optimizer::state_bytes() const {
   int64_t n = 0;
   for (const auto& [device, w] : workspaces_) n += w.numel() * 4;
-  for (const auto* v : {&exp_avg_, &exp_avg_sq_, &absmax1_, &absmax2_})
+  for (const auto* v : {&exp_avg_, &exp_avg_sq_, &absmax1_, &absmax2_, &sq_row_, &sq_col_})
     for (const auto& t : *v)
       if (t.defined()) n += t.numel() * static_cast<int64_t>(t.element_size());
   return n;
@@ -304,13 +387,24 @@ std::vector<std::pair<std::string, at::Tensor>> Optimizer::state_tensors() const
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!owned_[i]) continue;
-    out.emplace_back(params_[i].first + ".exp_avg", exp_avg_[i]);
-    if (!exp_avg_sq_.empty()) out.emplace_back(params_[i].first + ".exp_avg_sq", exp_avg_sq_[i]);
-    if (absmax1_[i].defined()) {
-      out.emplace_back(params_[i].first + ".absmax1", absmax1_[i]);
-      out.emplace_back(params_[i].first + ".absmax2", absmax2_[i]);
-    }
+    for (const auto& [key, t] : states(i)) out.emplace_back(params_[i].first + key, *t);
   }
+  return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor*>> Optimizer::states(size_t i) {
+  std::vector<std::pair<std::string, at::Tensor*>> out;
+  const std::pair<const char*, std::vector<at::Tensor>*> named[] = {
+      {".exp_avg", &exp_avg_},      {".exp_avg_sq", &exp_avg_sq_},         {".absmax1", &absmax1_},
+      {".absmax2", &absmax2_},      {".exp_avg_sq_row", &sq_row_},         {".exp_avg_sq_col", &sq_col_}};
+  for (const auto& [key, v] : named)
+    if (i < v->size() && (*v)[i].defined()) out.emplace_back(key, &(*v)[i]);
+  return out;
+}
+
+std::vector<std::pair<std::string, const at::Tensor*>> Optimizer::states(size_t i) const {
+  std::vector<std::pair<std::string, const at::Tensor*>> out;
+  for (const auto& [key, t] : const_cast<Optimizer*>(this)->states(i)) out.emplace_back(key, t);
   return out;
 }
 
@@ -338,12 +432,7 @@ void Optimizer::load_state(const std::map<std::string, at::Tensor>& tensors, con
   };
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!owned_[i]) continue;
-    take(params_[i].first + ".exp_avg", exp_avg_[i]);
-    if (!exp_avg_sq_.empty()) take(params_[i].first + ".exp_avg_sq", exp_avg_sq_[i]);
-    if (absmax1_[i].defined()) {
-      take(params_[i].first + ".absmax1", absmax1_[i]);
-      take(params_[i].first + ".absmax2", absmax2_[i]);
-    }
+    for (const auto& [key, t] : states(i)) take(params_[i].first + key, *t);
   }
   steps_ = json_int(scalars, "steps", 0, int64_t{1} << 40, "optimizer");
 }

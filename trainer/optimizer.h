@@ -1,7 +1,8 @@
 #pragma once
 // Optimizers over the trainable tensors only: AdamW (decoupled weight decay, PyTorch's
 // semantics, fp32 states), bitsandbytes' AdamW8bit (block-wise 8-bit states, tensors under
-// 4096 elements on bitsandbytes' 32-bit kernel) and its AdamW32bit, and SGD with momentum.
+// 4096 elements on bitsandbytes' 32-bit kernel) and its AdamW32bit, Adafactor (factored second
+// moments: a matrix keeps one value per row and per column) and SGD with momentum.
 // `paged` keeps the states in host memory outside the device budget (runtime/offload.h).
 // The update allocates nothing on the device: its workspace is planned when the optimizer
 // is built, so an out-of-memory error can only happen before the first parameter changes,
@@ -21,24 +22,33 @@ namespace memtune::trainer {
 
 struct OptimizerOptions {
   // adamw (torch.optim.AdamW) | adamw_8bit (bitsandbytes AdamW8bit) |
-  // adamw_32bit (bitsandbytes AdamW32bit's kernel) | sgd
+  // adamw_32bit (bitsandbytes AdamW32bit's kernel) | adafactor | sgd
   std::string kind = "adamw";
   bool paged = false;          // states in host memory outside the device budget
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
   double weight_decay = 0.0;   // not applied to norms and biases (see decays())
   double momentum = 0.0;       // sgd
+  // adafactor: transformers' Adafactor as Hugging Face's Trainer builds it for optim: adafactor
+  // (scale_parameter and relative_step off: the schedule's learning rate; no first moment;
+  // eps (1e-30, 1e-3), of which only the first is read then).
+  double adafactor_eps = 1e-30;       // added to the squared gradient
+  double adafactor_clip = 1.0;        // the update's RMS is clipped to this
+  double adafactor_decay_rate = -0.8; // beta2 at step t: 1 - t^decay_rate
 };
 
 // training.optim (Hugging Face's names) as options: adamw_torch|adamw -> adamw,
 // adamw_bnb_8bit|adamw_8bit -> adamw_8bit, paged_adamw_8bit -> adamw_8bit + paged,
-// paged_adamw_32bit -> adamw_32bit + paged, sgd. Anything else: UserError with the list.
+// paged_adamw_32bit -> adamw_32bit + paged, adafactor, sgd. Anything else: UserError with the list.
 void set_optimizer_kind(const std::string& optim, OptimizerOptions& o);
-inline constexpr const char* kOptimNames = "adamw_torch, adamw, adamw_bnb_8bit, adamw_8bit, paged_adamw_8bit, paged_adamw_32bit, sgd";
+inline constexpr const char* kOptimNames =
+    "adamw_torch, adamw, adamw_bnb_8bit, adamw_8bit, paged_adamw_8bit, paged_adamw_32bit, adafactor, sgd";
 
 // Device bytes of the states of `kind` (OptimizerOptions::kind) for one trainable tensor of
-// n elements: 0 when paged; adamw_8bit: uint8 codes and fp32 absmax per kBlock8bit for
-// tensors of kMin8bitSize elements or more, else fp32 as adamw.
-int64_t optimizer_state_bytes(const std::string& kind, bool paged, int64_t numel);
+// this shape: 0 when paged; adamw_8bit: uint8 codes and fp32 absmax per kBlock8bit for
+// tensors of kMin8bitSize elements or more, else fp32 as adamw; adafactor: fp32, one per row
+// and one per column of a matrix (more dimensions: per row of each, and per column), one per
+// element of a vector.
+int64_t optimizer_state_bytes(const std::string& kind, bool paged, at::IntArrayRef shape);
 
 // bitsandbytes' 8-bit AdamW constants and maps (kMin8bitSize, kBlock8bit, dynamic_map,
 // quantize_dynamic): trainer/adamw8bit_kernels.h, included above.
@@ -74,7 +84,9 @@ class Optimizer {
   bool states_offloaded() const { return offloaded_ || options_.paged; }
 
   // State for training checkpoints: tensors (named "<param>.exp_avg", "<param>.exp_avg_sq";
-  // for 8-bit states the uint8 codes under those names plus "<param>.absmax1/absmax2") and scalars.
+  // for 8-bit states the uint8 codes under those names plus "<param>.absmax1/absmax2";
+  // adafactor's "<param>.exp_avg_sq_row/exp_avg_sq_col" of a matrix, "<param>.exp_avg_sq" of a
+  // vector, as transformers names them) and scalars.
   // Only the owned parameters' tensors: load_state takes theirs and ignores the others.
   std::vector<std::pair<std::string, at::Tensor>> state_tensors() const;
   nlohmann::json state_scalars() const;
@@ -82,10 +94,18 @@ class Optimizer {
 
  private:
   void bnb_step(size_t i, double lr, double wd, double grad_scale);  // adamw_8bit / adamw_32bit
+  void adafactor_step(size_t i, double lr, double wd, double grad_scale);
   // torch's AdamW off the fused CPU kernel (a GPU) takes a denominator the size of the largest
-  // parameter it updates, per device: allocated at the start of a step, before any parameter
-  // changes, and only where that path runs (never on the CPU, nor for offloaded states).
+  // parameter it updates, per device, and Adafactor its update (on every device; in host memory
+  // outside the budget when the states are there): allocated at the start of a step, before
+  // any parameter changes, and only where that path runs.
   void reserve_workspaces();
+  // Where parameter i's update runs with its workspace: "host" (offloaded states, outside the
+  // budget) or its device.
+  std::string workspace_key(size_t i) const;
+  // Parameter i's state tensors that exist, by their checkpoint suffix (".exp_avg", ...).
+  std::vector<std::pair<std::string, at::Tensor*>> states(size_t i);
+  std::vector<std::pair<std::string, const at::Tensor*>> states(size_t i) const;
   // torch's AdamW or SGD on parameter i's tensors (p, g: the parameter's or their host copies).
   void update(const at::Tensor& p, const at::Tensor& g, size_t i, double lr, double wd, double grad_scale, double bc1,
               double bc2);
@@ -96,7 +116,10 @@ class Optimizer {
   // adamw_8bit: per parameter fp32 [blocks] absmax of exp_avg_/exp_avg_sq_ (uint8 codes);
   // undefined where the tensor is under kMin8bitSize and its states are fp32.
   std::vector<at::Tensor> absmax1_, absmax2_;
-  // Per device where torch's AdamW path runs: the largest parameter's size there, fp32.
+  // adafactor: a matrix's row and column second moments (exp_avg_sq_ undefined there); a
+  // vector's are in exp_avg_sq_ and these are undefined.
+  std::vector<at::Tensor> sq_row_, sq_col_;
+  // Per device where torch's AdamW path or Adafactor runs: the largest parameter's size there, fp32.
   std::map<std::string, at::Tensor> workspaces_;
   int64_t steps_ = 0;
   bool offloaded_ = false;  // offload_states() ran

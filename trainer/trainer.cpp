@@ -352,6 +352,9 @@ void Trainer::build_update() {
   oo.eps = t.adam_epsilon;
   oo.weight_decay = t.weight_decay;
   oo.momentum = t.momentum;
+  if (oo.kind == "adafactor" && (t.adam_beta1 != 0.9 || t.adam_beta2 != 0.999 || t.adam_epsilon != 1e-8))
+    spdlog::warn("training.optim: adafactor reads no adam_beta1/adam_beta2/adam_epsilon (as in Hugging Face's "
+                 "Trainer); the values set are not used");
   // distributed.sharding: this rank keeps state for, and updates, its share of the tensors.
   sharding_ = std::make_unique<Sharding>(shard_level(c_.distributed.sharding), pg_.get(),
                                          bundle_.model->trainable_parameters(), c_.distributed.bucket_size_mb << 20);

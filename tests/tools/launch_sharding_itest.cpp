@@ -207,6 +207,7 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"gradients", 2, "sgd", "full", 1e-6}, Case{"optimizer", 3, "adamw_8bit", "lora", 1e-5},
                       Case{"gradients", 2, "paged_adamw_8bit", "lora", 1e-5},
                       Case{"gradients", 3, "paged_adamw_32bit", "lora", 1e-5},
+                      Case{"optimizer", 2, "adafactor", "full", 1e-5},
                       Case{"gradients", 2, "adamw", "full", 1e-5, "model.name_or_path=tiny-gpt2", "_tied_gpt2"},
                       Case{"gradients", 3, "adamw", "lora", 1e-5, "training.fp16=true training.fp16_init_scale=1e39",
                            "_fp16_overflow"},

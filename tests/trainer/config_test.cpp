@@ -455,14 +455,16 @@ TEST(ConfigErrors, UnknownScheduler) {
 }
 
 TEST(ConfigErrors, UnknownOptim) {
-  const std::string yaml = "training:\n  optim: adafactor\n";
-  expect_invalid(yaml, "optim", "adafactor", "training.optim", "adafactor",
-                 "expected one of adamw_torch|adamw|adamw_bnb_8bit|adamw_8bit|paged_adamw_8bit|paged_adamw_32bit|sgd");
+  const std::string yaml = "training:\n  optim: lion_8bit\n";
+  expect_invalid(yaml, "optim", "lion_8bit", "training.optim", "lion_8bit",
+                 "expected one of "
+                 "adamw_torch|adamw|adamw_bnb_8bit|adamw_8bit|paged_adamw_8bit|paged_adamw_32bit|adafactor|sgd");
 }
 
 TEST(Config, OptimTakesHuggingFaceNames) {
   for (const char* name :
-       {"adamw_torch", "adamw", "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "sgd"})
+       {"adamw_torch", "adamw", "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor",
+        "sgd"})
     EXPECT_EQ(parse(std::string("training:\n  optim: ") + name + "\n").training.optim, name);
 }
 

@@ -81,7 +81,9 @@ Measured measure(const trainer::Config& c, const models::ModelSpec& spec) {
   models::CausalLM* model = bundle.model.get();
   for (models::Linear* l : model->linears())
     if (l->quantized()) m.nf4_bytes += l->qweight()->storage_bytes();
-  trainer::Optimizer optimizer(model->trainable_parameters(), {});
+  trainer::OptimizerOptions oo;
+  trainer::set_optimizer_kind(c.training.optim, oo);
+  trainer::Optimizer optimizer(model->trainable_parameters(), oo);
   std::vector<data::Sample> samples;
   for (int64_t b = 0; b < c.training.per_device_train_batch_size; ++b)
     samples.push_back(row(c.data.max_seq_length, spec.vocab_size, b));
@@ -170,7 +172,11 @@ INSTANTIATE_TEST_SUITE_P(
                                       "lora.target_modules=[c_attn]", "lora.modules_to_save=[wpe,ln_f]",
                                       "data.max_seq_length=128"}},
         Shape{"gpt2_full", {"model.name_or_path=tiny-gpt2", "training.finetune=full", "data.max_seq_length=128",
-                            "training.per_device_train_batch_size=2"}}),
+                            "training.per_device_train_batch_size=2"}},
+        // Adafactor: per-row and per-column states, and its update's workspace (the largest tensor).
+        Shape{"llama_full_adafactor", {"model.name_or_path=tiny-llama", "training.finetune=full",
+                                       "training.optim=adafactor", "data.max_seq_length=128",
+                                       "training.per_device_train_batch_size=2"}}),
     [](const ::testing::TestParamInfo<Shape>& info) { return info.param.name; });
 
 // A full fine-tune accumulating gradients over micro-batches holds every fp32 gradient
