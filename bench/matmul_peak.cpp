@@ -2,11 +2,16 @@
 // memtune's thread set-up (passive OpenMP wait, OpenBLAS thread timeout, intra-op threads
 // from the CPU affinity). The yardstick for model-FLOPs utilisation in
 // bench/train_vs_peer.py. Prints one JSON line:
-//   {"peak_gflops": best, "shapes": [{"m":..,"k":..,"n":..,"gflops":..}, ...], "threads": N}
+//   {"peak_gflops": best, "shapes": [{"m":..,"k":..,"n":..,"gflops":..}, ...], "threads": N,
+//    "aten_cpu_capability": "AVX2", "blas_core": "Haswell"}
+// The last two name the instructions the run's kernels use: ATen's vectorized kernels pick a
+// capability at run time and OpenBLAS its core's kernels, so a CPU's AVX-512 need not be used.
 //
 //   bench_matmul_peak [--seconds S]   (time spent per shape, default 1)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/Version.h>
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <chrono>
@@ -16,6 +21,26 @@
 #include <string>
 
 #include "runtime/threads.h"
+
+namespace {
+
+// ATen's configuration says "CPU capability usage: AVX2" (or DEFAULT, AVX512).
+std::string aten_capability() {
+  const std::string config = at::show_config(), key = "CPU capability usage: ";
+  const auto at = config.find(key);
+  if (at == std::string::npos) return "unknown";
+  const auto begin = at + key.size();
+  return config.substr(begin, config.find('\n', begin) - begin);
+}
+
+// OpenBLAS's kernel core (openblas_get_corename), when the BLAS in this process is OpenBLAS.
+const char* blas_core() {
+  using Fn = char* (*)();
+  auto fn = reinterpret_cast<Fn>(dlsym(RTLD_DEFAULT, "openblas_get_corename"));
+  return fn ? fn() : "not OpenBLAS";
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   memtune::reexec_with_passive_omp_wait(argv);
@@ -50,7 +75,8 @@ int main(int argc, char** argv) {
                   static_cast<long long>(s.n), shape_best);
     rows += row;
   }
-  std::printf("{\"peak_gflops\": %.1f, \"threads\": %d, \"shapes\": [%s]}\n", best, at::get_num_threads(),
-              rows.c_str());
+  std::printf("{\"peak_gflops\": %.1f, \"threads\": %d, \"aten_cpu_capability\": \"%s\", \"blas_core\": \"%s\", "
+              "\"shapes\": [%s]}\n",
+              best, at::get_num_threads(), aten_capability().c_str(), blas_core(), rows.c_str());
   return 0;
 }

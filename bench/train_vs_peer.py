@@ -59,7 +59,13 @@ def log(*a):
 def cpu_name():
     """This machine's CPU for a figure's header: its model name and whether it has AVX-512."""
     info = open("/proc/cpuinfo").read()
-    name = next((l.split(":", 1)[1].strip() for l in info.splitlines() if l.startswith("model name")), "unknown CPU")
+
+    def field(key):
+        return next((l.split(":", 1)[1].strip() for l in info.splitlines() if l.split(":")[0].strip() == key), None)
+
+    name = field("model name") or "unknown CPU"
+    if field("cpu family"):  # the core's generation, which the model name of a VM may not say
+        name += f" (family {field('cpu family')} model {field('model')})"
     return name, "avx512f" in info
 
 
@@ -234,7 +240,8 @@ def main():
     os.makedirs(args.work, exist_ok=True)
 
     peak = json.loads(run([peak_bin]).stdout.strip().splitlines()[-1])
-    log(f"fp32 matmul peak: {peak['peak_gflops']} GFLOP/s ({peak['threads']} threads)")
+    log(f"fp32 matmul peak: {peak['peak_gflops']} GFLOP/s ({peak['threads']} threads; ATen kernels "
+        f"{peak.get('aten_cpu_capability')}, OpenBLAS core {peak.get('blas_core')})")
     rows = []
     wanted = args.models.split(",")
     for name, m in MODELS.items():
@@ -278,8 +285,11 @@ def main():
     if "gpt2" in wanted:
         rows.append(gpt2_row(args))
 
+    cpu, avx512 = cpu_name()
     result = {
         "date": datetime.date.today().isoformat(), "host": platform.node(), "cpus": os.cpu_count(),
+        "cpu": cpu, "avx512": avx512, "aten_cpu_capability": peak.get("aten_cpu_capability"),
+        "blas_core": peak.get("blas_core"),
         "matmul_peak_gflops": peak["peak_gflops"], "matmul_shapes": peak["shapes"], "rows": rows,
     }
     print_table(result)
@@ -290,8 +300,9 @@ def main():
 
 
 def print_table(res):
-    print(f"memtune vs PyTorch eager peer, {res['date']}, {res['cpus']} CPUs, "
-          f"fp32 matmul peak {res['matmul_peak_gflops']:.0f} GFLOP/s")
+    print(f"memtune vs PyTorch eager peer, {res['date']}, {res['cpus']} CPUs, {res.get('cpu')} "
+          f"({'with' if res.get('avx512') else 'without'} AVX-512; kernels: ATen {res.get('aten_cpu_capability')}, "
+          f"OpenBLAS {res.get('blas_core')}), fp32 matmul peak {res['matmul_peak_gflops']:.0f} GFLOP/s")
     print(f"{'model':<10}{'mode':<7}{'ckpt':<6}{'tok/s':>8}{'peer':>8}{'ratio':>7}{'pairs':>12}{'MFU':>6}"
           f"{'budget MiB':>11}{'RSS MiB':>9}{'peer RSS':>9}{'RSS ratio':>10}")
     for r in res["rows"]:
