@@ -10,8 +10,6 @@
 //   bench_matmul_peak [--seconds S]   (time spent per shape, default 1)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/Version.h>
-#include <dlfcn.h>
 
 #include <algorithm>
 #include <chrono>
@@ -21,26 +19,6 @@
 #include <string>
 
 #include "runtime/threads.h"
-
-namespace {
-
-// ATen's configuration says "CPU capability usage: AVX2" (or DEFAULT, AVX512).
-std::string aten_capability() {
-  const std::string config = at::show_config(), key = "CPU capability usage: ";
-  const auto at = config.find(key);
-  if (at == std::string::npos) return "unknown";
-  const auto begin = at + key.size();
-  return config.substr(begin, config.find('\n', begin) - begin);
-}
-
-// OpenBLAS's kernel core (openblas_get_corename), when the BLAS in this process is OpenBLAS.
-const char* blas_core() {
-  using Fn = char* (*)();
-  auto fn = reinterpret_cast<Fn>(dlsym(RTLD_DEFAULT, "openblas_get_corename"));
-  return fn ? fn() : "not OpenBLAS";
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   memtune::reexec_with_passive_omp_wait(argv);
@@ -77,6 +55,7 @@ int main(int argc, char** argv) {
   }
   std::printf("{\"peak_gflops\": %.1f, \"threads\": %d, \"aten_cpu_capability\": \"%s\", \"blas_core\": \"%s\", "
               "\"shapes\": [%s]}\n",
-              best, at::get_num_threads(), aten_capability().c_str(), blas_core(), rows.c_str());
+              best, at::get_num_threads(), memtune::aten_cpu_capability().c_str(), memtune::blas_core().c_str(),
+              rows.c_str());
   return 0;
 }

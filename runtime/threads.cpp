@@ -4,6 +4,8 @@
 #include <unistd.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/Version.h>
+#include <dlfcn.h>
 #include <cstdlib>
 #include <cstring>
 
@@ -60,7 +62,23 @@ std::string configure_threads(int requested) {
   const char* blas_timeout = std::getenv("OPENBLAS_THREAD_TIMEOUT");
   return str_cat("threads: ", n, " intra-op (from ", source, "), OpenMP wait policy ",
                  wait ? wait : "default (spin)", ", OpenBLAS thread timeout 2^",
-                 blas_timeout ? blas_timeout : "28 (default)", " cycles");
+                 blas_timeout ? blas_timeout : "28 (default)", " cycles; kernels: ATen ", aten_cpu_capability(),
+                 ", OpenBLAS ", blas_core());
+}
+
+std::string aten_cpu_capability() {
+  // ATen's build configuration ends with the capability it chose at run time.
+  const std::string config = at::show_config(), key = "CPU capability usage: ";
+  const auto at = config.find(key);
+  if (at == std::string::npos) return "unknown";
+  const auto begin = at + key.size();
+  return config.substr(begin, config.find('\n', begin) - begin);
+}
+
+std::string blas_core() {
+  using CoreName = char* (*)();
+  const auto fn = reinterpret_cast<CoreName>(dlsym(RTLD_DEFAULT, "openblas_get_corename"));
+  return fn ? fn() : "not OpenBLAS";
 }
 
 }  // namespace memtune

@@ -20,4 +20,11 @@ std::string configure_threads(int requested);
 
 int affinity_cpu_count();
 
+// The instructions this process's kernels use: ATen's run-time CPU capability ("AVX2",
+// "AVX512", "DEFAULT") and OpenBLAS's kernel core ("Haswell", "SkylakeX", ...; "not OpenBLAS"
+// for another BLAS). A CPU with AVX-512 runs AVX2 kernels where either library picks them
+// (or OPENBLAS_CORETYPE / ATEN_CPU_CAPABILITY say so).
+std::string aten_cpu_capability();
+std::string blas_core();
+
 }  // namespace memtune

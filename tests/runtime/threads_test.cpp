@@ -1,0 +1,31 @@
+// The kernels a run's log names: ATen's capability and OpenBLAS's core are what the libraries
+// chose, which the environment can force (ATEN_CPU_CAPABILITY, OPENBLAS_CORETYPE), not what the
+// CPU could run.
+#include <gtest/gtest.h>
+
+#include <strings.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "runtime/threads.h"
+
+namespace {
+
+TEST(Threads, TheLogNamesTheKernelsTheLibrariesChose) {
+  const std::string aten = memtune::aten_cpu_capability();
+  EXPECT_TRUE(aten == "DEFAULT" || aten == "AVX2" || aten == "AVX512" || aten == "VSX" || aten == "ZVECTOR") << aten;
+  if (const char* forced = std::getenv("ATEN_CPU_CAPABILITY"); forced && strcasecmp(forced, "default") != 0)
+    EXPECT_EQ(strcasecmp(forced, aten.c_str()), 0) << forced << " asked, " << aten << " reported";
+
+  const std::string core = memtune::blas_core();
+  EXPECT_FALSE(core.empty());
+  // A core forced by the environment is the one OpenBLAS reports (names as OpenBLAS spells them).
+  if (const char* forced = std::getenv("OPENBLAS_CORETYPE"); forced && *forced && core != "not OpenBLAS")
+    EXPECT_EQ(strcasecmp(forced, core.c_str()), 0) << forced << " asked, " << core << " reported";
+
+  const std::string line = memtune::configure_threads(0);
+  EXPECT_NE(line.find("kernels: ATen " + aten + ", OpenBLAS " + core), std::string::npos) << line;
+}
+
+}  // namespace
