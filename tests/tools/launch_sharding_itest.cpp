@@ -143,6 +143,12 @@ TEST_P(ShardedRun, EqualsOneProcessOnTheGlobalBatch) {
     EXPECT_EQ(rows_one[i]["events"].dump(), rows_many[i]["events"].dump()) << "step " << i;
     EXPECT_EQ(rows_one[i]["loss_scale"], rows_many[i]["loss_scale"]) << "step " << i;
   }
+  if (k.extra.find("optimizer_offload=cpu") != std::string::npos) {  // every rank's gradients left the device
+    size_t at = 0;
+    int ranks = 0;
+    while ((at = many.output.find("gradients (", at)) != std::string::npos) ++ranks, ++at;
+    EXPECT_EQ(ranks, k.world) << many.output;
+  }
   if (k.extra.find("fp16") != std::string::npos) {
     EXPECT_NE(rows_many.front()["events"].dump().find("skip"), std::string::npos) << "the first step overflowed";
   }
@@ -208,6 +214,11 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"gradients", 2, "paged_adamw_8bit", "lora", 1e-5},
                       Case{"gradients", 3, "paged_adamw_32bit", "lora", 1e-5},
                       Case{"optimizer", 2, "adafactor", "full", 1e-5},
+                      // Gradient offload (memory.optimizer_offload: cpu) on a CPU group: each rank's
+                      // gradients in host buffers, reduced there, at each level.
+                      Case{"optimizer", 2, "adamw", "full", 1e-5, "memory.optimizer_offload=cpu", "_grad_offload"},
+                      Case{"gradients", 3, "adamw", "lora", 1e-5, "memory.optimizer_offload=cpu", "_grad_offload"},
+                      Case{"full", 2, "adamw", "lora", 1e-5, "memory.optimizer_offload=cpu", "_grad_offload"},
                       Case{"gradients", 2, "adamw", "full", 1e-5, "model.name_or_path=tiny-gpt2", "_tied_gpt2"},
                       Case{"gradients", 3, "adamw", "lora", 1e-5, "training.fp16=true training.fp16_init_scale=1e39",
                            "_fp16_overflow"},
