@@ -27,4 +27,9 @@ int affinity_cpu_count();
 std::string aten_cpu_capability();
 std::string blas_core();
 
+// A line for the log when OpenBLAS runs AVX2 kernels on a CPU with AVX-512 because
+// OPENBLAS_CORETYPE says so (the user's setting stands; its AVX-512 kernels multiply fp32
+// matrices about twice as fast); empty otherwise.
+std::string blas_core_hint();
+
 }  // namespace memtune

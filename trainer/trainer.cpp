@@ -222,6 +222,7 @@ void Trainer::join_and_plan() {
                 dist_.enabled() ? dist_.rank : -1, true});
   spdlog::info("memtune train: {}", c_.source);
   spdlog::info("{}", configure_threads(c_.runtime.num_threads));
+  if (const std::string hint = blas_core_hint(); !hint.empty()) spdlog::info("{}", hint);
   config_yaml_ = to_yaml(c_);
   if (writer_) write_file_atomic(out_dir_ / "config.yaml", config_yaml_);
   spdlog::debug("effective config:\n{}", config_yaml_);

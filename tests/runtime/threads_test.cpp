@@ -24,6 +24,18 @@ TEST(Threads, TheLogNamesTheKernelsTheLibrariesChose) {
   if (const char* forced = std::getenv("OPENBLAS_CORETYPE"); forced && *forced && core != "not OpenBLAS")
     EXPECT_EQ(strcasecmp(forced, core.c_str()), 0) << forced << " asked, " << core << " reported";
 
+  // The hint names the forced core only where OpenBLAS was made to run AVX2 kernels on an
+  // AVX-512 CPU.
+  const std::string hint = memtune::blas_core_hint();
+  const char* forced = std::getenv("OPENBLAS_CORETYPE");
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  if (!forced || !*forced || !avx512 || strcasecmp(core.c_str(), "SkylakeX") == 0 ||
+      strcasecmp(core.c_str(), "Cooperlake") == 0)
+    EXPECT_EQ(hint, "");
+  else if (strcasecmp(core.c_str(), "Haswell") == 0)
+    EXPECT_NE(hint.find(std::string("OPENBLAS_CORETYPE=") + forced), std::string::npos) << hint;
+
   const std::string line = memtune::configure_threads(0);
   EXPECT_NE(line.find("kernels: ATen " + aten + ", OpenBLAS " + core), std::string::npos) << line;
 }
