@@ -637,6 +637,10 @@ StepRecord Trainer::step() {
     fo.training = true;
     fo.checkpoint_layers = ckpt_layers_;
     fo.offload_activations = offload_activations_;
+    // A tied head's gradient goes to the host as the loss's backward makes it, rather than
+    // wait on the device for the embedding's (trainer/gradient_offload.h).
+    if (grad_offload_->enabled() && bundle_.model->spec().tie_word_embeddings)
+      fo.head_weight_tap = [this](const at::Tensor& w) { return grad_offload_->tap(w); };
     for (size_t i = 0; i < samples.size(); i += static_cast<size_t>(micro)) {
       const auto first = samples.begin() + static_cast<std::ptrdiff_t>(i);
       const std::vector<data::Sample> part(first, first + static_cast<std::ptrdiff_t>(std::min<size_t>(
