@@ -236,12 +236,12 @@ class Planner {
     const int64_t held = accumulating_ && !grads_off ? e.gradients : 0;
     e.forward_peak = persistent + fwd + gathered + held;
 
-    // Backward: the loss node (its saved gradients and their product with the loss's
-    // gradient), then from the top layer down: a checkpointed layer is first rebuilt with
+    // Backward: the loss node (its saved gradients, scaled by the loss's gradient in place),
+    // then from the top layer down: a checkpointed layer is first rebuilt with
     // autograd, then its backward runs with the layers below kept and the gradient flowing
     // in. Gradients appear as their layer finishes: at layer i those of the final norm and
     // head and of layers >= i. The embedding's gradient comes last.
-    int64_t bwd = held + e.activations + 2 * (dh + head_grad);
+    int64_t bwd = held + e.activations + dh + head_grad;  // scaled in place (models/layers/cross_entropy.cpp)
     int64_t recompute = 0, workspace = 0;
     // The final norm's and the head's; tied, the head's waits in autograd's input buffer for
     // the embedding's, unless offload hands it to the host at once (GradientOffload::tap).
