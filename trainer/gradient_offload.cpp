@@ -54,8 +54,17 @@ GradientOffload::GradientOffload(Params params) : params_(std::move(params)) {
                             "gradient offload: ", name, " must be a trainable fp32 leaf");
 }
 
-GradientOffload::~GradientOffload() {
-  if (enabled()) disable();
+// The hooks go; a gradient held stays where it is (in host memory, its tensor's .grad keeps
+// it alive): a destructor allocates nothing on a device whose budget may be spent.
+GradientOffload::~GradientOffload() { remove_hooks(); }
+
+void GradientOffload::remove_hooks() {
+  for (size_t i = 0; i < hooks_.size(); ++i) {
+    auto& pre = std::static_pointer_cast<Node>(accumulators_[i])->pre_hooks();
+    pre.erase(std::remove_if(pre.begin(), pre.end(), [&](const auto& h) { return h.get() == hooks_[i]; }), pre.end());
+  }
+  hooks_.clear();
+  accumulators_.clear();
 }
 
 int64_t GradientOffload::host_bytes() const {
@@ -153,15 +162,12 @@ int64_t GradientOffload::disable() {
   if (!enabled()) return 0;
   at::NoGradGuard no_grad;
   const int64_t bytes = host_bytes();
+  remove_hooks();
   for (size_t i = 0; i < params_.size(); ++i) {
-    auto& pre = std::static_pointer_cast<Node>(accumulators_[i])->pre_hooks();
-    pre.erase(std::remove_if(pre.begin(), pre.end(), [&](const auto& h) { return h.get() == hooks_[i]; }), pre.end());
     const at::Tensor& p = params_[i].second;
     at::Tensor& grad = p.mutable_grad();
     if (grad.defined() && grad.is_same(host_[i])) grad = fetch_from_offload(host_[i], p.device());
   }
-  hooks_.clear();
-  accumulators_.clear();
   host_.clear();
   staging_.clear();  // a gradient staged here belongs to a backward that failed: void, as on the device
   staged_.clear();

@@ -36,7 +36,7 @@ class GradientOffload {
 
   // `params`: the trainable leaves (fp32). Nothing moves until enable().
   explicit GradientOffload(Params params);
-  ~GradientOffload();  // removes the hooks
+  ~GradientOffload();  // removes the hooks; gradients held stay in host memory (nothing moves)
   GradientOffload(const GradientOffload&) = delete;
   GradientOffload& operator=(const GradientOffload&) = delete;
 
@@ -62,6 +62,7 @@ class GradientOffload {
   struct Tap;
   void take(size_t i, const at::Tensor& g);   // called by tensor i's hook, in backward; g may be undefined
   void stage(size_t i, const at::Tensor& g);  // called by a tap of tensor i, in backward
+  void remove_hooks();
 
   Params params_;
   std::vector<std::shared_ptr<void>> accumulators_;  // torch::autograd::Node, per tensor (kept alive)

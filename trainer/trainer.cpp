@@ -347,6 +347,7 @@ void Trainer::build_update() {
                        total_steps_};
   OptimizerOptions oo;
   set_optimizer_kind(t.optim, oo);
+  oo.offloaded = c_.memory.optimizer_offload == "cpu";
   oo.beta1 = t.adam_beta1;
   oo.beta2 = t.adam_beta2;
   oo.eps = t.adam_epsilon;
@@ -362,7 +363,10 @@ void Trainer::build_update() {
   spdlog::info("{}; optimizer state here: {}", sharding_->describe(), format_bytes(optimizer_->state_bytes()));
   if (c_.memory.optimizer_offload == "cpu") {
     if (oo.paged) spdlog::info("memory.optimizer_offload: cpu: {} keeps its state in host memory already", t.optim);
-    if (const std::string moved = offload_optimizer(); !moved.empty())
+    std::string moved =
+        oo.paged ? "" : str_cat("optimizer state (", format_bytes(optimizer_->state_bytes()), ", made there)");
+    if (const std::string grads = offload_optimizer(); !grads.empty()) moved += (moved.empty() ? "" : " and ") + grads;
+    if (!moved.empty())
       spdlog::info("memory.optimizer_offload: cpu: {} in host memory; the update runs there", moved);
     if (!grads_can_leave_)
       spdlog::info("memory.optimizer_offload: cpu: gradients stay on {} ({} ranks reduce them in device memory)",

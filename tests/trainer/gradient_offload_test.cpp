@@ -3,6 +3,8 @@
 // same bits as AccumulateGrad's on the device.
 #include <gtest/gtest.h>
 
+#include <optional>
+
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 
@@ -90,6 +92,28 @@ TEST(GradientOffload, DisableBringsAHeldGradientBackAndRemovesTheHook) {
   (w * 2).sum().backward();  // no hook: AccumulateGrad adds on the device
   EXPECT_TRUE(at::equal(w.grad(), at::full({64, 64}, 5.0f)));
   EXPECT_EQ(cpu_allocated_bytes() - before, 64 * 64 * 4);
+}
+
+// Destroyed at the end of a run, gradient offload leaves the gradients it holds in host
+// memory: nothing comes back to a device whose budget may be spent (a GPT-2 124M run at its
+// floor ended in an out-of-memory abort after its last step when they did).
+TEST(GradientOffload, DestructionMovesNothingToTheDevice) {
+  install_cpu_budget_allocator();
+  at::Tensor w = at::ones({64, 64}).requires_grad_();
+  std::optional<GradientOffload> go;
+  go.emplace(GradientOffload::Params{{"w", w}});
+  go->enable();
+  (w * 3).sum().backward();
+  const int64_t before = cpu_allocated_bytes();
+  {
+    ScopedPeakReset peak;
+    go.reset();
+    EXPECT_EQ(peak.peak(), before) << "a gradient came back to the device";
+  }
+  EXPECT_EQ(cpu_allocated_bytes(), before);
+  EXPECT_TRUE(at::equal(w.grad(), at::full({64, 64}, 3.0f)));
+  (w * 2).sum().backward();  // no hook: AccumulateGrad adds where the gradient is
+  EXPECT_TRUE(at::equal(w.grad(), at::full({64, 64}, 5.0f)));
 }
 
 // A tied embedding and head, as GPT-2's: W (V,C) embeds the ids and is the loss's head
