@@ -338,12 +338,13 @@ ForwardOutput CausalLM::forward(const data::Batch& batch, const ForwardOptions& 
   const data::Batch& last = batch_on(placement_.head);
   ForwardOutput out;
   const int64_t C = x.size(-1);
-  out.loss_sum = linear_cross_entropy_sum(x.reshape({-1, C}), head_weight(), last.targets.reshape({-1}),
+  const at::Tensor head = options.head_weight_tap ? options.head_weight_tap(head_weight()) : head_weight();
+  out.loss_sum = linear_cross_entropy_sum(x.reshape({-1, C}), head, last.targets.reshape({-1}),
                                           options.loss_chunk_rows > 0 ? options.loss_chunk_rows
                                                                       : loss_chunk_rows(spec().vocab_size),
                                           &out.correct_tokens);
   out.target_tokens = (batch.targets != data::kIgnoreIndex).sum().item<int64_t>();
-  if (options.return_logits) out.logits = at::matmul(x.to(at::kFloat), head_weight().to(at::kFloat).t());
+  if (options.return_logits) out.logits = at::matmul(x.to(at::kFloat), head.to(at::kFloat).t());
   return out;
 }
 

@@ -64,6 +64,10 @@ struct ForwardOptions {
   bool offload_activations = false;     // checkpointed layers' inputs wait in host memory (activation offload)
   bool return_logits = false;           // also the full (B,T,V) logits (tests, generation)
   int64_t loss_chunk_rows = 0;  // 0: by vocabulary size, models/layers/cross_entropy.h loss_chunk_rows()
+  // Applied to the head's (V,C) weight before the loss (and the logits) use it; it returns the
+  // same values. The caller's hold on the head's gradient as the loss's backward produces it,
+  // before autograd sums it with the embedding's when the two are tied. Unset: the weight.
+  std::function<at::Tensor(const at::Tensor&)> head_weight_tap;
 };
 
 struct ForwardOutput {

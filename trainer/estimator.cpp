@@ -239,14 +239,16 @@ class Planner {
     const int64_t held = accumulating_ && !grads_off ? e.gradients : 0;
     e.forward_peak = persistent + fwd + gathered + held;
 
-    // Backward: the loss node (its saved gradients and their product with the loss's
-    // gradient), then from the top layer down: a checkpointed layer is first rebuilt with
+    // Backward: the loss node (its saved gradients, scaled by the loss's gradient in place),
+    // then from the top layer down: a checkpointed layer is first rebuilt with
     // autograd, then its backward runs with the layers below kept and the gradient flowing
     // in. Gradients appear as their layer finishes: at layer i those of the final norm and
     // head and of layers >= i. The embedding's gradient comes last.
-    int64_t bwd = held + e.activations + 2 * (dh + head_grad);
+    int64_t bwd = held + e.activations + dh + head_grad;  // scaled in place (models/layers/cross_entropy.cpp)
     int64_t recompute = 0, workspace = 0;
-    int64_t grads = (grads_off ? 0 : outside_trainable * kF32) + (tied() ? head_grad : 0);  // the final norm's and the head's
+    // The final norm's and the head's; tied, the head's waits in autograd's input buffer for
+    // the embedding's, unless offload hands it to the host at once (GradientOffload::tap).
+    int64_t grads = (grads_off ? 0 : outside_trainable * kF32) + (tied() && !grads_off ? head_grad : 0);
     below = batch + stack.context + kept;
     const int64_t grad_in = E * C * kF32;
     for (int i = L_ - 1; i >= 0; --i) {
@@ -271,10 +273,11 @@ class Planner {
     // The embedding's backward: a dense (V,C) gradient. Tied to a trained head, the tensor's
     // two gradients meet in autograd's input buffer before its accumulator runs: the head's,
     // waiting since the loss's backward, the embedding's and their sum, all (V,C) fp32
-    // (measured: GPT-2 124M's backward with gradient offload, 475 MiB of weights + 3 x 147).
+    // (measured: GPT-2 124M's backward with gradient offload before the tap, 475 MiB of
+    // weights + 3 x 147). Offloaded, the head's went to the host and the sum is formed there.
     const int64_t embedding_grads = grads_off ? embedding_trainable * kF32 : e.gradients;  // offloaded: its own only
     if (embedding_trained_)
-      bwd = std::max(bwd, embedding_grads + batch + grad_in + (tied() && head_trained_ ? 2 * V * C * kF32 : 0));
+      bwd = std::max(bwd, embedding_grads + batch + grad_in + (tied() && head_trained_ && !grads_off ? 2 * V * C * kF32 : 0));
     e.recompute = recompute;
     e.workspace = workspace;
     e.backward_peak = persistent + bwd + gathered;

@@ -129,9 +129,11 @@ Optimizer::Optimizer(std::vector<std::pair<std::string, at::Tensor>> params, Opt
   const std::string& k = options_.kind;
   MEMTUNE_CHECK(k == "adamw" || k == "adamw_8bit" || k == "adamw_32bit" || k == "adafactor" || k == "sgd",
                 "training.optim: unknown optimizer kind '", k, "' (adamw, adamw_8bit, adamw_32bit, adafactor, sgd)");
-  // A state tensor: on the parameter's device, or in host memory outside the budget (paged).
+  // A state tensor: on the parameter's device, or in host memory outside the budget (paged,
+  // or offloaded from the start: a budget that holds only the offloaded run never holds it).
+  offloaded_ = options_.offloaded && !options_.paged;
   auto state = [&](const at::Tensor& like, at::IntArrayRef sizes, at::ScalarType dt) {
-    if (options_.paged) return offload_zeros(sizes, dt);
+    if (options_.paged || offloaded_) return offload_zeros(sizes, dt);
     return at::zeros(sizes, like.options().dtype(dt).requires_grad(false));
   };
   if (k == "adamw_8bit") {  // built (and counted) now, not during the first update

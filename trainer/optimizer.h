@@ -25,6 +25,7 @@ struct OptimizerOptions {
   // adamw_32bit (bitsandbytes AdamW32bit's kernel) | adafactor | sgd
   std::string kind = "adamw";
   bool paged = false;          // states in host memory outside the device budget
+  bool offloaded = false;      // states made where offload_states() would leave them: never on the device
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
   double weight_decay = 0.0;   // not applied to norms and biases (see decays())
   double momentum = 0.0;       // sgd

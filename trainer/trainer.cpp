@@ -348,6 +348,7 @@ void Trainer::build_update() {
                        total_steps_};
   OptimizerOptions oo;
   set_optimizer_kind(t.optim, oo);
+  oo.offloaded = c_.memory.optimizer_offload == "cpu";
   oo.beta1 = t.adam_beta1;
   oo.beta2 = t.adam_beta2;
   oo.eps = t.adam_epsilon;
@@ -366,7 +367,10 @@ void Trainer::build_update() {
   spdlog::info("{}; optimizer state here: {}", sharding_->describe(), format_bytes(optimizer_->state_bytes()));
   if (c_.memory.optimizer_offload == "cpu") {
     if (oo.paged) spdlog::info("memory.optimizer_offload: cpu: {} keeps its state in host memory already", t.optim);
-    if (const std::string moved = offload_optimizer(); !moved.empty())
+    std::string moved =
+        oo.paged ? "" : str_cat("optimizer state (", format_bytes(optimizer_->state_bytes()), ", made there)");
+    if (const std::string grads = offload_optimizer(); !grads.empty()) moved += (moved.empty() ? "" : " and ") + grads;
+    if (!moved.empty())
       spdlog::info("memory.optimizer_offload: cpu: {} in host memory; the update runs there", moved);
     if (!grads_can_leave_)
       spdlog::info("memory.optimizer_offload: cpu: gradients stay on {} ({} ranks reduce them in device memory)",
@@ -641,6 +645,10 @@ StepRecord Trainer::step() {
     fo.training = true;
     fo.checkpoint_layers = ckpt_layers_;
     fo.offload_activations = offload_activations_;
+    // A tied head's gradient goes to the host as the loss's backward makes it, rather than
+    // wait on the device for the embedding's (trainer/gradient_offload.h).
+    if (grad_offload_->enabled() && bundle_.model->spec().tie_word_embeddings)
+      fo.head_weight_tap = [this](const at::Tensor& w) { return grad_offload_->tap(w); };
     for (size_t i = 0; i < samples.size(); i += static_cast<size_t>(micro)) {
       const auto first = samples.begin() + static_cast<std::ptrdiff_t>(i);
       const std::vector<data::Sample> part(first, first + static_cast<std::ptrdiff_t>(std::min<size_t>(

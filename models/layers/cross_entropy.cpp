@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include "models/layers/cpu_vec.h"
 #include "runtime/error.h"
@@ -94,11 +95,18 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
     return total;
   }
 
+  // Scales the gradients formed in the forward by the loss's. In place unless the graph is
+  // kept for another backward: no second (V,C) dW beside the saved one (the same bits).
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
-    at::Tensor go = grads[0];
-    at::Tensor dh = saved[0].defined() ? saved[0] * go.to(saved[0].scalar_type()) : at::Tensor();
-    at::Tensor dw = saved[1].defined() ? saved[1] * go.to(saved[1].scalar_type()) : at::Tensor();
+    const at::Tensor& go = grads[0];
+    const bool in_place = !torch::autograd::get_current_graph_task_keep_graph();
+    auto scaled = [&](at::Tensor& g) {
+      if (!g.defined()) return g;
+      const at::Tensor s = go.to(g.scalar_type());
+      return in_place ? g.mul_(s) : g * s;
+    };
+    at::Tensor dh = scaled(saved[0]), dw = scaled(saved[1]);
     return {dh, dw, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };

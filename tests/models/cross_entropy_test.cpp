@@ -6,6 +6,7 @@
 
 #include "models/layers/cpu_vec.h"
 #include "models/layers/cross_entropy.h"
+#include "runtime/cpu_budget_allocator.h"
 #include "test_util.h"
 
 namespace {
@@ -88,6 +89,37 @@ TEST(LinearCrossEntropy, FrozenWeightGetsNoGradient) {
   loss.backward();
   EXPECT_TRUE(hidden.grad().defined());
   EXPECT_FALSE(weight.grad().defined());
+}
+
+// The loss forms dW (V,C) and dh in the forward; its backward scales them by the loss's
+// gradient in place, so no second (V,C) appears beside the saved one (the accumulators take
+// them as they are: the backward allocates next to nothing). When the graph is kept for
+// another backward it scales copies: the second backward gives the same gradient again.
+TEST(LinearCrossEntropy, BackwardScalesInPlaceUnlessTheGraphIsKept) {
+  memtune::install_cpu_budget_allocator();
+  torch::manual_seed(5);
+  const int64_t n = 16, c = 64, v = 2048;
+  const int64_t vc = v * c * 4;  // 512 KiB
+  at::Tensor hidden = at::randn({n, c}).requires_grad_(true);
+  at::Tensor weight = at::randn({v, c}).div_(8).requires_grad_(true);
+  at::Tensor targets = at::randint(v, {n}, at::kLong);
+
+  at::Tensor loss = linear_cross_entropy_sum(hidden, weight, targets, 1024) * 0.5;
+  loss.backward({}, /*retain_graph=*/true);
+  const at::Tensor w1 = weight.grad().clone(), h1 = hidden.grad().clone();
+  loss.backward();  // the last: in place
+  EXPECT_TRUE(at::equal(weight.grad(), w1 * 2)) << "the kept graph's dW was changed by the first backward";
+  EXPECT_TRUE(at::equal(hidden.grad(), h1 * 2));
+
+  weight.mutable_grad() = at::Tensor();
+  hidden.mutable_grad() = at::Tensor();
+  at::Tensor again = linear_cross_entropy_sum(hidden, weight, targets, 1024) * 0.5;
+  const int64_t before = memtune::cpu_allocated_bytes();
+  memtune::ScopedPeakReset peak;
+  again.backward();
+  EXPECT_TRUE(at::equal(weight.grad(), w1)) << "in place: other bits";
+  EXPECT_TRUE(at::equal(hidden.grad(), h1));
+  EXPECT_LT(peak.peak() - before, vc / 8) << "a second (V,C) dW in the backward";
 }
 
 }  // namespace

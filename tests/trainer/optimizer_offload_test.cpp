@@ -2,6 +2,8 @@
 // leaves the device budget and the updates stay bit for bit those of states on the device.
 #include <gtest/gtest.h>
 
+#include <optional>
+
 #include <ATen/ATen.h>
 
 #include "runtime/cpu_budget_allocator.h"
@@ -13,11 +15,13 @@ namespace {
 struct Outcome {
   std::vector<at::Tensor> params;
   int64_t held = 0;  // budget bytes in use after building the optimizer (and offloading)
+  int64_t built_peak = 0;  // the budget's peak while building it (and offloading), above the start
   int64_t moved = 0;
 };
 
 // Three updates of two parameters (one large enough for 8-bit states) from fixed gradients.
-Outcome run(const std::string& optim, bool offload) {
+// `made_offloaded`: OptimizerOptions::offloaded, the states made in host memory.
+Outcome run(const std::string& optim, bool offload, bool made_offloaded = false) {
   install_cpu_budget_allocator();
   at::manual_seed(1);
   std::vector<std::pair<std::string, at::Tensor>> params = {{"a.weight", at::randn({96, 64})},
@@ -29,16 +33,23 @@ Outcome run(const std::string& optim, bool offload) {
   set_optimizer_kind(optim, o);
   o.weight_decay = 0.01;
   o.momentum = 0.9;
-  Optimizer opt(params, o);
+  o.offloaded = made_offloaded;
   Outcome r;
-  if (offload) r.moved = opt.offload_states();
+  std::optional<Optimizer> built;
+  {
+    ScopedPeakReset peak;
+    built.emplace(params, o);
+    if (offload) r.moved = built->offload_states();
+    r.built_peak = peak.peak() - before;
+  }
+  Optimizer& opt = *built;
   r.held = cpu_allocated_bytes() - before;
   for (int step = 0; step < 3; ++step) {
     for (auto& [name, p] : params) p.mutable_grad() = at::randn(p.sizes());
     opt.step(1e-2, 0.5);
   }
   for (auto& [name, p] : params) r.params.push_back(p.clone());
-  EXPECT_EQ(opt.states_offloaded(), offload);
+  EXPECT_EQ(opt.states_offloaded(), offload || made_offloaded);
   return r;
 }
 
@@ -49,6 +60,18 @@ TEST_P(OptimizerOffload, SameUpdatesWithTheStateOutsideTheBudget) {
   for (size_t i = 0; i < kept.params.size(); ++i) EXPECT_TRUE(at::equal(kept.params[i], offloaded.params[i])) << i;
   EXPECT_GT(offloaded.moved, 0);
   EXPECT_EQ(kept.held - offloaded.held, offloaded.moved) << "every moved byte left the budget";
+}
+
+// memory.optimizer_offload: cpu configured: the states are made in host memory, so a budget
+// that holds the offloaded run need never hold them (made on the device and moved, they were
+// all there at once: GPT-2 124M's 949 MiB of AdamW state under a 650 MiB limit).
+TEST_P(OptimizerOffload, MadeInHostMemoryTheStateNeverEntersTheBudget) {
+  const Outcome kept = run(GetParam(), false), moved = run(GetParam(), true), made = run(GetParam(), false, true);
+  for (size_t i = 0; i < kept.params.size(); ++i) EXPECT_TRUE(at::equal(kept.params[i], made.params[i])) << i;
+  EXPECT_EQ(moved.built_peak, kept.held) << "moved, the state was on the device first";
+  EXPECT_EQ(made.built_peak, 0);
+  EXPECT_EQ(made.held, 0);
+  EXPECT_EQ(run(GetParam(), true, true).moved, 0) << "nothing left to move";
 }
 
 INSTANTIATE_TEST_SUITE_P(Kinds, OptimizerOffload, ::testing::Values("adamw_torch", "sgd", "adamw_8bit"));
