@@ -139,6 +139,15 @@ std::string read_file(const fs::path& path) {
   return ss.str();
 }
 
+fs::path make_reference_fixtures(const std::string& script) {
+  const fs::path dir = fs::path(MEMTUNE_BUILD_DIR) / "test-tmp" /
+                       (fs::path(script).stem().string() + "-" + std::to_string(::getpid()));
+  memtune::remove_tree(dir);
+  const CommandResult r = run(python() + " " + (source_dir() / "tests/reference" / script).string() + " " + dir.string());
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  return dir;
+}
+
 void write_file(const fs::path& path, const std::string& text) {
   if (path.has_parent_path()) fs::create_directories(path.parent_path());
   std::ofstream out(path, std::ios::binary);

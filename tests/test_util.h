@@ -27,7 +27,12 @@ fs::path source_dir();
 std::string python();  // "/usr/bin/python3"
 bool python_torch_available();
 
-std::string read_file(const fs::path& path);
+std::string read_file(const fs::path& path);  // the bytes as they are
+
+// Runs tests/reference/SCRIPT OUT_DIR with python() into a fresh directory of this process
+// under the build tree and returns it (ctest -j runs a suite's tests in parallel processes,
+// each writing its own). A failing script fails the calling test with its output.
+fs::path make_reference_fixtures(const std::string& script);
 
 // A command (memtune launch) running in the background, its output in `log`; killed with
 // SIGKILL when it goes out of scope while still running.

@@ -10,9 +10,7 @@
 #include <map>
 #include <sstream>
 
-#include <unistd.h>
 
-#include "runtime/atomic_file.h"
 #include "runtime/error.h"
 #include "models/io/bnb_nf4.h"
 #include "runtime/nf4.h"
@@ -55,15 +53,7 @@ struct RefCase {
 class Nf4Reference : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    if (!mt::python_torch_available()) return;
-    // One directory per process: ctest -j runs this suite's tests in parallel processes,
-    // each of which writes the cases anew (a shared one raced on a fresh build).
-    dir_ = new mt::fs::path(mt::fs::path(MEMTUNE_BUILD_DIR) / "test-tmp" /
-                            ("nf4_reference-" + std::to_string(::getpid())));
-    memtune::remove_tree(*dir_);
-    auto r = mt::run(mt::python() + " " + (mt::source_dir() / "tests/reference/nf4_reference.py").string() + " " +
-                     dir_->string());
-    ASSERT_EQ(r.exit_code, 0) << r.output;
+    if (mt::python_torch_available()) dir_ = new mt::fs::path(mt::make_reference_fixtures("nf4_reference.py"));
   }
   void SetUp() override {
     if (!mt::python_torch_available()) GTEST_SKIP() << "python3 with torch is not installed";

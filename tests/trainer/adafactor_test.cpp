@@ -5,19 +5,15 @@
 // and eps dominating; the same with the states offloaded; a resume from the state tensors halfway
 // that ends where the straight run does; and the state bytes the estimate counts.
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <ATen/ATen.h>
 
 #include <cstring>
-#include <fstream>
 #include <map>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
 
-#include "runtime/atomic_file.h"
-#include "runtime/offload.h"
 #include "test_util.h"
 #include "trainer/optimizer.h"
 
@@ -27,11 +23,8 @@ namespace mt = memtune::testing;
 namespace tr = memtune::trainer;
 
 std::string read_bytes(const mt::fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  EXPECT_TRUE(in.good()) << p;
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  EXPECT_TRUE(mt::fs::exists(p)) << p;
+  return mt::read_file(p);
 }
 
 at::Tensor floats(const std::string& bytes, at::IntArrayRef shape) {
@@ -56,13 +49,7 @@ struct Case {
 class AdafactorReference : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    if (!mt::python_torch_available()) return;
-    dir_ = new mt::fs::path(mt::fs::path(MEMTUNE_BUILD_DIR) / "test-tmp" /
-                            ("adafactor_reference-" + std::to_string(::getpid())));
-    memtune::remove_tree(*dir_);
-    auto r = mt::run(mt::python() + " " + (mt::source_dir() / "tests/reference/adafactor_reference.py").string() +
-                     " " + dir_->string());
-    ASSERT_EQ(r.exit_code, 0) << r.output;
+    if (mt::python_torch_available()) dir_ = new mt::fs::path(mt::make_reference_fixtures("adafactor_reference.py"));
   }
   void SetUp() override {
     if (!mt::python_torch_available()) GTEST_SKIP() << "python3 with torch is not installed";

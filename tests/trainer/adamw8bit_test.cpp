@@ -3,7 +3,6 @@
 // for byte, parameters bit for bit (fp32, same operations); tensors under 4096 elements on the
 // 32-bit kernel. Plus training.optim's names.
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <ATen/ATen.h>
 
@@ -12,7 +11,6 @@
 #include <fstream>
 #include <sstream>
 
-#include "runtime/atomic_file.h"
 #include "runtime/error.h"
 #include "runtime/offload.h"
 #include "test_util.h"
@@ -52,15 +50,7 @@ struct Case {
 class AdamW8bitReference : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    if (!mt::python_torch_available()) return;
-    // One directory per process: ctest -j runs this suite's tests in parallel processes,
-    // each of which writes the cases anew.
-    dir_ = new mt::fs::path(mt::fs::path(MEMTUNE_BUILD_DIR) / "test-tmp" /
-                            ("adamw8bit_reference-" + std::to_string(::getpid())));
-    memtune::remove_tree(*dir_);
-    auto r = mt::run(mt::python() + " " + (mt::source_dir() / "tests/reference/adamw8bit_reference.py").string() +
-                     " " + dir_->string());
-    ASSERT_EQ(r.exit_code, 0) << r.output;
+    if (mt::python_torch_available()) dir_ = new mt::fs::path(mt::make_reference_fixtures("adamw8bit_reference.py"));
   }
   void SetUp() override {
     if (!mt::python_torch_available()) GTEST_SKIP() << "python3 with torch is not installed";
