@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/version.h>
 
 #include "models/layers/cross_entropy.h"
 #include "runtime/activation_checkpoint.h"
@@ -183,11 +184,13 @@ TEST(GradientOffload, TappedTiedHeadAccumulatesTheSameBitsAndHoldsNoHeadGradient
     EXPECT_TRUE(at::equal(kept.grads[i], tapped.grads[i])) << i;
   }
   // Before backward the loss's (V,C) dW, formed in the forward, is held; its backward scales
-  // it in place and hands it on. Offloaded without the tap, the end of backward holds three
-  // (V,C) tensors (the head's, the embedding's, their sum): 2 x kVC above that level. Tapped,
-  // the embedding's alone: nothing above it, besides the small tensors.
-  EXPECT_NEAR(static_cast<double>(off.backward_peak), 2.0 * kVC, kVC / 16.0);
-  EXPECT_NEAR(static_cast<double>(off.backward_peak - tapped.backward_peak), 2.0 * kVC, kVC / 16.0)
+  // it in place and hands it on. Offloaded without the tap, the end of backward holds the
+  // head's waiting gradient and the embedding's, and LibTorch 1.13's autograd sums them into a
+  // third (V,C) tensor: 2 x kVC above that level (2.x adds the late one into the waiting one in
+  // place: 1 x kVC). Tapped, the embedding's alone: nothing above it, besides small tensors.
+  const double expected_off = TORCH_VERSION_MAJOR >= 2 ? 1.0 * kVC : 2.0 * kVC;
+  EXPECT_NEAR(static_cast<double>(off.backward_peak), expected_off, kVC / 16.0);
+  EXPECT_LT(static_cast<double>(tapped.backward_peak), kVC / 16.0)
       << off.backward_peak << " vs " << tapped.backward_peak;
 }
 
