@@ -214,12 +214,11 @@ void Optimizer::reserve_workspaces() {
 int64_t Optimizer::offload_states() {
   if (states_offloaded()) return 0;
   int64_t moved = 0;
-  for (auto* v : {&exp_avg_, &exp_avg_sq_, &absmax1_, &absmax2_, &sq_row_, &sq_col_})
-    for (auto& t : *v)
-      if (t.defined()) {
-        moved += t.numel() * static_cast<int64_t>(t.element_size());
-        t = to_offload_storage(t);
-      }
+  for (size_t i = 0; i < params_.size(); ++i)
+    for (const auto& [key, t] : states(i)) {
+      moved += t->numel() * static_cast<int64_t>(t->element_size());
+      *t = to_offload_storage(*t);
+    }
   offloaded_ = true;
   if (options_.kind == "adafactor") workspaces_.clear();  // the host's from the next step on
   return moved;
@@ -230,11 +229,10 @@ int64_t Optimizer::restore_states() {
   int64_t moved = 0;
   for (size_t i = 0; i < params_.size(); ++i) {
     const c10::Device d = params_[i].second.device();
-    for (auto* v : {&exp_avg_, &exp_avg_sq_, &absmax1_, &absmax2_, &sq_row_, &sq_col_})
-      if (i < v->size() && (*v)[i].defined()) {
-        moved += (*v)[i].numel() * static_cast<int64_t>((*v)[i].element_size());
-        (*v)[i] = fetch_from_offload((*v)[i], d);
-      }
+    for (const auto& [key, t] : states(i)) {
+      moved += t->numel() * static_cast<int64_t>(t->element_size());
+      *t = fetch_from_offload(*t, d);
+    }
   }
   offloaded_ = false;
   if (options_.kind == "adafactor") workspaces_.clear();  // the device's from the next step on
@@ -362,7 +360,7 @@ void Optimizer::adafactor_step(size_t i, double lr, double wd, double grad_scale
     col.mul_(b2t).add_(u.mean(-2), 1.0 - b2t);
     const at::Tensor r = (row / row.mean(-1, /*keepdim=*/true)).rsqrt_().unsqueeze(-1);
     const at::Tensor c = col.unsqueeze(-2).rsqrt();
-    at::mul_out(u, r.to(u.device()), c.to(u.device()));
+    at::mul_out(u, r, c);  // the states and the workspace are on one side: the device, or the host
   } else {
     exp_avg_sq_[i].mul_(b2t).add_(u, 1.0 - b2t);
     at::rsqrt_out(u, exp_avg_sq_[i]);
@@ -379,9 +377,8 @@ void Optimizer::adafactor_step(size_t i, double lr, double wd, double grad_scale
 int64_t Optimizer::state_bytes() const {
   int64_t n = 0;
   for (const auto& [device, w] : workspaces_) n += w.numel() * 4;
-  for (const auto* v : {&exp_avg_, &exp_avg_sq_, &absmax1_, &absmax2_, &sq_row_, &sq_col_})
-    for (const auto& t : *v)
-      if (t.defined()) n += t.numel() * static_cast<int64_t>(t.element_size());
+  for (size_t i = 0; i < params_.size(); ++i)
+    for (const auto& [key, t] : states(i)) n += t->numel() * static_cast<int64_t>(t->element_size());
   return n;
 }
 
