@@ -19,12 +19,21 @@ Supervisor::Supervisor(SupervisorOptions options)
 void Supervisor::set_fits(std::function<bool(int64_t)> fits) { fits_ = std::move(fits); }
 
 void Supervisor::add_ladder_rung(std::string name, std::function<std::string()> rung,
-                                 std::function<std::string()> undo) {
-  ladder_.push_back({std::move(name), std::move(rung), std::move(undo)});
+                                 std::function<std::string()> undo, std::function<bool()> undo_fits) {
+  ladder_.push_back({std::move(name), std::move(rung), std::move(undo), std::move(undo_fits)});
+}
+
+void Supervisor::record_rung(int64_t step, const std::string& name, const std::string& changed) {
+  const auto it = std::find_if(ladder_.begin(), ladder_.end(), [&](const Rung& r) { return r.name == name; });
+  MEMTUNE_INTERNAL_ASSERT(it != ladder_.end(), "record_rung: no rung named '", name, "'");
+  taken_.push_back(static_cast<int>(it - ladder_.begin()));
+  event(step, "ladder", name + ": " + changed);
 }
 
 bool Supervisor::grow_back(int64_t step) {
-  if (taken_.empty() || !ladder_[taken_.back()].undo) return false;  // the latest one stays: so do those before it
+  // The latest one stays where it cannot be undone: so do those before it.
+  if (taken_.empty() || !ladder_[taken_.back()].undo) return false;
+  if (ladder_[taken_.back()].undo_fits && !ladder_[taken_.back()].undo_fits()) return false;
   const int index = taken_.back();
   const std::string what = ladder_[index].undo();
   if (what.empty()) {  // nothing of it left to revert
@@ -66,7 +75,15 @@ bool Supervisor::attempt(int64_t step, const StepStages& stages, std::string* wh
     try {
       stage();
     } catch (const std::exception& e) {
-      if (!options_.enabled || !compat::is_out_of_memory(e)) throw;
+      if (!compat::is_out_of_memory(e)) throw;
+      if (!options_.enabled) {
+        const std::string message = e.what();
+        throw MemoryExhausted(str_cat("out of memory in step ", step, " at micro-batch ", micro_, ": ",
+                                      message.substr(0, message.find('\n')),
+                                      "\nmemory.supervise is false, so the step was not retried at a smaller "
+                                      "micro-batch or with the ladder's savings. Hint: memory.supervise: true\n",
+                                      report_ ? report_() : ""));
+      }
       *what = e.what();
       oom = true;
     }
@@ -138,7 +155,6 @@ void Supervisor::run_step(int64_t step, const StepStages& stages) {
                                      " steps");
       continue;
     }
-    MEMTUNE_CHECK(options_.enabled, "out of memory at step ", step, ": ", first_line);
     if (tries + 1 >= options_.max_retries)
       throw MemoryExhausted(str_cat("out of memory: step ", step, " failed ", tries + 1,
                                     " times (memory.on_oom.max_retries)\n", report_ ? report_() : ""));

@@ -21,7 +21,7 @@
 namespace memtune {
 
 struct SupervisorOptions {
-  bool enabled = true;            // false: an out-of-memory error stops the run
+  bool enabled = true;            // false: an out-of-memory error stops the run (MemoryExhausted)
   int64_t samples_per_step = 1;   // per rank: micro_batch x accumulation
   int64_t micro_batch = 1;        // the configured (largest) micro-batch
   double shrink_factor = 0.5;
@@ -65,8 +65,16 @@ class Supervisor {
   // `undo` (optional) reverts its latest change and says what it reverted: after a run of
   // steps with headroom the supervisor grows back by undoing the rungs in the reverse order
   // they were taken, then by growing the micro-batch. A rung without one stays taken.
+  // `undo_fits` (optional): whether the memory model says the plan fits without the rung's
+  // latest change. An undo that allocates (state or weights back on the device) runs between
+  // steps, where running out of memory ends the run: where it says no, the rung stays, and
+  // so do those taken before it.
   void add_ladder_rung(std::string name, std::function<std::string()> rung,
-                       std::function<std::string()> undo = nullptr);
+                       std::function<std::string()> undo = nullptr, std::function<bool()> undo_fits = nullptr);
+  // A rung the caller took itself before the first step (the memory model said the run
+  // cannot start without it): recorded as taken at `step`, with a ladder event, as if
+  // climbed after an out-of-memory error. `name` is a rung's name as added.
+  void record_rung(int64_t step, const std::string& name, const std::string& changed);
   // Agreement across ranks: given this rank's (out_of_memory, proposed micro-batch), returns
   // (any rank out of memory, smallest proposal). Single process: the identity.
   void set_agreement(std::function<std::pair<bool, int64_t>(bool, int64_t)> agree);
@@ -105,6 +113,7 @@ class Supervisor {
   struct Rung {
     std::string name;
     std::function<std::string()> apply, undo;
+    std::function<bool()> undo_fits;
   };
   std::vector<Rung> ladder_;
   std::vector<int> taken_;          // rungs applied, in order (an index each time one gave something)

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <functional>
 
 #include <c10/util/Exception.h>
 
@@ -44,6 +45,25 @@ SupervisorOptions options(int64_t samples, int64_t micro) {
   o.micro_batch = micro;
   o.grow_after_steps = 2;
   return o;
+}
+
+// A rung that turns `name` on in `on` (the rungs in effect) and its undo that turns it off.
+void add_switch_rung(Supervisor& s, std::vector<std::string>& on, const std::string& name,
+                     std::function<bool()> undo_fits = nullptr) {
+  s.add_ladder_rung(
+      name,
+      [&on, name]() -> std::string {
+        if (std::find(on.begin(), on.end(), name) != on.end()) return "";
+        on.push_back(name);
+        return name + " on";
+      },
+      [&on, name]() -> std::string {
+        auto it = std::find(on.begin(), on.end(), name);
+        if (it == on.end()) return "";
+        on.erase(it);
+        return name;
+      },
+      std::move(undo_fits));
 }
 
 TEST(Supervisor, ShrinksUntilItFitsAndKeepsTheStepsSamples) {
@@ -176,23 +196,8 @@ TEST(Supervisor, GrowsBackAfterHeadroomAndUndoesAFailedGrow) {
 TEST(Supervisor, GrowBackUndoesRungsInReverseThenGrowsTheMicroBatch) {
   Supervisor s(options(2, 2));
   std::vector<std::string> on;  // the rungs in effect
-  auto rung = [&](const std::string& name) {
-    s.add_ladder_rung(
-        name,
-        [&on, name]() -> std::string {
-          if (std::find(on.begin(), on.end(), name) != on.end()) return "";
-          on.push_back(name);
-          return name + " on";
-        },
-        [&on, name]() -> std::string {
-          auto it = std::find(on.begin(), on.end(), name);
-          if (it == on.end()) return "";
-          on.erase(it);
-          return name;
-        });
-  };
-  rung("A");
-  rung("B");
+  add_switch_rung(s, on, "A");
+  add_switch_rung(s, on, "B");
   Recorder r;
   int ooms = 3;  // 2 -> 1, then A, then B
   r.oom_in_compute = [&](int64_t) { return ooms-- > 0; };
@@ -259,6 +264,68 @@ TEST(Supervisor, ARungWithoutUndoStays) {
   for (int i = 0; i < 2; ++i) s.observe_peak(1 + i, 0.3, [] {}, {});
   EXPECT_TRUE(on);
   EXPECT_EQ(s.micro_batch(), 2);  // the micro-batch grows; the rung stays
+}
+
+// An undo that would allocate on the device runs between steps, where running out of
+// memory ends the run: where the memory model says the plan does not fit without the rung,
+// the rung stays, and so does the one taken before it; the micro-batch still grows.
+TEST(Supervisor, AnUndoTheMemoryModelSaysDoesNotFitStaysAndSoDoThoseBeforeIt) {
+  Supervisor s(options(2, 2));
+  std::vector<std::string> on;
+  bool b_fits_without = false;
+  add_switch_rung(s, on, "A", [] { return true; });
+  add_switch_rung(s, on, "B", [&] { return b_fits_without; });
+  Recorder r;
+  int ooms = 3;  // 2 -> 1, then A, then B
+  r.oom_in_compute = [&](int64_t) { return ooms-- > 0; };
+  s.run_step(0, r.stages());
+  ASSERT_EQ(on, (std::vector<std::string>{"A", "B"}));
+  for (int i = 0; i < 2; ++i) s.observe_peak(1 + i, 0.3, [] {}, {});
+  EXPECT_EQ(on, (std::vector<std::string>{"A", "B"})) << "B was undone where the model says it does not fit";
+  EXPECT_EQ(s.micro_batch(), 2) << "the micro-batch grows all the same";
+  // Once the model says it fits (a larger limit after a resume, say), grow-back goes on.
+  b_fits_without = true;
+  for (int i = 0; i < 2; ++i) s.observe_peak(3 + i, 0.3, [] {}, {});
+  EXPECT_EQ(on, std::vector<std::string>{"A"});
+}
+
+// A rung the caller takes before the first step (optimizer state made in host memory when
+// the model says the device cannot hold it) is taken as if climbed: a ladder event, part of
+// the state, and undone by grow-back like any other.
+TEST(Supervisor, ARungRecordedBeforeTheFirstStepIsTakenLikeAClimbedOne) {
+  Supervisor s(options(1, 1));
+  bool on = true;  // the caller applied it
+  s.add_ladder_rung("offload optimizer state", [&]() -> std::string { return on ? "" : (on = true, "moved"); },
+                    [&]() -> std::string { return on ? (on = false, "optimizer offload") : ""; });
+  s.record_rung(0, "offload optimizer state", "made in host memory before the first step");
+  auto events = s.take_events();
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].kind, "ladder");
+  EXPECT_EQ(events[0].detail, "offload optimizer state: made in host memory before the first step");
+  EXPECT_EQ(s.state()["taken"], nlohmann::json::array({0}));
+  for (int i = 0; i < 2; ++i) s.observe_peak(i, 0.3, [] {}, {});
+  EXPECT_FALSE(on);
+  EXPECT_THROW(s.record_rung(0, "no such rung", ""), InternalError);
+}
+
+// memory.supervise: false: the first out-of-memory error ends the run, said as one (exit
+// code 3, with the step and the hint), not as an error outside the step.
+TEST(Supervisor, UnsupervisedAnOomStopsTheRunAtItsStep) {
+  SupervisorOptions o = options(4, 4);
+  o.enabled = false;
+  Supervisor s(o);
+  Recorder r;
+  r.oom_in_compute = [](int64_t) { return true; };
+  try {
+    s.run_step(7, r.stages());
+    FAIL() << "did not stop";
+  } catch (const MemoryExhausted& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("out of memory in step 7 at micro-batch 4: CPU out of memory"), std::string::npos) << what;
+    EXPECT_NE(what.find("memory.supervise: true"), std::string::npos) << what;
+  }
+  EXPECT_EQ(r.micro_batches, std::vector<int64_t>{4}) << "retried without supervision";
+  EXPECT_EQ(r.applied, 0);
 }
 
 TEST(Supervisor, ThresholdsActBeforeAnOom) {
