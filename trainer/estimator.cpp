@@ -6,6 +6,7 @@
 
 #include "models/causal_lm.h"
 #include "models/layers/cross_entropy.h"
+#include "runtime/compat.h"
 #include "runtime/error.h"
 #include "runtime/nf4.h"
 #include "runtime/units.h"
@@ -272,12 +273,16 @@ class Planner {
     }
     // The embedding's backward: a dense (V,C) gradient. Tied to a trained head, the tensor's
     // two gradients meet in autograd's input buffer before its accumulator runs: the head's,
-    // waiting since the loss's backward, the embedding's and their sum, all (V,C) fp32
-    // (measured: GPT-2 124M's backward with gradient offload before the tap, 475 MiB of
-    // weights + 3 x 147). Offloaded, the head's went to the host and the sum is formed there.
+    // waiting since the loss's backward, the embedding's and, under LibTorch 1.13, their sum
+    // in a third tensor, all (V,C) fp32 (measured: GPT-2 124M's backward with gradient
+    // offload before the tap, 475 MiB of weights + 3 x 147). LibTorch 2.x adds the late one
+    // into the waiting one in place: one (V,C) less (tests/trainer/gradient_offload_test.cpp
+    // measures both). Offloaded, the head's went to the host and the sum is formed there.
+    constexpr int64_t kTiedSumTensors = MEMTUNE_TORCH_AT_LEAST(2, 0) ? 1 : 2;
     const int64_t embedding_grads = grads_off ? embedding_trainable * kF32 : e.gradients;  // offloaded: its own only
     if (embedding_trained_)
-      bwd = std::max(bwd, embedding_grads + batch + grad_in + (tied() && head_trained_ && !grads_off ? 2 * V * C * kF32 : 0));
+      bwd = std::max(bwd, embedding_grads + batch + grad_in +
+                              (tied() && head_trained_ && !grads_off ? kTiedSumTensors * V * C * kF32 : 0));
     e.recompute = recompute;
     e.workspace = workspace;
     e.backward_peak = persistent + bwd + gathered;
