@@ -90,10 +90,12 @@ int remove_incomplete_checkpoints(const fs::path& output_dir) {
 
 namespace {
 
-std::map<std::string, at::Tensor> load_all(const fs::path& file) {
+// Every tensor of the file as a read-only view of its mapping (SafetensorsFile::view):
+// host memory outside the device budget, as a model's weights are read.
+std::map<std::string, at::Tensor> view_all(const fs::path& file) {
   std::map<std::string, at::Tensor> out;
   models::SafetensorsFile f(file);
-  for (const auto& name : f.names()) out[name] = f.load(name);
+  for (const auto& name : f.names()) out[name] = f.view(name);
   return out;
 }
 
@@ -204,14 +206,14 @@ TrainingCheckpoint load_training_checkpoint(const fs::path& dir,
   MEMTUNE_CHECK(name.rfind("step-", 0) != 0 || name == "step-" + std::to_string(c.state.step), state_file,
                 ": step is ", c.state.step, " but the directory is ", name,
                 "; the checkpoint was renamed or damaged (its files would not continue that step)");
-  c.trainable = load_all(dir / "trainable.safetensors");
+  c.trainable = view_all(dir / "trainable.safetensors");
   const models::CheckpointReader optimizer(dir, "optimizer");  // whole, or the shards its index names
   for (const auto& name : optimizer.names())
-    if (!want_optimizer || want_optimizer(name)) c.optimizer[name] = optimizer.load(name);
-  auto rng = load_all(dir / "rng.safetensors");
+    if (!want_optimizer || want_optimizer(name)) c.optimizer[name] = optimizer.view(name);
+  auto rng = view_all(dir / "rng.safetensors");
   MEMTUNE_CHECK(rng.count("cpu") && rng["cpu"].scalar_type() == at::kByte && rng["cpu"].dim() == 1,
                 (dir / "rng.safetensors").string(), ": expected a uint8 tensor 'cpu' (the CPU generator's state)");
-  c.rng_state = rng["cpu"];
+  c.rng_state = rng["cpu"].clone();
   std::ifstream cy(dir / "config.yaml");
   std::stringstream ss;
   ss << cy.rdbuf();

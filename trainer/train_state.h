@@ -46,6 +46,8 @@ struct TrainState {
 
 struct TrainingCheckpoint {
   TrainState state;                            // state.json
+  // Read-only views of the files' mappings (outside the device budget: a run resumes under
+  // the memory.device_limit it trained in): copy from them, never write to them.
   std::map<std::string, at::Tensor> trainable;
   std::map<std::string, at::Tensor> optimizer;
   at::Tensor rng_state;                        // CPU generator state (uint8)
