@@ -130,6 +130,20 @@ void print_plans(const trainer::Config& c, const models::ModelSpec& spec, int64_
               m.host_bytes_per_second / 1e9);
 }
 
+// What the supervisor settles on by the estimate (trainer::ladder_plan): the steps, and the
+// plan they leave, in the fields a run's checkpoint and metrics.jsonl report.
+nlohmann::json ladder_json(const trainer::LadderPlan& p) {
+  const EstimateInput& in = p.settled;
+  return {{"steps", p.steps},
+          {"peak_bytes", p.peak_bytes},
+          {"fits", p.fits},
+          {"micro_batch", in.micro_batch},
+          {"checkpoint_layers", in.checkpoint_layers},
+          {"activation_offload", in.offload_activations},
+          {"optimizer_offload", in.optimizer_paged},
+          {"offloaded_layers", std::count(in.offloaded_layers.begin(), in.offloaded_layers.end(), true)}};
+}
+
 }  // namespace
 
 void add_estimate_command(CLI::App& app) {
@@ -199,6 +213,7 @@ void add_estimate_command(CLI::App& app) {
     const int64_t max_t = max_seq_length(in, budget);
     const bool is_auto = c.training.per_device_train_batch_size == trainer::TrainingConfig::kAuto;
     const int64_t auto_mb = is_auto ? trainer::auto_micro_batch(c, in, budget, int64_t{1} << 20) : 0;
+    const trainer::LadderPlan ladder = trainer::ladder_plan(c, in, budget, a->nproc);
     const int64_t min_peak = estimate_peak(trainer::with_every_saving([&] {
       EstimateInput one = in;
       one.micro_batch = 1;
@@ -218,6 +233,7 @@ void add_estimate_command(CLI::App& app) {
                           {"backward_peak_bytes", e.backward_peak},
                           {"optimizer_peak_bytes", e.optimizer_peak},
                           {"minimum_peak_bytes", min_peak},
+                          {"ladder", ladder_json(ladder)},
                           {"budget_bytes", budget},
                           {"budget_from", budget_from},
                           {"fits", e.peak_bytes <= budget},
@@ -258,6 +274,9 @@ void add_estimate_command(CLI::App& app) {
     std::printf("longest sequence that fits: %lld (at micro-batch %lld)\n", static_cast<long long>(max_t),
                 static_cast<long long>(in.micro_batch));
     std::printf("with every layer checkpointed at micro-batch 1: %s\n", format_bytes(min_peak).c_str());
+    if (!ladder.steps.empty())
+      std::printf("memtune train's supervisor, by this estimate (memory.on_oom.ladder): %s\n",
+                  trainer::describe(ladder).c_str());
     if (in.world_size > 1) {
       std::printf("per rank of %lld (distributed.sharding; the update holds the gradients after reduction):\n",
                   static_cast<long long>(in.world_size));

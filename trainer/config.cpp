@@ -218,7 +218,8 @@ void OnOomConfig::fields(F&& f) {
     "step's samples kept; first when listed), checkpointing (more layers), activation_offload (checkpointed layers' "
     "inputs in host memory), optimizer_offload (the optimizer's state and the gradients in host memory), layer_offload (frozen "
     "layers' weights in host memory); optimizer_8bit is refused (it changes the numerics; not built). The memory "
-    "model decides how far to climb",
+    "model decides how far to climb, and takes optimizer_offload before the first step when the optimizer's state "
+    "cannot stay on the device under memory.device_limit even with every other rung",
     Field{"micro_batch", "checkpointing", "activation_offload", "optimizer_offload", "layer_offload",
           "optimizer_8bit"});
 }

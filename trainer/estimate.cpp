@@ -118,22 +118,100 @@ int64_t auto_micro_batch(const Config& c, const EstimateInput& in, int64_t budge
   return std::clamp<int64_t>(max_micro_batch(in, under, cap), 1, cap);
 }
 
-void check_fits(const Config& c, const models::ModelSpec& spec, int64_t budget, int64_t world_size) {
-  // The plan with every saving memory.on_oom.ladder allows.
-  EstimateInput best = estimate_input(c, spec, c.memory.on_oom.allows("micro_batch") ? 1 : 0);
-  if (c.memory.on_oom.allows("checkpointing")) best = with_every_saving(best);
-  best.world_size = world_size;
-  best.offload_activations =
-      best.offload_activations || (c.memory.supervise && c.memory.on_oom.allows("activation_offload"));
-  best.optimizer_paged = best.optimizer_paged || (c.memory.supervise && c.memory.on_oom.allows("optimizer_offload"));
-  best.gradients_offloaded =
-      best.gradients_offloaded || (c.memory.supervise && c.memory.on_oom.allows("optimizer_offload"));
+namespace {
+
+// The optimizer offload rung: the state in host memory, and the gradients where they can leave.
+void offload_optimizer(const Config& c, EstimateInput& in, int64_t world_size) {
+  in.optimizer_paged = true;
+  in.gradients_offloaded = in.gradients_offloaded || gradient_offload_applies(c, world_size);
+}
+
+}  // namespace
+
+EstimateInput with_ladder(const Config& c, EstimateInput in, int64_t world_size, bool optimizer_offload) {
+  if (c.memory.on_oom.allows("micro_batch")) in.micro_batch = 1;
+  if (c.memory.on_oom.allows("checkpointing")) in = with_every_saving(in);
+  in.world_size = world_size;
+  const bool ladder = c.memory.supervise;
+  in.offload_activations = in.offload_activations || (ladder && c.memory.on_oom.allows("activation_offload"));
+  if (optimizer_offload && ladder && c.memory.on_oom.allows("optimizer_offload")) offload_optimizer(c, in, world_size);
   // With the ladder's layer offload (LoRA on a frozen base), every decoder layer can leave the
   // device but the one running. Sharded layers (distributed.sharding: full) are not
   // offloaded: the estimate counts 1/W of them.
   const bool sharded = world_size > 1 && c.distributed.sharding == "full";
-  if (best.finetune == "lora" && !sharded && c.memory.on_oom.allows("layer_offload"))
-    best.offloaded_layers.assign(static_cast<size_t>(best.num_layers), true);
+  if (in.finetune == "lora" && !sharded && c.memory.on_oom.allows("layer_offload"))
+    in.offloaded_layers.assign(static_cast<size_t>(in.num_layers), true);
+  return in;
+}
+
+bool optimizer_offload_at_start(const Config& c, const EstimateInput& in, int64_t budget, int64_t world_size) {
+  if (budget <= 0 || !c.memory.supervise || !c.memory.on_oom.allows("optimizer_offload") ||
+      c.memory.optimizer_offload == "cpu")
+    return false;
+  return estimate_peak(with_ladder(c, in, world_size, /*optimizer_offload=*/false)) > budget;
+}
+
+LadderPlan ladder_plan(const Config& c, EstimateInput in, int64_t budget, int64_t world_size) {
+  LadderPlan plan;
+  in.world_size = world_size;
+  auto fits = [&] { return estimate_peak(in) <= budget; };
+  if (c.memory.supervise && !fits()) {
+    if (optimizer_offload_at_start(c, in, budget, world_size)) {
+      offload_optimizer(c, in, world_size);
+      plan.steps.push_back("optimizer offload, before the first step");
+    }
+    if (!fits() && c.memory.on_oom.allows("micro_batch") && in.micro_batch > 1) {
+      const int64_t before = in.micro_batch;
+      in.micro_batch = std::clamp<int64_t>(max_micro_batch(in, budget, before), 1, before);
+      plan.steps.push_back(str_cat("micro-batch ", before, " -> ", in.micro_batch));
+    }
+    const bool sharded = world_size > 1 && c.distributed.sharding == "full";
+    for (const std::string& rung : c.memory.on_oom.ladder) {
+      if (fits()) break;
+      if (rung == "checkpointing") {
+        int64_t first = -1, last = -1;
+        for (size_t i = 0; i < in.checkpoint_layers.size() && !fits(); ++i)
+          if (!in.checkpoint_layers[i]) {
+            in.checkpoint_layers[i] = true;
+            if (first < 0) first = static_cast<int64_t>(i);
+            last = static_cast<int64_t>(i);
+          }
+        if (first >= 0)
+          plan.steps.push_back(first == last ? str_cat("checkpointing layer ", first)
+                                             : str_cat("checkpointing layers ", first, "-", last));
+      } else if (rung == "activation_offload" && !in.offload_activations &&
+                 std::count(in.checkpoint_layers.begin(), in.checkpoint_layers.end(), true) > 0) {
+        in.offload_activations = true;
+        plan.steps.push_back("activation offload");
+      } else if (rung == "optimizer_offload" && !in.optimizer_paged) {
+        offload_optimizer(c, in, world_size);
+        plan.steps.push_back("optimizer offload");
+      } else if (rung == "layer_offload" && in.finetune == "lora" && !sharded) {
+        in.offloaded_layers.resize(static_cast<size_t>(in.num_layers), false);
+        int64_t count = 0;
+        for (int64_t i = in.num_layers - 1; i >= 0 && !fits(); --i)
+          if (!in.offloaded_layers[static_cast<size_t>(i)]) {
+            in.offloaded_layers[static_cast<size_t>(i)] = true;
+            ++count;
+          }
+        if (count > 0) plan.steps.push_back(str_cat("layer offload (", count, " layers)"));
+      }
+    }
+  }
+  plan.peak_bytes = estimate_peak(in);
+  plan.fits = plan.peak_bytes <= budget;
+  plan.settled = std::move(in);
+  return plan;
+}
+
+std::string describe(const LadderPlan& plan) {
+  std::string steps;
+  for (const auto& step : plan.steps) steps += (steps.empty() ? "" : "; ") + step;
+  return str_cat(steps, ": ", format_bytes(plan.peak_bytes), plan.fits ? " (fits)" : " (does NOT fit)");
+}
+
+void check_fits(const Config& c, const models::ModelSpec& spec, int64_t budget, int64_t world_size) {
+  const EstimateInput best = with_ladder(c, estimate_input(c, spec), world_size);
   const int64_t peak = estimate_memory(best).peak_bytes;
   if (peak <= budget) return;
   std::string would;

@@ -40,6 +40,36 @@ bool gradient_offload_applies(const Config& config, int64_t world_size);
 // The same input with every saving enabled: every layer checkpointed.
 EstimateInput with_every_saving(EstimateInput in);
 
+// `in` with every saving memory.on_oom.ladder allows: micro-batch 1 where the supervisor may
+// shrink, every layer checkpointed; under memory.supervise activation offload, optimizer
+// offload (its gradients where they can leave the device) unless `optimizer_offload` is
+// false, and (LoRA on a frozen base) every decoder layer off the device. Per rank of
+// `world_size`. What the config sets itself stays set.
+EstimateInput with_ladder(const Config& config, EstimateInput in, int64_t world_size, bool optimizer_offload = true);
+
+// Whether the ladder's optimizer offload is taken before the first step (the trainer does,
+// and ladder_plan says so): under memory.supervise with optimizer_offload in the ladder and
+// not configured, when the estimate with every other saving the ladder allows (with_ladder
+// without it) exceeds `budget`. The state is then made in host memory: made on the device
+// first, it would not fit there.
+bool optimizer_offload_at_start(const Config& config, const EstimateInput& in, int64_t budget, int64_t world_size);
+
+// What the supervisor settles on for `in` under `budget`, by the estimate: the optimizer
+// offload before the first step, then the largest micro-batch that fits (where the ladder
+// may shrink it), then the ladder's rungs in memory.on_oom.ladder's order, each as far as
+// needed (checkpointing layer by layer, activation offload, optimizer offload, layer offload
+// from the last layer down for LoRA), as trainer.cpp's rungs take them after an
+// out-of-memory error. `steps` says what was taken; none when `in` fits or the supervisor is off.
+struct LadderPlan {
+  EstimateInput settled;
+  std::vector<std::string> steps;
+  int64_t peak_bytes = 0;
+  bool fits = false;
+};
+LadderPlan ladder_plan(const Config& config, EstimateInput in, int64_t budget, int64_t world_size);
+// "step; step: peak (fits)", as `memtune estimate` and `memtune train` print it.
+std::string describe(const LadderPlan& plan);
+
 // per_device_train_batch_size: auto: the largest micro-batch whose estimated peak stays
 // under memory.warning_threshold of `budget` (the supervisor absorbs the estimate's error),
 // between 1 and `cap` (the dataset's rows).

@@ -139,6 +139,9 @@ class Trainer {
   // device. offload_optimizer() returns what moved ("" when nothing did).
   std::string offload_optimizer();
   bool optimizer_offloaded() const;
+  // The plan with the state (and its gradients) back on the device, for grow-back's undo.
+  bool fits_with_optimizer_on_device() const;
+  EstimateInput plan_now() const;  // plan_ with the supervisor's micro-batch and the rungs in effect
   void resume();          // training.resume_from_checkpoint
 
   StepRecord step();
@@ -185,6 +188,7 @@ class Trainer {
   // the device (gradient_offload_applies); with the optimizer's state, one setting and one rung.
   std::unique_ptr<GradientOffload> grad_offload_;
   bool grads_can_leave_ = false;
+  std::string offloaded_at_start_;  // what the ladder's optimizer offload moved before the first step, or ""
   std::unique_ptr<GradScaler> scaler_;
   std::vector<bool> ckpt_layers_;  // the checkpoint policy; the ladder may add layers
   std::vector<bool> configured_ckpt_, configured_offload_;  // what the config asked for: the floor of grow-back
@@ -214,6 +218,10 @@ Trainer::Trainer(const Config& c)
   build_update();
   build_supervisor();
   resume();
+  // A rung taken before the first step is the run's first ladder event (a resumed run's
+  // supervisor state has it already).
+  if (!offloaded_at_start_.empty() && step_ == 0)
+    supervisor_->record_rung(step_, "offload optimizer state", offloaded_at_start_);
 }
 
 void Trainer::join_and_plan() {
@@ -329,6 +337,12 @@ void Trainer::load_data() {
     spdlog::info("per_device_train_batch_size: auto -> {} (estimated peak {}, under {:.0f}% of {})", micro_batch_,
                  format_bytes(estimate_peak(at)), 100 * c_.memory.warning_threshold, format_bytes(budget_));
   }
+  // Where the supervisor will settle, by the estimate (what `memtune estimate` says).
+  EstimateInput configured = plan_;
+  configured.micro_batch = micro_batch_;
+  if (const LadderPlan ladder = ladder_plan(c_, configured, budget_, dist_.world_size); !ladder.steps.empty())
+    spdlog::info("memory plan: the configured run does not fit in {}; the supervisor will settle, by the estimate: {}",
+                 format_bytes(budget_), describe(ladder));
   // samples_per_step is per rank; a step trains on world_size times as many.
   samples_per_step_ = micro_batch_ * c_.training.gradient_accumulation_steps;
   sampler_ = std::make_unique<data::Sampler>(train_set_->size(), c_.training.seed, c_.data.shuffle, dist_.rank,
@@ -348,7 +362,9 @@ void Trainer::build_update() {
                        total_steps_};
   OptimizerOptions oo;
   set_optimizer_kind(t.optim, oo);
-  oo.offloaded = c_.memory.optimizer_offload == "cpu";
+  // The ladder's optimizer offload, taken now where the state cannot stay on the device (estimate.h).
+  const bool at_start = optimizer_offload_at_start(c_, plan_, budget_, dist_.world_size);
+  oo.offloaded = c_.memory.optimizer_offload == "cpu" || at_start;
   oo.beta1 = t.adam_beta1;
   oo.beta2 = t.adam_beta2;
   oo.eps = t.adam_epsilon;
@@ -365,16 +381,22 @@ void Trainer::build_update() {
   grad_offload_ = std::make_unique<GradientOffload>(params_);
   grads_can_leave_ = gradient_offload_applies(c_, dist_.world_size);
   spdlog::info("{}; optimizer state here: {}", sharding_->describe(), format_bytes(optimizer_->state_bytes()));
-  if (c_.memory.optimizer_offload == "cpu") {
-    if (oo.paged) spdlog::info("memory.optimizer_offload: cpu: {} keeps its state in host memory already", t.optim);
+  if (c_.memory.optimizer_offload == "cpu" || at_start) {
+    const std::string why = at_start ? "memory.on_oom.ladder: optimizer_offload, taken before the first step"
+                                     : "memory.optimizer_offload: cpu";
+    if (oo.paged) spdlog::info("{}: {} keeps its state in host memory already", why, t.optim);
     std::string moved =
         oo.paged ? "" : str_cat("optimizer state (", format_bytes(optimizer_->state_bytes()), ", made there)");
     if (const std::string grads = offload_optimizer(); !grads.empty()) moved += (moved.empty() ? "" : " and ") + grads;
-    if (!moved.empty())
-      spdlog::info("memory.optimizer_offload: cpu: {} in host memory; the update runs there", moved);
+    if (!moved.empty()) spdlog::info("{}: {} in host memory; the update runs there", why, moved);
     if (!grads_can_leave_)
-      spdlog::info("memory.optimizer_offload: cpu: gradients stay on {} ({} ranks reduce them in device memory)",
-                   device_.str(), dist_.world_size);
+      spdlog::info("{}: gradients stay on {} ({} ranks reduce them in device memory)", why, device_.str(),
+                   dist_.world_size);
+    if (at_start)
+      offloaded_at_start_ = str_cat(moved.empty() ? "nothing to move" : moved,
+                                    " in host memory before the first step: the memory model says the run does not "
+                                    "fit in ", format_bytes(budget_), " with the state on ", device_.str(),
+                                    " even with every other saving the ladder allows");
   }
   if (pg_) {  // distributed: every rank starts from rank 0's trainable weights
     at::NoGradGuard no_grad;
@@ -395,6 +417,25 @@ std::string Trainer::offload_optimizer() {
 
 bool Trainer::optimizer_offloaded() const {
   return optimizer_->states_offloaded() && (!grads_can_leave_ || grad_offload_->enabled());
+}
+
+EstimateInput Trainer::plan_now() const {
+  EstimateInput now = plan_;
+  now.micro_batch = supervisor_->micro_batch();
+  now.samples_per_step = samples_per_step_;
+  now.checkpoint_layers = ckpt_layers_;
+  now.offload_activations = offload_activations_;
+  now.optimizer_paged = now.optimizer_paged || optimizer_->states_offloaded();
+  now.gradients_offloaded = grad_offload_->enabled();
+  now.offloaded_layers = offloaded_layers(*bundle_.model);  // weights off the device, checkpointed
+  return now;
+}
+
+bool Trainer::fits_with_optimizer_on_device() const {
+  EstimateInput now = plan_now();
+  now.optimizer_paged = plan_.optimizer_paged;  // the config's: paged, or nothing
+  now.gradients_offloaded = false;
+  return estimate_peak(now) <= budget_;
 }
 
 void Trainer::build_supervisor() {
@@ -427,6 +468,7 @@ void Trainer::build_supervisor() {
   struct Rung {
     const char* name;
     std::function<std::string()> apply, undo;
+    std::function<bool()> undo_fits = nullptr;  // for an undo that allocates on the device (supervisor.h)
   };
   const std::map<std::string, Rung> rungs = {
       {"checkpointing",
@@ -472,7 +514,8 @@ void Trainer::build_supervisor() {
           if (bytes == 0 && !grads) return "";
           return str_cat("optimizer offload (", format_bytes(bytes), " of state back on the device",
                          grads ? ", gradients kept there again" : "", ")");
-        }}},
+        },
+        [this] { return fits_with_optimizer_on_device(); }}},
       {"layer_offload",
        {"offload layers", [this] { return models::offload_one_more_layer(*bundle_.model); },
         [this]() -> std::string {
@@ -482,6 +525,15 @@ void Trainer::build_supervisor() {
               return "offloading layer " + std::to_string(i);
             }
           return "";
+        },
+        [this] {  // the layer the undo would bring back (the first the ladder offloaded) on the device
+          EstimateInput now = plan_now();
+          for (size_t i = 0; i < now.offloaded_layers.size(); ++i)
+            if (now.offloaded_layers[i] && !configured_offload_[i]) {
+              now.offloaded_layers[i] = false;
+              break;
+            }
+          return estimate_peak(now) <= budget_;
         }}},
   };
   for (const std::string& name : c_.memory.on_oom.ladder) {
@@ -492,20 +544,14 @@ void Trainer::build_supervisor() {
       continue;
     }
     const Rung& r = rungs.at(name);
-    supervisor_->add_ladder_rung(r.name, r.apply, r.undo);
+    supervisor_->add_ladder_rung(r.name, r.apply, r.undo, r.undo_fits);
   }
   // With a budget, the ladder climbs as far as the estimate says is needed at once, and a
   // shrink goes to the largest micro-batch it says fits.
   if (limit_ > 0)
     supervisor_->set_fits([this](int64_t micro_batch) {
-      EstimateInput now = plan_;
+      EstimateInput now = plan_now();
       now.micro_batch = micro_batch;
-      now.samples_per_step = samples_per_step_;
-      now.checkpoint_layers = ckpt_layers_;
-      now.offload_activations = offload_activations_;
-      now.optimizer_paged = now.optimizer_paged || optimizer_->states_offloaded();
-      now.gradients_offloaded = grad_offload_->enabled();
-      now.offloaded_layers = offloaded_layers(*bundle_.model);  // weights off the device, checkpointed
       return estimate_peak(now) <= limit_;
     });
   supervisor_->set_report([this] {
@@ -722,10 +768,7 @@ StepRecord Trainer::step() {
                             [this] { mem_->release_cached(); },
                             [this]() -> std::string {
                               if (std::count(ckpt_layers_.begin(), ckpt_layers_.end(), false) > 0) {
-                                EstimateInput now = plan_;
-                                now.micro_batch = supervisor_->micro_batch();
-                                now.samples_per_step = samples_per_step_;
-                                now.checkpoint_layers = ckpt_layers_;
+                                const EstimateInput now = plan_now();
                                 const int64_t saved = estimate_peak(now) - estimate_peak(with_every_saving(now));
                                 if (saved > 0)
                                   return str_cat("gradient_checkpointing every layer would save about ",

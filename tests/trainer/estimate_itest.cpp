@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <set>
 
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
@@ -21,6 +22,7 @@
 #include "trainer/estimate.h"
 #include "trainer/model_setup.h"
 #include "trainer/optimizer.h"
+#include "trainer/train_state.h"
 
 namespace memtune::testing {
 namespace {
@@ -342,6 +344,40 @@ TEST(EstimateCommand, TheLadderClimbsAsFarAsTheEstimateSays) {
     }
   EXPECT_EQ(ooms, 1) << r.output;
   EXPECT_GE(rungs, 2) << r.output;
+}
+
+// `memtune estimate` says what the supervisor will settle on under a limit (ladder_plan, a
+// simulation of the ladder by the estimate) and the supervisor, climbing for real after
+// out-of-memory errors, settles there: a plain full fine-tune at three limits, from
+// optimizer offload before the first step with micro-batch 1 and one layer checkpointed, to
+// every layer checkpointed with activation offload.
+TEST(EstimateCommand, TheLadderPlanIsWhereTheSupervisorSettles) {
+  fs::path d = temp_dir();
+  write_file(d / "c.yaml", config_yaml(d / "out", "tiny-llama", /*nf4=*/false));
+  const std::string shape = " training.finetune=full training.per_device_train_batch_size=4 data.max_seq_length=256 "
+                            "data.pack_sequences=true training.save_steps=1 memory.grow_after_steps=1000";
+  std::set<std::vector<bool>> plans;
+  for (const int64_t limit : {int64_t{12} << 20, int64_t{9} << 20, int64_t{8600000}}) {
+    SCOPED_TRACE("memory.device_limit=" + std::to_string(limit));
+    const std::string at = shape + " memory.device_limit=" + std::to_string(limit);
+    const json plan = estimate_json(d / "c.yaml", at)["ladder"];
+    ASSERT_TRUE(plan["fits"].get<bool>()) << plan.dump();
+    ASSERT_EQ(plan["steps"][0], "optimizer offload, before the first step") << plan.dump();
+    fs::remove_all(d / "out");
+    auto r = run(memtune_bin() + " train " + (d / "c.yaml").string() + at + " training.max_steps=1", 300);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("the supervisor will settle, by the estimate: optimizer offload, before the first step; "),
+              std::string::npos) << r.output;
+    const auto rows = read_jsonl(d / "out/metrics.jsonl", "loss");
+    ASSERT_EQ(rows.size(), 1u);
+    EXPECT_EQ(rows[0]["micro_batch"], plan["micro_batch"]) << plan.dump();
+    const trainer::TrainState state = trainer::load_training_checkpoint(d / "out/checkpoints/step-1").state;
+    EXPECT_EQ(json(state.checkpoint_layers), plan["checkpoint_layers"]) << plan.dump();
+    EXPECT_EQ(state.activation_offload, plan["activation_offload"].get<bool>()) << plan.dump();
+    EXPECT_EQ(state.optimizer_offload, plan["optimizer_offload"].get<bool>()) << plan.dump();
+    plans.insert(state.checkpoint_layers);
+  }
+  EXPECT_EQ(plans.size(), 3u) << "the three limits should settle on three checkpointing plans";
 }
 
 TEST(EstimateCommand, AutoMicroBatchStartsFromTheEstimate) {

@@ -63,6 +63,8 @@ std::vector<std::string> event_kinds(const fs::path& out) {
   return kinds;
 }
 
+// The same per-step losses and samples, and the same trained tensors (the adapter, or the
+// whole model of a full fine-tune).
 void expect_same_run(const fs::path& a, const fs::path& b, double tol) {
   auto ra = rows(a), rb = rows(b);
   ASSERT_EQ(ra.size(), rb.size());
@@ -70,7 +72,8 @@ void expect_same_run(const fs::path& a, const fs::path& b, double tol) {
     EXPECT_NEAR(ra[i]["loss"].get<double>(), rb[i]["loss"].get<double>(), tol) << "step " << i;
     EXPECT_EQ(ra[i]["tokens"], rb[i]["tokens"]) << "step " << i << ": not the same samples";
   }
-  models::SafetensorsFile fa(a / "adapter/adapter_model.safetensors"), fb(b / "adapter/adapter_model.safetensors");
+  const fs::path trained = fs::exists(a / "adapter") ? "adapter/adapter_model.safetensors" : "model/model.safetensors";
+  models::SafetensorsFile fa(a / trained), fb(b / trained);
   ASSERT_EQ(fa.names().size(), fb.names().size());
   for (const auto& n : fa.names())
     EXPECT_LE((fa.load(n) - fb.load(n)).abs().max().item<double>(), tol) << n;
@@ -255,6 +258,63 @@ TEST(Supervisor, GrowBackUndoesTheLadderInReverseAndKeepsTheMath) {
   EXPECT_NE(grows[6].find("micro-batch 1 -> 2"), std::string::npos) << grows[6];
   EXPECT_EQ(rows(back.out).back()["micro_batch"], 2);
   expect_same_run(back.out, plain.out, 1e-5);
+}
+
+// A plain full fine-tune (no saving configured) under a limit that cannot hold its AdamW
+// state on the device, even with every other rung: tiny-llama's 3.8 MiB of weights take
+// 3.8 MiB of gradients and 7.5 MiB of state, over 12 MiB with any activations, and about
+// 7 MiB with the state and gradients in host memory. The ladder's optimizer offload is then
+// taken before the first step (the state made in host memory: made on the device it would
+// not fit), said as the run's first ladder event, and never grown back although every step
+// has headroom. The run equals one configured with memory.optimizer_offload: cpu, and
+// resumes to the same end.
+TEST(Supervisor, AStateTheLimitCannotHoldIsMadeInHostMemoryBeforeTheFirstStep) {
+  fs::path d = temp_dir();
+  const std::string full = "training.finetune=full model.quantization_config.load_in_4bit=false "
+                           "training.per_device_train_batch_size=2 training.max_steps=4 training.save_steps=2 ";
+  const int64_t limit = 12 << 20;
+  TrainRun ref = train(d / "ref", full + "memory.optimizer_offload=cpu");
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  TrainRun plain = train(d / "plain", full + "memory.grow_after_steps=1 memory.device_limit=" + std::to_string(limit));
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  const auto r = rows(plain.out);
+  ASSERT_FALSE(r.empty());
+  ASSERT_FALSE(r[0]["events"].empty()) << r[0].dump();
+  const json& first = r[0]["events"][0];
+  EXPECT_EQ(first["kind"], "ladder");
+  EXPECT_EQ(first["step"], 0);
+  EXPECT_NE(first["detail"].get<std::string>().find("offload optimizer state: optimizer state"), std::string::npos)
+      << first.dump();
+  EXPECT_NE(first["detail"].get<std::string>().find("before the first step"), std::string::npos) << first.dump();
+  for (const auto& row : r) {
+    EXPECT_LT(row["memory"]["cpu"]["peak"].get<int64_t>(), limit * 6 / 10) << "no headroom for grow-back to act on";
+    for (const auto& e : row["events"]) EXPECT_NE(e["kind"], "grow") << e.dump();
+  }
+  expect_same_run(plain.out, ref.out, 1e-6);
+  EXPECT_NE(read_file(plain.out / "memory_report.txt").find("step 0: ladder: offload optimizer state"),
+            std::string::npos);
+  EXPECT_TRUE(trainer::load_training_checkpoint(trainer::latest_checkpoint(plain.out)).state.optimizer_offload);
+  // Resumed from step 2 under the same limit, it ends where the uninterrupted run did.
+  fs::remove_all(plain.out / "checkpoints/step-4");
+  auto resumed = run(memtune_bin() + " train " + (d / "plain/config.yaml.in").string() + " " + full +
+                     "memory.device_limit=" + std::to_string(limit) + " training.resume_from_checkpoint=" +
+                     (plain.out / "checkpoints/step-2").string() + " training.output_dir=" + (d / "resumed").string());
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  const auto rr = rows(d / "resumed");
+  ASSERT_EQ(rr.size(), 2u);
+  EXPECT_NEAR(rr.back()["loss"].get<double>(), r.back()["loss"].get<double>(), 1e-6);
+}
+
+// memory.supervise: false: a real out-of-memory error in a step ends the run with the step
+// named (exit code 3), not as an error while loading.
+TEST(Supervisor, UnsupervisedARealOomEndsTheRunAtItsStep) {
+  fs::path d = temp_dir();
+  TrainRun r = train(d, "training.finetune=full model.quantization_config.load_in_4bit=false "
+                        "memory.supervise=false memory.optimizer_offload=cpu memory.device_limit=6MiB");
+  EXPECT_EQ(r.exit_code, 3) << r.output;
+  EXPECT_NE(r.output.find("out of memory in step 0 at micro-batch 4"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("memory.supervise is false"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("outside a training step"), std::string::npos) << r.output;
 }
 
 TEST(Supervisor, NothingFitsAtMicroBatchOneStopsWithAReportAndKeepsTheCheckpoint) {
