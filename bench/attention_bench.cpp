@@ -18,11 +18,13 @@
 #include <limits>
 #include <vector>
 
+#include "bench/median_ms.h"
 #include "models/layers/attention.h"
 #include "runtime/threads.h"
 
 namespace {
 
+using memtune::bench::median_ms;
 using memtune::models::AttentionOptions;
 using memtune::models::causal_segment_attention;
 
@@ -32,18 +34,6 @@ at::Tensor textbook(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   at::Tensor mask = at::ones({T, T}, at::kBool).triu(1);
   s = s.masked_fill(mask, -std::numeric_limits<float>::infinity());
   return at::matmul(at::softmax(s, -1), v.unsqueeze(2));
-}
-
-double median_ms(int repeats, const std::function<void()>& fn) {
-  fn();  // warm-up
-  std::vector<double> ms;
-  for (int i = 0; i < repeats; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    fn();
-    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-  }
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
 }
 
 }  // namespace
