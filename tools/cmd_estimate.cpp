@@ -253,6 +253,7 @@ void add_estimate_command(CLI::App& app) {
                                         {"gradients", l.e.gradients},
                                         {"gradients_after_reduce", l.e.gradients_after_reduce},
                                         {"sharding_buffer", l.e.sharding_buffer},
+                                        {"allreduce_buffers", l.e.allreduce_buffers},
                                         {"peak_bytes", l.e.peak_bytes}});
       std::cout << j.dump(2) << "\n";
       return;

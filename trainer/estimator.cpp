@@ -192,8 +192,13 @@ class Planner {
       e.sharding_buffer = std::min((e.gradients + W - 1) / W, m_.bucket_bytes) / kF32 * kF32;
     }
     e.gradients_after_reduce = shard_grads ? (e.gradients + W - 1) / W : e.gradients;
+    // Gradients in host memory as backward produces them (trainer/gradient_offload.h).
+    const bool grads_off = m_.gradients_offloaded && gradients_can_leave(m_.world_size, m_.cpu_update);
+    // Unsharded gradients are all-reduced through flat buffers as large as they are, kept from
+    // the first step on (ProcessGroup::allreduce_sum); in host memory when they are.
+    e.allreduce_buffers = W > 1 && !shard_grads && !grads_off ? e.gradients : 0;
     const int64_t persistent = e.weights_nf4 + e.weights_dense + e.lora_parameters + e.optimizer_states +
-                               e.optimizer_workspace + e.sharding_buffer;
+                               e.optimizer_workspace + e.sharding_buffer + e.allreduce_buffers;
 
     // Activations kept for backward.
     const models::StackMemory stack = model.stack_memory(shape_);
@@ -235,9 +240,15 @@ class Planner {
     fwd = std::max(fwd, e.activations + e.loss);
     // Gradients were dropped before the step (zero_grad); after the step's first
     // micro-batch every one of them is held while the next ones run.
-    // On the host as backward produces them.
-    const bool grads_off = m_.gradients_offloaded && gradients_can_leave(m_.world_size, m_.cpu_update);
-    const int64_t held = accumulating_ && !grads_off ? e.gradients : 0;
+    // ZeRO-2 (trainer/sharding.h Sharding::backward): each bucket is reduced to its owner as
+    // backward completes it, so a rank holds the sums of its own tensors and the gradients
+    // not reduced yet (a bucket's worth, and the tensor that completes it), never all.
+    const bool reduced_in_backward = shard_grads && !grads_off;
+    const int64_t in_flight_cap = std::min(e.gradients, m_.bucket_bytes + largest_trainable * kF32);
+    auto holding = [&](int64_t produced) {  // gradients alive once backward produced `produced` bytes of them
+      return reduced_in_backward ? e.gradients_after_reduce + std::min(produced, in_flight_cap) : produced;
+    };
+    const int64_t held = accumulating_ && !grads_off ? (reduced_in_backward ? e.gradients_after_reduce : e.gradients) : 0;
     e.forward_peak = persistent + fwd + gathered + held;
 
     // Backward: the loss node (its saved gradients, scaled by the loss's gradient in place),
@@ -268,7 +279,7 @@ class Planner {
       workspace = std::max(workspace, l.workspace);
       // Offloaded, a layer's gradients stay only until their accumulators take them.
       const int64_t own = grads_off ? layer_trainable[i] * kF32 : 0;
-      bwd = std::max(bwd, std::max(grads, held) + own + below + grad_in + worst);
+      bwd = std::max(bwd, std::max(holding(grads), held) + own + below + grad_in + worst);
       if (!grads_off) grads += layer_trainable[i] * kF32;
     }
     // The embedding's backward: a dense (V,C) gradient. Tied to a trained head, the tensor's
@@ -279,7 +290,9 @@ class Planner {
     // into the waiting one in place: one (V,C) less (tests/trainer/gradient_offload_test.cpp
     // measures both). Offloaded, the head's went to the host and the sum is formed there.
     constexpr int64_t kTiedSumTensors = MEMTUNE_TORCH_AT_LEAST(2, 0) ? 1 : 2;
-    const int64_t embedding_grads = grads_off ? embedding_trainable * kF32 : e.gradients;  // offloaded: its own only
+    const int64_t embedding_grads = grads_off ? embedding_trainable * kF32  // offloaded: its own only
+                                    : reduced_in_backward ? holding(embedding_trainable * kF32 + m_.bucket_bytes)
+                                                          : e.gradients;
     if (embedding_trained_)
       bwd = std::max(bwd, embedding_grads + batch + grad_in +
                               (tied() && head_trained_ && !grads_off ? kTiedSumTensors * V * C * kF32 : 0));
@@ -331,6 +344,8 @@ class Planner {
       add("gradients after reduction", e.gradients_after_reduce,
           str_cat("per rank in the update, 1/", W, " (distributed.sharding: ", m_.sharding, ")"));
     if (e.sharding_buffer) add("sharding buffer", e.sharding_buffer, "one bucket of the sharded collectives");
+    if (e.allreduce_buffers)
+      add("all-reduce buffers", e.allreduce_buffers, "the gradients' flat copies, kept between steps");
     if (e.optimizer_workspace) add("optimizer workspace", e.optimizer_workspace, "the largest trainable tensor, fp32");
     // Runs of layers that keep the same bytes the same way are one line.
     const std::string bound =

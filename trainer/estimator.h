@@ -114,6 +114,7 @@ struct Estimate {
   int64_t optimizer_workspace = 0;  // the largest trainable tensor, fp32
   int64_t gradients_after_reduce = 0;  // held in the update: gradients, or 1/W of them when sharded
   int64_t sharding_buffer = 0;      // the sharded collectives' bucket buffer
+  int64_t allreduce_buffers = 0;    // several ranks, gradients unsharded: their all-reduce's flat copies
   // Per step.
   std::vector<int64_t> activations_per_layer;  // kept for backward (only the input when checkpointed)
   int64_t activations = 0;        // sum of the above + final norm + rotary tables + batch

@@ -288,8 +288,10 @@ TEST(Estimator, OffloadedGradientsLeaveTheDeviceOnOneRankOrACpuGroup) {
       const Estimate off = estimate_memory(in);
       SCOPED_TRACE((cpu ? "cpu, " : "gpu, ") + std::to_string(ranks) + " ranks");
       if (cpu || ranks == 1) {
-        // Accumulating: the forward no longer holds the previous micro-batches' gradients.
-        EXPECT_EQ(off.forward_peak, kept.forward_peak - kept.gradients);
+        // Accumulating: the forward no longer holds the previous micro-batches' gradients,
+        // nor (several ranks) their all-reduce's flat copies.
+        EXPECT_EQ(off.forward_peak, kept.forward_peak - kept.gradients - kept.allreduce_buffers);
+        EXPECT_EQ(kept.allreduce_buffers, ranks > 1 ? kept.gradients : 0);
         EXPECT_LT(off.optimizer_peak, kept.optimizer_peak);
       } else {
         EXPECT_EQ(off.peak_bytes, kept.peak_bytes);
