@@ -1,6 +1,7 @@
 // Per-rank memory and traffic of distributed.sharding, measured: W = 1, 2, 3 processes of
 // this program join a Gloo group on 127.0.0.1, build the same model (random weights), and
-// run one training step the way the trainer does (forward, backward, Sharding's
+// run one training step the way the trainer does (forward, Sharding's backward, which under
+// `gradients` and `full` reduces each bucket to its owner as backward completes it,
 // reduce_gradients, check_gradients, step). Each rank reports, from the CPU budget
 // allocator: its optimizer state, the gradients after backward, what stays of them after the
 // reduction (with the reduction's own buffers), the sharding buffer and the step's peak; and
@@ -145,7 +146,8 @@ int worker(const Model& m, const std::string& level) {
     fo.training = true;
     if (c.training.finetune == "lora") fo.checkpoint_layers.assign(static_cast<size_t>(spec.num_layers), true);
     models::ForwardOutput out = model->forward(batch, fo);
-    (out.loss_sum / static_cast<double>(batch.target_tokens)).backward();
+    // With its reductions in backward under `gradients` and `full` (ZeRO-2), as the trainer runs it.
+    sharding.backward(out.loss_sum / static_cast<double>(batch.target_tokens), /*host_gradients=*/false);
   }
   const int64_t after_backward = cpu_allocated_bytes() - a2;
   at::Tensor extra = at::zeros({2}, at::kDouble);

@@ -2,11 +2,16 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
+#include <memory>
 #include <numeric>
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <spdlog/spdlog.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include "models/io/safetensors.h"
 #include "runtime/atomic_file.h"
@@ -57,8 +62,58 @@ std::vector<int> partition_by_numel(const std::vector<int64_t>& numels, int worl
   return owner;
 }
 
+std::vector<int> partition_contiguous(const std::vector<int64_t>& numels, int world) {
+  MEMTUNE_INTERNAL_ASSERT(world >= 1, "partition_contiguous: world size ", world);
+  std::vector<int64_t> prefix(numels.size() + 1, 0);
+  for (size_t i = 0; i < numels.size(); ++i) prefix[i + 1] = prefix[i] + numels[i];
+  const int64_t total = prefix.back();
+  std::vector<int> owner(numels.size(), 0);
+  size_t begin = 0;
+  for (int r = 0; r < world; ++r) {
+    // Rank r's run ends at the boundary nearest r+1 of W of the total (the earlier one on a
+    // tie), never before its start; the last rank takes the rest.
+    size_t end = numels.size();
+    if (r + 1 < world) {
+      const double target = static_cast<double>(total) * (r + 1) / world;
+      end = begin;
+      while (end < numels.size() &&
+             std::abs(static_cast<double>(prefix[end + 1]) - target) < std::abs(static_cast<double>(prefix[end]) - target))
+        ++end;
+    }
+    for (size_t i = begin; i < end; ++i) owner[i] = r;
+    begin = end;
+  }
+  return owner;
+}
+
+std::vector<int> shard_owners(const std::vector<int64_t>& numels, int world) {
+  const std::vector<int> runs = partition_contiguous(std::vector<int64_t>(numels.rbegin(), numels.rend()), world);
+  return std::vector<int>(runs.rbegin(), runs.rend());
+}
+
+// Runs before tensor i's AccumulateGrad while Sharding::backward collects: takes the
+// gradient and passes on an undefined one, which AccumulateGrad ignores (this rank keeps
+// only the reduced sums of its own tensors). Otherwise it passes everything on.
+struct Sharding::Hook : torch::autograd::FunctionPreHook {
+  Hook(Sharding* s, size_t i) : owner(s), index(i) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    if (!owner->collecting_ || grads.size() != 1 || !grads[0].defined()) return grads;
+    owner->arrive(index, grads[0]);
+    return {at::Tensor()};
+  }
+  Sharding* owner;
+  size_t index;
+};
+
+Sharding::~Sharding() {
+  for (size_t i = 0; i < hooks_.size(); ++i) {
+    auto& pre = std::static_pointer_cast<torch::autograd::Node>(accumulators_[i])->pre_hooks();
+    pre.erase(std::remove_if(pre.begin(), pre.end(), [&](const auto& h) { return h.get() == hooks_[i]; }), pre.end());
+  }
+}
+
 Sharding::Sharding(ShardLevel level, ProcessGroup* pg, const Params& params, int64_t bucket_bytes)
-    : level_(level), pg_(pg) {
+    : level_(level), pg_(pg), params_(params) {
   if (pg_) {
     rank_ = pg_->rank();
     world_ = pg_->world_size();
@@ -70,7 +125,8 @@ Sharding::Sharding(ShardLevel level, ProcessGroup* pg, const Params& params, int
     numels_.push_back(p.numel());
     total_numel_ += p.numel();
   }
-  owners_ = level_ == ShardLevel::none ? std::vector<int>(params.size(), rank_) : partition_by_numel(numels_, world_);
+  const size_t n = params.size();
+  owners_ = level_ == ShardLevel::none ? std::vector<int>(n, rank_) : shard_owners(numels_, world_);
   for (size_t i = 0; i < params.size(); ++i) {
     owned_.push_back(owners_[i] == rank_);
     if (owned_.back()) {
@@ -80,36 +136,47 @@ Sharding::Sharding(ShardLevel level, ProcessGroup* pg, const Params& params, int
   }
   if (level_ == ShardLevel::none) return;
 
-  // Buckets: each owner's tensors in order, cut into runs of at most bucket_numel elements.
+  // Buckets: the tensors in backward's order, cut into runs of at most bucket_numel elements
+  // and where the owner changes.
   const int64_t bucket_numel = std::max<int64_t>(1, bucket_bytes / 4);
   int64_t largest = 0;
-  for (int r = 0; r < world_; ++r) {
-    Bucket b{r, {}, 0};
-    for (size_t i = 0; i < params.size(); ++i) {
-      if (owners_[i] != r) continue;
-      for (int64_t off = 0; off < numels_[i];) {
-        if (b.numel == bucket_numel) {
-          largest = std::max(largest, b.numel);
-          buckets_.push_back(std::move(b));
-          b = Bucket{r, {}, 0};
-        }
-        const int64_t len = std::min(numels_[i] - off, bucket_numel - b.numel);
-        b.segments.push_back({i, off, len});
-        b.numel += len;
-        off += len;
+  tensor_buckets_.assign(n, {});
+  for (size_t k = n; k-- > 0;) {
+    for (int64_t off = 0; off < numels_[k];) {
+      if (buckets_.empty() || buckets_.back().owner != owners_[k] || buckets_.back().numel == bucket_numel)
+        buckets_.push_back(Bucket{owners_[k], {}, 0, 0});
+      Bucket& b = buckets_.back();
+      const int64_t len = std::min(numels_[k] - off, bucket_numel - b.numel);
+      if (b.segments.empty() || b.segments.back().tensor != k) {
+        ++b.tensors;
+        tensor_buckets_[k].push_back(buckets_.size() - 1);
       }
-    }
-    if (b.numel > 0) {
+      b.segments.push_back({k, off, len});
+      b.numel += len;
       largest = std::max(largest, b.numel);
-      buckets_.push_back(std::move(b));
+      off += len;
     }
   }
   buffer_ = at::empty({std::max<int64_t>(1, largest)}, at::TensorOptions(at::kFloat).device(pg_->device()));
-  if (shards_gradients())
-    log_once("sharding-reduce-scatter",
-             "distributed.sharding: gradients: each bucket is reduced to its owner with one reduce (the exact "
-             "equivalent of a reduce-scatter: Gloo in LibTorch 1.13 has no reduce_scatter, and whole-tensor shards "
-             "differ in size)");
+  if (!shards_gradients()) return;
+  log_once("sharding-reduce-scatter",
+           "distributed.sharding: gradients: each bucket is reduced to its owner with one reduce as backward "
+           "completes it (the exact equivalent of a reduce-scatter: Gloo in LibTorch 1.13 has no reduce_scatter, "
+           "and whole-tensor shards differ in size)");
+  // The hooks that take each gradient as backward produces it (idle outside backward()).
+  pending_.assign(n, at::Tensor());
+  accumulated_.assign(n, false);
+  arrived_.assign(buckets_.size(), 0);
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params_[i].second;
+    if (!p.requires_grad()) continue;
+    std::shared_ptr<torch::autograd::Node> acc = torch::autograd::impl::grad_accumulator(p);
+    MEMTUNE_INTERNAL_ASSERT(acc != nullptr, "sharding: ", params_[i].first, " has no gradient accumulator");
+    auto hook = std::make_unique<Hook>(this, i);
+    hooks_.push_back(hook.get());
+    acc->add_pre_hook(std::move(hook));
+    accumulators_.push_back(std::move(acc));
+  }
 }
 
 bool Sharding::owns_state(const std::string& key) const {
@@ -130,10 +197,103 @@ std::string Sharding::describe() const {
                  " live here only; ", buckets_.size(), " buckets through a buffer of ", format_bytes(buffer_bytes()));
 }
 
+void Sharding::backward(const at::Tensor& loss, bool host_gradients) {
+  reduced_in_backward_ = shards_gradients() && !host_gradients;
+  if (!reduced_in_backward_) {
+    if (loss.requires_grad()) loss.backward();
+    return;
+  }
+  // This micro-batch's gradients: none arrived, none launched; an owner's tensor holds the
+  // sum of the earlier micro-batches (and of every rank) or nothing.
+  std::fill(arrived_.begin(), arrived_.end(), 0);
+  std::fill(pending_.begin(), pending_.end(), at::Tensor());
+  for (size_t i = 0; i < params_.size(); ++i)
+    accumulated_[i] = owners_[i] == rank_ && params_[i].second.grad().defined();
+  next_ = 0;
+  struct Collecting {  // off again however backward ends
+    Sharding* s;
+    ~Collecting() {
+      s->collecting_ = false;
+      std::fill(s->pending_.begin(), s->pending_.end(), at::Tensor());
+    }
+  } collecting{this};
+  collecting_ = true;
+  if (loss.requires_grad()) loss.backward();
+  collecting_ = false;
+  // Buckets backward left incomplete (a tensor it gave no gradient counts as zeros), in order:
+  // every rank launches every bucket once per micro-batch, in the same order.
+  while (next_ < buckets_.size()) launch(next_++);
+}
+
+void Sharding::arrive(size_t i, const at::Tensor& g) {
+  const at::Tensor& p = params_[i].second;
+  MEMTUNE_INTERNAL_ASSERT(g.scalar_type() == at::kFloat && g.sizes() == p.sizes() && !g.is_sparse(),
+                          "sharding: the gradient of ", params_[i].first, " is ", g.scalar_type(), " ", g.sizes(),
+                          ", expected a dense fp32 ", p.sizes());
+  MEMTUNE_INTERNAL_ASSERT(!pending_[i].defined() && tensor_buckets_[i].front() >= next_, "sharding: ",
+                          params_[i].first, " got a second gradient in one backward");
+  pending_[i] = g;
+  for (size_t b : tensor_buckets_[i]) ++arrived_[b];
+  while (next_ < buckets_.size() && arrived_[next_] == buckets_[next_].tensors) launch(next_++);
+}
+
+void Sharding::launch(size_t index) {
+  at::NoGradGuard no_grad;
+  const Bucket& b = buckets_[index];
+  const bool mine = b.owner == rank_;
+  at::Tensor flat = buffer_.narrow(0, 0, b.numel);
+  // This rank's part (the owner's with its sum so far: the reduction adds the others'), and
+  // the owner's gradient tensors allocated, before the agreement: a rank that runs out of
+  // memory here says so there, and no rank enters the reduce.
+  bool oom = false;
+  std::string what;
+  try {
+    int64_t pos = 0;
+    for (const Segment& s : b.segments) {
+      at::Tensor part = flat.narrow(0, pos, s.length);
+      const at::Tensor& g = pending_[s.tensor];
+      if (g.defined())
+        part.copy_(g.reshape(-1).narrow(0, s.offset, s.length));
+      else
+        part.zero_();
+      if (mine) {
+        at::Tensor& grad = params_[s.tensor].second.mutable_grad();
+        if (!grad.defined()) grad = at::empty_like(params_[s.tensor].second);
+        if (accumulated_[s.tensor]) part.add_(grad.view(-1).narrow(0, s.offset, s.length));
+      }
+      pos += s.length;
+    }
+  } catch (const std::exception& e) {
+    if (!compat::is_out_of_memory(e)) throw;
+    oom = true;
+    what = e.what();
+  }
+  if (pg_->agree(oom, std::numeric_limits<int64_t>::max()).first) {
+    agreed_oom_ = true;
+    compat::throw_out_of_memory(oom ? what
+                                    : std::string("out of memory on another rank (learned before reducing a bucket "
+                                                  "of gradients in backward)"));
+  }
+  pg_->reduce_sum(flat, b.owner);
+  int64_t pos = 0;
+  for (const Segment& s : b.segments) {
+    if (mine) params_[s.tensor].second.grad().view(-1).narrow(0, s.offset, s.length).copy_(flat.narrow(0, pos, s.length));
+    if (s.offset + s.length == numels_[s.tensor]) pending_[s.tensor] = at::Tensor();  // its last run is reduced
+    pos += s.length;
+  }
+}
+
+bool Sharding::take_agreed_oom() { return std::exchange(agreed_oom_, false); }
+
 void Sharding::reduce_gradients(const Params& params, const at::Tensor& extra, const GradScaler& scaler,
                                 bool host_gradients) {
   if (!pg_) return;
   at::NoGradGuard no_grad;
+  if (std::exchange(reduced_in_backward_, false)) {  // backward() reduced them already
+    MEMTUNE_INTERNAL_ASSERT(!host_gradients, "sharding: gradients reduced in backward are not in host memory");
+    check_reduced(params, extra, scaler);
+    return;
+  }
   // Every rank passes every tensor (the same shapes in the same order): allocate the missing
   // ones before the first collective, so an out-of-memory error stops no rank inside one.
   for (const auto& [name, p] : params)
@@ -166,6 +326,10 @@ void Sharding::reduce_gradients(const Params& params, const at::Tensor& extra, c
       pos += s.length;
     }
   }
+  check_reduced(params, extra, scaler);
+}
+
+void Sharding::check_reduced(const Params& params, const at::Tensor& extra, const GradScaler& scaler) {
   // This rank's gradients unscaled and their squared norm, then one all-reduce of [extra...,
   // squared norm, non-finite, out of memory]: a rank that runs out of memory here still
   // enters it, and every rank learns of it there.

@@ -459,8 +459,10 @@ void Trainer::build_supervisor() {
   supervisor_ = std::make_unique<Supervisor>(so);
   if (pg_)
     supervisor_->set_agreement([this](bool oom, int64_t micro) {
-      // A sharded layer's gather may have made this stage's agreement already (layer_shards.h).
-      if (layer_shards_ && layer_shards_->take_agreed_oom()) return std::make_pair(true, micro);
+      // A sharded layer's gather or a reduction in backward may have made this stage's
+      // agreement already (layer_shards.h, sharding.h).
+      const bool gather = layer_shards_ && layer_shards_->take_agreed_oom();
+      if (sharding_->take_agreed_oom() || gather) return std::make_pair(true, micro);
       return pg_->agree(oom, micro);
     });
   // Each rung with its undo: grow-back reverts the ladder's changes, never the config's.
@@ -711,7 +713,7 @@ StepRecord Trainer::step() {
       at::Tensor loss = out.loss_sum / static_cast<double>(denominator) * scaler_->scale();
       mem_->reset_peak();
       injector_->at(step_, "backward");
-      if (loss.requires_grad()) loss.backward();
+      sharding_->backward(loss, grad_offload_->enabled());  // with ZeRO-2's reductions (trainer/sharding.h)
       note_peak(1);
       loss_sum += out.loss_sum.item<double>();
     }

@@ -51,7 +51,7 @@ TEST_P(EstimateSharding, PerRankOptimizerStateAgreesWithTheShardedOptimizers) {
     in.world_size = w;
     in.sharding = "optimizer";
     const trainer::Estimate e = estimate_memory(in);
-    const std::vector<int> owner = trainer::partition_by_numel(numels, w);
+    const std::vector<int> owner = trainer::shard_owners(numels, w);
     int64_t sum = 0;
     for (int r = 0; r < w; ++r) {
       std::vector<bool> owned;

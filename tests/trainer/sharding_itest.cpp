@@ -12,7 +12,9 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <numeric>
+#include <set>
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -74,7 +76,7 @@ void scenario(ProcessGroup& pg, ShardLevel level) {
   ASSERT_EQ(s.level(), level);
   std::vector<int64_t> numels;
   for (const auto& [name, p] : params) numels.push_back(p.numel());
-  const std::vector<int> owner = partition_by_numel(numels, w);
+  const std::vector<int> owner = shard_owners(numels, w);
   EXPECT_EQ(s.owners(), owner);
   EXPECT_EQ(s.buffer_bytes(), bucket_bytes) << "one bucket's buffer, every owner has more than a bucket";
 
@@ -339,6 +341,89 @@ void layers_scenario(ProcessGroup& pg) {
   shards.release(3);
 }
 
+// ZeRO-2's reduction in backward (Sharding::backward): the adapters of tiny-llama (layers
+// checkpointed or not), each rank two micro-batches of its own, buckets of 300 elements so
+// that tensors split across them. Each owner's gradients equal the sum over every rank's and
+// micro-batch's gradients that plain autograd gives here (each rank knows every rank's
+// batches); the other ranks hold none after each micro-batch. Then an out-of-memory error in
+// the last rank's backward: every rank throws, the agreement is made once, the group still
+// pairs, and the retried step gives the same sums.
+void backward_scenario(ProcessGroup& pg, bool checkpointed) {
+  const int me = pg.rank(), w = pg.world_size();
+  install_cpu_budget_allocator();
+  auto m = layers_model();
+  const auto params = m->trainable_parameters();
+  Sharding s(ShardLevel::gradients, &pg, params, 300 * 4);
+  models::ForwardOptions fo;
+  fo.training = true;
+  fo.checkpoint_layers.assign(4, checkpointed);
+  auto loss_of = [&](int rank, int micro) { return m->forward(layers_batch(2 * rank + micro), fo).loss_sum; };
+  // The reference: plain autograd over every rank's micro-batches (the hooks pass it through).
+  for (int r = 0; r < w; ++r)
+    for (int micro = 0; micro < 2; ++micro) loss_of(r, micro).backward();
+  std::vector<at::Tensor> want;
+  for (const auto& [name, p] : params) {
+    want.push_back(p.grad().clone());
+    p.mutable_grad() = at::Tensor();
+  }
+  int64_t backward_allocations = 0;  // of the first micro-batch's backward
+  auto run_step = [&] {
+    for (int micro = 0; micro < 2; ++micro) {
+      at::Tensor loss = loss_of(me, micro);
+      const int64_t before = cpu_allocator_counters().total_allocations;
+      s.backward(loss, /*host_gradients=*/false);
+      if (micro == 0) backward_allocations = cpu_allocator_counters().total_allocations - before;
+      for (size_t i = 0; i < params.size(); ++i)
+        EXPECT_EQ(params[i].second.grad().defined(), s.owners()[i] == me)
+            << params[i].first << " after micro-batch " << micro;
+    }
+    at::Tensor extra = at::zeros({1}, at::kDouble);
+    const int64_t seq = pg.sequence();
+    s.reduce_gradients(params, extra, GradScaler(false));
+    EXPECT_EQ(pg.sequence(), seq + 1) << "reduced in backward: only the check's all-reduce is left";
+    for (size_t i = 0; i < params.size(); ++i)
+      if (s.owners()[i] == me)
+        EXPECT_LE((params[i].second.grad() - want[i]).abs().max().item<double>(),
+                  1e-6 * want[i].abs().max().item<double>())  // fp32 sums in another order
+            << params[i].first;
+  };
+  std::set<int> owners(s.owners().begin(), s.owners().end());
+  EXPECT_EQ(owners.size(), static_cast<size_t>(w)) << "every rank owns a run of the tensors";
+  run_step();
+
+  // Out of memory in the last rank's backward, half its allocations in.
+  for (const auto& [name, p] : params) p.mutable_grad() = at::Tensor();
+  at::Tensor loss = loss_of(me, 0);
+  const int64_t seq = pg.sequence();
+  if (me == w - 1) inject_oom_after(backward_allocations / 2);
+  bool oom = false;
+  std::string what;
+  try {
+    s.backward(loss, false);
+  } catch (const std::exception& e) {
+    oom = compat::is_out_of_memory(e);
+    what = e.what();
+  }
+  cancel_injected_oom();
+  loss = at::Tensor();
+  EXPECT_TRUE(oom) << "rank " << me;
+  if (me == w - 1) {
+    EXPECT_NE(what.find("injected"), std::string::npos) << what;
+    EXPECT_GT(pg.sequence(), seq) << "the error came after a bucket was reduced";
+    // As the supervisor does: this rank agrees after the stage.
+    EXPECT_FALSE(s.take_agreed_oom());
+    EXPECT_TRUE(pg.agree(true, std::numeric_limits<int64_t>::max()).first);
+  } else {
+    EXPECT_NE(what.find("out of memory on another rank"), std::string::npos) << what;
+    EXPECT_TRUE(s.take_agreed_oom());
+    EXPECT_FALSE(s.take_agreed_oom()) << "once";
+  }
+  EXPECT_EQ(pg.allreduce(std::vector<int64_t>{1}, ReduceOp::sum)[0], w) << "the ranks still pair their collectives";
+  // The step again from its start (the supervisor drops the gradients): the same sums.
+  for (const auto& [name, p] : params) p.mutable_grad() = at::Tensor();
+  run_step();
+}
+
 }  // namespace
 
 TEST(ShardingWorker, Run) {
@@ -350,6 +435,8 @@ TEST(ShardingWorker, Run) {
   ProcessGroup pg(DistEnv::from_environment(), options);
   if (std::string(which) == "layers")
     layers_scenario(pg);
+  else if (std::string(which).rfind("backward", 0) == 0)
+    backward_scenario(pg, std::string(which) == "backward_checkpointed");
   else
     scenario(pg, shard_level(which));
 }
@@ -364,6 +451,21 @@ TEST_P(ShardingItest, ReduceNormAndUpdateAgreeWithTheSums) {
 
 INSTANTIATE_TEST_SUITE_P(LevelsAndWorlds, ShardingItest,
                          ::testing::Combine(::testing::Values("optimizer", "gradients"), ::testing::Values(2, 3)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_W" + std::to_string(std::get<1>(info.param));
+                         });
+
+class BackwardReduceItest : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
+
+TEST_P(BackwardReduceItest, OwnersHoldTheSumsOthersNoneAndAnOomReachesEveryRank) {
+  MEMTUNE_REQUIRE_GLOO();
+  const auto [which, world] = GetParam();
+  EXPECT_EQ(run_workers(which, world, memtune::testing::temp_dir()), std::vector<int>(static_cast<size_t>(world), 0));
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, BackwardReduceItest,
+                         ::testing::Combine(::testing::Values("backward", "backward_checkpointed"),
+                                            ::testing::Values(2, 3)),
                          [](const auto& info) {
                            return std::get<0>(info.param) + "_W" + std::to_string(std::get<1>(info.param));
                          });

@@ -63,6 +63,40 @@ TEST(ShardingPartition, BalancedWithinTheLargestTensorOfTheIdeal) {
   }
 }
 
+TEST(ShardingPartition, ContiguousRunsEndAtTheNearestBoundary) {
+  // 28 elements, 2 ranks: the boundary nearest 14 is after 5 + 10 = 15.
+  EXPECT_EQ(partition_contiguous({5, 10, 1, 8, 4}, 2), (std::vector<int>{0, 0, 1, 1, 1}));
+  // 15 over 3: nearest 5 is 6 (after two), nearest 10 is 9 (after three).
+  EXPECT_EQ(partition_contiguous({3, 3, 3, 3, 3}, 3), (std::vector<int>{0, 0, 1, 2, 2}));
+  // A tie (1 and 3 both 1 from 2): the earlier boundary.
+  EXPECT_EQ(partition_contiguous({1, 2, 1}, 2), (std::vector<int>{0, 1, 1}));
+  // One rank owns everything; a large first tensor leaves rank 0 with none.
+  EXPECT_EQ(partition_contiguous({7, 1, 2}, 1), (std::vector<int>{0, 0, 0}));
+  EXPECT_EQ(partition_contiguous({7, 1}, 3), (std::vector<int>{1, 2}));
+  EXPECT_TRUE(partition_contiguous({}, 2).empty());
+}
+
+TEST(ShardingPartition, ContiguousRunsAreWithinTheLargestTensorOfTheIdeal) {
+  std::vector<int64_t> numels;
+  for (int layer = 0; layer < 12; ++layer)
+    for (int64_t out : {768, 768, 256, 768, 2048, 2048, 768}) {
+      numels.push_back(16 * 768);
+      numels.push_back(out * 16);
+    }
+  numels.push_back(32000 * 16);  // a large one at the end (a trained head's adapter, say)
+  const int64_t total = std::accumulate(numels.begin(), numels.end(), int64_t{0});
+  const int64_t largest = *std::max_element(numels.begin(), numels.end());
+  for (int w : {2, 3, 4, 7}) {
+    const std::vector<int> owner = partition_contiguous(numels, w);
+    EXPECT_TRUE(std::is_sorted(owner.begin(), owner.end())) << "W " << w << ": runs in rank order";
+    const auto l = loads(numels, owner, w);
+    EXPECT_EQ(std::accumulate(l.begin(), l.end(), int64_t{0}), total);
+    for (int64_t x : l) EXPECT_LE(x, total / w + largest) << "W " << w;
+  }
+  // The trainable tensors' owners: the same runs over the list reversed.
+  EXPECT_EQ(shard_owners({5, 10, 1, 8, 4}, 2), (std::vector<int>{1, 1, 0, 0, 0}));  // 4 + 8 + 1 = 13 nearest 14
+}
+
 TEST(ShardingLevel, NamesAliasesAndRefusals) {
   EXPECT_EQ(shard_level("none"), ShardLevel::none);
   EXPECT_EQ(shard_level("optimizer"), ShardLevel::optimizer);
