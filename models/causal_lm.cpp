@@ -221,13 +221,14 @@ void CausalLM::place(const Placement& placement) {
     const c10::Device d = s.layer >= 0 ? placement.layers[s.layer]
                           : (s.role == TensorRole::kHead || s.role == TensorRole::kNorm) ? placement.head
                                                                                          : placement.embeddings;
+    // A sharded layer's tensors, trainable ones included, live in its source's buffers on the
+    // group's device (trainer/layer_shards.h).
+    if (s.layer >= 0 && sharded(s.layer)) continue;
     if (s.role == TensorRole::kLinearWeight && s.linear->lora) {
       move(s.linear->lora->A, d);
       move(s.linear->lora->B, d);
     }
     if (s.layer >= 0 && offloaded(s.layer)) continue;  // fetched to its layer's device when it runs
-    // A sharded layer's frozen tensors live in its source's buffers on the group's device.
-    if (s.layer >= 0 && sharded(s.layer) && !(s.tensor->defined() && s.tensor->requires_grad())) continue;
     if (s.role == TensorRole::kLinearWeight && s.linear->quantized()) {
       if (s.linear->qweight()->packed.device() != d)
         s.linear->set_quantized(std::make_shared<NF4Tensor>(

@@ -192,7 +192,6 @@ void add_estimate_command(CLI::App& app) {
     };
     std::vector<Level> levels;
     for (const char* level : {"none", "optimizer", "gradients", "full"}) {
-      if (std::string(level) == "full" && c.training.finetune != "lora") continue;  // full shards a frozen base
       EstimateInput l = in;
       l.sharding = level;
       levels.push_back({level, estimate_memory(l)});
@@ -248,6 +247,7 @@ void add_estimate_command(CLI::App& app) {
       for (const auto& l : levels)
         j["sharding_levels"].push_back({{"level", l.name},
                                         {"weights", l.e.weights_nf4 + l.e.weights_dense},
+                                        {"layers_sharded_from", l.e.layers_sharded_from},
                                         {"gathered_layer", l.e.gathered_layer},
                                         {"optimizer_states", l.e.optimizer_states},
                                         {"gradients", l.e.gradients},

@@ -260,9 +260,9 @@ void DistributedConfig::fields(F&& f) {
   f("bucket_size_mb", bucket_size_mb, "MiB per gradient bucket");
   f("sharding", sharding,
     "ZeRO across ranks: optimizer (zero1): each rank keeps and updates 1/W of the optimizer state; gradients "
-    "(zero2): also each gradient reduced to its owner only; full (zero3): also the layers' frozen base "
-    "weights, each rank keeping 1/W of every layer and gathering a layer just before it runs (LoRA only; every "
-    "layer checkpointed). One process: as none",
+    "(zero2): also each gradient reduced to its owner only, as backward produces it; full (zero3): also the "
+    "layers' weights, frozen and trainable, each rank keeping 1/W of them and gathering a layer just before it "
+    "runs (every layer checkpointed). One process: as none",
     kSharding);
 }
 
@@ -618,11 +618,6 @@ void validate(const Config& config, const Checker& c) {
   validate(config.memory, "memory", c);
   validate(config.runtime, "runtime", c);
   validate(config.distributed, "distributed", c);
-  // full shards the frozen base of the decoder layers; a full fine-tune has none.
-  c.check(config.distributed.sharding != "full" || config.training.finetune == "lora", "distributed.sharding",
-          config.distributed.sharding,
-          "full shards the frozen base weights of the layers, and training.finetune: full trains them all. Hint: "
-          "gradients (zero2) shards a full fine-tune's gradients and optimizer state");
 }
 
 }  // namespace

@@ -97,8 +97,9 @@ class Planner {
     return layer >= 0 && layer < static_cast<int>(m_.offloaded_layers.size()) && m_.offloaded_layers[layer];
   }
   // distributed.sharding: full over several ranks (trainer/layer_shards.h): each rank keeps
-  // 1/W of every layer's frozen weights, gathers a layer around its forward, checkpoints all.
-  bool shard_layers() const { return m_.world_size > 1 && m_.sharding == "full" && !full_; }
+  // 1/W of the layers' weights (frozen and trainable), gathers a layer around its forward,
+  // checkpoints all.
+  bool shard_layers() const { return m_.world_size > 1 && m_.sharding == "full"; }
   // Layer `layer`'s input (the final norm's at num_layers) requires grad.
   bool input_grad(int layer) const { return input_grad_[layer]; }
   // What a checkpointed layer keeps: its input, when a gradient is wanted through it and it
@@ -172,6 +173,11 @@ class Planner {
       train({s.linear->out_features(), t.lora_r}, s.layer, false);  // B
     }
     e.lora_parameters = trainable * kF32;
+    if (shard_layers()) {  // the layers' adapters sharded with their layers, gathered with them
+      e.lora_parameters = (e.lora_parameters + m_.world_size - 1) / m_.world_size;
+      gathered += (trainable * kF32 + L_ - 1) / L_;
+      e.gathered_layer = gathered;
+    }
     for (const TensorSlot* t : trained_)
       train(t->shape, t->layer, t->role == TensorRole::kEmbedding || t->role == TensorRole::kPositionEmbedding);
     e.trainable_parameters = trainable;

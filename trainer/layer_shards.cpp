@@ -6,11 +6,15 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include "models/layers/linear.h"
 #include "runtime/compat.h"
 #include "runtime/error.h"
 #include "runtime/nf4.h"
+#include "runtime/offload.h"
 #include "runtime/process_group.h"
 #include "runtime/units.h"
 #include "trainer/sharding.h"
@@ -41,6 +45,30 @@ at::Tensor meta_like(const at::Tensor& t) {
 // `bytes` of `buffer` from `offset` as a tensor shaped like `meta`.
 at::Tensor view_in(const at::Tensor& buffer, int64_t offset, const at::Tensor& meta) {
   return buffer.narrow(0, offset, bytes_of(meta)).view(meta.scalar_type()).view(meta.sizes());
+}
+
+// The backward of a gathered trainable tensor: its gradient goes on to the tensor itself
+// (its accumulator, where Sharding's hooks take it), whatever rank holds its storage.
+struct GatheredTrainable : torch::autograd::Node {
+  std::string name() const override { return "memtune::GatheredTrainable"; }
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override { return std::move(grads); }
+};
+
+// `data` (a gathered copy of trainable `leaf`'s values) as the tensor the layer computes
+// with: under grad mode, with a backward to `leaf`.
+at::Tensor as_trainable(const at::Tensor& data, const at::Tensor& leaf) {
+  if (!at::GradMode::is_enabled()) return data;
+  auto node = std::shared_ptr<GatheredTrainable>(new GatheredTrainable(), torch::autograd::deleteNode);
+  node->add_next_edge(torch::autograd::impl::gradient_edge(leaf));
+  at::Tensor out = data.detach();
+  torch::autograd::set_history(out, node);
+  return out;
+}
+
+// What another rank's trainable tensor holds here: its shape over one NaN (a use outside a
+// gather shows), so that its identity (the optimizer's, the hooks') stays.
+at::Tensor placeholder(const at::Tensor& like, const c10::Device& device) {
+  return at::full({1}, NAN, at::TensorOptions(like.scalar_type()).device(device)).expand(like.sizes());
 }
 
 }  // namespace
@@ -108,13 +136,46 @@ LayerShards::LayerShards(models::CausalLM& model, ProcessGroup& pg)
         p.meta = meta_like(t);
         add(std::move(p));
       }
-    } else if (s.tensor->defined()) {
-      MEMTUNE_CHECK(!s.tensor->requires_grad(), "distributed.sharding: full: ", s.name,
-                    " is trainable; full shards a frozen base (training.finetune: lora)");
+    } else if (s.tensor->defined() && !s.tensor->requires_grad()) {
       Piece p;
       p.dense = s.tensor;
       p.meta = meta_like(*s.tensor);
       add(std::move(p));
+    }
+  }
+  // Trainable tensors of the layers (a full fine-tune's weights, LoRA adapters): owned as
+  // Sharding owns them (shard_owners over the model's trainable list), so the rank that keeps
+  // one's storage is the one that updates it.
+  const auto trainable = model_.trainable_parameters();
+  std::vector<int64_t> numels;
+  for (const auto& [name, t] : trainable) numels.push_back(t.numel());
+  const std::vector<int> trainable_owner = shard_owners(numels, world_);
+  auto owner_of = [&](const at::Tensor& leaf) {
+    for (size_t k = 0; k < trainable.size(); ++k)
+      if (trainable[k].second.is_same(leaf)) return trainable_owner[k];
+    fail("layer_shards: a trainable tensor of a layer is not among the model's trainable parameters");
+  };
+  for (auto& s : slots) {
+    if (s.layer < 0) continue;
+    std::vector<at::Tensor*> members;
+    if (s.tensor->defined() && s.tensor->requires_grad()) members.push_back(s.tensor);
+    if (s.role == models::TensorRole::kLinearWeight && s.linear->lora) {
+      members.push_back(&s.linear->lora->A);
+      members.push_back(&s.linear->lora->B);
+    }
+    for (at::Tensor* m : members) {
+      Layer& L = layers_[s.layer];
+      const int r = owner_of(*m);
+      Piece p;
+      p.dense = m;
+      p.leaf = *m;
+      p.meta = meta_like(*m);
+      p.offset = L.owner_bytes[r];
+      p.bytes = bytes_of(p.meta);
+      L.owner_bytes[r] += (p.bytes + kAlign - 1) / kAlign * kAlign;
+      L.bytes += p.bytes;
+      L.pieces[r].push_back(std::move(p));
+      ++trainable_pieces_;
     }
   }
   if (!offsets.empty()) {
@@ -126,13 +187,44 @@ LayerShards::LayerShards(models::CausalLM& model, ProcessGroup& pg)
     }
   }
   for (Layer& L : layers_) {
-    // This rank's pieces move into its buffer; the others' become meta tensors.
-    L.own = at::empty({std::max<int64_t>(1, L.owner_bytes[rank_])}, at::TensorOptions(at::kByte).device(device));
-    for (const Piece& p : L.pieces[rank_]) {
-      const at::Tensor src = p.dense ? *p.dense : nf4_field(*p.linear->qweight(), p.field);
-      MEMTUNE_INTERNAL_ASSERT(!src.is_meta(), "layer_shards: this rank's tensor was not loaded");
-      view_in(L.own, p.offset, p.meta).copy_(src);
+    // Trainable tensors start from rank 0's values, as every tensor of an unsharded run does:
+    // the layer's trainable pieces, all owners', through one broadcast.
+    int64_t trainable_bytes = 0;
+    for (const auto& owned : L.pieces)
+      for (const Piece& p : owned) trainable_bytes += p.leaf.defined() ? p.bytes : 0;
+    at::Tensor staged;
+    if (trainable_bytes > 0) {
+      staged = at::empty({trainable_bytes}, at::TensorOptions(at::kByte).device(device));
+      int64_t at = 0;
+      for (const auto& owned : L.pieces)
+        for (const Piece& p : owned)
+          if (p.leaf.defined()) {
+            view_in(staged, at, p.meta).copy_(p.leaf);
+            at += p.bytes;
+          }
+      pg_.broadcast(staged, 0);
     }
+    // This rank's pieces move into its buffer; the others' become meta tensors (trainable
+    // ones keep their identity over a placeholder).
+    L.own = at::empty({std::max<int64_t>(1, L.owner_bytes[rank_])}, at::TensorOptions(at::kByte).device(device));
+    int64_t at = 0;
+    for (int r = 0; r < world_; ++r)
+      for (Piece& p : L.pieces[r]) {
+        if (p.leaf.defined()) {  // trainable: rank 0's value, from the staged copy
+          if (r == rank_) {
+            view_in(L.own, p.offset, p.meta).copy_(view_in(staged, at, p.meta));
+            p.leaf.set_data(view_in(L.own, p.offset, p.meta));
+          } else {
+            p.leaf.set_data(placeholder(p.meta, device));
+          }
+          at += p.bytes;
+          continue;
+        }
+        if (r != rank_) continue;
+        const at::Tensor src = p.dense ? *p.dense : nf4_field(*p.linear->qweight(), p.field);
+        MEMTUNE_INTERNAL_ASSERT(!src.is_meta(), "layer_shards: this rank's tensor was not loaded");
+        view_in(L.own, p.offset, p.meta).copy_(src);
+      }
     for (int r = 0; r < world_; ++r) point(L, r, r == rank_ ? L.own : at::Tensor());
     owned_bytes_ += L.owner_bytes[rank_];
     total_bytes_ += L.bytes;
@@ -146,6 +238,7 @@ void LayerShards::point(Layer& layer, int owner, const at::Tensor& buffer) {
   // NF4 weights are replaced whole (their holder is shared and const): group the fields.
   std::vector<std::pair<models::Linear*, std::shared_ptr<NF4Tensor>>> nf4;
   for (const Piece& p : layer.pieces[owner]) {
+    if (p.leaf.defined()) continue;  // trainable: point_trainable
     at::Tensor t = buffer.defined() ? view_in(buffer, p.offset, p.meta) : p.meta;
     if (p.dense) {
       *p.dense = std::move(t);
@@ -163,6 +256,7 @@ bool LayerShards::covers(int layer) const { return layer >= 0 && layer < static_
 void LayerShards::gather(int layer) {
   Layer& L = layers_.at(static_cast<size_t>(layer));
   MEMTUNE_INTERNAL_ASSERT(!L.gathered, "layer_shards: layer ", layer, " gathered twice");
+  const bool grad_mode = at::GradMode::is_enabled();  // the layer's: trainable tensors carry a backward under it
   at::NoGradGuard no_grad;
   // Allocate first: a rank that runs out here says so in the agreement below, before any
   // rank enters a broadcast.
@@ -188,19 +282,63 @@ void LayerShards::gather(int layer) {
     if (L.owner_bytes[r] == 0) continue;
     pg_.broadcast(r == rank_ ? L.own : received[r], r);
   }
-  for (int r = 0; r < world_; ++r)
+  for (int r = 0; r < world_; ++r) {
     if (r != rank_) point(L, r, received[r]);
+    at::AutoGradMode mode(grad_mode);
+    point_trainable(L, r, r == rank_ ? L.own : received[r]);  // this rank's too: with their backward
+  }
   L.received = std::move(received);
   L.gathered = true;
+}
+
+void LayerShards::point_trainable(Layer& layer, int owner, const at::Tensor& buffer) {
+  for (const Piece& p : layer.pieces[owner])
+    if (p.leaf.defined()) *p.dense = buffer.defined() ? as_trainable(view_in(buffer, p.offset, p.meta), p.leaf) : p.leaf;
 }
 
 void LayerShards::release(int layer) {
   Layer& L = layers_.at(static_cast<size_t>(layer));
   if (!L.gathered) return;
-  for (int r = 0; r < world_; ++r)
+  for (int r = 0; r < world_; ++r) {
     if (r != rank_) point(L, r, at::Tensor());
+    point_trainable(L, r, at::Tensor());
+  }
   L.received.clear();  // freed once autograd no longer holds views of them
   L.gathered = false;
+}
+
+bool LayerShards::holds(const at::Tensor& t) const {
+  for (const Layer& L : layers_)
+    for (const auto& owned : L.pieces)
+      for (const Piece& p : owned)
+        if (p.leaf.defined() && p.leaf.is_same(t)) return true;
+  return false;
+}
+
+void LayerShards::with_trainable_whole(int root, const std::function<void()>& fn) {
+  at::NoGradGuard no_grad;
+  // Layer by layer: gathered, the root's host copies taken, released.
+  std::vector<std::pair<const Piece*, at::Tensor>> copies;
+  for (int layer = 0; layer < static_cast<int>(layers_.size()); ++layer) {
+    gather(layer);
+    if (rank_ == root)
+      for (const auto& owned : layers_[layer].pieces)
+        for (const Piece& p : owned)
+          if (p.leaf.defined()) {
+            at::Tensor host = to_offload_storage(*p.dense);
+            if (p.leaf.requires_grad()) host.requires_grad_(true);
+            copies.emplace_back(&p, std::move(host));
+          }
+    release(layer);
+  }
+  struct Restore {  // the tensors themselves again, however fn ends
+    std::vector<std::pair<const Piece*, at::Tensor>>& copies;
+    ~Restore() {
+      for (auto& [p, host] : copies) *p->dense = p->leaf;
+    }
+  } restore{copies};
+  for (auto& [p, host] : copies) *p->dense = host;
+  fn();
 }
 
 bool LayerShards::take_agreed_oom() { return std::exchange(agreed_oom_, false); }
@@ -213,8 +351,9 @@ int64_t LayerShards::largest_layer_bytes() const {
 
 std::string LayerShards::describe() const {
   return str_cat("distributed.sharding: full: rank ", rank_, " of ", world_, " keeps ", format_bytes(owned_bytes_),
-                 " of the layers' ", format_bytes(total_bytes_), " frozen weights; each layer is gathered (at most ",
-                 format_bytes(largest_layer_bytes()), ") just before it runs, in forward and again in backward");
+                 " of the layers' ", format_bytes(total_bytes_), " of weights (", trainable_pieces_,
+                 " trainable tensors among them); each layer is gathered (at most ", format_bytes(largest_layer_bytes()),
+                 ") just before it runs, in forward and again in backward");
 }
 
 }  // namespace memtune::trainer

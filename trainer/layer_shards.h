@@ -1,15 +1,23 @@
 #pragma once
-// ZeRO stage 3 for the frozen base (distributed.sharding: full): each decoder layer's frozen
-// tensors (NF4 projections with their quantization state, dense projections, biases, norms)
-// are partitioned among the ranks by whole tensors (trainer/sharding.h partition_by_numel,
-// layer by layer; owners()), and a rank keeps only its own, packed into one buffer per
-// layer; it need not even read the others' from the checkpoint (trainer::setup_model's
-// skip). The
-// others are meta tensors: shape and dtype, no storage. The forward gathers a layer just
-// before it runs (one broadcast per owner, into one buffer per owner) and drops the gathered
-// tensors when it returns; the layer reruns in backward (it is checkpointed) and gathers
-// again. Trainable tensors (LoRA adapters, modules_to_save) stay whole on every rank, under
-// the `gradients` level's sharding of their gradients and optimizer state.
+// ZeRO stage 3 (distributed.sharding: full): each decoder layer's tensors are partitioned
+// among the ranks by whole tensors, and a rank keeps only its own, packed into one buffer per
+// layer on the group's device. The forward gathers a layer just before it runs (one
+// broadcast per owner, into one buffer per owner) and drops the gathered tensors when it
+// returns; the layer reruns in backward (it is checkpointed) and gathers again.
+//   frozen tensors (NF4 projections with their quantization state, dense projections,
+//     biases, norms): partitioned layer by layer (trainer/sharding.h partition_by_numel;
+//     owners()); a rank need not even read the others' from the checkpoint (setup_model's
+//     skip). The others' are meta tensors: shape and dtype, no storage.
+//   trainable tensors (a full fine-tune's weights, LoRA adapters): owned as Sharding owns
+//     them (shard_owners over the model's trainable list), so the rank that keeps one's
+//     storage updates it in place and no gather follows the update. Each stays the one leaf
+//     the optimizer and Sharding's hooks know: its owner's holds a view of the buffer,
+//     another rank's a placeholder (its shape over one NaN). While a layer is gathered the
+//     layer computes with the gathered values through a node whose backward passes the
+//     gradient to the leaf (whose hooks reduce it to its owner, trainer/sharding.h).
+//   Trainable tensors outside the layers (embeddings, head, final norm, modules_to_save)
+//   stay whole on every rank, under the `gradients` level's sharding of their gradients and
+//   optimizer state.
 //
 // Out of memory: a rank that runs out inside the forward or backward leaves it and enters
 // the supervisor's agreement (ProcessGroup::agree) while the others run on to their next
@@ -18,6 +26,7 @@
 // out-of-memory error from there and the supervisor takes the agreement as made
 // (take_agreed_oom), so the ranks' collectives stay paired and the step is retried.
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -38,8 +47,9 @@ class LayerShards : public models::LayerSource {
   // device, the others' memory is released (they may be meta tensors already, skipped at
   // load; NF4 weights' nested offsets are then learned from their owners here). Call it before placing the model, so the device
   // never holds more than this rank's share; place() leaves sharded tensors where they are.
-  // Trainable tensors inside a layer are left whole. The model's layer source is set to
-  // this object, and reset when it is destroyed.
+  // Trainable tensors inside a layer are sharded as above, from rank 0's values (one
+  // broadcast per layer). The model's layer source is set to this object, and reset when it
+  // is destroyed.
   LayerShards(models::CausalLM& model, ProcessGroup& pg);
   ~LayerShards() override;
   LayerShards(const LayerShards&) = delete;
@@ -54,6 +64,16 @@ class LayerShards : public models::LayerSource {
   void gather(int layer) override;
   void release(int layer) override;
 
+  // Whether trainable tensor `t` is one of the layers' (its storage on its owner only).
+  bool holds(const at::Tensor& t) const;
+  int64_t trainable_tensors() const { return trainable_pieces_; }
+  // Runs `fn` with every trainable tensor of the layers whole on rank `root`: the layers are
+  // gathered one by one and the root's modules point at host copies of their trainable
+  // tensors (outside the device budget) until `fn` returns, for writing a checkpoint or the
+  // adapter or model. Every rank calls it (the gathers are collectives); `fn` runs on every
+  // rank, on the others with the tensors as they are.
+  void with_trainable_whole(int root, const std::function<void()>& fn);
+
   // True once after a gather learned that another rank ran out of memory (the agreement
   // for the stage has been made in that collective).
   bool take_agreed_oom();
@@ -66,11 +86,12 @@ class LayerShards : public models::LayerSource {
  private:
   // One tensor of a layer: a dense slot's tensor, or one of an NF4 weight's tensors.
   struct Piece {
-    at::Tensor* dense = nullptr;          // the slot's tensor, or
+    at::Tensor* dense = nullptr;          // the module's tensor (a slot's, or a LoRA adapter's), or
     models::Linear* linear = nullptr;     // the NF4 weight's owner, and
     int field = 0;                        // which of its tensors (packed, absmax, nested absmax, map)
     at::Tensor meta;                      // shape and dtype
     int64_t offset = 0, bytes = 0;        // in its owner's buffer
+    at::Tensor leaf;                      // trainable: the tensor itself (the module's between gathers)
   };
   struct Layer {
     std::vector<std::vector<Piece>> pieces;  // by owner
@@ -80,8 +101,10 @@ class LayerShards : public models::LayerSource {
     std::vector<at::Tensor> received;        // while gathered: the other owners' buffers
     bool gathered = false;
   };
-  // Points the pieces of `owner` in `layer` at `buffer`, or at their meta tensors.
+  // Points the frozen pieces of `owner` in `layer` at `buffer`, or at their meta tensors.
   void point(Layer& layer, int owner, const at::Tensor& buffer);
+  // The modules' trainable tensors of `owner`'s pieces: gathered values from `buffer`, or (undefined) the leaves.
+  void point_trainable(Layer& layer, int owner, const at::Tensor& buffer);
 
   models::CausalLM& model_;
   ProcessGroup& pg_;
@@ -89,6 +112,7 @@ class LayerShards : public models::LayerSource {
   std::vector<Layer> layers_;
   int64_t owned_bytes_ = 0, total_bytes_ = 0;
   bool agreed_oom_ = false;
+  int64_t trainable_pieces_ = 0;
 };
 
 }  // namespace memtune::trainer

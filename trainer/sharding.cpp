@@ -112,21 +112,29 @@ Sharding::~Sharding() {
   }
 }
 
-Sharding::Sharding(ShardLevel level, ProcessGroup* pg, const Params& params, int64_t bucket_bytes)
-    : level_(level), pg_(pg), params_(params) {
+Sharding::Sharding(ShardLevel level, ProcessGroup* pg, const Params& params, int64_t bucket_bytes,
+                   std::vector<bool> on_demand)
+    : level_(level), pg_(pg), params_(params), on_demand_(std::move(on_demand)) {
+  if (on_demand_.empty()) on_demand_.assign(params.size(), false);
+  MEMTUNE_INTERNAL_ASSERT(on_demand_.size() == params.size(), "sharding: ", on_demand_.size(), " on-demand flags for ",
+                          params.size(), " tensors");
   if (pg_) {
     rank_ = pg_->rank();
     world_ = pg_->world_size();
   }
   if (world_ <= 1) level_ = ShardLevel::none;
-  for (const auto& [name, p] : params) {
-    MEMTUNE_INTERNAL_ASSERT(p.scalar_type() == at::kFloat && p.is_contiguous(), "sharding: trainable tensor ", name,
-                            " must be contiguous fp32");
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& [name, p] = params[i];
+    // (another rank's on-demand tensor is a placeholder: its shape over one element)
+    MEMTUNE_INTERNAL_ASSERT(p.scalar_type() == at::kFloat && (p.is_contiguous() || on_demand_[i]),
+                            "sharding: trainable tensor ", name, " must be contiguous fp32");
     numels_.push_back(p.numel());
     total_numel_ += p.numel();
   }
   const size_t n = params.size();
   owners_ = level_ == ShardLevel::none ? std::vector<int>(n, rank_) : shard_owners(numels_, world_);
+  MEMTUNE_INTERNAL_ASSERT(level_ == ShardLevel::full || std::count(on_demand_.begin(), on_demand_.end(), true) == 0,
+                          "sharding: tensors gathered on demand under ", shard_level_name(level_));
   for (size_t i = 0; i < params.size(); ++i) {
     owned_.push_back(owners_[i] == rank_);
     if (owned_.back()) {
@@ -378,10 +386,14 @@ void Sharding::step(Optimizer& optimizer, double lr, double grad_scale) {
   at::NoGradGuard no_grad;
   const auto& params = optimizer.params();
   for (const Bucket& b : buckets_) {
-    at::Tensor flat = buffer_.narrow(0, 0, b.numel);
+    int64_t sent = 0;  // the bucket's elements that travel: the on-demand tensors' stay with their owner
+    for (const Segment& s : b.segments) sent += on_demand_[s.tensor] ? 0 : s.length;
+    if (sent == 0) continue;
+    at::Tensor flat = buffer_.narrow(0, 0, sent);
     int64_t pos = 0;
     if (b.owner == rank_)
       for (const Segment& s : b.segments) {
+        if (on_demand_[s.tensor]) continue;
         flat.narrow(0, pos, s.length).copy_(params[s.tensor].second.detach().view(-1).narrow(0, s.offset, s.length));
         pos += s.length;
       }
@@ -389,6 +401,7 @@ void Sharding::step(Optimizer& optimizer, double lr, double grad_scale) {
     if (b.owner == rank_) continue;
     pos = 0;
     for (const Segment& s : b.segments) {
+      if (on_demand_[s.tensor]) continue;
       params[s.tensor].second.detach().view(-1).narrow(0, s.offset, s.length).copy_(flat.narrow(0, pos, s.length));
       pos += s.length;
     }

@@ -75,8 +75,12 @@ class Sharding {
 
   // `params`: the trainable tensors in the order every rank lists them (fp32, contiguous);
   // their owners are shard_owners', and the buckets runs of the reversed list.
-  // `bucket_bytes`: the size of the buffer sharded collectives pass through.
-  Sharding(ShardLevel level, ProcessGroup* pg, const Params& params, int64_t bucket_bytes);
+  // `bucket_bytes`: the size of the buffer sharded collectives pass through. `on_demand`
+  // (per tensor, optional): tensors whose storage only their owner keeps (a sharded layer's,
+  // trainer/layer_shards.h, owned by the same rule): the update sends them to no rank, and
+  // on the other ranks they are placeholders, never read.
+  Sharding(ShardLevel level, ProcessGroup* pg, const Params& params, int64_t bucket_bytes,
+           std::vector<bool> on_demand = {});
   ~Sharding();  // removes backward's hooks
   Sharding(const Sharding&) = delete;
   Sharding& operator=(const Sharding&) = delete;
@@ -118,7 +122,7 @@ class Sharding {
   // agreed, with no collective here.
   std::pair<bool, double> check_gradients(const GradScaler& scaler, const Params& params);
   // The update: `optimizer` steps this rank's tensors, then every rank receives each tensor
-  // from its owner. All ranks call it (or none: a skipped step).
+  // from its owner (but the on-demand ones). All ranks call it (or none: a skipped step).
   void step(Optimizer& optimizer, double lr, double grad_scale);
 
   // Checkpoints: under a sharded level every rank writes its optimizer state's shard where
@@ -151,6 +155,7 @@ class Sharding {
   int rank_ = 0, world_ = 1;
   std::vector<int> owners_;
   std::vector<bool> owned_;
+  std::vector<bool> on_demand_;
   std::set<std::string> owned_names_;
   std::vector<int64_t> numels_;
   int64_t owned_numel_ = 0, total_numel_ = 0;

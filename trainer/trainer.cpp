@@ -143,6 +143,9 @@ class Trainer {
   bool fits_with_optimizer_on_device() const;
   EstimateInput plan_now() const;  // plan_ with the supervisor's micro-batch and the rungs in effect
   void resume();          // training.resume_from_checkpoint
+  // Runs `fn` with the model's trainable tensors whole on rank 0 (distributed.sharding: full
+  // gathers the layers' into host memory; LayerShards::with_trainable_whole). Every rank calls it.
+  void with_trainable_whole(const std::function<void()>& fn);
 
   StepRecord step();
   void log_step(const StepRecord& r);
@@ -268,7 +271,7 @@ void Trainer::load_model() {
   const bool shard_layers = pg_ && pg_->world_size() > 1 && shard_level(c_.distributed.sharding) == ShardLevel::full;
   // distributed.sharding: full: a rank reads only its share of the layers from the checkpoint.
   SkipTensors skip;
-  if (shard_layers)
+  if (shard_layers && c_.training.finetune == "lora")  // a full fine-tune's tensors all start from rank 0's
     skip = [rank = pg_->rank(), world = pg_->world_size()](const models::CausalLM& built) {
       const std::vector<int> owner = LayerShards::owners(built, world);
       std::vector<bool> out(owner.size());
@@ -374,8 +377,11 @@ void Trainer::build_update() {
     spdlog::warn("training.optim: adafactor reads no adam_beta1/adam_beta2/adam_epsilon (as in Hugging Face's "
                  "Trainer); the values set are not used");
   // distributed.sharding: this rank keeps state for, and updates, its share of the tensors.
-  sharding_ = std::make_unique<Sharding>(shard_level(c_.distributed.sharding), pg_.get(),
-                                         bundle_.model->trainable_parameters(), c_.distributed.bucket_size_mb << 20);
+  const auto trainable = bundle_.model->trainable_parameters();
+  std::vector<bool> on_demand;  // distributed.sharding: full: the layers' trainable tensors stay with their owners
+  for (const auto& [name, p] : trainable) on_demand.push_back(layer_shards_ && layer_shards_->holds(p));
+  sharding_ = std::make_unique<Sharding>(shard_level(c_.distributed.sharding), pg_.get(), trainable,
+                                         c_.distributed.bucket_size_mb << 20, on_demand);
   optimizer_ = std::make_unique<Optimizer>(bundle_.model->trainable_parameters(), oo, sharding_->owned());
   params_ = optimizer_->params();
   grad_offload_ = std::make_unique<GradientOffload>(params_);
@@ -398,9 +404,10 @@ void Trainer::build_update() {
                                     "fit in ", format_bytes(budget_), " with the state on ", device_.str(),
                                     " even with every other saving the ladder allows");
   }
-  if (pg_) {  // distributed: every rank starts from rank 0's trainable weights
+  if (pg_) {  // distributed: every rank starts from rank 0's trainable weights (a sharded layer's have)
     at::NoGradGuard no_grad;
-    for (const auto& [name, p] : params_) pg_->broadcast(p, 0);
+    for (size_t i = 0; i < params_.size(); ++i)
+      if (!on_demand[i]) pg_->broadcast(params_[i].second, 0);
   }
   scaler_ = std::make_unique<GradScaler>(t.fp16, t.fp16_init_scale, t.fp16_growth_interval);
 }
@@ -578,11 +585,14 @@ void Trainer::resume() {
   check_resume_compatible(c_, parse_config(ck.config_yaml, (dir / "config.yaml").string()), dir, dist_.world_size,
                           ck.state.world_size);
   at::NoGradGuard no_grad;
-  for (auto& [name, p] : params_) {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& [name, p] = params_[i];
     auto it = ck.trainable.find(name);
     MEMTUNE_CHECK(it != ck.trainable.end(), dir.string(), ": the checkpoint lacks trainable tensor '", name, "'");
     MEMTUNE_CHECK(it->second.sizes() == p.sizes(), dir.string(), ": '", name, "' has shape ", it->second.sizes(),
                   ", the model's is ", p.sizes());
+    // A sharded layer's tensor: its owner's storage only (another rank's is a placeholder).
+    if (layer_shards_ && layer_shards_->holds(p) && !sharding_->owned()[i]) continue;
     const_cast<at::Tensor&>(p).copy_(it->second);
   }
   try {  // each owner checks its part of state.json; the message gains the file's name
@@ -822,9 +832,21 @@ void Trainer::log_step(const StepRecord& r) {
   spdlog::get("memtune")->log(tty_ ? spdlog::level::debug : spdlog::level::info, "{}", line);
 }
 
+void Trainer::with_trainable_whole(const std::function<void()>& fn) {
+  if (layer_shards_ && layer_shards_->trainable_tensors() > 0)
+    layer_shards_->with_trainable_whole(0, fn);  // rank 0 writes
+  else
+    fn();
+}
+
 void Trainer::save_checkpoint() {
   // distributed.sharding: every rank writes its optimizer state's shard first.
   const int shards = sharding_->write_state_shard(out_dir_, step_, *optimizer_);
+  // The trainable tensors whole on rank 0 (a sharded layer's gathered to its host memory).
+  std::vector<std::pair<std::string, at::Tensor>> trainable = params_;
+  with_trainable_whole([&] {
+    if (writer_ && layer_shards_) trainable = bundle_.model->trainable_parameters();
+  });
   if (!writer_) {  // distributed: rank 0 writes, the others wait for it
     pg_->barrier();
     return;
@@ -840,7 +862,7 @@ void Trainer::save_checkpoint() {
   state.optimizer_offload = optimizer_offloaded();
   state.world_size = dist_.world_size;
   const auto whole_state = shards > 0 ? std::vector<std::pair<std::string, at::Tensor>>{} : optimizer_->state_tensors();
-  const fs::path p = save_training_checkpoint(out_dir_, state, params_, whole_state, cpu_rng_state(), config_yaml_,
+  const fs::path p = save_training_checkpoint(out_dir_, state, trainable, whole_state, cpu_rng_state(), config_yaml_,
                                               c_.training.save_total_limit, shards);
   result_.checkpoint = p.string();
   spdlog::info("checkpoint: {}", p.string());
@@ -907,14 +929,16 @@ TrainResult Trainer::finish() {
     spdlog::warn("stopped by signal {} during the final evaluation; it was skipped", sig);
     result_.exit_code = 128 + sig;
   }
-  if (!writer_) {  // distributed: only rank 0 saves
-  } else if (c_.training.finetune == "lora") {
-    models::save_adapter(*bundle_.model, bundle_.adapter, out_dir_ / "adapter");
-    spdlog::info("adapter (PEFT format): {}", (out_dir_ / "adapter").string());
-  } else {
-    models::save_hf_model(*bundle_.model, out_dir_ / "model", models::SaveOptions{});
-    spdlog::info("model (Hugging Face format): {}", (out_dir_ / "model").string());
-  }
+  with_trainable_whole([&] {
+    if (!writer_) {  // distributed: only rank 0 saves
+    } else if (c_.training.finetune == "lora") {
+      models::save_adapter(*bundle_.model, bundle_.adapter, out_dir_ / "adapter");
+      spdlog::info("adapter (PEFT format): {}", (out_dir_ / "adapter").string());
+    } else {
+      models::save_hf_model(*bundle_.model, out_dir_ / "model", models::SaveOptions{});
+      spdlog::info("model (Hugging Face format): {}", (out_dir_ / "model").string());
+    }
+  });
   const double elapsed = seconds_since(start_);
   std::string report = str_cat(
       "memtune memory report (", mem_->device(), ")\n", "limit:            ",

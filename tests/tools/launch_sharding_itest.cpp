@@ -225,6 +225,10 @@ INSTANTIATE_TEST_SUITE_P(
                       // full: the layers' frozen base sharded too (QLoRA, a dense base, GPT-2's biases and
                       // LayerNorms), with evaluations, whose forwards gather as training's do.
                       Case{"full", 2, "sgd", "lora", 1e-6}, Case{"full", 3, "adamw", "lora", 1e-5},
+                      // full with a full fine-tune: the layers' trainable weights sharded (the
+                      // embeddings and head whole; GPT-2's tied).
+                      Case{"full", 2, "adamw", "full", 1e-5, "", "_full_finetune"},
+                      Case{"full", 3, "sgd", "full", 1e-6, "model.name_or_path=tiny-gpt2", "_gpt2_full_finetune"},
                       Case{"full", 2, "adamw", "lora", 1e-5, "model.quantization_config.load_in_4bit=false", "_dense"},
                       Case{"full", 3, "adamw", "lora", 1e-5,
                            "model.name_or_path=tiny-gpt2 data.eval_file=" +
@@ -355,51 +359,63 @@ TEST(ShardedFull, AModelThatDoesNotFitOneRanksLimitTrainsOnThreeRanks) {
   }
 }
 
-// The point of distributed.sharding: gradients (ZeRO-2): each bucket of gradients goes to its
-// owner as backward completes it, so no rank holds every gradient. A full fine-tune of
-// tiny-llama with SGD (its buffer sharded alike at both levels) on 3 ranks, 2 micro-batches
-// a step, 1 MiB buckets: rank 0's step peak under `gradients` is lower than under
-// `optimizer` (every gradient all-reduced, held whole) by the other ranks' share of the
-// gradients, less what may be in flight (a bucket and the tensor that completes it); the
-// losses and weights are the same; and the memory model's per-rank peaks are what was measured.
-TEST(ShardedGradients, NoRankHoldsEveryGradient) {
+// What each level keeps per rank, measured: a full fine-tune of tiny-llama with SGD (its
+// buffer sharded alike at every level) on 3 ranks, 2 micro-batches a step, every layer
+// checkpointed (as `full` must), 1 MiB buckets; rank 0's step peaks:
+//   gradients (ZeRO-2): each bucket goes to its owner as backward completes it, so no rank
+//     holds every gradient: lower than `optimizer` (every gradient all-reduced, held whole,
+//     with the all-reduce's flat copy) by the other ranks' share of the gradients and the
+//     copy, less what may be in flight (a bucket and the tensor that completes it);
+//   full (ZeRO-3): the layers' weights too, 1/W of them kept: lower than `gradients` by the
+//     other ranks' share of the layers' weights, less the layer gathered.
+// The losses and weights are the same at every level, and the memory model's per-rank peaks
+// are what was measured.
+TEST(ShardedLevels, EachLevelKeepsLessPerRank) {
   MEMTUNE_REQUIRE_GLOO();
   fs::path d = temp_dir();
   const std::string args = "training.finetune=full model.quantization_config.load_in_4bit=false training.optim=sgd "
                            "training.learning_rate=0.05 training.per_device_train_batch_size=1 "
-                           "training.gradient_accumulation_steps=2 distributed.bucket_size_mb=1 training.save_steps=0";
-  auto zero1 = run(launch_cmd(3, write_config(d / "zero1"), args + " distributed.sharding=optimizer"), 600);
-  ASSERT_EQ(zero1.exit_code, 0) << zero1.output;
-  auto zero2 = run(launch_cmd(3, write_config(d / "zero2"), args + " distributed.sharding=gradients"), 600);
-  ASSERT_EQ(zero2.exit_code, 0) << zero2.output;
-  expect_same_losses(step_losses(d / "zero1/out"), step_losses(d / "zero2/out"), 1e-6);
-  expect_same_tensors(d / "zero1/out/model/model.safetensors", d / "zero2/out/model/model.safetensors", 1e-6);
+                           "training.gradient_accumulation_steps=2 training.gradient_checkpointing=true "
+                           "distributed.bucket_size_mb=1 training.save_steps=0";
+  const std::vector<std::string> levels = {"optimizer", "gradients", "full"};
+  for (const auto& level : levels) {
+    auto r = run(launch_cmd(3, write_config(d / level), args + " distributed.sharding=" + level), 600);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+  }
+  for (const std::string level : {"gradients", "full"}) {
+    expect_same_losses(step_losses(d / "optimizer/out"), step_losses(d / level / "out"), 1e-6);
+    expect_same_tensors(d / "optimizer/out/model/model.safetensors", d / level / "out/model/model.safetensors", 1e-6);
+  }
 
   auto est = run(memtune_bin() + " estimate " + write_config(d / "est").string() + " --nproc 3 --json " + args +
                  " distributed.sharding=gradients");
   ASSERT_EQ(est.exit_code, 0) << est.output;
   const json e = json::parse(est.output);
-  std::map<std::string, int64_t> predicted;
-  for (const auto& l : e["sharding_levels"]) predicted[l["level"].get<std::string>()] = l["peak_bytes"];
-  const int64_t grads = e["sharding_levels"][0]["gradients"].get<int64_t>();
+  std::map<std::string, json> by;
+  for (const auto& l : e["sharding_levels"]) by[l["level"].get<std::string>()] = l;
+  const int64_t grads = by["none"]["gradients"].get<int64_t>();
+  const int64_t layers = by["full"]["layers_sharded_from"].get<int64_t>();  // the 4 layers' weights, fp32
+  const int64_t layer = by["full"]["gathered_layer"].get<int64_t>();
+  ASSERT_GT(layers, 0) << e.dump();
   const int64_t largest = int64_t{1024} * 128 * 4;  // the embedding or the head (vocab x hidden fp32), the largest
-  auto peaks = [](const fs::path& out) {
+  auto peaks = [&](const std::string& level) {
     std::vector<int64_t> p;
-    for (const auto& row : read_jsonl(out / "metrics.jsonl", "loss")) p.push_back(row["memory"]["cpu"]["peak"]);
+    for (const auto& row : read_jsonl(d / level / "out/metrics.jsonl", "loss")) p.push_back(row["memory"]["cpu"]["peak"]);
+    EXPECT_EQ(p.size(), 4u) << level;
     return p;
   };
-  const auto p1 = peaks(d / "zero1/out"), p2 = peaks(d / "zero2/out");
-  ASSERT_EQ(p1.size(), 4u);
-  ASSERT_EQ(p2.size(), 4u);
-  for (size_t i = 0; i < p1.size(); ++i) {
+  const auto p1 = peaks("optimizer"), p2 = peaks("gradients"), p3 = peaks("full");
+  for (size_t i = 0; i < p1.size() && i < p2.size() && i < p3.size(); ++i) {
     // From the second step on, `optimizer` also keeps its all-reduce's flat copy of the
     // gradients (ProcessGroup::allreduce_sum).
     if (i > 0) EXPECT_GE(p1[i] - p2[i], grads + grads * 2 / 3 - (int64_t{1} << 20) - largest) << "step " << i;
+    EXPECT_GE(p2[i] - p3[i], layers * 2 / 3 - 2 * layer) << "step " << i;
     // The per-rank estimate bounds each step's peak (it plans for the longest sample; these
     // are shorter), and comes within 20 % of it.
-    for (const auto& [level, peak] : {std::pair{"optimizer", p1[i]}, std::pair{"gradients", p2[i]}}) {
-      EXPECT_LE(peak, predicted[level]) << level << " step " << i;
-      EXPECT_GE(peak, predicted[level] * 8 / 10) << level << " step " << i;
+    for (const auto& [level, peak] : {std::pair{"optimizer", p1[i]}, std::pair{"gradients", p2[i]}, std::pair{"full", p3[i]}}) {
+      const int64_t predicted = by[level]["peak_bytes"].get<int64_t>();
+      EXPECT_LE(peak, predicted) << level << " step " << i;
+      EXPECT_GE(peak, predicted * 8 / 10) << level << " step " << i;
     }
   }
 }
@@ -450,9 +466,12 @@ TEST_P(ShardedResume, AStopMidRunResumedEqualsTheStraightRun) {
 struct Reshard {
   std::string level;
   int from, to;
+  std::string finetune = "lora";  // or full: a dense model, every weight trained
 };
 
-void PrintTo(const Reshard& k, std::ostream* os) { *os << k.level << " " << k.from << " -> " << k.to << " ranks"; }
+void PrintTo(const Reshard& k, std::ostream* os) {
+  *os << k.level << " " << k.from << " -> " << k.to << " ranks, " << k.finetune;
+}
 
 class ShardedReshard : public ::testing::TestWithParam<Reshard> {};
 
@@ -460,7 +479,8 @@ TEST_P(ShardedReshard, AResumeUnderAnotherWorldSizeEqualsTheRunThatKeptIt) {
   MEMTUNE_REQUIRE_GLOO();
   const Reshard k = GetParam();
   fs::path d = temp_dir();
-  const std::string args = "training.optim=adamw training.save_steps=2 distributed.sharding=" + k.level;
+  std::string args = "training.optim=adamw training.save_steps=2 distributed.sharding=" + k.level;
+  if (k.finetune == "full") args += " training.finetune=full model.quantization_config.load_in_4bit=false";
   auto straight = run(launch_cmd(k.from, write_config(d / "straight"),
                                  args + " training.per_device_train_batch_size=" + std::to_string(6 / k.from)),
                       600);
@@ -485,8 +505,8 @@ TEST_P(ShardedReshard, AResumeUnderAnotherWorldSizeEqualsTheRunThatKeptIt) {
   const auto a = step_losses(d / "straight/out"), b = step_losses(d / "moved/out");
   ASSERT_EQ(a.size(), 4u);
   expect_same_losses(std::vector<double>(a.begin() + 2, a.end()), b, 1e-5);
-  expect_same_tensors(d / "straight/out/adapter/adapter_model.safetensors",
-                      d / "moved/out/adapter/adapter_model.safetensors", 1e-5);
+  const std::string trained = k.finetune == "lora" ? "adapter/adapter_model.safetensors" : "model/model.safetensors";
+  expect_same_tensors(d / "straight/out" / trained, d / "moved/out" / trained, 1e-5);
   const fs::path ck = d / "moved/out/checkpoints/step-4";
   if (k.to > 1) {
     const json index = json::parse(read_file(ck / "optimizer.safetensors.index.json"));
@@ -499,9 +519,13 @@ TEST_P(ShardedReshard, AResumeUnderAnotherWorldSizeEqualsTheRunThatKeptIt) {
 INSTANTIATE_TEST_SUITE_P(Worlds, ShardedResume, ::testing::Values("optimizer", "gradients", "full"));
 INSTANTIATE_TEST_SUITE_P(Worlds, ShardedReshard,
                          ::testing::Values(Reshard{"optimizer", 3, 2}, Reshard{"gradients", 2, 3},
-                                           Reshard{"gradients", 3, 1}, Reshard{"full", 3, 2}),
+                                           Reshard{"gradients", 3, 1}, Reshard{"full", 3, 2},
+                                           // a full fine-tune's layers sharded: the checkpoint's weights
+                                           // are whole, read by the new owners, or one process
+                                           Reshard{"full", 2, 3, "full"}, Reshard{"full", 3, 1, "full"}),
                          [](const auto& info) {
-                           return str_cat(info.param.level, "_", info.param.from, "_to_", info.param.to);
+                           return str_cat(info.param.level, "_", info.param.from, "_to_", info.param.to,
+                                          info.param.finetune == "full" ? "_full_finetune" : "");
                          });
 
 }  // namespace

@@ -107,7 +107,7 @@ TEST(EstimateCommand, NprocGivesEachShardingLevelPerRank) {
   EXPECT_EQ(three["sharding"], "gradients");
   EXPECT_EQ(component(three, "optimizer states"), (states + 2) / 3);
   EXPECT_EQ(component(three, "gradients after reduction"), (grads + 2) / 3);
-  ASSERT_EQ(three["sharding_levels"].size(), 3u) << three.dump();
+  ASSERT_EQ(three["sharding_levels"].size(), 4u) << three.dump();
   std::map<std::string, json> by;
   for (const auto& l : three["sharding_levels"]) by[l["level"].get<std::string>()] = l;
   EXPECT_EQ(by["none"]["optimizer_states"], states);
@@ -118,6 +118,12 @@ TEST(EstimateCommand, NprocGivesEachShardingLevelPerRank) {
   EXPECT_EQ(by["gradients"]["peak_bytes"], three["peak_bytes"]);
   EXPECT_GT(by["none"]["peak_bytes"].get<int64_t>(), by["optimizer"]["peak_bytes"].get<int64_t>());
   EXPECT_GE(by["optimizer"]["peak_bytes"].get<int64_t>(), by["gradients"]["peak_bytes"].get<int64_t>());
+  // full: the layers' weights (a full fine-tune's, trainable) 1/3 per rank, one layer gathered whole.
+  EXPECT_EQ(by["full"]["weights"].get<int64_t>(),
+            by["gradients"]["weights"].get<int64_t>() - by["full"]["layers_sharded_from"].get<int64_t>() +
+                (by["full"]["layers_sharded_from"].get<int64_t>() + 2) / 3);
+  EXPECT_GT(by["full"]["gathered_layer"].get<int64_t>(), 0);
+  EXPECT_GT(by["gradients"]["peak_bytes"].get<int64_t>(), by["full"]["peak_bytes"].get<int64_t>());
 
   auto table = run(memtune_bin() + " estimate " + (d / "c.yaml").string() + " --nproc 2", 120);
   EXPECT_EQ(table.exit_code, 0) << table.output;

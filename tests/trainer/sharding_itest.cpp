@@ -256,6 +256,9 @@ void layers_scenario(ProcessGroup& pg) {
   }
   const data::Batch batch = layers_batch(me);
   const auto [loss_whole, grads_whole] = layers_loss_and_grads(*m, batch);
+  const auto adapters_before = m->trainable_parameters();
+  std::vector<at::Tensor> adapter_copies;
+  for (const auto& [name, t] : adapters_before) adapter_copies.push_back(t.detach().clone());
 
   LayerShards shards(*m, pg);
   ASSERT_TRUE(m->sharded(0));
@@ -279,7 +282,29 @@ void layers_scenario(ProcessGroup& pg) {
         resident += nbytes(after[i][k]);
       }
     }
-  EXPECT_EQ(shards.total_bytes(), total);
+  // The adapters: the same tensors (the optimizer's, the hooks'), each holding its values on
+  // its owner and a placeholder of its shape elsewhere.
+  const auto adapters = m->trainable_parameters();
+  ASSERT_EQ(adapters.size(), adapters_before.size());
+  int64_t adapter_bytes = 0, adapter_resident = 0;
+  for (size_t k = 0; k < adapters.size(); ++k) {
+    const at::Tensor& t = adapters[k].second;
+    EXPECT_TRUE(t.is_same(adapters_before[k].second)) << adapters[k].first << ": not the same tensor";
+    EXPECT_TRUE(t.is_leaf() && t.requires_grad()) << adapters[k].first;
+    EXPECT_TRUE(shards.holds(t)) << adapters[k].first;
+    EXPECT_EQ(t.sizes(), adapter_copies[k].sizes()) << adapters[k].first;
+    adapter_bytes += nbytes(adapter_copies[k]);
+    if (t.is_contiguous()) {  // its owner's
+      EXPECT_TRUE(at::equal(t, adapter_copies[k])) << adapters[k].first;
+      adapter_resident += nbytes(t);
+    } else {
+      EXPECT_TRUE(at::isnan(t).all().item<bool>()) << adapters[k].first;
+    }
+  }
+  EXPECT_EQ(shards.trainable_tensors(), static_cast<int64_t>(adapters.size()));
+  EXPECT_EQ(pg.allreduce(std::vector<int64_t>{adapter_resident}, ReduceOp::sum)[0], adapter_bytes)
+      << "each adapter on one rank";
+  EXPECT_EQ(shards.total_bytes(), total + adapter_bytes);
   EXPECT_EQ(pg.allreduce(std::vector<int64_t>{resident}, ReduceOp::sum)[0], total) << "each byte on one rank";
   EXPECT_LT(resident, total / w + shards.largest_layer_bytes()) << "about 1/W per rank";
 

@@ -106,23 +106,16 @@ TEST(ShardingLevel, NamesAliasesAndRefusals) {
   EXPECT_THROW(shard_level("stage2"), UserError);
 }
 
-TEST(ShardingLevel, ConfigTakesDeepSpeedStageNamesAndRefusesFullWithAFullFineTune) {
+TEST(ShardingLevel, ConfigTakesDeepSpeedStageNames) {
   const std::string base = "model: {name_or_path: tiny-llama}\n";
   EXPECT_EQ(parse_config(base, "t.yaml").distributed.sharding, "none");
   EXPECT_EQ(parse_config(base, "t.yaml", {"distributed.sharding=zero1"}).distributed.sharding, "optimizer");
   EXPECT_EQ(parse_config(base, "t.yaml", {"distributed.sharding=ZeRO2"}).distributed.sharding, "gradients");
   EXPECT_EQ(parse_config(base + "distributed: {sharding: gradients}\n", "t.yaml").distributed.sharding, "gradients");
   EXPECT_EQ(parse_config(base, "t.yaml", {"distributed.sharding=zero3"}).distributed.sharding, "full");
-  // full shards a frozen base: a full fine-tune, which has none, is refused by name.
-  try {
-    parse_config(base, "t.yaml", {"distributed.sharding=full", "training.finetune=full"});
-    FAIL() << "full with a full fine-tune accepted";
-  } catch (const UserError& e) {
-    const std::string m = e.what();
-    EXPECT_NE(m.find("distributed.sharding"), std::string::npos) << m;
-    EXPECT_NE(m.find("training.finetune: full"), std::string::npos) << m;
-    EXPECT_NE(m.find("Hint: gradients (zero2)"), std::string::npos) << m;
-  }
+  // full shards a full fine-tune's weights too (trainer/layer_shards.h).
+  EXPECT_EQ(parse_config(base, "t.yaml", {"distributed.sharding=full", "training.finetune=full"}).distributed.sharding,
+            "full");
   try {
     parse_config(base, "t.yaml", {"distributed.sharding=optimiser"});
     FAIL() << "a misspelt level accepted";
