@@ -8,10 +8,10 @@
 // the bytes it sent, as ProcessGroup::sent_bytes counts them, next to the bytes the process
 // wrote through write/writev during the collectives (/proc/self/io wchar: Gloo's sockets,
 // the yardstick of that count). The table shows the largest rank's figures. Under `full`
-// (LoRA models) the layers' frozen weights are sharded too (trainer/layer_shards.h): the
+// the layers' weights, frozen and trainable, are sharded too (trainer/layer_shards.h): the
 // weights column is what the rank keeps, and the forward and backward gather each layer,
-// so their bytes count in the step's traffic. LoRA models checkpoint every layer at every
-// level, as `full` must, so the levels compare.
+// so their bytes count in the step's traffic. Every layer is checkpointed at every level,
+// as `full` must, so the levels compare.
 // Usage: bench_sharding_memory [MODEL_SUBSTRING]
 //   (models: M QLoRA, M full, GPT-2 124M QLoRA, GPT-2 124M full)
 #include <unistd.h>
@@ -130,7 +130,9 @@ int worker(const Model& m, const std::string& level) {
   if (pg && trainer::shard_level(level) == trainer::ShardLevel::full)
     layer_shards = std::make_unique<trainer::LayerShards>(*model, *pg);
   const int64_t a0 = cpu_allocated_bytes();  // the model as this rank keeps it
-  trainer::Sharding sharding(trainer::shard_level(level), pg.get(), params, int64_t{25} << 20);
+  std::vector<bool> on_demand;  // the layers' trainable tensors under full: with their owners only
+  for (const auto& [name, p] : params) on_demand.push_back(layer_shards && layer_shards->holds(p));
+  trainer::Sharding sharding(trainer::shard_level(level), pg.get(), params, int64_t{25} << 20, on_demand);
   const int64_t a1 = cpu_allocated_bytes();
   trainer::OptimizerOptions oo;  // adamw
   trainer::Optimizer optimizer(params, oo, sharding.owned());
@@ -144,7 +146,7 @@ int worker(const Model& m, const std::string& level) {
     data::Batch batch = data::collate(samples, 8, 0);
     models::ForwardOptions fo;
     fo.training = true;
-    if (c.training.finetune == "lora") fo.checkpoint_layers.assign(static_cast<size_t>(spec.num_layers), true);
+    fo.checkpoint_layers.assign(static_cast<size_t>(spec.num_layers), true);  // as full must, at every level
     models::ForwardOutput out = model->forward(batch, fo);
     // With its reductions in backward under `gradients` and `full` (ZeRO-2), as the trainer runs it.
     sharding.backward(out.loss_sum / static_cast<double>(batch.target_tokens), /*host_gradients=*/false);
@@ -226,7 +228,6 @@ int main(int argc, char** argv) {
     for (int w : {1, 2, 3})
       for (const char* level : {"none", "optimizer", "gradients", "full"}) {
         if (w == 1 && std::string(level) != "none") continue;
-        if (std::string(level) == "full" && m.name.find("full") != std::string::npos) continue;  // LoRA only
         const std::vector<json> rows = launch(i, level, w);
         auto most = [&](const char* key) {
           int64_t v = 0;
@@ -240,8 +241,8 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "%s W=%d %s: %s\n", m.name.c_str(), w, level, json(rows).dump().c_str());
       }
   }
-  std::printf("MiB per rank, the largest rank; trainable fp32, AdamW; one step of 1 x 128 tokens (LoRA models: every "
-              "layer checkpointed). weights: the model and adapters as the rank keeps them; opt state: the "
+  std::printf("MiB per rank, the largest rank; trainable fp32, AdamW; one step of 1 x 128 tokens (every layer "
+              "checkpointed). weights: the model and adapters as the rank keeps them; opt state: the "
               "optimizer's allocation; grads bwd / upd: gradients held after backward / after the reduction (with "
               "the reduction's buffers); sent: ProcessGroup::sent_bytes; wchar: bytes written by the process during "
               "the collectives (/proc/self/io)\n");
