@@ -144,39 +144,44 @@ LayerShards::LayerShards(models::CausalLM& model, ProcessGroup& pg)
     }
   }
   // Trainable tensors of the layers (a full fine-tune's weights, LoRA adapters): owned as
-  // Sharding owns them (shard_owners over the model's trainable list), so the rank that keeps
-  // one's storage is the one that updates it.
+  // Sharding owns them (shard_owners over the model's trainable list, the layers' divided by
+  // themselves: each rank keeps 1/W of them), so the rank that keeps one's storage is the
+  // one that updates it. Each with the module's handle to it:
+  std::vector<std::pair<int, at::Tensor*>> members;  // (layer, member)
+  for (auto& s : slots) {
+    if (s.layer < 0) continue;
+    if (s.tensor->defined() && s.tensor->requires_grad()) members.emplace_back(s.layer, s.tensor);
+    if (s.role == models::TensorRole::kLinearWeight && s.linear->lora) {
+      members.emplace_back(s.layer, &s.linear->lora->A);
+      members.emplace_back(s.layer, &s.linear->lora->B);
+    }
+  }
   const auto trainable = model_.trainable_parameters();
   std::vector<int64_t> numels;
-  for (const auto& [name, t] : trainable) numels.push_back(t.numel());
-  const std::vector<int> trainable_owner = shard_owners(numels, world_);
+  std::vector<bool> in_layer;
+  for (const auto& [name, t] : trainable) {
+    numels.push_back(t.numel());
+    in_layer.push_back(std::any_of(members.begin(), members.end(), [&](const auto& m) { return m.second->is_same(t); }));
+  }
+  const std::vector<int> trainable_owner = shard_owners(numels, world_, in_layer);
   auto owner_of = [&](const at::Tensor& leaf) {
     for (size_t k = 0; k < trainable.size(); ++k)
       if (trainable[k].second.is_same(leaf)) return trainable_owner[k];
     fail("layer_shards: a trainable tensor of a layer is not among the model's trainable parameters");
   };
-  for (auto& s : slots) {
-    if (s.layer < 0) continue;
-    std::vector<at::Tensor*> members;
-    if (s.tensor->defined() && s.tensor->requires_grad()) members.push_back(s.tensor);
-    if (s.role == models::TensorRole::kLinearWeight && s.linear->lora) {
-      members.push_back(&s.linear->lora->A);
-      members.push_back(&s.linear->lora->B);
-    }
-    for (at::Tensor* m : members) {
-      Layer& L = layers_[s.layer];
-      const int r = owner_of(*m);
-      Piece p;
-      p.dense = m;
-      p.leaf = *m;
-      p.meta = meta_like(*m);
-      p.offset = L.owner_bytes[r];
-      p.bytes = bytes_of(p.meta);
-      L.owner_bytes[r] += (p.bytes + kAlign - 1) / kAlign * kAlign;
-      L.bytes += p.bytes;
-      L.pieces[r].push_back(std::move(p));
-      ++trainable_pieces_;
-    }
+  for (const auto& [layer, m] : members) {
+    Layer& L = layers_[layer];
+    const int r = owner_of(*m);
+    Piece p;
+    p.dense = m;
+    p.leaf = *m;
+    p.meta = meta_like(*m);
+    p.offset = L.owner_bytes[r];
+    p.bytes = bytes_of(p.meta);
+    L.owner_bytes[r] += (p.bytes + kAlign - 1) / kAlign * kAlign;
+    L.bytes += p.bytes;
+    L.pieces[r].push_back(std::move(p));
+    ++trainable_pieces_;
   }
   if (!offsets.empty()) {
     offsets = pg_.allreduce(std::move(offsets), ReduceOp::sum);

@@ -9,8 +9,9 @@
 //     owners()); a rank need not even read the others' from the checkpoint (setup_model's
 //     skip). The others' are meta tensors: shape and dtype, no storage.
 //   trainable tensors (a full fine-tune's weights, LoRA adapters): owned as Sharding owns
-//     them (shard_owners over the model's trainable list), so the rank that keeps one's
-//     storage updates it in place and no gather follows the update. Each stays the one leaf
+//     them (shard_owners over the model's trainable list, the layers' divided among the
+//     ranks by themselves), so the rank that keeps one's storage updates it in place and no
+//     gather follows the update. Each stays the one leaf
 //     the optimizer and Sharding's hooks know: its owner's holds a view of the buffer,
 //     another rank's a placeholder (its shape over one NaN). While a layer is gathered the
 //     layer computes with the gathered values through a node whose backward passes the

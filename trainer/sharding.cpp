@@ -86,9 +86,26 @@ std::vector<int> partition_contiguous(const std::vector<int64_t>& numels, int wo
   return owner;
 }
 
-std::vector<int> shard_owners(const std::vector<int64_t>& numels, int world) {
-  const std::vector<int> runs = partition_contiguous(std::vector<int64_t>(numels.rbegin(), numels.rend()), world);
-  return std::vector<int>(runs.rbegin(), runs.rend());
+std::vector<int> shard_owners(const std::vector<int64_t>& numels, int world, const std::vector<bool>& separate) {
+  if (std::find(separate.begin(), separate.end(), true) == separate.end()) {
+    const std::vector<int> runs = partition_contiguous(std::vector<int64_t>(numels.rbegin(), numels.rend()), world);
+    return std::vector<int>(runs.rbegin(), runs.rend());
+  }
+  MEMTUNE_INTERNAL_ASSERT(separate.size() == numels.size(), "shard_owners: ", separate.size(), " flags for ",
+                          numels.size(), " tensors");
+  std::vector<int> owner(numels.size(), 0);
+  for (const bool group : {true, false}) {  // each group's runs over its own elements
+    std::vector<size_t> index;
+    std::vector<int64_t> part;
+    for (size_t i = 0; i < numels.size(); ++i)
+      if (separate[i] == group) {
+        index.push_back(i);
+        part.push_back(numels[i]);
+      }
+    const std::vector<int> o = shard_owners(part, world);
+    for (size_t k = 0; k < index.size(); ++k) owner[index[k]] = o[k];
+  }
+  return owner;
 }
 
 // Runs before tensor i's AccumulateGrad while Sharding::backward collects: takes the
@@ -132,7 +149,7 @@ Sharding::Sharding(ShardLevel level, ProcessGroup* pg, const Params& params, int
     total_numel_ += p.numel();
   }
   const size_t n = params.size();
-  owners_ = level_ == ShardLevel::none ? std::vector<int>(n, rank_) : shard_owners(numels_, world_);
+  owners_ = level_ == ShardLevel::none ? std::vector<int>(n, rank_) : shard_owners(numels_, world_, on_demand_);
   MEMTUNE_INTERNAL_ASSERT(level_ == ShardLevel::full || std::count(on_demand_.begin(), on_demand_.end(), true) == 0,
                           "sharding: tensors gathered on demand under ", shard_level_name(level_));
   for (size_t i = 0; i < params.size(); ++i) {

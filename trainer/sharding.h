@@ -66,8 +66,11 @@ std::vector<int> partition_by_numel(const std::vector<int64_t>& numels, int worl
 std::vector<int> partition_contiguous(const std::vector<int64_t>& numels, int world);
 // The owners of the trainable tensors of these element counts (in the order every rank lists
 // them) under a sharded level: runs of the reversed list (backward's order, roughly the order
-// backward produces their gradients), so that a bucket has one owner and fills up as backward goes.
-std::vector<int> shard_owners(const std::vector<int64_t>& numels, int world);
+// backward produces their gradients), so that a bucket has one owner and fills up as backward
+// goes. `separate` (optional, per tensor): those marked (a sharded layer's, kept by their
+// owners only) are divided among the ranks by themselves and the others by themselves, so
+// that each rank keeps about 1/W of the marked ones whatever the size of the rest.
+std::vector<int> shard_owners(const std::vector<int64_t>& numels, int world, const std::vector<bool>& separate = {});
 
 class Sharding {
  public:

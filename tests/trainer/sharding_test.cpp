@@ -95,6 +95,10 @@ TEST(ShardingPartition, ContiguousRunsAreWithinTheLargestTensorOfTheIdeal) {
   }
   // The trainable tensors' owners: the same runs over the list reversed.
   EXPECT_EQ(shard_owners({5, 10, 1, 8, 4}, 2), (std::vector<int>{1, 1, 0, 0, 0}));  // 4 + 8 + 1 = 13 nearest 14
+  // A sharded layer's tensors (marked) divided by themselves: each rank keeps half of them,
+  // where one partition would give rank 0 all four beside the large unmarked one.
+  EXPECT_EQ(shard_owners({100, 1, 1, 1, 1}, 2), (std::vector<int>{1, 0, 0, 0, 0}));
+  EXPECT_EQ(shard_owners({100, 1, 1, 1, 1}, 2, {false, true, true, true, true}), (std::vector<int>{1, 1, 1, 0, 0}));
 }
 
 TEST(ShardingLevel, NamesAliasesAndRefusals) {
