@@ -161,7 +161,7 @@ void TrainingConfig::fields(F&& f) {
     "the schedule's learning rate; reads no adam_* key)",
     {"adamw_torch", "adamw", "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor",
      "sgd"});
-  f("momentum", momentum, "SGD momentum, in [0, 1)");
+  f("momentum", momentum, "SGD momentum, in [0, 1); at 0 SGD keeps no state (as torch.optim.SGD)");
   f("max_grad_norm", max_grad_norm, "clip the global gradient norm to this; <= 0: no clipping");
   f("logging_steps", logging_steps, "log metrics every this many steps");
   f("save_steps", save_steps, "checkpoint every this many steps; 0: only at the end");

@@ -81,6 +81,7 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
   OptimizerOptions oo;
   set_optimizer_kind(c.training.optim, oo);
   in.optimizer = oo.kind;
+  in.sgd_momentum = c.training.momentum != 0;
   in.optimizer_paged = oo.paged || c.memory.optimizer_offload == "cpu";
   in.gradients_offloaded = c.memory.optimizer_offload == "cpu";
   in.sharding = c.distributed.sharding;  // world_size stays 1: the caller knows the ranks

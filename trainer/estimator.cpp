@@ -160,7 +160,7 @@ class Planner {
       for (int64_t d : shape) n *= d;
       trainable += n;
       largest_trainable = std::max(largest_trainable, n);
-      e.optimizer_states += optimizer_state_bytes(m_.optimizer, m_.optimizer_paged, shape);
+      e.optimizer_states += optimizer_state_bytes(m_.optimizer, m_.optimizer_paged, shape, m_.sgd_momentum);
       if (layer >= 0) layer_trainable[layer] += n;
       else if (!embedding) outside_trainable += n;
       else embedding_trainable += n;
@@ -330,7 +330,7 @@ class Planner {
     add("gradients", e.gradients,
         str_cat(trainable, " trainable parameters, fp32",
                 grads_off ? "; in host memory as backward produces them (memory.optimizer_offload: cpu)" : ""));
-    std::string states_how = m_.optimizer == "sgd"           ? "sgd: momentum buffer"
+    std::string states_how = m_.optimizer == "sgd"           ? (m_.sgd_momentum ? "sgd: momentum buffer" : "sgd without momentum: none")
                       : m_.optimizer == "adamw_8bit"  ? "adamw 8-bit: uint8 codes + absmax per 256 (fp32 under 4096 elements)"
                       : m_.optimizer == "adamw_32bit" ? "adamw (bitsandbytes 32-bit): exp_avg, exp_avg_sq"
                       : m_.optimizer == "adafactor"   ? "adafactor: a matrix's second moment per row and per column"

@@ -62,8 +62,9 @@ struct EstimateInput {
   // adamw (2 fp32 states + a workspace) | adamw_8bit (bitsandbytes: 2 uint8 codes + 2 fp32
   // absmax per 256 elements for tensors of >= 4096 elements, else 2 fp32) | adamw_32bit
   // (bitsandbytes: 2 fp32, no workspace) | adafactor (fp32 per row and per column of a matrix,
-  // per element of a vector, and a workspace) | sgd (1: momentum buffer)
+  // per element of a vector, and a workspace) | sgd (1: momentum buffer, when sgd_momentum)
   std::string optimizer = "adamw";
+  bool sgd_momentum = false;        // training.momentum > 0 (torch.optim.SGD keeps no buffer at 0)
   bool optimizer_paged = false;     // states in host memory: nothing on the device
   // Gradients in host memory as backward produces them (memory.optimizer_offload: cpu,
   // trainer/gradient_offload.h): none held on the device across micro-batches or in the

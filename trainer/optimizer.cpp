@@ -80,7 +80,7 @@ bool cpu_f32_contiguous(const at::Tensor& t) {
 
 }  // namespace
 
-int64_t optimizer_state_bytes(const std::string& kind, bool paged, at::IntArrayRef shape) {
+int64_t optimizer_state_bytes(const std::string& kind, bool paged, at::IntArrayRef shape, bool sgd_momentum) {
   if (paged) return 0;
   int64_t numel = 1;
   for (int64_t d : shape) numel *= d;
@@ -89,7 +89,7 @@ int64_t optimizer_state_bytes(const std::string& kind, bool paged, at::IntArrayR
     const int64_t cols = shape.back(), rows = numel / std::max<int64_t>(cols, 1);
     return (rows + numel / std::max<int64_t>(shape[shape.size() - 2], 1)) * 4;
   }
-  if (kind == "sgd") return numel * 4;
+  if (kind == "sgd") return sgd_momentum ? numel * 4 : 0;
   if (kind == "adamw_8bit" && numel >= kMin8bitSize) return 2 * numel + 2 * ((numel + kBlock8bit - 1) / kBlock8bit) * 4;
   return 2 * numel * 4;
 }
@@ -169,6 +169,12 @@ Optimizer::Optimizer(std::vector<std::pair<std::string, at::Tensor>> params, Opt
     }
     const bool eight = k == "adamw_8bit" && p.numel() >= kMin8bitSize;
     const at::ScalarType dt = eight ? at::kByte : at::kFloat;
+    if (k == "sgd" && options_.momentum == 0) {  // torch.optim.SGD keeps no momentum buffer then
+      exp_avg_.emplace_back();
+      absmax1_.emplace_back();
+      absmax2_.emplace_back();
+      continue;
+    }
     exp_avg_.push_back(state(p, p.sizes(), dt));
     if (k != "sgd") exp_avg_sq_.push_back(state(p, p.sizes(), dt));
     if (eight) {

@@ -48,8 +48,9 @@ inline constexpr const char* kOptimNames =
 // this shape: 0 when paged; adamw_8bit: uint8 codes and fp32 absmax per kBlock8bit for
 // tensors of kMin8bitSize elements or more, else fp32 as adamw; adafactor: fp32, one per row
 // and one per column of a matrix (more dimensions: per row of each, and per column), one per
-// element of a vector.
-int64_t optimizer_state_bytes(const std::string& kind, bool paged, at::IntArrayRef shape);
+// element of a vector; sgd: one fp32 momentum buffer per element when `sgd_momentum`, none
+// without (torch.optim.SGD keeps no buffer at momentum 0).
+int64_t optimizer_state_bytes(const std::string& kind, bool paged, at::IntArrayRef shape, bool sgd_momentum);
 
 // bitsandbytes' 8-bit AdamW constants and maps (kMin8bitSize, kBlock8bit, dynamic_map,
 // quantize_dynamic): trainer/adamw8bit_kernels.h, included above.

@@ -154,9 +154,9 @@ TEST(Adafactor, StatesAreOneValuePerRowAndColumnPlusAWorkspaceTheSizeOfTheLarges
   at::Tensor embed = at::randn({1000, 64}), lora_b = at::randn({64, 8}), norm = at::randn({64});
   tr::Optimizer opt({{"embed.weight", embed}, {"b.weight", lora_b}, {"norm.weight", norm}}, o);
   const int64_t states = (1000 + 64 + 64 + 8 + 64) * 4;
-  EXPECT_EQ(tr::optimizer_state_bytes("adafactor", false, embed.sizes()) +
-                tr::optimizer_state_bytes("adafactor", false, lora_b.sizes()) +
-                tr::optimizer_state_bytes("adafactor", false, norm.sizes()),
+  EXPECT_EQ(tr::optimizer_state_bytes("adafactor", false, embed.sizes(), false) +
+                tr::optimizer_state_bytes("adafactor", false, lora_b.sizes(), false) +
+                tr::optimizer_state_bytes("adafactor", false, norm.sizes(), false),
             states);
   EXPECT_EQ(opt.state_bytes(), states);  // the workspace comes with the first step
   for (at::Tensor* t : {&embed, &lora_b, &norm}) t->mutable_grad() = at::randn(t->sizes());

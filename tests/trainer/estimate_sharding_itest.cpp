@@ -44,7 +44,7 @@ TEST_P(EstimateSharding, PerRankOptimizerStateAgreesWithTheShardedOptimizers) {
   int64_t largest_state = 0;
   for (const auto& [name, p] : params) {
     numels.push_back(p.numel());
-    largest_state = std::max(largest_state, trainer::optimizer_state_bytes(oo.kind, false, p.sizes()) + p.numel() * 4);
+    largest_state = std::max(largest_state, trainer::optimizer_state_bytes(oo.kind, false, p.sizes(), c.training.momentum != 0) + p.numel() * 4);
   }
   for (int w : {1, 2, 3}) {
     trainer::EstimateInput in = trainer::estimate_input(c, trainer::model_spec(c));

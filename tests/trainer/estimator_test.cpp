@@ -161,6 +161,8 @@ TEST(Estimator, WeightsLoraGradientsAndOptimizerByHand) {
 
   std::vector<std::string> sgd = nf4;
   sgd.push_back("training.optim=sgd");
+  EXPECT_EQ(estimate_memory(input(small_llama(), sgd)).optimizer_states, 0) << "no momentum: no buffer";
+  sgd.push_back("training.momentum=0.9");
   EXPECT_EQ(estimate_memory(input(small_llama(), sgd)).optimizer_states, 112 * 4);
 
   // Full fine-tuning: every base tensor is trained (fp32), none NF4.
@@ -175,20 +177,21 @@ TEST(Estimator, WeightsLoraGradientsAndOptimizerByHand) {
 TEST(Estimator, OptimizerStateBytesPerOption) {
   // bitsandbytes' 8-bit AdamW: 2 uint8 codes + 2 fp32 absmax per 256-element block from 4096
   // elements on, 2 fp32 below; its 32-bit kernel needs no workspace; paged: nothing on the device.
-  EXPECT_EQ(optimizer_state_bytes("adamw_8bit", false, {4096}), 2 * 4096 + 2 * 16 * 4);
-  EXPECT_EQ(optimizer_state_bytes("adamw_8bit", false, {4097}), 2 * 4097 + 2 * 17 * 4);
-  EXPECT_EQ(optimizer_state_bytes("adamw_8bit", false, {4095}), 2 * 4095 * 4);
-  EXPECT_EQ(optimizer_state_bytes("adamw", false, {10}), 80);
-  EXPECT_EQ(optimizer_state_bytes("adamw_32bit", false, {10}), 80);
-  EXPECT_EQ(optimizer_state_bytes("sgd", false, {10}), 40);
-  EXPECT_EQ(optimizer_state_bytes("adamw_8bit", true, {1 << 20}), 0);
-  EXPECT_EQ(optimizer_state_bytes("adamw_32bit", true, {1 << 20}), 0);
+  EXPECT_EQ(optimizer_state_bytes("adamw_8bit", false, {4096}, true), 2 * 4096 + 2 * 16 * 4);
+  EXPECT_EQ(optimizer_state_bytes("adamw_8bit", false, {4097}, true), 2 * 4097 + 2 * 17 * 4);
+  EXPECT_EQ(optimizer_state_bytes("adamw_8bit", false, {4095}, true), 2 * 4095 * 4);
+  EXPECT_EQ(optimizer_state_bytes("adamw", false, {10}, true), 80);
+  EXPECT_EQ(optimizer_state_bytes("adamw_32bit", false, {10}, true), 80);
+  EXPECT_EQ(optimizer_state_bytes("sgd", false, {10}, true), 40);
+  EXPECT_EQ(optimizer_state_bytes("sgd", false, {10}, false), 0);  // torch.optim.SGD at momentum 0: no buffer
+  EXPECT_EQ(optimizer_state_bytes("adamw_8bit", true, {1 << 20}, true), 0);
+  EXPECT_EQ(optimizer_state_bytes("adamw_32bit", true, {1 << 20}, true), 0);
   // Adafactor: a matrix keeps a row and a column second moment, a vector one per element; more
   // dimensions: one per row of each matrix and one per column of each (transformers' shapes).
-  EXPECT_EQ(optimizer_state_bytes("adafactor", false, {300, 40}), (300 + 40) * 4);
-  EXPECT_EQ(optimizer_state_bytes("adafactor", false, {40}), 40 * 4);
-  EXPECT_EQ(optimizer_state_bytes("adafactor", false, {3, 5, 7}), (3 * 5 + 3 * 7) * 4);
-  EXPECT_EQ(optimizer_state_bytes("adafactor", true, {300, 40}), 0);
+  EXPECT_EQ(optimizer_state_bytes("adafactor", false, {300, 40}, true), (300 + 40) * 4);
+  EXPECT_EQ(optimizer_state_bytes("adafactor", false, {40}, true), 40 * 4);
+  EXPECT_EQ(optimizer_state_bytes("adafactor", false, {3, 5, 7}, true), (3 * 5 + 3 * 7) * 4);
+  EXPECT_EQ(optimizer_state_bytes("adafactor", true, {300, 40}, true), 0);
 
   // Full fine-tune of the small llama with hidden 8: every tensor is under 4096, all fp32.
   Estimate e = estimate_memory(input(small_llama(), {"training.finetune=full", "training.optim=adamw_8bit"}));
