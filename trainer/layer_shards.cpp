@@ -73,9 +73,23 @@ at::Tensor placeholder(const at::Tensor& like, const c10::Device& device) {
 
 }  // namespace
 
-std::vector<int> LayerShards::owners(const models::CausalLM& model, int world) {
+std::vector<int> LayerShards::owners(const models::CausalLM& model, int world, bool trainable) {
   const auto& slots = model.tensors();
   std::vector<int> out(slots.size(), -1);
+  if (trainable) {  // the layers' tensors, in the model's order: the group shard_owners divides by itself
+    std::vector<size_t> index;
+    std::vector<int64_t> numels;
+    for (size_t i = 0; i < slots.size(); ++i) {
+      if (slots[i].layer < 0) continue;
+      int64_t n = 1;
+      for (int64_t d : slots[i].shape) n *= d;
+      index.push_back(i);
+      numels.push_back(n);
+    }
+    const std::vector<int> owner = shard_owners(numels, world);
+    for (size_t k = 0; k < index.size(); ++k) out[index[k]] = owner[k];
+    return out;
+  }
   for (int layer = 0; layer < model.num_layers(); ++layer) {
     std::vector<size_t> index;
     std::vector<int64_t> numels;
@@ -147,13 +161,18 @@ LayerShards::LayerShards(models::CausalLM& model, ProcessGroup& pg)
   // Sharding owns them (shard_owners over the model's trainable list, the layers' divided by
   // themselves: each rank keeps 1/W of them), so the rank that keeps one's storage is the
   // one that updates it. Each with the module's handle to it:
-  std::vector<std::pair<int, at::Tensor*>> members;  // (layer, member)
+  struct Member {
+    int layer;
+    at::Tensor* tensor;
+    bool adapter;  // a LoRA matrix (drawn, not read from the checkpoint)
+  };
+  std::vector<Member> members;
   for (auto& s : slots) {
     if (s.layer < 0) continue;
-    if (s.tensor->defined() && s.tensor->requires_grad()) members.emplace_back(s.layer, s.tensor);
+    if (s.tensor->defined() && s.tensor->requires_grad()) members.push_back({s.layer, s.tensor, false});
     if (s.role == models::TensorRole::kLinearWeight && s.linear->lora) {
-      members.emplace_back(s.layer, &s.linear->lora->A);
-      members.emplace_back(s.layer, &s.linear->lora->B);
+      members.push_back({s.layer, &s.linear->lora->A, true});
+      members.push_back({s.layer, &s.linear->lora->B, true});
     }
   }
   const auto trainable = model_.trainable_parameters();
@@ -161,7 +180,7 @@ LayerShards::LayerShards(models::CausalLM& model, ProcessGroup& pg)
   std::vector<bool> in_layer;
   for (const auto& [name, t] : trainable) {
     numels.push_back(t.numel());
-    in_layer.push_back(std::any_of(members.begin(), members.end(), [&](const auto& m) { return m.second->is_same(t); }));
+    in_layer.push_back(std::any_of(members.begin(), members.end(), [&](const Member& m) { return m.tensor->is_same(t); }));
   }
   const std::vector<int> trainable_owner = shard_owners(numels, world_, in_layer);
   auto owner_of = [&](const at::Tensor& leaf) {
@@ -169,13 +188,14 @@ LayerShards::LayerShards(models::CausalLM& model, ProcessGroup& pg)
       if (trainable[k].second.is_same(leaf)) return trainable_owner[k];
     fail("layer_shards: a trainable tensor of a layer is not among the model's trainable parameters");
   };
-  for (const auto& [layer, m] : members) {
-    Layer& L = layers_[layer];
-    const int r = owner_of(*m);
+  for (const Member& m : members) {
+    Layer& L = layers_[m.layer];
+    const int r = owner_of(*m.tensor);
     Piece p;
-    p.dense = m;
-    p.leaf = *m;
-    p.meta = meta_like(*m);
+    p.dense = m.tensor;
+    p.leaf = *m.tensor;
+    p.meta = meta_like(*m.tensor);
+    p.from_rank0 = m.adapter;
     p.offset = L.owner_bytes[r];
     p.bytes = bytes_of(p.meta);
     L.owner_bytes[r] += (p.bytes + kAlign - 1) / kAlign * kAlign;
@@ -192,18 +212,19 @@ LayerShards::LayerShards(models::CausalLM& model, ProcessGroup& pg)
     }
   }
   for (Layer& L : layers_) {
-    // Trainable tensors start from rank 0's values, as every tensor of an unsharded run does:
-    // the layer's trainable pieces, all owners', through one broadcast.
-    int64_t trainable_bytes = 0;
+    // Adapters start from rank 0's values, as every tensor of an unsharded run does: the
+    // layer's, all owners', through one broadcast. Weights read from the checkpoint are the
+    // same on every rank: each owner keeps its own (the others may not have read them).
+    int64_t adapter_bytes = 0;
     for (const auto& owned : L.pieces)
-      for (const Piece& p : owned) trainable_bytes += p.leaf.defined() ? p.bytes : 0;
+      for (const Piece& p : owned) adapter_bytes += p.from_rank0 ? p.bytes : 0;
     at::Tensor staged;
-    if (trainable_bytes > 0) {
-      staged = at::empty({trainable_bytes}, at::TensorOptions(at::kByte).device(device));
+    if (adapter_bytes > 0) {
+      staged = at::empty({adapter_bytes}, at::TensorOptions(at::kByte).device(device));
       int64_t at = 0;
       for (const auto& owned : L.pieces)
         for (const Piece& p : owned)
-          if (p.leaf.defined()) {
+          if (p.from_rank0) {
             view_in(staged, at, p.meta).copy_(p.leaf);
             at += p.bytes;
           }
@@ -215,14 +236,18 @@ LayerShards::LayerShards(models::CausalLM& model, ProcessGroup& pg)
     int64_t at = 0;
     for (int r = 0; r < world_; ++r)
       for (Piece& p : L.pieces[r]) {
-        if (p.leaf.defined()) {  // trainable: rank 0's value, from the staged copy
+        if (p.leaf.defined()) {  // trainable
           if (r == rank_) {
-            view_in(L.own, p.offset, p.meta).copy_(view_in(staged, at, p.meta));
+            MEMTUNE_INTERNAL_ASSERT(!p.leaf.is_meta(), "layer_shards: this rank's trainable tensor was not loaded");
+            view_in(L.own, p.offset, p.meta).copy_(p.from_rank0 ? view_in(staged, at, p.meta) : p.leaf);
             p.leaf.set_data(view_in(L.own, p.offset, p.meta));
+          } else if (p.leaf.is_meta()) {  // not read (setup_model's skip): a new tensor over the placeholder
+            *p.dense = placeholder(p.meta, device).requires_grad_(true);
+            p.leaf = *p.dense;
           } else {
             p.leaf.set_data(placeholder(p.meta, device));
           }
-          at += p.bytes;
+          at += p.from_rank0 ? p.bytes : 0;
           continue;
         }
         if (r != rank_) continue;

@@ -56,10 +56,12 @@ class LayerShards : public models::LayerSource {
   LayerShards(const LayerShards&) = delete;
   LayerShards& operator=(const LayerShards&) = delete;
 
-  // The owner of each of the model's tensors (-1: outside the layers): each layer's tensors
-  // among `world` ranks by whole tensors, from their shapes alone, so a loader can skip the
-  // others' tensors before reading any (SkipTensors) and the shards agree with it.
-  static std::vector<int> owners(const models::CausalLM& model, int world);
+  // The owner of each of the model's tensors (-1: outside the layers), from their shapes
+  // alone, so a loader can skip the others' tensors before reading any (SkipTensors) and the
+  // shards agree with it: frozen, each layer's tensors among `world` ranks by whole tensors;
+  // `trainable` (a full fine-tune, every tensor trained), the layers' tensors in runs as
+  // Sharding owns them (shard_owners).
+  static std::vector<int> owners(const models::CausalLM& model, int world, bool trainable = false);
 
   bool covers(int layer) const override;
   void gather(int layer) override;
@@ -93,6 +95,7 @@ class LayerShards : public models::LayerSource {
     at::Tensor meta;                      // shape and dtype
     int64_t offset = 0, bytes = 0;        // in its owner's buffer
     at::Tensor leaf;                      // trainable: the tensor itself (the module's between gathers)
+    bool from_rank0 = false;              // trainable, drawn (an adapter): rank 0's value at the start
   };
   struct Layer {
     std::vector<std::vector<Piece>> pieces;  // by owner

@@ -271,9 +271,10 @@ void Trainer::load_model() {
   const bool shard_layers = pg_ && pg_->world_size() > 1 && shard_level(c_.distributed.sharding) == ShardLevel::full;
   // distributed.sharding: full: a rank reads only its share of the layers from the checkpoint.
   SkipTensors skip;
-  if (shard_layers && c_.training.finetune == "lora")  // a full fine-tune's tensors all start from rank 0's
-    skip = [rank = pg_->rank(), world = pg_->world_size()](const models::CausalLM& built) {
-      const std::vector<int> owner = LayerShards::owners(built, world);
+  if (shard_layers)
+    skip = [rank = pg_->rank(), world = pg_->world_size(),
+            trained = c_.training.finetune == "full"](const models::CausalLM& built) {
+      const std::vector<int> owner = LayerShards::owners(built, world, trained);
       std::vector<bool> out(owner.size());
       for (size_t i = 0; i < owner.size(); ++i) out[i] = owner[i] >= 0 && owner[i] != rank;
       return out;

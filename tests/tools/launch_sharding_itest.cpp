@@ -359,6 +359,50 @@ TEST(ShardedFull, AModelThatDoesNotFitOneRanksLimitTrainsOnThreeRanks) {
   }
 }
 
+// A full fine-tune under `full` from a Hugging Face directory: each rank reads only its share
+// of the layers' weights from the checkpoint (the others' stay on disk), and the run equals one
+// process on the same global batch. A tied Llama of 4 layers of width 256 (17 MiB of fp32, 16
+// of them in the layers) on 3 ranks.
+TEST(ShardedFull, AFullFineTuneReadsItsShareOfTheLayers) {
+  MEMTUNE_REQUIRE_GLOO();
+  fs::path d = temp_dir();
+  const json cfg = {{"architectures", {"LlamaForCausalLM"}}, {"model_type", "llama"}, {"hidden_size", 256},
+                    {"intermediate_size", 1024}, {"num_hidden_layers", 4}, {"num_attention_heads", 4},
+                    {"num_key_value_heads", 4}, {"head_dim", 64}, {"hidden_act", "silu"},
+                    {"max_position_embeddings", 1024}, {"rms_norm_eps", 1e-5}, {"rope_theta", 10000.0},
+                    {"tie_word_embeddings", true}, {"vocab_size", 1024}, {"bos_token_id", 1019},
+                    {"eos_token_id", 1020}, {"torch_dtype", "float32"}};
+  fs::create_directories(d / "spec");
+  write_file(d / "spec/config.json", cfg.dump(1));
+  auto init = run(memtune_bin() + " init-model --config " + (d / "spec/config.json").string() + " --out " +
+                  (d / "model").string() + " --tokenizer " + (source_dir() / "examples/tiny-tokenizer").string());
+  ASSERT_EQ(init.exit_code, 0) << init.output;
+  const std::string args = "model.name_or_path=" + (d / "model").string() +
+                           " model.quantization_config.load_in_4bit=false training.finetune=full "
+                           "training.optim=adamw training.max_steps=3 training.save_steps=0";
+  auto one = run(train_cmd(write_config(d / "one"), args + " training.per_device_train_batch_size=3"), 600);
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  auto full = run(launch_cmd(3, write_config(d / "full"), args + " training.per_device_train_batch_size=1 "
+                                                                 "distributed.sharding=full"),
+                  600);
+  ASSERT_EQ(full.exit_code, 0) << full.output;
+  expect_same_losses(step_losses(d / "one/out"), step_losses(d / "full/out"), 1e-5);
+  expect_same_tensors(d / "one/out/model/model.safetensors", d / "full/out/model/model.safetensors", 1e-5);
+  auto load_peak = [](const fs::path& out) {
+    const std::string r = read_file(out / "memory_report.txt");
+    const size_t at = r.find("peak at load:");
+    EXPECT_NE(at, std::string::npos) << r;
+    std::string v = r.substr(at + 13, r.find('\n', at) - at - 13);
+    v.erase(0, v.find_first_not_of(' '));
+    return parse_size(v, "peak at load").bytes;
+  };
+  // Rank 0 keeps about a third of the layers; while a layer's share moves into its packed
+  // buffer, that share is there twice (one layer's at most), so the peak stays more than a
+  // third of the layers under the one process's, which read them all.
+  const int64_t layers = 4 * (4 * (4 * 256 * 256 + 3 * 256 * 1024) + 2 * 256 * 4);
+  EXPECT_LT(load_peak(d / "full/out"), load_peak(d / "one/out") - layers / 3);
+}
+
 // What each level keeps per rank, measured: a full fine-tune of tiny-llama with SGD (its
 // buffer sharded alike at every level) on 3 ranks, 2 micro-batches a step, every layer
 // checkpointed (as `full` must), 1 MiB buckets; rank 0's step peaks:
