@@ -206,6 +206,30 @@ void adam8_blocks_scalar(const BnbScalars& s, const Adam8Tensors& t, int64_t b0,
   }
 }
 
+void quantize_states_8bit(const float* m, const float* v, int64_t n, uint8_t* c1, uint8_t* c2, float* absmax1,
+                          float* absmax2) {
+  const CodeTable &t1 = code_table(true), &t2 = code_table(false);
+  const float* q1 = t1.code;
+  for (int64_t b = 0; b * kBlock8bit < n; ++b) {
+    const int64_t base = b * kBlock8bit, len = std::min<int64_t>(kBlock8bit, n - base);
+    float max1 = -FLT_MAX, max2 = -FLT_MAX;  // as the kernel's: fmax, a NaN leaves it
+    for (int64_t j = 0; j < kBlock8bit; ++j) {
+      const float a1 = j < len ? std::fabs(m[base + j]) : 0.0f, a2 = j < len ? std::fabs(v[base + j]) : 0.0f;
+      max1 = a1 > max1 ? a1 : max1;
+      max2 = a2 > max2 ? a2 : max2;
+    }
+    absmax1[b] = max1;
+    absmax2[b] = max2;
+    for (int64_t j = 0; j < len; ++j) {
+      const float s1 = m[base + j];
+      int k1 = t1(s1 / max1);
+      if (std::signbit(q1[k1]) != std::signbit(s1)) k1 = s1 > 0.0f ? k1 + 1 : k1 - 1;
+      c1[base + j] = static_cast<uint8_t>(k1);
+      c2[base + j] = t2(v[base + j] / max2);
+    }
+  }
+}
+
 void adam8_blocks(const BnbScalars& s, const Adam8Tensors& t, int64_t b0, int64_t b1) {
 #ifdef MEMTUNE_ADAM8_X86
   if (adam8_cpu_has_avx2()) return adam8_blocks_avx2(s, t, b0, b1);

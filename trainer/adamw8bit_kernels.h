@@ -81,6 +81,13 @@ void adam8_blocks_scalar(const BnbScalars& s, const Adam8Tensors& t, int64_t b0,
 // The fastest of the above the CPU runs.
 void adam8_blocks(const BnbScalars& s, const Adam8Tensors& t, int64_t b0, int64_t b1);
 
+// AdamW's fp32 states (m, v; n elements) in that 8-bit form, as the update above leaves its
+// states: per block of kBlock8bit the absmax over the block (lanes past the end count as 0),
+// each value over it through the signed (m) or unsigned (v) code table, the first moment's
+// code keeping its sign. The memory ladder's optimizer_8bit rung (Optimizer::quantize_states).
+void quantize_states_8bit(const float* m, const float* v, int64_t n, uint8_t* c1, uint8_t* c2, float* absmax1,
+                          float* absmax2);
+
 #ifdef MEMTUNE_ADAM8_X86
 bool adam8_cpu_has_avx2();
 // The scalar kernels' results, bit for bit, 8 lanes at a time.

@@ -217,9 +217,10 @@ void OnOomConfig::fields(F&& f) {
     "the savings an out-of-memory error may take, in order; each keeps the math: micro_batch (shrink it, the "
     "step's samples kept; first when listed), checkpointing (more layers), activation_offload (checkpointed layers' "
     "inputs in host memory), optimizer_offload (the optimizer's state and the gradients in host memory), layer_offload (frozen "
-    "layers' weights in host memory); optimizer_8bit is refused (it changes the numerics; not built). The memory "
-    "model decides how far to climb, and takes optimizer_offload before the first step when the optimizer's state "
-    "cannot stay on the device under memory.device_limit even with every other rung",
+    "layers' weights in host memory); optimizer_8bit (not by default: it changes the numerics) turns AdamW's fp32 "
+    "state into bitsandbytes' 8-bit state and update (adamw_8bit) from the next step. The memory model decides how "
+    "far to climb, and takes optimizer_offload before the first step when the optimizer's state cannot stay on the "
+    "device under memory.device_limit even with every other rung",
     Field{"micro_batch", "checkpointing", "activation_offload", "optimizer_offload", "layer_offload",
           "optimizer_8bit"});
 }
@@ -545,9 +546,6 @@ void validate(const OnOomConfig& o, const std::string& p, const Checker& c) {
   c.check(o.max_retries >= 1, p + ".max_retries", o.max_retries, "must be at least 1");
   for (size_t i = 0; i < o.ladder.size(); ++i) {
     const std::string& r = o.ladder[i];
-    c.check(r != "optimizer_8bit", p + ".ladder", r,
-            "8-bit optimizer state as a rung is not built (it would change the numerics mid-run). Hint: "
-            "training.optim: adamw_8bit from the start");
     c.check(std::find(o.ladder.begin(), o.ladder.begin() + static_cast<std::ptrdiff_t>(i), r) ==
                 o.ladder.begin() + static_cast<std::ptrdiff_t>(i),
             p + ".ladder", r, "listed twice");
@@ -618,6 +616,12 @@ void validate(const Config& config, const Checker& c) {
   validate(config.memory, "memory", c);
   validate(config.runtime, "runtime", c);
   validate(config.distributed, "distributed", c);
+  const std::string& optim = config.training.optim;
+  c.check(!config.memory.on_oom.allows("optimizer_8bit") || optim == "adamw_torch" || optim == "adamw" ||
+              optim == "paged_adamw_32bit",
+          "memory.on_oom.ladder", "optimizer_8bit",
+          str_cat("quantizes AdamW's fp32 state, and training.optim: ", optim,
+                  " keeps none. Hint: drop optimizer_8bit, or train with adamw_torch"));
 }
 
 }  // namespace

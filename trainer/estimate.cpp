@@ -135,6 +135,8 @@ EstimateInput with_ladder(const Config& c, EstimateInput in, int64_t world_size,
   in.world_size = world_size;
   const bool ladder = c.memory.supervise;
   in.offload_activations = in.offload_activations || (ladder && c.memory.on_oom.allows("activation_offload"));
+  if (ladder && c.memory.on_oom.allows("optimizer_8bit") && (in.optimizer == "adamw" || in.optimizer == "adamw_32bit"))
+    in.optimizer = "adamw_8bit";
   if (optimizer_offload && ladder && c.memory.on_oom.allows("optimizer_offload")) offload_optimizer(c, in, world_size);
   // With the ladder's layer offload (LoRA on a frozen base), every decoder layer can leave the
   // device but the one running. Sharded layers (distributed.sharding: full) are not
@@ -187,6 +189,9 @@ LadderPlan ladder_plan(const Config& c, EstimateInput in, int64_t budget, int64_
       } else if (rung == "optimizer_offload" && !in.optimizer_paged) {
         offload_optimizer(c, in, world_size);
         plan.steps.push_back("optimizer offload");
+      } else if (rung == "optimizer_8bit" && (in.optimizer == "adamw" || in.optimizer == "adamw_32bit")) {
+        in.optimizer = "adamw_8bit";
+        plan.steps.push_back("8-bit optimizer state");
       } else if (rung == "layer_offload" && in.finetune == "lora" && !sharded) {
         in.offloaded_layers.resize(static_cast<size_t>(in.num_layers), false);
         int64_t count = 0;

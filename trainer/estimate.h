@@ -43,7 +43,8 @@ EstimateInput with_every_saving(EstimateInput in);
 // `in` with every saving memory.on_oom.ladder allows: micro-batch 1 where the supervisor may
 // shrink, every layer checkpointed; under memory.supervise activation offload, optimizer
 // offload (its gradients where they can leave the device) unless `optimizer_offload` is
-// false, and (LoRA on a frozen base) every decoder layer off the device. Per rank of
+// false, AdamW's state in 8 bits where optimizer_8bit is listed, and (LoRA on a frozen base)
+// every decoder layer off the device. Per rank of
 // `world_size`. What the config sets itself stays set.
 EstimateInput with_ladder(const Config& config, EstimateInput in, int64_t world_size, bool optimizer_offload = true);
 
@@ -57,8 +58,8 @@ bool optimizer_offload_at_start(const Config& config, const EstimateInput& in, i
 // What the supervisor settles on for `in` under `budget`, by the estimate: the optimizer
 // offload before the first step, then the largest micro-batch that fits (where the ladder
 // may shrink it), then the ladder's rungs in memory.on_oom.ladder's order, each as far as
-// needed (checkpointing layer by layer, activation offload, optimizer offload, layer offload
-// from the last layer down for LoRA), as trainer.cpp's rungs take them after an
+// needed (checkpointing layer by layer, activation offload, optimizer offload, 8-bit AdamW
+// state, layer offload from the last layer down for LoRA), as trainer.cpp's rungs take them after an
 // out-of-memory error. `steps` says what was taken; none when `in` fits or the supervisor is off.
 struct LadderPlan {
   EstimateInput settled;

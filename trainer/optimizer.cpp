@@ -123,6 +123,7 @@ bool decays(const std::string& name, const at::Tensor& t) {
 Optimizer::Optimizer(std::vector<std::pair<std::string, at::Tensor>> params, OptimizerOptions options,
                      std::vector<bool> owned)
     : options_(std::move(options)), params_(std::move(params)), owned_(std::move(owned)) {
+  configured_kind_ = options_.kind;
   if (owned_.empty()) owned_.assign(params_.size(), true);
   MEMTUNE_INTERNAL_ASSERT(owned_.size() == params_.size(), "optimizer: ", owned_.size(), " ownership flags for ",
                           params_.size(), " parameters");
@@ -243,6 +244,94 @@ int64_t Optimizer::restore_states() {
   offloaded_ = false;
   if (options_.kind == "adafactor") workspaces_.clear();  // the device's from the next step on
   return moved;
+}
+
+int64_t Optimizer::quantize_states() {
+  const std::string& k = options_.kind;
+  if (k != "adamw" && k != "adamw_32bit") return 0;
+  at::NoGradGuard no_grad;
+  int64_t freed = 0;
+  const bool host = states_offloaded();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!owned_[i] || params_[i].second.numel() < kMin8bitSize) continue;  // small tensors keep fp32 states
+    at::Tensor& m = exp_avg_[i];
+    at::Tensor& v = exp_avg_sq_[i];
+    const int64_t n = m.numel(), blocks = (n + kBlock8bit - 1) / kBlock8bit;
+    const c10::Device device = m.device();
+    // The rung runs when memory ran out: the fp32 states leave for host memory outside the
+    // budget before the codes are made where they lived (2 B per element and 8 per block,
+    // against the 8 freed), and come back should that fail.
+    const at::Tensor mh = to_offload_storage(m).view({-1}), vh = to_offload_storage(v).view({-1});
+    m = at::Tensor();
+    v = at::Tensor();
+    at::Tensor c1, c2, a1, a2;
+    try {
+      auto make = [&](int64_t size, at::ScalarType dt) {
+        return host ? offload_zeros({size}, dt) : at::empty({size}, at::TensorOptions(dt).device(device));
+      };
+      c1 = make(n, at::kByte);
+      c2 = make(n, at::kByte);
+      a1 = make(blocks, at::kFloat);
+      a2 = make(blocks, at::kFloat);
+    } catch (...) {
+      m = host ? mh : fetch_from_offload(mh, device);
+      v = host ? vh : fetch_from_offload(vh, device);
+      m = m.view(params_[i].second.sizes());
+      v = v.view(params_[i].second.sizes());
+      throw;
+    }
+    const bool on_cpu = device.is_cpu() || host;
+    at::Tensor c1h = on_cpu ? c1 : at::empty({n}, at::kByte), c2h = on_cpu ? c2 : at::empty({n}, at::kByte),
+               a1h = on_cpu ? a1 : at::empty({blocks}, at::kFloat), a2h = on_cpu ? a2 : at::empty({blocks}, at::kFloat);
+    quantize_states_8bit(mh.data_ptr<float>(), vh.data_ptr<float>(), n, c1h.data_ptr<uint8_t>(),
+                         c2h.data_ptr<uint8_t>(), a1h.data_ptr<float>(), a2h.data_ptr<float>());
+    if (!on_cpu) {
+      c1.copy_(c1h);
+      c2.copy_(c2h);
+      a1.copy_(a1h);
+      a2.copy_(a2h);
+    }
+    freed += 2 * n * 4 - (2 * n + 2 * blocks * 4);
+    m = c1.view(params_[i].second.sizes());
+    v = c2.view(params_[i].second.sizes());
+    absmax1_[i] = a1;
+    absmax2_[i] = a2;
+  }
+  options_.kind = "adamw_8bit";
+  workspaces_.clear();  // torch's AdamW path's; bitsandbytes' kernels need none
+  return freed;
+}
+
+int64_t Optimizer::dequantize_states() {
+  if (!states_quantized()) return 0;
+  at::NoGradGuard no_grad;
+  int64_t made = 0;
+  const at::Tensor q1 = dynamic_map(true), q2 = dynamic_map(false);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!owned_[i] || !absmax1_[i].defined()) continue;
+    at::Tensor& m = exp_avg_[i];
+    at::Tensor& v = exp_avg_sq_[i];
+    const int64_t n = m.numel();
+    const bool host = states_offloaded();
+    // code -> value, times its block's absmax (the update's own dequantization)
+    auto back = [&](const at::Tensor& codes, const at::Tensor& absmax, const at::Tensor& map) {
+      const at::Tensor c = codes.to(at::kCPU).reshape({-1}).to(at::kLong);
+      at::Tensor vals = map.index_select(0, c);
+      const at::Tensor scale = absmax.to(at::kCPU).repeat_interleave(kBlock8bit).narrow(0, 0, n);
+      vals.mul_(scale);
+      at::Tensor out = host ? offload_zeros({n}, at::kFloat) : at::empty({n}, params_[i].second.options());
+      out.copy_(vals);
+      return out.view(params_[i].second.sizes());
+    };
+    at::Tensor mf = back(m, absmax1_[i], q1), vf = back(v, absmax2_[i], q2);
+    made += 2 * n * 4;
+    m = mf;
+    v = vf;
+    absmax1_[i] = at::Tensor();
+    absmax2_[i] = at::Tensor();
+  }
+  options_.kind = configured_kind_;
+  return made;
 }
 
 void Optimizer::zero_grad() {

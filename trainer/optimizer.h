@@ -85,6 +85,18 @@ class Optimizer {
   int64_t restore_states();
   bool states_offloaded() const { return offloaded_ || options_.paged; }
 
+  // The memory ladder's optimizer_8bit rung (it changes the numerics, so only where
+  // memory.on_oom.ladder lists it): AdamW's fp32 states (torch's, or bitsandbytes' 32-bit)
+  // become bitsandbytes' 8-bit ones, tensor by tensor (quantize_states_8bit: codes and absmax
+  // per 256, fp32 kept under kMin8bitSize elements, where they stay), and the update from the
+  // next step is adamw_8bit's, as if that state had been made by it. Returns the bytes freed;
+  // 0 for another optimizer, or when they are 8-bit already.
+  int64_t quantize_states();
+  // The reverse (grow-back): fp32 states from the codes, the configured update again.
+  // Returns the bytes it allocated.
+  int64_t dequantize_states();
+  bool states_quantized() const { return options_.kind == "adamw_8bit" && configured_kind_ != "adamw_8bit"; }
+
   // State for training checkpoints: tensors (named "<param>.exp_avg", "<param>.exp_avg_sq";
   // for 8-bit states the uint8 codes under those names plus "<param>.absmax1/absmax2";
   // adafactor's "<param>.exp_avg_sq_row/exp_avg_sq_col" of a matrix, "<param>.exp_avg_sq" of a
@@ -112,6 +124,7 @@ class Optimizer {
   void update(const at::Tensor& p, const at::Tensor& g, size_t i, double lr, double wd, double grad_scale, double bc1,
               double bc2);
   OptimizerOptions options_;
+  std::string configured_kind_;  // options_.kind as made (quantize_states changes it)
   std::vector<std::pair<std::string, at::Tensor>> params_;
   std::vector<bool> owned_;  // per parameter
   std::vector<at::Tensor> exp_avg_, exp_avg_sq_;  // adamw; exp_avg_ is the momentum buffer for sgd

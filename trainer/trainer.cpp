@@ -436,6 +436,7 @@ EstimateInput Trainer::plan_now() const {
   now.optimizer_paged = now.optimizer_paged || optimizer_->states_offloaded();
   now.gradients_offloaded = grad_offload_->enabled();
   now.offloaded_layers = offloaded_layers(*bundle_.model);  // weights off the device, checkpointed
+  if (optimizer_->states_quantized()) now.optimizer = "adamw_8bit";  // the ladder's optimizer_8bit
   return now;
 }
 
@@ -526,6 +527,26 @@ void Trainer::build_supervisor() {
                          grads ? ", gradients kept there again" : "", ")");
         },
         [this] { return fits_with_optimizer_on_device(); }}},
+      {"optimizer_8bit",
+       {"8-bit optimizer state",
+        [this]() -> std::string {
+          if (optimizer_->states_quantized()) return "";
+          const int64_t freed = optimizer_->quantize_states();
+          if (!optimizer_->states_quantized()) return "";
+          return str_cat("AdamW's state in bitsandbytes' 8-bit form (", format_bytes(freed),
+                         " freed); the update is adamw_8bit's from the next step");
+        },
+        [this]() -> std::string {
+          const int64_t bytes = optimizer_->dequantize_states();
+          if (bytes == 0 && optimizer_->states_quantized()) return "";
+          return str_cat("8-bit optimizer state (", format_bytes(bytes), " of fp32 state again, ", c_.training.optim,
+                         "'s update)");
+        },
+        [this] {  // the state back in fp32 where it lives
+          EstimateInput now = plan_now();
+          now.optimizer = plan_.optimizer;
+          return estimate_peak(now) <= budget_;
+        }}},
       {"layer_offload",
        {"offload layers", [this] { return models::offload_one_more_layer(*bundle_.model); },
         [this]() -> std::string {
@@ -583,6 +604,10 @@ void Trainer::resume() {
   // Each rank reads the optimizer state of the tensors it owns, however the writer sharded it.
   TrainingCheckpoint ck =
       load_training_checkpoint(dir, [this](const std::string& key) { return sharding_->owns_state(key); });
+  // The ladder's optimizer_8bit rung had been taken: the state is in that form again.
+  if (ck.state.optimizer.value("kind", std::string()) == "adamw_8bit" && c_.memory.on_oom.allows("optimizer_8bit") &&
+      !optimizer_->states_quantized())
+    optimizer_->quantize_states();
   check_resume_compatible(c_, parse_config(ck.config_yaml, (dir / "config.yaml").string()), dir, dist_.world_size,
                           ck.state.world_size);
   at::NoGradGuard no_grad;

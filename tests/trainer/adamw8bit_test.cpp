@@ -14,6 +14,7 @@
 #include "runtime/error.h"
 #include "runtime/offload.h"
 #include "test_util.h"
+#include "trainer/adamw8bit_kernels.h"
 #include "trainer/optimizer.h"
 
 namespace {
@@ -150,6 +151,107 @@ TEST_F(AdamW8bitReference, StateBytesPerParameter) {
   tr::Optimizer a({{"a.weight", big}}, o), b({{"b.weight", small}}, o);
   EXPECT_EQ(a.state_bytes(), 64 * 256 * 2 + 64 * 2 * 4);
   EXPECT_EQ(b.state_bytes(), 4095 * 8);
+}
+
+// The memory ladder's optimizer_8bit rung quantizes AdamW's fp32 states as the 8-bit update
+// leaves its own: per 256-block absmax = max |x| (worked out here), each code the search's
+// (quantize_2d_search, the definition the fast tables are checked against) of x over it, the
+// first moment's moved one step where its sign would flip. Ragged end, a zero block, negatives.
+TEST(Adam8bitQuantize, StatesBecomeTheSearchsCodesOverEachBlocksAbsmax) {
+  const int64_t n = 4096 + 300;
+  at::manual_seed(3);
+  at::Tensor m = at::randn({n}) * 1e-3, v = at::rand({n}) * 1e-6;
+  m.narrow(0, 512, 256).zero_();  // a block of zeros: absmax 0
+  v.narrow(0, 512, 256).zero_();
+  const int64_t blocks = (n + tr::kBlock8bit - 1) / tr::kBlock8bit;
+  std::vector<uint8_t> c1(n), c2(n);
+  std::vector<float> a1(blocks), a2(blocks);
+  tr::quantize_states_8bit(m.data_ptr<float>(), v.data_ptr<float>(), n, c1.data(), c2.data(), a1.data(), a2.data());
+  const at::Tensor q1 = tr::dynamic_map(true), q2 = tr::dynamic_map(false);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t len = std::min<int64_t>(tr::kBlock8bit, n - b * tr::kBlock8bit);
+    EXPECT_EQ(a1[b], m.narrow(0, b * tr::kBlock8bit, len).abs().max().item<float>()) << "block " << b;
+    EXPECT_EQ(a2[b], v.narrow(0, b * tr::kBlock8bit, len).abs().max().item<float>()) << "block " << b;
+  }
+  int mismatches = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t b = j / tr::kBlock8bit;
+    const float x = m[j].item<float>();
+    int k1 = tr::quantize_2d_search(q1.data_ptr<float>(), true, x / a1[b]);
+    if (std::signbit(q1[k1].item<float>()) != std::signbit(x)) k1 = x > 0.0f ? k1 + 1 : k1 - 1;
+    mismatches += c1[j] != static_cast<uint8_t>(k1);
+    mismatches += c2[j] != tr::quantize_2d_search(q2.data_ptr<float>(), false, v[j].item<float>() / a2[b]);
+  }
+  EXPECT_EQ(mismatches, 0);
+}
+
+// The rung on an optimizer: AdamW's states of a tensor of 4096+ elements become codes and
+// absmax (2 B per element and 8 per block, against 8), a small tensor's stay fp32; the next
+// update is the one an adamw_8bit optimizer holding that state makes (byte for byte); back
+// (grow-back), the fp32 states are the codes' values, within a step of the map of the originals.
+TEST(Adam8bitQuantize, TheLadderRungTurnsAdamWIntoTheEightBitUpdate) {
+  auto make = [] {
+    at::manual_seed(7);
+    return std::vector<std::pair<std::string, at::Tensor>>{{"big.weight", at::randn({40, 128}).requires_grad_()},
+                                                           {"small.weight", at::randn({10, 10}).requires_grad_()}};
+  };
+  auto grads = [](std::vector<std::pair<std::string, at::Tensor>>& ps, int step) {
+    at::manual_seed(100 + step);
+    for (auto& [name, p] : ps) p.mutable_grad() = at::randn(p.sizes());
+  };
+  tr::OptimizerOptions o;
+  tr::set_optimizer_kind("adamw_torch", o);
+  o.weight_decay = 0.01;
+  auto ps = make();
+  tr::Optimizer adam(ps, o);
+  for (int step = 0; step < 3; ++step) {
+    grads(ps, step);
+    adam.step(1e-3);
+  }
+  EXPECT_EQ(adam.state_bytes(), (40 * 128 + 100) * 8);
+  EXPECT_FALSE(adam.states_quantized());
+  const int64_t freed = adam.quantize_states();
+  EXPECT_TRUE(adam.states_quantized());
+  EXPECT_EQ(freed, 40 * 128 * 8 - (40 * 128 * 2 + 20 * 2 * 4));
+  EXPECT_EQ(adam.state_bytes(), 40 * 128 * 2 + 20 * 2 * 4 + 100 * 8);
+  EXPECT_EQ(adam.state_scalars()["kind"], "adamw_8bit");
+  EXPECT_EQ(adam.quantize_states(), 0) << "once";
+
+  // An adamw_8bit optimizer given that state (and the step count) updates the same way.
+  auto ps8 = make();
+  for (size_t i = 0; i < ps.size(); ++i) ps8[i].second.detach().copy_(ps[i].second.detach());
+  tr::OptimizerOptions o8 = o;
+  tr::set_optimizer_kind("adamw_8bit", o8);
+  tr::Optimizer eight(ps8, o8);
+  std::map<std::string, at::Tensor> state;
+  for (const auto& [name, t] : adam.state_tensors()) state[name] = t.clone();
+  EXPECT_TRUE(state.count("big.weight.absmax1") && !state.count("small.weight.absmax1"));
+  eight.load_state(state, adam.state_scalars());
+  for (int step = 3; step < 5; ++step) {
+    grads(ps, step);
+    grads(ps8, step);
+    adam.step(1e-3);
+    eight.step(1e-3);
+  }
+  for (size_t i = 0; i < ps.size(); ++i) EXPECT_EQ(bytes_of(ps[i].second), bytes_of(ps8[i].second)) << ps[i].first;
+
+  // Back to fp32: each value within the map's widest gap (times the block's absmax) of the codes'.
+  auto ps2 = make();
+  tr::Optimizer again(ps2, o);
+  for (int step = 0; step < 3; ++step) {
+    grads(ps2, step);
+    again.step(1e-3);
+  }
+  const at::Tensor m0 = again.state_tensors()[0].second.clone();
+  again.quantize_states();
+  EXPECT_GT(again.dequantize_states(), 0);
+  EXPECT_FALSE(again.states_quantized());
+  EXPECT_EQ(again.state_scalars()["kind"], "adamw");
+  const at::Tensor m1 = again.state_tensors()[0].second;
+  EXPECT_EQ(m1.scalar_type(), at::kFloat);
+  const double tol = m0.abs().max().item<double>() * 0.1;  // the signed map's widest step is under 0.1
+  EXPECT_LE((m1 - m0).abs().max().item<double>(), tol);
+  EXPECT_GT((m1 - m0).abs().max().item<double>(), 0.0) << "the codes lost something";
 }
 
 TEST(OptimizerNames, HuggingFaceNamesMapAndOthersAreRefused) {

@@ -936,8 +936,16 @@ TEST(ConfigErrors, OnOomLadderNamesEachRungOnceAndMicroBatchFirst) {
   };
   refused("[checkpointing, micro_batch]", "list micro_batch first");
   refused("[checkpointing, checkpointing]", "listed twice");
-  refused("[micro_batch, optimizer_8bit]", "training.optim: adamw_8bit");
   refused("[checkpointng]", "checkpointing");  // the nearest name
+  // optimizer_8bit quantizes AdamW's fp32 state: taken with AdamW, refused by name without it.
+  EXPECT_EQ(parse_config(base, "t.yaml", {"memory.on_oom.ladder=[micro_batch, optimizer_8bit]"}).memory.on_oom.ladder,
+            (std::vector<std::string>{"micro_batch", "optimizer_8bit"}));
+  try {
+    parse_config(base, "t.yaml", {"memory.on_oom.ladder=[micro_batch, optimizer_8bit]", "training.optim=sgd"});
+    ADD_FAILURE() << "optimizer_8bit with sgd accepted";
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("training.optim: sgd keeps none"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace memtune::trainer

@@ -305,6 +305,77 @@ TEST(Supervisor, AStateTheLimitCannotHoldIsMadeInHostMemoryBeforeTheFirstStep) {
   EXPECT_NEAR(rr.back()["loss"].get<double>(), r.back()["loss"].get<double>(), 1e-6);
 }
 
+// memory.on_oom.ladder: optimizer_8bit, which changes the numerics and so is taken only where
+// listed. A full fine-tune of tiny-llama with AdamW, an out-of-memory error injected in step
+// 2's update and the ladder holding only that rung: AdamW's state becomes bitsandbytes' 8-bit
+// form and step 2 runs again with the 8-bit update. The steps before equal the plain run's,
+// the ones after differ from it; the step's peak falls by at least 4 B per trained element
+// (the state is 2 in place of 8 for every tensor of 4096 elements or more); the checkpoint
+// holds the 8-bit state, and a resume from it ends where the run did.
+TEST(Supervisor, TheEightBitRungQuantizesTheStateWhereListed) {
+  fs::path d = temp_dir();
+  const std::string full = "training.finetune=full model.quantization_config.load_in_4bit=false "
+                           "training.per_device_train_batch_size=2 training.gradient_accumulation_steps=1 "
+                           "training.max_steps=5 training.save_steps=1 memory.grow_after_steps=1000 ";
+  TrainRun plain = train(d / "plain", full);
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  const std::string ladder_args = full + "\"memory.on_oom.ladder=[optimizer_8bit]\"";
+  TrainRun ladder = train(d / "ladder", ladder_args + " memory.inject_oom=2:optimizer");
+  ASSERT_EQ(ladder.exit_code, 0) << ladder.output;
+  const auto p = rows(plain.out), l = rows(ladder.out);
+  ASSERT_EQ(p.size(), 5u);
+  ASSERT_EQ(l.size(), 5u);
+  ASSERT_EQ(l[2]["events"].size(), 2u) << l[2].dump();
+  EXPECT_EQ(l[2]["events"][1]["kind"], "ladder");
+  EXPECT_NE(l[2]["events"][1]["detail"].get<std::string>().find("8-bit optimizer state: AdamW's state in "
+                                                                "bitsandbytes' 8-bit form"),
+            std::string::npos) << l[2].dump();
+  for (int i = 0; i < 3; ++i) EXPECT_NEAR(l[i]["loss"].get<double>(), p[i]["loss"].get<double>(), 1e-6) << "step " << i;
+  EXPECT_NE(l[4]["loss"].get<double>(), p[4]["loss"].get<double>()) << "the 8-bit update changed nothing";
+  const int64_t trained = 988288;  // tiny-llama's elements, every one trained
+  EXPECT_LE(l[4]["memory"]["cpu"]["peak"].get<int64_t>(), p[4]["memory"]["cpu"]["peak"].get<int64_t>() - 4 * trained);
+  const auto ck = trainer::load_training_checkpoint(trainer::latest_checkpoint(ladder.out));
+  EXPECT_EQ(ck.state.optimizer["kind"], "adamw_8bit");
+  EXPECT_TRUE(ck.optimizer.count("model.embed_tokens.weight.absmax1"));
+  EXPECT_EQ(ck.optimizer.at("model.embed_tokens.weight.exp_avg").scalar_type(), at::kByte);
+  // Resumed from step 3 (after the rung), it ends where the run did.
+  auto resumed = run(memtune_bin() + " train " + (d / "ladder/config.yaml.in").string() + " " + ladder_args +
+                     " training.resume_from_checkpoint=" + (ladder.out / "checkpoints/step-3").string() +
+                     " training.output_dir=" + (d / "resumed").string(), 300);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  const auto r = rows(d / "resumed");
+  ASSERT_EQ(r.size(), 2u);
+  EXPECT_EQ(r.back()["loss"].get<double>(), l.back()["loss"].get<double>());
+  // Without the rung in the ladder, that checkpoint's 8-bit state is refused by name.
+  auto refused = run(memtune_bin() + " train " + (d / "ladder/config.yaml.in").string() + " " + full +
+                     " training.resume_from_checkpoint=" + (ladder.out / "checkpoints/step-3").string() +
+                     " training.output_dir=" + (d / "refused").string(), 300);
+  EXPECT_NE(refused.exit_code, 0);
+  EXPECT_NE(refused.output.find("'adamw_8bit'"), std::string::npos) << refused.output;
+}
+
+// The same rung from a real out-of-memory error: a full fine-tune with AdamW under a limit
+// its fp32 state (7.5 MiB beside 3.8 of weights) cannot hold, the memory model saying the
+// 8-bit state fits. The first step runs out, the state (still zeros) becomes 8-bit, and the
+// run is the one configured with adamw_8bit from the start, to the bit.
+TEST(Supervisor, TheEightBitRungUnderALimitEqualsEightBitFromTheStart) {
+  fs::path d = temp_dir();
+  const std::string full = "training.finetune=full model.quantization_config.load_in_4bit=false "
+                           "training.per_device_train_batch_size=2 training.gradient_accumulation_steps=1 "
+                           "training.max_steps=4 memory.grow_after_steps=1000 ";
+  TrainRun eight = train(d / "eight", full + "training.optim=adamw_8bit");
+  ASSERT_EQ(eight.exit_code, 0) << eight.output;
+  TrainRun ladder = train(d / "ladder", full + "\"memory.on_oom.ladder=[optimizer_8bit]\" memory.device_limit=12000000");
+  ASSERT_EQ(ladder.exit_code, 0) << ladder.output;
+  EXPECT_NE(ladder.output.find("the supervisor will settle, by the estimate: 8-bit optimizer state"), std::string::npos)
+      << ladder.output;
+  const auto l = rows(ladder.out);
+  ASSERT_FALSE(l.empty());
+  EXPECT_NE(l[0]["events"].dump().find("8-bit optimizer state: AdamW's state in bitsandbytes' 8-bit form"),
+            std::string::npos) << l[0].dump();
+  expect_same_run(ladder.out, eight.out, 0.0);
+}
+
 // memory.supervise: false: a real out-of-memory error in a step ends the run with the step
 // named (exit code 3), not as an error while loading.
 TEST(Supervisor, UnsupervisedARealOomEndsTheRunAtItsStep) {
