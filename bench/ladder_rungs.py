@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """What each rung of the supervisor's ladder costs: peak device memory and tokens/s at
 micro-batch 1 with nothing else, then with every layer checkpointed, + activation offload,
-+ optimizer offload, + every decoder layer offloaded (LoRA only: full fine-tuning trains
++ 8-bit optimizer state (the optimizer_8bit rung, instead of the next), + optimizer offload,
++ every decoder layer offloaded (LoRA only: full fine-tuning trains
 those weights), measured with `memtune train` in one run, side by side.
 
     python3 bench/ladder_rungs.py [--model M|S|gpt2] [--steps N] [--modes qlora,full] [--json FILE]
@@ -31,6 +32,10 @@ RUNGS = [
     ("micro-batch 1", {}),
     ("+ checkpoint every layer", {"training": {"gradient_checkpointing": True}}),
     ("+ activation offload", {"training": {"gradient_checkpointing": True, "activation_offload": "checkpoints"}}),
+    # memory.on_oom.ladder's optimizer_8bit (only where listed: it changes the numerics), in
+    # place of the optimizer offload after it: AdamW's state in bitsandbytes' 8-bit form on the device.
+    ("+ 8-bit optimizer state", {"training": {"gradient_checkpointing": True, "activation_offload": "checkpoints",
+                                              "optim": "adamw_8bit"}}),
     ("+ optimizer offload", {"training": {"gradient_checkpointing": True, "activation_offload": "checkpoints"},
                              "memory": {"optimizer_offload": "cpu"}}),
     ("+ layer offload", {"training": {"gradient_checkpointing": True, "activation_offload": "checkpoints"},
