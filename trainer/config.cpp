@@ -616,12 +616,18 @@ void validate(const Config& config, const Checker& c) {
   validate(config.memory, "memory", c);
   validate(config.runtime, "runtime", c);
   validate(config.distributed, "distributed", c);
+  // optimizer_8bit quantizes AdamW's fp32 state on the device: with another optimizer, or a
+  // state in host memory from the start, it would do nothing.
   const std::string& optim = config.training.optim;
-  c.check(!config.memory.on_oom.allows("optimizer_8bit") || optim == "adamw_torch" || optim == "adamw" ||
-              optim == "paged_adamw_32bit",
+  const bool eight = config.memory.on_oom.allows("optimizer_8bit");
+  c.check(!eight || optim == "adamw_torch" || optim == "adamw" || optim == "paged_adamw_32bit",
           "memory.on_oom.ladder", "optimizer_8bit",
           str_cat("quantizes AdamW's fp32 state, and training.optim: ", optim,
                   " keeps none. Hint: drop optimizer_8bit, or train with adamw_torch"));
+  c.check(!eight || (optim != "paged_adamw_32bit" && config.memory.optimizer_offload != "cpu"), "memory.on_oom.ladder",
+          "optimizer_8bit",
+          "quantizes AdamW's state on the device, and this run keeps it in host memory (paged_adamw_32bit or "
+          "memory.optimizer_offload: cpu), where 8 bits would free nothing on the device. Hint: drop optimizer_8bit");
 }
 
 }  // namespace

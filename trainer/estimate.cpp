@@ -129,15 +129,18 @@ void offload_optimizer(const Config& c, EstimateInput& in, int64_t world_size) {
 
 }  // namespace
 
-EstimateInput with_ladder(const Config& c, EstimateInput in, int64_t world_size, bool optimizer_offload) {
+EstimateInput with_ladder(const Config& c, EstimateInput in, int64_t world_size, bool optimizer_offload,
+                          bool optimizer_8bit) {
   if (c.memory.on_oom.allows("micro_batch")) in.micro_batch = 1;
   if (c.memory.on_oom.allows("checkpointing")) in = with_every_saving(in);
   in.world_size = world_size;
   const bool ladder = c.memory.supervise;
   in.offload_activations = in.offload_activations || (ladder && c.memory.on_oom.allows("activation_offload"));
-  if (ladder && c.memory.on_oom.allows("optimizer_8bit") && (in.optimizer == "adamw" || in.optimizer == "adamw_32bit"))
-    in.optimizer = "adamw_8bit";
   if (optimizer_offload && ladder && c.memory.on_oom.allows("optimizer_offload")) offload_optimizer(c, in, world_size);
+  // (a state in host memory already gains nothing on the device from 8 bits)
+  if (optimizer_8bit && ladder && c.memory.on_oom.allows("optimizer_8bit") && !in.optimizer_paged &&
+      (in.optimizer == "adamw" || in.optimizer == "adamw_32bit"))
+    in.optimizer = "adamw_8bit";
   // With the ladder's layer offload (LoRA on a frozen base), every decoder layer can leave the
   // device but the one running. Sharded layers (distributed.sharding: full) are not
   // offloaded: the estimate counts 1/W of them.
@@ -151,7 +154,16 @@ bool optimizer_offload_at_start(const Config& c, const EstimateInput& in, int64_
   if (budget <= 0 || !c.memory.supervise || !c.memory.on_oom.allows("optimizer_offload") ||
       c.memory.optimizer_offload == "cpu")
     return false;
-  return estimate_peak(with_ladder(c, in, world_size, /*optimizer_offload=*/false)) > budget;
+  // (nor with 8 bits: the optimizer makes its state in fp32)
+  return estimate_peak(with_ladder(c, in, world_size, /*optimizer_offload=*/false, /*optimizer_8bit=*/false)) > budget;
+}
+
+bool optimizer_8bit_at_start(const Config& c, const EstimateInput& in, int64_t budget, int64_t world_size) {
+  if (budget <= 0 || !c.memory.supervise || !c.memory.on_oom.allows("optimizer_8bit") || in.optimizer_paged ||
+      (in.optimizer != "adamw" && in.optimizer != "adamw_32bit"))
+    return false;
+  if (optimizer_offload_at_start(c, in, budget, world_size)) return false;  // the state goes to host memory instead
+  return estimate_peak(with_ladder(c, in, world_size, /*optimizer_offload=*/false, /*optimizer_8bit=*/false)) > budget;
 }
 
 LadderPlan ladder_plan(const Config& c, EstimateInput in, int64_t budget, int64_t world_size) {
@@ -162,6 +174,9 @@ LadderPlan ladder_plan(const Config& c, EstimateInput in, int64_t budget, int64_
     if (optimizer_offload_at_start(c, in, budget, world_size)) {
       offload_optimizer(c, in, world_size);
       plan.steps.push_back("optimizer offload, before the first step");
+    } else if (optimizer_8bit_at_start(c, in, budget, world_size)) {
+      in.optimizer = "adamw_8bit";
+      plan.steps.push_back("8-bit optimizer state, before the first step");
     }
     if (!fits() && c.memory.on_oom.allows("micro_batch") && in.micro_batch > 1) {
       const int64_t before = in.micro_batch;
@@ -189,7 +204,8 @@ LadderPlan ladder_plan(const Config& c, EstimateInput in, int64_t budget, int64_
       } else if (rung == "optimizer_offload" && !in.optimizer_paged) {
         offload_optimizer(c, in, world_size);
         plan.steps.push_back("optimizer offload");
-      } else if (rung == "optimizer_8bit" && (in.optimizer == "adamw" || in.optimizer == "adamw_32bit")) {
+      } else if (rung == "optimizer_8bit" && !in.optimizer_paged &&
+                 (in.optimizer == "adamw" || in.optimizer == "adamw_32bit")) {
         in.optimizer = "adamw_8bit";
         plan.steps.push_back("8-bit optimizer state");
       } else if (rung == "layer_offload" && in.finetune == "lora" && !sharded) {

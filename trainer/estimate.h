@@ -43,10 +43,12 @@ EstimateInput with_every_saving(EstimateInput in);
 // `in` with every saving memory.on_oom.ladder allows: micro-batch 1 where the supervisor may
 // shrink, every layer checkpointed; under memory.supervise activation offload, optimizer
 // offload (its gradients where they can leave the device) unless `optimizer_offload` is
-// false, AdamW's state in 8 bits where optimizer_8bit is listed, and (LoRA on a frozen base)
+// false, AdamW's state in 8 bits where optimizer_8bit is listed (and `optimizer_8bit`, and the
+// state on the device), and (LoRA on a frozen base)
 // every decoder layer off the device. Per rank of
 // `world_size`. What the config sets itself stays set.
-EstimateInput with_ladder(const Config& config, EstimateInput in, int64_t world_size, bool optimizer_offload = true);
+EstimateInput with_ladder(const Config& config, EstimateInput in, int64_t world_size, bool optimizer_offload = true,
+                          bool optimizer_8bit = true);
 
 // Whether the ladder's optimizer offload is taken before the first step (the trainer does,
 // and ladder_plan says so): under memory.supervise with optimizer_offload in the ladder and
@@ -54,6 +56,10 @@ EstimateInput with_ladder(const Config& config, EstimateInput in, int64_t world_
 // without it) exceeds `budget`. The state is then made in host memory: made on the device
 // first, it would not fit there.
 bool optimizer_offload_at_start(const Config& config, const EstimateInput& in, int64_t budget, int64_t world_size);
+// The same for the ladder's optimizer_8bit (listed, AdamW's state on the device) where optimizer
+// offload is not taken: the optimizer then makes its state in 8 bits (zeros are the same in
+// either form, so the run is the one configured with adamw_8bit).
+bool optimizer_8bit_at_start(const Config& config, const EstimateInput& in, int64_t budget, int64_t world_size);
 
 // What the supervisor settles on for `in` under `budget`, by the estimate: the optimizer
 // offload before the first step, then the largest micro-batch that fits (where the ladder

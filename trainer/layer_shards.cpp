@@ -351,6 +351,11 @@ void LayerShards::with_trainable_whole(int root, const std::function<void()>& fn
   std::vector<std::pair<const Piece*, at::Tensor>> copies;
   for (int layer = 0; layer < static_cast<int>(layers_.size()); ++layer) {
     gather(layer);
+    struct Released {  // however the copies end
+      LayerShards* shards;
+      int layer;
+      ~Released() { shards->release(layer); }
+    } released{this, layer};
     if (rank_ == root)
       for (const auto& owned : layers_[layer].pieces)
         for (const Piece& p : owned)
@@ -359,7 +364,6 @@ void LayerShards::with_trainable_whole(int root, const std::function<void()>& fn
             if (p.leaf.requires_grad()) host.requires_grad_(true);
             copies.emplace_back(&p, std::move(host));
           }
-    release(layer);
   }
   struct Restore {  // the tensors themselves again, however fn ends
     std::vector<std::pair<const Piece*, at::Tensor>>& copies;

@@ -123,7 +123,7 @@ bool decays(const std::string& name, const at::Tensor& t) {
 Optimizer::Optimizer(std::vector<std::pair<std::string, at::Tensor>> params, OptimizerOptions options,
                      std::vector<bool> owned)
     : options_(std::move(options)), params_(std::move(params)), owned_(std::move(owned)) {
-  configured_kind_ = options_.kind;
+  configured_kind_ = options_.ladder_from.empty() ? options_.kind : options_.ladder_from;
   if (owned_.empty()) owned_.assign(params_.size(), true);
   MEMTUNE_INTERNAL_ASSERT(owned_.size() == params_.size(), "optimizer: ", owned_.size(), " ownership flags for ",
                           params_.size(), " parameters");
@@ -250,36 +250,30 @@ int64_t Optimizer::quantize_states() {
   const std::string& k = options_.kind;
   if (k != "adamw" && k != "adamw_32bit") return 0;
   at::NoGradGuard no_grad;
+  // From here the update is adamw_8bit's, tensor by tensor: 8-bit where a tensor's codes are
+  // made, bitsandbytes' 32-bit kernel on the fp32 states of the others (small tensors; any an
+  // error below left), so a state interrupted half way is still one the update runs on.
+  options_.kind = "adamw_8bit";
+  workspaces_.clear();  // torch's AdamW path's; bitsandbytes' kernels need none
   int64_t freed = 0;
   const bool host = states_offloaded();
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (!owned_[i] || params_[i].second.numel() < kMin8bitSize) continue;  // small tensors keep fp32 states
+    if (!owned_[i] || params_[i].second.numel() < kMin8bitSize || absmax1_[i].defined()) continue;
     at::Tensor& m = exp_avg_[i];
     at::Tensor& v = exp_avg_sq_[i];
     const int64_t n = m.numel(), blocks = (n + kBlock8bit - 1) / kBlock8bit;
     const c10::Device device = m.device();
     // The rung runs when memory ran out: the fp32 states leave for host memory outside the
     // budget before the codes are made where they lived (2 B per element and 8 per block,
-    // against the 8 freed), and come back should that fail.
-    const at::Tensor mh = to_offload_storage(m).view({-1}), vh = to_offload_storage(v).view({-1});
-    m = at::Tensor();
-    v = at::Tensor();
-    at::Tensor c1, c2, a1, a2;
-    try {
-      auto make = [&](int64_t size, at::ScalarType dt) {
-        return host ? offload_zeros({size}, dt) : at::empty({size}, at::TensorOptions(dt).device(device));
-      };
-      c1 = make(n, at::kByte);
-      c2 = make(n, at::kByte);
-      a1 = make(blocks, at::kFloat);
-      a2 = make(blocks, at::kFloat);
-    } catch (...) {
-      m = host ? mh : fetch_from_offload(mh, device);
-      v = host ? vh : fetch_from_offload(vh, device);
-      m = m.view(params_[i].second.sizes());
-      v = v.view(params_[i].second.sizes());
-      throw;
-    }
+    // against the 8 freed); should that still fail they stay there (the update streams them).
+    m = to_offload_storage(m);
+    v = to_offload_storage(v);
+    const at::Tensor mh = m.view({-1}), vh = v.view({-1});
+    auto make = [&](int64_t size, at::ScalarType dt) {
+      return host ? offload_zeros({size}, dt) : at::empty({size}, at::TensorOptions(dt).device(device));
+    };
+    at::Tensor c1 = make(n, at::kByte), c2 = make(n, at::kByte), a1 = make(blocks, at::kFloat),
+               a2 = make(blocks, at::kFloat);
     const bool on_cpu = device.is_cpu() || host;
     at::Tensor c1h = on_cpu ? c1 : at::empty({n}, at::kByte), c2h = on_cpu ? c2 : at::empty({n}, at::kByte),
                a1h = on_cpu ? a1 : at::empty({blocks}, at::kFloat), a2h = on_cpu ? a2 : at::empty({blocks}, at::kFloat);
@@ -297,8 +291,6 @@ int64_t Optimizer::quantize_states() {
     absmax1_[i] = a1;
     absmax2_[i] = a2;
   }
-  options_.kind = "adamw_8bit";
-  workspaces_.clear();  // torch's AdamW path's; bitsandbytes' kernels need none
   return freed;
 }
 
@@ -507,7 +499,11 @@ nlohmann::json Optimizer::state_scalars() const {
 }
 
 void Optimizer::load_state(const std::map<std::string, at::Tensor>& tensors, const nlohmann::json& scalars) {
-  MEMTUNE_CHECK(scalars.value("kind", std::string()) == options_.kind, "checkpoint optimizer is '",
+  // An fp32 AdamW checkpoint into a state the ladder made 8-bit before the first step (a
+  // resume under a limit that cannot hold it in fp32): quantized from the file, as the rung
+  // would have done.
+  const bool requantize = states_quantized() && scalars.value("kind", std::string()) == configured_kind_;
+  MEMTUNE_CHECK(requantize || scalars.value("kind", std::string()) == options_.kind, "checkpoint optimizer is '",
                 scalars.value("kind", std::string()), "', the config asks for '", options_.kind,
                 "' (training.optim changed since the checkpoint)");
   MEMTUNE_CHECK(scalars.value("paged", false) == options_.paged, "checkpoint optimizer state is ",
@@ -526,6 +522,23 @@ void Optimizer::load_state(const std::map<std::string, at::Tensor>& tensors, con
   };
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!owned_[i]) continue;
+    if (requantize && absmax1_[i].defined()) {
+      const std::string& name = params_[i].first;
+      // One tensor's fp32 states at a time, in host memory outside the device budget.
+      at::Tensor m = offload_zeros(exp_avg_[i].sizes(), at::kFloat), v = offload_zeros(exp_avg_sq_[i].sizes(), at::kFloat);
+      take(name + ".exp_avg", m);
+      take(name + ".exp_avg_sq", v);
+      const int64_t n = m.numel(), blocks = absmax1_[i].numel();
+      at::Tensor c1 = offload_zeros({n}, at::kByte), c2 = offload_zeros({n}, at::kByte),
+                 a1 = offload_zeros({blocks}, at::kFloat), a2 = offload_zeros({blocks}, at::kFloat);
+      quantize_states_8bit(m.data_ptr<float>(), v.data_ptr<float>(), n, c1.data_ptr<uint8_t>(), c2.data_ptr<uint8_t>(),
+                           a1.data_ptr<float>(), a2.data_ptr<float>());
+      exp_avg_[i].view({-1}).copy_(c1);
+      exp_avg_sq_[i].view({-1}).copy_(c2);
+      absmax1_[i].copy_(a1);
+      absmax2_[i].copy_(a2);
+      continue;
+    }
     for (const auto& [key, t] : states(i)) take(params_[i].first + key, *t);
   }
   steps_ = json_int(scalars, "steps", 0, int64_t{1} << 40, "optimizer");

@@ -29,6 +29,9 @@ struct OptimizerOptions {
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
   double weight_decay = 0.0;   // not applied to norms and biases (see decays())
   double momentum = 0.0;       // sgd
+  // kind adamw_8bit by the memory ladder's optimizer_8bit taken before the first step: the
+  // configured kind (adamw, adamw_32bit), which dequantize_states goes back to. Empty otherwise.
+  std::string ladder_from;
   // adafactor: transformers' Adafactor as Hugging Face's Trainer builds it for optim: adafactor
   // (scale_parameter and relative_step off: the schedule's learning rate; no first moment;
   // eps (1e-30, 1e-3), of which only the first is read then).
@@ -72,6 +75,7 @@ class Optimizer {
   void step(double lr, double grad_scale = 1.0);
   void zero_grad();  // drops every .grad
   int64_t steps() const { return steps_; }
+  const OptimizerOptions& options() const { return options_; }
   const std::vector<std::pair<std::string, at::Tensor>>& params() const { return params_; }
   bool owns(size_t i) const { return owned_[i]; }
   int64_t state_bytes() const;  // every state tensor and workspace, paged (host) ones included

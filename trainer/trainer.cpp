@@ -192,6 +192,7 @@ class Trainer {
   std::unique_ptr<GradientOffload> grad_offload_;
   bool grads_can_leave_ = false;
   std::string offloaded_at_start_;  // what the ladder's optimizer offload moved before the first step, or ""
+  bool eight_bit_at_start_ = false;  // the ladder's optimizer_8bit taken before the first step
   std::unique_ptr<GradScaler> scaler_;
   std::vector<bool> ckpt_layers_;  // the checkpoint policy; the ladder may add layers
   std::vector<bool> configured_ckpt_, configured_offload_;  // what the config asked for: the floor of grow-back
@@ -225,6 +226,11 @@ Trainer::Trainer(const Config& c)
   // supervisor state has it already).
   if (!offloaded_at_start_.empty() && step_ == 0)
     supervisor_->record_rung(step_, "offload optimizer state", offloaded_at_start_);
+  if (eight_bit_at_start_ && step_ == 0)
+    supervisor_->record_rung(step_, "8-bit optimizer state",
+                             str_cat("AdamW's state made in bitsandbytes' 8-bit form before the first step: the memory "
+                                     "model says it does not fit in ", format_bytes(budget_),
+                                     " in fp32 even with every other saving the ladder allows; the update is adamw_8bit's"));
 }
 
 void Trainer::join_and_plan() {
@@ -369,6 +375,12 @@ void Trainer::build_update() {
   // The ladder's optimizer offload, taken now where the state cannot stay on the device (estimate.h).
   const bool at_start = optimizer_offload_at_start(c_, plan_, budget_, dist_.world_size);
   oo.offloaded = c_.memory.optimizer_offload == "cpu" || at_start;
+  // Or its optimizer_8bit, where listed: the state made in 8 bits (estimate.h).
+  if (optimizer_8bit_at_start(c_, plan_, budget_, dist_.world_size)) {
+    oo.ladder_from = oo.kind;
+    oo.kind = "adamw_8bit";
+    eight_bit_at_start_ = true;
+  }
   oo.beta1 = t.adam_beta1;
   oo.beta2 = t.adam_beta2;
   oo.eps = t.adam_epsilon;
@@ -530,7 +542,8 @@ void Trainer::build_supervisor() {
       {"optimizer_8bit",
        {"8-bit optimizer state",
         [this]() -> std::string {
-          if (optimizer_->states_quantized()) return "";
+          // (in host memory already, offloaded or paged, it would free nothing on the device)
+          if (optimizer_->states_quantized() || optimizer_->states_offloaded()) return "";
           const int64_t freed = optimizer_->quantize_states();
           if (!optimizer_->states_quantized()) return "";
           return str_cat("AdamW's state in bitsandbytes' 8-bit form (", format_bytes(freed),
@@ -604,12 +617,20 @@ void Trainer::resume() {
   // Each rank reads the optimizer state of the tensors it owns, however the writer sharded it.
   TrainingCheckpoint ck =
       load_training_checkpoint(dir, [this](const std::string& key) { return sharding_->owns_state(key); });
-  // The ladder's optimizer_8bit rung had been taken: the state is in that form again.
-  if (ck.state.optimizer.value("kind", std::string()) == "adamw_8bit" && c_.memory.on_oom.allows("optimizer_8bit") &&
-      !optimizer_->states_quantized())
-    optimizer_->quantize_states();
-  check_resume_compatible(c_, parse_config(ck.config_yaml, (dir / "config.yaml").string()), dir, dist_.world_size,
-                          ck.state.world_size);
+  // The ladder's optimizer_8bit had been taken (the checkpoint's run configured AdamW in
+  // fp32 and holds 8-bit state): the state is in that form again.
+  const Config written = parse_config(ck.config_yaml, (dir / "config.yaml").string());
+  OptimizerOptions written_kind;
+  set_optimizer_kind(written.training.optim, written_kind);
+  if (ck.state.optimizer.value("kind", std::string()) == "adamw_8bit" && written_kind.kind != "adamw_8bit" &&
+      written_kind.kind == optimizer_->options().kind) {
+    MEMTUNE_CHECK(c_.memory.on_oom.allows("optimizer_8bit"), (dir / "state.json").string(),
+                  ": the optimizer state is in bitsandbytes' 8-bit form (the memory ladder's optimizer_8bit rung was "
+                  "taken), and memory.on_oom.ladder does not list optimizer_8bit now. Hint: list it in "
+                  "memory.on_oom.ladder to resume this checkpoint");
+    if (!optimizer_->states_quantized()) optimizer_->quantize_states();
+  }
+  check_resume_compatible(c_, written, dir, dist_.world_size, ck.state.world_size);
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& [name, p] = params_[i];

@@ -946,6 +946,14 @@ TEST(ConfigErrors, OnOomLadderNamesEachRungOnceAndMicroBatchFirst) {
   } catch (const UserError& e) {
     EXPECT_NE(std::string(e.what()).find("training.optim: sgd keeps none"), std::string::npos) << e.what();
   }
+  for (const char* host : {"training.optim=paged_adamw_32bit", "memory.optimizer_offload=cpu"}) {
+    try {
+      parse_config(base, "t.yaml", {"memory.on_oom.ladder=[micro_batch, optimizer_8bit]", host});
+      ADD_FAILURE() << "optimizer_8bit with " << host << " accepted";
+    } catch (const UserError& e) {
+      EXPECT_NE(std::string(e.what()).find("8 bits would free nothing on the device"), std::string::npos) << e.what();
+    }
+  }
 }
 
 }  // namespace memtune::trainer

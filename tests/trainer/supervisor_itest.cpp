@@ -346,18 +346,30 @@ TEST(Supervisor, TheEightBitRungQuantizesTheStateWhereListed) {
   const auto r = rows(d / "resumed");
   ASSERT_EQ(r.size(), 2u);
   EXPECT_EQ(r.back()["loss"].get<double>(), l.back()["loss"].get<double>());
+  // The plain run's checkpoint of step 2 (fp32 state) resumed under a limit its fp32 state
+  // cannot hold, the ladder listing the rung: the state is made 8-bit before the first step and
+  // quantized from the file, and the run is the one whose rung was taken in step 2.
+  auto tight = run(memtune_bin() + " train " + (d / "plain/config.yaml.in").string() + " " + ladder_args +
+                       " memory.device_limit=12000000 training.resume_from_checkpoint=" +
+                       (plain.out / "checkpoints/step-2").string() + " training.output_dir=" + (d / "tight").string(),
+                   300);
+  ASSERT_EQ(tight.exit_code, 0) << tight.output;
+  const auto t = rows(d / "tight");
+  ASSERT_EQ(t.size(), 3u);
+  for (size_t i = 0; i < t.size(); ++i) EXPECT_EQ(t[i]["loss"].get<double>(), l[2 + i]["loss"].get<double>()) << i;
   // Without the rung in the ladder, that checkpoint's 8-bit state is refused by name.
   auto refused = run(memtune_bin() + " train " + (d / "ladder/config.yaml.in").string() + " " + full +
                      " training.resume_from_checkpoint=" + (ladder.out / "checkpoints/step-3").string() +
                      " training.output_dir=" + (d / "refused").string(), 300);
   EXPECT_NE(refused.exit_code, 0);
-  EXPECT_NE(refused.output.find("'adamw_8bit'"), std::string::npos) << refused.output;
+  EXPECT_NE(refused.output.find("memory.on_oom.ladder does not list optimizer_8bit now"), std::string::npos)
+      << refused.output;
 }
 
-// The same rung from a real out-of-memory error: a full fine-tune with AdamW under a limit
-// its fp32 state (7.5 MiB beside 3.8 of weights) cannot hold, the memory model saying the
-// 8-bit state fits. The first step runs out, the state (still zeros) becomes 8-bit, and the
-// run is the one configured with adamw_8bit from the start, to the bit.
+// The same rung under a real limit: a full fine-tune with AdamW whose fp32 state (7.5 MiB
+// beside 3.8 of weights) that limit cannot hold, the memory model saying the 8-bit state fits.
+// The rung is taken before the first step (the state made in 8 bits: made in fp32 it would not
+// fit), and the run is the one configured with adamw_8bit from the start, to the bit.
 TEST(Supervisor, TheEightBitRungUnderALimitEqualsEightBitFromTheStart) {
   fs::path d = temp_dir();
   const std::string full = "training.finetune=full model.quantization_config.load_in_4bit=false "
@@ -367,12 +379,17 @@ TEST(Supervisor, TheEightBitRungUnderALimitEqualsEightBitFromTheStart) {
   ASSERT_EQ(eight.exit_code, 0) << eight.output;
   TrainRun ladder = train(d / "ladder", full + "\"memory.on_oom.ladder=[optimizer_8bit]\" memory.device_limit=12000000");
   ASSERT_EQ(ladder.exit_code, 0) << ladder.output;
-  EXPECT_NE(ladder.output.find("the supervisor will settle, by the estimate: 8-bit optimizer state"), std::string::npos)
-      << ladder.output;
+  EXPECT_NE(ladder.output.find("the supervisor will settle, by the estimate: 8-bit optimizer state, before the "
+                               "first step"),
+            std::string::npos) << ladder.output;
   const auto l = rows(ladder.out);
   ASSERT_FALSE(l.empty());
-  EXPECT_NE(l[0]["events"].dump().find("8-bit optimizer state: AdamW's state in bitsandbytes' 8-bit form"),
+  ASSERT_FALSE(l[0]["events"].empty()) << l[0].dump();
+  EXPECT_EQ(l[0]["events"][0]["kind"], "ladder");
+  EXPECT_NE(l[0]["events"][0]["detail"].get<std::string>().find("8-bit optimizer state: AdamW's state made in "
+                                                                "bitsandbytes' 8-bit form before the first step"),
             std::string::npos) << l[0].dump();
+  for (const auto& row : l) EXPECT_EQ(row["events"].dump().find("\"oom\""), std::string::npos) << row.dump();
   expect_same_run(ladder.out, eight.out, 0.0);
 }
 
