@@ -361,6 +361,71 @@ void ProcessGroup::broadcast(const at::Tensor& tensor, int root) {
   if (!t.is_same(tensor)) tensor.copy_(t);
 }
 
+struct ProcessGroup::Pending::State {
+  ProcessGroup::Impl* impl = nullptr;
+  WorkPtr work;
+  at::Tensor tensor;  // kept alive until the collective is done
+  int64_t seq = 0;
+  const char* what = "";
+};
+
+ProcessGroup::Pending::Pending() = default;
+ProcessGroup::Pending::Pending(Pending&&) noexcept = default;
+ProcessGroup::Pending& ProcessGroup::Pending::operator=(Pending&& other) noexcept {
+  if (this != &other) {
+    if (state_) {
+      try {
+        wait();
+      } catch (const std::exception& e) {
+        spdlog::error("{}", e.what());
+      }
+    }
+    state_ = std::move(other.state_);
+  }
+  return *this;
+}
+
+ProcessGroup::Pending::~Pending() {
+  if (!state_) return;
+  try {
+    wait();
+  } catch (const std::exception& e) {  // unwinding already: say it, the first error stands
+    spdlog::error("{}", e.what());
+  }
+}
+
+void ProcessGroup::Pending::wait() {
+  if (!state_) return;
+  std::unique_ptr<State> s = std::move(state_);
+  try {
+    s->impl->wait(s->work);
+  } catch (const std::exception& e) {
+    fail(s->impl->diagnose(s->what, s->seq, message_of(e)));
+  }
+}
+
+ProcessGroup::Pending ProcessGroup::broadcast_async(const at::Tensor& tensor, int root) {
+  Impl& m = *impl_;
+  MEMTUNE_INTERNAL_ASSERT(root >= 0 && root < m.env.world_size, "broadcast: root ", root, " out of range");
+  MEMTUNE_INTERNAL_ASSERT(tensor.device() == m.device && tensor.is_contiguous(), "broadcast_async: a contiguous tensor on ",
+                          m.device, " (got ", tensor.device(), ")");
+  m.count_broadcast(tensor.numel() * static_cast<int64_t>(tensor.element_size()), root);
+  Pending p;
+  p.state_ = std::make_unique<Pending::State>();
+  p.state_->impl = &m;
+  p.state_->tensor = tensor;
+  p.state_->what = "broadcast";
+  p.state_->seq = m.seq;  // collective() takes this number
+  m.collective("broadcast", [&] {
+    c10d::BroadcastOptions opts;
+    opts.rootRank = root;
+    opts.timeout = m.timeout;
+    std::vector<at::Tensor> one{tensor};
+    p.state_->work = m.backend->broadcast(one, opts);
+  });
+  return p;
+}
+
 void ProcessGroup::reduce_sum(const at::Tensor& tensor, int root) {
   Impl& m = *impl_;
   MEMTUNE_INTERNAL_ASSERT(root >= 0 && root < m.env.world_size, "reduce_sum: root ", root, " out of range");

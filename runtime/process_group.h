@@ -60,6 +60,26 @@ class ProcessGroup {
 
   // Copies root's tensor into every rank's (in place; same shape and dtype everywhere).
   void broadcast(const at::Tensor& tensor, int root = 0);
+
+  // A collective started and not yet finished. wait() finishes it (the tensor is not read
+  // before); a Pending dropped unwaited is waited for then, so a collective every rank started
+  // always completes on every rank.
+  class Pending {
+   public:
+    Pending();
+    ~Pending();
+    Pending(Pending&&) noexcept;
+    Pending& operator=(Pending&&) noexcept;
+    void wait();
+
+   private:
+    friend class ProcessGroup;
+    struct State;
+    std::unique_ptr<State> state_;
+  };
+  // broadcast, started: the tensor (contiguous, on the group's device) holds root's values
+  // once the returned Pending is waited for. Every rank starts it at the same point.
+  Pending broadcast_async(const at::Tensor& tensor, int root);
   // Sums the tensor over all ranks into root's (in place); the other ranks' copies are left
   // unspecified. A contiguous tensor on the group's device.
   void reduce_sum(const at::Tensor& tensor, int root);

@@ -265,6 +265,9 @@ void DistributedConfig::fields(F&& f) {
     "layers' weights, frozen and trainable, each rank keeping 1/W of them and gathering a layer just before it "
     "runs (every layer checkpointed). One process: as none",
     kSharding);
+  f("prefetch", prefetch,
+    "sharding full: the next layer's gather starts while a layer computes, so it overlaps the computation (one "
+    "more gathered layer on the device); false: each layer is gathered when it runs");
 }
 
 // `source` is not a key: it says where the config came from.

@@ -182,8 +182,9 @@ struct DistributedConfig {
   std::string backend = "auto";   // auto (nccl on CUDA, gloo on CPU)|gloo|nccl
   double timeout = 300;           // seconds for each collective
   int64_t bucket_size_mb = 25;    // gradient buckets
-  // ZeRO stage: none | optimizer (1: optimizer state) | gradients (2: + gradients) | full (3: refused, not built)
+  // ZeRO stage: none | optimizer (1: optimizer state) | gradients (2: + gradients) | full (3: + the layers' weights)
   std::string sharding = "none";
+  bool prefetch = true;           // full: the next layer's gather starts while one computes (one more layer held)
   template <class F> void fields(F&& f);
 };
 

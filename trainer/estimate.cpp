@@ -85,6 +85,7 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
   in.optimizer_paged = oo.paged || c.memory.optimizer_offload == "cpu";
   in.gradients_offloaded = c.memory.optimizer_offload == "cpu";
   in.sharding = c.distributed.sharding;  // world_size stays 1: the caller knows the ranks
+  in.prefetch = c.distributed.prefetch;
   in.bucket_bytes = c.distributed.bucket_size_mb << 20;
   std::string note;
   in.compute_bytes = static_cast<int64_t>(c10::elementSize(resolve_compute_dtype(c, device, &note)));

@@ -100,6 +100,8 @@ class Planner {
   // 1/W of the layers' weights (frozen and trainable), gathers a layer around its forward,
   // checkpoints all.
   bool shard_layers() const { return m_.world_size > 1 && m_.sharding == "full"; }
+  // Layers gathered at once: the one running, and with prefetch the next one's gather.
+  int64_t gathered_copies() const { return m_.prefetch && L_ > 1 ? 2 : 1; }
   // Layer `layer`'s input (the final norm's at num_layers) requires grad.
   bool input_grad(int layer) const { return input_grad_[layer]; }
   // What a checkpointed layer keeps: its input, when a gradient is wanted through it and it
@@ -142,8 +144,8 @@ class Planner {
       e.layers_sharded_from = e.weights_layers;
       e.weights_nf4 = (layers_nf4 + W - 1) / W + (e.weights_nf4 - layers_nf4);
       e.weights_dense = (layers_dense + W - 1) / W + (e.weights_dense - layers_dense);
-      gathered = (e.weights_layers + L_ - 1) / L_;
-      e.gathered_layer = gathered;
+      e.gathered_layer = (e.weights_layers + L_ - 1) / L_;
+      gathered = e.gathered_layer * gathered_copies();
     }
     // An offloaded layer's weights come to the device for its forward and again for its
     // rerun and backward (a sharded layer is never offloaded).
@@ -175,8 +177,8 @@ class Planner {
     e.lora_parameters = trainable * kF32;
     if (shard_layers()) {  // the layers' adapters sharded with their layers, gathered with them
       e.lora_parameters = (e.lora_parameters + m_.world_size - 1) / m_.world_size;
-      gathered += (trainable * kF32 + L_ - 1) / L_;
-      e.gathered_layer = gathered;
+      e.gathered_layer += (trainable * kF32 + L_ - 1) / L_;
+      gathered = e.gathered_layer * gathered_copies();
     }
     for (const TensorSlot* t : trained_)
       train(t->shape, t->layer, t->role == TensorRole::kEmbedding || t->role == TensorRole::kPositionEmbedding);

@@ -64,6 +64,7 @@ struct EstimateInput {
   // (bitsandbytes: 2 fp32, no workspace) | adafactor (fp32 per row and per column of a matrix,
   // per element of a vector, and a workspace) | sgd (1: momentum buffer, when sgd_momentum)
   std::string optimizer = "adamw";
+  bool prefetch = true;             // sharding full: the next layer's gather held beside the one running
   bool sgd_momentum = false;        // training.momentum > 0 (torch.optim.SGD keeps no buffer at 0)
   bool optimizer_paged = false;     // states in host memory: nothing on the device
   // Gradients in host memory as backward produces them (memory.optimizer_offload: cpu,

@@ -283,11 +283,8 @@ void LayerShards::point(Layer& layer, int owner, const at::Tensor& buffer) {
 
 bool LayerShards::covers(int layer) const { return layer >= 0 && layer < static_cast<int>(layers_.size()); }
 
-void LayerShards::gather(int layer) {
+std::vector<at::Tensor> LayerShards::start_gather(int layer, std::vector<ProcessGroup::Pending>* pending) {
   Layer& L = layers_.at(static_cast<size_t>(layer));
-  MEMTUNE_INTERNAL_ASSERT(!L.gathered, "layer_shards: layer ", layer, " gathered twice");
-  const bool grad_mode = at::GradMode::is_enabled();  // the layer's: trainable tensors carry a backward under it
-  at::NoGradGuard no_grad;
   // Allocate first: a rank that runs out here says so in the agreement below, before any
   // rank enters a broadcast.
   std::vector<at::Tensor> received(static_cast<size_t>(world_));
@@ -310,7 +307,34 @@ void LayerShards::gather(int layer) {
   }
   for (int r = 0; r < world_; ++r) {
     if (L.owner_bytes[r] == 0) continue;
-    pg_.broadcast(r == rank_ ? L.own : received[r], r);
+    const at::Tensor& buffer = r == rank_ ? L.own : received[r];
+    if (pending)
+      pending->push_back(pg_.broadcast_async(buffer, r));
+    else
+      pg_.broadcast(buffer, r);
+  }
+  return received;
+}
+
+void LayerShards::drop_prefetch() {
+  for (auto& p : prefetch_.pending) p.wait();  // started on every rank: finished on every rank
+  prefetch_ = Prefetch{};
+}
+
+void LayerShards::gather(int layer) {
+  Layer& L = layers_.at(static_cast<size_t>(layer));
+  MEMTUNE_INTERNAL_ASSERT(!L.gathered, "layer_shards: layer ", layer, " gathered twice");
+  const bool grad_mode = at::GradMode::is_enabled();  // the layer's: trainable tensors carry a backward under it
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> received;
+  if (prefetch_.layer == layer) {  // started by the gather before this one
+    for (auto& p : prefetch_.pending) p.wait();
+    received = std::move(prefetch_.received);
+    prefetch_ = Prefetch{};
+  } else {
+    // Another layer prefetched (a step that ended early): finished and dropped, as every rank does.
+    if (prefetch_.layer >= 0) drop_prefetch();
+    received = start_gather(layer, nullptr);
   }
   for (int r = 0; r < world_; ++r) {
     if (r != rank_) point(L, r, received[r]);
@@ -319,6 +343,19 @@ void LayerShards::gather(int layer) {
   }
   L.received = std::move(received);
   L.gathered = true;
+  // The next layer in this direction (forward: up; backward's reruns, under grad mode: down)
+  // starts gathering while this one computes.
+  const int next = grad_mode ? layer - 1 : layer + 1;
+  if (!prefetch_enabled_ || !covers(next)) return;
+  try {
+    Prefetch p;
+    p.layer = next;
+    p.received = start_gather(next, &p.pending);
+    prefetch_ = std::move(p);
+  } catch (...) {  // learned in the prefetch's agreement: this layer goes back too
+    release(layer);
+    throw;
+  }
 }
 
 void LayerShards::point_trainable(Layer& layer, int owner, const at::Tensor& buffer) {

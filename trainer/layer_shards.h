@@ -20,6 +20,9 @@
 //   stay whole on every rank, under the `gradients` level's sharding of their gradients and
 //   optimizer state.
 //
+// The next layer's gather starts while a layer computes (gather(); set_prefetch): its
+// agreement and allocation happen then, its broadcasts run behind.
+//
 // Out of memory: a rank that runs out inside the forward or backward leaves it and enters
 // the supervisor's agreement (ProcessGroup::agree) while the others run on to their next
 // gather. Each gather therefore starts with the same agreement: it allocates the buffers it
@@ -34,10 +37,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "models/causal_lm.h"
-
-namespace memtune {
-class ProcessGroup;
-}
+#include "runtime/process_group.h"
 
 namespace memtune::trainer {
 
@@ -64,8 +64,15 @@ class LayerShards : public models::LayerSource {
   static std::vector<int> owners(const models::CausalLM& model, int world, bool trainable = false);
 
   bool covers(int layer) const override;
+  // Gathers layer `layer`, then starts gathering the next one in the same direction (forward
+  // and evaluation, without grad mode: layer + 1; backward's reruns: layer - 1) while this one
+  // computes, unless prefetch is off: one more layer on the device for the overlap (ZeRO-3's
+  // prefetch, FSDP's backward_prefetch). A gather of the prefetched layer waits for it; a
+  // gather of another drops it (every rank does the same) and gathers at once.
   void gather(int layer) override;
   void release(int layer) override;
+  void set_prefetch(bool on) { prefetch_enabled_ = on; }  // distributed.prefetch
+  int prefetched_layer() const { return prefetch_.layer; }  // -1: none
 
   // Whether trainable tensor `t` is one of the layers' (its storage on its owner only).
   bool holds(const at::Tensor& t) const;
@@ -105,6 +112,10 @@ class LayerShards : public models::LayerSource {
     std::vector<at::Tensor> received;        // while gathered: the other owners' buffers
     bool gathered = false;
   };
+  // The gather's agreement and broadcasts into new receive buffers (one per other owner):
+  // waited for here, or (pending) started.
+  std::vector<at::Tensor> start_gather(int layer, std::vector<ProcessGroup::Pending>* pending);
+  void drop_prefetch();
   // Points the frozen pieces of `owner` in `layer` at `buffer`, or at their meta tensors.
   void point(Layer& layer, int owner, const at::Tensor& buffer);
   // The modules' trainable tensors of `owner`'s pieces: gathered values from `buffer`, or (undefined) the leaves.
@@ -117,6 +128,13 @@ class LayerShards : public models::LayerSource {
   int64_t owned_bytes_ = 0, total_bytes_ = 0;
   bool agreed_oom_ = false;
   int64_t trainable_pieces_ = 0;
+  struct Prefetch {
+    int layer = -1;
+    std::vector<at::Tensor> received;
+    std::vector<ProcessGroup::Pending> pending;
+  };
+  Prefetch prefetch_;
+  bool prefetch_enabled_ = true;
 };
 
 }  // namespace memtune::trainer

@@ -292,6 +292,7 @@ void Trainer::load_model() {
   // the model is placed (the device never holds the whole base).
   if (shard_layers) {
     layer_shards_ = std::make_unique<LayerShards>(model, *pg_);
+    layer_shards_->set_prefetch(c_.distributed.prefetch);
     spdlog::info("{}", layer_shards_->describe());
   }
   std::vector<models::DeviceBudget> budgets = auto_budgets(c_, device_, limit_, dist_.enabled());

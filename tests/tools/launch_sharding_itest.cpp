@@ -230,6 +230,7 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"full", 2, "adamw", "full", 1e-5, "", "_full_finetune"},
                       Case{"full", 3, "sgd", "full", 1e-6, "model.name_or_path=tiny-gpt2", "_gpt2_full_finetune"},
                       Case{"full", 2, "adamw", "lora", 1e-5, "model.quantization_config.load_in_4bit=false", "_dense"},
+                      Case{"full", 3, "adamw", "lora", 1e-5, "distributed.prefetch=false", "_no_prefetch"},
                       Case{"full", 3, "adamw", "lora", 1e-5,
                            "model.name_or_path=tiny-gpt2 data.eval_file=" +
                                (source_dir() / "examples/data/tasks_eval.jsonl").string() +

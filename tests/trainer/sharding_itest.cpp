@@ -364,6 +364,53 @@ void layers_scenario(ProcessGroup& pg) {
   const auto g = layer_tensors(*m);
   for (size_t k = 0; k < g[3].size(); ++k) EXPECT_TRUE(at::equal(g[3][k], copies[3][k])) << "tensor " << k;
   shards.release(3);
+
+  // Prefetch: a gather starts the next layer's (forward and evaluation, without grad mode: up;
+  // backward's reruns: down); the next gather takes it, equal to the whole model's; a gather of
+  // another layer drops it first.
+  {
+    at::NoGradGuard forward;
+    shards.gather(1);
+    EXPECT_EQ(shards.prefetched_layer(), 2);
+    shards.release(1);
+    shards.gather(2);
+    EXPECT_EQ(shards.prefetched_layer(), 3);
+    const auto p2 = layer_tensors(*m);
+    for (size_t k = 0; k < p2[2].size(); ++k) EXPECT_TRUE(at::equal(p2[2][k], copies[2][k])) << "tensor " << k;
+    shards.release(2);
+    shards.gather(0);  // not the prefetched layer 3
+    EXPECT_EQ(shards.prefetched_layer(), 1);
+    const auto p0 = layer_tensors(*m);
+    for (size_t k = 0; k < p0[0].size(); ++k) EXPECT_TRUE(at::equal(p0[0][k], copies[0][k])) << "tensor " << k;
+    shards.release(0);
+  }
+  shards.gather(2);  // grad mode: the rerun's direction
+  EXPECT_EQ(shards.prefetched_layer(), 1);
+  shards.release(2);
+  // Out of memory learned in a prefetch's agreement (the last rank ran out after gathering layer
+  // 1, without prefetching): the others throw from their gather of layer 1, which goes back.
+  {
+    at::NoGradGuard forward;
+    if (me == w - 1) shards.set_prefetch(false);
+    bool oom = false;
+    try {
+      shards.gather(1);
+    } catch (const std::exception& e) {
+      oom = compat::is_out_of_memory(e);
+    }
+    if (me == w - 1) {
+      EXPECT_FALSE(oom);
+      shards.release(1);
+      EXPECT_TRUE(pg.agree(true, 3).first);
+    } else {
+      EXPECT_TRUE(oom) << "rank " << me;
+      EXPECT_TRUE(shards.take_agreed_oom());
+    }
+    shards.set_prefetch(true);
+  }
+  EXPECT_EQ(pg.allreduce(std::vector<int64_t>{1}, ReduceOp::sum)[0], w) << "the ranks still pair their collectives";
+  shards.gather(1);  // (not left gathered)
+  shards.release(1);
 }
 
 // ZeRO-2's reduction in backward (Sharding::backward): the adapters of tiny-llama (layers
