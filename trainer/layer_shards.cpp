@@ -76,33 +76,28 @@ at::Tensor placeholder(const at::Tensor& like, const c10::Device& device) {
 std::vector<int> LayerShards::owners(const models::CausalLM& model, int world, bool trainable) {
   const auto& slots = model.tensors();
   std::vector<int> out(slots.size(), -1);
-  if (trainable) {  // the layers' tensors, in the model's order: the group shard_owners divides by itself
+  // The slots `in` picks, partitioned by `partition` over their element counts.
+  auto assign = [&](const std::function<bool(const models::TensorSlot&)>& in,
+                    std::vector<int> (*partition)(const std::vector<int64_t>&, int)) {
     std::vector<size_t> index;
     std::vector<int64_t> numels;
     for (size_t i = 0; i < slots.size(); ++i) {
-      if (slots[i].layer < 0) continue;
+      if (!in(slots[i])) continue;
       int64_t n = 1;
       for (int64_t d : slots[i].shape) n *= d;
       index.push_back(i);
       numels.push_back(n);
     }
-    const std::vector<int> owner = shard_owners(numels, world);
+    const std::vector<int> owner = partition(numels, world);
     for (size_t k = 0; k < index.size(); ++k) out[index[k]] = owner[k];
+  };
+  if (trainable) {  // the layers' tensors, in the model's order: the group shard_owners divides by itself
+    assign([](const models::TensorSlot& s) { return s.layer >= 0; },
+           [](const std::vector<int64_t>& n, int w) { return shard_owners(n, w); });
     return out;
   }
-  for (int layer = 0; layer < model.num_layers(); ++layer) {
-    std::vector<size_t> index;
-    std::vector<int64_t> numels;
-    for (size_t i = 0; i < slots.size(); ++i) {
-      if (slots[i].layer != layer) continue;
-      int64_t n = 1;
-      for (int64_t d : slots[i].shape) n *= d;
-      index.push_back(i);
-      numels.push_back(n);
-    }
-    const std::vector<int> owner = partition_by_numel(numels, world);
-    for (size_t k = 0; k < index.size(); ++k) out[index[k]] = owner[k];
-  }
+  for (int layer = 0; layer < model.num_layers(); ++layer)
+    assign([layer](const models::TensorSlot& s) { return s.layer == layer; }, partition_by_numel);
   return out;
 }
 

@@ -279,6 +279,32 @@ INSTANTIATE_TEST_SUITE_P(Points, ShardedOom,
                            return std::get<0>(info.param) + "_W" + std::to_string(std::get<1>(info.param)) + "_step" + p;
                          });
 
+// A tied Llama of `layers` layers of width 256 (vocab 1024, a dense fp32 base) in HF format
+// at d/model, random weights (memtune init-model).
+void init_llama(const fs::path& d, int layers) {
+  const json cfg = {{"architectures", {"LlamaForCausalLM"}}, {"model_type", "llama"}, {"hidden_size", 256},
+                    {"intermediate_size", 1024}, {"num_hidden_layers", layers}, {"num_attention_heads", 4},
+                    {"num_key_value_heads", 4}, {"head_dim", 64}, {"hidden_act", "silu"},
+                    {"max_position_embeddings", 1024}, {"rms_norm_eps", 1e-5}, {"rope_theta", 10000.0},
+                    {"tie_word_embeddings", true}, {"vocab_size", 1024}, {"bos_token_id", 1019},
+                    {"eos_token_id", 1020}, {"torch_dtype", "float32"}};
+  fs::create_directories(d / "spec");
+  write_file(d / "spec/config.json", cfg.dump(1));
+  auto init = run(memtune_bin() + " init-model --config " + (d / "spec/config.json").string() + " --out " +
+                  (d / "model").string() + " --tokenizer " + (source_dir() / "examples/tiny-tokenizer").string());
+  ASSERT_EQ(init.exit_code, 0) << init.output;
+}
+
+// memory_report.txt's "peak at load" (rank 0's).
+int64_t load_peak(const fs::path& out) {
+  const std::string r = read_file(out / "memory_report.txt");
+  const size_t at = r.find("peak at load:");
+  EXPECT_NE(at, std::string::npos) << r;
+  std::string v = r.substr(at + 13, r.find('\n', at) - at - 13);
+  v.erase(0, v.find_first_not_of(' '));
+  return parse_size(v, "peak at load").bytes;
+}
+
 // The point of distributed.sharding: full: a model that does not fit one rank's
 // memory.device_limit trains on 3 ranks with that limit each. A Llama whose layers hold most
 // of its bytes (8 layers of hidden 256, a dense fp32 base: 32 MiB of its 33) under 28 MiB:
@@ -289,17 +315,7 @@ INSTANTIATE_TEST_SUITE_P(Points, ShardedOom,
 TEST(ShardedFull, AModelThatDoesNotFitOneRanksLimitTrainsOnThreeRanks) {
   MEMTUNE_REQUIRE_GLOO();
   fs::path d = temp_dir();
-  const json cfg = {{"architectures", {"LlamaForCausalLM"}}, {"model_type", "llama"}, {"hidden_size", 256},
-                    {"intermediate_size", 1024}, {"num_hidden_layers", 8}, {"num_attention_heads", 4},
-                    {"num_key_value_heads", 4}, {"head_dim", 64}, {"hidden_act", "silu"},
-                    {"max_position_embeddings", 1024}, {"rms_norm_eps", 1e-5}, {"rope_theta", 10000.0},
-                    {"tie_word_embeddings", true}, {"vocab_size", 1024}, {"bos_token_id", 1019},
-                    {"eos_token_id", 1020}, {"torch_dtype", "float32"}};
-  fs::create_directories(d / "spec");
-  write_file(d / "spec/config.json", cfg.dump(1));
-  auto init = run(memtune_bin() + " init-model --config " + (d / "spec/config.json").string() + " --out " +
-                  (d / "model").string() + " --tokenizer " + (source_dir() / "examples/tiny-tokenizer").string());
-  ASSERT_EQ(init.exit_code, 0) << init.output;
+  ASSERT_NO_FATAL_FAILURE(init_llama(d, 8));
   const std::string args = "model.name_or_path=" + (d / "model").string() +
                            " model.quantization_config.load_in_4bit=false training.per_device_train_batch_size=1 "
                            "\"memory.on_oom.ladder=[micro_batch,checkpointing,activation_offload,optimizer_offload]\"";
@@ -324,14 +340,6 @@ TEST(ShardedFull, AModelThatDoesNotFitOneRanksLimitTrainsOnThreeRanks) {
                       1e-5);
   // Each rank read only its share of the layers from the checkpoint: the peak while loading
   // (the memory report's, rank 0) is under half the unsharded run's.
-  auto load_peak = [](const fs::path& out) {
-    const std::string r = read_file(out / "memory_report.txt");
-    const size_t at = r.find("peak at load:");
-    EXPECT_NE(at, std::string::npos) << r;
-    std::string v = r.substr(at + 13, r.find('\n', at) - at - 13);
-    v.erase(0, v.find_first_not_of(' '));
-    return parse_size(v, "peak at load").bytes;
-  };
   EXPECT_LT(load_peak(d / "full/out"), load_peak(d / "free/out") / 2);
 
   // QLoRA from the same directory: the skipped projections are quantized by their owners
@@ -367,17 +375,7 @@ TEST(ShardedFull, AModelThatDoesNotFitOneRanksLimitTrainsOnThreeRanks) {
 TEST(ShardedFull, AFullFineTuneReadsItsShareOfTheLayers) {
   MEMTUNE_REQUIRE_GLOO();
   fs::path d = temp_dir();
-  const json cfg = {{"architectures", {"LlamaForCausalLM"}}, {"model_type", "llama"}, {"hidden_size", 256},
-                    {"intermediate_size", 1024}, {"num_hidden_layers", 4}, {"num_attention_heads", 4},
-                    {"num_key_value_heads", 4}, {"head_dim", 64}, {"hidden_act", "silu"},
-                    {"max_position_embeddings", 1024}, {"rms_norm_eps", 1e-5}, {"rope_theta", 10000.0},
-                    {"tie_word_embeddings", true}, {"vocab_size", 1024}, {"bos_token_id", 1019},
-                    {"eos_token_id", 1020}, {"torch_dtype", "float32"}};
-  fs::create_directories(d / "spec");
-  write_file(d / "spec/config.json", cfg.dump(1));
-  auto init = run(memtune_bin() + " init-model --config " + (d / "spec/config.json").string() + " --out " +
-                  (d / "model").string() + " --tokenizer " + (source_dir() / "examples/tiny-tokenizer").string());
-  ASSERT_EQ(init.exit_code, 0) << init.output;
+  ASSERT_NO_FATAL_FAILURE(init_llama(d, 4));
   const std::string args = "model.name_or_path=" + (d / "model").string() +
                            " model.quantization_config.load_in_4bit=false training.finetune=full "
                            "training.optim=adamw training.max_steps=3 training.save_steps=0";
@@ -389,14 +387,6 @@ TEST(ShardedFull, AFullFineTuneReadsItsShareOfTheLayers) {
   ASSERT_EQ(full.exit_code, 0) << full.output;
   expect_same_losses(step_losses(d / "one/out"), step_losses(d / "full/out"), 1e-5);
   expect_same_tensors(d / "one/out/model/model.safetensors", d / "full/out/model/model.safetensors", 1e-5);
-  auto load_peak = [](const fs::path& out) {
-    const std::string r = read_file(out / "memory_report.txt");
-    const size_t at = r.find("peak at load:");
-    EXPECT_NE(at, std::string::npos) << r;
-    std::string v = r.substr(at + 13, r.find('\n', at) - at - 13);
-    v.erase(0, v.find_first_not_of(' '));
-    return parse_size(v, "peak at load").bytes;
-  };
   // Rank 0 keeps about a third of the layers; while a layer's share moves into its packed
   // buffer, that share is there twice (one layer's at most), so the peak stays more than a
   // third of the layers under the one process's, which read them all.
