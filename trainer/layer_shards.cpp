@@ -173,7 +173,8 @@ LayerShards::LayerShards(models::CausalLM& model, ProcessGroup& pg)
   const auto trainable = model_.trainable_parameters();
   std::vector<int64_t> numels;
   std::vector<bool> in_layer;
-  for (const auto& [name, t] : trainable) {
+  for (const auto& named : trainable) {
+    const at::Tensor& t = named.second;
     numels.push_back(t.numel());
     in_layer.push_back(std::any_of(members.begin(), members.end(), [&](const Member& m) { return m.tensor->is_same(t); }));
   }
