@@ -1,6 +1,8 @@
 // NF4 figures, each beside its yardstick measured in the same run (2 intra-op threads):
 //  - dequantize throughput (GB/s of fp32 output) vs memcpy bandwidth of the same bytes;
 //  - Linear4bit forward+backward(grad_x) vs a dense fp32 Linear, 512 tokens.
+// With --cuda (a CUDA build on a GPU): the CUDA kernels' dequantize bandwidth (bytes read and
+// written) against the same GPU's device-to-device copy, and quantize, instead.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
@@ -15,6 +17,10 @@
 
 #include "models/layers/linear4bit.h"
 #include "runtime/nf4.h"
+
+#ifdef MEMTUNE_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#endif
 
 namespace {
 
@@ -112,10 +118,56 @@ void bench_linear(int64_t out, int64_t in, int64_t tokens) {
   }
 }
 
+#ifdef MEMTUNE_CUDA
+// Issue 24's yardstick: dequantize at >= 70 % of the device-to-device copy's bandwidth,
+// both counted as bytes read plus bytes written. Shapes of Llama-3-8B's projections.
+void bench_cuda() {
+  const c10::Device cuda(c10::kCUDA, 0);
+  auto timed = [](const std::function<void()>& fn, int reps) {
+    return time_median([&] {
+      fn();
+      c10::cuda::device_synchronize();
+    }, reps);
+  };
+  std::printf("CUDA: NF4 kernels against a device-to-device copy (GB/s = bytes read + written)\n");
+  for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{4096, 4096}, {14336, 4096}}) {
+    const int64_t n = rows * cols;
+    const at::Tensor w = at::randn({rows, cols}, at::TensorOptions(at::kFloat).device(cuda)).to(at::kBFloat16);
+    const memtune::NF4Tensor q = memtune::nf4_quantize(w, 64, true);
+    const double state = static_cast<double>(q.storage_bytes());
+    at::Tensor src = at::empty({n}, w.options()), dst = at::empty({n}, w.options());
+    const double t_copy = timed([&] { dst.copy_(src); }, 21);
+    const double copy_gbs = 2.0 * 2 * n / t_copy / 1e9;
+    std::printf("  %lldx%lld  copy bf16          %8.1f GB/s\n", (long long)rows, (long long)cols, copy_gbs);
+    for (at::ScalarType out : {at::kBFloat16, at::kFloat}) {
+      const double t = timed([&] { memtune::nf4_dequantize(q, out); }, 21);
+      const double gbs = (state + static_cast<double>(n) * c10::elementSize(out)) / t / 1e9;
+      std::printf("  %lldx%lld  nf4 -> %-11s %8.1f GB/s (%.0f %% of copy), %.1f us\n", (long long)rows,
+                  (long long)cols, c10::toString(out), gbs, 100.0 * gbs / copy_gbs, 1e6 * t);
+    }
+    const double t_generic = timed([&] { memtune::nf4_dequantize_generic(q, at::kBFloat16); }, 5);
+    std::printf("  %lldx%lld  tensor-op dequantize (before the kernel): %.1f us\n", (long long)rows,
+                (long long)cols, 1e6 * t_generic);
+    const double t_quant = timed([&] { memtune::nf4_quantize(w, 64, true); }, 5);
+    std::printf("  %lldx%lld  quantize bf16 -> nf4 (double quant on the host): %.2f ms\n", (long long)rows,
+                (long long)cols, 1e3 * t_quant);
+  }
+}
+#endif
+
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // figures appear as they are measured
+  if (argc > 1 && std::strcmp(argv[1], "--cuda") == 0) {
+#ifdef MEMTUNE_CUDA
+    bench_cuda();
+    return 0;
+#else
+    std::fprintf(stderr, "bench_nf4_bench --cuda: built without CUDA (MEMTUNE_CUDA)\n");
+    return 2;
+#endif
+  }
   at::set_num_threads(2);
   bench_dequantize();
   bench_linear(4096, 4096, 512);

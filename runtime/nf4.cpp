@@ -14,6 +14,9 @@
 
 #include "runtime/error.h"
 #include "runtime/nf4_kernels.h"
+#ifdef MEMTUNE_CUDA
+#include "runtime/cuda/nf4_cuda.h"
+#endif
 
 // Numerics follow bitsandbytes' CUDA kernels (csrc: kQuantizeBlockwise, dQuantizeNF4,
 // dQuantize, kDequantizeBlockwise): x * (1.0f / absmax) in fp32, codes by strict ">"
@@ -144,6 +147,47 @@ void dequantize_range_cpu(const NF4Tensor& q, int64_t begin, int64_t count, T* o
   });
 }
 
+// The 4-bit half of nf4_quantize on the CPU (any device's tensor is copied here first):
+// checks that every value is finite, then packed codes and fp32 absmax per block.
+void quantize_blocks_cpu(const at::Tensor& w, int64_t blocksize, const std::string& what, at::Tensor& packed,
+                         at::Tensor& absmax) {
+  at::Tensor x = w.detach().to(at::kCPU).to(at::kFloat).contiguous();
+  const int64_t n = x.numel();
+  const float* xp = x.data_ptr<float>();
+  int64_t bad = 0, first_bad = -1;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(xp[i])) {
+      if (first_bad < 0) first_bad = i;
+      ++bad;
+    }
+  }
+  MEMTUNE_CHECK(bad == 0, "nf4_quantize: ", what, " holds ", bad, " non-finite value(s) (inf/nan), first at flat index ",
+                first_bad, " (value ", first_bad >= 0 ? xp[first_bad] : 0.0f,
+                "); fix the checkpoint or the training run that produced it before quantizing");
+  const int64_t nb = ceil_div(n, blocksize);
+  packed = at::empty({ceil_div(n, 2)}, at::TensorOptions(at::kByte));
+  absmax = at::empty({nb}, at::TensorOptions(at::kFloat));
+  uint8_t* pp = packed.data_ptr<uint8_t>();
+  float* ap = absmax.data_ptr<float>();
+  at::parallel_for(0, nb, std::max<int64_t>(1, 16384 / blocksize), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t a = b * blocksize, z = std::min(n, a + blocksize);
+      float m = -FLT_MAX;
+      for (int64_t i = a; i < z; ++i) m = std::max(m, std::fabs(xp[i]));  // finite: no nan rules needed
+      ap[b] = m;
+      const int64_t len = z - a;
+      uint8_t codes[4096 + 1];
+      if (m == 0.0f) {
+        std::memset(codes, kZeroCode, len);
+      } else {
+        block_codes(xp + a, len, 1.0f / m, codes);
+      }
+      codes[len] = nf4_code(0.0f);  // padding nibble of an odd-length tensor
+      for (int64_t i = 0; i < len; i += 2) pp[(a + i) >> 1] = static_cast<uint8_t>((codes[i] << 4) | codes[i + 1]);
+    }
+  });
+}
+
 }  // namespace
 
 void check_nf4_state(const NF4Tensor& q) {
@@ -255,54 +299,30 @@ NF4Tensor nf4_quantize(const at::Tensor& w, int64_t blocksize, bool double_quant
                 "nf4_quantize: blocksize ", blocksize, " for ", what,
                 " is not a power of two in [32, 4096]; bitsandbytes uses 64");
 
-  at::Tensor x = w.detach().to(at::kCPU).to(at::kFloat).contiguous();
-  const int64_t n = x.numel();
-  const float* xp = x.data_ptr<float>();
-  int64_t bad = 0, first_bad = -1;
-  for (int64_t i = 0; i < n; ++i) {
-    if (!std::isfinite(xp[i])) {
-      if (first_bad < 0) first_bad = i;
-      ++bad;
-    }
-  }
-  MEMTUNE_CHECK(bad == 0, "nf4_quantize: ", what, " holds ", bad, " non-finite value(s) (inf/nan), first at flat index ",
-                first_bad, " (value ", first_bad >= 0 ? xp[first_bad] : 0.0f,
-                "); fix the checkpoint or the training run that produced it before quantizing");
-
   NF4Tensor q;
   q.shape = w.sizes().vec();
   q.blocksize = blocksize;
   q.double_quant = double_quant;
   q.dtype = w.scalar_type();
-  const int64_t nb = q.nblocks();
-  q.packed = at::empty({ceil_div(n, 2)}, at::TensorOptions(at::kByte));
-  at::Tensor absmax = at::empty({nb}, at::TensorOptions(at::kFloat));
-  uint8_t* pp = q.packed.data_ptr<uint8_t>();
-  float* ap = absmax.data_ptr<float>();
-
-  at::parallel_for(0, nb, std::max<int64_t>(1, 16384 / blocksize), [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t a = b * blocksize, z = std::min(n, a + blocksize);
-      float m = -FLT_MAX;
-      for (int64_t i = a; i < z; ++i) m = std::max(m, std::fabs(xp[i]));  // finite: no nan rules needed
-      ap[b] = m;
-      const int64_t len = z - a;
-      uint8_t codes[4096 + 1];
-      if (m == 0.0f) {
-        std::memset(codes, kZeroCode, len);
-      } else {
-        block_codes(xp + a, len, 1.0f / m, codes);
-      }
-      codes[len] = nf4_code(0.0f);  // padding nibble of an odd-length tensor
-      for (int64_t i = 0; i < len; i += 2) pp[(a + i) >> 1] = static_cast<uint8_t>((codes[i] << 4) | codes[i + 1]);
-    }
-  });
+  at::Tensor absmax;  // fp32 [nblocks]
+#ifdef MEMTUNE_CUDA
+  // On its device when the tensor is finite; otherwise the CPU's check names what is wrong.
+  if (w.is_cuda() && at::isfinite(w.detach()).all().item<bool>())
+    nf4_quantize_blocks_cuda(w.detach(), blocksize, q.packed, absmax);
+  else
+#endif
+    quantize_blocks_cpu(w, blocksize, what, q.packed, absmax);
 
   if (!double_quant) {
     q.absmax = absmax;
   } else {
-    // offset = absmax.mean(); (absmax - offset) quantized in blocks of 256 over the map.
-    const float offset = absmax.mean().item<float>();
+    // offset = absmax.mean(); (absmax - offset) quantized in blocks of 256 over the map. On
+    // the CPU wherever the blocks were quantized (n / 64 values), so every device's bytes
+    // are the CPU's, the mean's summation order included.
+    const at::Tensor am = absmax.to(at::kCPU);
+    const float* ap = am.data_ptr<float>();
+    const int64_t nb = q.nblocks();
+    const float offset = am.mean().item<float>();
     q.nested_offset = offset;
     q.nested_quant_map = nf4_dynamic_map().clone();
     const float* map = q.nested_quant_map.data_ptr<float>();
@@ -381,6 +401,9 @@ at::Tensor nf4_dequantize_generic(const NF4Tensor& q, at::ScalarType out_dtype) 
 at::Tensor nf4_dequantize(const NF4Tensor& q, at::ScalarType out_dtype) {
   MEMTUNE_CHECK(supported_float(out_dtype), "nf4_dequantize: output dtype ", out_dtype,
                 " is not float32, float16 or bfloat16 (bnb_4bit_compute_dtype)");
+#ifdef MEMTUNE_CUDA
+  if (q.device().is_cuda()) return nf4_dequantize_cuda(q, out_dtype);
+#endif
   if (!q.device().is_cpu()) return nf4_dequantize_generic(q, out_dtype);
   at::Tensor out = at::empty({q.numel()}, at::TensorOptions(out_dtype));
   nf4_dequantize_range_into(q, 0, q.numel(), out);

@@ -49,8 +49,9 @@ struct NF4Tensor {
 
 // Quantizes a float32/float16/bfloat16 tensor. `name` only labels error messages.
 // Throws UserError on inf/nan (count and first flat index) and on a blocksize that is not
-// a power of two in [32, 4096]. A CUDA tensor is quantized on the CPU and the result moved
-// back to its device. An all-zero block gets the code of 0.0 for every element.
+// a power of two in [32, 4096]. A CUDA tensor's blocks are quantized on its device
+// (runtime/cuda/nf4_cuda.h), their double quantization on the CPU: the bytes are the CPU's.
+// An all-zero block gets the code of 0.0 for every element.
 // The form nf4_quantize gives a tensor of this shape and dtype, as meta tensors (shapes and
 // dtypes, no memory; nested_offset 0): a placeholder for a weight another process holds.
 NF4Tensor nf4_meta(const std::vector<int64_t>& shape, at::ScalarType dtype, int64_t blocksize, bool double_quant);
@@ -59,7 +60,8 @@ NF4Tensor nf4_quantize(const at::Tensor& w, int64_t blocksize = 64, bool double_
                        const std::string& name = "");
 
 // Dequantizes to shape q.shape in out_dtype (fp32 math, then one cast). The CPU kernel is
-// vectorized (AVX2 when the CPU has it) and parallel; other devices use tensor ops.
+// vectorized (AVX2 when the CPU has it) and parallel; on CUDA one kernel gives the same
+// bits (runtime/cuda/nf4_cuda.h); other devices use tensor ops.
 at::Tensor nf4_dequantize(const NF4Tensor& q, at::ScalarType out_dtype);
 
 // Elements [begin, begin + count) of the flattened tensor into `out` (contiguous CPU

@@ -1,0 +1,199 @@
+// NF4 dequantize and quantize on CUDA, the numerics of runtime/nf4.cpp's CPU kernels
+// (bitsandbytes' kDequantizeBlockwise and kQuantizeBlockwise): value = codebook[code] * scale
+// in fp32, scale = map[code] * nested_absmax, then + offset (two roundings), codes by strict
+// ">" against the fp32 midpoints of x * (1 / absmax). Every product and sum is written as an
+// _rn intrinsic, so nvcc's default contraction into fused multiply-adds cannot change a bit.
+#include "runtime/cuda/nf4_cuda_kernels.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+namespace memtune::nf4_cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr uint8_t kZeroCode = 7;  // the code of 0.0
+
+// Tables passed by value (kernel parameters) and copied to shared memory by each CTA: a
+// warp's lanes index them with different codes, which constant memory would serialize.
+struct Codebook {
+  float v[16];
+};
+struct Thresholds {
+  float v[15];
+};
+
+int log2_of(int64_t blocksize) {
+  int k = 0;
+  while ((int64_t{1} << k) < blocksize) ++k;
+  return k;
+}
+
+int64_t grid_for(int64_t items) {
+  // Grid-stride loops: the grid need not cover every item.
+  return std::max<int64_t>(1, std::min<int64_t>((items + kThreads - 1) / kThreads, int64_t{1} << 20));
+}
+
+template <class T>
+struct Convert;
+template <>
+struct Convert<float> {
+  static __device__ __forceinline__ float to(float x) { return x; }
+  static __device__ __forceinline__ float from(float x) { return x; }
+};
+template <>
+struct Convert<__half> {
+  static __device__ __forceinline__ __half to(float x) { return __float2half_rn(x); }
+  static __device__ __forceinline__ float from(__half x) { return __half2float(x); }
+};
+template <>
+struct Convert<__nv_bfloat16> {
+  static __device__ __forceinline__ __nv_bfloat16 to(float x) { return __float2bfloat16_rn(x); }
+  static __device__ __forceinline__ float from(__nv_bfloat16 x) { return __bfloat162float(x); }
+};
+
+__device__ __forceinline__ float block_scale(const Scales& s, int64_t block, const float* map) {
+  if (s.absmax != nullptr) return s.absmax[block];
+  return __fadd_rn(__fmul_rn(map[s.absmax_codes[block]], s.nested_absmax[block / 256]), s.nested_offset);
+}
+
+// Thread g writes elements [8g, 8g + 8): four packed bytes, one quantization block (the
+// block size is a power of two >= 32). With `vector_io` (packed 4-byte aligned, out 16-byte
+// aligned) a full group is one 4-byte load and 16-byte stores.
+template <class T>
+__global__ void dequantize_kernel(const uint8_t* __restrict__ packed, Scales s, int64_t n, int log2_bs,
+                                  Codebook codebook, bool vector_io, T* __restrict__ out) {
+  __shared__ float cb[16];
+  __shared__ float map[256];
+  if (threadIdx.x < 16) cb[threadIdx.x] = codebook.v[threadIdx.x];
+  if (s.absmax == nullptr)
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) map[i] = s.nested_map[i];
+  __syncthreads();
+  const int64_t groups = (n + 7) / 8;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; g < groups; g += stride) {
+    const int64_t e0 = 8 * g;
+    const float scale = block_scale(s, e0 >> log2_bs, map);
+    if (vector_io && e0 + 8 <= n) {
+      const uint32_t word = reinterpret_cast<const uint32_t*>(packed)[g];
+      alignas(16) T v[8];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const uint32_t byte = (word >> (8 * k)) & 0xffu;  // little endian: byte k of the four
+        v[2 * k] = Convert<T>::to(__fmul_rn(cb[byte >> 4], scale));
+        v[2 * k + 1] = Convert<T>::to(__fmul_rn(cb[byte & 15u], scale));
+      }
+      constexpr int kStores = static_cast<int>(8 * sizeof(T) / 16);
+#pragma unroll
+      for (int k = 0; k < kStores; ++k)
+        reinterpret_cast<uint4*>(out + e0)[k] = reinterpret_cast<const uint4*>(v)[k];
+    } else {
+      for (int64_t i = e0; i < n && i < e0 + 8; ++i) {
+        const uint8_t byte = packed[i >> 1];
+        const int code = (i & 1) ? (byte & 15) : (byte >> 4);
+        out[i] = Convert<T>::to(__fmul_rn(cb[code], scale));
+      }
+    }
+  }
+}
+
+// One warp per quantization block: max |x| over the block (exact, so in any order).
+template <class T>
+__global__ void absmax_kernel(const T* __restrict__ x, int64_t n, int64_t blocksize, int64_t nblocks,
+                              float* __restrict__ absmax) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  for (int64_t b = warp; b < nblocks; b += warps) {  // uniform across the warp
+    const int64_t a = b * blocksize, z = min(n, a + blocksize);
+    float m = 0.0f;
+    for (int64_t i = a + lane; i < z; i += 32) m = fmaxf(m, fabsf(Convert<T>::from(x[i])));
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+    if (lane == 0) absmax[b] = m;
+  }
+}
+
+__device__ __forceinline__ uint32_t nf4_code(float v, const float* thresholds) {
+  uint32_t c = 0;
+#pragma unroll
+  for (int j = 0; j < 15; ++j) c += v > thresholds[j] ? 1u : 0u;
+  return c;
+}
+
+// Thread k writes packed byte k: elements 2k (high nibble) and 2k + 1, one block.
+template <class T>
+__global__ void codes_kernel(const T* __restrict__ x, int64_t n, int log2_bs, const float* __restrict__ absmax,
+                             Thresholds thresholds, uint8_t* __restrict__ packed) {
+  __shared__ float th[15];
+  if (threadIdx.x < 15) th[threadIdx.x] = thresholds.v[threadIdx.x];
+  __syncthreads();
+  const int64_t nbytes = (n + 1) / 2;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < nbytes; k += stride) {
+    const int64_t i = 2 * k;
+    const float m = absmax[i >> log2_bs];
+    uint32_t hi = kZeroCode, lo = kZeroCode;  // a block of zeros; the padding of an odd n
+    if (m != 0.0f) {
+      const float r = __frcp_rn(m);  // 1.0f / m, correctly rounded like the CPU's division
+      hi = nf4_code(__fmul_rn(Convert<T>::from(x[i]), r), th);
+      if (i + 1 < n) lo = nf4_code(__fmul_rn(Convert<T>::from(x[i + 1]), r), th);
+    }
+    packed[k] = static_cast<uint8_t>((hi << 4) | lo);
+  }
+}
+
+template <class T>
+cudaError_t launch_dequantize(const uint8_t* packed, const Scales& s, int64_t n, int log2_bs, const Codebook& cb,
+                              void* out, cudaStream_t stream) {
+  const bool vector_io =
+      reinterpret_cast<uintptr_t>(packed) % 4 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  dequantize_kernel<T><<<grid_for((n + 7) / 8), kThreads, 0, stream>>>(packed, s, n, log2_bs, cb, vector_io,
+                                                                       static_cast<T*>(out));
+  return cudaGetLastError();
+}
+
+template <class T>
+cudaError_t launch_quantize(const void* x, int64_t n, int64_t blocksize, const Thresholds& th, uint8_t* packed,
+                            float* absmax, cudaStream_t stream) {
+  const int64_t nblocks = (n + blocksize - 1) / blocksize;
+  const T* xt = static_cast<const T*>(x);
+  absmax_kernel<T><<<grid_for(nblocks * 32), kThreads, 0, stream>>>(xt, n, blocksize, nblocks, absmax);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  codes_kernel<T><<<grid_for((n + 1) / 2), kThreads, 0, stream>>>(xt, n, log2_of(blocksize), absmax, th, packed);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t dequantize(const uint8_t* packed, const Scales& scales, const float* codebook, int64_t n,
+                       int64_t blocksize, OutType out_type, void* out, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  Codebook cb;
+  for (int i = 0; i < 16; ++i) cb.v[i] = codebook[i];
+  const int log2_bs = log2_of(blocksize);
+  switch (out_type) {
+    case OutType::kFloat: return launch_dequantize<float>(packed, scales, n, log2_bs, cb, out, stream);
+    case OutType::kHalf: return launch_dequantize<__half>(packed, scales, n, log2_bs, cb, out, stream);
+    case OutType::kBFloat16: return launch_dequantize<__nv_bfloat16>(packed, scales, n, log2_bs, cb, out, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t quantize(const void* x, InType in_type, const float* thresholds, int64_t n, int64_t blocksize,
+                     uint8_t* packed, float* absmax, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  Thresholds th;
+  for (int i = 0; i < 15; ++i) th.v[i] = thresholds[i];
+  switch (in_type) {
+    case InType::kFloat: return launch_quantize<float>(x, n, blocksize, th, packed, absmax, stream);
+    case InType::kHalf: return launch_quantize<__half>(x, n, blocksize, th, packed, absmax, stream);
+    case InType::kBFloat16: return launch_quantize<__nv_bfloat16>(x, n, blocksize, th, packed, absmax, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace memtune::nf4_cuda
