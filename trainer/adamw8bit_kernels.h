@@ -9,6 +9,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "trainer/bnb_scalars.h"
+
 #if defined(__x86_64__) || defined(__i386__)
 #define MEMTUNE_ADAM8_X86 1
 #endif
@@ -24,12 +26,6 @@ at::Tensor dynamic_map(bool is_signed);
 // bitsandbytes' quantize_2D on that map (x is the state over its block's absmax).
 uint8_t quantize_dynamic(bool is_signed, float x);
 
-// The fp32 scalars bitsandbytes' kernels derive from (step, lr, betas).
-struct BnbScalars {
-  float b1, b2, one_minus_b1, one_minus_b2, eps_c2, step_size, decay, gs;
-  bool decay_on;
-  BnbScalars(int64_t step, double lr, double beta1, double beta2, double eps, double wd, double grad_scale);
-};
 
 // bitsandbytes' quantize_2D<SIGNED> on a sorted 256-entry map, as the kernel writes it: a
 // 7-step binary search from entry 127, then the nearer of the entries it last passed on either

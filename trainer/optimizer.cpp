@@ -14,6 +14,9 @@
 #include "runtime/json_input.h"
 #include "runtime/offload.h"
 #include "trainer/adamw8bit_kernels.h"
+#ifdef MEMTUNE_CUDA
+#include "trainer/cuda/adamw_bnb_cuda.h"
+#endif
 
 namespace memtune::trainer {
 
@@ -399,12 +402,23 @@ void Optimizer::update(const at::Tensor& p, const at::Tensor& g, size_t i, doubl
 void Optimizer::bnb_step(size_t i, double lr, double wd, double grad_scale) {
   const at::Tensor& p = params_[i].second;
   const BnbScalars s(steps_, lr, options_.beta1, options_.beta2, options_.eps, wd, grad_scale);
-  // The CPU kernels run on host tensors. Parameters elsewhere (CUDA) are streamed through
-  // the host per tensor: copied in, updated, copied back (no CUDA kernel yet; slow but exact).
+  std::vector<at::Tensor> st = {exp_avg_[i], exp_avg_sq_[i], absmax1_[i], absmax2_[i]};
+#ifdef MEMTUNE_CUDA
+  // A parameter on a GPU with its states there: bitsandbytes' kernels on the device, in place.
+  if (bnb_cuda_applies(p, p.grad(), st)) {
+    if (absmax1_[i].defined())
+      bnb_adam8_cuda(s, p, p.grad(), exp_avg_[i], exp_avg_sq_[i], absmax1_[i], absmax2_[i]);
+    else
+      bnb_adam32_cuda(s, p, p.grad(), exp_avg_[i], exp_avg_sq_[i]);
+    return;
+  }
+#endif
+  // The CPU kernels run on host tensors. Parameters elsewhere whose states are in host memory
+  // (paged, offloaded) are streamed through the host per tensor: copied in, updated, copied
+  // back (host memory, outside the device's budget: nothing is allocated on the device).
   const bool host = cpu_f32_contiguous(p) && cpu_f32_contiguous(p.grad());
   at::Tensor ph = host ? p : p.detach().to(at::kCPU).contiguous();
   at::Tensor gh = host ? p.grad() : p.grad().to(at::kCPU, at::kFloat).contiguous();
-  std::vector<at::Tensor> st = {exp_avg_[i], exp_avg_sq_[i], absmax1_[i], absmax2_[i]};
   std::vector<at::Tensor> sh;
   for (const at::Tensor& t : st) sh.push_back(!t.defined() || t.device().is_cpu() ? t : t.to(at::kCPU));
   if (absmax1_[i].defined()) {
