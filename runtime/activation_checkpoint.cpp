@@ -37,7 +37,10 @@ void set_rng_state(const c10::Device& device, const at::Tensor& state) {
 struct CheckpointBackward : public torch::autograd::Node {
   BlockFn fn;
   at::Tensor x;                    // detached block input: all that is kept
-  bool x_offloaded = false;        // x is in host memory outside the budget (activation offload)
+  OffloadedTensor x_offloaded;     // or, with activation offload, x in host memory outside the budget
+  // The offloaded block that ran before this one in the forward, whose input backward needs
+  // next: this node's backward starts bringing it back (prefetched one block ahead).
+  std::weak_ptr<CheckpointBackward> previous_offloaded;
   std::vector<at::Tensor> trainable;
   at::Tensor rng_state;            // the forward's generator state, for dropout replay
   DropoutKeys dropout_keys;        // the forward's rows (keyed dropout; backward may run on another thread)
@@ -48,8 +51,9 @@ struct CheckpointBackward : public torch::autograd::Node {
 
   variable_list apply(variable_list&& grads) override {
     MEMTUNE_INTERNAL_ASSERT(fn, "checkpointed block: backward ran twice (retain_graph is not supported)");
-    at::Tensor input = (x_offloaded ? fetch_from_offload(x, device) : x.detach()).requires_grad_(x_needs_grad);
-    x.reset();  // the host copy (or the reference) is not needed past this point
+    at::Tensor input = (x_offloaded.defined() ? x_offloaded.fetch() : x.detach()).requires_grad_(x_needs_grad);
+    x.reset();  // the reference is not needed past this point
+    if (auto previous = previous_offloaded.lock()) previous->x_offloaded.prefetch();
     // Rerun with the forward's random state, then give the generator back its own.
     at::Tensor current = get_rng_state(device);
     set_rng_state(device, rng_state);
@@ -79,9 +83,16 @@ struct CheckpointBackward : public torch::autograd::Node {
   void release_variables() override {
     fn = nullptr;
     x.reset();
+    x_offloaded = OffloadedTensor();
+    previous_offloaded.reset();
     trainable.clear();
   }
 };
+
+// The last offloaded block of the forward running on this thread: the next one links to it.
+// A link to a block of an earlier graph is harmless: its backward has run (its input is
+// gone, prefetch() does nothing) or never will (the graph was dropped with its nodes).
+thread_local std::weak_ptr<CheckpointBackward> last_offloaded;
 
 }  // namespace
 
@@ -103,8 +114,13 @@ at::Tensor checkpoint(const BlockFn& fn, const at::Tensor& x, const std::vector<
     y = fn(x);
   }
   node->fn = fn;
-  node->x_offloaded = offload_input;
-  node->x = offload_input ? to_offload_storage(x) : x.detach();
+  if (offload_input) {
+    node->x_offloaded = OffloadedTensor(x);
+    node->previous_offloaded = last_offloaded;
+    last_offloaded = node;
+  } else {
+    node->x = x.detach();
+  }
   node->x_needs_grad = x.requires_grad();
   node->trainable = needs;
   node->add_next_edge(torch::autograd::impl::gradient_edge(x));

@@ -6,6 +6,9 @@
 #include <ATen/ATen.h>
 
 #include "runtime/error.h"
+#ifdef MEMTUNE_CUDA
+#include "runtime/cuda/offload_cuda.h"
+#endif
 
 namespace memtune {
 
@@ -31,6 +34,37 @@ at::Tensor offload_zeros(at::IntArrayRef sizes, at::ScalarType dtype) {
 at::Tensor fetch_from_offload(const at::Tensor& t, const c10::Device& device) {
   if (!t.defined()) return t;
   return t.to(device, /*non_blocking=*/false, /*copy=*/true);
+}
+
+OffloadedTensor::OffloadedTensor(const at::Tensor& t) : device_(t.device()) {
+#ifdef MEMTUNE_CUDA
+  if (t.is_cuda()) {
+    host_ = cuda_offload_async(t);
+    return;
+  }
+#endif
+  host_ = to_offload_storage(t);
+}
+
+bool offload_prefetches(const c10::Device& device) { return device.is_cuda(); }
+
+void OffloadedTensor::prefetch() {
+  if (!host_.defined() || device_copy_.defined() || !offload_prefetches(device_)) return;
+#ifdef MEMTUNE_CUDA
+  device_copy_ = cuda_fetch_async(host_, device_, &ready_);
+#endif
+}
+
+at::Tensor OffloadedTensor::fetch() {
+  MEMTUNE_INTERNAL_ASSERT(host_.defined(), "OffloadedTensor: fetched twice, or never offloaded");
+  prefetch();
+  if (!device_copy_.defined()) device_copy_ = fetch_from_offload(host_, device_);
+#ifdef MEMTUNE_CUDA
+  if (ready_) cuda_wait_on_current_stream(ready_, device_);
+#endif
+  at::Tensor out = std::move(device_copy_);
+  *this = OffloadedTensor();
+  return out;
 }
 
 }  // namespace memtune

@@ -12,6 +12,7 @@
 #include "models/lora.h"
 #include "models/registry.h"
 #include "runtime/error.h"
+#include "runtime/offload.h"
 #include "runtime/supervisor.h"
 #include "runtime/units.h"
 #include "trainer/model_setup.h"
@@ -95,6 +96,7 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
   // for another.
   in.fused_cpu_attention = device.is_cpu() && in.dense_bytes == 4 && c.model.attn_implementation == "auto";
   in.cpu_update = device.is_cpu();
+  in.prefetch_activations = offload_prefetches(device);
   in.threads = at::get_num_threads();
   return in;
 }

@@ -271,19 +271,32 @@ class Planner {
     int64_t grads = (grads_off ? 0 : outside_trainable * kF32) + (tied() && !grads_off ? head_grad : 0);
     below = batch + stack.context + kept;
     const int64_t grad_in = E * C * kF32;
+    // Offloaded on a device that copies asynchronously, the next checkpointed layer's input
+    // (the highest below) comes back while the checkpointed layer above it runs its backward,
+    // and waits on the device until its own (runtime/offload.h, OffloadedTensor::prefetch).
+    auto prefetched_below = [&](int i) -> int64_t {
+      if (!m_.offload_activations || !m_.prefetch_activations) return 0;
+      for (int j = i - 1; j >= 0; --j)
+        if (checkpointed(j)) return checkpoint_input(j);
+      return 0;
+    };
+    bool checkpointed_above = false;  // a checkpointed layer at or above the current one
     for (int i = L_ - 1; i >= 0; --i) {
       below -= e.activations_per_layer[i];
       const models::LayerMemory& l = layers_[i];
       int64_t worst = l.backward;
+      checkpointed_above = checkpointed_above || checkpointed(i);
+      const int64_t prefetched = checkpointed_above ? prefetched_below(i) : 0;
       if (checkpointed(i)) {
         // Offloaded, the input comes back to the device for the recomputation; the rebuilt
         // layer's output stays alive through the layer's backward
         // (runtime/activation_checkpoint.cpp).
         const int64_t fetched = m_.offload_activations ? checkpoint_input(i) : 0;
         const int64_t output = E * C * act_;
-        recompute = std::max(recompute, l.kept + fetched + output);
+        recompute = std::max(recompute, l.kept + fetched + prefetched + output);
         worst = std::max(worst + fetched + output, l.forward + fetched + (input_grad(i) ? 0 : E * C * act_));
       }
+      worst += prefetched;
       workspace = std::max(workspace, l.workspace);
       // Offloaded, a layer's gradients stay only until their accumulators take them.
       const int64_t own = grads_off ? layer_trainable[i] * kF32 : 0;

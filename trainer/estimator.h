@@ -59,6 +59,8 @@ struct EstimateInput {
   // (models::CausalLM::forward).
   std::vector<bool> offloaded_layers;
   bool offload_activations = false;     // a checkpointed layer's input waits in host memory
+  // ... and comes back one checkpointed layer ahead in backward (offload_prefetches: CUDA)
+  bool prefetch_activations = false;
   // adamw (2 fp32 states + a workspace) | adamw_8bit (bitsandbytes: 2 uint8 codes + 2 fp32
   // absmax per 256 elements for tensors of >= 4096 elements, else 2 fp32) | adamw_32bit
   // (bitsandbytes: 2 fp32, no workspace) | adafactor (fp32 per row and per column of a matrix,

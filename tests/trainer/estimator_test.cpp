@@ -276,6 +276,27 @@ TEST(Estimator, MoreCheckpointingLowersThePeak) {
   EXPECT_GT(every2, peak[6]);
 }
 
+// Activation offload where copies are asynchronous (CUDA) prefetches one checkpointed input
+// ahead in backward: the backward holds one (B, T, C) input more than where fetch() copies
+// on demand (the CPU), and nothing changes without activation offload.
+TEST(Estimator, PrefetchedActivationsHoldOneCheckpointedInputMoreInBackward) {
+  models::ModelSpec s = small_llama();
+  s.num_layers = 4;
+  EstimateInput in = input(s, {"data.max_seq_length=128", "training.per_device_train_batch_size=2"});
+  in.checkpoint_layers.assign(4, true);
+  in.offload_activations = true;
+  const Estimate on_demand = estimate_memory(in);
+  in.prefetch_activations = true;
+  const Estimate prefetched = estimate_memory(in);
+  const int64_t input_bytes = 2 * 128 * s.hidden_size * 4;  // B x T x C fp32
+  EXPECT_EQ(prefetched.backward_peak - on_demand.backward_peak, input_bytes);
+  EXPECT_EQ(prefetched.forward_peak, on_demand.forward_peak);
+  in.offload_activations = false;
+  const Estimate kept = estimate_memory(in);
+  in.prefetch_activations = false;
+  EXPECT_EQ(estimate_memory(in).backward_peak, kept.backward_peak);
+}
+
 // memory.optimizer_offload: cpu takes the gradients to the host where gradient offload runs:
 // one rank, or a CPU group (Gloo reduces host tensors). Several GPU ranks reduce on the device
 // (NCCL), so their estimate keeps the gradients there.
