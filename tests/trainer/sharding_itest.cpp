@@ -453,11 +453,12 @@ void backward_scenario(ProcessGroup& pg, bool checkpointed) {
     const int64_t seq = pg.sequence();
     s.reduce_gradients(params, extra, GradScaler(false));
     EXPECT_EQ(pg.sequence(), seq + 1) << "reduced in backward: only the check's all-reduce is left";
-    for (size_t i = 0; i < params.size(); ++i)
-      if (s.owners()[i] == me)
-        EXPECT_LE((params[i].second.grad() - want[i]).abs().max().item<double>(),
-                  1e-6 * want[i].abs().max().item<double>())  // fp32 sums in another order
-            << params[i].first;
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (s.owners()[i] != me) continue;
+      EXPECT_LE((params[i].second.grad() - want[i]).abs().max().item<double>(),
+                1e-6 * want[i].abs().max().item<double>())  // fp32 sums in another order
+          << params[i].first;
+    }
   };
   std::set<int> owners(s.owners().begin(), s.owners().end());
   EXPECT_EQ(owners.size(), static_cast<size_t>(w)) << "every rank owns a run of the tensors";
