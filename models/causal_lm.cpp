@@ -290,6 +290,14 @@ ForwardOutput CausalLM::forward(const data::Batch& batch, const ForwardOptions& 
   const bool one_segment_per_row = seg.numel() > 0 &&
                                    (seg == seg.select(1, 0).unsqueeze(1)).all().item<bool>() &&
                                    (seg.select(1, 0) >= 0).all().item<bool>();
+  // Packed rows' documents as runs, for attention per document on GPUs (once per forward).
+  std::shared_ptr<const std::vector<std::vector<int64_t>>> runs;
+  bool runs_known = false;
+  auto segment_runs = [&] {
+    if (!runs_known) runs = segment_run_lengths(seg);
+    runs_known = true;
+    return runs;
+  };
   // The batch and the layers' context on each device the model computes on.
   std::unordered_map<c10::Device, data::Batch> batches;
   std::unordered_map<c10::Device, LayerContext> contexts;
@@ -310,6 +318,7 @@ ForwardOutput CausalLM::forward(const data::Batch& batch, const ForwardOptions& 
     ctx.training = options.training;
     ctx.attention.kernel = attention_kernel_;
     ctx.attention.one_segment_per_row = one_segment_per_row;
+    if (!d.is_cpu() && !one_segment_per_row && seg.numel() > 0) ctx.attention.segment_lengths = segment_runs();
     return contexts.emplace(d, std::move(ctx)).first->second;
   };
 

@@ -1,5 +1,6 @@
 #include "models/layers/attention.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -160,11 +161,70 @@ at::Tensor sdpa_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
 #endif
   return o.view({B, Hkv, G, T, D});
 }
+
+// The same with one causal call per document: row b's positions split by lengths[b] (runs
+// of one segment id each, padding included), so no mask and no (T,T) tensor. split() keeps
+// the backward to one concatenation of the pieces' gradients.
+at::Tensor sdpa_per_document(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                             const std::vector<std::vector<int64_t>>& lengths) {
+  const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), T = q.size(3), D = q.size(4);
+  const at::Tensor qh = q.reshape({B, Hkv * G, T, D});
+  const at::Tensor kh = k.unsqueeze(2).expand({B, Hkv, G, T, D}).reshape({B, Hkv * G, T, D});
+  const at::Tensor vh = v.unsqueeze(2).expand({B, Hkv, G, T, D}).reshape({B, Hkv * G, T, D});
+  const std::vector<at::Tensor> qr = qh.split(1, 0), kr = kh.split(1, 0), vr = vh.split(1, 0);
+  std::vector<at::Tensor> rows;
+  for (int64_t b = 0; b < B; ++b) {
+    const std::vector<at::Tensor> qd = qr[b].split_with_sizes(lengths[b], 2), kd = kr[b].split_with_sizes(lengths[b], 2),
+                                  vd = vr[b].split_with_sizes(lengths[b], 2);
+    std::vector<at::Tensor> docs;
+    for (size_t d = 0; d < qd.size(); ++d) {
+#if MEMTUNE_SDPA_HAS_SCALE
+      docs.push_back(at::scaled_dot_product_attention(qd[d], kd[d], vd[d], c10::nullopt, 0.0, true, scale));
+#else
+      docs.push_back(at::scaled_dot_product_attention(qd[d] * (scale * std::sqrt(static_cast<double>(D))), kd[d],
+                                                      vd[d], c10::nullopt, 0.0, true));
+#endif
+    }
+    rows.push_back(at::cat(docs, 2));
+  }
+  return at::cat(rows, 0).view({B, Hkv, G, T, D});
+}
+
+bool per_document(const AttentionOptions& o, int64_t B, int64_t T, int64_t window) {
+  if (window > 0 || !o.segment_lengths || static_cast<int64_t>(o.segment_lengths->size()) != B) return false;
+  for (const auto& row : *o.segment_lengths) {
+    int64_t sum = 0;
+    for (int64_t n : row) sum += n;
+    if (sum != T) return false;
+  }
+  return true;
+}
 #endif
 
 }  // namespace
 
 bool sdpa_available() { return MEMTUNE_HAS_SDPA; }
+
+std::shared_ptr<const std::vector<std::vector<int64_t>>> segment_run_lengths(const at::Tensor& segment_ids) {
+  MEMTUNE_INTERNAL_ASSERT(segment_ids.dim() == 2, "segment_run_lengths: segment ids (B,T), got ", segment_ids.sizes());
+  const at::Tensor seg = segment_ids.to(at::kCPU, at::kLong).contiguous();
+  const int64_t B = seg.size(0), T = seg.size(1);
+  const int64_t* p = seg.data_ptr<int64_t>();
+  auto out = std::make_shared<std::vector<std::vector<int64_t>>>(B);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t* row = p + b * T;
+    std::vector<int64_t> seen;
+    for (int64_t t = 0; t < T;) {
+      int64_t e = t + 1;
+      while (e < T && row[e] == row[t]) ++e;
+      if (std::find(seen.begin(), seen.end(), row[t]) != seen.end()) return nullptr;  // a document resumes
+      seen.push_back(row[t]);
+      (*out)[b].push_back(e - t);
+      t = e;
+    }
+  }
+  return out;
+}
 
 AttentionOptions::Kernel parse_attention_kernel(const std::string& name) {
   if (name == "auto") return AttentionOptions::Kernel::kAuto;
@@ -220,6 +280,8 @@ at::Tensor causal_segment_attention(const at::Tensor& q, const at::Tensor& k, co
   using Kernel = AttentionOptions::Kernel;
   if (options.kernel == Kernel::kSdpa) {
 #if MEMTUNE_HAS_SDPA
+    if (!options.one_segment_per_row && per_document(options, q.size(0), q.size(3), sliding_window))
+      return sdpa_per_document(q, k, v, scale, *options.segment_lengths);
     return sdpa_attention(q, k, v, segment_ids, scale, sliding_window, options.one_segment_per_row);
 #else
     TORCH_CHECK(false, "attention: sdpa needs LibTorch 2.0 or later (this build: ", compat::torch_version(), ")");
@@ -231,6 +293,8 @@ at::Tensor causal_segment_attention(const at::Tensor& q, const at::Tensor& k, co
 #if MEMTUNE_HAS_SDPA
     if (q.is_cuda() && options.one_segment_per_row && sliding_window <= 0)
       return sdpa_attention(q, k, v, segment_ids, scale, sliding_window, true);
+    if (q.is_cuda() && per_document(options, q.size(0), q.size(3), sliding_window))
+      return sdpa_per_document(q, k, v, scale, *options.segment_lengths);
 #endif
   }
   return SegmentAttention::apply(q.contiguous(), k.contiguous(), v.contiguous(),

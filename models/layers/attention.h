@@ -2,7 +2,9 @@
 // Causal self-attention restricted to documents (segment ids), with grouped-query heads.
 #include <ATen/core/Tensor.h>
 
+#include <memory>
 #include <string>
+#include <vector>
 
 namespace memtune::models {
 
@@ -19,11 +21,12 @@ namespace memtune::models {
 // Three implementations compute it (`model.attn_implementation` picks; auto by default):
 // - the fused CPU kernel (attention_cpu.h): CPU, fp32, segments that are runs of positions;
 //   register-tiled per-head GEMMs on the intra-op threads, probabilities never kept;
-// - at::scaled_dot_product_attention (LibTorch >= 2.0): auto takes it on GPUs when every
-//   row is one document without padding and there is no window (causal masking alone,
-//   flash/memory-efficient kernels, linear memory); `sdpa` forces it, with an explicit
-//   (B,1,T,T) boolean mask where segments or a window need one (quadratic memory), and
-//   grouped key/value heads repeated to the query heads;
+// - at::scaled_dot_product_attention (LibTorch >= 2.0): auto takes it on GPUs without a
+//   window when every row is one document without padding (causal masking alone), and when
+//   the rows' documents are known runs of positions (segment_lengths): one causal call per
+//   document (flash/memory-efficient kernels, linear memory, padding a document of its own);
+//   `sdpa` forces it, per document where the runs are known, else with an explicit (B,1,T,T)
+//   boolean mask (quadratic memory); grouped key/value heads repeated to the query heads;
 // - the blocked one written with ATen ops ("eager"): anything else (packed documents on a
 //   GPU, fp16/bf16, arbitrary segment ids), linear memory.
 struct AttentionOptions {
@@ -32,11 +35,19 @@ struct AttentionOptions {
   // Every row of segment_ids is one segment without padding (the caller knows it from the
   // batch; causal_segment_attention does not look, to spare a device sync per layer).
   bool one_segment_per_row = false;
+  // Per row, the lengths of its runs of equal segment ids in order (summing to T), from the
+  // batch on the host (segment_run_lengths); null when unknown, or when a row's segment id
+  // comes back after another one (its runs are then not its documents).
+  std::shared_ptr<const std::vector<std::vector<int64_t>>> segment_lengths;
   // The blocked implementation's query rows per block and its limit for keeping the
   // probabilities instead of recomputing them in backward.
   int64_t query_block = 64;
   int64_t keep_probs_bytes = 64LL << 20;
 };
+
+// AttentionOptions::segment_lengths of segment_ids (B,T) (copied to the host if elsewhere):
+// null when a row's segment id comes back after another one.
+std::shared_ptr<const std::vector<std::vector<int64_t>>> segment_run_lengths(const at::Tensor& segment_ids);
 
 // The option's spelling in configs (auto, eager, sdpa); throws on anything else, and on
 // sdpa when the LibTorch memtune was built against predates it.

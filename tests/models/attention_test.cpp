@@ -154,8 +154,26 @@ TEST(Attention, SdpaMatchesTheTextbookAttention) {
     SCOPED_TRACE("window " + std::to_string(window));
     expect_textbook(q, k, v, two_rows_of_segments(T), window, options);
   }
+  // Packed documents and padding with their runs known: one causal call per document.
+  const at::Tensor seg = two_rows_of_segments(T);
+  options.segment_lengths = memtune::models::segment_run_lengths(seg);
+  ASSERT_TRUE(options.segment_lengths);
+  expect_textbook(q, k, v, seg, 0, options);
+  expect_textbook(q, k, v, seg, 3, options);  // a window: the mask again, the runs unused
+  options.segment_lengths.reset();
   options.one_segment_per_row = true;
   expect_textbook(q, k, v, at::zeros({B, T}, at::kLong), 0, options);
+}
+
+// The runs attention per document splits rows by: lengths of equal segment ids in order,
+// padding (-1) a run of its own; none when a row's document resumes after another.
+TEST(Attention, SegmentRunLengthsAreTheRowsDocumentsInOrder) {
+  at::Tensor seg = at::tensor({0, 0, 0, 1, 1, 2, -1, -1, 5, 5, 5, 5, 5, 5, 5, 5}, at::kLong).view({2, 8});
+  auto runs = memtune::models::segment_run_lengths(seg);
+  ASSERT_TRUE(runs);
+  EXPECT_EQ(*runs, (std::vector<std::vector<int64_t>>{{3, 2, 1, 2}, {8}}));
+  seg[1][4] = 7;  // 5 5 5 5 7 5 5 5: document 5 resumes
+  EXPECT_FALSE(memtune::models::segment_run_lengths(seg));
 }
 
 // Inputs the fused kernel does not take run the blocked kernel, still exactly: a segment id
