@@ -1,6 +1,7 @@
 #include "runtime/supervisor.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 
 #include <spdlog/spdlog.h>
@@ -125,9 +126,16 @@ void Supervisor::shrink(int64_t step, const std::string& why) {
 }
 
 void Supervisor::run_step(int64_t step, const StepStages& stages) {
+  using Clock = std::chrono::steady_clock;
+  Clock::time_point first_oom;
+  recovery_seconds_ = 0.0;
   for (int tries = 0;; ++tries) {
     std::string what;
-    if (attempt(step, stages, &what)) return;
+    if (attempt(step, stages, &what)) {
+      if (tries > 0) recovery_seconds_ = std::chrono::duration<double>(Clock::now() - first_oom).count();
+      return;
+    }
+    if (tries == 0) first_oom = Clock::now();
     // Keep only the first line of the allocator's message in the event.
     std::string first_line = what.substr(0, what.find('\n'));
     event(step, "oom", first_line);

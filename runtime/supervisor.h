@@ -90,6 +90,9 @@ class Supervisor {
 
   // Runs the step to completion, retrying the same samples after an out-of-memory error.
   void run_step(int64_t step, const StepStages& stages);
+  // Seconds from the last run_step's first out-of-memory error to its completion: what an
+  // error cost (the failed attempt's remainder, the plan's change, the retries); 0 without one.
+  double recovery_seconds() const { return recovery_seconds_; }
   // After a completed step: its peak memory as a share of the limit (0 when no limit).
   void observe_peak(int64_t step, double peak_fraction, const std::function<void()>& release_cached,
                     const std::function<std::string()>& suggestion);
@@ -124,6 +127,7 @@ class Supervisor {
   std::function<bool(int64_t)> fits_;
   std::vector<SupervisorEvent> events_;
   std::vector<std::string> history_;  // everything tried, for the final report
+  double recovery_seconds_ = 0.0;
 };
 
 }  // namespace memtune

@@ -239,7 +239,9 @@ void MemoryConfig::fields(F&& f) {
     "is the same, bit for bit (on the host for parameters on a GPU). Several ranks on GPUs keep the gradients on "
     "the device (NCCL reduces device memory)",
     {"none", "cpu"});
-  f("on_oom", on_oom, "what an out-of-memory error does");
+  f("on_oom", on_oom,
+    "what an out-of-memory error does (metrics.jsonl: the step's events, and oom_recovery_s, the seconds "
+    "from its first error to its end)");
   f("grow_after_steps", grow_after_steps,
     "steps under grow_threshold before growing back: the latest ladder rung undone, else a larger micro-batch");
   f("grow_threshold", grow_threshold, "peak share of the limit that counts as headroom, in (0, 1)");

@@ -117,6 +117,7 @@ struct StepRecord {
   int64_t peak = 0;        // device peak over the step
   std::vector<SupervisorEvent> events;
   std::vector<int64_t> sent_bytes;  // distributed: bytes each rank sent in the step's collectives
+  double oom_recovery_seconds = 0;  // from the step's first out-of-memory error to its end (0: none)
 };
 
 // One run of `memtune train`. The constructor sets everything up (process group, memory
@@ -837,6 +838,7 @@ StepRecord Trainer::step() {
                               return "a smaller data.max_seq_length or per_device_train_batch_size would lower it";
                             });
   r.events = supervisor_->take_events();
+  r.oom_recovery_seconds = supervisor_->recovery_seconds();
   if (r.skipped) r.events.push_back({step_ - 1, "skip", "inf/nan gradients"});
   ++steps_this_run_;
   tokens_this_run_ += r.tokens;
@@ -865,6 +867,7 @@ void Trainer::log_step(const StepRecord& r) {
               {"memory", {{mem_->device(), {{"allocated", r.allocated}, {"peak", r.peak}, {"limit", limit_}}}}},
               {"events", events}};
   if (!r.sent_bytes.empty()) row["sent_bytes"] = r.sent_bytes;
+  if (r.oom_recovery_seconds > 0) row["oom_recovery_s"] = r.oom_recovery_seconds;
   metrics_->write(row);
   const double eta = seconds_since(start_) / static_cast<double>(steps_this_run_) *
                      static_cast<double>(total_steps_ - r.step);

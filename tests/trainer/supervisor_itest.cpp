@@ -4,6 +4,7 @@
 // micro-batch from the start, and every step sees the same samples.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <fstream>
 #include <sstream>
 
@@ -170,8 +171,65 @@ TEST(Supervisor, RealBudgetSettlesOnAMicroBatchThatFitsWithTheSameLosses) {
   ASSERT_EQ(fit.exit_code, 0) << fit.output;
   auto r = rows(fit.out);
   EXPECT_LT(r.back()["micro_batch"].get<int64_t>(), 16);
-  for (const auto& row : r) EXPECT_LE(row["memory"]["cpu"]["peak"].get<int64_t>(), limit);
+  for (const auto& row : r) {
+    EXPECT_LE(row["memory"]["cpu"]["peak"].get<int64_t>(), limit);
+    // A step that met an out-of-memory error says what it cost; the others say nothing.
+    bool oom = false;
+    for (const auto& e : row["events"]) oom = oom || e["kind"] == "oom";
+    EXPECT_EQ(row.contains("oom_recovery_s"), oom) << row.dump();
+    if (oom) {
+      EXPECT_GT(row["oom_recovery_s"].get<double>(), 0.0) << row.dump();
+    }
+  }
+  EXPECT_TRUE(r.front().contains("oom_recovery_s")) << "the first step ran out of memory at 16 rows";
   expect_same_run(fit.out, ref.out, 1e-5);
+}
+
+// On a GPU, real CUDA out-of-memory errors, no injection: under memory.device_limit, and a
+// micro-batch of 8192 rows of 1024 tokens (about 300 GB by the estimate) on the GPU's own
+// memory. Both shrink, continue and equal a run at a micro-batch that fits from the start;
+// the time from the error to the end of its step is in metrics.jsonl and printed.
+TEST(Supervisor, RealCudaOutOfMemoryShrinksAndKeepsTheMath_CUDA) {
+  MEMTUNE_SKIP_WITHOUT_CUDA();
+  fs::path d = temp_dir();
+  const std::string gpu = " runtime.device=cuda:0 model.quantization_config.bnb_4bit_compute_dtype=float32 ";
+  {
+    const std::string shape = gpu + "training.gradient_accumulation_steps=1 data.max_seq_length=256 training.max_steps=3";
+    TrainRun ref = train(d / "ref", shape + " training.per_device_train_batch_size=1 training.gradient_accumulation_steps=16");
+    ASSERT_EQ(ref.exit_code, 0) << ref.output;
+    int64_t peak1 = 0;
+    for (const auto& r : rows(ref.out)) peak1 = std::max<int64_t>(peak1, r["memory"]["cuda:0"]["peak"].get<int64_t>());
+    ASSERT_GT(peak1, 0);
+    const int64_t limit = peak1 + peak1 / 4;
+    TrainRun fit = train(d / "fit", shape + " training.per_device_train_batch_size=16 memory.device_limit=" +
+                                        std::to_string(limit) + " memory.grow_after_steps=1000");
+    ASSERT_EQ(fit.exit_code, 0) << fit.output;
+    auto r = rows(fit.out);
+    EXPECT_LT(r.back()["micro_batch"].get<int64_t>(), 16);
+    ASSERT_TRUE(r.front().contains("oom_recovery_s")) << r.front().dump();
+    std::printf("device_limit %lld: out of memory to the end of the step in %.3f s\n", static_cast<long long>(limit),
+                r.front()["oom_recovery_s"].get<double>());
+    expect_same_run(fit.out, ref.out, 1e-4);
+  }
+  const std::string big = gpu + "data.max_seq_length=1024 data.pack_sequences=true training.max_steps=2";
+  TrainRun ref = train(d / "big_ref", big + " training.per_device_train_batch_size=1024 training.gradient_accumulation_steps=8");
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  TrainRun all = train(d / "big", big + " training.per_device_train_batch_size=8192 memory.grow_after_steps=1000");
+  ASSERT_EQ(all.exit_code, 0) << all.output;
+  auto r = rows(all.out);
+  ASSERT_FALSE(r.empty());
+  EXPECT_LT(r.front()["micro_batch"].get<int64_t>(), 8192);
+  ASSERT_TRUE(r.front().contains("oom_recovery_s")) << r.front().dump();
+  std::printf("8192 x 1024 tokens on the whole GPU: settled at micro-batch %lld, out of memory to the end of the step "
+              "in %.3f s\n", static_cast<long long>(r.front()["micro_batch"].get<int64_t>()),
+              r.front()["oom_recovery_s"].get<double>());
+  const auto want = rows(ref.out);
+  ASSERT_EQ(r.size(), want.size());
+  for (size_t i = 0; i < r.size(); ++i) {
+    const double w = want[i]["loss"].get<double>();
+    EXPECT_NEAR(r[i]["loss"].get<double>(), w, 1e-4 * w) << "step " << i;
+    EXPECT_EQ(r[i]["tokens"], want[i]["tokens"]) << "step " << i;
+  }
 }
 
 // Past micro-batch 1 the ladder checkpoints every layer, offloads the checkpointed layers'
