@@ -144,6 +144,27 @@ TEST(Supervisor, WithDropoutTheSplitDoesNotChangeTheMath) {
             3e-5);
 }
 
+// The same on a GPU: a retry after an out-of-memory error, at a smaller micro-batch, draws
+// the masks the configured run drew there (fp32 compute; cuBLAS sums in another order at
+// another batch shape, hence 1e-5).
+TEST(Supervisor, OnTheGpuWithDropoutARetryDoesNotChangeTheMath_CUDA) {
+  MEMTUNE_SKIP_WITHOUT_CUDA();
+  fs::path d = temp_dir();
+  const std::string dropout = "lora.lora_dropout=0.1 training.max_steps=4 runtime.device=cuda:0 "
+                              "model.quantization_config.bnb_4bit_compute_dtype=float32 ";
+  TrainRun as_configured = train(d / "configured", dropout);
+  ASSERT_EQ(as_configured.exit_code, 0) << as_configured.output;
+  TrainRun oom = train(d / "oom", dropout + "memory.inject_oom=0:backward,2:forward memory.grow_after_steps=1000");
+  ASSERT_EQ(oom.exit_code, 0) << oom.output;
+  EXPECT_EQ(rows(oom.out).front()["micro_batch"], 2);
+  expect_same_run(oom.out, as_configured.out, 1e-5);
+  TrainRun none = train(d / "none", "training.max_steps=4 runtime.device=cuda:0 "
+                                    "model.quantization_config.bnb_4bit_compute_dtype=float32");
+  ASSERT_EQ(none.exit_code, 0) << none.output;
+  EXPECT_GT(std::abs(rows(none.out).back()["loss"].get<double>() - rows(as_configured.out).back()["loss"].get<double>()),
+            3e-5) << "dropout is on";
+}
+
 TEST(Supervisor, GrowsBackAndUndoesAFailedGrow) {
   // A roomy budget so steps count as headroom; OOM at step 0 shrinks 4 -> 2; after 2 good
   // steps it grows to 4; an OOM injected at that step sends it back to 2, waiting longer.

@@ -144,6 +144,14 @@ TEST(Train, ResumeWithDropoutEqualsUninterruptedRun) {
   expect_resume_equals_straight(temp_dir(), "lora.lora_dropout=0.1");
 }
 
+// On a GPU the masks are drawn there (keyed dropout reseeds the device's generator per row):
+// a resumed run draws what the straight run drew. fp32 compute, so the runs compare at 1e-6.
+TEST(Train, OnTheGpuResumeWithDropoutEqualsUninterruptedRun_CUDA) {
+  MEMTUNE_SKIP_WITHOUT_CUDA();
+  expect_resume_equals_straight(temp_dir(), "lora.lora_dropout=0.1 runtime.device=cuda:0 "
+                                            "model.quantization_config.bnb_4bit_compute_dtype=float32");
+}
+
 // modules_to_save: the whole modules' weights and AdamW states are in the checkpoint too.
 TEST(Train, ResumeWithModulesToSaveEqualsUninterruptedRun) {
   expect_resume_equals_straight(temp_dir(), "lora.modules_to_save=[embed_tokens,model.norm,lm_head]");
