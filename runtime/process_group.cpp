@@ -92,7 +92,18 @@ struct ProcessGroup::Impl {
     for (int r = 0; r < w; ++r) sent[static_cast<size_t>(r)] += r == root ? (w - 1) * bytes / w : bytes;
   }
 
-  std::string arrival_key(int64_t s, int r) const { return str_cat("memtune/arrived/", s, "/", r); }
+  // Rank r's arrival mark for collective s: a slot of kArrivalSlots per rank, reused in turn
+  // and holding the collective's number, so the store (rank 0's memory) keeps W x slots keys
+  // however long the run (a key per collective grew by millions over a long ZeRO-3 run).
+  // Collectives complete in order, so no rank is a whole turn of slots ahead of another.
+  static constexpr int64_t kArrivalSlots = 16;
+  std::string arrival_key(int64_t s, int r) const { return str_cat("memtune/arrived/", s % kArrivalSlots, "/", r); }
+  bool arrived(int64_t s, int r) const {
+    const std::string key = arrival_key(s, r);
+    if (!store->check({key})) return false;
+    const std::vector<uint8_t> v = store->get(key);
+    return std::stoll(std::string(v.begin(), v.end())) >= s;
+  }
 
   // Marks this rank's arrival at the next collective, runs it, and turns a failure into an
   // error naming the ranks that never arrived.
@@ -100,7 +111,8 @@ struct ProcessGroup::Impl {
   void collective(const char* what, Fn&& fn) {
     const int64_t s = seq++;
     try {
-      store->set(arrival_key(s, env.rank), std::vector<uint8_t>{1});
+      const std::string mark = std::to_string(s);
+      store->set(arrival_key(s, env.rank), std::vector<uint8_t>(mark.begin(), mark.end()));
     } catch (const std::exception& e) {
       fail("distributed: rank ", env.rank, " cannot reach the rendezvous store at ", env.master_addr, ":",
            env.master_port, " before ", what, " #", s, " (rank 0 hosts it; has it exited?): ", message_of(e));
@@ -117,7 +129,7 @@ struct ProcessGroup::Impl {
     int n_missing = 0;
     try {
       for (int r = 0; r < env.world_size; ++r) {
-        if (!store->check({arrival_key(s, r)})) {
+        if (!arrived(s, r)) {
           missing += str_cat(n_missing++ ? ", " : "", r);
         }
       }
@@ -269,6 +281,7 @@ const std::string& ProcessGroup::backend() const { return impl_->backend_name; }
 int64_t ProcessGroup::sequence() const { return impl_->seq; }
 c10::Device ProcessGroup::device() const { return impl_->device; }
 std::vector<int64_t> ProcessGroup::sent_bytes() const { return impl_->sent; }
+int64_t ProcessGroup::store_keys() const { return impl_->store->getNumKeys(); }
 
 void ProcessGroup::allreduce_sum(const std::vector<at::Tensor>& tensors, bool host_buffers) {
   Impl& m = *impl_;

@@ -101,6 +101,10 @@ class ProcessGroup {
   // count beside the bytes Gloo's sockets wrote.
   std::vector<int64_t> sent_bytes() const;
 
+  // Keys in the rendezvous store (rank 0's TCPStore): a fixed number once connected, however
+  // many collectives run.
+  int64_t store_keys() const;
+
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;

@@ -1,6 +1,6 @@
 // ProcessGroup over Gloo with 2 and 3 processes on 127.0.0.1: every collective against
-// sums computed here by formula, bucketing across several buckets, agree(), and a timeout
-// that names the rank that never arrived. Each process is this test binary re-run with
+// sums computed here by formula, bucketing across several buckets, agree(), a store that does
+// not grow with the collectives, and a timeout that names the rank that never arrived. Each process is this test binary re-run with
 // MEMTUNE_PG_SCENARIO set (ProcessGroupWorker.Run), all under one time limit.
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
@@ -72,6 +72,14 @@ void collectives_scenario(ProcessGroup& pg) {
   auto [oom2, micro2] = pg.agree(false, 4);
   EXPECT_FALSE(oom2);
   EXPECT_EQ(micro2, 4);
+  // The arrival marks reuse their slots: the store keeps as many keys after 120 more
+  // collectives as after the first turn of them.
+  for (int i = 0; i < 20; ++i) pg.allreduce(std::vector<int64_t>{i}, ReduceOp::sum);
+  pg.barrier();
+  const int64_t keys = pg.store_keys();
+  for (int i = 0; i < 120; ++i) pg.allreduce(std::vector<int64_t>{i}, ReduceOp::sum);
+  pg.barrier();
+  EXPECT_EQ(pg.store_keys(), keys) << "the rendezvous store grows with the number of collectives";
 }
 
 void timeout_scenario(ProcessGroup& pg) {
