@@ -108,6 +108,8 @@ at::Tensor checkpoint(const BlockFn& fn, const at::Tensor& x, const std::vector<
   node->device = x.device();
   node->rng_state = get_rng_state(node->device);
   node->dropout_keys = current_dropout_keys();
+  // The copy out starts before the block runs (on CUDA it overlaps the block's forward).
+  if (offload_input) node->x_offloaded = OffloadedTensor(x);
   at::Tensor y;
   {
     at::NoGradGuard no_grad;
@@ -115,7 +117,6 @@ at::Tensor checkpoint(const BlockFn& fn, const at::Tensor& x, const std::vector<
   }
   node->fn = fn;
   if (offload_input) {
-    node->x_offloaded = OffloadedTensor(x);
     node->previous_offloaded = last_offloaded;
     last_offloaded = node;
   } else {

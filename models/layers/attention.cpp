@@ -190,14 +190,23 @@ at::Tensor sdpa_per_document(const at::Tensor& q, const at::Tensor& k, const at:
   return at::cat(rows, 0).view({B, Hkv, G, T, D});
 }
 
-bool per_document(const AttentionOptions& o, int64_t B, int64_t T, int64_t window) {
+// Documents shorter than this on average make more calls than the blocked kernel costs
+// (one SDPA call and its autograd node per document, per layer: rows of 40-token samples
+// packed into 1024 tokens make 25 per row); a variable-length kernel would serve them.
+constexpr int64_t kMinDocumentTokens = 128;
+
+// Whether the runs are known for these rows (and no window needs a mask); with `long_only`,
+// also whether the documents are long enough for auto to prefer them to the blocked kernel.
+bool per_document(const AttentionOptions& o, int64_t B, int64_t T, int64_t window, bool long_only) {
   if (window > 0 || !o.segment_lengths || static_cast<int64_t>(o.segment_lengths->size()) != B) return false;
+  int64_t documents = 0;
   for (const auto& row : *o.segment_lengths) {
     int64_t sum = 0;
     for (int64_t n : row) sum += n;
     if (sum != T) return false;
+    documents += static_cast<int64_t>(row.size());
   }
-  return true;
+  return !long_only || B * T >= kMinDocumentTokens * documents;
 }
 #endif
 
@@ -280,7 +289,7 @@ at::Tensor causal_segment_attention(const at::Tensor& q, const at::Tensor& k, co
   using Kernel = AttentionOptions::Kernel;
   if (options.kernel == Kernel::kSdpa) {
 #if MEMTUNE_HAS_SDPA
-    if (!options.one_segment_per_row && per_document(options, q.size(0), q.size(3), sliding_window))
+    if (!options.one_segment_per_row && per_document(options, q.size(0), q.size(3), sliding_window, false))
       return sdpa_per_document(q, k, v, scale, *options.segment_lengths);
     return sdpa_attention(q, k, v, segment_ids, scale, sliding_window, options.one_segment_per_row);
 #else
@@ -293,7 +302,7 @@ at::Tensor causal_segment_attention(const at::Tensor& q, const at::Tensor& k, co
 #if MEMTUNE_HAS_SDPA
     if (q.is_cuda() && options.one_segment_per_row && sliding_window <= 0)
       return sdpa_attention(q, k, v, segment_ids, scale, sliding_window, true);
-    if (q.is_cuda() && per_document(options, q.size(0), q.size(3), sliding_window))
+    if (q.is_cuda() && per_document(options, q.size(0), q.size(3), sliding_window, true))
       return sdpa_per_document(q, k, v, scale, *options.segment_lengths);
 #endif
   }

@@ -23,8 +23,9 @@ namespace memtune::models {
 //   register-tiled per-head GEMMs on the intra-op threads, probabilities never kept;
 // - at::scaled_dot_product_attention (LibTorch >= 2.0): auto takes it on GPUs without a
 //   window when every row is one document without padding (causal masking alone), and when
-//   the rows' documents are known runs of positions (segment_lengths): one causal call per
-//   document (flash/memory-efficient kernels, linear memory, padding a document of its own);
+//   the rows' documents are known runs of positions (segment_lengths) of 128 tokens or more
+//   on average: one causal call per document (flash/memory-efficient kernels, linear memory,
+//   padding a document of its own; shorter ones take the blocked kernel, fewer calls);
 //   `sdpa` forces it, per document where the runs are known, else with an explicit (B,1,T,T)
 //   boolean mask (quadratic memory); grouped key/value heads repeated to the query heads;
 // - the blocked one written with ATen ops ("eager"): anything else (packed documents on a

@@ -25,6 +25,9 @@ at::Tensor nf4_dequantize_cuda(const NF4Tensor& q, at::ScalarType out_dtype) {
     case at::kBFloat16: out_type = nf4_cuda::OutType::kBFloat16; break;
     default: TORCH_CHECK(false, "nf4_dequantize_cuda: unsupported output dtype ", out_dtype);
   }
+  // The kernel's groups of 8 lie in one block and its index is a shift: what nf4_quantize makes.
+  TORCH_CHECK(q.blocksize >= 32 && q.blocksize <= 4096 && (q.blocksize & (q.blocksize - 1)) == 0,
+              "nf4_dequantize_cuda: blocksize ", q.blocksize, " is not a power of two in [32, 4096]");
   const c10::cuda::CUDAGuard guard(device);
   at::Tensor out = at::empty(q.shape, q.packed.options().dtype(out_dtype));
   nf4_cuda::Scales scales;

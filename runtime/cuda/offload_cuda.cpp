@@ -45,16 +45,20 @@ at::Tensor cuda_offload_async(const at::Tensor& t) {
 
 at::Tensor cuda_fetch_async(const at::Tensor& host, const c10::Device& device, std::shared_ptr<void>* ready) {
   const c10::cuda::CUDAGuard guard(device);
+  const c10::cuda::CUDAStream compute = c10::cuda::getCurrentCUDAStream(device.index());
   const c10::cuda::CUDAStream side = offload_stream(device.index());
-  // Allocated for the compute stream, which reads it; written on the side stream, which the
-  // caching allocator must also wait for before reusing it. Copies on the side stream run in
-  // order, so this one starts after the copy out that filled `host`.
-  at::Tensor out = at::empty(host.sizes(), host.options().device(device).pinned_memory(false));
+  at::Tensor out;
   {
+    // Allocated with the side stream current: a block the compute stream freed may still be
+    // in use by its queued work, and the side stream, which never waits for that work, must
+    // not write into it. The side stream's own blocks are free in its order. Copies on the
+    // side stream run in order, so this one starts after the copy out that filled `host`.
     const c10::cuda::CUDAStreamGuard on_side(side);
+    out = at::empty(host.sizes(), host.options().device(device).pinned_memory(false));
     out.copy_(host, /*non_blocking=*/true);
   }
-  c10::cuda::CUDACachingAllocator::recordStream(out.storage().data_ptr(), side);
+  // The compute stream reads it (after the ready event): its uses hold the block too.
+  c10::cuda::CUDACachingAllocator::recordStream(out.storage().data_ptr(), compute);
   auto event = std::make_shared<at::cuda::CUDAEvent>();
   event->record(side);
   *ready = event;

@@ -14,8 +14,9 @@ namespace memtune {
 // is kept from reuse by the caching allocator until the copy has read it.
 at::Tensor cuda_offload_async(const at::Tensor& t);
 
-// A copy of pinned `host` on `device` (allocated there now), started on the side stream
-// after the copy out finished; *ready receives the event to wait for before reading it.
+// A copy of pinned `host` on `device` (allocated there now, from the side stream's blocks),
+// started on the side stream after the copy out finished; *ready receives the event the
+// compute stream waits for before reading it.
 at::Tensor cuda_fetch_async(const at::Tensor& host, const c10::Device& device, std::shared_ptr<void>* ready);
 
 // The current stream of `device` waits (on the device, not the host) for `ready`.

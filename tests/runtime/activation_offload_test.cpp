@@ -10,6 +10,11 @@
 #include "runtime/offload.h"
 #include "test_util.h"
 
+#ifdef MEMTUNE_CUDA
+#include <ATen/cuda/Sleep.h>
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
 namespace memtune {
 namespace {
 
@@ -59,16 +64,31 @@ TEST(ActivationOffload, OnTheGpuGradientsAreBitForBit_CUDA) {
   EXPECT_TRUE(at::equal(kept.w.cpu(), offloaded.w.cpu()));
   // The trip alone, many times over, racing the compute stream: values intact.
   EXPECT_TRUE(offload_prefetches(cuda));
-  for (int k = 0; k < 50; ++k) {
+  for (int k = 0; k < 20; ++k) {
     const at::Tensor t = at::randn({512, 1024}, at::TensorOptions().device(cuda));
     OffloadedTensor off(t * 3);  // a temporary: its memory is free for reuse at once
     at::Tensor noise = at::randn({512, 1024}, at::TensorOptions().device(cuda));  // may reuse it
-    if (k % 2) {
-      off.prefetch();
-      EXPECT_TRUE(off.prefetched());
-    }
+    off.prefetch();
+    EXPECT_TRUE(off.prefetched());
     EXPECT_TRUE(at::equal(off.fetch(), t * 3)) << "trip " << k;
   }
+#ifdef MEMTUNE_CUDA
+  // The hazard the side stream must not fall into: a block the compute stream freed while its
+  // queued work (here a long sleep, then a fill) still writes it. A prefetch allocated from
+  // it would be overwritten by the fill after the copy back.
+  for (int k = 0; k < 5; ++k) {
+    const at::Tensor t = at::randn({512, 1024}, at::TensorOptions().device(cuda));
+    OffloadedTensor off(t);
+    c10::cuda::device_synchronize();  // the copy out is done: only the compute stream's work races
+    at::Tensor busy = at::empty({512, 1024}, at::TensorOptions().device(cuda));
+    at::cuda::sleep(int64_t{200} * 1000 * 1000);  // about 0.1 s of a GPU's clock
+    busy.fill_(7.0);
+    busy.reset();  // freed for the compute stream at once, its fill still queued
+    off.prefetch();
+    EXPECT_TRUE(at::equal(off.fetch(), t)) << "a prefetch wrote into memory the compute stream still used (" << k
+                                           << ")";
+  }
+#endif
 }
 
 // The trip itself on the CPU: out of the budget on the way out; prefetch() copies nothing

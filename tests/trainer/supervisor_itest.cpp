@@ -215,13 +215,18 @@ TEST(Supervisor, RealCudaOutOfMemoryShrinksAndKeepsTheMath_CUDA) {
   fs::path d = temp_dir();
   const std::string gpu = " runtime.device=cuda:0 model.quantization_config.bnb_4bit_compute_dtype=float32 ";
   {
-    const std::string shape = gpu + "training.gradient_accumulation_steps=1 data.max_seq_length=256 training.max_steps=3";
+    // Rows of 1024 tokens, so that a row's activations (about 40 MB) outweigh the margin below.
+    const std::string shape =
+        gpu + "training.gradient_accumulation_steps=1 data.max_seq_length=1024 data.pack_sequences=true "
+              "training.max_steps=3";
     TrainRun ref = train(d / "ref", shape + " training.per_device_train_batch_size=1 training.gradient_accumulation_steps=16");
     ASSERT_EQ(ref.exit_code, 0) << ref.output;
     int64_t peak1 = 0;
     for (const auto& r : rows(ref.out)) peak1 = std::max<int64_t>(peak1, r["memory"]["cuda:0"]["peak"].get<int64_t>());
     ASSERT_GT(peak1, 0);
-    const int64_t limit = peak1 + peak1 / 4;
+    // The limit caps what the caching allocator reserves, which rounds segments up (2 and
+    // 20 MiB) beyond the allocated peak measured: a fixed margin over it.
+    const int64_t limit = peak1 + peak1 / 4 + (int64_t{64} << 20);
     TrainRun fit = train(d / "fit", shape + " training.per_device_train_batch_size=16 memory.device_limit=" +
                                         std::to_string(limit) + " memory.grow_after_steps=1000");
     ASSERT_EQ(fit.exit_code, 0) << fit.output;
