@@ -66,30 +66,6 @@ at::Tensor dynamic_map(bool is_signed) {
   return is_signed ? kSigned : kUnsigned;
 }
 
-uint8_t quantize_2d_search(const float* code, bool is_signed, float x) {
-  int pivot = 127, upper_pivot = 255, lower_pivot = 0;
-  float lower = is_signed ? -1.0f : 0.0f, upper = 1.0f;
-  float val = code[pivot];
-  for (int i = 64; i > 0; i >>= 1) {
-    if (x > val) {
-      lower_pivot = pivot;
-      lower = val;
-      pivot += i;
-    } else {
-      upper_pivot = pivot;
-      upper = val;
-      pivot -= i;
-    }
-    val = code[pivot];
-  }
-  if (x > val) {
-    const float midpoint = (upper + val) * 0.5f;
-    return static_cast<uint8_t>(x > midpoint ? upper_pivot : pivot);
-  }
-  const float midpoint = (lower + val) * 0.5f;
-  return static_cast<uint8_t>(x < midpoint ? lower_pivot : pivot);
-}
-
 CodeTable::CodeTable(const float* map, bool is_signed) : code(map) {
   auto search = [&](float x) { return quantize_2d_search(code, is_signed, x); };
   negatives = 0;

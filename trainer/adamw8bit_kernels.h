@@ -10,6 +10,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "trainer/bnb_scalars.h"
+#include "trainer/quantize_2d.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #define MEMTUNE_ADAM8_X86 1
@@ -27,11 +28,8 @@ at::Tensor dynamic_map(bool is_signed);
 uint8_t quantize_dynamic(bool is_signed, float x);
 
 
-// bitsandbytes' quantize_2D<SIGNED> on a sorted 256-entry map, as the kernel writes it: a
-// 7-step binary search from entry 127, then the nearer of the entries it last passed on either
-// side by an fp32 midpoint. The definition the fast tables below are built from and checked
-// against.
-uint8_t quantize_2d_search(const float* code, bool is_signed, float x);
+// quantize_2d_search (trainer/quantize_2d.h, included above): bitsandbytes' quantize_2D, the
+// definition the fast tables below are built from and checked against.
 
 // The same function without the search. quantize_2D is monotone in x (NaN aside, which ends
 // at code 0), so it is the number of its 255 thresholds x lies above: code(x) = #{j : x >

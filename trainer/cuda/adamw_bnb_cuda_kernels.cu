@@ -1,9 +1,10 @@
 // bitsandbytes' 8-bit blockwise and 32-bit AdamW kernels, ported from memtune's CPU twins
-// (trainer/adamw8bit_kernels.cpp: adam8_blocks_scalar and quantize_2d_search;
-// trainer/optimizer.cpp: bnb_adam32), which the tests hold to bitsandbytes' bytes. Every
+// (trainer/adamw8bit_kernels.cpp: adam8_blocks_scalar; trainer/optimizer.cpp: bnb_adam32),
+// which the tests hold to bitsandbytes' bytes; the code search is theirs (quantize_2d.h). Every
 // product, sum, quotient and root is an _rn intrinsic, so nvcc's contraction into fused
 // multiply-adds cannot change a bit.
 #include "trainer/cuda/adamw_bnb_cuda_kernels.h"
+#include "trainer/quantize_2d.h"
 
 #include <cfloat>
 
@@ -19,32 +20,6 @@ struct Map {
 };
 
 __device__ __forceinline__ bool sign_of(float x) { return (__float_as_uint(x) >> 31) != 0; }
-
-// bitsandbytes' quantize_2D<SIGNED>: a 7-step binary search from entry 127, then the nearer
-// of the entries passed last on either side by an fp32 midpoint (NaN ends at code 0).
-__device__ int quantize_2d(const float* code, bool is_signed, float x) {
-  int pivot = 127, upper_pivot = 255, lower_pivot = 0;
-  float lower = is_signed ? -1.0f : 0.0f, upper = 1.0f;
-  float val = code[pivot];
-  for (int i = 64; i > 0; i >>= 1) {
-    if (x > val) {
-      lower_pivot = pivot;
-      lower = val;
-      pivot += i;
-    } else {
-      upper_pivot = pivot;
-      upper = val;
-      pivot -= i;
-    }
-    val = code[pivot];
-  }
-  if (x > val) {
-    const float midpoint = __fmul_rn(__fadd_rn(upper, val), 0.5f);
-    return x > midpoint ? upper_pivot : pivot;
-  }
-  const float midpoint = __fmul_rn(__fadd_rn(lower, val), 0.5f);
-  return x < midpoint ? lower_pivot : pivot;
-}
 
 // The block's maximum of `a` (no NaN: the callers map it to -FLT_MAX first), on every lane.
 __device__ __forceinline__ float block_max(float a, float* scratch) {
@@ -94,11 +69,11 @@ __global__ void adam8_kernel(BnbScalars s, Map map1, Map map2, float* __restrict
       float pj = __fadd_rn(p[i], __fmul_rn(s.step_size, __fdiv_rn(s1, __fadd_rn(__fsqrt_rn(s2), s.eps_c2))));
       if (s.decay_on) pj = __fmul_rn(pj, s.decay);
       if (finite) p[i] = pj;
-      int code1 = quantize_2d(q1, true, __fdiv_rn(s1, max1));
+      int code1 = quantize_2d_search(q1, true, __fdiv_rn(s1, max1));
       // the first moment's code keeps its sign (bitsandbytes moves it one step)
       if (sign_of(q1[code1]) != sign_of(s1)) code1 = s1 > 0.0f ? code1 + 1 : code1 - 1;
       c1[i] = static_cast<uint8_t>(code1);
-      c2[i] = static_cast<uint8_t>(quantize_2d(q2, false, __fdiv_rn(s2, max2)));
+      c2[i] = static_cast<uint8_t>(quantize_2d_search(q2, false, __fdiv_rn(s2, max2)));
     }
     __syncthreads();  // the scratch is read by every lane before the next block writes it
   }
