@@ -318,7 +318,11 @@ ForwardOutput CausalLM::forward(const data::Batch& batch, const ForwardOptions& 
     ctx.training = options.training;
     ctx.attention.kernel = attention_kernel_;
     ctx.attention.one_segment_per_row = one_segment_per_row;
-    if (!d.is_cpu() && !one_segment_per_row && seg.numel() > 0) ctx.attention.segment_lengths = segment_runs();
+    if (!d.is_cpu() && !one_segment_per_row && seg.numel() > 0) {
+      ctx.attention.segment_lengths = segment_runs();
+      if (ctx.attention.segment_lengths)  // the gathers, on this device once for every layer
+        ctx.attention.document_buckets = document_buckets(*ctx.attention.segment_lengths, seg.size(1), d);
+    }
     return contexts.emplace(d, std::move(ctx)).first->second;
   };
 

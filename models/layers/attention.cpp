@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -162,57 +163,98 @@ at::Tensor sdpa_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   return o.view({B, Hkv, G, T, D});
 }
 
-// The same with one causal call per document: row b's positions split by lengths[b] (runs
-// of one segment id each, padding included), so no mask and no (T,T) tensor. split() keeps
-// the backward to one concatenation of the pieces' gradients.
-at::Tensor sdpa_per_document(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                             const std::vector<std::vector<int64_t>>& lengths) {
-  const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), T = q.size(3), D = q.size(4);
-  const at::Tensor qh = q.reshape({B, Hkv * G, T, D});
-  const at::Tensor kh = k.unsqueeze(2).expand({B, Hkv, G, T, D}).reshape({B, Hkv * G, T, D});
-  const at::Tensor vh = v.unsqueeze(2).expand({B, Hkv, G, T, D}).reshape({B, Hkv * G, T, D});
-  const std::vector<at::Tensor> qr = qh.split(1, 0), kr = kh.split(1, 0), vr = vh.split(1, 0);
-  std::vector<at::Tensor> rows;
-  for (int64_t b = 0; b < B; ++b) {
-    const std::vector<at::Tensor> qd = qr[b].split_with_sizes(lengths[b], 2), kd = kr[b].split_with_sizes(lengths[b], 2),
-                                  vd = vr[b].split_with_sizes(lengths[b], 2);
-    std::vector<at::Tensor> docs;
-    for (size_t d = 0; d < qd.size(); ++d) {
+// Packed documents through one causal call per length bucket: every document (a run of one
+// segment id, padding included) is copied into a row of its bucket's width, the smallest
+// power of two >= its length (at least 32), padded at its end. Under causal masking a
+// position sees only the positions before it, so the padding after a document changes
+// nothing it computes: exact, with no mask, at most 2x the document's own work, and log2(T)
+// calls per layer however many documents a row packs. Gathers and the final permutation are
+// index_select, whose backward scatters the gradients back.
+at::Tensor sdpa_bucketed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                         const DocumentBuckets& db) {
+  const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), T = q.size(3), D = q.size(4), H = Hkv * G;
+  // (B*T + 1, H, D): rows of positions, heads inside, and a zero row the padding gathers.
+  auto rows = [&](const at::Tensor& x) {  // x (B,H,T,D)
+    at::Tensor r = x.permute({0, 2, 1, 3}).reshape({B * T, H, D});
+    return at::cat({r, at::zeros({1, H, D}, r.options())}, 0);
+  };
+  const at::Tensor qr = rows(q.reshape({B, H, T, D}));
+  const at::Tensor kr = rows(k.unsqueeze(2).expand({B, Hkv, G, T, D}).reshape({B, H, T, D}));
+  const at::Tensor vr = rows(v.unsqueeze(2).expand({B, Hkv, G, T, D}).reshape({B, H, T, D}));
+  std::vector<at::Tensor> outputs;
+  for (const DocumentBuckets::Bucket& bucket : db.buckets) {
+    const int64_t n = bucket.documents, P = bucket.width;
+    auto gather = [&](const at::Tensor& r) { return r.index_select(0, bucket.gather).view({n, P, H, D}).transpose(1, 2); };
 #if MEMTUNE_SDPA_HAS_SCALE
-      docs.push_back(at::scaled_dot_product_attention(qd[d], kd[d], vd[d], c10::nullopt, 0.0, true, scale));
+    at::Tensor o = at::scaled_dot_product_attention(gather(qr), gather(kr), gather(vr), c10::nullopt, 0.0, true, scale);
 #else
-      docs.push_back(at::scaled_dot_product_attention(qd[d] * (scale * std::sqrt(static_cast<double>(D))), kd[d],
-                                                      vd[d], c10::nullopt, 0.0, true));
+    at::Tensor o = at::scaled_dot_product_attention(gather(qr) * (scale * std::sqrt(static_cast<double>(D))),
+                                                    gather(kr), gather(vr), c10::nullopt, 0.0, true);
 #endif
-    }
-    rows.push_back(at::cat(docs, 2));
+    outputs.push_back(o.transpose(1, 2).reshape({n * P, H, D}).index_select(0, bucket.real));
   }
-  return at::cat(rows, 0).view({B, Hkv, G, T, D});
+  // The buckets' real positions in bucket order; `order` puts them back in (b, t) order.
+  at::Tensor out = at::cat(outputs, 0).index_select(0, db.order);
+  return out.view({B, T, H, D}).permute({0, 2, 1, 3}).reshape({B, Hkv, G, T, D});
 }
 
-// Documents shorter than this on average make more calls than the blocked kernel costs
-// (one SDPA call and its autograd node per document, per layer: rows of 40-token samples
-// packed into 1024 tokens make 25 per row); a variable-length kernel would serve them.
-constexpr int64_t kMinDocumentTokens = 128;
-
-// Whether the runs are known for these rows (and no window needs a mask); with `long_only`,
-// also whether the documents are long enough for auto to prefer them to the blocked kernel.
-bool per_document(const AttentionOptions& o, int64_t B, int64_t T, int64_t window, bool long_only) {
+// Whether the runs are known for these rows and no window needs a mask.
+bool per_document(const AttentionOptions& o, int64_t B, int64_t T, int64_t window) {
   if (window > 0 || !o.segment_lengths || static_cast<int64_t>(o.segment_lengths->size()) != B) return false;
-  int64_t documents = 0;
   for (const auto& row : *o.segment_lengths) {
     int64_t sum = 0;
     for (int64_t n : row) sum += n;
     if (sum != T) return false;
-    documents += static_cast<int64_t>(row.size());
   }
-  return !long_only || B * T >= kMinDocumentTokens * documents;
+  return true;
+}
+
+at::Tensor sdpa_documents(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                          const AttentionOptions& o) {
+  if (o.document_buckets && o.document_buckets->device == q.device())
+    return sdpa_bucketed(q, k, v, scale, *o.document_buckets);
+  return sdpa_bucketed(q, k, v, scale, *document_buckets(*o.segment_lengths, q.size(3), q.device()));
 }
 #endif
 
 }  // namespace
 
 bool sdpa_available() { return MEMTUNE_HAS_SDPA; }
+
+std::shared_ptr<const DocumentBuckets> document_buckets(const std::vector<std::vector<int64_t>>& lengths, int64_t T,
+                                                        const c10::Device& device) {
+  const int64_t B = static_cast<int64_t>(lengths.size()), sentinel = B * T;  // the zero row
+  std::map<int64_t, std::vector<std::pair<int64_t, int64_t>>> by_width;       // width -> (start, length)
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t start = b * T;
+    for (int64_t len : lengths[static_cast<size_t>(b)]) {
+      int64_t width = 32;
+      while (width < len) width *= 2;
+      by_width[width].emplace_back(start, len);
+      start += len;
+    }
+  }
+  auto db = std::make_shared<DocumentBuckets>();
+  db->device = device;
+  std::vector<int64_t> order(static_cast<size_t>(B * T));
+  int64_t placed = 0;  // real positions before this bucket's, in bucket order
+  const auto i64 = at::TensorOptions(at::kLong);
+  for (const auto& [width, docs] : by_width) {
+    std::vector<int64_t> gather, real;
+    for (size_t i = 0; i < docs.size(); ++i) {
+      const auto [start, len] = docs[i];
+      for (int64_t p = 0; p < width; ++p) gather.push_back(p < len ? start + p : sentinel);
+      for (int64_t p = 0; p < len; ++p) {
+        real.push_back(static_cast<int64_t>(i) * width + p);
+        order[static_cast<size_t>(start + p)] = placed++;
+      }
+    }
+    db->buckets.push_back({width, static_cast<int64_t>(docs.size()), at::tensor(gather, i64).to(device),
+                           at::tensor(real, i64).to(device)});
+  }
+  db->order = at::tensor(order, i64).to(device);
+  return db;
+}
 
 std::shared_ptr<const std::vector<std::vector<int64_t>>> segment_run_lengths(const at::Tensor& segment_ids) {
   MEMTUNE_INTERNAL_ASSERT(segment_ids.dim() == 2, "segment_run_lengths: segment ids (B,T), got ", segment_ids.sizes());
@@ -289,8 +331,8 @@ at::Tensor causal_segment_attention(const at::Tensor& q, const at::Tensor& k, co
   using Kernel = AttentionOptions::Kernel;
   if (options.kernel == Kernel::kSdpa) {
 #if MEMTUNE_HAS_SDPA
-    if (!options.one_segment_per_row && per_document(options, q.size(0), q.size(3), sliding_window, false))
-      return sdpa_per_document(q, k, v, scale, *options.segment_lengths);
+    if (!options.one_segment_per_row && per_document(options, q.size(0), q.size(3), sliding_window))
+      return sdpa_documents(q, k, v, scale, options);
     return sdpa_attention(q, k, v, segment_ids, scale, sliding_window, options.one_segment_per_row);
 #else
     TORCH_CHECK(false, "attention: sdpa needs LibTorch 2.0 or later (this build: ", compat::torch_version(), ")");
@@ -302,8 +344,8 @@ at::Tensor causal_segment_attention(const at::Tensor& q, const at::Tensor& k, co
 #if MEMTUNE_HAS_SDPA
     if (q.is_cuda() && options.one_segment_per_row && sliding_window <= 0)
       return sdpa_attention(q, k, v, segment_ids, scale, sliding_window, true);
-    if (q.is_cuda() && per_document(options, q.size(0), q.size(3), sliding_window, true))
-      return sdpa_per_document(q, k, v, scale, *options.segment_lengths);
+    if (q.is_cuda() && per_document(options, q.size(0), q.size(3), sliding_window))
+      return sdpa_documents(q, k, v, scale, options);
 #endif
   }
   return SegmentAttention::apply(q.contiguous(), k.contiguous(), v.contiguous(),

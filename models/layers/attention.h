@@ -23,13 +23,16 @@ namespace memtune::models {
 //   register-tiled per-head GEMMs on the intra-op threads, probabilities never kept;
 // - at::scaled_dot_product_attention (LibTorch >= 2.0): auto takes it on GPUs without a
 //   window when every row is one document without padding (causal masking alone), and when
-//   the rows' documents are known runs of positions (segment_lengths) of 128 tokens or more
-//   on average: one causal call per document (flash/memory-efficient kernels, linear memory,
-//   padding a document of its own; shorter ones take the blocked kernel, fewer calls);
-//   `sdpa` forces it, per document where the runs are known, else with an explicit (B,1,T,T)
+//   the rows' documents are known runs of positions (segment_lengths): the documents, padding
+//   included, gathered into rows of a power-of-two width padded at their ends, one causal
+//   call per width (flash/memory-efficient kernels, no mask, linear memory; the padding after
+//   a document cannot change it under causal masking); `sdpa` forces it, by documents where
+//   the runs are known, else with an explicit (B,1,T,T)
 //   boolean mask (quadratic memory); grouped key/value heads repeated to the query heads;
 // - the blocked one written with ATen ops ("eager"): anything else (packed documents on a
 //   GPU, fp16/bf16, arbitrary segment ids), linear memory.
+struct DocumentBuckets;  // below
+
 struct AttentionOptions {
   enum class Kernel { kAuto, kEager, kSdpa };
   Kernel kernel = Kernel::kAuto;
@@ -40,11 +43,31 @@ struct AttentionOptions {
   // batch on the host (segment_run_lengths); null when unknown, or when a row's segment id
   // comes back after another one (its runs are then not its documents).
   std::shared_ptr<const std::vector<std::vector<int64_t>>> segment_lengths;
+  // Those documents' gathers for SDPA on the device that computes (document_buckets), made
+  // once per forward by the caller; made at each call when absent.
+  std::shared_ptr<const DocumentBuckets> document_buckets;
   // The blocked implementation's query rows per block and its limit for keeping the
   // probabilities instead of recomputing them in backward.
   int64_t query_block = 64;
   int64_t keep_probs_bytes = 64LL << 20;
 };
+
+// Packed rows' documents grouped by width (the smallest power of two >= the length, at
+// least 32) for SDPA: per bucket the flat (b*T + t) positions its rows gather (B*T: the zero
+// row, padding past a document's end) and which of its n x width outputs are real; `order`
+// takes the buckets' real outputs, concatenated, back to (b, t) order. Index tensors on `device`.
+struct DocumentBuckets {
+  struct Bucket {
+    int64_t width = 0, documents = 0;
+    at::Tensor gather;  // int64 [documents * width]
+    at::Tensor real;    // int64: indices into the bucket's documents * width outputs
+  };
+  std::vector<Bucket> buckets;
+  at::Tensor order;  // int64 [B*T]
+  c10::Device device = c10::kCPU;
+};
+std::shared_ptr<const DocumentBuckets> document_buckets(const std::vector<std::vector<int64_t>>& lengths, int64_t T,
+                                                        const c10::Device& device);
 
 // AttentionOptions::segment_lengths of segment_ids (B,T) (copied to the host if elsewhere):
 // null when a row's segment id comes back after another one.

@@ -160,9 +160,51 @@ TEST(Attention, SdpaMatchesTheTextbookAttention) {
   ASSERT_TRUE(options.segment_lengths);
   expect_textbook(q, k, v, seg, 0, options);
   expect_textbook(q, k, v, seg, 3, options);  // a window: the mask again, the runs unused
+  {
+    // Documents of 1, 5 and 40 tokens and padding in one row (widths 32 and 64), one long
+    // document in the other (width 128 > T).
+    const int64_t T2 = 70;
+    at::Tensor seg2 = at::full({2, T2}, 3, at::kLong);
+    seg2[0].slice(0, 0, 1) = 0;
+    seg2[0].slice(0, 1, 6) = 1;
+    seg2[0].slice(0, 6, 46) = 2;
+    seg2[0].slice(0, 46) = -1;
+    at::Tensor q2 = at::randn({B, Hkv, G, T2, D}), k2 = at::randn({B, Hkv, T2, D}), v2 = at::randn({B, Hkv, T2, D});
+    AttentionOptions o2 = options;
+    o2.segment_lengths = memtune::models::segment_run_lengths(seg2);
+    expect_textbook(q2, k2, v2, seg2, 0, o2);
+    o2.document_buckets = memtune::models::document_buckets(*o2.segment_lengths, T2, c10::kCPU);  // made once
+    expect_textbook(q2, k2, v2, seg2, 0, o2);
+  }
   options.segment_lengths.reset();
   options.one_segment_per_row = true;
   expect_textbook(q, k, v, at::zeros({B, T}, at::kLong), 0, options);
+}
+
+// The buckets' gathers and `order` are a round trip: rows gathered by every bucket, their
+// real positions kept and concatenated, then put in order, are the rows again; padding
+// gathers the zero row; widths are the powers of two >= 32 that hold each document.
+TEST(Attention, DocumentBucketsGatherEveryPositionOnceAndPutItBack) {
+  const int64_t T = 42;
+  const std::vector<std::vector<int64_t>> lengths = {{40, 2}, {10, 32}};
+  auto db = memtune::models::document_buckets(lengths, T, c10::kCPU);
+  ASSERT_EQ(db->buckets.size(), 2u);
+  EXPECT_EQ(db->buckets[0].width, 32);
+  EXPECT_EQ(db->buckets[0].documents, 3);  // 2, 10 and 32 tokens
+  EXPECT_EQ(db->buckets[1].width, 64);
+  EXPECT_EQ(db->buckets[1].documents, 1);  // 40 tokens
+  const at::Tensor x = at::cat({at::randn({2 * T, 3}), at::zeros({1, 3})}, 0);  // the zero row last
+  std::vector<at::Tensor> parts;
+  for (const auto& b : db->buckets) {
+    const at::Tensor rows = x.index_select(0, b.gather);
+    EXPECT_EQ(rows.size(0), b.documents * b.width);
+    EXPECT_EQ((b.gather == 2 * T).sum().item<int64_t>(), b.documents * b.width - b.real.numel()) << "padding";
+    parts.push_back(rows.index_select(0, b.real));
+  }
+  EXPECT_TRUE(at::equal(at::cat(parts, 0).index_select(0, db->order), x.narrow(0, 0, 2 * T)));
+  // Row 0's 2-token document (positions 40, 41) is the first in the first bucket.
+  EXPECT_EQ(db->order[40].item<int64_t>(), 0);
+  EXPECT_EQ(db->order[0].item<int64_t>(), 44);  // the 40-token document comes after the 44 of width 32
 }
 
 // The runs attention per document splits rows by: lengths of equal segment ids in order,
