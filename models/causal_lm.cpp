@@ -290,13 +290,12 @@ ForwardOutput CausalLM::forward(const data::Batch& batch, const ForwardOptions& 
   const bool one_segment_per_row = seg.numel() > 0 &&
                                    (seg == seg.select(1, 0).unsqueeze(1)).all().item<bool>() &&
                                    (seg.select(1, 0) >= 0).all().item<bool>();
-  // Packed rows' documents as runs, for attention per document on GPUs (once per forward).
-  std::shared_ptr<const std::vector<std::vector<int64_t>>> runs;
-  bool runs_known = false;
+  // Packed rows' documents as runs, for attention by documents on GPUs: found once per
+  // forward, the first time a device needs them (null: not runs).
+  std::optional<std::shared_ptr<const std::vector<std::vector<int64_t>>>> runs;
   auto segment_runs = [&] {
-    if (!runs_known) runs = segment_run_lengths(seg);
-    runs_known = true;
-    return runs;
+    if (!runs) runs = segment_run_lengths(seg);
+    return *runs;
   };
   // The batch and the layers' context on each device the model computes on.
   std::unordered_map<c10::Device, data::Batch> batches;

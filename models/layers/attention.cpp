@@ -199,7 +199,7 @@ at::Tensor sdpa_bucketed(const at::Tensor& q, const at::Tensor& k, const at::Ten
 }
 
 // Whether the runs are known for these rows and no window needs a mask.
-bool per_document(const AttentionOptions& o, int64_t B, int64_t T, int64_t window) {
+bool documents_known(const AttentionOptions& o, int64_t B, int64_t T, int64_t window) {
   if (window > 0 || !o.segment_lengths || static_cast<int64_t>(o.segment_lengths->size()) != B) return false;
   for (const auto& row : *o.segment_lengths) {
     int64_t sum = 0;
@@ -331,7 +331,7 @@ at::Tensor causal_segment_attention(const at::Tensor& q, const at::Tensor& k, co
   using Kernel = AttentionOptions::Kernel;
   if (options.kernel == Kernel::kSdpa) {
 #if MEMTUNE_HAS_SDPA
-    if (!options.one_segment_per_row && per_document(options, q.size(0), q.size(3), sliding_window))
+    if (!options.one_segment_per_row && documents_known(options, q.size(0), q.size(3), sliding_window))
       return sdpa_documents(q, k, v, scale, options);
     return sdpa_attention(q, k, v, segment_ids, scale, sliding_window, options.one_segment_per_row);
 #else
@@ -344,7 +344,7 @@ at::Tensor causal_segment_attention(const at::Tensor& q, const at::Tensor& k, co
 #if MEMTUNE_HAS_SDPA
     if (q.is_cuda() && options.one_segment_per_row && sliding_window <= 0)
       return sdpa_attention(q, k, v, segment_ids, scale, sliding_window, true);
-    if (q.is_cuda() && per_document(options, q.size(0), q.size(3), sliding_window))
+    if (q.is_cuda() && documents_known(options, q.size(0), q.size(3), sliding_window))
       return sdpa_documents(q, k, v, scale, options);
 #endif
   }

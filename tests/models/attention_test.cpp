@@ -154,7 +154,7 @@ TEST(Attention, SdpaMatchesTheTextbookAttention) {
     SCOPED_TRACE("window " + std::to_string(window));
     expect_textbook(q, k, v, two_rows_of_segments(T), window, options);
   }
-  // Packed documents and padding with their runs known: one causal call per document.
+  // Packed documents and padding with their runs known: gathered into width buckets.
   const at::Tensor seg = two_rows_of_segments(T);
   options.segment_lengths = memtune::models::segment_run_lengths(seg);
   ASSERT_TRUE(options.segment_lengths);
@@ -207,7 +207,7 @@ TEST(Attention, DocumentBucketsGatherEveryPositionOnceAndPutItBack) {
   EXPECT_EQ(db->order[0].item<int64_t>(), 44);  // the 40-token document comes after the 44 of width 32
 }
 
-// The runs attention per document splits rows by: lengths of equal segment ids in order,
+// The runs attention by documents splits rows by: lengths of equal segment ids in order,
 // padding (-1) a run of its own; none when a row's document resumes after another.
 TEST(Attention, SegmentRunLengthsAreTheRowsDocumentsInOrder) {
   at::Tensor seg = at::tensor({0, 0, 0, 1, 1, 2, -1, -1, 5, 5, 5, 5, 5, 5, 5, 5}, at::kLong).view({2, 8});
