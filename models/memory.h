@@ -21,6 +21,9 @@ struct StepShape {
   int64_t compute_bytes = 4;         // bytes per element of the base matmuls
   bool fused_cpu_attention = false;  // attention runs the fused CPU kernel (models/layers/attention_cpu.h)
   int64_t threads = 1;               // intra-op threads (the fused kernel's scratch is per thread)
+  // A CUDA device: RMSNorm, SwiGLU, rotary and the loss's softmax run memtune's kernels
+  // (models/layers/cuda/), whose backward forms no fp32 intermediates.
+  bool cuda_kernels = false;
   int64_t rows() const { return batch * tokens; }
 };
 

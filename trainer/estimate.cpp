@@ -95,6 +95,7 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
   // on the CPU take the fused kernel (its rule: fp32 CPU tensors) unless the config asks
   // for another.
   in.fused_cpu_attention = device.is_cpu() && in.dense_bytes == 4 && c.model.attn_implementation == "auto";
+  in.cuda_kernels = device.is_cuda();
   in.cpu_update = device.is_cpu();
   in.prefetch_activations = offload_prefetches(device);
   in.threads = at::get_num_threads();

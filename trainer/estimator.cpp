@@ -42,7 +42,8 @@ class Planner {
     full_ = m_.finetune == "full";
     L_ = static_cast<int>(model.num_layers());
     const int64_t T = (m_.seq_length + 7) / 8 * 8;  // data::collate pads to a multiple of 8
-    shape_ = {m_.micro_batch, T, full_ ? kF32 : m_.dense_bytes, m_.compute_bytes, m_.fused_cpu_attention, m_.threads};
+    shape_ = {m_.micro_batch, T, full_ ? kF32 : m_.dense_bytes, m_.compute_bytes, m_.fused_cpu_attention, m_.threads,
+              m_.cuda_kernels};
     E_ = shape_.rows();
     const int64_t samples =
         m_.samples_per_step > 0 ? m_.samples_per_step : m_.micro_batch * std::max<int64_t>(1, m_.accumulation_steps);

@@ -78,6 +78,7 @@ struct EstimateInput {
   // Attention runs the fused CPU kernel (models/layers/attention_cpu.h: CPU, fp32), whose
   // scratch is per intra-op thread; otherwise the blocked ATen one.
   bool fused_cpu_attention = false;
+  bool cuda_kernels = false;  // a CUDA device: models::StepShape::cuda_kernels
   // The update runs on the CPU: the gradient norm sums fp32 gradients in place (elsewhere it
   // converts the largest gradient to fp64 and squares it).
   bool cpu_update = false;

@@ -203,7 +203,7 @@ class LlamaModel : public CausalLM {
     // gradient from down and SwiGLU's transients, once down's node has run and released
     // what it kept.
     const int64_t down_kept = (td.keeps_input() ? E * F * a : 0) + down_adapter;
-    const int64_t at_mlp = E * F * 4 + swiglu_backward_transient(E, F) + panel;
+    const int64_t at_mlp = E * F * 4 + swiglu_backward_transient(E, F, a, s.cuda_kernels) + panel;
     m.backward = std::max(m.kept - down_kept + at_mlp, attn + at.backward_transient);
     m.workspace = std::max(at_mlp, at.backward_transient);
     return m;

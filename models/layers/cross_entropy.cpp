@@ -11,6 +11,14 @@
 #include "models/layers/cpu_vec.h"
 #include "runtime/error.h"
 
+#ifdef MEMTUNE_CUDA
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "models/layers/cuda/cross_entropy_cuda_kernels.h"
+#endif
+
 namespace memtune::models {
 
 int64_t loss_chunk_rows(int64_t vocab_size) {
@@ -24,10 +32,23 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 // For logits e (n,V): the row max m, e = exp(e - m) in place, the row sums s (each (n,1))
-// and the first argmax (n,1). On the CPU in fp32 two passes per row (cpu_vec.h) on the
-// intra-op threads; elsewhere ATen's max, sub, exp and sum.
+// and the first argmax (n,1). In fp32 two passes per row: on the CPU (cpu_vec.h) on the
+// intra-op threads, on CUDA a CTA per row (models/layers/cuda/); elsewhere ATen's max,
+// sub, exp and sum.
 void row_softmax_parts(at::Tensor& e, at::Tensor* m, at::Tensor* s, at::Tensor* first_max) {
   const int64_t n = e.size(0), V = e.size(1);
+#ifdef MEMTUNE_CUDA
+  if (e.is_cuda() && e.scalar_type() == at::kFloat && e.is_contiguous()) {
+    const c10::cuda::CUDAGuard guard(e.device());
+    *m = at::empty({n, 1}, e.options());
+    *s = at::empty({n, 1}, e.options());
+    *first_max = at::empty({n, 1}, e.options().dtype(at::kLong));
+    C10_CUDA_CHECK(cross_entropy_cuda::row_softmax_parts(e.data_ptr<float>(), n, V, m->data_ptr<float>(),
+                                                         s->data_ptr<float>(), first_max->data_ptr<int64_t>(),
+                                                         c10::cuda::getCurrentCUDAStream(e.device().index()).stream()));
+    return;
+  }
+#endif
   if (!e.device().is_cpu() || e.scalar_type() != at::kFloat || !e.is_contiguous()) {
     auto [mx, arg] = e.max(1, true);
     e.sub_(mx).exp_();

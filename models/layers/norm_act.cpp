@@ -1,7 +1,17 @@
 #include "models/layers/norm_act.h"
 
+#include <algorithm>
+
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
+
+#ifdef MEMTUNE_CUDA
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "models/layers/cuda/norm_act_cuda_kernels.h"
+#endif
 
 namespace memtune::models {
 namespace {
@@ -9,8 +19,72 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+#ifdef MEMTUNE_CUDA
+using cuda_math::device_type;
+
+// The CUDA kernels take tensors of fp32, fp16 or bf16 on one CUDA device; other dtypes
+// (fp64) take the ATen ops below.
+bool cuda_kernels(const at::Tensor& a, const at::Tensor& b) {
+  return a.is_cuda() && b.device() == a.device() && device_type(a.scalar_type()) && device_type(b.scalar_type());
+}
+
+cudaStream_t stream_of(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
+
+// Rows of x's last dimension, and how many runs of rows the weight's gradient is summed in
+// (each run's column sums are one thread's loop; the runs' partials are summed by ATen).
+int64_t rows_of(const at::Tensor& x) { return x.numel() == 0 ? 0 : x.numel() / x.size(-1); }
+int64_t weight_grad_chunks(int64_t rows) { return std::clamp<int64_t>(rows / 64, 1, 1024); }
+
+at::Tensor rms_norm_forward_cuda(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor* rstd) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  const int64_t width = x.size(-1), rows = rows_of(x);
+  at::Tensor y = at::empty_like(xc);
+  std::vector<int64_t> stat_shape = x.sizes().vec();
+  stat_shape.back() = 1;
+  *rstd = at::empty(stat_shape, x.options().dtype(at::kFloat));
+  C10_CUDA_CHECK(norm_act_cuda::rms_norm_forward(xc.data_ptr(), *device_type(x.scalar_type()), wc.data_ptr(),
+                                                 *device_type(weight.scalar_type()), rows, width,
+                                                 static_cast<float>(eps), y.data_ptr(), rstd->data_ptr<float>(),
+                                                 stream_of(x)));
+  return y;
+}
+
+void rms_norm_backward_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& rstd,
+                            const at::Tensor& gy, at::Tensor* grad_x, at::Tensor* grad_weight) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous(), rc = rstd.contiguous();
+  const at::Tensor gc = gy.to(x.scalar_type()).contiguous();
+  const int64_t width = x.size(-1), rows = rows_of(x);
+  const cuda_math::DType xt = *device_type(x.scalar_type());
+  if (grad_x != nullptr) {
+    *grad_x = at::empty_like(xc);
+    C10_CUDA_CHECK(norm_act_cuda::rms_norm_backward_input(xc.data_ptr(), xt, wc.data_ptr(),
+                                                          *device_type(weight.scalar_type()), rc.data_ptr<float>(),
+                                                          gc.data_ptr(), rows, width, grad_x->data_ptr(),
+                                                          stream_of(x)));
+  }
+  if (grad_weight != nullptr) {
+    const int64_t chunks = weight_grad_chunks(rows);
+    at::Tensor partial = at::empty({chunks, width}, x.options().dtype(at::kFloat));
+    C10_CUDA_CHECK(norm_act_cuda::rms_norm_backward_weight(xc.data_ptr(), xt, rc.data_ptr<float>(), gc.data_ptr(),
+                                                           rows, width, chunks, partial.data_ptr<float>(),
+                                                           stream_of(x)));
+    *grad_weight = partial.sum(0).to(x.scalar_type()).to(weight.scalar_type());
+  }
+}
+#endif
+
 struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, double eps) {
+#ifdef MEMTUNE_CUDA
+    if (cuda_kernels(x, weight)) {
+      at::Tensor rstd;
+      at::Tensor y = rms_norm_forward_cuda(x, weight, eps, &rstd);
+      ctx->save_for_backward({x, weight, rstd});
+      return y;
+    }
+#endif
     at::Tensor h = x.to(at::kFloat);
     at::Tensor rstd = h.square().mean(-1, true).add_(eps).rsqrt_();  // (..., 1) fp32
     at::Tensor n = h * rstd;                                          // a new tensor even when h is x
@@ -23,6 +97,14 @@ struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &weight = saved[1], &rstd = saved[2];
     const at::Tensor& gy = grads[0];
+#ifdef MEMTUNE_CUDA
+    if (cuda_kernels(x, weight)) {
+      at::Tensor grad_x, grad_weight;
+      rms_norm_backward_cuda(x, weight, rstd, gy, ctx->needs_input_grad(0) ? &grad_x : nullptr,
+                             ctx->needs_input_grad(1) ? &grad_weight : nullptr);
+      return {grad_x, grad_weight, at::Tensor()};
+    }
+#endif
     at::Tensor n = x.to(at::kFloat) * rstd;  // the normalised rows, rebuilt
     at::Tensor grad_weight;
     if (ctx->needs_input_grad(1)) {
@@ -43,6 +125,16 @@ struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
 struct SwigluFunction : public torch::autograd::Function<SwigluFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
     ctx->save_for_backward({gate, up});
+#ifdef MEMTUNE_CUDA
+    if (cuda_kernels(gate, up) && gate.scalar_type() == up.scalar_type()) {
+      const c10::cuda::CUDAGuard guard(gate.device());
+      const at::Tensor g = gate.contiguous(), u = up.contiguous();
+      at::Tensor y = at::empty_like(g);
+      C10_CUDA_CHECK(norm_act_cuda::swiglu_forward(g.data_ptr(), u.data_ptr(), *device_type(g.scalar_type()),
+                                                   g.numel(), y.data_ptr(), stream_of(g)));
+      return y;
+    }
+#endif
     return at::silu(gate).mul_(up);
   }
 
@@ -50,6 +142,19 @@ struct SwigluFunction : public torch::autograd::Function<SwigluFunction> {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &gate = saved[0], &up = saved[1];
     const at::Tensor& gy = grads[0];
+#ifdef MEMTUNE_CUDA
+    if (cuda_kernels(gate, up) && gate.scalar_type() == up.scalar_type()) {
+      const c10::cuda::CUDAGuard guard(gate.device());
+      const at::Tensor g = gate.contiguous(), u = up.contiguous(), d = gy.to(gate.scalar_type()).contiguous();
+      at::Tensor grad_gate = ctx->needs_input_grad(0) ? at::empty_like(g) : at::Tensor();
+      at::Tensor grad_up = ctx->needs_input_grad(1) ? at::empty_like(g) : at::Tensor();
+      C10_CUDA_CHECK(norm_act_cuda::swiglu_backward(
+          g.data_ptr(), u.data_ptr(), d.data_ptr(), *device_type(g.scalar_type()), g.numel(),
+          grad_gate.defined() ? grad_gate.data_ptr() : nullptr, grad_up.defined() ? grad_up.data_ptr() : nullptr,
+          stream_of(g)));
+      return {grad_gate, grad_up};
+    }
+#endif
     at::Tensor sig = at::sigmoid(gate);
     at::Tensor grad_up;
     if (ctx->needs_input_grad(1)) grad_up = gy * gate * sig;  // gy * silu(gate)

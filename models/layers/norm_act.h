@@ -2,7 +2,9 @@
 // RMSNorm and SwiGLU's gate as single autograd nodes. Written as chains of ATen ops,
 // autograd keeps every intermediate (RMSNorm: x, x^2, the rsqrt, the normalised rows;
 // SwiGLU: gate, silu(gate), up) and walks one node per op; here the forward keeps only what
-// the backward cannot cheaply rebuild, and the backward is a few fused expressions.
+// the backward cannot cheaply rebuild, and the backward is a few fused expressions. On a
+// CUDA device (fp32, fp16, bf16) each direction is one kernel (models/layers/cuda/), with
+// Hugging Face's roundings in bf16 and fp16.
 #include <cstdint>
 
 #include <ATen/core/Tensor.h>
@@ -25,9 +27,12 @@ inline int64_t layer_norm_kept(int64_t rows, int64_t width, int64_t elem_bytes) 
   return rows * width * elem_bytes + 2 * rows * 4;
 }
 inline int64_t swiglu_kept(int64_t rows, int64_t width, int64_t elem_bytes) { return 2 * rows * width * elem_bytes; }
-// SwiGLU's backward at its widest: sigmoid(gate), up's gradient, 1 - sigmoid and gate's
-// gradient forming, all fp32 (norm_act.cpp).
-inline int64_t swiglu_backward_transient(int64_t rows, int64_t width) { return 4 * rows * width * 4; }
+// SwiGLU's backward at its widest: with ATen's ops sigmoid(gate), up's gradient, 1 - sigmoid
+// and gate's gradient forming, all fp32 (norm_act.cpp); with the CUDA kernel the two
+// gradients alone, in their dtype.
+inline int64_t swiglu_backward_transient(int64_t rows, int64_t width, int64_t elem_bytes, bool cuda_kernel) {
+  return cuda_kernel ? 2 * rows * width * elem_bytes : 4 * rows * width * 4;
+}
 inline int64_t gelu_backward_transient(int64_t rows, int64_t width) { return rows * width * 4; }
 
 }  // namespace memtune::models

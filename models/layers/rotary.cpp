@@ -6,6 +6,14 @@
 
 #include "runtime/error.h"
 
+#ifdef MEMTUNE_CUDA
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "models/layers/cuda/rotary_cuda_kernels.h"
+#endif
+
 namespace memtune::models {
 namespace {
 
@@ -54,7 +62,31 @@ bool fast_path(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin
          sin.numel() == cos.numel();
 }
 
+#ifdef MEMTUNE_CUDA
+// x, cos and sin on one CUDA device in fp32, fp16 or bf16 (cos and sin of one dtype).
+bool cuda_kernel(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  using cuda_math::device_type;
+  return x.is_cuda() && cos.device() == x.device() && sin.device() == x.device() && device_type(x.scalar_type()) &&
+         device_type(cos.scalar_type()) && sin.scalar_type() == cos.scalar_type();
+}
+
+at::Tensor rotate_cuda(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool inverse) {
+  using cuda_math::device_type;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor xc = x.contiguous(), c = cos.contiguous(), s = sin.contiguous();
+  at::Tensor out = at::empty_like(xc, at::MemoryFormat::Contiguous);
+  C10_CUDA_CHECK(rotary_cuda::rotate(xc.data_ptr(), *device_type(x.scalar_type()), c.data_ptr(), s.data_ptr(),
+                                     *device_type(cos.scalar_type()), x.size(0) * x.size(1), x.size(2), x.size(3),
+                                     inverse, out.data_ptr(),
+                                     c10::cuda::getCurrentCUDAStream(x.device().index()).stream()));
+  return out;
+}
+#endif
+
 at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool inverse) {
+#ifdef MEMTUNE_CUDA
+  if (cuda_kernel(x, cos, sin)) return rotate_cuda(x, cos, sin, inverse);
+#endif
   if (fast_path(x, cos, sin)) {
     at::Tensor xc = x.contiguous(), c = cos.contiguous(), s = sin.contiguous();
     at::Tensor out = at::empty_like(xc, at::MemoryFormat::Contiguous);

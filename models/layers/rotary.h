@@ -3,7 +3,8 @@
 // node: x * cos + rotate_half(x) * sin, where rotate_half([x1, x2]) = [-x2, x1] over the
 // two halves of the head dimension. Written as ATen ops it is five passes forward (two
 // products, a negation, a concatenation, a sum) and as many backward; here one pass each
-// way on the CPU, and nothing of x is kept (the rotation's backward needs cos and sin only).
+// way on the CPU (fp32) and on CUDA (fp32, fp16, bf16: models/layers/cuda/), and nothing
+// of x is kept (the rotation's backward needs cos and sin only).
 #include <ATen/core/Tensor.h>
 
 namespace memtune::models {

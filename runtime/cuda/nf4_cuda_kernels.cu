@@ -5,6 +5,8 @@
 // _rn intrinsic, so nvcc's default contraction into fused multiply-adds cannot change a bit.
 #include "runtime/cuda/nf4_cuda_kernels.h"
 
+#include "runtime/cuda/device_math.cuh"
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -36,23 +38,7 @@ int64_t grid_for(int64_t items) {
   return std::max<int64_t>(1, std::min<int64_t>((items + kThreads - 1) / kThreads, int64_t{1} << 20));
 }
 
-template <class T>
-struct Convert;
-template <>
-struct Convert<float> {
-  static __device__ __forceinline__ float to(float x) { return x; }
-  static __device__ __forceinline__ float from(float x) { return x; }
-};
-template <>
-struct Convert<__half> {
-  static __device__ __forceinline__ __half to(float x) { return __float2half_rn(x); }
-  static __device__ __forceinline__ float from(__half x) { return __half2float(x); }
-};
-template <>
-struct Convert<__nv_bfloat16> {
-  static __device__ __forceinline__ __nv_bfloat16 to(float x) { return __float2bfloat16_rn(x); }
-  static __device__ __forceinline__ float from(__nv_bfloat16 x) { return __bfloat162float(x); }
-};
+using cuda_math::Convert;
 
 __device__ __forceinline__ float block_scale(const Scales& s, int64_t block, const float* map) {
   if (s.absmax != nullptr) return s.absmax[block];

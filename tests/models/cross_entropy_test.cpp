@@ -79,6 +79,54 @@ TEST_P(LinearCrossEntropyKernels, TiedMaximaCountTheFirstIndex) {
   EXPECT_EQ(correct, n);
 }
 
+// The CUDA softmax pass (models/layers/cuda/) against the CPU's kernels, which the tests
+// above check against ATen: the loss, both gradients and the count of right predictions,
+// over vocabularies the kernel reads four floats at a time (304) and one at a time (301),
+// with chunks that split the rows unevenly, and the first of tied maxima.
+TEST(LinearCrossEntropy, OnCudaEqualsTheCpuKernels_CUDA) {
+  MEMTUNE_SKIP_WITHOUT_CUDA();
+  const c10::Device cuda(c10::kCUDA, 0);
+  torch::manual_seed(11);
+  for (int64_t v : {301, 304}) {
+    for (int64_t chunk : {7, 1024}) {
+      SCOPED_TRACE("vocab " + std::to_string(v) + " chunk " + std::to_string(chunk));
+      const int64_t n = 45, c = 32;
+      at::Tensor hidden = at::randn({n, c}).requires_grad_(true);
+      at::Tensor weight = at::randn({v, c}).requires_grad_(true);
+      at::Tensor targets = at::randint(v, {n}, at::kLong);
+      targets.index_put_({at::arange(0, n, 5)}, -100);
+      at::Tensor logits_now = at::mm(hidden.detach(), weight.detach().t());
+      for (int64_t i = 1; i < n; i += 3)
+        if (targets[i].item<int64_t>() >= 0) targets[i] = logits_now[i].argmax().item<int64_t>();
+
+      int64_t correct = 0, correct_gpu = 0;
+      at::Tensor loss = linear_cross_entropy_sum(hidden, weight, targets, chunk, &correct);
+      at::Tensor hg = hidden.detach().to(cuda).requires_grad_(true);
+      at::Tensor wg = weight.detach().to(cuda).requires_grad_(true);
+      at::Tensor loss_gpu = linear_cross_entropy_sum(hg, wg, targets.to(cuda), chunk, &correct_gpu);
+      ASSERT_TRUE(loss_gpu.is_cuda());
+      expect_close(loss_gpu.cpu(), loss, 1e-5, "loss");
+      EXPECT_EQ(correct_gpu, correct);
+      EXPECT_GT(correct, 5);
+      loss.backward();
+      loss_gpu.backward();
+      expect_close(hg.grad().cpu(), hidden.grad(), 1e-5, "grad hidden");
+      expect_close(wg.grad().cpu(), weight.grad(), 1e-5, "grad weight");
+    }
+  }
+  // Tied maxima (TiedMaximaCountTheFirstIndex's construction, exact integer logits).
+  at::Tensor weight = at::randint(-1, 2, {19, 6}).to(at::kFloat);
+  weight[4] = 3;
+  weight[13] = 3;
+  const at::Tensor hidden = (at::randint(-1, 2, {9, 6}) + 4).to(at::kFloat).to(cuda);
+  int64_t correct = 0;
+  linear_cross_entropy_sum(hidden, weight.to(cuda), at::full({9}, 13, at::kLong).to(cuda), 4, &correct);
+  EXPECT_EQ(correct, 0);
+  correct = 0;
+  linear_cross_entropy_sum(hidden, weight.to(cuda), at::full({9}, 4, at::kLong).to(cuda), 4, &correct);
+  EXPECT_EQ(correct, 9);
+}
+
 INSTANTIATE_TEST_SUITE_P(Kernels, LinearCrossEntropyKernels, ::testing::Values(false, true),
                          [](const auto& info) { return info.param ? "Portable" : "Avx2WhereAvailable"; });
 

@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include "models/layers/norm_act.h"
+#include "runtime/memory.h"
 #include "test_util.h"
 
 namespace {
@@ -55,6 +56,105 @@ TEST(Swiglu, MatchesTheOpChainAndItsGradients) {
     expect_close(gate.grad(), gr.grad(), 1e-5, "grad gate");
     if (up_grad) expect_close(up.grad(), ur.grad(), 1e-5, "grad up");
     else EXPECT_FALSE(up.grad().defined());
+  }
+}
+
+// The share of elements of a and b (same dtype) that are equal, bit for bit.
+double equal_share(const at::Tensor& a, const at::Tensor& b) {
+  return (a.cpu() == b.cpu()).to(at::kDouble).mean().item<double>();
+}
+
+// Tensors a run holds at each dtype: the residual stream in T, weights in T too.
+struct Case {
+  at::ScalarType dtype;
+  bool weight_grad;
+};
+
+// The CUDA kernels (models/layers/cuda/) against two references: in fp32 the CPU node
+// above (the same math, to the order of a row's sum); in bf16 and fp16 Hugging Face's
+// module as ATen ops under autograd on the same GPU, whose roundings the kernels repeat, so
+// that almost every element is that module's value to the bit.
+TEST(RmsNorm, OnCudaEqualsTheCpuNodeAndHuggingFacesRoundings_CUDA) {
+  MEMTUNE_SKIP_WITHOUT_CUDA();
+  const c10::Device cuda(c10::kCUDA, 0);
+  torch::manual_seed(14);
+  for (const Case& c : {Case{at::kFloat, true}, Case{at::kFloat, false}, Case{at::kBFloat16, true},
+                        Case{at::kHalf, false}}) {
+    for (int64_t width : {48, 4096 + 8}) {  // under one CTA's threads, and many per thread
+      SCOPED_TRACE(std::string(c10::toString(c.dtype)) + " width " + std::to_string(width) +
+                   (c.weight_grad ? " weight trained" : " weight frozen"));
+      at::Tensor x0 = (at::randn({3, 70, width}) * 3 + 1).to(c.dtype);
+      at::Tensor w0 = (at::rand({width}) + 0.5).to(c.dtype);
+      at::Tensor g0 = at::randn({3, 70, width}).to(c.dtype);
+      at::Tensor x = x0.to(cuda).requires_grad_(true), w = w0.to(cuda).requires_grad_(c.weight_grad);
+      at::Tensor y = memtune::models::rms_norm(x, w, 1e-5);
+      ASSERT_TRUE(y.is_cuda());
+      y.backward(g0.to(cuda));
+      if (c.dtype == at::kFloat) {
+        at::Tensor xc = x0.clone().requires_grad_(true), wc = w0.clone().requires_grad_(c.weight_grad);
+        at::Tensor yc = memtune::models::rms_norm(xc, wc, 1e-5);
+        yc.backward(g0);
+        expect_close(y.cpu(), yc, 1e-5, "forward");
+        expect_close(x.grad().cpu(), xc.grad(), 1e-5, "grad x");
+        if (c.weight_grad) expect_close(w.grad().cpu(), wc.grad(), 1e-5, "grad weight");
+      } else {
+        at::Tensor xr = x0.to(cuda).requires_grad_(true), wr = w0.to(cuda).requires_grad_(c.weight_grad);
+        at::Tensor yr = hf_rms_norm(xr, wr, 1e-5);
+        yr.backward(g0.to(cuda));
+        EXPECT_GE(equal_share(y, yr), 0.99) << "forward: not Hugging Face's roundings";
+        expect_close(y.cpu(), yr.cpu(), 1e-2, "forward");
+        expect_close(x.grad().cpu(), xr.grad().cpu(), 5e-2, "grad x");
+        if (c.weight_grad) expect_close(w.grad().cpu(), wr.grad().cpu(), 2e-2, "grad weight");
+      }
+      if (!c.weight_grad) {
+        EXPECT_FALSE(w.grad().defined());
+      }
+    }
+  }
+}
+
+TEST(Swiglu, OnCudaEqualsTheCpuNodeAndHuggingFacesRoundings_CUDA) {
+  MEMTUNE_SKIP_WITHOUT_CUDA();
+  const c10::Device cuda(c10::kCUDA, 0);
+  torch::manual_seed(15);
+  for (const Case& c : {Case{at::kFloat, true}, Case{at::kFloat, false}, Case{at::kBFloat16, true},
+                        Case{at::kHalf, true}}) {
+    SCOPED_TRACE(std::string(c10::toString(c.dtype)) + (c.weight_grad ? " up trained" : " up frozen"));
+    const at::Tensor gate0 = (at::randn({5, 33, 96}) * 4).to(c.dtype), up0 = at::randn({5, 33, 96}).to(c.dtype);
+    const at::Tensor g0 = at::randn({5, 33, 96}).to(c.dtype);
+    at::Tensor gate = gate0.to(cuda).requires_grad_(true), up = up0.to(cuda).requires_grad_(c.weight_grad);
+    at::Tensor y = memtune::models::swiglu(gate, up);
+    ASSERT_TRUE(y.is_cuda());
+    // The backward allocates the two gradients and nothing else, as the estimate counts it.
+    const at::Tensor gy = g0.to(cuda);
+    memtune::MemoryBackend& memory = memtune::memory_backend(cuda);
+    const int64_t before = memory.stats().allocated;
+    memory.reset_peak();
+    y.backward(gy);
+    const int64_t transient = memtune::models::swiglu_backward_transient(5 * 33, 96, c10::elementSize(c.dtype), true);
+    EXPECT_LE(memory.stats().peak - before, transient + 2048) << "the backward's transient";
+    if (c.dtype == at::kFloat) {
+      at::Tensor gc = gate0.clone().requires_grad_(true), uc = up0.clone().requires_grad_(c.weight_grad);
+      at::Tensor yc = memtune::models::swiglu(gc, uc);
+      yc.backward(g0);
+      expect_close(y.cpu(), yc, 1e-6, "forward");
+      expect_close(gate.grad().cpu(), gc.grad(), 1e-5, "grad gate");
+      if (c.weight_grad) expect_close(up.grad().cpu(), uc.grad(), 1e-5, "grad up");
+    } else {
+      at::Tensor gr = gate0.to(cuda).requires_grad_(true), ur = up0.to(cuda).requires_grad_(c.weight_grad);
+      at::Tensor yr = at::silu(gr) * ur;  // LlamaMLP: act_fn(gate_proj(x)) * up_proj(x)
+      yr.backward(g0.to(cuda));
+      EXPECT_GE(equal_share(y, yr), 0.99) << "forward: not Hugging Face's roundings";
+      EXPECT_GE(equal_share(gate.grad(), gr.grad()), 0.99) << "grad gate: not autograd's roundings";
+      expect_close(gate.grad().cpu(), gr.grad().cpu(), 1e-2, "grad gate");
+      if (c.weight_grad) {
+        EXPECT_GE(equal_share(up.grad(), ur.grad()), 0.99) << "grad up: not autograd's roundings";
+        expect_close(up.grad().cpu(), ur.grad().cpu(), 1e-2, "grad up");
+      }
+    }
+    if (!c.weight_grad) {
+      EXPECT_FALSE(up.grad().defined());
+    }
   }
 }
 

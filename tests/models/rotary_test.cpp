@@ -45,6 +45,45 @@ TEST(Rotary, MatchesHuggingFacesOpsAndTheirGradient) {
   }
 }
 
+// The CUDA kernel (models/layers/cuda/): in fp32 the CPU kernel's values to the bit (the
+// same products and sums, each rounded once), in bf16 and fp16 Hugging Face's ATen ops
+// under autograd on the same GPU to the bit (their roundings: cos and sin cast to x's
+// dtype, each product and the sum rounded), forward and backward, x strided as a
+// projection's view gives it.
+TEST(Rotary, OnCudaEqualsTheCpuKernelAndHuggingFacesOpsBitForBit_CUDA) {
+  MEMTUNE_SKIP_WITHOUT_CUDA();
+  const c10::Device cuda(c10::kCUDA, 0);
+  torch::manual_seed(6);
+  const int64_t B = 2, T = 9, H = 4, D = 64;
+  const at::Tensor cos = at::randn({B, T, 1, D}), sin = at::randn({B, T, 1, D});
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const at::Tensor base = at::randn({B, T, 2 * H * D}).to(dtype);
+    const at::Tensor g0 = at::randn({B, T, H, D}).to(dtype);
+    at::Tensor x = base.to(cuda).view({B, T, 2 * H, D}).slice(2, H).detach().requires_grad_(true);
+    at::Tensor y = memtune::models::apply_rotary(x, cos.to(cuda), sin.to(cuda));
+    ASSERT_TRUE(y.is_cuda());
+    y.backward(g0.to(cuda));
+    at::Tensor want, want_grad;
+    if (dtype == at::kFloat) {
+      at::Tensor xc = base.view({B, T, 2 * H, D}).slice(2, H).detach().requires_grad_(true);
+      want = memtune::models::apply_rotary(xc, cos, sin);
+      want.backward(g0);
+      want_grad = xc.grad();
+    } else {
+      at::Tensor xr = base.to(cuda).view({B, T, 2 * H, D}).slice(2, H).detach().requires_grad_(true);
+      const at::Tensor c = cos.to(cuda).to(dtype), s = sin.to(cuda).to(dtype);
+      want = xr * c + hf_rotate_half(xr) * s;
+      want.backward(g0.to(cuda));
+      want_grad = xr.grad();
+    }
+    EXPECT_TRUE(at::equal(y.cpu(), want.cpu()))
+        << "forward: " << (y.cpu() != want.cpu()).sum().item<int64_t>() << " elements differ";
+    EXPECT_TRUE(at::equal(x.grad().cpu(), want_grad.cpu()))
+        << "grad x: " << (x.grad().cpu() != want_grad.cpu()).sum().item<int64_t>() << " elements differ";
+  }
+}
+
 TEST(Rotary, AnOddHeadSizeOrMismatchedTablesIsAnInternalError) {
   const at::Tensor x = at::randn({1, 2, 1, 5});
   EXPECT_THROW(memtune::models::apply_rotary(x, at::ones({1, 2, 1, 5}), at::ones({1, 2, 1, 5})), memtune::InternalError);
