@@ -23,9 +23,16 @@ using torch::autograd::variable_list;
 using cuda_math::device_type;
 
 // The CUDA kernels take tensors of fp32, fp16 or bf16 on one CUDA device; other dtypes
-// (fp64) take the ATen ops below.
+// (fp64) take the ATen ops below, and so do shapes the kernels do not take (where ATen
+// raises its error or broadcasts).
 bool cuda_kernels(const at::Tensor& a, const at::Tensor& b) {
   return a.is_cuda() && b.device() == a.device() && device_type(a.scalar_type()) && device_type(b.scalar_type());
+}
+bool rms_norm_kernels(const at::Tensor& x, const at::Tensor& weight) {
+  return cuda_kernels(x, weight) && x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1);
+}
+bool swiglu_kernels(const at::Tensor& gate, const at::Tensor& up) {
+  return cuda_kernels(gate, up) && gate.scalar_type() == up.scalar_type() && gate.sizes() == up.sizes();
 }
 
 cudaStream_t stream_of(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
@@ -66,7 +73,7 @@ void rms_norm_backward_cuda(const at::Tensor& x, const at::Tensor& weight, const
   }
   if (grad_weight != nullptr) {
     const int64_t chunks = weight_grad_chunks(rows);
-    at::Tensor partial = at::empty({chunks, width}, x.options().dtype(at::kFloat));
+    at::Tensor partial = at::zeros({chunks, width}, x.options().dtype(at::kFloat));  // no rows: zeros
     C10_CUDA_CHECK(norm_act_cuda::rms_norm_backward_weight(xc.data_ptr(), xt, rc.data_ptr<float>(), gc.data_ptr(),
                                                            rows, width, chunks, partial.data_ptr<float>(),
                                                            stream_of(x)));
@@ -78,7 +85,7 @@ void rms_norm_backward_cuda(const at::Tensor& x, const at::Tensor& weight, const
 struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, double eps) {
 #ifdef MEMTUNE_CUDA
-    if (cuda_kernels(x, weight)) {
+    if (rms_norm_kernels(x, weight)) {
       at::Tensor rstd;
       at::Tensor y = rms_norm_forward_cuda(x, weight, eps, &rstd);
       ctx->save_for_backward({x, weight, rstd});
@@ -98,7 +105,7 @@ struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
     const at::Tensor &x = saved[0], &weight = saved[1], &rstd = saved[2];
     const at::Tensor& gy = grads[0];
 #ifdef MEMTUNE_CUDA
-    if (cuda_kernels(x, weight)) {
+    if (rms_norm_kernels(x, weight)) {
       at::Tensor grad_x, grad_weight;
       rms_norm_backward_cuda(x, weight, rstd, gy, ctx->needs_input_grad(0) ? &grad_x : nullptr,
                              ctx->needs_input_grad(1) ? &grad_weight : nullptr);
@@ -126,7 +133,7 @@ struct SwigluFunction : public torch::autograd::Function<SwigluFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
     ctx->save_for_backward({gate, up});
 #ifdef MEMTUNE_CUDA
-    if (cuda_kernels(gate, up) && gate.scalar_type() == up.scalar_type()) {
+    if (swiglu_kernels(gate, up)) {
       const c10::cuda::CUDAGuard guard(gate.device());
       const at::Tensor g = gate.contiguous(), u = up.contiguous();
       at::Tensor y = at::empty_like(g);
@@ -143,7 +150,7 @@ struct SwigluFunction : public torch::autograd::Function<SwigluFunction> {
     const at::Tensor &gate = saved[0], &up = saved[1];
     const at::Tensor& gy = grads[0];
 #ifdef MEMTUNE_CUDA
-    if (cuda_kernels(gate, up) && gate.scalar_type() == up.scalar_type()) {
+    if (swiglu_kernels(gate, up)) {
       const c10::cuda::CUDAGuard guard(gate.device());
       const at::Tensor g = gate.contiguous(), u = up.contiguous(), d = gy.to(gate.scalar_type()).contiguous();
       at::Tensor grad_gate = ctx->needs_input_grad(0) ? at::empty_like(g) : at::Tensor();

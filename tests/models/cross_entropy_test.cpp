@@ -114,17 +114,20 @@ TEST(LinearCrossEntropy, OnCudaEqualsTheCpuKernels_CUDA) {
       expect_close(wg.grad().cpu(), weight.grad(), 1e-5, "grad weight");
     }
   }
-  // Tied maxima (TiedMaximaCountTheFirstIndex's construction, exact integer logits).
-  at::Tensor weight = at::randint(-1, 2, {19, 6}).to(at::kFloat);
-  weight[4] = 3;
-  weight[13] = 3;
-  const at::Tensor hidden = (at::randint(-1, 2, {9, 6}) + 4).to(at::kFloat).to(cuda);
-  int64_t correct = 0;
-  linear_cross_entropy_sum(hidden, weight.to(cuda), at::full({9}, 13, at::kLong).to(cuda), 4, &correct);
-  EXPECT_EQ(correct, 0);
-  correct = 0;
-  linear_cross_entropy_sum(hidden, weight.to(cuda), at::full({9}, 4, at::kLong).to(cuda), 4, &correct);
-  EXPECT_EQ(correct, 9);
+  // Tied maxima (TiedMaximaCountTheFirstIndex's construction, exact integer logits), read
+  // one float at a time (19) and four at a time (20).
+  for (int64_t v : {19, 20}) {
+    at::Tensor weight = at::randint(-1, 2, {v, 6}).to(at::kFloat);
+    weight[4] = 3;
+    weight[13] = 3;
+    const at::Tensor hidden = (at::randint(-1, 2, {9, 6}) + 4).to(at::kFloat).to(cuda);
+    int64_t correct = 0;
+    linear_cross_entropy_sum(hidden, weight.to(cuda), at::full({9}, 13, at::kLong).to(cuda), 4, &correct);
+    EXPECT_EQ(correct, 0) << "vocab " << v;
+    correct = 0;
+    linear_cross_entropy_sum(hidden, weight.to(cuda), at::full({9}, 4, at::kLong).to(cuda), 4, &correct);
+    EXPECT_EQ(correct, 9) << "vocab " << v;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Kernels, LinearCrossEntropyKernels, ::testing::Values(false, true),

@@ -111,6 +111,18 @@ TEST(RmsNorm, OnCudaEqualsTheCpuNodeAndHuggingFacesRoundings_CUDA) {
       }
     }
   }
+  // More rows than the grid has CTAs (65535: a CTA takes several rows), the weight's
+  // gradient in runs of rows whose last is shorter, and no rows at all (a zero gradient).
+  for (int64_t rows : {70001, 0}) {
+    SCOPED_TRACE(std::to_string(rows) + " rows");
+    const at::Tensor x0 = at::randn({rows, 40}), w0 = at::rand({40}) + 0.5, g0 = at::randn({rows, 40});
+    at::Tensor x = x0.to(cuda).requires_grad_(true), w = w0.to(cuda).requires_grad_(true);
+    memtune::models::rms_norm(x, w, 1e-6).backward(g0.to(cuda));
+    at::Tensor xc = x0.clone().requires_grad_(true), wc = w0.clone().requires_grad_(true);
+    memtune::models::rms_norm(xc, wc, 1e-6).backward(g0);
+    if (rows > 0) expect_close(x.grad().cpu(), xc.grad(), 1e-5, "grad x", 1.0);
+    expect_close(w.grad().cpu(), wc.grad(), 1e-4, "grad weight", 1.0);
+  }
 }
 
 TEST(Swiglu, OnCudaEqualsTheCpuNodeAndHuggingFacesRoundings_CUDA) {

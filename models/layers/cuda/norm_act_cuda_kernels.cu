@@ -33,7 +33,8 @@ __global__ void rms_norm_forward_kernel(const T* __restrict__ x, const W* __rest
       ss = __fmaf_rn(v, v, ss);
     }
     ss = block_sum(ss, scratch);
-    const float rs = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, static_cast<float>(width)), eps)));
+    // As ATen's mean and rsqrt: the sum times 1/width, rsqrtf.
+    const float rs = rsqrtf(__fadd_rn(__fmul_rn(ss, 1.0f / static_cast<float>(width)), eps));
     if (threadIdx.x == 0) rstd[r] = rs;
     T* yr = y + r * width;
     for (int64_t j = threadIdx.x; j < width; j += blockDim.x) {

@@ -5,7 +5,8 @@
 //
 // The roundings are those of Hugging Face's modules run by PyTorch's autograd in T, so a
 // bf16 run is what transformers computes (one rounding per op, each op in fp32):
-//   RMSNorm  y = T(T(x * rstd) * T(w)), rstd = 1 / sqrt(mean(x^2) + eps) per row in fp32;
+//   RMSNorm  y = T(T(x * rstd) * T(w)), rstd = rsqrt(mean(x^2) + eps) per row in fp32
+//            (ATen's rsqrtf: its last bits, like the sum's order, may differ);
 //   SwiGLU   y = T(T(silu(gate)) * up).
 // In fp32 they equal the CPU's nodes up to the order of a row's sum and the exp's last bit.
 #include <cstdint>
