@@ -22,7 +22,12 @@ at::Tensor to_offload_storage(const at::Tensor& t) {
   return at::from_blob(p, src.sizes(), src.strides(), [](void* q) { std::free(q); }, src.options());
 }
 
-at::Tensor offload_zeros(at::IntArrayRef sizes, at::ScalarType dtype) {
+at::Tensor offload_zeros(at::IntArrayRef sizes, at::ScalarType dtype, bool pinned) {
+#ifdef MEMTUNE_CUDA
+  if (pinned) return at::zeros(sizes, at::TensorOptions(dtype).pinned_memory(true));
+#else
+  (void)pinned;
+#endif
   int64_t n = 1;
   for (int64_t d : sizes) n *= d;
   const size_t bytes = static_cast<size_t>(n) * c10::elementSize(dtype);

@@ -11,8 +11,9 @@ namespace memtune {
 // weights offloaded to host RAM are not part of a GPU's memory). Undefined stays undefined.
 at::Tensor to_offload_storage(const at::Tensor& t);
 
-// Zeros in that host memory (outside the CPU budget), allocated there directly.
-at::Tensor offload_zeros(at::IntArrayRef sizes, at::ScalarType dtype);
+// Zeros in that host memory (outside the CPU budget), allocated there directly. `pinned`
+// (CUDA builds): page-locked, so that copies to and from a GPU run asynchronously.
+at::Tensor offload_zeros(at::IntArrayRef sizes, at::ScalarType dtype, bool pinned = false);
 
 // A copy of an offloaded tensor on `device`, allocated there (counted by its budget).
 at::Tensor fetch_from_offload(const at::Tensor& t, const c10::Device& device);

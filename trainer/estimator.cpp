@@ -154,7 +154,7 @@ class Planner {
 
     // Trainable tensors, their gradients and the optimizer's states, tensor by tensor (8-bit
     // states depend on each tensor's size).
-    int64_t trainable = 0, largest_trainable = 0;
+    int64_t trainable = 0, largest_trainable = 0, largest_states = 0;
     std::vector<int64_t> layer_trainable(static_cast<size_t>(L_), 0);
     int64_t outside_trainable = 0;  // trained outside the layers, but the embeddings: final norm, head
     int64_t embedding_trainable = 0;
@@ -164,6 +164,7 @@ class Planner {
       trainable += n;
       largest_trainable = std::max(largest_trainable, n);
       e.optimizer_states += optimizer_state_bytes(m_.optimizer, m_.optimizer_paged, shape, m_.sgd_momentum);
+      largest_states = std::max(largest_states, optimizer_state_bytes(m_.optimizer, false, shape, m_.sgd_momentum));
       if (layer >= 0) layer_trainable[layer] += n;
       else if (!embedding) outside_trainable += n;
       else embedding_trainable += n;
@@ -190,6 +191,9 @@ class Planner {
     // one on every device, in host memory with offloaded states.
     const bool has_workspace = (m_.optimizer == "adamw" && !m_.cpu_update) || m_.optimizer == "adafactor";
     e.optimizer_workspace = has_workspace && !m_.optimizer_paged ? largest_trainable * kF32 : 0;
+    // Streamed paged states: two slots, each a tensor's states at 256-byte boundaries (at
+    // most four of them).
+    if (m_.optimizer_streamed) e.optimizer_workspace = 2 * (largest_states + 4 * 256);
     // Sharding (trainer/sharding.h): the ideal 1/W share; its whole-tensor partition is within
     // one tensor of it.
     const int64_t W = m_.world_size;
@@ -351,7 +355,9 @@ class Planner {
                       : m_.optimizer == "adamw_32bit" ? "adamw (bitsandbytes 32-bit): exp_avg, exp_avg_sq"
                       : m_.optimizer == "adafactor"   ? "adafactor: a matrix's second moment per row and per column"
                                                       : "adamw: exp_avg, exp_avg_sq";
-    if (m_.optimizer_paged) states_how = "paged: in host memory, none on the device";
+    if (m_.optimizer_paged)
+      states_how = m_.optimizer_streamed ? "paged: in host memory, passing through the optimizer workspace"
+                                         : "paged: in host memory, none on the device";
     if (trainable > 0) {
       char per[64];
       std::snprintf(per, sizeof per, " (%.3f B per trainable parameter)",
@@ -368,7 +374,10 @@ class Planner {
     if (e.sharding_buffer) add("sharding buffer", e.sharding_buffer, "one bucket of the sharded collectives");
     if (e.allreduce_buffers)
       add("all-reduce buffers", e.allreduce_buffers, "the gradients' flat copies, kept between steps");
-    if (e.optimizer_workspace) add("optimizer workspace", e.optimizer_workspace, "the largest trainable tensor, fp32");
+    if (e.optimizer_workspace)
+      add("optimizer workspace", e.optimizer_workspace,
+          m_.optimizer_streamed ? "two slots of the largest tensor's paged states, double-buffered"
+                                : "the largest trainable tensor, fp32");
     // Runs of layers that keep the same bytes the same way are one line.
     const std::string bound =
         e.layers_stated ? "" : str_cat(" (a bound: ", model.spec().architecture, " states no layer accounting)");

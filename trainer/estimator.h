@@ -69,6 +69,9 @@ struct EstimateInput {
   bool prefetch = true;             // sharding full: the next layer's gather held beside the one running
   bool sgd_momentum = false;        // training.momentum > 0 (torch.optim.SGD keeps no buffer at 0)
   bool optimizer_paged = false;     // states in host memory: nothing on the device
+  // Paged states pass through the device per tensor (paged_* on CUDA: trainer::PagedStates),
+  // in two slots of the largest tensor's states.
+  bool optimizer_streamed = false;
   // Gradients in host memory as backward produces them (memory.optimizer_offload: cpu,
   // trainer/gradient_offload.h): none held on the device across micro-batches or in the
   // update. Asked for; the estimate applies it where gradient offload runs

@@ -137,7 +137,8 @@ Optimizer::Optimizer(std::vector<std::pair<std::string, at::Tensor>> params, Opt
   // or offloaded from the start: a budget that holds only the offloaded run never holds it).
   offloaded_ = options_.offloaded && !options_.paged;
   auto state = [&](const at::Tensor& like, at::IntArrayRef sizes, at::ScalarType dt) {
-    if (options_.paged || offloaded_) return offload_zeros(sizes, dt);
+    // Paged states of a GPU's parameter are pinned: they pass through the device per update.
+    if (options_.paged || offloaded_) return offload_zeros(sizes, dt, options_.paged && like.is_cuda());
     return at::zeros(sizes, like.options().dtype(dt).requires_grad(false));
   };
   if (k == "adamw_8bit") {  // built (and counted) now, not during the first update
@@ -199,6 +200,24 @@ std::string Optimizer::workspace_key(size_t i) const {
 }
 
 void Optimizer::reserve_workspaces() {
+#ifdef MEMTUNE_CUDA
+  if (options_.paged) {  // bitsandbytes' paged kinds: the slots the states pass through, per device
+    std::map<std::string, std::pair<c10::Device, int64_t>> slots;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const at::Tensor& p = params_[i].second;
+      if (!owned_[i] || !p.is_cuda() || !p.grad().defined() || p.grad().device() != p.device()) continue;
+      const int64_t bytes = PagedStates::slot_bytes({exp_avg_[i], exp_avg_sq_[i], absmax1_[i], absmax2_[i]});
+      auto& need = slots.try_emplace(p.device().str(), p.device(), 0).first->second.second;
+      need = std::max(need, bytes);
+    }
+    for (const auto& [where, what] : slots) {
+      std::shared_ptr<PagedStates>& ps = paged_[where];
+      if (ps && ps->capacity() >= what.second) continue;
+      ps.reset();  // the smaller slots go first
+      ps = std::make_shared<PagedStates>(what.first, what.second);
+    }
+  }
+#endif
   const bool adafactor = options_.kind == "adafactor";
   if (options_.kind != "adamw" && !adafactor) return;
   std::map<std::string, std::pair<int64_t, at::TensorOptions>> need;  // per device
@@ -336,6 +355,25 @@ void Optimizer::zero_grad() {
 void Optimizer::step(double lr, double grad_scale) {
   at::NoGradGuard no_grad;
   reserve_workspaces();  // before anything of the step changes: an out-of-memory error here leaves it to retry
+  // Paged states on their way back to the host are there when the step returns (a failed
+  // copy throws then), or throws.
+  struct FinishPaged {
+    std::map<std::string, std::shared_ptr<PagedStates>>& paged;
+    bool done = false;
+    void run() {
+      done = true;
+#ifdef MEMTUNE_CUDA
+      for (auto& [where, ps] : paged) ps->finish();
+#endif
+    }
+    ~FinishPaged() {
+      if (done) return;
+      try {
+        run();
+      } catch (...) {  // the step's own error is the one to report
+      }
+    }
+  } finish_paged{paged_};
   ++steps_;
   const double b1 = options_.beta1, b2 = options_.beta2;
   const double bc1 = 1.0 - std::pow(b1, static_cast<double>(steps_));
@@ -370,6 +408,7 @@ void Optimizer::step(double lr, double grad_scale) {
     }
     if (on_host) const_cast<at::Tensor&>(p).copy_(ph);
   }
+  finish_paged.run();
 }
 
 void Optimizer::update(const at::Tensor& p, const at::Tensor& g, size_t i, double lr, double wd, double grad_scale,
@@ -410,6 +449,11 @@ void Optimizer::bnb_step(size_t i, double lr, double wd, double grad_scale) {
       bnb_adam8_cuda(s, p, p.grad(), exp_avg_[i], exp_avg_sq_[i], absmax1_[i], absmax2_[i]);
     else
       bnb_adam32_cuda(s, p, p.grad(), exp_avg_[i], exp_avg_sq_[i]);
+    return;
+  }
+  // Paged states in host memory, the parameter on a GPU: through the device, double-buffered.
+  if (const auto ps = paged_.find(p.device().str()); ps != paged_.end() && ps->second->applies(p, p.grad(), st)) {
+    ps->second->update(s, p, p.grad(), st);
     return;
   }
 #endif

@@ -9,6 +9,7 @@
 // never half way through an update.
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -19,6 +20,8 @@
 #include "trainer/adamw8bit_kernels.h"
 
 namespace memtune::trainer {
+
+class PagedStates;  // trainer/cuda/adamw_bnb_cuda.h (CUDA builds)
 
 struct OptimizerOptions {
   // adamw (torch.optim.AdamW) | adamw_8bit (bitsandbytes AdamW8bit) |
@@ -140,6 +143,8 @@ class Optimizer {
   std::vector<at::Tensor> sq_row_, sq_col_;
   // Per device where torch's AdamW path or Adafactor runs: the largest parameter's size there, fp32.
   std::map<std::string, at::Tensor> workspaces_;
+  // Per CUDA device where paged states are updated: the two slots they pass through.
+  std::map<std::string, std::shared_ptr<PagedStates>> paged_;
   int64_t steps_ = 0;
   bool offloaded_ = false;  // offload_states() ran
 };

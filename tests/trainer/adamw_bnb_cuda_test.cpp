@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "runtime/memory.h"
 #include "test_util.h"
 #include "trainer/optimizer.h"
 
@@ -32,30 +33,53 @@ Params make_params(const c10::Device& device) {
   return ps;
 }
 
-// Runs `steps` updates with the same gradients wherever the parameters are: gradients of
-// widely spread magnitudes, and at step 7 an inf in each tensor (its element keeps its value
-// and its states go to zero).
+// The same gradients wherever the parameters are: widely spread magnitudes, and at step 7 an
+// inf in each tensor (its element keeps its value and its states go to zero).
+void set_grads(Params& ps, at::Generator& gen, int step) {
+  for (auto& [name, p] : ps) {
+    at::Tensor g = at::randn(p.sizes(), gen) * std::pow(10.0, (step % 5) - 3);
+    if (step == 7) g.view({-1})[3] = std::numeric_limits<float>::infinity();
+    p.mutable_grad() = g.to(p.device());
+  }
+}
+
+double lr_of(int step) { return step % 2 ? 1e-3 : 3e-3; }
+double scale_of(int step) { return step % 3 ? 1.0 : 0.5; }
+
 std::unique_ptr<tr::Optimizer> run(const tr::OptimizerOptions& o, Params& ps, int steps) {
   auto opt = std::make_unique<tr::Optimizer>(ps, o);
   at::Generator gen = at::detail::createCPUGenerator(23);
   for (int step = 1; step <= steps; ++step) {
-    for (auto& [name, p] : ps) {
-      at::Tensor g = at::randn(p.sizes(), gen) * std::pow(10.0, (step % 5) - 3);
-      if (step == 7) g.view({-1})[3] = std::numeric_limits<float>::infinity();
-      p.mutable_grad() = g.to(p.device());
-    }
-    opt->step(step % 2 ? 1e-3 : 3e-3, step % 3 ? 1.0 : 0.5);
+    set_grads(ps, gen, step);
+    opt->step(lr_of(step), scale_of(step));
   }
   return opt;
+}
+
+void expect_equal_runs(tr::Optimizer& want, const Params& cpu, tr::Optimizer& got, const Params& gpu) {
+  std::map<std::string, at::Tensor> ws, gs;
+  for (auto& [k, t] : want.state_tensors()) ws[k] = t.cpu();
+  for (auto& [k, t] : got.state_tensors()) gs[k] = t.cpu();
+  ASSERT_EQ(ws.size(), gs.size());
+  for (auto& [k, t] : ws) {
+    ASSERT_TRUE(gs.count(k)) << k;
+    EXPECT_TRUE(at::equal(gs[k], t)) << k << " differs";
+  }
+  for (size_t i = 0; i < cpu.size(); ++i) {
+    EXPECT_TRUE(gpu[i].second.is_cuda());
+    EXPECT_TRUE(at::equal(gpu[i].second.detach().cpu(), cpu[i].second.detach()))
+        << cpu[i].first << ": max |diff| "
+        << (gpu[i].second.detach().cpu() - cpu[i].second.detach()).abs().max().item<float>();
+  }
 }
 
 TEST(AdamWBnbCuda, TwentyStepsOnTheGpuEqualTheCpuBitForBit_CUDA) {
   MEMTUNE_SKIP_WITHOUT_CUDA();
   const c10::Device cuda(c10::kCUDA, 0);
   // adamw_8bit with its states on the device; adamw_32bit (bitsandbytes' 32-bit kernel, the
-  // unpaged twin of paged_adamw_32bit); paged_adamw_8bit, whose states stay in host memory
-  // and whose update streams a GPU parameter through the host.
-  for (const std::string optim : {"adamw_8bit", "adamw_32bit", "paged_adamw_8bit"}) {
+  // unpaged twin of paged_adamw_32bit); the paged kinds, whose states stay in host memory
+  // and pass through the device per tensor (trainer::PagedStates).
+  for (const std::string optim : {"adamw_8bit", "adamw_32bit", "paged_adamw_8bit", "paged_adamw_32bit"}) {
     SCOPED_TRACE(optim);
     tr::OptimizerOptions o;
     tr::set_optimizer_kind(optim == "adamw_32bit" ? "paged_adamw_32bit" : optim, o);
@@ -66,20 +90,59 @@ TEST(AdamWBnbCuda, TwentyStepsOnTheGpuEqualTheCpuBitForBit_CUDA) {
     auto got = run(o, gpu, 20);
     for (auto& [k, t] : got->state_tensors())
       EXPECT_EQ(t.is_cuda(), !o.paged) << k << ": the states live on the device unless paged";
-    std::map<std::string, at::Tensor> ws, gs;
-    for (auto& [k, t] : want->state_tensors()) ws[k] = t.cpu();
-    for (auto& [k, t] : got->state_tensors()) gs[k] = t.cpu();
-    ASSERT_EQ(ws.size(), gs.size());
-    for (auto& [k, t] : ws) {
-      ASSERT_TRUE(gs.count(k)) << k;
-      EXPECT_TRUE(at::equal(gs[k], t)) << k << " differs";
+    expect_equal_runs(*want, cpu, *got, gpu);
+  }
+}
+
+// Paged states on the device: two slots of the largest tensor's states, allocated in the
+// first step and reused after (nothing more is allocated), far less than the states of six
+// tensors; the host states pinned (the copies run asynchronously); the parameters and states
+// after 9 steps the CPU's to the bit, which they would not be if a slot were refilled before
+// its kernel had read it or copied back before it was written.
+TEST(AdamWBnbCuda, PagedStatesPassThroughTwoDeviceSlots_CUDA) {
+  MEMTUNE_SKIP_WITHOUT_CUDA();
+  const c10::Device cuda(c10::kCUDA, 0);
+  auto many = [](const c10::Device& device) {
+    at::Generator gen = at::detail::createCPUGenerator(31);
+    Params ps;
+    for (int i = 0; i < 6; ++i)
+      ps.emplace_back("layers." + std::to_string(i) + ".mlp.up_proj.weight", at::randn({700, 100 - 7 * i}, gen));
+    for (auto& [name, t] : ps) t = t.to(device).requires_grad_(true);
+    return ps;
+  };
+  for (const std::string optim : {"paged_adamw_8bit", "paged_adamw_32bit"}) {
+    SCOPED_TRACE(optim);
+    tr::OptimizerOptions o;
+    tr::set_optimizer_kind(optim, o);
+    o.weight_decay = 0.1;
+    Params cpu = many(c10::kCPU), gpu = many(cuda);
+    auto want = run(o, cpu, 9);
+    auto got = std::make_unique<tr::Optimizer>(gpu, o);
+    int64_t states = 0;
+    for (auto& [k, t] : got->state_tensors()) {
+      EXPECT_TRUE(t.is_pinned()) << k;
+      states += t.numel() * static_cast<int64_t>(t.element_size());
     }
-    for (size_t i = 0; i < cpu.size(); ++i) {
-      EXPECT_TRUE(gpu[i].second.is_cuda());
-      EXPECT_TRUE(at::equal(gpu[i].second.detach().cpu(), cpu[i].second.detach()))
-          << cpu[i].first << ": max |diff| "
-          << (gpu[i].second.detach().cpu() - cpu[i].second.detach()).abs().max().item<float>();
+    // The largest tensor (70000 elements): 8-bit: two 70000-byte code arrays and two 274-block
+    // fp32 absmax arrays, each at a 256-byte boundary; 32-bit: two fp32 arrays.
+    const int64_t slot = optim == "paged_adamw_8bit" ? 2 * 70144 + 2 * 1280 : 2 * 280064;
+    memtune::MemoryBackend& memory = memtune::memory_backend(cuda);
+    at::Generator gen = at::detail::createCPUGenerator(23);
+    for (int step = 1; step <= 9; ++step) {
+      set_grads(gpu, gen, step);
+      const int64_t before = memory.stats().allocated;
+      memory.reset_peak();
+      got->step(lr_of(step), scale_of(step));
+      const int64_t grew = memory.stats().peak - before;
+      if (step == 1) {
+        EXPECT_GE(grew, 2 * slot) << "the two slots";
+        EXPECT_LE(grew, 2 * slot + 4 * 1024 * 1024) << "more than the two slots";
+        EXPECT_LT(grew, states / 2) << "the states are on the device";
+      } else {
+        EXPECT_EQ(grew, 0) << "step " << step << " allocated on the device";
+      }
     }
+    expect_equal_runs(*want, cpu, *got, gpu);
   }
 }
 

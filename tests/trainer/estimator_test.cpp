@@ -211,6 +211,15 @@ TEST(Estimator, OptimizerStateBytesPerOption) {
   EXPECT_EQ(e.optimizer_states, 2 * big + 2 * 4 * 64 * 5 + 2 * 7 * proj);
   e = estimate_memory(input(wide, {"training.finetune=full", "training.optim=paged_adamw_8bit"}));
   EXPECT_EQ(e.optimizer_states, 0);
+  EXPECT_EQ(e.optimizer_workspace, 0);
+  // On a GPU the paged states pass through two device slots, each the largest tensor's
+  // states (the embedding's: 8192 codes twice, 32 absmax twice) at 256-byte boundaries
+  // (the estimate allows 256 bytes for each of the four).
+  EstimateInput streamed = input(wide, {"training.finetune=full", "training.optim=paged_adamw_8bit"});
+  streamed.optimizer_streamed = true;
+  e = estimate_memory(streamed);
+  EXPECT_EQ(e.optimizer_states, 0);
+  EXPECT_EQ(e.optimizer_workspace, 2 * (big + 4 * 256));
 }
 
 // Llama's attention_bias (q, k, v, o) and mlp_bias (gate, up, down) add their vectors.

@@ -3,9 +3,11 @@
 // (trainer/cuda/adamw_bnb_cuda.cpp, built only with CUDA): trainer/optimizer.cpp calls these
 // under MEMTUNE_CUDA. Every tensor contiguous fp32 (codes uint8) on the parameter's device;
 // nothing is allocated, so an out-of-memory error cannot interrupt an update half way.
+#include <memory>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 #include "trainer/bnb_scalars.h"
 
@@ -21,5 +23,41 @@ void bnb_adam8_cuda(const BnbScalars& s, const at::Tensor& p, const at::Tensor& 
 // adamw_32bit (and adamw_8bit's tensors under 4096 elements): fp32 m, v.
 void bnb_adam32_cuda(const BnbScalars& s, const at::Tensor& p, const at::Tensor& g, const at::Tensor& m,
                      const at::Tensor& v);
+
+// Paged states (paged_adamw_8bit, paged_adamw_32bit) of parameters on a CUDA device:
+// bitsandbytes keeps them in host memory and pages them into the device for the update.
+// Here one parameter's states at a time pass through the device, double-buffered: while the
+// kernel updates a parameter in one device slot, a side stream copies the next parameter's
+// states into the other slot and the previous one's back to the host. The device holds two
+// slots of the largest parameter's states; the host states are pinned where they were made
+// so (runtime/offload.h), which lets the copies overlap the kernels.
+class PagedStates {
+ public:
+  // Device bytes one parameter's states take in a slot: [c1, c2, absmax1, absmax2] (8-bit)
+  // or [m, v] (32-bit), each at a 256-byte boundary.
+  static int64_t slot_bytes(const std::vector<at::Tensor>& host_states);
+  // Two slots of `slot_bytes` on `device`, allocated now: an out-of-memory error comes
+  // before any update.
+  PagedStates(const c10::Device& device, int64_t slot_bytes);
+  ~PagedStates();
+  PagedStates(const PagedStates&) = delete;
+  PagedStates& operator=(const PagedStates&) = delete;
+
+  const c10::Device& device() const { return device_; }
+  int64_t capacity() const { return slot_bytes_; }
+  // Whether p (fp32, contiguous, on this device, its gradient too) can be updated with
+  // these host states (contiguous, on the host, slot_bytes at most the capacity).
+  bool applies(const at::Tensor& p, const at::Tensor& g, const std::vector<at::Tensor>& host_states) const;
+  // Queues p's update (bitsandbytes' 8-bit update with four states, the 32-bit with two).
+  void update(const BnbScalars& s, const at::Tensor& p, const at::Tensor& g, const std::vector<at::Tensor>& host_states);
+  // Returns once every queued update's states are back in host memory.
+  void finish();
+
+ private:
+  struct Impl;
+  c10::Device device_;
+  int64_t slot_bytes_;
+  std::unique_ptr<Impl> impl_;
+};
 
 }  // namespace memtune::trainer
