@@ -24,7 +24,7 @@ at::Tensor to_offload_storage(const at::Tensor& t) {
 
 at::Tensor offload_zeros(at::IntArrayRef sizes, at::ScalarType dtype, bool pinned) {
 #ifdef MEMTUNE_CUDA
-  if (pinned) return at::zeros(sizes, at::TensorOptions(dtype).pinned_memory(true));
+  if (pinned) return cuda_pinned_zeros(sizes, dtype);
 #else
   (void)pinned;
 #endif

@@ -22,6 +22,9 @@ namespace memtune::trainer {
 // kBlock8bit, one fp32 absmax per block and state.
 inline constexpr int64_t kMin8bitSize = 4096;
 inline constexpr int64_t kBlock8bit = 256;
+// Paged states on a GPU pass through two device slots of at most this many bytes
+// (trainer/cuda/adamw_bnb_cuda.h, PagedStates): a larger tensor passes in runs of blocks.
+inline constexpr int64_t kPagedSlotBytes = int64_t{64} << 20;
 // create_dynamic_map(signed) of bitsandbytes: 256 sorted fp32 values.
 at::Tensor dynamic_map(bool is_signed);
 // bitsandbytes' quantize_2D on that map (x is the state over its block's absmax).

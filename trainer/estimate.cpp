@@ -85,7 +85,6 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
   in.sgd_momentum = c.training.momentum != 0;
   in.optimizer_paged = oo.paged || c.memory.optimizer_offload == "cpu";
   in.gradients_offloaded = c.memory.optimizer_offload == "cpu";
-  in.optimizer_streamed = oo.paged && c.memory.optimizer_offload != "cpu" && device.is_cuda();
   in.sharding = c.distributed.sharding;  // world_size stays 1: the caller knows the ranks
   in.prefetch = c.distributed.prefetch;
   in.bucket_bytes = c.distributed.bucket_size_mb << 20;
@@ -98,6 +97,7 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
   in.fused_cpu_attention = device.is_cpu() && in.dense_bytes == 4 && c.model.attn_implementation == "auto";
 #ifdef MEMTUNE_CUDA
   in.cuda_kernels = device.is_cuda();  // the activations are fp32, fp16 or bf16: the kernels' types
+  in.optimizer_streamed = oo.paged && device.is_cuda();  // where the gradients stay on the device
 #endif
   in.cpu_update = device.is_cpu();
   in.prefetch_activations = offload_prefetches(device);

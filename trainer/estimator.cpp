@@ -10,6 +10,7 @@
 #include "runtime/error.h"
 #include "runtime/nf4.h"
 #include "runtime/units.h"
+#include "trainer/adamw8bit_kernels.h"
 #include "trainer/optimizer.h"
 
 namespace memtune::trainer {
@@ -191,9 +192,6 @@ class Planner {
     // one on every device, in host memory with offloaded states.
     const bool has_workspace = (m_.optimizer == "adamw" && !m_.cpu_update) || m_.optimizer == "adafactor";
     e.optimizer_workspace = has_workspace && !m_.optimizer_paged ? largest_trainable * kF32 : 0;
-    // Streamed paged states: two slots, each a tensor's states at 256-byte boundaries (at
-    // most four of them).
-    if (m_.optimizer_streamed) e.optimizer_workspace = 2 * (largest_states + 4 * 256);
     // Sharding (trainer/sharding.h): the ideal 1/W share; its whole-tensor partition is within
     // one tensor of it.
     const int64_t W = m_.world_size;
@@ -207,6 +205,11 @@ class Planner {
     e.gradients_after_reduce = shard_grads ? (e.gradients + W - 1) / W : e.gradients;
     // Gradients in host memory as backward produces them (trainer/gradient_offload.h).
     const bool grads_off = m_.gradients_offloaded && gradients_can_leave(m_.world_size, m_.cpu_update);
+    // Paged states stream through two device slots where the gradients stay on the device,
+    // each the largest tensor's states at 256-byte boundaries (four arrays at most), or
+    // kPagedSlotBytes when those are larger (a tensor then passes in runs).
+    if (m_.optimizer_streamed && !grads_off)
+      e.optimizer_workspace = 2 * std::min(largest_states + 4 * 256, kPagedSlotBytes);
     // Unsharded gradients are all-reduced through flat buffers as large as they are, kept from
     // the first step on (ProcessGroup::allreduce_sum); in host memory when they are.
     e.allreduce_buffers = W > 1 && !shard_grads && !grads_off ? e.gradients : 0;

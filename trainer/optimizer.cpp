@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
 #include <utility>
 #include <vector>
 
@@ -208,13 +209,15 @@ void Optimizer::reserve_workspaces() {
       if (!owned_[i] || !p.is_cuda() || !p.grad().defined() || p.grad().device() != p.device()) continue;
       const int64_t bytes = PagedStates::slot_bytes({exp_avg_[i], exp_avg_sq_[i], absmax1_[i], absmax2_[i]});
       auto& need = slots.try_emplace(p.device().str(), p.device(), 0).first->second.second;
-      need = std::max(need, bytes);
+      need = std::min(std::max(need, bytes), kPagedSlotBytes);
     }
+    for (auto it = paged_.begin(); it != paged_.end();)  // devices no longer updated here
+      it = slots.count(it->first) ? std::next(it) : paged_.erase(it);
     for (const auto& [where, what] : slots) {
-      std::shared_ptr<PagedStates>& ps = paged_[where];
-      if (ps && ps->capacity() >= what.second) continue;
-      ps.reset();  // the smaller slots go first
-      ps = std::make_shared<PagedStates>(what.first, what.second);
+      auto it = paged_.find(where);
+      if (it != paged_.end() && it->second->capacity() >= what.second) continue;
+      if (it != paged_.end()) paged_.erase(it);  // the smaller slots go first
+      paged_.emplace(where, std::make_shared<PagedStates>(what.first, what.second));
     }
   }
 #endif
@@ -360,10 +363,18 @@ void Optimizer::step(double lr, double grad_scale) {
   struct FinishPaged {
     std::map<std::string, std::shared_ptr<PagedStates>>& paged;
     bool done = false;
-    void run() {
+    void run() {  // every device's, the first error thrown after
       done = true;
 #ifdef MEMTUNE_CUDA
-      for (auto& [where, ps] : paged) ps->finish();
+      std::exception_ptr failed;
+      for (auto& [where, ps] : paged) {
+        try {
+          ps->finish();
+        } catch (...) {
+          if (!failed) failed = std::current_exception();
+        }
+      }
+      if (failed) std::rethrow_exception(failed);
 #endif
     }
     ~FinishPaged() {

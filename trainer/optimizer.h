@@ -76,6 +76,13 @@ class Optimizer {
   // One update with learning rate `lr`, from the parameters' .grad (scaled by grad_scale,
   // e.g. the clipping coefficient). Parameters without a gradient are left alone.
   void step(double lr, double grad_scale = 1.0);
+  // What the next step allocates on the devices, allocated now (step() calls it first): torch's
+  // AdamW off the fused CPU kernel (a GPU) takes a denominator the size of the largest
+  // parameter it updates, per device; Adafactor its update (on every device; in host memory
+  // outside the budget when the states are there); paged states on a GPU the two slots they
+  // pass through. Only where that path runs, for the parameters that have a gradient. The
+  // trainer calls it while an out-of-memory error can still be retried.
+  void reserve_workspaces();
   void zero_grad();  // drops every .grad
   int64_t steps() const { return steps_; }
   const OptimizerOptions& options() const { return options_; }
@@ -116,11 +123,6 @@ class Optimizer {
  private:
   void bnb_step(size_t i, double lr, double wd, double grad_scale);  // adamw_8bit / adamw_32bit
   void adafactor_step(size_t i, double lr, double wd, double grad_scale);
-  // torch's AdamW off the fused CPU kernel (a GPU) takes a denominator the size of the largest
-  // parameter it updates, per device, and Adafactor its update (on every device; in host memory
-  // outside the budget when the states are there): allocated at the start of a step, before
-  // any parameter changes, and only where that path runs.
-  void reserve_workspaces();
   // Where parameter i's update runs with its workspace: "host" (offloaded states, outside the
   // budget) or its device.
   std::string workspace_key(size_t i) const;

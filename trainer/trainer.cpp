@@ -788,6 +788,7 @@ StepRecord Trainer::step() {
     mem_->reset_peak();
     injector_->at(step_, "optimizer");
     std::tie(r.skipped, r.grad_norm) = sharding_->check_gradients(*scaler_, params_);  // unscaled, inf/nan, norm
+    optimizer_->reserve_workspaces();  // what the update allocates, while running out of memory can be retried
     note_peak(2);
   };
   stages.apply = [&] {

@@ -1,5 +1,7 @@
 #include "runtime/cuda/offload_cuda.h"
 
+#include <algorithm>
+#include <cstring>
 #include <mutex>
 #include <vector>
 
@@ -9,6 +11,8 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+
+#include "runtime/error.h"
 
 namespace memtune {
 namespace {
@@ -63,6 +67,21 @@ at::Tensor cuda_fetch_async(const at::Tensor& host, const c10::Device& device, s
   event->record(side);
   *ready = event;
   return out;
+}
+
+at::Tensor cuda_pinned_zeros(at::IntArrayRef sizes, at::ScalarType dtype) {
+  int64_t n = 1;
+  for (int64_t d : sizes) n *= d;
+  const size_t bytes = std::max<size_t>(static_cast<size_t>(n) * c10::elementSize(dtype), 1);
+  void* p = nullptr;
+  const cudaError_t err = cudaHostAlloc(&p, bytes, cudaHostAllocDefault);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky: clear it
+    MEMTUNE_CHECK(false, "offload: page-locked host memory exhausted while allocating ", bytes, " bytes (",
+                  cudaGetErrorString(err), ")");
+  }
+  std::memset(p, 0, bytes);
+  return at::from_blob(p, sizes, [](void* q) { cudaFreeHost(q); }, at::TensorOptions(dtype));
 }
 
 void cuda_wait_on_current_stream(const std::shared_ptr<void>& ready, const c10::Device& device) {

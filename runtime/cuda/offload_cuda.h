@@ -19,6 +19,10 @@ at::Tensor cuda_offload_async(const at::Tensor& t);
 // compute stream waits for before reading it.
 at::Tensor cuda_fetch_async(const at::Tensor& host, const c10::Device& device, std::shared_ptr<void>* ready);
 
+// Zeros in page-locked host memory of exactly their bytes (cudaHostAlloc; LibTorch's caching
+// host allocator would round each up to a power of two and keep it), freed with the tensor.
+at::Tensor cuda_pinned_zeros(at::IntArrayRef sizes, at::ScalarType dtype);
+
 // The current stream of `device` waits (on the device, not the host) for `ready`.
 void cuda_wait_on_current_stream(const std::shared_ptr<void>& ready, const c10::Device& device);
 

@@ -17,6 +17,11 @@
 #include "test_util.h"
 #include "trainer/optimizer.h"
 
+#ifdef MEMTUNE_CUDA
+#include "trainer/bnb_scalars.h"
+#include "trainer/cuda/adamw_bnb_cuda.h"
+#endif
+
 namespace {
 
 namespace tr = memtune::trainer;
@@ -144,6 +149,50 @@ TEST(AdamWBnbCuda, PagedStatesPassThroughTwoDeviceSlots_CUDA) {
     }
     expect_equal_runs(*want, cpu, *got, gpu);
   }
+}
+
+// A tensor larger than a slot passes through in runs of whole blocks: 70000 elements through
+// slots of 8 KiB (runs of 13 blocks of 8-bit states, 3 of 32-bit ones: dozens of runs, the
+// last one partial, the two slots alternating) for three steps equal bitsandbytes' kernels
+// run on the whole tensor with its states on the device, every bit.
+TEST(AdamWBnbCuda, PagedRunsThroughSmallSlotsEqualTheWholeTensorsKernel_CUDA) {
+  MEMTUNE_SKIP_WITHOUT_CUDA();
+#ifdef MEMTUNE_CUDA
+  const c10::Device cuda(c10::kCUDA, 0);
+  const int64_t n = 70000, blocks = (n + 255) / 256;
+  for (bool eight : {true, false}) {
+    SCOPED_TRACE(eight ? "8-bit states" : "32-bit states");
+    at::Generator gen = at::detail::createCPUGenerator(41);
+    const at::Tensor p0 = at::randn({n}, gen);
+    std::vector<at::Tensor> host;  // states as some earlier steps left them
+    if (eight) {
+      host = {at::randint(256, {n}, gen, at::kByte), at::randint(256, {n}, gen, at::kByte),
+              at::rand({blocks}, gen) * 0.1, at::rand({blocks}, gen) * 0.01};
+    } else {
+      host = {at::randn({n}, gen) * 0.1, at::rand({n}, gen) * 0.01};
+    }
+    std::vector<at::Tensor> device;
+    for (at::Tensor& t : host) {
+      device.push_back(t.to(cuda));
+      t = t.pin_memory();
+    }
+    const at::Tensor paged = p0.to(cuda), whole = p0.to(cuda);
+    tr::PagedStates ps(cuda, 8192);
+    EXPECT_EQ(tr::PagedStates::run_elements(8192, eight), eight ? 13 * 256 : 3 * 256);
+    for (int step = 1; step <= 3; ++step) {
+      const at::Tensor g = (at::randn({n}, gen) * 0.01).to(cuda);
+      const memtune::trainer::BnbScalars s(step, 1e-3, 0.9, 0.999, 1e-8, 0.01, 1.0);
+      ps.update(s, paged, g, host);
+      ps.finish();
+      if (eight)
+        tr::bnb_adam8_cuda(s, whole, g, device[0], device[1], device[2], device[3]);
+      else
+        tr::bnb_adam32_cuda(s, whole, g, device[0], device[1]);
+    }
+    EXPECT_TRUE(at::equal(paged.cpu(), whole.cpu())) << "parameters";
+    for (size_t k = 0; k < host.size(); ++k) EXPECT_TRUE(at::equal(host[k], device[k].cpu())) << "state " << k;
+  }
+#endif
 }
 
 }  // namespace

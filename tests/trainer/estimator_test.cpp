@@ -220,6 +220,18 @@ TEST(Estimator, OptimizerStateBytesPerOption) {
   e = estimate_memory(streamed);
   EXPECT_EQ(e.optimizer_states, 0);
   EXPECT_EQ(e.optimizer_workspace, 2 * (big + 4 * 256));
+  // Gradients in host memory (memory.optimizer_offload: cpu): the update runs on the host.
+  streamed.gradients_offloaded = true;
+  EXPECT_EQ(estimate_memory(streamed).optimizer_workspace, 0);
+  // A tensor whose states outgrow a slot passes through in runs: two slots of 64 MiB (an
+  // embedding of 32000 x 4096: 2 x 131 MB of codes).
+  wide.hidden_size = 4096;
+  wide.vocab_size = 32000;
+  wide.head_dim = 1024;
+  wide.intermediate_size = 128;
+  streamed = input(wide, {"training.finetune=full", "training.optim=paged_adamw_8bit"});
+  streamed.optimizer_streamed = true;
+  EXPECT_EQ(estimate_memory(streamed).optimizer_workspace, 2 * (int64_t{64} << 20));
 }
 
 // Llama's attention_bias (q, k, v, o) and mlp_bias (gate, up, down) add their vectors.
