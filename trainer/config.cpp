@@ -157,7 +157,7 @@ void TrainingConfig::fields(F&& f) {
   f("optim", optim,
     "optimizer (Hugging Face's names): adamw_torch and adamw are torch's AdamW (fp32 states); adamw_bnb_8bit and "
     "adamw_8bit bitsandbytes' 8-bit AdamW; paged_* bitsandbytes' paged AdamW (states in host memory outside the "
-    "device budget); adafactor transformers' Adafactor as the Trainer builds it (factored second moments, "
+    "device budget; on a GPU they pass through two device slots of at most 64 MiB during the update); adafactor transformers' Adafactor as the Trainer builds it (factored second moments, "
     "the schedule's learning rate; reads no adam_* key)",
     {"adamw_torch", "adamw", "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor",
      "sgd"});

@@ -3,7 +3,8 @@
 // semantics, fp32 states), bitsandbytes' AdamW8bit (block-wise 8-bit states, tensors under
 // 4096 elements on bitsandbytes' 32-bit kernel) and its AdamW32bit, Adafactor (factored second
 // moments: a matrix keeps one value per row and per column) and SGD with momentum.
-// `paged` keeps the states in host memory outside the device budget (runtime/offload.h).
+// `paged` keeps the states in host memory outside the device budget (runtime/offload.h); a
+// GPU's parameters update with them passing through two device slots (PagedStates).
 // The update allocates nothing on the device: its workspace is planned when the optimizer
 // is built, so an out-of-memory error can only happen before the first parameter changes,
 // never half way through an update.
