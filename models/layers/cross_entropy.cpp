@@ -23,7 +23,7 @@ namespace memtune::models {
 
 int64_t loss_chunk_rows(int64_t vocab_size) {
   const int64_t fit = (int64_t{8} << 20) / (std::max<int64_t>(vocab_size, 1) * 4);
-  return std::clamp<int64_t>(fit, 128, 1024);
+  return std::clamp<int64_t>(fit, 256, 1024);
 }
 
 namespace {
