@@ -359,32 +359,18 @@ void Optimizer::step(double lr, double grad_scale) {
   at::NoGradGuard no_grad;
   reserve_workspaces();  // before anything of the step changes: an out-of-memory error here leaves it to retry
   // Paged states on their way back to the host are there when the step returns (a failed
-  // copy throws then), or throws.
+  // copy throws then), or throws (the step's own error is the one reported).
   struct FinishPaged {
-    std::map<std::string, std::shared_ptr<PagedStates>>& paged;
+    Optimizer& optimizer;
     bool done = false;
-    void run() {  // every device's, the first error thrown after
-      done = true;
-#ifdef MEMTUNE_CUDA
-      std::exception_ptr failed;
-      for (auto& [where, ps] : paged) {
-        try {
-          ps->finish();
-        } catch (...) {
-          if (!failed) failed = std::current_exception();
-        }
-      }
-      if (failed) std::rethrow_exception(failed);
-#endif
-    }
     ~FinishPaged() {
       if (done) return;
       try {
-        run();
-      } catch (...) {  // the step's own error is the one to report
+        optimizer.finish_paged();
+      } catch (...) {
       }
     }
-  } finish_paged{paged_};
+  } unwinding{*this};
   ++steps_;
   const double b1 = options_.beta1, b2 = options_.beta2;
   const double bc1 = 1.0 - std::pow(b1, static_cast<double>(steps_));
@@ -419,7 +405,22 @@ void Optimizer::step(double lr, double grad_scale) {
     }
     if (on_host) const_cast<at::Tensor&>(p).copy_(ph);
   }
-  finish_paged.run();
+  unwinding.done = true;
+  finish_paged();
+}
+
+void Optimizer::finish_paged() {
+#ifdef MEMTUNE_CUDA
+  std::exception_ptr failed;
+  for (auto& [where, ps] : paged_) {
+    try {
+      ps->finish();
+    } catch (...) {
+      if (!failed) failed = std::current_exception();
+    }
+  }
+  if (failed) std::rethrow_exception(failed);
+#endif
 }
 
 void Optimizer::update(const at::Tensor& p, const at::Tensor& g, size_t i, double lr, double wd, double grad_scale,

@@ -5,9 +5,9 @@
 // moments: a matrix keeps one value per row and per column) and SGD with momentum.
 // `paged` keeps the states in host memory outside the device budget (runtime/offload.h); a
 // GPU's parameters update with them passing through two device slots (PagedStates).
-// The update allocates nothing on the device: its workspace is planned when the optimizer
-// is built, so an out-of-memory error can only happen before the first parameter changes,
-// never half way through an update.
+// The update allocates nothing on the device: its workspaces are reserved before the first
+// parameter changes (reserve_workspaces), so an out-of-memory error never interrupts an
+// update half way.
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -124,6 +124,9 @@ class Optimizer {
  private:
   void bnb_step(size_t i, double lr, double wd, double grad_scale);  // adamw_8bit / adamw_32bit
   void adafactor_step(size_t i, double lr, double wd, double grad_scale);
+  // Every device's paged states back in host memory (PagedStates::finish); the first error
+  // thrown once all are finished.
+  void finish_paged();
   // Where parameter i's update runs with its workspace: "host" (offloaded states, outside the
   // budget) or its device.
   std::string workspace_key(size_t i) const;

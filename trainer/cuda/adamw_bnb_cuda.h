@@ -48,7 +48,6 @@ class PagedStates {
   PagedStates(const PagedStates&) = delete;
   PagedStates& operator=(const PagedStates&) = delete;
 
-  const c10::Device& device() const { return device_; }
   int64_t capacity() const { return slot_bytes_; }
   // Whether p (fp32, contiguous, on this device, its gradient too) can be updated with these
   // host states: bitsandbytes' 8-bit states (uint8 codes, fp32 absmax per block) or fp32 m, v,
