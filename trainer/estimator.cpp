@@ -208,7 +208,8 @@ class Planner {
     // Paged states stream through two device slots where the gradients stay on the device,
     // each the largest tensor's states at 256-byte boundaries (four arrays at most), or
     // kPagedSlotBytes when those are larger (a tensor then passes in runs).
-    if (m_.optimizer_streamed && !grads_off)
+    const bool streamed = m_.optimizer_streamed && !grads_off;
+    if (streamed)
       e.optimizer_workspace = 2 * std::min(largest_states + 4 * 256, kPagedSlotBytes);
     // Unsharded gradients are all-reduced through flat buffers as large as they are, kept from
     // the first step on (ProcessGroup::allreduce_sum); in host memory when they are.
@@ -359,7 +360,7 @@ class Planner {
                       : m_.optimizer == "adafactor"   ? "adafactor: a matrix's second moment per row and per column"
                                                       : "adamw: exp_avg, exp_avg_sq";
     if (m_.optimizer_paged)
-      states_how = m_.optimizer_streamed ? "paged: in host memory, passing through the optimizer workspace"
+      states_how = streamed ? "paged: in host memory, passing through the optimizer workspace"
                                          : "paged: in host memory, none on the device";
     if (trainable > 0) {
       char per[64];
@@ -379,7 +380,7 @@ class Planner {
       add("all-reduce buffers", e.allreduce_buffers, "the gradients' flat copies, kept between steps");
     if (e.optimizer_workspace)
       add("optimizer workspace", e.optimizer_workspace,
-          m_.optimizer_streamed ? "two slots of the largest tensor's paged states, double-buffered"
+          streamed ? "two slots of the largest tensor's paged states, double-buffered"
                                 : "the largest trainable tensor, fp32");
     // Runs of layers that keep the same bytes the same way are one line.
     const std::string bound =
