@@ -156,7 +156,7 @@ class Planner {
     // Trainable tensors, their gradients and the optimizer's states, tensor by tensor (8-bit
     // states depend on each tensor's size).
     int64_t trainable = 0, largest_trainable = 0, largest_states = 0;
-    std::vector<int64_t> layer_trainable(static_cast<size_t>(L_), 0);
+    std::vector<int64_t> layer_trainable(static_cast<size_t>(L_), 0), layer_largest(static_cast<size_t>(L_), 0);
     int64_t outside_trainable = 0;  // trained outside the layers, but the embeddings: final norm, head
     int64_t embedding_trainable = 0;
     auto train = [&](const std::vector<int64_t>& shape, int layer, bool embedding) {
@@ -166,9 +166,14 @@ class Planner {
       largest_trainable = std::max(largest_trainable, n);
       e.optimizer_states += optimizer_state_bytes(m_.optimizer, m_.optimizer_paged, shape, m_.sgd_momentum);
       largest_states = std::max(largest_states, optimizer_state_bytes(m_.optimizer, false, shape, m_.sgd_momentum));
-      if (layer >= 0) layer_trainable[layer] += n;
-      else if (!embedding) outside_trainable += n;
-      else embedding_trainable += n;
+      if (layer >= 0) {
+        layer_trainable[layer] += n;
+        layer_largest[layer] = std::max(layer_largest[layer], n);
+      } else if (!embedding) {
+        outside_trainable += n;
+      } else {
+        embedding_trainable += n;
+      }
     };
     for (const TensorSlot& s : model.tensors()) {
       if (s.role != TensorRole::kLinearWeight) continue;
@@ -307,9 +312,12 @@ class Planner {
       }
       worst += prefetched;
       workspace = std::max(workspace, l.workspace);
-      // Offloaded, a layer's gradients stay only until their accumulators take them.
-      const int64_t own = grads_off ? layer_trainable[i] * kF32 : 0;
-      bwd = std::max(bwd, std::max(holding(grads), held) + own + below + grad_in + worst);
+      // The layer's gradients form as its backward runs: the first micro-batch's become the
+      // gradients (its own counted whole); a later one's each wait, one tensor at a time, to be
+      // added to the held sums. Offloaded, they stay only until their accumulators take them.
+      const int64_t own = layer_trainable[i] * kF32;
+      const int64_t forming = grads_off ? own : std::max(holding(grads + own), held + layer_largest[i] * kF32);
+      bwd = std::max(bwd, forming + below + grad_in + worst);
       if (!grads_off) grads += layer_trainable[i] * kF32;
     }
     // The embedding's backward: a dense (V,C) gradient. Tied to a trained head, the tensor's

@@ -30,6 +30,17 @@ float exp_shift_sum_scalar(float* x, int64_t n, float scale, float shift) {
   return sum;
 }
 
+// One element of SwiGLU's forward and backward (the portable kernels and the AVX2 ones' tails).
+inline float swiglu_scalar(float g, float u) { return g / (1.0f + std::exp(-g)) * u; }
+inline void swiglu_backward_scalar(float g, float u, float gy, float* dg, float* du) {
+  const float e = 1.0f + std::exp(-g);
+  if (du != nullptr) *du = g / e * gy;
+  if (dg != nullptr) {
+    const float s = 1.0f / e;
+    *dg = gy * u * s * (1.0f + g * (1.0f - s));
+  }
+}
+
 #ifdef MEMTUNE_VEC_X86
 #define MEMTUNE_AVX2 __attribute__((target("avx2,fma")))
 
@@ -112,6 +123,37 @@ MEMTUNE_AVX2 int64_t exp_row_from_max_avx2(float* x, int64_t n, float* max, floa
   *sum = s;
   return arg;
 }
+
+// Each product and sum rounded once, in ATen's order (no contraction into FMAs), so that the
+// exponential is the only difference from ATen's ops.
+MEMTUNE_AVX2 void swiglu_forward_avx2(const float* g, const float* u, float* y, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 vg = _mm256_loadu_ps(g + j);
+    const __m256 e = _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, vg)));
+    _mm256_storeu_ps(y + j, _mm256_mul_ps(_mm256_div_ps(vg, e), _mm256_loadu_ps(u + j)));
+  }
+  for (; j < n; ++j) y[j] = swiglu_scalar(g[j], u[j]);
+}
+
+MEMTUNE_AVX2 void swiglu_backward_avx2(const float* g, const float* u, const float* gy, float* dg, float* du,
+                                       int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 vg = _mm256_loadu_ps(g + j), vgy = _mm256_loadu_ps(gy + j);
+    const __m256 e = _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, vg)));
+    if (du != nullptr) _mm256_storeu_ps(du + j, _mm256_mul_ps(_mm256_div_ps(vg, e), vgy));
+    if (dg != nullptr) {
+      const __m256 s = _mm256_div_ps(one, e);
+      const __m256 d = _mm256_mul_ps(_mm256_mul_ps(vgy, _mm256_loadu_ps(u + j)), s);
+      _mm256_storeu_ps(dg + j, _mm256_mul_ps(d, _mm256_add_ps(one, _mm256_mul_ps(vg, _mm256_sub_ps(one, s)))));
+    }
+  }
+  for (; j < n; ++j)
+    swiglu_backward_scalar(g[j], u[j], gy[j], dg == nullptr ? nullptr : dg + j, du == nullptr ? nullptr : du + j);
+}
 #endif
 
 }  // namespace
@@ -138,6 +180,21 @@ int64_t exp_row_from_max(float* x, int64_t n, float* max, float* sum) {
   *max = m;
   *sum = exp_shift_sum_scalar(x, n, 1.0f, m);
   return arg;
+}
+
+void swiglu_forward(const float* g, const float* u, float* y, int64_t n) {
+#ifdef MEMTUNE_VEC_X86
+  if (avx2_kernels_active()) return swiglu_forward_avx2(g, u, y, n);
+#endif
+  for (int64_t j = 0; j < n; ++j) y[j] = swiglu_scalar(g[j], u[j]);
+}
+
+void swiglu_backward(const float* g, const float* u, const float* gy, float* dg, float* du, int64_t n) {
+#ifdef MEMTUNE_VEC_X86
+  if (avx2_kernels_active()) return swiglu_backward_avx2(g, u, gy, dg, du, n);
+#endif
+  for (int64_t j = 0; j < n; ++j)
+    swiglu_backward_scalar(g[j], u[j], gy[j], dg == nullptr ? nullptr : dg + j, du == nullptr ? nullptr : du + j);
 }
 
 }  // namespace memtune::models::detail

@@ -12,6 +12,14 @@ float exp_shift_sum(float* x, int64_t n, float scale, float shift);
 // and *sum = their sum. Returns the first index holding the maximum (NaN rows: -1).
 int64_t exp_row_from_max(float* x, int64_t n, float* max, float* sum);
 
+// SwiGLU on n fp32 elements, in the roundings of ATen's ops (silu(g) = g / (1 + exp(-g)),
+// then the product): y = silu(g) * u.
+void swiglu_forward(const float* g, const float* u, float* y, int64_t n);
+// Its gradients as autograd forms them through `silu(g) * u`: du = silu(g) * gy and
+// dg = silu_backward(gy * u, g) = (gy * u) * s * (1 + g * (1 - s)), s = 1 / (1 + exp(-g)).
+// A null dg or du is not written.
+void swiglu_backward(const float* g, const float* u, const float* gy, float* dg, float* du, int64_t n);
+
 // Whether the AVX2 kernels run (the CPU has AVX2 and FMA, and the portable ones were not
 // asked for).
 bool avx2_kernels_active();

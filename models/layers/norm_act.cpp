@@ -3,7 +3,10 @@
 #include <algorithm>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/csrc/autograd/custom_function.h>
+
+#include "models/layers/cpu_vec.h"
 
 #ifdef MEMTUNE_CUDA
 #include <c10/cuda/CUDAException.h>
@@ -18,6 +21,14 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
+
+// fp32 SwiGLU on the CPU takes memtune's kernels (cpu_vec.h): one pass each way, and a
+// backward that writes the two gradients alone.
+bool swiglu_cpu_kernels(const at::Tensor& gate, const at::Tensor& up) {
+  return gate.device().is_cpu() && up.device().is_cpu() && gate.scalar_type() == at::kFloat &&
+         up.scalar_type() == at::kFloat && gate.sizes() == up.sizes();
+}
+constexpr int64_t kSwigluGrain = 16384;  // elements per task
 
 #ifdef MEMTUNE_CUDA
 using cuda_math::device_type;
@@ -142,6 +153,16 @@ struct SwigluFunction : public torch::autograd::Function<SwigluFunction> {
       return y;
     }
 #endif
+    if (swiglu_cpu_kernels(gate, up)) {
+      const at::Tensor g = gate.contiguous(), u = up.contiguous();
+      at::Tensor y = at::empty_like(g);
+      const float *gp = g.data_ptr<float>(), *up_ = u.data_ptr<float>();
+      float* yp = y.data_ptr<float>();
+      at::parallel_for(0, g.numel(), kSwigluGrain, [&](int64_t begin, int64_t end) {
+        detail::swiglu_forward(gp + begin, up_ + begin, yp + begin, end - begin);
+      });
+      return y;
+    }
     return at::silu(gate).mul_(up);
   }
 
@@ -162,15 +183,25 @@ struct SwigluFunction : public torch::autograd::Function<SwigluFunction> {
       return {grad_gate, grad_up};
     }
 #endif
-    at::Tensor sig = at::sigmoid(gate);
-    at::Tensor grad_up;
-    if (ctx->needs_input_grad(1)) grad_up = gy * gate * sig;  // gy * silu(gate)
-    at::Tensor grad_gate;
-    if (ctx->needs_input_grad(0)) {
-      // silu'(g) = sig * (1 + g * (1 - sig))
-      at::Tensor d = gate * (1 - sig);
-      grad_gate = d.add_(1).mul_(sig).mul_(gy).mul_(up);
+    if (swiglu_cpu_kernels(gate, up)) {
+      const at::Tensor g = gate.contiguous(), u = up.contiguous(), d = gy.to(at::kFloat).contiguous();
+      at::Tensor grad_gate = ctx->needs_input_grad(0) ? at::empty_like(g) : at::Tensor();
+      at::Tensor grad_up = ctx->needs_input_grad(1) ? at::empty_like(g) : at::Tensor();
+      const float *gp = g.data_ptr<float>(), *up_ = u.data_ptr<float>(), *dp = d.data_ptr<float>();
+      float* dg = grad_gate.defined() ? grad_gate.data_ptr<float>() : nullptr;
+      float* du = grad_up.defined() ? grad_up.data_ptr<float>() : nullptr;
+      at::parallel_for(0, g.numel(), kSwigluGrain, [&](int64_t begin, int64_t end) {
+        detail::swiglu_backward(gp + begin, up_ + begin, dp + begin, dg == nullptr ? nullptr : dg + begin,
+                                du == nullptr ? nullptr : du + begin, end - begin);
+      });
+      return {grad_gate, grad_up};
     }
+    // Other dtypes (bf16 and fp16 on the CPU): autograd's own chain through HF's
+    // `silu(gate) * up`: up's gradient silu(gate) * gy, gate's ATen's silu_backward of gy * up.
+    at::Tensor grad_up;
+    if (ctx->needs_input_grad(1)) grad_up = at::silu(gate).mul_(gy);
+    at::Tensor grad_gate;
+    if (ctx->needs_input_grad(0)) grad_gate = at::silu_backward(gy * up, gate);
     return {grad_gate, grad_up};
   }
 };

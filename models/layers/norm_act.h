@@ -27,11 +27,11 @@ inline int64_t layer_norm_kept(int64_t rows, int64_t width, int64_t elem_bytes) 
   return rows * width * elem_bytes + 2 * rows * 4;
 }
 inline int64_t swiglu_kept(int64_t rows, int64_t width, int64_t elem_bytes) { return 2 * rows * width * elem_bytes; }
-// SwiGLU's backward at its widest: with ATen's ops sigmoid(gate), up's gradient, 1 - sigmoid
-// and gate's gradient forming, all fp32 (norm_act.cpp); with the CUDA kernel the two
-// gradients alone, in their dtype.
+// SwiGLU's backward at its widest: memtune's kernels (CUDA in every dtype, the CPU in fp32)
+// write the two gradients alone, in their dtype; ATen's ops (bf16 and fp16 on the CPU) form
+// up's gradient, gy * up and gate's gradient from it, counted in fp32 (norm_act.cpp).
 inline int64_t swiglu_backward_transient(int64_t rows, int64_t width, int64_t elem_bytes, bool cuda_kernel) {
-  return cuda_kernel ? 2 * rows * width * elem_bytes : 4 * rows * width * 4;
+  return cuda_kernel || elem_bytes == 4 ? 2 * rows * width * elem_bytes : 3 * rows * width * 4;
 }
 inline int64_t gelu_backward_transient(int64_t rows, int64_t width) { return rows * width * 4; }
 

@@ -5,7 +5,12 @@
 #include <ATen/ATen.h>
 #include <torch/torch.h>
 
+#include <cmath>
+#include <limits>
+
+#include "models/layers/cpu_vec.h"
 #include "models/layers/norm_act.h"
+#include "runtime/cpu_budget_allocator.h"
 #include "runtime/memory.h"
 #include "test_util.h"
 
@@ -41,20 +46,93 @@ TEST(RmsNorm, MatchesTheOpChainAndItsGradients) {
   }
 }
 
-TEST(Swiglu, MatchesTheOpChainAndItsGradients) {
+// Elementwise: |actual - exact| <= tol x scale + 1e-30 (fp64 math as the exact value; values
+// near fp32's smallest normals, as silu(-90) is, need only be as small).
+void expect_elementwise(const at::Tensor& actual, const at::Tensor& exact, const at::Tensor& scale, double tol,
+                        const std::string& what) {
+  const at::Tensor bad = (actual.to(at::kDouble) - exact).abs() > scale * tol + 1e-30;
+  const int64_t n = bad.sum().item<int64_t>();
+  EXPECT_EQ(n, 0) << what << ": " << n << " elements off, e.g. at "
+                  << (n > 0 ? bad.flatten().nonzero()[0].item<int64_t>() : -1);
+}
+
+// fp32 on the CPU runs memtune's kernels (cpu_vec.h), AVX2 and portable: each value within a
+// few roundings of the exact math (fp64), as close as ATen's ops under autograd (Hugging
+// Face's `silu(gate) * up`), NaN carried through, and a backward that holds the two gradients
+// alone (swiglu_backward_transient), measured by the budget allocator. An odd size: the
+// vector loops' tails and several tasks.
+TEST(Swiglu, MatchesTheExactMathAndAutogradsChain) {
+  memtune::install_cpu_budget_allocator();
   torch::manual_seed(5);
+  const int64_t rows = 4 * 61, width = 333;
+  at::Tensor gate0 = at::randn({4, 61, width}) * 4;
+  gate0.view(-1).slice(0, 0, 6).copy_(at::tensor({0.0f, 30.0f, -30.0f, 90.0f, -90.0f, -1.2785f}));
+  const at::Tensor up0 = at::randn({4, 61, width}), g0 = at::randn({4, 61, width});
+  // The exact values, in fp64.
+  const at::Tensor g = gate0.to(at::kDouble), u = up0.to(at::kDouble), gy = g0.to(at::kDouble);
+  const at::Tensor s = at::sigmoid(g), silu = g * s;
+  const at::Tensor y_exact = silu * u, du_exact = silu * gy, dg_exact = gy * u * s * (1 + g * (1 - s));
+  const at::Tensor dg_scale = (gy * u * s).abs() * (1 + g.abs() * (1 - s));
+  for (bool portable : {false, true}) {
+    memtune::models::detail::use_portable_cpu_kernels(portable);
+    for (bool up_grad : {false, true}) {
+      SCOPED_TRACE(std::string(portable ? "portable" : "AVX2 where the CPU has it") + (up_grad ? ", up trained" : ", up frozen"));
+      at::Tensor gate = gate0.clone().requires_grad_(true), up = up0.clone().requires_grad_(up_grad);
+      at::Tensor y = memtune::models::swiglu(gate, up);
+      expect_elementwise(y, y_exact, y_exact.abs(), 1e-6, "forward");
+      {
+        const int64_t before = memtune::cpu_allocated_bytes();
+        memtune::ScopedPeakReset peak;
+        y.backward(g0);
+        EXPECT_LE(peak.peak() - before, memtune::models::swiglu_backward_transient(rows, width, 4, false))
+            << "the backward's transient";
+      }
+      expect_elementwise(gate.grad(), dg_exact, dg_scale, 2e-6, "grad gate");
+      if (up_grad) expect_elementwise(up.grad(), du_exact, du_exact.abs(), 1e-6, "grad up");
+      else EXPECT_FALSE(up.grad().defined());
+
+      at::Tensor gr = gate0.clone().requires_grad_(true), ur = up0.clone().requires_grad_(up_grad);
+      at::Tensor yr = at::silu(gr) * ur;
+      yr.backward(g0);
+      expect_elementwise(yr, y_exact, y_exact.abs(), 1e-6, "ATen's forward (the bound holds for the reference too)");
+      expect_elementwise(gr.grad(), dg_exact, dg_scale, 2e-6, "ATen's grad gate");
+      expect_close(y, yr, 1e-6, "forward against ATen's");
+      expect_close(gate.grad(), gr.grad(), 1e-6, "grad gate against autograd's");
+    }
+  }
+  memtune::models::detail::use_portable_cpu_kernels(false);
+
+  // NaN in, NaN out, on both paths of each direction.
+  at::Tensor gate = gate0.clone();
+  gate.view(-1)[7] = std::numeric_limits<float>::quiet_NaN();
+  gate.view(-1)[rows * width - 1] = std::numeric_limits<float>::quiet_NaN();
+  gate.requires_grad_(true);
+  at::Tensor up = up0.clone().requires_grad_(true);
+  at::Tensor y = memtune::models::swiglu(gate, up);
+  y.backward(g0);
+  for (const at::Tensor& t : {y, gate.grad(), up.grad()}) {
+    EXPECT_TRUE(std::isnan(t.view(-1)[7].item<float>()));
+    EXPECT_TRUE(std::isnan(t.view(-1)[rows * width - 1].item<float>()));
+    EXPECT_EQ(at::isnan(t).sum().item<int64_t>(), 2);
+  }
+}
+
+// Other dtypes (bf16 on the CPU) take autograd's own chain through `silu(gate) * up`, to the
+// bit.
+TEST(Swiglu, Bf16IsAutogradsChainToTheBit) {
+  torch::manual_seed(6);
   for (bool up_grad : {false, true}) {
-    at::Tensor gate = (at::randn({4, 6, 32}) * 4).requires_grad_(true);
-    at::Tensor up = at::randn({4, 6, 32}).requires_grad_(up_grad);
-    at::Tensor y = memtune::models::swiglu(gate, up);
-    at::Tensor gr = gate.detach().clone().requires_grad_(true), ur = up.detach().clone().requires_grad_(up_grad);
-    at::Tensor yr = at::silu(gr) * ur;
-    expect_close(y, yr, 1e-6, "forward");
-    at::Tensor g = at::randn(y.sizes());
-    y.backward(g);
-    yr.backward(g);
-    expect_close(gate.grad(), gr.grad(), 1e-5, "grad gate");
-    if (up_grad) expect_close(up.grad(), ur.grad(), 1e-5, "grad up");
+    SCOPED_TRACE(up_grad ? "up trained" : "up frozen");
+    const at::Tensor gate0 = (at::randn({4, 6, 40}) * 4).to(at::kBFloat16), up0 = at::randn({4, 6, 40}).to(at::kBFloat16);
+    const at::Tensor g0 = at::randn({4, 6, 40}).to(at::kBFloat16);
+    at::Tensor gate = gate0.clone().requires_grad_(true), up = up0.clone().requires_grad_(up_grad);
+    at::Tensor gr = gate0.clone().requires_grad_(true), ur = up0.clone().requires_grad_(up_grad);
+    at::Tensor y = memtune::models::swiglu(gate, up), yr = at::silu(gr) * ur;
+    EXPECT_TRUE(at::equal(y, yr)) << "forward";
+    y.backward(g0);
+    yr.backward(g0);
+    EXPECT_TRUE(at::equal(gate.grad(), gr.grad())) << "grad gate";
+    if (up_grad) EXPECT_TRUE(at::equal(up.grad(), ur.grad())) << "grad up";
     else EXPECT_FALSE(up.grad().defined());
   }
 }

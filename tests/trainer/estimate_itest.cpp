@@ -357,7 +357,7 @@ TEST(EstimateCommand, TheLadderPlanIsWhereTheSupervisorSettles) {
   const std::string shape = " training.finetune=full training.per_device_train_batch_size=4 data.max_seq_length=256 "
                             "data.pack_sequences=true training.save_steps=1 memory.grow_after_steps=1000";
   std::set<std::vector<bool>> plans;
-  for (const int64_t limit : {int64_t{12} << 20, int64_t{9} << 20, int64_t{8600000}}) {
+  for (const int64_t limit : {int64_t{12} << 20, int64_t{10} << 20, int64_t{8250000}}) {
     SCOPED_TRACE("memory.device_limit=" + std::to_string(limit));
     const std::string at = shape + " memory.device_limit=" + std::to_string(limit);
     const json plan = estimate_json(d / "c.yaml", at)["ladder"];
