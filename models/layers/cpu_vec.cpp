@@ -41,6 +41,25 @@ inline void swiglu_backward_scalar(float g, float u, float gy, float* dg, float*
   }
 }
 
+float rms_norm_row_scalar(const float* x, const float* w, float eps, float* y, int64_t n) {
+  float ss = 0.0f;
+  for (int64_t j = 0; j < n; ++j) ss += x[j] * x[j];
+  const float rstd = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t j = 0; j < n; ++j) y[j] = x[j] * rstd * w[j];
+  return rstd;
+}
+
+void rms_norm_backward_row_scalar(const float* x, const float* w, const float* gy, float rstd, float* dx, float* dw,
+                                  int64_t n) {
+  if (dw != nullptr)
+    for (int64_t j = 0; j < n; ++j) dw[j] += gy[j] * (x[j] * rstd);
+  if (dx == nullptr) return;
+  float dot = 0.0f;
+  for (int64_t j = 0; j < n; ++j) dot += gy[j] * w[j] * (x[j] * rstd);
+  const float mean = dot / static_cast<float>(n);
+  for (int64_t j = 0; j < n; ++j) dx[j] = (gy[j] * w[j] - x[j] * rstd * mean) * rstd;
+}
+
 #ifdef MEMTUNE_VEC_X86
 #define MEMTUNE_AVX2 __attribute__((target("avx2,fma")))
 
@@ -154,6 +173,53 @@ MEMTUNE_AVX2 void swiglu_backward_avx2(const float* g, const float* u, const flo
   for (; j < n; ++j)
     swiglu_backward_scalar(g[j], u[j], gy[j], dg == nullptr ? nullptr : dg + j, du == nullptr ? nullptr : du + j);
 }
+
+MEMTUNE_AVX2 float rms_norm_row_avx2(const float* x, const float* w, float eps, float* y, int64_t n) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m256 v0 = _mm256_loadu_ps(x + j), v1 = _mm256_loadu_ps(x + j + 8);
+    a0 = _mm256_add_ps(a0, _mm256_mul_ps(v0, v0));
+    a1 = _mm256_add_ps(a1, _mm256_mul_ps(v1, v1));
+  }
+  float ss = sum8(_mm256_add_ps(a0, a1));
+  for (; j < n; ++j) ss += x[j] * x[j];
+  const float rstd = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  const __m256 r = _mm256_set1_ps(rstd);
+  for (j = 0; j + 8 <= n; j += 8)
+    _mm256_storeu_ps(y + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j), r), _mm256_loadu_ps(w + j)));
+  for (; j < n; ++j) y[j] = x[j] * rstd * w[j];
+  return rstd;
+}
+
+MEMTUNE_AVX2 void rms_norm_backward_row_avx2(const float* x, const float* w, const float* gy, float rstd, float* dx,
+                                             float* dw, int64_t n) {
+  const __m256 r = _mm256_set1_ps(rstd);
+  int64_t j = 0;
+  if (dw != nullptr) {
+    for (; j + 8 <= n; j += 8) {
+      const __m256 nx = _mm256_mul_ps(_mm256_loadu_ps(x + j), r);
+      _mm256_storeu_ps(dw + j, _mm256_add_ps(_mm256_loadu_ps(dw + j), _mm256_mul_ps(_mm256_loadu_ps(gy + j), nx)));
+    }
+    for (; j < n; ++j) dw[j] += gy[j] * (x[j] * rstd);
+  }
+  if (dx == nullptr) return;
+  __m256 acc = _mm256_setzero_ps();
+  for (j = 0; j + 8 <= n; j += 8) {
+    const __m256 dn = _mm256_mul_ps(_mm256_loadu_ps(gy + j), _mm256_loadu_ps(w + j));
+    acc = _mm256_add_ps(acc, _mm256_mul_ps(dn, _mm256_mul_ps(_mm256_loadu_ps(x + j), r)));
+  }
+  float dot = sum8(acc);
+  for (; j < n; ++j) dot += gy[j] * w[j] * (x[j] * rstd);
+  const float mean = dot / static_cast<float>(n);
+  const __m256 m = _mm256_set1_ps(mean);
+  for (j = 0; j + 8 <= n; j += 8) {
+    const __m256 dn = _mm256_mul_ps(_mm256_loadu_ps(gy + j), _mm256_loadu_ps(w + j));
+    const __m256 nx = _mm256_mul_ps(_mm256_loadu_ps(x + j), r);
+    _mm256_storeu_ps(dx + j, _mm256_mul_ps(_mm256_sub_ps(dn, _mm256_mul_ps(nx, m)), r));
+  }
+  for (; j < n; ++j) dx[j] = (gy[j] * w[j] - x[j] * rstd * mean) * rstd;
+}
 #endif
 
 }  // namespace
@@ -195,6 +261,21 @@ void swiglu_backward(const float* g, const float* u, const float* gy, float* dg,
 #endif
   for (int64_t j = 0; j < n; ++j)
     swiglu_backward_scalar(g[j], u[j], gy[j], dg == nullptr ? nullptr : dg + j, du == nullptr ? nullptr : du + j);
+}
+
+float rms_norm_row(const float* x, const float* w, float eps, float* y, int64_t n) {
+#ifdef MEMTUNE_VEC_X86
+  if (avx2_kernels_active()) return rms_norm_row_avx2(x, w, eps, y, n);
+#endif
+  return rms_norm_row_scalar(x, w, eps, y, n);
+}
+
+void rms_norm_backward_row(const float* x, const float* w, const float* gy, float rstd, float* dx, float* dw,
+                           int64_t n) {
+#ifdef MEMTUNE_VEC_X86
+  if (avx2_kernels_active()) return rms_norm_backward_row_avx2(x, w, gy, rstd, dx, dw, n);
+#endif
+  rms_norm_backward_row_scalar(x, w, gy, rstd, dx, dw, n);
 }
 
 }  // namespace memtune::models::detail

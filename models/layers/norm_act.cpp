@@ -30,6 +30,55 @@ bool swiglu_cpu_kernels(const at::Tensor& gate, const at::Tensor& up) {
 }
 constexpr int64_t kSwigluGrain = 16384;  // elements per task
 
+// fp32 RMSNorm on the CPU takes memtune's row kernels (cpu_vec.h): one pass for the statistics
+// and one for the output, the backward with no intermediate tensor. The weight's gradient is
+// summed in fixed runs of rows, so its value does not depend on the number of threads.
+bool rms_norm_cpu_kernels(const at::Tensor& x, const at::Tensor& weight) {
+  return x.device().is_cpu() && weight.device().is_cpu() && x.scalar_type() == at::kFloat &&
+         weight.scalar_type() == at::kFloat && x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1);
+}
+constexpr int64_t kRmsNormRun = 64;  // rows per partial sum of the weight's gradient
+
+int64_t grain_rows(int64_t width) { return std::max<int64_t>(1, kSwigluGrain / std::max<int64_t>(width, 1)); }
+
+at::Tensor rms_norm_forward_cpu(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor* rstd) {
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  const int64_t width = x.size(-1), rows = width == 0 ? 0 : x.numel() / width;
+  at::Tensor y = at::empty_like(xc);
+  std::vector<int64_t> stat_shape = x.sizes().vec();
+  stat_shape.back() = 1;
+  *rstd = at::empty(stat_shape, x.options());
+  const float *xp = xc.data_ptr<float>(), *wp = wc.data_ptr<float>();
+  float *yp = y.data_ptr<float>(), *rp = rstd->data_ptr<float>();
+  const auto e = static_cast<float>(eps);
+  at::parallel_for(0, rows, grain_rows(width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) rp[r] = detail::rms_norm_row(xp + r * width, wp, e, yp + r * width, width);
+  });
+  return y;
+}
+
+void rms_norm_backward_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& rstd, const at::Tensor& gy,
+                           at::Tensor* grad_x, at::Tensor* grad_weight) {
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous(), g = gy.to(at::kFloat).contiguous(),
+                   rc = rstd.contiguous();
+  const int64_t width = x.size(-1), rows = width == 0 ? 0 : x.numel() / width;
+  if (grad_x != nullptr) *grad_x = at::empty_like(xc);
+  const int64_t runs = (rows + kRmsNormRun - 1) / kRmsNormRun;
+  at::Tensor partial = grad_weight != nullptr ? at::zeros({runs, width}, x.options()) : at::Tensor();
+  const float *xp = xc.data_ptr<float>(), *wp = wc.data_ptr<float>(), *gp = g.data_ptr<float>(),
+              *rp = rc.data_ptr<float>();
+  float* dxp = grad_x != nullptr ? grad_x->data_ptr<float>() : nullptr;
+  float* pp = partial.defined() ? partial.data_ptr<float>() : nullptr;
+  at::parallel_for(0, runs, std::max<int64_t>(1, grain_rows(width) / kRmsNormRun), [&](int64_t begin, int64_t end) {
+    for (int64_t run = begin; run < end; ++run)
+      for (int64_t r = run * kRmsNormRun; r < std::min(rows, (run + 1) * kRmsNormRun); ++r)
+        detail::rms_norm_backward_row(xp + r * width, wp, gp + r * width, rp[r],
+                                      dxp == nullptr ? nullptr : dxp + r * width,
+                                      pp == nullptr ? nullptr : pp + run * width, width);
+  });
+  if (grad_weight != nullptr) *grad_weight = runs == 0 ? at::zeros_like(wc) : partial.sum(0);
+}
+
 #ifdef MEMTUNE_CUDA
 using cuda_math::device_type;
 
@@ -103,6 +152,12 @@ struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
       return y;
     }
 #endif
+    if (rms_norm_cpu_kernels(x, weight)) {
+      at::Tensor rstd;
+      at::Tensor y = rms_norm_forward_cpu(x, weight, eps, &rstd);
+      ctx->save_for_backward({x, weight, rstd});
+      return y;
+    }
     at::Tensor h = x.to(at::kFloat);
     at::Tensor rstd = h.square().mean(-1, true).add_(eps).rsqrt_();  // (..., 1) fp32
     at::Tensor n = h * rstd;                                          // a new tensor even when h is x
@@ -123,6 +178,12 @@ struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
       return {grad_x, grad_weight, at::Tensor()};
     }
 #endif
+    if (rms_norm_cpu_kernels(x, weight)) {
+      at::Tensor grad_x, grad_weight;
+      rms_norm_backward_cpu(x, weight, rstd, gy, ctx->needs_input_grad(0) ? &grad_x : nullptr,
+                            ctx->needs_input_grad(1) ? &grad_weight : nullptr);
+      return {grad_x, grad_weight, at::Tensor()};
+    }
     at::Tensor n = x.to(at::kFloat) * rstd;  // the normalised rows, rebuilt
     at::Tensor grad_weight;
     if (ctx->needs_input_grad(1)) {

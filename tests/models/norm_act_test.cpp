@@ -24,25 +24,23 @@ at::Tensor hf_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return w * h.to(x.scalar_type());
 }
 
-TEST(RmsNorm, MatchesTheOpChainAndItsGradients) {
+// bf16 on the CPU takes ATen's op chain, the form of Hugging Face's LlamaRMSNorm.
+TEST(RmsNorm, Bf16MatchesTheOpChainAndItsGradients) {
   torch::manual_seed(4);
-  for (auto dtype : {at::kFloat, at::kBFloat16}) {
-    for (bool weight_grad : {false, true}) {
-      SCOPED_TRACE(std::string(c10::toString(dtype)) + (weight_grad ? " weight trained" : " weight frozen"));
-      const double tol = dtype == at::kFloat ? 1e-5 : 2e-2;
-      at::Tensor x = (at::randn({3, 5, 48}) * 3 + 1).to(dtype).requires_grad_(true);
-      at::Tensor w = (at::rand({48}) + 0.5).to(dtype).requires_grad_(weight_grad);
-      at::Tensor y = memtune::models::rms_norm(x, w, 1e-6);
-      at::Tensor xr = x.detach().clone().requires_grad_(true), wr = w.detach().clone().requires_grad_(weight_grad);
-      at::Tensor yr = hf_rms_norm(xr, wr, 1e-6);
-      expect_close(y, yr, tol, "forward");
-      at::Tensor g = at::randn(y.sizes()).to(dtype);
-      y.backward(g);
-      yr.backward(g);
-      expect_close(x.grad(), xr.grad(), dtype == at::kFloat ? 1e-5 : 5e-2, "grad x");
-      if (weight_grad) expect_close(w.grad(), wr.grad(), dtype == at::kFloat ? 1e-5 : 5e-2, "grad weight");
-      else EXPECT_FALSE(w.grad().defined());
-    }
+  for (bool weight_grad : {false, true}) {
+    SCOPED_TRACE(weight_grad ? "weight trained" : "weight frozen");
+    at::Tensor x = (at::randn({3, 5, 48}) * 3 + 1).to(at::kBFloat16).requires_grad_(true);
+    at::Tensor w = (at::rand({48}) + 0.5).to(at::kBFloat16).requires_grad_(weight_grad);
+    at::Tensor y = memtune::models::rms_norm(x, w, 1e-6);
+    at::Tensor xr = x.detach().clone().requires_grad_(true), wr = w.detach().clone().requires_grad_(weight_grad);
+    at::Tensor yr = hf_rms_norm(xr, wr, 1e-6);
+    expect_close(y, yr, 2e-2, "forward");
+    at::Tensor g = at::randn(y.sizes()).to(at::kBFloat16);
+    y.backward(g);
+    yr.backward(g);
+    expect_close(x.grad(), xr.grad(), 5e-2, "grad x");
+    if (weight_grad) expect_close(w.grad(), wr.grad(), 5e-2, "grad weight");
+    else EXPECT_FALSE(w.grad().defined());
   }
 }
 
@@ -115,6 +113,58 @@ TEST(Swiglu, MatchesTheExactMathAndAutogradsChain) {
     EXPECT_TRUE(std::isnan(t.view(-1)[rows * width - 1].item<float>()));
     EXPECT_EQ(at::isnan(t).sum().item<int64_t>(), 2);
   }
+}
+
+// fp32 on the CPU runs memtune's row kernels (cpu_vec.h), AVX2 and portable: each value within
+// a few roundings of the exact math (fp64), as close as Hugging Face's LlamaRMSNorm as ATen
+// ops, and the weight's gradient the same to the bit on one thread as on several. An odd width
+// (the vector loops' tails) and 3 x 61 rows (runs of 64 rows, the last shorter).
+TEST(RmsNorm, Fp32MatchesTheExactMathOnAnyNumberOfThreads) {
+  torch::manual_seed(4);
+  const at::Tensor x0 = at::randn({3, 61, 333}) * 3 + 1, w0 = at::rand({333}) + 0.5, g0 = at::randn({3, 61, 333});
+  const double eps = 1e-6;
+  const at::Tensor x = x0.to(at::kDouble), w = w0.to(at::kDouble), gy = g0.to(at::kDouble);
+  const at::Tensor rstd = at::rsqrt(x.pow(2).mean(-1, true) + eps), n = x * rstd;
+  const at::Tensor y_exact = n * w, dn = gy * w;
+  const at::Tensor dx_exact = (dn - n * (dn * n).mean(-1, true)) * rstd;
+  const at::Tensor dx_scale = (dn.abs() + n.abs() * (dn * n).abs().mean(-1, true)) * rstd;
+  const at::Tensor dw_exact = (gy * n).sum(at::IntArrayRef{0, 1}), dw_scale = (gy * n).abs().sum(at::IntArrayRef{0, 1});
+  const int threads = at::get_num_threads();
+  at::Tensor dw_first;
+  for (bool portable : {false, true}) {
+    memtune::models::detail::use_portable_cpu_kernels(portable);
+    for (bool weight_grad : {false, true}) {
+      for (int t : {threads, 1}) {
+        SCOPED_TRACE(std::string(portable ? "portable" : "AVX2 where the CPU has it") +
+                     (weight_grad ? ", weight trained, " : ", weight frozen, ") + std::to_string(t) + " threads");
+        at::set_num_threads(t);
+        at::Tensor xt = x0.clone().requires_grad_(true), wt = w0.clone().requires_grad_(weight_grad);
+        at::Tensor y = memtune::models::rms_norm(xt, wt, eps);
+        y.backward(g0);
+        expect_elementwise(y, y_exact, y_exact.abs(), 2e-6, "forward");
+        expect_elementwise(xt.grad(), dx_exact, dx_scale, 4e-6, "grad x");
+        if (!weight_grad) {
+          EXPECT_FALSE(wt.grad().defined());
+          continue;
+        }
+        expect_elementwise(wt.grad(), dw_exact, dw_scale, 4e-6, "grad weight");
+        if (t == threads) dw_first = wt.grad();
+        else EXPECT_TRUE(at::equal(wt.grad(), dw_first)) << "the weight's gradient changed with the threads";
+        at::Tensor xr = x0.clone().requires_grad_(true), wr = w0.clone().requires_grad_(true);
+        at::Tensor yr = hf_rms_norm(xr, wr, eps);
+        yr.backward(g0);
+        expect_close(y, yr, 1e-6, "forward against HF's");
+        expect_close(xt.grad(), xr.grad(), 1e-5, "grad x against autograd's");
+        expect_close(wt.grad(), wr.grad(), 1e-5, "grad weight against autograd's");
+      }
+    }
+  }
+  at::set_num_threads(threads);
+  memtune::models::detail::use_portable_cpu_kernels(false);
+  // No rows: a zero gradient for the weight.
+  at::Tensor xe = at::randn({0, 333}).requires_grad_(true), we = w0.clone().requires_grad_(true);
+  memtune::models::rms_norm(xe, we, eps).sum().backward();
+  EXPECT_TRUE(at::equal(we.grad(), at::zeros_like(w0)));
 }
 
 // Other dtypes (bf16 on the CPU) take autograd's own chain through `silu(gate) * up`, to the
