@@ -20,8 +20,8 @@ void swiglu_forward(const float* g, const float* u, float* y, int64_t n);
 // A null dg or du is not written.
 void swiglu_backward(const float* g, const float* u, const float* gy, float* dg, float* du, int64_t n);
 
-// RMSNorm of one row of n fp32 values, in the roundings of ATen's ops as norm_act.cpp chains
-// them: rstd = 1 / sqrt(sum(x^2) / n + eps), y = (x * rstd) * w. Returns rstd.
+// RMSNorm of one row of n fp32 values, the operations of norm_act.cpp's ATen chain (its sums in
+// another order): rstd = 1 / sqrt(sum(x^2) / n + eps), y = (x * rstd) * w. Returns rstd.
 float rms_norm_row(const float* x, const float* w, float eps, float* y, int64_t n);
 // Its gradients for one row, with nx = x * rstd and dn = gy * w: dx = (dn - nx * (sum(dn * nx) /
 // n)) * rstd where dx is not null, and dw[j] += gy[j] * nx[j] where dw is not null.
