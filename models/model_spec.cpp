@@ -1,8 +1,11 @@
 #include "models/model_spec.h"
 
 #include <cmath>
+#include <cstdint>
+#include <limits>
 #include <map>
 #include <set>
+#include <type_traits>
 
 #include "runtime/error.h"
 
@@ -16,6 +19,19 @@ template <class T>
 T get_or(const json& j, const char* key, T fallback, const std::string& where) {
   auto it = j.find(key);
   if (it == j.end() || it->is_null()) return fallback;
+  if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+    // An integer key written as a float (2048.0) is read when it is a whole number in range;
+    // any other float is refused here, before a conversion that could not hold it.
+    if (it->is_number_float()) {
+      const double v = it->get<double>();
+      const double bound = std::ldexp(1.0, std::numeric_limits<T>::digits);  // 2^63 for int64_t
+      MEMTUNE_CHECK(std::isfinite(v) && v == std::floor(v) && v >= -bound && v < bound, where, ": '", key,
+                    "' must be a whole number, got ", it->dump());
+      return static_cast<T>(v);
+    }
+    MEMTUNE_CHECK(!it->is_number_unsigned() || it->get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<T>::max()),
+                  where, ": '", key, "' is out of range (", it->dump(), ")");
+  }
   try {
     return it->get<T>();
   } catch (const json::exception&) {

@@ -2,6 +2,9 @@
 // refused with a clear message where memtune does not implement them.
 #include <gtest/gtest.h>
 
+#include <cstdint>
+#include <limits>
+
 #include <nlohmann/json.hpp>
 
 #include "models/model_spec.h"
@@ -63,6 +66,21 @@ TEST(ModelSpecSlidingWindow, RefusesWhatItCannotHonour) {
   EXPECT_NE(e.find("dir/config.json"), std::string::npos) << e;
   EXPECT_NE(e.find("use_sliding_window true"), std::string::npos) << e;
   EXPECT_NE(e.find("set it to false"), std::string::npos) << e;
+}
+
+// An integer key written as a float is read when it is a whole number in range; any other
+// float or an unsigned number past int64 is refused by name (the fuzzer's head_dim of 8.9e56
+// reached a float-to-integer conversion that cannot hold it).
+TEST(ModelSpecNumbers, IntegerKeysTakeWholeNumbersOnly) {
+  json c = small("llama");
+  c["head_dim"] = 16.0;
+  EXPECT_EQ(spec_from_hf_config(c, "dir/config.json").head_dim, 16);
+  for (const json& bad : {json(8.88889e56), json(16.5), json(-1e300), json(std::numeric_limits<uint64_t>::max())}) {
+    c["head_dim"] = bad;
+    const std::string e = error_of(c);
+    EXPECT_NE(e.find("dir/config.json"), std::string::npos) << bad.dump() << ": " << e;
+    EXPECT_NE(e.find("'head_dim'"), std::string::npos) << bad.dump() << ": " << e;
+  }
 }
 
 }  // namespace
