@@ -76,7 +76,18 @@ void rms_norm_backward_cpu(const at::Tensor& x, const at::Tensor& weight, const 
                                       dxp == nullptr ? nullptr : dxp + r * width,
                                       pp == nullptr ? nullptr : pp + run * width, width);
   });
-  if (grad_weight != nullptr) *grad_weight = runs == 0 ? at::zeros_like(wc) : partial.sum(0);
+  if (grad_weight == nullptr) return;
+  // The runs' partial sums added in run order, a column per task: the order is memtune's, not
+  // whatever a LibTorch version's reduction chooses for the number of threads.
+  *grad_weight = at::empty_like(wc);
+  float* gw = grad_weight->data_ptr<float>();
+  at::parallel_for(0, width, kSwigluGrain / std::max<int64_t>(runs, 1), [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      float sum = 0.0f;
+      for (int64_t run = 0; run < runs; ++run) sum += pp[run * width + c];
+      gw[c] = sum;
+    }
+  });
 }
 
 #ifdef MEMTUNE_CUDA

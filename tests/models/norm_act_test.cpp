@@ -161,6 +161,20 @@ TEST(RmsNorm, Fp32MatchesTheExactMathOnAnyNumberOfThreads) {
   }
   at::set_num_threads(threads);
   memtune::models::detail::use_portable_cpu_kernels(false);
+  // Many runs of rows (64 of 64 x 1024, spread over the threads): the same bits on one thread
+  // as on two or three.
+  {
+    const at::Tensor xb = at::randn({4096, 1024}), wb = at::rand({1024}) + 0.5, gb = at::randn({4096, 1024});
+    at::Tensor first;
+    for (int t : {threads, 1, 3}) {
+      at::set_num_threads(t);
+      at::Tensor xt = xb.clone().requires_grad_(true), wt = wb.clone().requires_grad_(true);
+      memtune::models::rms_norm(xt, wt, eps).backward(gb);
+      if (!first.defined()) first = wt.grad();
+      else EXPECT_TRUE(at::equal(wt.grad(), first)) << t << " threads: the weight's gradient changed";
+    }
+    at::set_num_threads(threads);
+  }
   // No rows: a zero gradient for the weight.
   at::Tensor xe = at::randn({0, 333}).requires_grad_(true), we = w0.clone().requires_grad_(true);
   memtune::models::rms_norm(xe, we, eps).sum().backward();
