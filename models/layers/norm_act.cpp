@@ -22,13 +22,17 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+constexpr int64_t kElementsPerTask = 16384;  // at::parallel_for's grain for the CPU kernels
+
+// Rows of x's last dimension.
+int64_t rows_of(const at::Tensor& x) { return x.numel() == 0 ? 0 : x.numel() / x.size(-1); }
+
 // fp32 SwiGLU on the CPU takes memtune's kernels (cpu_vec.h): one pass each way, and a
 // backward that writes the two gradients alone.
 bool swiglu_cpu_kernels(const at::Tensor& gate, const at::Tensor& up) {
   return gate.device().is_cpu() && up.device().is_cpu() && gate.scalar_type() == at::kFloat &&
          up.scalar_type() == at::kFloat && gate.sizes() == up.sizes();
 }
-constexpr int64_t kSwigluGrain = 16384;  // elements per task
 
 // fp32 RMSNorm on the CPU takes memtune's row kernels (cpu_vec.h): one pass for the statistics
 // and one for the output, the backward with no intermediate tensor. The weight's gradient is
@@ -39,11 +43,11 @@ bool rms_norm_cpu_kernels(const at::Tensor& x, const at::Tensor& weight) {
 }
 constexpr int64_t kRmsNormRun = 64;  // rows per partial sum of the weight's gradient
 
-int64_t grain_rows(int64_t width) { return std::max<int64_t>(1, kSwigluGrain / std::max<int64_t>(width, 1)); }
+int64_t grain_rows(int64_t width) { return std::max<int64_t>(1, kElementsPerTask / std::max<int64_t>(width, 1)); }
 
 at::Tensor rms_norm_forward_cpu(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor* rstd) {
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
-  const int64_t width = x.size(-1), rows = width == 0 ? 0 : x.numel() / width;
+  const int64_t width = x.size(-1), rows = rows_of(x);
   at::Tensor y = at::empty_like(xc);
   std::vector<int64_t> stat_shape = x.sizes().vec();
   stat_shape.back() = 1;
@@ -61,7 +65,7 @@ void rms_norm_backward_cpu(const at::Tensor& x, const at::Tensor& weight, const 
                            at::Tensor* grad_x, at::Tensor* grad_weight) {
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous(), g = gy.to(at::kFloat).contiguous(),
                    rc = rstd.contiguous();
-  const int64_t width = x.size(-1), rows = width == 0 ? 0 : x.numel() / width;
+  const int64_t width = x.size(-1), rows = rows_of(x);
   if (grad_x != nullptr) *grad_x = at::empty_like(xc);
   const int64_t runs = (rows + kRmsNormRun - 1) / kRmsNormRun;
   at::Tensor partial = grad_weight != nullptr ? at::zeros({runs, width}, x.options()) : at::Tensor();
@@ -81,7 +85,7 @@ void rms_norm_backward_cpu(const at::Tensor& x, const at::Tensor& weight, const 
   // whatever a LibTorch version's reduction chooses for the number of threads.
   *grad_weight = at::empty_like(wc);
   float* gw = grad_weight->data_ptr<float>();
-  at::parallel_for(0, width, kSwigluGrain / std::max<int64_t>(runs, 1), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, width, kElementsPerTask / std::max<int64_t>(runs, 1), [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
       float sum = 0.0f;
       for (int64_t run = 0; run < runs; ++run) sum += pp[run * width + c];
@@ -108,9 +112,8 @@ bool swiglu_kernels(const at::Tensor& gate, const at::Tensor& up) {
 
 cudaStream_t stream_of(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
 
-// Rows of x's last dimension, and how many runs of rows the weight's gradient is summed in
-// (each run's column sums are one thread's loop; the runs' partials are summed by ATen).
-int64_t rows_of(const at::Tensor& x) { return x.numel() == 0 ? 0 : x.numel() / x.size(-1); }
+// How many runs of rows the weight's gradient is summed in (each run's column sums are one
+// thread's loop; the runs' partials are summed by ATen).
 int64_t weight_grad_chunks(int64_t rows) { return std::clamp<int64_t>(rows / 64, 1, 1024); }
 
 at::Tensor rms_norm_forward_cuda(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor* rstd) {
@@ -230,7 +233,7 @@ struct SwigluFunction : public torch::autograd::Function<SwigluFunction> {
       at::Tensor y = at::empty_like(g);
       const float *gp = g.data_ptr<float>(), *up_ = u.data_ptr<float>();
       float* yp = y.data_ptr<float>();
-      at::parallel_for(0, g.numel(), kSwigluGrain, [&](int64_t begin, int64_t end) {
+      at::parallel_for(0, g.numel(), kElementsPerTask, [&](int64_t begin, int64_t end) {
         detail::swiglu_forward(gp + begin, up_ + begin, yp + begin, end - begin);
       });
       return y;
@@ -262,7 +265,7 @@ struct SwigluFunction : public torch::autograd::Function<SwigluFunction> {
       const float *gp = g.data_ptr<float>(), *up_ = u.data_ptr<float>(), *dp = d.data_ptr<float>();
       float* dg = grad_gate.defined() ? grad_gate.data_ptr<float>() : nullptr;
       float* du = grad_up.defined() ? grad_up.data_ptr<float>() : nullptr;
-      at::parallel_for(0, g.numel(), kSwigluGrain, [&](int64_t begin, int64_t end) {
+      at::parallel_for(0, g.numel(), kElementsPerTask, [&](int64_t begin, int64_t end) {
         detail::swiglu_backward(gp + begin, up_ + begin, dp + begin, dg == nullptr ? nullptr : dg + begin,
                                 du == nullptr ? nullptr : du + begin, end - begin);
       });
