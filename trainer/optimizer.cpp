@@ -14,6 +14,7 @@
 #include "runtime/error.h"
 #include "runtime/json_input.h"
 #include "runtime/offload.h"
+#include "trainer/optim_kernels.h"
 #include "trainer/adamw8bit_kernels.h"
 #ifdef MEMTUNE_CUDA
 #include "trainer/cuda/adamw_bnb_cuda.h"
@@ -23,49 +24,10 @@ namespace memtune::trainer {
 
 namespace {
 
-// torch.optim.AdamW's update in one pass over contiguous fp32 CPU tensors, in the order and
-// precision of the ATen op chain below (one read and write of p, g, m, v instead of ten
-// passes and a scalar-to-tensor conversion per op, for every adapter matrix).
-struct AdamWStep {
-  float scale, decay, b1, one_minus_b1, b2, one_minus_b2, sqrt_bc2, eps, step;
-  void run(float* p, float* g, float* m, float* v, int64_t n) const {
-    at::parallel_for(0, n, 16384, [&](int64_t j0, int64_t j1) {
-      for (int64_t j = j0; j < j1; ++j) {
-        const float gj = g[j] * scale;
-        g[j] = gj;
-        const float pj = p[j] * decay;
-        const float mj = m[j] * b1 + one_minus_b1 * gj;
-        const float vj = v[j] * b2 + one_minus_b2 * (gj * gj);
-        m[j] = mj;
-        v[j] = vj;
-        p[j] = pj + step * (mj / (std::sqrt(vj) / sqrt_bc2 + eps));
-      }
-    });
-  }
-};
-
 bool fused_adamw_applies(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, const at::Tensor& v) {
   for (const at::Tensor* t : {&p, &g, &m, &v})
     if (!t->device().is_cpu() || t->scalar_type() != at::kFloat || !t->is_contiguous()) return false;
   return true;
-}
-
-// bitsandbytes' kOptimizer32bit2State<ADAM> (no max_unorm, no skip_zeros) over contiguous
-// fp32 CPU tensors: its order of operations, one fp32 rounding each.
-void bnb_adam32(const BnbScalars& s, float* p, const float* g, float* m, float* v, int64_t n) {
-  const float eps = s.eps_c2;  // the 32-bit kernel writes eps * correction2: same product
-  at::parallel_for(0, n, 16384, [&](int64_t j0, int64_t j1) {
-    for (int64_t j = j0; j < j1; ++j) {
-      const float gj = s.gs * g[j];
-      const float mj = m[j] * s.b1 + s.one_minus_b1 * gj;
-      const float vj = v[j] * s.b2 + s.one_minus_b2 * (gj * gj);
-      m[j] = mj;
-      v[j] = vj;
-      float pj = p[j] + s.step_size * (mj / (std::sqrt(vj) + eps));
-      if (s.decay_on) pj = pj * s.decay;
-      p[j] = pj;
-    }
-  });
 }
 
 // bitsandbytes' kOptimizerStatic8bit2StateBlockwise<ADAM, 256> (trainer/adamw8bit_kernels.h:
@@ -394,12 +356,12 @@ void Optimizer::step(double lr, double grad_scale) {
     const at::Tensor ph = on_host ? p.detach().to(at::kCPU).contiguous() : p;
     const at::Tensor gh = on_host ? g.to(at::kCPU, at::kFloat).contiguous() : g;
     if (options_.kind == "adamw" && fused_adamw_applies(ph, gh, exp_avg_[i], exp_avg_sq_[i])) {
-      const AdamWStep s{static_cast<float>(grad_scale), static_cast<float>(1.0 - lr * wd), static_cast<float>(b1),
-                        static_cast<float>(1.0 - b1), static_cast<float>(b2), static_cast<float>(1.0 - b2),
-                        static_cast<float>(std::sqrt(bc2)), static_cast<float>(options_.eps),
-                        static_cast<float>(-lr / bc1)};
-      s.run(ph.data_ptr<float>(), gh.data_ptr<float>(), exp_avg_[i].data_ptr<float>(),
-            exp_avg_sq_[i].data_ptr<float>(), ph.numel());
+      const TorchAdamW s{static_cast<float>(grad_scale), static_cast<float>(1.0 - lr * wd), static_cast<float>(b1),
+                         static_cast<float>(1.0 - b1), static_cast<float>(b2), static_cast<float>(1.0 - b2),
+                         static_cast<float>(std::sqrt(bc2)), static_cast<float>(options_.eps),
+                         static_cast<float>(-lr / bc1)};
+      torch_adamw(s, ph.data_ptr<float>(), gh.data_ptr<float>(), exp_avg_[i].data_ptr<float>(),
+                  exp_avg_sq_[i].data_ptr<float>(), ph.numel());
     } else {
       update(ph, gh, i, lr, wd, grad_scale, bc1, bc2);
     }
@@ -624,17 +586,9 @@ double grad_square_sum(const std::vector<std::pair<std::string, at::Tensor>>& pa
   for (const auto& [name, p] : params) {
     const at::Tensor& g = p.grad();
     if (!g.defined()) continue;
-    if (g.device().is_cpu() && g.scalar_type() == at::kFloat && g.is_contiguous()) {
+    if (cpu_f32_contiguous(g)) {
       // Squares summed in double, as the op chain below; no double copy of the gradient.
-      const float* x = g.data_ptr<float>();
-      const int64_t n = g.numel();
-      std::vector<double> part(static_cast<size_t>(at::get_num_threads()), 0.0);
-      at::parallel_for(0, n, 16384, [&](int64_t j0, int64_t j1) {
-        double acc = 0;
-        for (int64_t j = j0; j < j1; ++j) acc += static_cast<double>(x[j]) * x[j];
-        part[static_cast<size_t>(at::get_thread_num())] += acc;
-      });
-      for (double v : part) sq += v;
+      sq += square_sum(g.data_ptr<float>(), g.numel());
     } else {
       sq += g.to(at::kDouble).pow(2).sum().item<double>();
     }
