@@ -245,6 +245,10 @@ void Dataset::load(const fs::path& path, const Tokenizer* tokenizer) {
         MEMTUNE_CHECK(v < static_cast<uint64_t>(tokenizer->vocab_size()), path.string(), ": token ", i, " is ", v,
                       ", outside the tokenizer's vocabulary of ", tokenizer->vocab_size(),
                       "; was the file written with another tokenizer?");
+      if (o.vocab_size > 0)
+        MEMTUNE_CHECK(v < static_cast<uint64_t>(o.vocab_size), path.string(), ": token ", i, " is ", v,
+                      ", outside the model's vocabulary (vocab_size ", o.vocab_size,
+                      "); was the file written for another model's tokenizer?");
       has_sep |= sep && v == static_cast<uint32_t>(*sep);
     }
     flat_stream_ = !has_sep;

@@ -54,6 +54,9 @@ struct DatasetOptions {
   bool skip_invalid = false;            // skip and count malformed records instead of failing
   bool add_eos_token = true;            // a document's last token predicts eos
   std::string cache_dir;                // empty: no cache
+  // The model's vocabulary: a token file's ids must lie below it (0: not checked). A
+  // tokenizer, where given, bounds them too; text is bounded by the tokenizer alone.
+  int64_t vocab_size = 0;
 };
 
 struct DatasetStats {

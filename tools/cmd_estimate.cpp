@@ -41,7 +41,8 @@ namespace {
 // The training set's stats, loaded as the trainer loads it (the same tokenization cache), so
 // the estimate is bounded by the real data (trainer::fit_to_data). None when data.train_file
 // is unset or missing, or `skip`; `note` says which data the estimate assumed.
-std::optional<data::DatasetStats> training_data(const trainer::Config& c, bool skip, std::string* note) {
+std::optional<data::DatasetStats> training_data(const trainer::Config& c, const models::ModelSpec& spec, bool skip,
+                                                std::string* note) {
   const std::string& file = c.data.train_file;
   if (skip || file.empty() || !std::filesystem::exists(file)) {
     *note = str_cat("rows of data.max_seq_length (", c.data.max_seq_length, "), every position trained (",
@@ -57,7 +58,9 @@ std::optional<data::DatasetStats> training_data(const trainer::Config& c, bool s
     WarningsOnly() { spdlog::set_level(std::max(was, spdlog::level::warn)); }
     ~WarningsOnly() { spdlog::set_level(was); }
   } quiet;
-  const data::Dataset set(file, tokenizer.get(), trainer::dataset_options(c.data, c.training.output_dir));
+  data::DatasetOptions options = trainer::dataset_options(c.data, c.training.output_dir);
+  options.vocab_size = spec.vocab_size;  // as training checks it
+  const data::Dataset set(file, tokenizer.get(), options);
   const data::DatasetStats& s = set.stats();
   *note = str_cat(file, ": ", s.samples, " samples, the longest ", s.longest_sample, " tokens, at most ",
                   s.most_sample_targets, " trained");
@@ -180,7 +183,7 @@ void add_estimate_command(CLI::App& app) {
     const models::ModelSpec spec = trainer::model_spec(c);
     MEMTUNE_CHECK(a->nproc >= 1, "memtune estimate: --nproc ", a->nproc, " must be at least 1 (ranks)");
     std::string data_note;
-    const std::optional<data::DatasetStats> data = training_data(c, a->no_data, &data_note);
+    const std::optional<data::DatasetStats> data = training_data(c, spec, a->no_data, &data_note);
     EstimateInput in = trainer::estimate_input(c, spec);
     if (data) in = trainer::fit_to_data(in, *data);
     in.world_size = a->nproc;

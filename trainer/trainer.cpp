@@ -325,7 +325,8 @@ void Trainer::load_model() {
 
 void Trainer::load_data() {
   MEMTUNE_CHECK(!c_.data.train_file.empty(), "data.train_file: not set (a .jsonl, .bin or .txt file)");
-  const data::DatasetOptions dopts = dataset_options(c_.data, out_dir_);
+  data::DatasetOptions dopts = dataset_options(c_.data, out_dir_);
+  dopts.vocab_size = bundle_.model->spec().vocab_size;
   train_set_ = std::make_unique<data::Dataset>(c_.data.train_file, bundle_.tokenizer.get(), dopts);
   const auto& st = train_set_->stats();
   spdlog::info("data: {} ({} format): {} documents, {} samples, {} target tokens; {} truncated, {} dropped, "

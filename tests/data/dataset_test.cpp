@@ -336,6 +336,25 @@ TEST(Dataset, TokenFileWithoutTokenizerIsOneStreamInRows) {
   EXPECT_EQ(ds.stats().target_tokens, 9);
 }
 
+// Without a tokenizer nothing else bounds a token file's ids: the model's vocab_size does
+// (the trainer and `memtune estimate` pass it), where the embedding lookup would otherwise
+// fail deep inside LibTorch ("index out of range in self").
+TEST(DatasetBadInput, TokenFileIdsMustLieInTheModelsVocabulary) {
+  const fs::path p = temp_dir() / "ids.bin";
+  memtune::data::write_token_file(p, {0, 5, 255, 7, 256, 3}, 50257);
+  auto o = opts(4, true);
+  o.vocab_size = 257;  // 256 is the last id it has
+  EXPECT_EQ(Dataset(p, nullptr, o).stats().tokens, 6);
+  o.vocab_size = 256;
+  const std::string e = error_of([&] { Dataset(p, nullptr, o); });
+  EXPECT_NE(e.find("ids.bin: token 4 is 256, outside the model's vocabulary (vocab_size 256)"), std::string::npos)
+      << e;
+  // and through a tokenizer (258 ids) whose model has fewer: the model's bound is checked too
+  o.vocab_size = 200;
+  const std::string t = error_of([&] { Dataset(p, &tok, o); });
+  EXPECT_NE(t.find("token 2 is 255, outside the model's vocabulary (vocab_size 200)"), std::string::npos) << t;
+}
+
 TEST(Dataset, CacheMakesTheSecondLoadImmediateAndRebuildsWhenDamaged) {
   const auto path = file("i.jsonl", "{\"instruction\": \"a\", \"output\": \"b\"}\n{\"instruction\": \"c\", \"output\": \"d\"}\n");
   auto o = opts();
