@@ -18,6 +18,7 @@
 #include "models/layers/cross_entropy.h"
 #include "models/layers/norm_act.h"
 #include "models/layers/rotary.h"
+#include "runtime/threads.h"
 
 #ifdef MEMTUNE_CUDA
 #include <c10/cuda/CUDAFunctions.h>
@@ -101,6 +102,7 @@ void run(const c10::Device& device, at::ScalarType dtype, const Shape& s, int re
 }  // namespace
 
 int main(int argc, char** argv) {
+  memtune::reexec_with_passive_omp_wait(argv);  // as the training binary runs
   if (argc > 1 && std::strcmp(argv[1], "--cuda") == 0) {
 #ifdef MEMTUNE_CUDA
     if (!torch::cuda::is_available()) {

@@ -12,11 +12,13 @@
 
 #include <ATen/ATen.h>
 
+#include "runtime/threads.h"
 #include "trainer/optimizer.h"
 
 namespace tr = memtune::trainer;
 
 int main(int argc, char** argv) {
+  memtune::reexec_with_passive_omp_wait(argv);  // as the training binary runs
   char* end = nullptr;
   const int64_t n = argc > 1 ? std::strtoll(argv[1], &end, 10) : (1 << 20);
   if (argc > 2 || (argc > 1 && *end != '\0') || n <= 0 || n % 1024 != 0) {
