@@ -1,5 +1,6 @@
-// AdamW with fp32 states on the CPU (trainer/optim_kernels.h): the scalar kernels, their
-// AVX2 twins and the dispatch. Built with -ffp-contract=off.
+// The optimizer step's fp32 CPU passes (trainer/optim_kernels.h): AdamW's two updates and the
+// gradients' sum of squares, the scalar kernels, their AVX2 twins and the dispatch. Built with
+// -ffp-contract=off.
 #include "trainer/optim_kernels.h"
 
 #include <algorithm>

@@ -14,8 +14,8 @@
 #include "runtime/error.h"
 #include "runtime/json_input.h"
 #include "runtime/offload.h"
-#include "trainer/optim_kernels.h"
 #include "trainer/adamw8bit_kernels.h"
+#include "trainer/optim_kernels.h"
 #ifdef MEMTUNE_CUDA
 #include "trainer/cuda/adamw_bnb_cuda.h"
 #endif
