@@ -942,6 +942,8 @@ void Trainer::evaluate_loss(const char* when) {
 void Trainer::evaluate_accuracy(const char* when) {
   if (c_.training.eval_accuracy_rows <= 0 || c_.data.eval_file.empty() || !bundle_.tokenizer || eval_stopped())
     return;
+  spdlog::info("accuracy ({}): answering up to {} rows of {} by greedy generation", when,
+               c_.training.eval_accuracy_rows, c_.data.eval_file);
   const AccuracyResult a = instruction_accuracy(*bundle_.model, *bundle_.tokenizer, c_.data.template_name,
                                                 c_.data.eval_file, c_.training.eval_accuracy_rows, 12,
                                                 [this] { return eval_stopped(); });

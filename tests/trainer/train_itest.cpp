@@ -304,7 +304,7 @@ TEST(Train, SigtermDuringEvaluationsIsHonouredAtTheNextRow) {
   // In the accuracy evaluation before the first step (200 generations: seconds): it ends
   // at the next row and the run stops with nothing to save.
   auto [code, log] = term_when(d / "first", eval, [&] {
-    return read_file(d / "first/log").find("eval (before training)") != std::string::npos;
+    return read_file(d / "first/log").find("accuracy (before training): answering") != std::string::npos;
   });
   EXPECT_EQ(code, 128 + SIGTERM) << log;
   EXPECT_NE(log.find("accuracy (before training): stopped by signal 15"), std::string::npos) << log;
