@@ -9,9 +9,11 @@ so the column sums to the traced time. Standard library only.
 import argparse
 import collections
 import json
+import signal
 
 
 def main():
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends the listing quietly
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace")
     p.add_argument("--top", type=int, default=30)
