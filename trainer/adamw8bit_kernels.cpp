@@ -100,6 +100,14 @@ CodeTable::CodeTable(const float* map, bool is_signed) : code(map) {
       TORCH_CHECK(cz - ca <= 1, "code table: bucket ", sign ? "-" : "+", h, " spans codes ", ca, "..", cz);
       lo[at] = static_cast<uint8_t>(ca);
       TORCH_CHECK((*this)(a) == ca && (*this)(z) == cz, "code table: bucket ", h, " edges");
+      uint32_t t = 0xFFFFu;  // no threshold inside: nothing passes
+      if (cz > ca) {
+        TORCH_CHECK(h != kBase && h != kTop, "code table: a threshold inside the clamped bucket ", h);
+        const uint32_t u = bits_of(upper[ca + 1]);
+        TORCH_CHECK(bucket(u) == at, "code table: bucket ", h, "'s threshold lies outside it");
+        t = (u & 0xFFFFu) ^ (sign ? 0xFFFFu : 0u);
+      }
+      cut[at] = static_cast<uint32_t>(ca) | t << 16;
     }
 }
 

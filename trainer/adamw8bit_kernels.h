@@ -49,6 +49,13 @@ struct CodeTable {
   int negatives;     // entries with the sign bit set: code[0..negatives) (checked)
   float upper[257];  // upper[j], j = 1..255; upper[256] = +inf
   uint8_t lo[2 * kPerSign + 3];  // positive buckets, then negative; 3 bytes of padding for 32-bit gathers
+  // The same decision in one 32-bit entry per bucket, for the vector kernels' one gather:
+  // lo[bucket] in bits 0-7 and, in bits 16-31, the bucket's threshold as its low 16 bits,
+  // flipped for negative buckets (where a larger float has smaller magnitude bits), or 0xFFFF
+  // where the bucket holds none. x passes it when its own low 16 bits, flipped likewise, are
+  // greater: within a bucket the top 16 bits are equal, so that is x > upper[lo + 1]. The two
+  // clamped buckets of each sign (kBase, kTop) hold no threshold (checked).
+  uint32_t cut[2 * kPerSign];
 
   CodeTable(const float* map, bool is_signed);
 

@@ -19,8 +19,8 @@ namespace memtune::trainer {
 
 namespace {
 
-// CodeTable::operator() on 8 lanes: the bucket, its lowest code by a byte gather (4 bytes
-// read, the low one kept; the table is padded), one comparison with the next threshold.
+// CodeTable::operator() on 8 lanes, through its cut table: one gather of the bucket's entry,
+// its threshold compared with x's low 16 bits (flipped for negative x, as the entry's).
 MEMTUNE_AVX2 __m256i codes8(const CodeTable& t, __m256 x) {
   const __m256i bits = _mm256_castps_si256(x);
   __m256i h = _mm256_srli_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF)), 16);
@@ -28,11 +28,12 @@ MEMTUNE_AVX2 __m256i codes8(const CodeTable& t, __m256 x) {
   const __m256i negative = _mm256_srai_epi32(bits, 31);
   const __m256i bucket = _mm256_add_epi32(_mm256_sub_epi32(h, _mm256_set1_epi32(CodeTable::kBase)),
                                           _mm256_and_si256(negative, _mm256_set1_epi32(CodeTable::kPerSign)));
-  const __m256i lo = _mm256_and_si256(_mm256_i32gather_epi32(reinterpret_cast<const int*>(t.lo), bucket, 1),
-                                      _mm256_set1_epi32(0xFF));
-  const __m256 next = _mm256_i32gather_ps(t.upper + 1, lo, 4);
-  const __m256i above = _mm256_castps_si256(_mm256_cmp_ps(x, next, _CMP_GT_OQ));  // -1 where x is past it
-  const __m256i ordered = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q));   // NaN: code 0
+  const __m256i cut = _mm256_i32gather_epi32(reinterpret_cast<const int*>(t.cut), bucket, 4);
+  const __m256i low16 = _mm256_set1_epi32(0xFFFF);
+  const __m256i mine = _mm256_xor_si256(_mm256_and_si256(bits, low16), _mm256_and_si256(negative, low16));
+  const __m256i above = _mm256_cmpgt_epi32(mine, _mm256_srli_epi32(cut, 16));  // -1 where x is past it
+  const __m256i lo = _mm256_and_si256(cut, _mm256_set1_epi32(0xFF));
+  const __m256i ordered = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q));  // NaN: code 0
   return _mm256_and_si256(_mm256_sub_epi32(lo, above), ordered);
 }
 
