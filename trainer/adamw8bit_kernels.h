@@ -48,7 +48,7 @@ struct CodeTable {
   const float* code;
   int negatives;     // entries with the sign bit set: code[0..negatives) (checked)
   float upper[257];  // upper[j], j = 1..255; upper[256] = +inf
-  uint8_t lo[2 * kPerSign + 3];  // positive buckets, then negative; 3 bytes of padding for 32-bit gathers
+  uint8_t lo[2 * kPerSign];  // positive buckets, then negative
   // The same decision in one 32-bit entry per bucket, for the vector kernels' one gather:
   // lo[bucket] in bits 0-7 and, in bits 16-31, the bucket's threshold as its low 16 bits,
   // flipped for negative buckets (where a larger float has smaller magnitude bits), or 0xFFFF
