@@ -80,14 +80,14 @@ void absmax_range(const NF4Tensor& q, int64_t b0, int64_t b1, float* out) {
 
 // Dispatch: the AVX2 kernels (runtime/nf4_kernels_avx2.cpp) on CPUs that have AVX2.
 void pairs(const uint8_t* p, int64_t nbytes, float s, float* o) {
-#ifdef MEMTUNE_NF4_X86
+#ifdef MEMTUNE_X86
   if (cpu_has_avx2()) return pairs_avx2(p, nbytes, s, o);
 #endif
   pairs_scalar(p, nbytes, s, o);
 }
 
 void block_codes(const float* x, int64_t len, float r, uint8_t* codes) {
-#ifdef MEMTUNE_NF4_X86
+#ifdef MEMTUNE_X86
   if (cpu_has_avx2()) return codes_avx2(x, len, r, codes);
 #endif
   codes_scalar(x, len, r, codes);
@@ -108,14 +108,14 @@ void segment_fp32(const uint8_t* packed, int64_t a, int64_t z, float s, float* o
 }
 
 void convert(const float* src, int64_t n, c10::BFloat16* dst) {
-#ifdef MEMTUNE_NF4_X86
+#ifdef MEMTUNE_X86
   if (cpu_has_avx2()) return convert_bf16_avx2(src, n, dst);
 #endif
   convert_scalar(src, n, dst);
 }
 
 void convert(const float* src, int64_t n, c10::Half* dst) {
-#ifdef MEMTUNE_NF4_X86
+#ifdef MEMTUNE_X86
   if (cpu_has_avx2() && cpu_has_f16c()) return convert_half_f16c(src, n, dst);
 #endif
   convert_scalar(src, n, dst);

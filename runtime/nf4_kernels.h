@@ -8,9 +8,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
-#if defined(__x86_64__) || defined(__i386__)
-#define MEMTUNE_NF4_X86 1
-#endif
+#include "runtime/cpu_features.h"
 
 namespace memtune::nf4_kernels {
 
@@ -56,9 +54,7 @@ void convert_scalar(const float* src, int64_t n, T* dst) {
   for (int64_t k = 0; k < n; ++k) dst[k] = static_cast<T>(src[k]);
 }
 
-#ifdef MEMTUNE_NF4_X86
-bool cpu_has_avx2();
-bool cpu_has_f16c();
+#ifdef MEMTUNE_X86
 // The scalar kernels' results, bit for bit (no fused multiply-add), 8 or 16 lanes at a time.
 void pairs_avx2(const uint8_t* p, int64_t nbytes, float s, float* o);
 void codes_avx2(const float* x, int64_t len, float r, uint8_t* codes);

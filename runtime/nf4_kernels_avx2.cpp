@@ -3,8 +3,7 @@
 // it only on CPUs with AVX2; no fused multiply-add anywhere (bitsandbytes' rounding).
 #include "runtime/nf4_kernels.h"
 
-#ifdef MEMTUNE_NF4_X86
-#include <cpuid.h>
+#ifdef MEMTUNE_X86
 #include <immintrin.h>
 
 namespace memtune::nf4_kernels {
@@ -22,20 +21,6 @@ __attribute__((target("avx2"), always_inline)) inline __m256 lookup8(__m128i idx
 }
 
 }  // namespace
-
-bool cpu_has_avx2() {
-  static const bool has = __builtin_cpu_supports("avx2");
-  return has;
-}
-
-// cpuid leaf 1, ECX bit 29: clang before 15 has no "f16c" for __builtin_cpu_supports.
-bool cpu_has_f16c() {
-  static const bool has = [] {
-    unsigned a, b, c, d;
-    return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
-  }();
-  return has;
-}
 
 __attribute__((target("avx2"))) void pairs_avx2(const uint8_t* p, int64_t nbytes, float s,
                                                 float* o) {
@@ -99,4 +84,4 @@ __attribute__((target("avx2,f16c"))) void convert_half_f16c(const float* src, in
 
 }  // namespace memtune::nf4_kernels
 
-#endif  // MEMTUNE_NF4_X86
+#endif  // MEMTUNE_X86

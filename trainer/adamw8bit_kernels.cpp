@@ -195,8 +195,8 @@ void quantize_states_8bit(const float* m, const float* v, int64_t n, uint8_t* c1
 }
 
 void adam8_blocks(const BnbScalars& s, const Adam8Tensors& t, int64_t b0, int64_t b1) {
-#ifdef MEMTUNE_ADAM8_X86
-  if (adam8_cpu_has_avx2()) return adam8_blocks_avx2(s, t, b0, b1);
+#ifdef MEMTUNE_X86
+  if (cpu_has_avx2()) return adam8_blocks_avx2(s, t, b0, b1);
 #endif
   adam8_blocks_scalar(s, t, b0, b1);
 }

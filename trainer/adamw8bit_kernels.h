@@ -9,12 +9,10 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "runtime/cpu_features.h"
 #include "trainer/bnb_scalars.h"
 #include "trainer/quantize_2d.h"
 
-#if defined(__x86_64__) || defined(__i386__)
-#define MEMTUNE_ADAM8_X86 1
-#endif
 
 namespace memtune::trainer {
 
@@ -92,8 +90,7 @@ void adam8_blocks(const BnbScalars& s, const Adam8Tensors& t, int64_t b0, int64_
 void quantize_states_8bit(const float* m, const float* v, int64_t n, uint8_t* c1, uint8_t* c2, float* absmax1,
                           float* absmax2);
 
-#ifdef MEMTUNE_ADAM8_X86
-bool adam8_cpu_has_avx2();
+#ifdef MEMTUNE_X86
 // The scalar kernels' results, bit for bit, 8 lanes at a time.
 void adam8_blocks_avx2(const BnbScalars& s, const Adam8Tensors& t, int64_t b0, int64_t b1);
 void quantize_avx2(const CodeTable& table, const float* x, int64_t n, uint8_t* out);

@@ -5,7 +5,7 @@
 // is avx2 alone and the file builds with -ffp-contract=off, also under -march=native).
 #include "trainer/adamw8bit_kernels.h"
 
-#ifdef MEMTUNE_ADAM8_X86
+#ifdef MEMTUNE_X86
 #include <immintrin.h>
 
 #include <algorithm>
@@ -108,11 +108,6 @@ MEMTUNE_AVX2 void block(const BnbScalars& s, const CodeTable& t1, const CodeTabl
 
 }  // namespace
 
-bool adam8_cpu_has_avx2() {
-  static const bool has = __builtin_cpu_supports("avx2");
-  return has;
-}
-
 __attribute__((target("avx2"))) void adam8_blocks_avx2(const BnbScalars& s, const Adam8Tensors& t, int64_t b0,
                                                        int64_t b1) {
   for (int64_t b = b0; b < b1; ++b) {
@@ -145,4 +140,4 @@ __attribute__((target("avx2"))) void quantize_avx2(const CodeTable& table, const
 
 }  // namespace memtune::trainer
 
-#endif  // MEMTUNE_ADAM8_X86
+#endif  // MEMTUNE_X86

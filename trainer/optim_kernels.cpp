@@ -9,7 +9,7 @@
 
 #include <ATen/Parallel.h>
 
-#ifdef MEMTUNE_OPTIM_X86
+#ifdef MEMTUNE_X86
 #include <immintrin.h>
 #endif
 
@@ -65,12 +65,7 @@ void bnb_adam32_scalar(const BnbScalars& s, float* p, const float* g, float* m, 
   }
 }
 
-#ifdef MEMTUNE_OPTIM_X86
-
-bool optim_cpu_has_avx2() {
-  static const bool has = __builtin_cpu_supports("avx2");
-  return has;
-}
+#ifdef MEMTUNE_X86
 
 __attribute__((target("avx2"))) void torch_adamw_avx2(const TorchAdamW& s, float* p, float* g, float* m, float* v,
                                                       int64_t n) {
@@ -129,7 +124,7 @@ __attribute__((target("avx2"))) double square_sum_block_avx2(const float* x, int
   return add_in_order(sums);
 }
 
-#endif  // MEMTUNE_OPTIM_X86
+#endif  // MEMTUNE_X86
 
 double square_sum(const float* x, int64_t n) {
   const int64_t blocks = (n + kSquareSumBlock - 1) / kSquareSumBlock;
@@ -138,8 +133,8 @@ double square_sum(const float* x, int64_t n) {
     for (int64_t b = b0; b < b1; ++b) {
       const float* xb = x + b * kSquareSumBlock;
       const int64_t len = std::min(kSquareSumBlock, n - b * kSquareSumBlock);
-#ifdef MEMTUNE_OPTIM_X86
-      if (optim_cpu_has_avx2()) {
+#ifdef MEMTUNE_X86
+      if (cpu_has_avx2()) {
         sums[static_cast<size_t>(b)] = square_sum_block_avx2(xb, len);
         continue;
       }
@@ -154,8 +149,8 @@ double square_sum(const float* x, int64_t n) {
 
 void torch_adamw(const TorchAdamW& s, float* p, float* g, float* m, float* v, int64_t n) {
   at::parallel_for(0, n, kGrain, [&](int64_t j0, int64_t j1) {
-#ifdef MEMTUNE_OPTIM_X86
-    if (optim_cpu_has_avx2()) return torch_adamw_avx2(s, p + j0, g + j0, m + j0, v + j0, j1 - j0);
+#ifdef MEMTUNE_X86
+    if (cpu_has_avx2()) return torch_adamw_avx2(s, p + j0, g + j0, m + j0, v + j0, j1 - j0);
 #endif
     torch_adamw_scalar(s, p + j0, g + j0, m + j0, v + j0, j1 - j0);
   });
@@ -163,8 +158,8 @@ void torch_adamw(const TorchAdamW& s, float* p, float* g, float* m, float* v, in
 
 void bnb_adam32(const BnbScalars& s, float* p, const float* g, float* m, float* v, int64_t n) {
   at::parallel_for(0, n, kGrain, [&](int64_t j0, int64_t j1) {
-#ifdef MEMTUNE_OPTIM_X86
-    if (optim_cpu_has_avx2()) return bnb_adam32_avx2(s, p + j0, g + j0, m + j0, v + j0, j1 - j0);
+#ifdef MEMTUNE_X86
+    if (cpu_has_avx2()) return bnb_adam32_avx2(s, p + j0, g + j0, m + j0, v + j0, j1 - j0);
 #endif
     bnb_adam32_scalar(s, p + j0, g + j0, m + j0, v + j0, j1 - j0);
   });

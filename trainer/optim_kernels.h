@@ -9,11 +9,9 @@
 // Zen 4 (bench/optimizer_step.cpp), the AVX2 one 0.6.
 #include <cstdint>
 
+#include "runtime/cpu_features.h"
 #include "trainer/bnb_scalars.h"
 
-#if defined(__x86_64__) || defined(__i386__)
-#define MEMTUNE_OPTIM_X86 1
-#endif
 
 namespace memtune::trainer {
 
@@ -46,8 +44,7 @@ double square_sum(const float* x, int64_t n);
 double square_sum_block_scalar(const float* x, int64_t n);
 void torch_adamw_scalar(const TorchAdamW& s, float* p, float* g, float* m, float* v, int64_t n);
 void bnb_adam32_scalar(const BnbScalars& s, float* p, const float* g, float* m, float* v, int64_t n);
-#ifdef MEMTUNE_OPTIM_X86
-bool optim_cpu_has_avx2();
+#ifdef MEMTUNE_X86
 void torch_adamw_avx2(const TorchAdamW& s, float* p, float* g, float* m, float* v, int64_t n);
 void bnb_adam32_avx2(const BnbScalars& s, float* p, const float* g, float* m, float* v, int64_t n);
 double square_sum_block_avx2(const float* x, int64_t n);

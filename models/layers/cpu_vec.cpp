@@ -4,9 +4,10 @@
 #include <cmath>
 #include <limits>
 
-#if defined(__x86_64__)
+#include "runtime/cpu_features.h"
+
+#ifdef MEMTUNE_X86
 #include <immintrin.h>
-#define MEMTUNE_VEC_X86 1
 #endif
 
 namespace memtune::models::detail {
@@ -14,15 +15,6 @@ namespace memtune::models::detail {
 namespace {
 
 bool g_portable = false;
-
-bool cpu_has_avx2() {
-#ifdef MEMTUNE_VEC_X86
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return has;
-#else
-  return false;
-#endif
-}
 
 float exp_shift_sum_scalar(float* x, int64_t n, float scale, float shift) {
   float sum = 0.0f;
@@ -60,7 +52,7 @@ void rms_norm_backward_row_scalar(const float* x, const float* w, const float* g
   for (int64_t j = 0; j < n; ++j) dx[j] = (gy[j] * w[j] - x[j] * rstd * mean) * rstd;
 }
 
-#ifdef MEMTUNE_VEC_X86
+#ifdef MEMTUNE_X86
 #define MEMTUNE_AVX2 __attribute__((target("avx2,fma")))
 
 // exp on 8 lanes: 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2, p Cephes' degree-5 polynomial
@@ -224,19 +216,19 @@ MEMTUNE_AVX2 void rms_norm_backward_row_avx2(const float* x, const float* w, con
 
 }  // namespace
 
-bool avx2_kernels_active() { return !g_portable && cpu_has_avx2(); }
+bool avx2_kernels_active() { return !g_portable && cpu_has_avx2() && cpu_has_fma(); }
 
 void use_portable_cpu_kernels(bool portable) { g_portable = portable; }
 
 float exp_shift_sum(float* x, int64_t n, float scale, float shift) {
-#ifdef MEMTUNE_VEC_X86
+#ifdef MEMTUNE_X86
   if (avx2_kernels_active()) return exp_shift_sum_avx2(x, n, scale, shift);
 #endif
   return exp_shift_sum_scalar(x, n, scale, shift);
 }
 
 int64_t exp_row_from_max(float* x, int64_t n, float* max, float* sum) {
-#ifdef MEMTUNE_VEC_X86
+#ifdef MEMTUNE_X86
   if (avx2_kernels_active()) return exp_row_from_max_avx2(x, n, max, sum);
 #endif
   float m = -std::numeric_limits<float>::infinity();
@@ -249,14 +241,14 @@ int64_t exp_row_from_max(float* x, int64_t n, float* max, float* sum) {
 }
 
 void swiglu_forward(const float* g, const float* u, float* y, int64_t n) {
-#ifdef MEMTUNE_VEC_X86
+#ifdef MEMTUNE_X86
   if (avx2_kernels_active()) return swiglu_forward_avx2(g, u, y, n);
 #endif
   for (int64_t j = 0; j < n; ++j) y[j] = swiglu_scalar(g[j], u[j]);
 }
 
 void swiglu_backward(const float* g, const float* u, const float* gy, float* dg, float* du, int64_t n) {
-#ifdef MEMTUNE_VEC_X86
+#ifdef MEMTUNE_X86
   if (avx2_kernels_active()) return swiglu_backward_avx2(g, u, gy, dg, du, n);
 #endif
   for (int64_t j = 0; j < n; ++j)
@@ -264,7 +256,7 @@ void swiglu_backward(const float* g, const float* u, const float* gy, float* dg,
 }
 
 float rms_norm_row(const float* x, const float* w, float eps, float* y, int64_t n) {
-#ifdef MEMTUNE_VEC_X86
+#ifdef MEMTUNE_X86
   if (avx2_kernels_active()) return rms_norm_row_avx2(x, w, eps, y, n);
 #endif
   return rms_norm_row_scalar(x, w, eps, y, n);
@@ -272,7 +264,7 @@ float rms_norm_row(const float* x, const float* w, float eps, float* y, int64_t 
 
 void rms_norm_backward_row(const float* x, const float* w, const float* gy, float rstd, float* dx, float* dw,
                            int64_t n) {
-#ifdef MEMTUNE_VEC_X86
+#ifdef MEMTUNE_X86
   if (avx2_kernels_active()) return rms_norm_backward_row_avx2(x, w, gy, rstd, dx, dw, n);
 #endif
   rms_norm_backward_row_scalar(x, w, gy, rstd, dx, dw, n);

@@ -48,8 +48,8 @@ TEST(Adam8Kernels, CodeTablesAreTheSearchOnEveryFloat) {
         int64_t k = 0;
         for (uint32_t low = 0; low < 65536; low += stride) xs[k++] = float_of(static_cast<uint32_t>(h) << 16 | low);
         int64_t wrong = 0, wrong_avx2 = 0;
-#ifdef MEMTUNE_ADAM8_X86
-        if (tr::adam8_cpu_has_avx2()) tr::quantize_avx2(t, xs.data(), k, got.data());
+#ifdef MEMTUNE_X86
+        if (memtune::cpu_has_avx2()) tr::quantize_avx2(t, xs.data(), k, got.data());
 #endif
         for (int64_t i = 0; i < k; ++i) {
           const uint8_t want = tr::quantize_2d_search(code, is_signed, xs[i]);
@@ -59,8 +59,8 @@ TEST(Adam8Kernels, CodeTablesAreTheSearchOnEveryFloat) {
             std::memcpy(&b, &xs[i], 4);
             first_bad = b;
           }
-#ifdef MEMTUNE_ADAM8_X86
-          if (tr::adam8_cpu_has_avx2()) wrong_avx2 += got[i] != want;
+#ifdef MEMTUNE_X86
+          if (memtune::cpu_has_avx2()) wrong_avx2 += got[i] != want;
 #endif
         }
         checked += k;
@@ -110,10 +110,10 @@ void step(State& st, const std::vector<float>& g, const tr::BnbScalars& s, Kerne
 }
 
 TEST(Adam8Kernels, Avx2KernelIsTheScalarOneByteForByte) {
-#ifndef MEMTUNE_ADAM8_X86
+#ifndef MEMTUNE_X86
   GTEST_SKIP() << "not an x86 CPU";
 #else
-  if (!tr::adam8_cpu_has_avx2()) GTEST_SKIP() << "the CPU has no AVX2";
+  if (!memtune::cpu_has_avx2()) GTEST_SKIP() << "the CPU has no AVX2";
   std::mt19937 rng(8);
   std::normal_distribution<float> normal;
   std::uniform_real_distribution<float> unit;

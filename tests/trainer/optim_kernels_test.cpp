@@ -102,10 +102,10 @@ TEST(AdamW32Kernels, UnscaledGradientIsLeftAsItIs) {
 }
 
 TEST(AdamW32Kernels, Avx2KernelsAreTheScalarOnesBitForBit) {
-#ifndef MEMTUNE_OPTIM_X86
+#ifndef MEMTUNE_X86
   GTEST_SKIP() << "not an x86 CPU";
 #else
-  if (!tr::optim_cpu_has_avx2()) GTEST_SKIP() << "the CPU has no AVX2";
+  if (!memtune::cpu_has_avx2()) GTEST_SKIP() << "the CPU has no AVX2";
   std::mt19937 rng(5);
   int compared = 0;
   for (int64_t n : {0, 1, 7, 8, 9, 15, 16, 17, 100, 4096 + 5}) {
@@ -191,10 +191,10 @@ TEST(SquareSum, IsTheSumOfSquares) {
 }
 
 TEST(SquareSum, Avx2BlockIsTheScalarOneBitForBit) {
-#ifndef MEMTUNE_OPTIM_X86
+#ifndef MEMTUNE_X86
   GTEST_SKIP() << "not an x86 CPU";
 #else
-  if (!tr::optim_cpu_has_avx2()) GTEST_SKIP() << "the CPU has no AVX2";
+  if (!memtune::cpu_has_avx2()) GTEST_SKIP() << "the CPU has no AVX2";
   std::mt19937 rng(8);
   for (int64_t n : {0, 1, 5, 15, 16, 17, 31, 33, 1000, 16384}) {
     for (int trial = 0; trial < 20; ++trial) {
