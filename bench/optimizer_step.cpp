@@ -39,7 +39,7 @@ int main(int argc, char** argv) {
     return ms[ms.size() / 2];
   };
   std::vector<std::pair<std::string, at::Tensor>> params;
-  for (const char* optim : {"adamw_torch", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "sgd"}) {
+  for (const char* optim : {"adamw_torch", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor", "sgd"}) {
     params.clear();
     for (int i = 0; i < 4; ++i) {
       at::Tensor p = at::randn({n / 1024, 1024}) * 0.02;

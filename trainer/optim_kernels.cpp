@@ -1,6 +1,6 @@
-// The optimizer step's fp32 CPU passes (trainer/optim_kernels.h): AdamW's two updates and the
-// gradients' sum of squares, the scalar kernels, their AVX2 twins and the dispatch. Built with
-// -ffp-contract=off.
+// The optimizer step's fp32 CPU passes (trainer/optim_kernels.h): AdamW's two updates,
+// Adafactor's elementwise passes and the gradients' sum of squares; the scalar kernels, their
+// AVX2 twins and the dispatch. Built with -ffp-contract=off.
 #include "trainer/optim_kernels.h"
 
 #include <algorithm>
@@ -65,7 +65,62 @@ void bnb_adam32_scalar(const BnbScalars& s, float* p, const float* g, float* m, 
   }
 }
 
+void adafactor_square_scalar(float scale, float eps, float* g, float* u, int64_t n) {
+  const bool scaled = scale != 1.0f;
+  for (int64_t j = 0; j < n; ++j) {
+    const float gj = scaled ? g[j] * scale : g[j];
+    if (scaled) g[j] = gj;
+    u[j] = gj * gj + eps;
+  }
+}
+
+void adafactor_factored_scalar(const float* r, const float* c, const float* g, float* u, int64_t rows,
+                               int64_t cols) {
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) u[i * cols + j] = (r[i] * c[j]) * g[i * cols + j];
+}
+
+void adafactor_apply_scalar(float d, float lr, const float* u, float* p, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) p[j] = p[j] - (u[j] / d) * lr;
+}
+
 #ifdef MEMTUNE_X86
+
+__attribute__((target("avx2"))) void adafactor_square_avx2(float scale, float eps, float* g, float* u, int64_t n) {
+  const bool scaled = scale != 1.0f;
+  const __m256 sv = _mm256_set1_ps(scale), ev = _mm256_set1_ps(eps);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m256 gj = _mm256_loadu_ps(g + j);
+    if (scaled) {
+      gj = _mm256_mul_ps(gj, sv);
+      _mm256_storeu_ps(g + j, gj);
+    }
+    _mm256_storeu_ps(u + j, _mm256_add_ps(_mm256_mul_ps(gj, gj), ev));
+  }
+  adafactor_square_scalar(scale, eps, g + j, u + j, n - j);
+}
+
+__attribute__((target("avx2"))) void adafactor_factored_avx2(const float* r, const float* c, const float* g, float* u,
+                                                             int64_t rows, int64_t cols) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const __m256 ri = _mm256_set1_ps(r[i]);
+    const float* gi = g + i * cols;
+    float* ui = u + i * cols;
+    int64_t j = 0;
+    for (; j + 8 <= cols; j += 8)
+      _mm256_storeu_ps(ui + j, _mm256_mul_ps(_mm256_mul_ps(ri, _mm256_loadu_ps(c + j)), _mm256_loadu_ps(gi + j)));
+    for (; j < cols; ++j) ui[j] = (r[i] * c[j]) * gi[j];
+  }
+}
+
+__attribute__((target("avx2"))) void adafactor_apply_avx2(float d, float lr, const float* u, float* p, int64_t n) {
+  const __m256 dv = _mm256_set1_ps(d), lv = _mm256_set1_ps(lr);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    _mm256_storeu_ps(p + j, _mm256_sub_ps(_mm256_loadu_ps(p + j), _mm256_mul_ps(_mm256_div_ps(_mm256_loadu_ps(u + j), dv), lv)));
+  adafactor_apply_scalar(d, lr, u + j, p + j, n - j);
+}
 
 __attribute__((target("avx2"))) void torch_adamw_avx2(const TorchAdamW& s, float* p, float* g, float* m, float* v,
                                                       int64_t n) {
@@ -162,6 +217,35 @@ void bnb_adam32(const BnbScalars& s, float* p, const float* g, float* m, float* 
     if (cpu_has_avx2()) return bnb_adam32_avx2(s, p + j0, g + j0, m + j0, v + j0, j1 - j0);
 #endif
     bnb_adam32_scalar(s, p + j0, g + j0, m + j0, v + j0, j1 - j0);
+  });
+}
+
+void adafactor_square(float scale, float eps, float* g, float* u, int64_t n) {
+  at::parallel_for(0, n, kGrain, [&](int64_t j0, int64_t j1) {
+#ifdef MEMTUNE_X86
+    if (cpu_has_avx2()) return adafactor_square_avx2(scale, eps, g + j0, u + j0, j1 - j0);
+#endif
+    adafactor_square_scalar(scale, eps, g + j0, u + j0, j1 - j0);
+  });
+}
+
+void adafactor_factored(const float* r, const float* c, const float* g, float* u, int64_t rows, int64_t cols) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(cols, 1)), [&](int64_t i0, int64_t i1) {
+    const float *ri = r + i0, *gi = g + i0 * cols;
+    float* ui = u + i0 * cols;
+#ifdef MEMTUNE_X86
+    if (cpu_has_avx2()) return adafactor_factored_avx2(ri, c, gi, ui, i1 - i0, cols);
+#endif
+    adafactor_factored_scalar(ri, c, gi, ui, i1 - i0, cols);
+  });
+}
+
+void adafactor_apply(float d, float lr, const float* u, float* p, int64_t n) {
+  at::parallel_for(0, n, kGrain, [&](int64_t j0, int64_t j1) {
+#ifdef MEMTUNE_X86
+    if (cpu_has_avx2()) return adafactor_apply_avx2(d, lr, u + j0, p + j0, j1 - j0);
+#endif
+    adafactor_apply_scalar(d, lr, u + j0, p + j0, j1 - j0);
   });
 }
 

@@ -459,19 +459,27 @@ void Optimizer::bnb_step(size_t i, double lr, double wd, double grad_scale) {
 //                   vector: v = b2t v + (1-b2t) u, u = rsqrt(v) g;
 //   u /= max(1, rms(u) / clip);  u *= lr;  p += -wd lr p;  p -= u
 // with b2t = 1 - t^decay_rate. u lives in the workspace; the row and column factors are the only
-// allocations (one value per row and column).
+// allocations (one value per row and column). On fp32 CPU tensors the elementwise steps run as
+// optim_kernels' three fused passes (the same bits); the means and the RMS stay ATen's.
 void Optimizer::adafactor_step(size_t i, double lr, double wd, double grad_scale) {
   const at::Tensor& p = params_[i].second;
   // Offloaded states of a parameter off the host: the update runs on the host.
   const bool on_host = offloaded_ && !p.device().is_cpu();
   at::Tensor ph = on_host ? p.detach().to(at::kCPU).contiguous() : p;
   at::Tensor g = on_host ? p.grad().to(at::kCPU, at::kFloat) : p.grad();
-  if (grad_scale != 1.0) g.mul_(grad_scale);
   const int64_t n = p.numel();
-  const double b2t = 1.0 - std::pow(static_cast<double>(steps_), options_.adafactor_decay_rate);
   at::Tensor u = workspaces_.at(workspace_key(i)).narrow(0, 0, n).view(p.sizes());
-  at::mul_out(u, g, g);
-  u.add_(options_.adafactor_eps);
+  const bool fused = ph.device().is_cpu() && ph.scalar_type() == at::kFloat && g.scalar_type() == at::kFloat &&
+                     ph.is_contiguous() && g.is_contiguous() && u.scalar_type() == at::kFloat;
+  const double b2t = 1.0 - std::pow(static_cast<double>(steps_), options_.adafactor_decay_rate);
+  if (fused) {
+    adafactor_square(static_cast<float>(grad_scale), static_cast<float>(options_.adafactor_eps), g.data_ptr<float>(),
+                     u.data_ptr<float>(), n);
+  } else {
+    if (grad_scale != 1.0) g.mul_(grad_scale);
+    at::mul_out(u, g, g);
+    u.add_(options_.adafactor_eps);
+  }
   if (sq_row_[i].defined()) {
     at::Tensor& row = sq_row_[i];
     at::Tensor& col = sq_col_[i];
@@ -479,17 +487,29 @@ void Optimizer::adafactor_step(size_t i, double lr, double wd, double grad_scale
     col.mul_(b2t).add_(u.mean(-2), 1.0 - b2t);
     const at::Tensor r = (row / row.mean(-1, /*keepdim=*/true)).rsqrt_().unsqueeze(-1);
     const at::Tensor c = col.unsqueeze(-2).rsqrt();
-    at::mul_out(u, r, c);  // the states and the workspace are on one side: the device, or the host
+    if (fused && u.dim() == 2) {
+      adafactor_factored(r.data_ptr<float>(), c.data_ptr<float>(), g.data_ptr<float>(), u.data_ptr<float>(),
+                         u.size(0), u.size(1));
+    } else {
+      at::mul_out(u, r, c);  // the states and the workspace are on one side: the device, or the host
+      u.mul_(g);
+    }
   } else {
     exp_avg_sq_[i].mul_(b2t).add_(u, 1.0 - b2t);
     at::rsqrt_out(u, exp_avg_sq_[i]);
+    u.mul_(g);
   }
-  u.mul_(g);
   const at::Tensor rms = at::linalg_vector_norm(u, 2) / std::sqrt(static_cast<double>(n));
-  u.div_((rms / options_.adafactor_clip).clamp_min_(1.0));
-  u.mul_(lr);
-  if (wd != 0) ph.add_(ph, -wd * lr);
-  ph.sub_(u);
+  const at::Tensor d = (rms / options_.adafactor_clip).clamp_min_(1.0);
+  if (fused) {
+    if (wd != 0) ph.add_(ph, -wd * lr);  // the decay reads p before the update, as in the chain
+    adafactor_apply(d.item<float>(), static_cast<float>(lr), u.data_ptr<float>(), ph.data_ptr<float>(), n);
+  } else {
+    u.div_(d);
+    u.mul_(lr);
+    if (wd != 0) ph.add_(ph, -wd * lr);
+    ph.sub_(u);
+  }
   if (on_host) const_cast<at::Tensor&>(p).copy_(ph);
 }
 

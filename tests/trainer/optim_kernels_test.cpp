@@ -3,8 +3,10 @@
 // ones bit for bit (ragged lengths, specials, scaled and unscaled gradients), and the
 // threaded entry points against the kernels on one thread. bitsandbytes' 32-bit update is
 // also checked bit for bit against its NumPy reference (adamw8bit_test.cpp, the "small" case).
+// Adafactor's fused passes against the ATen ops they replace, and the gradients' sum of squares.
 #include <gtest/gtest.h>
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -228,6 +230,136 @@ TEST(SquareSum, SameBitsOnAnyNumberOfThreads) {
   for (int k : {1, 2, 3}) {
     at::set_num_threads(k);
     EXPECT_TRUE(same_bits(tr::square_sum(x.data(), n), want)) << k << " threads";
+  }
+  at::set_num_threads(threads);
+}
+
+}  // namespace
+
+namespace {
+
+// Adafactor's fused passes (optim_kernels.h) against the ATen ops they replace in
+// optimizer.cpp's chain, bit for bit: ragged widths around the 8 lanes, specials, a scaled and
+// an unscaled gradient.
+at::Tensor with_specials(at::Tensor t, std::mt19937& rng) {
+  float* x = t.data_ptr<float>();
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  for (int64_t j = 0; j < t.numel(); ++j) {
+    switch (rng() % 37) {
+      case 0: x[j] = inf; break;
+      case 1: x[j] = nan; break;
+      case 2: x[j] = -1e-40f; break;  // denormal
+      case 3: x[j] = -0.0f; break;
+      case 4: x[j] = 3e30f; break;  // its square overflows
+      default: break;
+    }
+  }
+  return t;
+}
+
+bool same_tensor_bits(const at::Tensor& a, const at::Tensor& b) {
+  return a.sizes() == b.sizes() &&
+         std::memcmp(a.data_ptr<float>(), b.data_ptr<float>(), static_cast<size_t>(a.numel()) * sizeof(float)) == 0;
+}
+
+float* f32(const at::Tensor& t) { return t.data_ptr<float>(); }
+
+TEST(AdafactorKernels, EachPassGivesTheBitsOfTheAtenOpsItReplaces) {
+  std::mt19937 rng(10);
+  at::manual_seed(10);
+  int compared = 0;
+  for (int64_t rows : {1, 3, 33}) {
+    for (int64_t cols : {1, 4, 7, 8, 9, 17, 300}) {
+      for (float scale : {1.0f, 0.37f}) {
+        SCOPED_TRACE(std::to_string(rows) + " x " + std::to_string(cols) + ", scale " + std::to_string(scale));
+        const float eps = 1e-30f, lr = 3e-3f;
+        const at::Tensor g0 = with_specials(at::randn({rows, cols}) * 1e-3, rng);
+
+        at::Tensor g_want = g0.clone(), u_want = at::empty_like(g0);
+        if (scale != 1.0f) g_want.mul_(static_cast<double>(scale));
+        at::mul_out(u_want, g_want, g_want);
+        u_want.add_(static_cast<double>(eps));
+        at::Tensor g = g0.clone(), u = at::empty_like(g0);
+        tr::adafactor_square(scale, eps, f32(g), f32(u), g.numel());
+        ASSERT_TRUE(same_tensor_bits(g, g_want)) << "the scaled gradient";
+        ASSERT_TRUE(same_tensor_bits(u, u_want)) << "g^2 + eps";
+
+        const at::Tensor r = at::rand({rows, 1}) * 4, c = with_specials(at::rand({1, cols}) * 4, rng);
+        at::mul_out(u_want, r, c);
+        u_want.mul_(g);
+        tr::adafactor_factored(f32(r), f32(c), f32(g), f32(u), rows, cols);
+        ASSERT_TRUE(same_tensor_bits(u, u_want)) << "(r c) g";
+
+        const at::Tensor d = (at::linalg_vector_norm(u, 2) / 0.25).clamp_min_(1.0);  // a 0-dim tensor, as the step's
+        const at::Tensor p0 = at::randn({rows, cols}) * 0.05;
+        at::Tensor p_want = p0.clone(), v = u.clone();
+        v.div_(d);
+        v.mul_(static_cast<double>(lr));
+        p_want.sub_(v);
+        at::Tensor p = p0.clone();
+        tr::adafactor_apply(d.item<float>(), lr, f32(u), f32(p), p.numel());
+        ASSERT_TRUE(same_tensor_bits(p, p_want)) << "p - (u / d) lr";
+        ++compared;
+      }
+    }
+  }
+  EXPECT_EQ(compared, 3 * 7 * 2);
+}
+
+TEST(AdafactorKernels, Avx2KernelsAreTheScalarOnesBitForBit) {
+#ifndef MEMTUNE_X86
+  GTEST_SKIP() << "not an x86 CPU";
+#else
+  if (!memtune::cpu_has_avx2()) GTEST_SKIP() << "the CPU has no AVX2";
+  std::mt19937 rng(11);
+  at::manual_seed(11);
+  for (int64_t cols : {1, 7, 8, 9, 16, 17, 4101}) {
+    SCOPED_TRACE("cols " + std::to_string(cols));
+    const int64_t rows = 5, n = rows * cols;
+    const at::Tensor g0 = with_specials(at::randn({rows, cols}) * 1e-3, rng);
+    const at::Tensor r = at::rand({rows}) * 4, c = with_specials(at::rand({cols}) * 4, rng);
+    for (float scale : {1.0f, 0.37f}) {
+      at::Tensor ga = g0.clone(), gb = g0.clone(), ua = at::empty_like(g0), ub = at::empty_like(g0);
+      tr::adafactor_square_scalar(scale, 1e-30f, f32(ga), f32(ua), n);
+      tr::adafactor_square_avx2(scale, 1e-30f, f32(gb), f32(ub), n);
+      ASSERT_TRUE(same_tensor_bits(ga, gb) && same_tensor_bits(ua, ub)) << "square, scale " << scale;
+    }
+    at::Tensor ua = at::empty_like(g0), ub = at::empty_like(g0);
+    tr::adafactor_factored_scalar(f32(r), f32(c), f32(g0), f32(ua), rows, cols);
+    tr::adafactor_factored_avx2(f32(r), f32(c), f32(g0), f32(ub), rows, cols);
+    ASSERT_TRUE(same_tensor_bits(ua, ub)) << "factored";
+    const at::Tensor p0 = at::randn({rows, cols});
+    at::Tensor pa = p0.clone(), pb = p0.clone();
+    tr::adafactor_apply_scalar(1.7f, 1e-3f, f32(ua), f32(pa), n);
+    tr::adafactor_apply_avx2(1.7f, 1e-3f, f32(ua), f32(pb), n);
+    ASSERT_TRUE(same_tensor_bits(pa, pb)) << "apply";
+    EXPECT_FALSE(same_tensor_bits(pa, p0));  // the update did something
+  }
+#endif
+}
+
+// The threaded entry points cut at arbitrary elements or rows; each element is its own.
+TEST(AdafactorKernels, ThreadedPassesEqualOneKernelPass) {
+  std::mt19937 rng(12);
+  at::manual_seed(12);
+  const int64_t rows = 97, cols = 1031;  // several tasks, ragged rows
+  const int64_t n = rows * cols;
+  const at::Tensor g0 = with_specials(at::randn({rows, cols}) * 1e-3, rng);
+  const at::Tensor r = at::rand({rows}) * 4, c = at::rand({cols}) * 4, p0 = at::randn({rows, cols});
+  at::Tensor g_want = g0.clone(), u_want = at::empty_like(g0), f_want = at::empty_like(g0), p_want = p0.clone();
+  tr::adafactor_square_scalar(0.5f, 1e-30f, f32(g_want), f32(u_want), n);
+  tr::adafactor_factored_scalar(f32(r), f32(c), f32(g_want), f32(f_want), rows, cols);
+  tr::adafactor_apply_scalar(1.3f, 1e-2f, f32(f_want), f32(p_want), n);
+  const int threads = at::get_num_threads();
+  for (int k : {1, 2, 3}) {
+    at::set_num_threads(k);
+    at::Tensor g = g0.clone(), u = at::empty_like(g0), f = at::empty_like(g0), p = p0.clone();
+    tr::adafactor_square(0.5f, 1e-30f, f32(g), f32(u), n);
+    tr::adafactor_factored(f32(r), f32(c), f32(g), f32(f), rows, cols);
+    tr::adafactor_apply(1.3f, 1e-2f, f32(f), f32(p), n);
+    EXPECT_TRUE(same_tensor_bits(g, g_want) && same_tensor_bits(u, u_want)) << k << " threads, square";
+    EXPECT_TRUE(same_tensor_bits(f, f_want)) << k << " threads, factored";
+    EXPECT_TRUE(same_tensor_bits(p, p_want)) << k << " threads, apply";
   }
   at::set_num_threads(threads);
 }
