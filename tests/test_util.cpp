@@ -5,10 +5,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstdlib>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -207,6 +209,36 @@ void expect_same_tensors(const fs::path& a, const fs::path& b, double tol) {
     double scale = std::max(1.0, t.abs().max().item<double>());
     EXPECT_LE((t - tb[name]).abs().max().item<double>(), tol * scale) << name;
   }
+}
+
+std::string reference_bytes(const fs::path& path) {
+  EXPECT_TRUE(fs::exists(path)) << "no reference fixture " << path;
+  return read_file(path);
+}
+
+std::vector<std::string> reference_lines(const fs::path& path) {
+  std::istringstream in(reference_bytes(path));
+  std::vector<std::string> out;
+  for (std::string line; std::getline(in, line);)
+    if (!line.empty()) out.push_back(line);
+  return out;
+}
+
+at::Tensor tensor_from_bytes(const std::string& bytes, at::ScalarType dtype, at::IntArrayRef shape) {
+  at::Tensor t = at::empty(shape, at::TensorOptions(dtype));
+  const size_t size = static_cast<size_t>(t.numel()) * t.element_size();
+  EXPECT_EQ(size, bytes.size()) << "bytes for a tensor of " << shape << " " << dtype;
+  std::memcpy(t.data_ptr(), bytes.data(), std::min(size, bytes.size()));
+  return t;
+}
+
+std::string bytes_of(const at::Tensor& t) {
+  const at::Tensor c = t.to(at::kCPU).contiguous();
+  return std::string(static_cast<const char*>(c.data_ptr()), static_cast<size_t>(c.numel()) * c.element_size());
+}
+
+bool same_bits(const at::Tensor& a, const at::Tensor& b) {
+  return a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() && bytes_of(a) == bytes_of(b);
 }
 
 }  // namespace memtune::testing

@@ -99,4 +99,16 @@ void expect_same_tensors(const fs::path& a, const fs::path& b, double tol);
 // max(floor, max |expected|). `what` names the pair in the failure message.
 void expect_close(const at::Tensor& actual, const at::Tensor& expected, double tol, const std::string& what,
                   double floor = 0.0);
+
+// Reference fixtures as raw bytes (tests/reference/*.py write little-endian arrays).
+// reference_bytes: a fixture file's bytes; a missing file fails the calling test.
+std::string reference_bytes(const fs::path& path);
+// The lines of a fixture's listing (cases.txt), one case each.
+std::vector<std::string> reference_lines(const fs::path& path);
+// A tensor of `dtype` and `shape` holding `bytes`; a size that does not match fails the test.
+at::Tensor tensor_from_bytes(const std::string& bytes, at::ScalarType dtype, at::IntArrayRef shape);
+// The bytes of a tensor (on any device), contiguous.
+std::string bytes_of(const at::Tensor& t);
+// Same shape, dtype and bytes (NaNs compare by their bits).
+bool same_bits(const at::Tensor& a, const at::Tensor& b);
 }  // namespace memtune::testing

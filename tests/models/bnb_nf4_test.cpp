@@ -12,15 +12,13 @@
 #include "models/io/bnb_nf4.h"
 #include "runtime/error.h"
 #include "runtime/nf4.h"
+#include "test_util.h"
 
 namespace {
 
 using memtune::NF4Tensor;
 
-std::string bytes_of(const at::Tensor& t) {
-  at::Tensor c = t.to(at::kCPU).contiguous();
-  return std::string(static_cast<const char*>(c.data_ptr()), c.numel() * c.element_size());
-}
+using memtune::testing::bytes_of;
 
 std::map<std::string, at::Tensor> as_map(const std::vector<std::pair<std::string, at::Tensor>>& v) {
   return std::map<std::string, at::Tensor>(v.begin(), v.end());

@@ -6,7 +6,6 @@
 
 #include <cmath>
 #include <cstring>
-#include <fstream>
 #include <map>
 #include <sstream>
 
@@ -21,26 +20,9 @@ namespace {
 namespace mt = memtune::testing;
 using memtune::NF4Tensor;
 
-std::string read_bytes(const mt::fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  EXPECT_TRUE(in.good()) << p;
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-// The raw bytes of a contiguous tensor.
-std::string bytes_of(const at::Tensor& t) {
-  at::Tensor c = t.to(at::kCPU).contiguous();
-  return std::string(static_cast<const char*>(c.data_ptr()), c.numel() * c.element_size());
-}
-
-at::Tensor tensor_from(const std::string& bytes, at::ScalarType dt, std::vector<int64_t> shape) {
-  at::Tensor t = at::empty(shape, at::TensorOptions(dt));
-  EXPECT_EQ(static_cast<size_t>(t.numel() * t.element_size()), bytes.size());
-  std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
-  return t;
-}
+using mt::bytes_of;
+using mt::reference_bytes;
+using mt::tensor_from_bytes;
 
 struct RefCase {
   std::string name, dtype, json;
@@ -60,9 +42,7 @@ class Nf4Reference : public ::testing::Test {
   }
   static std::vector<RefCase> cases() {
     std::vector<RefCase> out;
-    std::istringstream lines(read_bytes(*dir_ / "cases.txt"));
-    std::string line;
-    while (std::getline(lines, line)) {
+    for (const std::string& line : mt::reference_lines(*dir_ / "cases.txt")) {
       std::istringstream f(line);
       RefCase c;
       f >> c.name >> c.dtype >> c.blocksize >> c.double_quant >> c.offset_bits >> c.json;
@@ -78,7 +58,7 @@ class Nf4Reference : public ::testing::Test {
     return s == "float16" ? at::kHalf : s == "bfloat16" ? at::kBFloat16 : at::kFloat;
   }
   static at::Tensor input(const RefCase& c) {
-    return tensor_from(read_bytes(*dir_ / (c.name + ".input")), dtype_of(c.dtype), c.shape);
+    return tensor_from_bytes(reference_bytes(*dir_ / (c.name + ".input")), dtype_of(c.dtype), c.shape);
   }
   static mt::fs::path* dir_;
 };
@@ -93,22 +73,22 @@ TEST_F(Nf4Reference, QuantizeMatchesByteForByte) {
     EXPECT_EQ(q.shape, c.shape);
     EXPECT_EQ(q.dtype, dtype_of(c.dtype));
     EXPECT_EQ(q.packed.numel(), (q.numel() + 1) / 2);
-    EXPECT_TRUE(bytes_of(q.packed) == read_bytes(*dir_ / (c.name + ".packed"))) << "packed codes differ";
-    EXPECT_TRUE(bytes_of(q.absmax) == read_bytes(*dir_ / (c.name + ".absmax"))) << "absmax differs";
+    EXPECT_TRUE(bytes_of(q.packed) == reference_bytes(*dir_ / (c.name + ".packed"))) << "packed codes differ";
+    EXPECT_TRUE(bytes_of(q.absmax) == reference_bytes(*dir_ / (c.name + ".absmax"))) << "absmax differs";
     if (c.double_quant) {
       EXPECT_EQ(q.absmax.scalar_type(), at::kByte);
-      EXPECT_TRUE(bytes_of(q.nested_absmax) == read_bytes(*dir_ / (c.name + ".nested_absmax")));
+      EXPECT_TRUE(bytes_of(q.nested_absmax) == reference_bytes(*dir_ / (c.name + ".nested_absmax")));
       uint32_t bits;
       std::memcpy(&bits, &q.nested_offset, 4);
       EXPECT_EQ(bits, c.offset_bits) << "offset " << q.nested_offset;
-      EXPECT_TRUE(bytes_of(q.nested_quant_map) == read_bytes(*dir_ / "dynamic_map"));
+      EXPECT_TRUE(bytes_of(q.nested_quant_map) == reference_bytes(*dir_ / "dynamic_map"));
     } else {
       EXPECT_EQ(q.absmax.scalar_type(), at::kFloat);
     }
     // Dequantized fp32 values, bit for bit.
     at::Tensor deq = memtune::nf4_dequantize(q, at::kFloat);
     EXPECT_EQ(deq.sizes().vec(), c.shape);
-    EXPECT_TRUE(bytes_of(deq) == read_bytes(*dir_ / (c.name + ".deq"))) << "dequantized values differ";
+    EXPECT_TRUE(bytes_of(deq) == reference_bytes(*dir_ / (c.name + ".deq"))) << "dequantized values differ";
     // The JSON bitsandbytes packs, as Python's json.dumps writes it.
     for (const auto& [key, t] : memtune::nf4_to_bnb("m.w.weight", q))
       if (key == "m.w.weight.quant_state.bitsandbytes__nf4") {

@@ -22,21 +22,11 @@ namespace {
 namespace mt = memtune::testing;
 namespace tr = memtune::trainer;
 
-std::string read_bytes(const mt::fs::path& p) {
-  EXPECT_TRUE(mt::fs::exists(p)) << p;
-  return mt::read_file(p);
-}
+using mt::reference_bytes;
+using mt::same_bits;
 
 at::Tensor floats(const std::string& bytes, at::IntArrayRef shape) {
-  at::Tensor t = at::empty(shape, at::kFloat);
-  EXPECT_EQ(static_cast<size_t>(t.numel() * 4), bytes.size());
-  std::memcpy(t.data_ptr(), bytes.data(), std::min(bytes.size(), static_cast<size_t>(t.numel() * 4)));
-  return t;
-}
-
-bool same_bits(const at::Tensor& a, const at::Tensor& b) {
-  at::Tensor x = a.contiguous(), y = b.contiguous();
-  return x.sizes() == y.sizes() && std::memcmp(x.data_ptr(), y.data_ptr(), x.numel() * 4) == 0;
+  return mt::tensor_from_bytes(bytes, at::kFloat, shape);
 }
 
 struct Case {
@@ -56,9 +46,7 @@ class AdafactorReference : public ::testing::Test {
   }
   static std::vector<Case> cases() {
     std::vector<Case> out;
-    std::istringstream lines(read_bytes(*dir_ / "cases.txt"));
-    std::string line;
-    while (std::getline(lines, line)) {
+    for (const std::string& line : mt::reference_lines(*dir_ / "cases.txt")) {
       std::istringstream f(line);
       Case c;
       f >> c.name >> c.steps >> c.lr >> c.wd >> c.gs;
@@ -81,7 +69,7 @@ class AdafactorReference : public ::testing::Test {
   static void steps(const Case& c, tr::Optimizer& opt, at::Tensor& p, int64_t from, int64_t to) {
     int64_t n = 1;
     for (int64_t d : c.shape) n *= d;
-    const at::Tensor g = floats(read_bytes(*dir_ / (c.name + ".g")), {c.steps * n});
+    const at::Tensor g = floats(reference_bytes(*dir_ / (c.name + ".g")), {c.steps * n});
     for (int64_t s = from; s < to; ++s) {
       p.mutable_grad() = g.narrow(0, s * n, n).view(c.shape).clone();
       opt.step(c.lr, c.gs);
@@ -102,7 +90,7 @@ TEST_F(AdafactorReference, TwentyStepsMatchBitForBit) {
   for (const bool offload : {false, true})
     for (const Case& c : all) {
       SCOPED_TRACE(c.name + (offload ? ", states offloaded" : ""));
-      at::Tensor p = floats(read_bytes(*dir_ / (c.name + ".p0")), c.shape);
+      at::Tensor p = floats(reference_bytes(*dir_ / (c.name + ".p0")), c.shape);
       const at::Tensor p0 = p.clone();
       auto opt = make(c, p, offload);
       steps(c, *opt, p, 0, c.steps);
@@ -112,16 +100,16 @@ TEST_F(AdafactorReference, TwentyStepsMatchBitForBit) {
       if (c.shape.size() >= 2) {
         ASSERT_EQ(st.size(), 2u);
         const std::vector<int64_t> rows(c.shape.begin(), c.shape.end() - 1);
-        EXPECT_TRUE(same_bits(st.at(pre + ".exp_avg_sq_row"), floats(read_bytes(*dir_ / (c.name + ".row")), rows)))
+        EXPECT_TRUE(same_bits(st.at(pre + ".exp_avg_sq_row"), floats(reference_bytes(*dir_ / (c.name + ".row")), rows)))
             << "row second moment differs";
         EXPECT_TRUE(same_bits(st.at(pre + ".exp_avg_sq_col"),
-                              floats(read_bytes(*dir_ / (c.name + ".col")), {c.shape.back()})))
+                              floats(reference_bytes(*dir_ / (c.name + ".col")), {c.shape.back()})))
             << "column second moment differs";
       } else {
         ASSERT_EQ(st.size(), 1u);
-        EXPECT_TRUE(same_bits(st.at(pre + ".exp_avg_sq"), floats(read_bytes(*dir_ / (c.name + ".sq")), c.shape)));
+        EXPECT_TRUE(same_bits(st.at(pre + ".exp_avg_sq"), floats(reference_bytes(*dir_ / (c.name + ".sq")), c.shape)));
       }
-      const at::Tensor want = floats(read_bytes(*dir_ / (c.name + ".p")), c.shape);
+      const at::Tensor want = floats(reference_bytes(*dir_ / (c.name + ".p")), c.shape);
       EXPECT_TRUE(same_bits(p, want)) << "parameters differ; max |diff| " << (p - want).abs().max().item<float>();
       EXPECT_FALSE(at::equal(want, p0)) << "the reference moved nothing";
     }
@@ -129,11 +117,11 @@ TEST_F(AdafactorReference, TwentyStepsMatchBitForBit) {
 
 TEST_F(AdafactorReference, AResumeFromTheStateTensorsEndsWhereTheStraightRunDoes) {
   const Case c = cases().at(1);  // weight decay and a clipping coefficient
-  at::Tensor straight = floats(read_bytes(*dir_ / (c.name + ".p0")), c.shape);
+  at::Tensor straight = floats(reference_bytes(*dir_ / (c.name + ".p0")), c.shape);
   auto a = make(c, straight, false);
   steps(c, *a, straight, 0, c.steps);
 
-  at::Tensor first = floats(read_bytes(*dir_ / (c.name + ".p0")), c.shape);
+  at::Tensor first = floats(reference_bytes(*dir_ / (c.name + ".p0")), c.shape);
   auto b = make(c, first, false);
   steps(c, *b, first, 0, c.steps / 2);
   std::map<std::string, at::Tensor> saved;
@@ -145,7 +133,7 @@ TEST_F(AdafactorReference, AResumeFromTheStateTensorsEndsWhereTheStraightRunDoes
   r->load_state(saved, scalars);
   steps(c, *r, resumed, c.steps / 2, c.steps);
   EXPECT_TRUE(same_bits(resumed, straight));
-  EXPECT_TRUE(same_bits(resumed, floats(read_bytes(*dir_ / (c.name + ".p")), c.shape)));
+  EXPECT_TRUE(same_bits(resumed, floats(reference_bytes(*dir_ / (c.name + ".p")), c.shape)));
 }
 
 TEST(Adafactor, StatesAreOneValuePerRowAndColumnPlusAWorkspaceTheSizeOfTheLargestTensor) {

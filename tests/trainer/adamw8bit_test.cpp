@@ -8,7 +8,6 @@
 
 #include <cmath>
 #include <cstring>
-#include <fstream>
 #include <sstream>
 
 #include "runtime/error.h"
@@ -22,23 +21,11 @@ namespace {
 namespace mt = memtune::testing;
 namespace tr = memtune::trainer;
 
-std::string read_bytes(const mt::fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  EXPECT_TRUE(in.good()) << p;
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+using mt::bytes_of;
+using mt::reference_bytes;
 
-std::string bytes_of(const at::Tensor& t) {
-  at::Tensor c = t.to(at::kCPU).contiguous();
-  return std::string(static_cast<const char*>(c.data_ptr()), c.numel() * c.element_size());
-}
-
-at::Tensor floats(const std::string& bytes) {
-  at::Tensor t = at::empty({static_cast<int64_t>(bytes.size() / 4)}, at::kFloat);
-  std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
-  return t;
+at::Tensor floats(const std::string& bytes) {  // a fixture's fp32 array, flat
+  return mt::tensor_from_bytes(bytes, at::kFloat, {static_cast<int64_t>(bytes.size() / 4)});
 }
 
 struct Case {
@@ -58,9 +45,7 @@ class AdamW8bitReference : public ::testing::Test {
   }
   static std::vector<Case> cases() {
     std::vector<Case> out;
-    std::istringstream lines(read_bytes(*dir_ / "cases.txt"));
-    std::string line;
-    while (std::getline(lines, line)) {
+    for (const std::string& line : mt::reference_lines(*dir_ / "cases.txt")) {
       std::istringstream f(line);
       Case c;
       f >> c.name >> c.n >> c.steps >> c.lr >> c.b1 >> c.b2 >> c.eps >> c.wd >> c.gs >> c.eight;
@@ -70,8 +55,8 @@ class AdamW8bitReference : public ::testing::Test {
   }
   // Runs the case's steps through trainer::Optimizer; the parameter is a matrix (so it decays).
   static std::unique_ptr<tr::Optimizer> run(const Case& c, bool paged, at::Tensor* param) {
-    at::Tensor p = floats(read_bytes(*dir_ / (c.name + ".p0"))).view({1, c.n});
-    at::Tensor g = floats(read_bytes(*dir_ / (c.name + ".g")));
+    at::Tensor p = floats(reference_bytes(*dir_ / (c.name + ".p0"))).view({1, c.n});
+    at::Tensor g = floats(reference_bytes(*dir_ / (c.name + ".g")));
     EXPECT_EQ(g.numel(), c.n * c.steps);
     tr::OptimizerOptions o;
     tr::set_optimizer_kind(paged ? "paged_adamw_8bit" : "adamw_bnb_8bit", o);
@@ -92,13 +77,13 @@ class AdamW8bitReference : public ::testing::Test {
 mt::fs::path* AdamW8bitReference::dir_ = nullptr;
 
 TEST_F(AdamW8bitReference, MapsMatchBitsandbytes) {
-  EXPECT_TRUE(bytes_of(tr::dynamic_map(true)) == read_bytes(*dir_ / "dynamic_map"));
-  EXPECT_TRUE(bytes_of(tr::dynamic_map(false)) == read_bytes(*dir_ / "udynamic_map"));
+  EXPECT_TRUE(bytes_of(tr::dynamic_map(true)) == reference_bytes(*dir_ / "dynamic_map"));
+  EXPECT_TRUE(bytes_of(tr::dynamic_map(false)) == reference_bytes(*dir_ / "udynamic_map"));
 }
 
 TEST_F(AdamW8bitReference, CodesMatchTheSearchOnEveryValue) {
-  at::Tensor x = floats(read_bytes(*dir_ / "quant_x"));
-  const std::string want_s = read_bytes(*dir_ / "quant_signed"), want_u = read_bytes(*dir_ / "quant_unsigned");
+  at::Tensor x = floats(reference_bytes(*dir_ / "quant_x"));
+  const std::string want_s = reference_bytes(*dir_ / "quant_signed"), want_u = reference_bytes(*dir_ / "quant_unsigned");
   ASSERT_EQ(static_cast<int64_t>(want_s.size()), x.numel());
   ASSERT_GT(x.numel(), 400000);
   const float* xp = x.data_ptr<float>();
@@ -126,19 +111,19 @@ TEST_F(AdamW8bitReference, TwentyStepsMatchByteForByte) {
       ASSERT_TRUE(st.count(pre + "exp_avg") && st.count(pre + "exp_avg_sq"));
       EXPECT_EQ(st.count(pre + "absmax1"), c.eight ? 1u : 0u);
       EXPECT_EQ(st[pre + "exp_avg"].scalar_type(), c.eight ? at::kByte : at::kFloat);
-      EXPECT_TRUE(bytes_of(st[pre + "exp_avg"]) == read_bytes(*dir_ / (c.name + ".state1"))) << "state1 differs";
-      EXPECT_TRUE(bytes_of(st[pre + "exp_avg_sq"]) == read_bytes(*dir_ / (c.name + ".state2"))) << "state2 differs";
+      EXPECT_TRUE(bytes_of(st[pre + "exp_avg"]) == reference_bytes(*dir_ / (c.name + ".state1"))) << "state1 differs";
+      EXPECT_TRUE(bytes_of(st[pre + "exp_avg_sq"]) == reference_bytes(*dir_ / (c.name + ".state2"))) << "state2 differs";
       if (c.eight) {
         ++eight;
-        EXPECT_TRUE(bytes_of(st[pre + "absmax1"]) == read_bytes(*dir_ / (c.name + ".absmax1"))) << "absmax1 differs";
-        EXPECT_TRUE(bytes_of(st[pre + "absmax2"]) == read_bytes(*dir_ / (c.name + ".absmax2"))) << "absmax2 differs";
+        EXPECT_TRUE(bytes_of(st[pre + "absmax1"]) == reference_bytes(*dir_ / (c.name + ".absmax1"))) << "absmax1 differs";
+        EXPECT_TRUE(bytes_of(st[pre + "absmax2"]) == reference_bytes(*dir_ / (c.name + ".absmax2"))) << "absmax2 differs";
       }
-      at::Tensor want = floats(read_bytes(*dir_ / (c.name + ".p")));
+      at::Tensor want = floats(reference_bytes(*dir_ / (c.name + ".p")));
       at::Tensor got = p.reshape({-1});
       EXPECT_TRUE(bytes_of(got) == bytes_of(want))
           << "parameters differ; max |diff| " << (got - want).abs().max().item<float>();
       // and they moved: the reference is not the starting point
-      EXPECT_FALSE(at::equal(want, floats(read_bytes(*dir_ / (c.name + ".p0")))));
+      EXPECT_FALSE(at::equal(want, floats(reference_bytes(*dir_ / (c.name + ".p0")))));
     }
   EXPECT_EQ(eight, 6);
 }

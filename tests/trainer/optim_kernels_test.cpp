@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "test_util.h"
 #include "trainer/optim_kernels.h"
 
 namespace {
@@ -257,11 +258,6 @@ at::Tensor with_specials(at::Tensor t, std::mt19937& rng) {
   return t;
 }
 
-bool same_tensor_bits(const at::Tensor& a, const at::Tensor& b) {
-  return a.sizes() == b.sizes() &&
-         std::memcmp(a.data_ptr<float>(), b.data_ptr<float>(), static_cast<size_t>(a.numel()) * sizeof(float)) == 0;
-}
-
 float* f32(const at::Tensor& t) { return t.data_ptr<float>(); }
 
 TEST(AdafactorKernels, EachPassGivesTheBitsOfTheAtenOpsItReplaces) {
@@ -281,14 +277,14 @@ TEST(AdafactorKernels, EachPassGivesTheBitsOfTheAtenOpsItReplaces) {
         u_want.add_(static_cast<double>(eps));
         at::Tensor g = g0.clone(), u = at::empty_like(g0);
         tr::adafactor_square(scale, eps, f32(g), f32(u), g.numel());
-        ASSERT_TRUE(same_tensor_bits(g, g_want)) << "the scaled gradient";
-        ASSERT_TRUE(same_tensor_bits(u, u_want)) << "g^2 + eps";
+        ASSERT_TRUE(memtune::testing::same_bits(g, g_want)) << "the scaled gradient";
+        ASSERT_TRUE(memtune::testing::same_bits(u, u_want)) << "g^2 + eps";
 
         const at::Tensor r = at::rand({rows, 1}) * 4, c = with_specials(at::rand({1, cols}) * 4, rng);
         at::mul_out(u_want, r, c);
         u_want.mul_(g);
         tr::adafactor_factored(f32(r), f32(c), f32(g), f32(u), rows, cols);
-        ASSERT_TRUE(same_tensor_bits(u, u_want)) << "(r c) g";
+        ASSERT_TRUE(memtune::testing::same_bits(u, u_want)) << "(r c) g";
 
         const at::Tensor d = (at::linalg_vector_norm(u, 2) / 0.25).clamp_min_(1.0);  // a 0-dim tensor, as the step's
         const at::Tensor p0 = at::randn({rows, cols}) * 0.05;
@@ -298,7 +294,7 @@ TEST(AdafactorKernels, EachPassGivesTheBitsOfTheAtenOpsItReplaces) {
         p_want.sub_(v);
         at::Tensor p = p0.clone();
         tr::adafactor_apply(d.item<float>(), lr, f32(u), f32(p), p.numel());
-        ASSERT_TRUE(same_tensor_bits(p, p_want)) << "p - (u / d) lr";
+        ASSERT_TRUE(memtune::testing::same_bits(p, p_want)) << "p - (u / d) lr";
         ++compared;
       }
     }
@@ -322,18 +318,18 @@ TEST(AdafactorKernels, Avx2KernelsAreTheScalarOnesBitForBit) {
       at::Tensor ga = g0.clone(), gb = g0.clone(), ua = at::empty_like(g0), ub = at::empty_like(g0);
       tr::adafactor_square_scalar(scale, 1e-30f, f32(ga), f32(ua), n);
       tr::adafactor_square_avx2(scale, 1e-30f, f32(gb), f32(ub), n);
-      ASSERT_TRUE(same_tensor_bits(ga, gb) && same_tensor_bits(ua, ub)) << "square, scale " << scale;
+      ASSERT_TRUE(memtune::testing::same_bits(ga, gb) && memtune::testing::same_bits(ua, ub)) << "square, scale " << scale;
     }
     at::Tensor ua = at::empty_like(g0), ub = at::empty_like(g0);
     tr::adafactor_factored_scalar(f32(r), f32(c), f32(g0), f32(ua), rows, cols);
     tr::adafactor_factored_avx2(f32(r), f32(c), f32(g0), f32(ub), rows, cols);
-    ASSERT_TRUE(same_tensor_bits(ua, ub)) << "factored";
+    ASSERT_TRUE(memtune::testing::same_bits(ua, ub)) << "factored";
     const at::Tensor p0 = at::randn({rows, cols});
     at::Tensor pa = p0.clone(), pb = p0.clone();
     tr::adafactor_apply_scalar(1.7f, 1e-3f, f32(ua), f32(pa), n);
     tr::adafactor_apply_avx2(1.7f, 1e-3f, f32(ua), f32(pb), n);
-    ASSERT_TRUE(same_tensor_bits(pa, pb)) << "apply";
-    EXPECT_FALSE(same_tensor_bits(pa, p0));  // the update did something
+    ASSERT_TRUE(memtune::testing::same_bits(pa, pb)) << "apply";
+    EXPECT_FALSE(memtune::testing::same_bits(pa, p0));  // the update did something
   }
 #endif
 }
@@ -357,9 +353,9 @@ TEST(AdafactorKernels, ThreadedPassesEqualOneKernelPass) {
     tr::adafactor_square(0.5f, 1e-30f, f32(g), f32(u), n);
     tr::adafactor_factored(f32(r), f32(c), f32(g), f32(f), rows, cols);
     tr::adafactor_apply(1.3f, 1e-2f, f32(f), f32(p), n);
-    EXPECT_TRUE(same_tensor_bits(g, g_want) && same_tensor_bits(u, u_want)) << k << " threads, square";
-    EXPECT_TRUE(same_tensor_bits(f, f_want)) << k << " threads, factored";
-    EXPECT_TRUE(same_tensor_bits(p, p_want)) << k << " threads, apply";
+    EXPECT_TRUE(memtune::testing::same_bits(g, g_want) && memtune::testing::same_bits(u, u_want)) << k << " threads, square";
+    EXPECT_TRUE(memtune::testing::same_bits(f, f_want)) << k << " threads, factored";
+    EXPECT_TRUE(memtune::testing::same_bits(p, p_want)) << k << " threads, apply";
   }
   at::set_num_threads(threads);
 }
