@@ -76,7 +76,9 @@ void QuantizationConfig::fields(F&& f) {
   f("load_in_4bit", load_in_4bit, "NF4 4-bit base weights for the linear layers");
   f("load_in_8bit", load_in_8bit, "bitsandbytes 8-bit weights: accepted key, refused when true");
   f("bnb_4bit_compute_dtype", bnb_4bit_compute_dtype,
-    "dtype of the base matmul (torch.float16, fp16, half, bf16, fp32 accepted)", kDtype);
+    "dtype of the matmuls (torch.float16, fp16, half, bf16, fp32 accepted); auto: bfloat16 on GPUs with it "
+    "(sm_80 and newer), float16 on older GPUs, float32 on CPUs. float16 turns on fp16's loss scaling as "
+    "training.fp16 does; training.fp16 / bf16 override this key", kDtype);
   f("bnb_4bit_quant_type", bnb_4bit_quant_type, "4-bit code book (fp4 is not supported)",
     Field::one_of({"nf4"}, "only nf4 is supported"));
   f("bnb_4bit_use_double_quant", bnb_4bit_use_double_quant,
@@ -161,7 +163,7 @@ void TrainingConfig::fields(F&& f) {
     "the schedule's learning rate; reads no adam_* key)",
     {"adamw_torch", "adamw", "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor",
      "sgd"});
-  f("momentum", momentum, "SGD momentum, in [0, 1); at 0 SGD keeps no state (as torch.optim.SGD)");
+  f("momentum", momentum, "SGD momentum, in [0, 1); at 0 SGD keeps no state (as torch.optim.SGD); optim: sgd only");
   f("max_grad_norm", max_grad_norm, "clip the global gradient norm to this; <= 0: no clipping");
   f("logging_steps", logging_steps, "log metrics every this many steps");
   f("save_steps", save_steps, "checkpoint every this many steps; 0: only at the end");
@@ -172,7 +174,9 @@ void TrainingConfig::fields(F&& f) {
     "instruction eval file");
   f("seed", seed, "seed of the sampler, dropout and LoRA initialisation");
   f("resume_from_checkpoint", resume_from_checkpoint,
-    "latest (or true): the newest checkpoint in output_dir; a checkpoints/step-N path; empty: none",
+    "latest (or true): the newest checkpoint in output_dir, or a fresh start when there is none yet (one "
+    "command starts and restarts a run; Hugging Face's Trainer refuses true without one); a "
+    "checkpoints/step-N path; empty: none",
     kCheckpointRef);
   f("fp16_init_scale", fp16_init_scale, "initial loss scale for fp16");
   f("fp16_growth_interval", fp16_growth_interval, "good steps before the loss scale doubles");
@@ -200,7 +204,7 @@ void DataConfig::fields(F&& f) {
   f("skip_invalid", skip_invalid, "skip (and count) malformed lines instead of failing");
   f("add_eos_token", add_eos_token, "end each sample with the EOS token");
   f("shuffle", shuffle, "shuffle the samples each epoch");
-  f("cache_dir", cache_dir, "tokenized cache; empty: output_dir/../.cache/tokenized");
+  f("cache_dir", cache_dir, "tokenized cache; empty: output_dir/.cache");
 }
 
 bool OnOomConfig::allows(const std::string& rung) const {
@@ -493,6 +497,10 @@ void validate(const CheckpointingConfig& g, const std::string& p, const Checker&
   c.one_of(p + ".policy", g.policy, CheckpointingConfig::kPolicies, "unknown checkpointing policy");
   if (g.policy == "every_n") c.check(g.n >= 1, p + ".n", g.n, "every_n needs n >= 1");
   if (g.policy == "layers") c.check(!g.layers.empty(), p + ".layers", g.layers, "policy layers needs a list of layer indices");
+  c.check(g.policy == "every_n" || g.n == CheckpointingConfig{}.n, p + ".n", g.n,
+          "only policy every_n reads n, and the policy is " + g.policy + "; set policy: every_n or drop n");
+  c.check(g.policy == "layers" || g.layers.empty(), p + ".layers", g.layers,
+          "only policy layers reads the list, and the policy is " + g.policy + "; set policy: layers or drop it");
   for (int layer : g.layers) c.check(layer >= 0, p + ".layers", g.layers, "layer indices are >= 0");
 }
 
@@ -525,6 +533,8 @@ void validate(const TrainingConfig& t, const std::string& p, const Checker& c) {
   c.check(t.adam_beta2 >= 0 && t.adam_beta2 < 1, p + ".adam_beta2", t.adam_beta2, "must be in [0, 1)");
   c.check(t.adam_epsilon > 0, p + ".adam_epsilon", t.adam_epsilon, "must be > 0");
   c.check(t.momentum >= 0 && t.momentum < 1, p + ".momentum", t.momentum, "must be in [0, 1)");
+  c.check(t.momentum == 0 || t.optim == "sgd", p + ".momentum", t.momentum,
+          "only optim: sgd has a momentum, and optim is " + t.optim + "; drop the key or train with sgd");
   c.check(t.logging_steps >= 1, p + ".logging_steps", t.logging_steps, "must be at least 1");
   c.check(t.save_steps >= 0, p + ".save_steps", t.save_steps, "must be >= 0 (0: only at the end)");
   c.check(t.save_total_limit >= 0, p + ".save_total_limit", t.save_total_limit, "must be >= 0 (0: keep all)");
@@ -621,6 +631,13 @@ void validate(const Config& config, const Checker& c) {
   validate(config.memory, "memory", c);
   validate(config.runtime, "runtime", c);
   validate(config.distributed, "distributed", c);
+  // Evaluation reads data.eval_file; without one, Hugging Face refuses an evaluation schedule.
+  const bool eval_data = !config.data.eval_file.empty();
+  c.check(eval_data || config.training.eval_steps == 0, "training.eval_steps", config.training.eval_steps,
+          "evaluation needs data.eval_file, and none is set; name the held-out file, or drop eval_steps");
+  c.check(eval_data || config.training.eval_accuracy_rows == 0, "training.eval_accuracy_rows",
+          config.training.eval_accuracy_rows,
+          "the accuracy is measured on data.eval_file's rows, and none is set; name the file, or drop the key");
   // optimizer_8bit quantizes AdamW's fp32 state on the device: with another optimizer, or a
   // state in host memory from the start, it would do nothing.
   const std::string& optim = config.training.optim;
@@ -728,8 +745,15 @@ std::vector<std::string> compatibility_notes(const Config& config) {
   if (!t.report_to.empty() && t.report_to != "none")
     notes.push_back("training.report_to: accepted for compatibility; memtune writes metrics to "
                     "output_dir/metrics.jsonl only, so '" + t.report_to + "' changes nothing");
+  // A full fine-tune builds no adapter (one config may serve both modes, by an override).
+  if (t.finetune == "full") {
+    const std::string key = reflect::first_difference(config.lora, LoraConfig{});
+    if (!key.empty())
+      notes.push_back("lora." + key + " is set, and training.finetune is full: every weight trains and no adapter "
+                      "is built, so the lora section changes nothing in this run");
+  }
   const auto& modules = config.lora.target_modules;
-  if (modules.size() == 1 && modules[0] != "all-linear")
+  if (t.finetune != "full" && modules.size() == 1 && modules[0] != "all-linear")
     notes.push_back("lora.target_modules: the one string '" + modules[0] +
                     "' matches modules whose name ends with it or that it matches in full as a regex "
                     "(PEFT reads a single string as a regex)");

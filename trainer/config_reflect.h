@@ -300,6 +300,35 @@ bool equal_fields(const S& a, const S& b) {
   return compare.equal;
 }
 
+// The dotted name of the first leaf (in visiting order) where a and b differ; "" where equal.
+struct LeafDifference {
+  const std::vector<const void*>& other;
+  std::string prefix;
+  size_t next = 0;
+  std::string found;
+  template <class T>
+  void operator()(const char* name, T& member, const char*, const Field& f = {}) {
+    if constexpr (HasFields<T>::value) {
+      LeafDifference inner{other, prefix + name + ".", next, ""};
+      member.fields(inner);
+      next = inner.next;
+      if (found.empty()) found = inner.found;
+    } else {
+      const bool equal = same(member, *static_cast<const T*>(other[next++]), f);
+      if (!equal && found.empty()) found = prefix + name;
+    }
+  }
+};
+
+template <class S>
+std::string first_difference(const S& a, const S& b) {
+  std::vector<const void*> leaves;
+  visit(b, LeafAddresses{leaves});
+  LeafDifference diff{leaves, "", 0, ""};
+  visit(a, diff);
+  return diff.found;
+}
+
 // ---- Checking: the schema's validate() functions call check(); choices are checked here ----
 
 class Checker {

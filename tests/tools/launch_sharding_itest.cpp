@@ -123,8 +123,8 @@ TEST_P(ShardedRun, EqualsOneProcessOnTheGlobalBatch) {
   MEMTUNE_REQUIRE_GLOO();
   const Case k = GetParam();
   fs::path d = temp_dir();
-  std::string common = "training.optim=" + k.optim + " training.momentum=0.9 training.save_steps=2";
-  if (k.optim == "sgd") common += " training.learning_rate=0.05";
+  std::string common = "training.optim=" + k.optim + " training.save_steps=2";
+  if (k.optim == "sgd") common += " training.momentum=0.9 training.learning_rate=0.05";
   if (k.finetune == "full") common += " training.finetune=full model.quantization_config.load_in_4bit=false";
   common += " " + k.extra;
   auto one = run(train_cmd(write_config(d / "one"), common + " training.per_device_train_batch_size=" +

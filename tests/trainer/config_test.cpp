@@ -731,6 +731,7 @@ Config every_field_changed_b() {
   c.training.fp16 = false;
   c.training.bf16 = true;
   c.training.gradient_checkpointing.policy = "layers";
+  c.training.gradient_checkpointing.n = memtune::trainer::CheckpointingConfig{}.n;  // only every_n reads n
   c.training.gradient_checkpointing.layers = {1, 3};
   c.model.device_map = {};
   c.model.device_map.single = "cuda:1";
@@ -798,9 +799,13 @@ TEST(ConfigRoundTrip, EqualityComparesEveryKey) {
       if (base.at(path) == value) continue;
       tried.insert(path);
       // A key valid only beside another is set on a base that has the other.
+      const std::map<std::string, std::string> needs = {
+          {"training.activation_offload", "training.gradient_checkpointing=true"},
+          {"training.eval_steps", "data.eval_file=data/eval.jsonl"},
+          {"training.eval_accuracy_rows", "data.eval_file=data/eval.jsonl"},
+          {"training.momentum", "training.optim=sgd"}};
       const std::vector<std::string> base_overrides =
-          path == "training.activation_offload" ? std::vector<std::string>{"training.gradient_checkpointing=true"}
-                                                : std::vector<std::string>{};
+          needs.count(path) ? std::vector<std::string>{needs.at(path)} : std::vector<std::string>{};
       std::vector<std::string> overrides = base_overrides;
       overrides.push_back(path + "=" + value);
       Config one = parse_config("", "x", overrides);
@@ -958,3 +963,41 @@ TEST(ConfigErrors, OnOomLadderNamesEachRungOnceAndMicroBatchFirst) {
 }
 
 }  // namespace memtune::trainer
+
+// Keys that only another key gives a meaning to: refused by name where that other key says they
+// would change nothing (Hugging Face's Trainer refuses an evaluation schedule without eval data).
+TEST(ConfigErrors, KeysWithoutTheKeyThatReadsThemAreRefused) {
+  expect_invalid("training:\n  eval_steps: 10\n", "eval_steps", "10", "training.eval_steps", "10",
+                 "evaluation needs data.eval_file, and none is set");
+  expect_invalid("training:\n  eval_accuracy_rows: 50\n", "eval_accuracy_rows", "50", "training.eval_accuracy_rows",
+                 "50", "measured on data.eval_file's rows, and none is set");
+  expect_invalid("training:\n  optim: adamw_torch\n  momentum: 0.9\n", "momentum", "0.9", "training.momentum", "0.9",
+                 "only optim: sgd has a momentum, and optim is adamw_torch");
+  expect_invalid("training:\n  gradient_checkpointing: {policy: all, n: 3}\n", "n: 3", "3",
+                 "training.gradient_checkpointing.n", "3", "only policy every_n reads n, and the policy is all");
+  expect_invalid("training:\n  gradient_checkpointing: {policy: every_n, layers: [1]}\n", "layers: [1]", "[",
+                 "training.gradient_checkpointing.layers", "[1]",
+                 "only policy layers reads the list, and the policy is every_n");
+  // With the key that reads them, each is taken.
+  const Config ok = parse(
+      "training:\n  eval_steps: 10\n  eval_accuracy_rows: 50\n  optim: sgd\n  momentum: 0.9\n"
+      "  gradient_checkpointing: {policy: every_n, n: 3}\ndata:\n  eval_file: eval.jsonl\n");
+  EXPECT_EQ(ok.training.eval_steps, 10);
+  EXPECT_EQ(ok.training.eval_accuracy_rows, 50);
+  EXPECT_DOUBLE_EQ(ok.training.momentum, 0.9);
+  EXPECT_EQ(ok.training.gradient_checkpointing.n, 3);
+}
+
+// One config may serve a LoRA and a full run (training.finetune=full as an override): the lora
+// section is then unused, and the log says so, naming the key.
+TEST(ConfigNotes, ALoraSectionInAFullFineTuneIsNamed) {
+  auto notes = memtune::trainer::compatibility_notes(parse("training: {finetune: full}\nlora: {r: 64, lora_dropout: 0.1}"));
+  ASSERT_EQ(notes.size(), 1u);
+  EXPECT_EQ(notes[0], "lora.r is set, and training.finetune is full: every weight trains and no adapter is built, "
+                      "so the lora section changes nothing in this run");
+  notes = memtune::trainer::compatibility_notes(parse("training: {finetune: full}\nlora: {target_modules: [q_proj]}"));
+  ASSERT_EQ(notes.size(), 1u);
+  EXPECT_HAS(notes[0], "lora.target_modules is set");
+  EXPECT_TRUE(memtune::trainer::compatibility_notes(parse("training: {finetune: full}")).empty());
+  EXPECT_TRUE(memtune::trainer::compatibility_notes(parse("lora: {r: 64}")).empty());
+}
