@@ -50,6 +50,11 @@ class ChatTemplate {
   // A custom per-message pattern (syntax above). Throws UserError when it has no {content}
   // or an unknown placeholder.
   static ChatTemplate parse(const std::string& pattern);
+  // data.chat_template when set (parse), else data.template_name (builtin): the template a
+  // run's data is rendered with.
+  static ChatTemplate of(const std::string& template_name, const std::string& chat_template) {
+    return chat_template.empty() ? builtin(template_name) : parse(chat_template);
+  }
 
   std::vector<TemplatePiece> render(const std::vector<Message>& messages, std::optional<int32_t> bos,
                                     std::optional<int32_t> eos, bool train_on_prompt) const;

@@ -320,8 +320,7 @@ void Dataset::load(const fs::path& path, const Tokenizer* tokenizer) {
       flush();
     }
   } else {
-    const ChatTemplate tmpl = o.chat_template.empty() ? ChatTemplate::builtin(o.template_name)
-                                                      : ChatTemplate::parse(o.chat_template);
+    const ChatTemplate tmpl = ChatTemplate::of(o.template_name, o.chat_template);
     const std::string name = path.string();
     for_each_line(maps[0]->view(), [&](int64_t line_no, std::string_view line) {
       if (is_blank(line)) return true;

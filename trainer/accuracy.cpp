@@ -36,10 +36,9 @@ std::string AccuracyResult::describe() const {
   return tasks.empty() ? s : s + "; " + tasks;
 }
 
-AccuracyResult instruction_accuracy(models::CausalLM& model, const data::Tokenizer& tok, const std::string& template_name,
+AccuracyResult instruction_accuracy(models::CausalLM& model, const data::Tokenizer& tok, const data::ChatTemplate& tmpl,
                                     const std::filesystem::path& file, int64_t max_rows, int64_t max_new_tokens,
                                     const std::function<bool()>& stop) {
-  data::ChatTemplate tmpl = data::ChatTemplate::builtin(template_name);
   std::ifstream in(file);
   MEMTUNE_CHECK(in.good(), file.string(), ": cannot read");
   AccuracyResult r;

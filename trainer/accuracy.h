@@ -12,6 +12,7 @@ namespace memtune::models {
 class CausalLM;
 }
 namespace memtune::data {
+class ChatTemplate;
 class Tokenizer;
 }
 
@@ -25,9 +26,10 @@ struct AccuracyResult {
   std::string describe() const;  // "62.0% (124/200); add 40%, reverse 70%, ..."
 };
 
-// The first `max_rows` records of an instruction JSONL file (instruction, input, output).
+// The first `max_rows` records of an instruction JSONL file (instruction, input, output),
+// each prompt rendered by `tmpl` (the run's data template).
 AccuracyResult instruction_accuracy(models::CausalLM& model, const data::Tokenizer& tokenizer,
-                                    const std::string& template_name, const std::filesystem::path& file,
+                                    const data::ChatTemplate& tmpl, const std::filesystem::path& file,
                                     int64_t max_rows, int64_t max_new_tokens = 12,
                                     const std::function<bool()>& stop = {});
 

@@ -41,39 +41,69 @@ at::ScalarType dtype_from_name(const std::string& name) {
 
 }  // namespace
 
+namespace {
+
+// What the config asks of the matmuls before the device has its say: training.fp16 / bf16,
+// else bnb_4bit_compute_dtype (auto included).
+std::string asked_compute_dtype(const Config& c) {
+  if (c.training.fp16) return "float16";
+  if (c.training.bf16) return "bfloat16";
+  return c.model.quantization_config.bnb_4bit_compute_dtype;
+}
+
+}  // namespace
+
+bool fp16_loss_scaling(const Config& c, const c10::Device& device) {
+  std::string note;
+  return asked_compute_dtype(c) == "float16" || resolve_compute_dtype(c, device, &note) == at::kHalf;
+}
+
 at::ScalarType resolve_compute_dtype(const Config& c, const c10::Device& device, std::string* note) {
-  std::string asked = c.model.quantization_config.bnb_4bit_compute_dtype;
-  if (c.training.fp16) asked = "float16";
-  if (c.training.bf16) asked = "bfloat16";
+  const std::string asked = asked_compute_dtype(c);
   if (asked == "auto") {
     if (device.is_cuda()) {
       const int cc = cuda_compute_capability(device.has_index() ? device.index() : 0);
       const std::string sm = "sm_" + std::to_string(cc);
-      *note = has_native_bf16(cc) ? "compute dtype bfloat16 (auto: this GPU, " + sm + ", has bf16)"
-                                  : "compute dtype float16 (auto: this GPU, " + sm + ", has no native bf16)";
+      *note = has_native_bf16(cc)
+                  ? "compute dtype bfloat16 (auto: this GPU, " + sm + ", has bf16)"
+                  : "compute dtype float16 (auto: this GPU, " + sm + ", has no native bf16; fp16 loss scaling on)";
       return has_native_bf16(cc) ? at::kBFloat16 : at::kHalf;
     }
     *note = "compute dtype float32 (auto: this CPU has no native bf16/fp16 matmul; bf16 runs about 30x slower "
             "than fp32 here)";
     return at::kFloat;
   }
+  // Which key asked, and whether it overrode an explicit bnb_4bit_compute_dtype (as Hugging
+  // Face's autocast runs the matmuls in the autocast dtype whatever the quantization config says).
+  const std::string& bnb = c.model.quantization_config.bnb_4bit_compute_dtype;
+  const bool from_training = c.training.fp16 || c.training.bf16;
+  std::string by = from_training ? (c.training.fp16 ? "training.fp16" : "training.bf16") : "bnb_4bit_compute_dtype";
+  if (from_training && bnb != "auto" && bnb != asked) by += ", over bnb_4bit_compute_dtype: " + bnb;
   at::ScalarType t = dtype_from_name(asked);
   if (device.is_cpu() && t == at::kHalf) {
     // LibTorch's CPU kernels have no fp16 matmul: the matmuls run in fp32, and fp16's
     // dynamic loss scaling still runs, so the run behaves as it would on a GPU.
-    *note = "compute dtype float32: fp16 was asked for, but CPUs have no fp16 matmul; loss scaling stays on";
+    *note = "compute dtype float32: fp16 was asked for (" + by +
+            "), but CPUs have no fp16 matmul; its loss scaling stays on";
     return at::kFloat;
   }
+  *note = "compute dtype " + asked + " (" + by + ")";
   if (device.is_cpu() && t == at::kBFloat16)
-    *note = "compute dtype bfloat16 as asked; warning: this CPU has no native bf16, matmuls run about 30x slower "
-            "than fp32 (use bnb_4bit_compute_dtype: auto)";
-  else
-    *note = "compute dtype " + asked;
+    *note += "; warning: this CPU has no native bf16, matmuls run about 30x slower than fp32 (bnb_4bit_compute_dtype: "
+             "auto picks float32 here)";
   return t;
 }
 
 models::ModelSpec model_spec(const ModelConfig& m) {
-  if (fs::is_directory(m.name_or_path)) return models::read_hf_config(m.name_or_path);
+  if (fs::is_directory(m.name_or_path)) {
+    MEMTUNE_CHECK(m.architecture.empty(), "model.architecture: '", m.architecture, "' picks a preset's architecture, "
+                  "and model.name_or_path '", m.name_or_path, "' is a model directory, whose config.json names its "
+                  "own (architectures). Hint: drop the key, or edit config.json");
+    MEMTUNE_CHECK(m.init_seed == ModelConfig{}.init_seed, "model.init_seed: ", m.init_seed,
+                  " seeds a preset's random weights, and model.name_or_path '", m.name_or_path,
+                  "' is a model directory, whose weights are loaded. Hint: drop the key");
+    return models::read_hf_config(m.name_or_path);
+  }
   std::optional<models::ModelSpec> spec = models::preset(m.name_or_path);
   if (!spec) {
     std::string names;
@@ -149,7 +179,14 @@ ModelBundle setup_model(const Config& c, const fs::path& adapter_dir, const Skip
     b.adapter.lora = lora_options(c.lora);
     b.adapter.targets = lora_targets(c.lora);
     b.adapter.base_model_name_or_path = c.model.name_or_path;
-    b.adapter.fan_in_fan_out = model.spec().is_gpt2() || c.lora.fan_in_fan_out;
+    // PEFT takes fan_in_fan_out from the module: true for weights stored [in, out] (GPT-2's
+    // Conv1D), false for Linear, warning when the config said otherwise.
+    bool stored_in_out = false;
+    for (const models::Linear* l : model.linears()) stored_in_out = stored_in_out || l->fan_in_fan_out();
+    b.adapter.fan_in_fan_out = stored_in_out;
+    if (c.lora.fan_in_fan_out && !stored_in_out)
+      b.warnings.push_back("lora.fan_in_fan_out is true, but this model's projections are Linear layers stored "
+                           "[out, in]; setting it to false, as PEFT does");
     b.notes.push_back("LoRA on " + std::to_string(s.modules.size()) + " projections: " + s.describe());
     if (!c.lora.modules_to_save.empty()) {
       const int64_t n = models::apply_modules_to_save(model, c.lora.modules_to_save, "lora.modules_to_save");

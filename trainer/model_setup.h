@@ -30,6 +30,7 @@ struct ModelBundle {
   at::ScalarType compute_dtype = at::kFloat;
   models::AdapterConfig adapter;               // what the adapter will be saved as (LoRA runs)
   std::vector<std::string> notes;              // decisions to log (dtype, device, sizes)
+  std::vector<std::string> warnings;           // settings changed to what they must be, to log as warnings
 };
 
 // The device runtime.device names (auto: the first CUDA device when present, else CPU).
@@ -39,6 +40,11 @@ c10::Device resolve_device(const std::string& spec, const std::string& where = "
 // for the device (bf16 on GPUs that have it, fp16 on older GPUs, fp32 on CPUs without native
 // bf16). `note` receives why, and a warning when an explicit choice will be slow.
 at::ScalarType resolve_compute_dtype(const Config& config, const c10::Device& device, std::string* note);
+
+// Whether gradients need fp16's dynamic loss scaling: the matmuls run in fp16 (training.fp16,
+// bnb_4bit_compute_dtype: float16, or auto on a GPU without bf16), or fp16 was asked for on a
+// CPU, whose matmuls stay fp32 while the scaling runs as it would on a GPU.
+bool fp16_loss_scaling(const Config& config, const c10::Device& device);
 
 // The model's shape: a Hugging Face directory's config.json, or a preset (with
 // model.architecture when set). Throws UserError naming the presets when it is neither.

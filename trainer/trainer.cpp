@@ -17,6 +17,7 @@
 #include <spdlog/spdlog.h>
 
 #include "data/batch.h"
+#include "data/chat_template.h"
 #include "data/dataset.h"
 #include "data/sampler.h"
 #include "data/tokenizer.h"
@@ -289,6 +290,11 @@ void Trainer::load_model() {
   bundle_ = setup_model(c_, {}, skip);
   models::CausalLM& model = *bundle_.model;
   for (const auto& n : bundle_.notes) spdlog::info("{}", n);
+  for (const auto& w : bundle_.warnings) spdlog::warn("{}", w);
+  MEMTUNE_CHECK(c_.training.eval_accuracy_rows == 0 || bundle_.tokenizer, "training.eval_accuracy_rows: ",
+                c_.training.eval_accuracy_rows, " rows are answered by rendering their prompts and reading the "
+                "generated text, and model '", c_.model.name_or_path, "' has no tokenizer. Hint: set model.tokenizer, "
+                "or drop the key");
   // Each rank keeps its share of every layer's frozen weights, moved to the device before
   // the model is placed (the device never holds the whole base).
   if (shard_layers) {
@@ -425,7 +431,8 @@ void Trainer::build_update() {
     for (size_t i = 0; i < params_.size(); ++i)
       if (!on_demand[i]) pg_->broadcast(params_[i].second, 0);
   }
-  scaler_ = std::make_unique<GradScaler>(t.fp16, t.fp16_init_scale, t.fp16_growth_interval);
+  scaler_ = std::make_unique<GradScaler>(fp16_loss_scaling(c_, bundle_.device), t.fp16_init_scale,
+                                         t.fp16_growth_interval);
 }
 
 std::string Trainer::offload_optimizer() {
@@ -944,7 +951,8 @@ void Trainer::evaluate_accuracy(const char* when) {
     return;
   spdlog::info("accuracy ({}): answering up to {} rows of {} by greedy generation", when,
                c_.training.eval_accuracy_rows, c_.data.eval_file);
-  const AccuracyResult a = instruction_accuracy(*bundle_.model, *bundle_.tokenizer, c_.data.template_name,
+  const AccuracyResult a = instruction_accuracy(*bundle_.model, *bundle_.tokenizer,
+                                                data::ChatTemplate::of(c_.data.template_name, c_.data.chat_template),
                                                 c_.data.eval_file, c_.training.eval_accuracy_rows, 12,
                                                 [this] { return eval_stopped(); });
   if (a.stopped) {

@@ -206,6 +206,23 @@ TEST(Dataset, CustomTemplatePlaceholders) {
             std::string::npos);
 }
 
+// The template a run renders with (its data and, since it must match, the accuracy prompts):
+// data.chat_template when set, else data.template_name.
+TEST(ChatTemplate, OfPicksTheCustomPatternOverTheNamedOne) {
+  using memtune::data::ChatTemplate;
+  using memtune::data::TemplatePiece;
+  const auto text = [](const std::vector<TemplatePiece>& pieces) {
+    std::string t;
+    for (const TemplatePiece& p : pieces) t += p.special ? "<" + std::to_string(*p.special) + ">" : p.text;
+    return t;
+  };
+  const auto rendered = [&](const ChatTemplate& t) { return text(t.render_instruction("Add", "1 2", "3", 1, 2, false)); };
+  EXPECT_EQ(rendered(ChatTemplate::of("chatml", "")), rendered(ChatTemplate::builtin("chatml")));
+  EXPECT_EQ(rendered(ChatTemplate::of("chatml", "[{role}] {content}\n")),
+            rendered(ChatTemplate::parse("[{role}] {content}\n")));
+  EXPECT_NE(rendered(ChatTemplate::of("chatml", "[{role}] {content}\n")), rendered(ChatTemplate::builtin("chatml")));
+}
+
 TEST(Dataset, TruncationRightKeepsTheNextTokenAsTarget) {
   const auto path = file("t.jsonl", "{\"text\": \"abcdef\"}\n{\"text\": \"x\"}\n");
   Dataset ds(path, &tok, opts(4));

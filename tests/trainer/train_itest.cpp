@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -444,6 +445,79 @@ TEST(Train, Fp16OverflowSkipsTheStepAndHalvesTheScale) {
   }
   EXPECT_GE(skipped, 1) << r.output;
   EXPECT_NE(r.output.find("update skipped"), std::string::npos);
+}
+
+// bnb_4bit_compute_dtype: float16 runs fp16's dynamic loss scaling, as training.fp16 does (on a
+// CPU the matmuls stay fp32 and the scaling runs as it would on a GPU): a scale so large that
+// the scaled loss overflows skips the first steps. With float32 the same scale is never applied.
+int skipped_steps(const fs::path& out) {
+  int skipped = 0;
+  for (const auto& row : metrics(out))
+    for (const auto& e : row.value("events", json::array())) skipped += e["kind"] == "skip";
+  return skipped;
+}
+
+TEST(Train, Float16ComputeDtypeScalesTheLossAsFp16Does) {
+  const fs::path d = temp_dir();
+  const std::string args = "training.fp16_init_scale=1e39 training.max_steps=3 model.quantization_config.";
+  TrainRun half = train(d / "half", args + "bnb_4bit_compute_dtype=float16");
+  TrainRun single = train(d / "single", args + "bnb_4bit_compute_dtype=float32");
+  ASSERT_EQ(half.exit_code, 0) << half.output;
+  ASSERT_EQ(single.exit_code, 0) << single.output;
+  EXPECT_GE(skipped_steps(half.dir), 1) << half.output;
+  EXPECT_EQ(skipped_steps(single.dir), 0) << single.output;
+  for (const auto& row : metrics(single.dir))
+    if (row.contains("loss_scale")) EXPECT_EQ(row["loss_scale"].get<double>(), 1.0);
+}
+
+// PEFT sets fan_in_fan_out from the module (Conv1D: true, Linear: false) and warns when the
+// config said otherwise: true on Llama's Linear projections is saved as false.
+TEST(Train, FanInFanOutOnLinearProjectionsIsSavedFalseWithAWarning) {
+  TrainRun r = train(temp_dir(), "lora.fan_in_fan_out=true training.max_steps=1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("lora.fan_in_fan_out is true, but this model's projections are Linear layers"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(json::parse(read_file(r.dir / "adapter/adapter_config.json"))["fan_in_fan_out"], false);
+}
+
+// model.architecture and model.init_seed shape a preset; with a model directory, whose
+// config.json and weights decide, each is refused by name (they changed nothing before).
+TEST(Train, PresetKeysBesideAModelDirectoryAreRefused) {
+  const fs::path d = temp_dir();
+  ASSERT_EQ(run(memtune_bin() + " init-model --preset tiny-llama --out " + (d / "tiny").string()).exit_code, 0);
+  const std::string model = " model.name_or_path=" + (d / "tiny").string();
+  TrainRun arch = train(d / "a", model + " model.architecture=gpt2");
+  EXPECT_EQ(arch.exit_code, 2) << arch.output;
+  EXPECT_NE(arch.output.find("model.architecture: 'gpt2' picks a preset's architecture"), std::string::npos)
+      << arch.output;
+  TrainRun seed = train(d / "s", model + " model.init_seed=5");
+  EXPECT_EQ(seed.exit_code, 2) << seed.output;
+  EXPECT_NE(seed.output.find("model.init_seed: 5 seeds a preset's random weights"), std::string::npos) << seed.output;
+  TrainRun plain = train(d / "p", model + " training.max_steps=1");
+  EXPECT_EQ(plain.exit_code, 0) << plain.output;
+}
+
+// Exact-match accuracy renders prompts and reads answers as text: a model without a tokenizer
+// (token files) has neither, and the key is refused by name rather than skipped.
+TEST(Train, AccuracyRowsWithoutATokenizerAreRefused) {
+  const fs::path d = temp_dir();
+  std::string tokens(1024, '\0');
+  const int32_t header[3] = {20240520, 1, 600};
+  std::memcpy(&tokens[0], header, sizeof header);
+  for (int i = 0; i < 600; ++i) tokens += std::string{static_cast<char>(i % 97 + 3), '\0'};  // uint16 ids
+  write_file(d / "t.bin", tokens);
+  const std::string config = "model: {name_or_path: tiny-llama}\nruntime: {device: cpu}\n"
+                             "training: {output_dir: " + (d / "out").string() + ", max_steps: 1, eval_accuracy_rows: 4}\n"
+                             "data: {train_file: " + (d / "t.bin").string() + ", eval_file: " + (d / "t.bin").string() +
+                             ", format: tokens, max_seq_length: 32}\n";
+  TrainRun r = train(d / "run", "", config);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("training.eval_accuracy_rows: 4 rows are answered by rendering their prompts"),
+            std::string::npos)
+      << r.output;
+  TrainRun without = train(d / "run2", "training.eval_accuracy_rows=0 training.output_dir=" + (d / "out2").string(), config);
+  EXPECT_EQ(without.exit_code, 0) << without.output;
 }
 
 TEST(Train, Bf16ComputesInBf16) {
