@@ -69,7 +69,7 @@ class Gpt2Model : public CausalLM {
     a = a.permute({0, 3, 1, 2, 4}).reshape({B, T, C});
     at::Tensor y = x + L.c_proj->forward(a, ctx.training);
     h = at::layer_norm(y, {C}, L.ln2_w, L.ln2_b, s.norm_eps);
-    at::Tensor m = at::gelu(L.fc->forward(h, ctx.training), "tanh");
+    at::Tensor m = gelu_tanh(L.fc->forward(h, ctx.training));
     return y + L.proj->forward(m, ctx.training);
   }
 

@@ -33,6 +33,17 @@ inline void swiglu_backward_scalar(float g, float u, float gy, float* dg, float*
   }
 }
 
+// GELU with tanh's approximation as x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3): 0.5 (1 +
+// tanh(u)) is sigmoid(2u), without tanh's cancellation where it nears -1.
+constexpr float kGeluBeta2 = 2 * 0.7978845608028654f;  // 2 sqrt(2 / pi)
+constexpr float kGeluKappa = 0.044715f;
+inline float gelu_sigmoid(float x, float x2) { return 1.0f / (1.0f + std::exp(-kGeluBeta2 * (x * (1.0f + kGeluKappa * x2)))); }
+inline float gelu_tanh_scalar(float x) { return x * gelu_sigmoid(x, x * x); }
+inline float gelu_tanh_backward_scalar(float x, float gy) {
+  const float x2 = x * x, s = gelu_sigmoid(x, x2);
+  return gy * (s + x * (s * (1.0f - s)) * (kGeluBeta2 * (1.0f + 3.0f * kGeluKappa * x2)));
+}
+
 float rms_norm_row_scalar(const float* x, const float* w, float eps, float* y, int64_t n) {
   float ss = 0.0f;
   for (int64_t j = 0; j < n; ++j) ss += x[j] * x[j];
@@ -166,6 +177,36 @@ MEMTUNE_AVX2 void swiglu_backward_avx2(const float* g, const float* u, const flo
     swiglu_backward_scalar(g[j], u[j], gy[j], dg == nullptr ? nullptr : dg + j, du == nullptr ? nullptr : du + j);
 }
 
+// s = sigmoid(2u) on 8 lanes, for GELU's forward and backward.
+MEMTUNE_AVX2 inline __m256 gelu_sigmoid8(__m256 x, __m256 x2) {
+  const __m256 inner = _mm256_mul_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), _mm256_mul_ps(_mm256_set1_ps(kGeluKappa), x2)));
+  const __m256 e = exp8(_mm256_mul_ps(_mm256_set1_ps(-kGeluBeta2), inner));
+  return _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+MEMTUNE_AVX2 void gelu_tanh_forward_avx2(const float* x, float* y, int64_t n) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 v = _mm256_loadu_ps(x + j);
+    _mm256_storeu_ps(y + j, _mm256_mul_ps(v, gelu_sigmoid8(v, _mm256_mul_ps(v, v))));
+  }
+  for (; j < n; ++j) y[j] = gelu_tanh_scalar(x[j]);
+}
+
+MEMTUNE_AVX2 void gelu_tanh_backward_avx2(const float* x, const float* gy, float* dx, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f), slope = _mm256_set1_ps(kGeluBeta2),
+               kappa3 = _mm256_set1_ps(3.0f * kGeluKappa);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 v = _mm256_loadu_ps(x + j), v2 = _mm256_mul_ps(v, v);
+    const __m256 s = gelu_sigmoid8(v, v2);
+    const __m256 du = _mm256_mul_ps(slope, _mm256_add_ps(one, _mm256_mul_ps(kappa3, v2)));
+    const __m256 d = _mm256_add_ps(s, _mm256_mul_ps(_mm256_mul_ps(v, _mm256_mul_ps(s, _mm256_sub_ps(one, s))), du));
+    _mm256_storeu_ps(dx + j, _mm256_mul_ps(_mm256_loadu_ps(gy + j), d));
+  }
+  for (; j < n; ++j) dx[j] = gelu_tanh_backward_scalar(x[j], gy[j]);
+}
+
 MEMTUNE_AVX2 float rms_norm_row_avx2(const float* x, const float* w, float eps, float* y, int64_t n) {
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
   int64_t j = 0;
@@ -253,6 +294,20 @@ void swiglu_backward(const float* g, const float* u, const float* gy, float* dg,
 #endif
   for (int64_t j = 0; j < n; ++j)
     swiglu_backward_scalar(g[j], u[j], gy[j], dg == nullptr ? nullptr : dg + j, du == nullptr ? nullptr : du + j);
+}
+
+void gelu_tanh_forward(const float* x, float* y, int64_t n) {
+#ifdef MEMTUNE_X86
+  if (avx2_kernels_active()) return gelu_tanh_forward_avx2(x, y, n);
+#endif
+  for (int64_t j = 0; j < n; ++j) y[j] = gelu_tanh_scalar(x[j]);
+}
+
+void gelu_tanh_backward(const float* x, const float* gy, float* dx, int64_t n) {
+#ifdef MEMTUNE_X86
+  if (avx2_kernels_active()) return gelu_tanh_backward_avx2(x, gy, dx, n);
+#endif
+  for (int64_t j = 0; j < n; ++j) dx[j] = gelu_tanh_backward_scalar(x[j], gy[j]);
 }
 
 float rms_norm_row(const float* x, const float* w, float eps, float* y, int64_t n) {

@@ -20,6 +20,13 @@ void swiglu_forward(const float* g, const float* u, float* y, int64_t n);
 // A null dg or du is not written.
 void swiglu_backward(const float* g, const float* u, const float* gy, float* dg, float* du, int64_t n);
 
+// GELU with tanh's approximation (Hugging Face's gelu_new, ATen's gelu(approximate="tanh")) on n
+// fp32 elements, written as y = x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3), the same
+// function as 0.5 x (1 + tanh(u)); and its gradient dx = gy (s + x s (1 - s) 2 sqrt(2/pi) (1 +
+// 3 0.044715 x^2)), s = sigmoid(2u).
+void gelu_tanh_forward(const float* x, float* y, int64_t n);
+void gelu_tanh_backward(const float* x, const float* gy, float* dx, int64_t n);
+
 // RMSNorm of one row of n fp32 values, the operations of norm_act.cpp's ATen chain (its sums in
 // another order): rstd = 1 / sqrt(sum(x^2) / n + eps), y = (x * rstd) * w. Returns rstd.
 float rms_norm_row(const float* x, const float* w, float eps, float* y, int64_t n);

@@ -281,7 +281,41 @@ struct SwigluFunction : public torch::autograd::Function<SwigluFunction> {
   }
 };
 
+// GELU (tanh approximation) on fp32 CPU tensors: one kernel pass each way (cpu_vec.h), where
+// ATen's tanh-based forward and backward ran at about 1.4 ns an element on a 2-core Zen 4.
+// Keeps x, as at::gelu does.
+struct GeluTanhFunction : public torch::autograd::Function<GeluTanhFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x) {
+    const at::Tensor xc = x.contiguous();
+    ctx->save_for_backward({xc});
+    at::Tensor y = at::empty_like(xc);
+    const float* xp = xc.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, xc.numel(), kElementsPerTask, [&](int64_t begin, int64_t end) {
+      detail::gelu_tanh_forward(xp + begin, yp + begin, end - begin);
+    });
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const at::Tensor x = ctx->get_saved_variables()[0];
+    const at::Tensor gy = grads[0].to(at::kFloat).contiguous();
+    at::Tensor dx = at::empty_like(x);
+    const float *xp = x.data_ptr<float>(), *gp = gy.data_ptr<float>();
+    float* dp = dx.data_ptr<float>();
+    at::parallel_for(0, x.numel(), kElementsPerTask, [&](int64_t begin, int64_t end) {
+      detail::gelu_tanh_backward(xp + begin, gp + begin, dp + begin, end - begin);
+    });
+    return {dx};
+  }
+};
+
 }  // namespace
+
+at::Tensor gelu_tanh(const at::Tensor& x) {
+  if (x.device().is_cpu() && x.scalar_type() == at::kFloat) return GeluTanhFunction::apply(x);
+  return at::gelu(x, "tanh");
+}
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return RmsNormFunction::apply(x, weight, eps);

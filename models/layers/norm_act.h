@@ -1,5 +1,5 @@
 #pragma once
-// RMSNorm and SwiGLU's gate as single autograd nodes. Written as chains of ATen ops,
+// RMSNorm, SwiGLU's gate and GELU as single autograd nodes. Written as chains of ATen ops,
 // autograd keeps every intermediate (RMSNorm: x, x^2, the rsqrt, the normalised rows;
 // SwiGLU: gate, silu(gate), up) and walks one node per op; here the forward keeps only what
 // the backward cannot cheaply rebuild, and the backward is a few fused expressions. On a
@@ -17,6 +17,11 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
 // silu(gate) * up, in their dtype. Keeps gate and up; silu(gate) is rebuilt in backward.
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
+
+// GELU with tanh's approximation (Hugging Face's gelu_new, GPT-2's activation; ATen's
+// gelu(approximate="tanh")): on fp32 CPU tensors one node with memtune's kernels, elsewhere
+// at::gelu. Keeps x.
+at::Tensor gelu_tanh(const at::Tensor& x);
 
 // Their memory at `rows` rows (models/memory.h), elements of `elem_bytes`: what each keeps
 // for backward, and the transient of SwiGLU's backward (sigmoid(gate) rebuilt, both

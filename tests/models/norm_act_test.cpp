@@ -1,4 +1,4 @@
-// The fused RMSNorm and SwiGLU nodes against the same math as chains of ATen ops under
+// The fused RMSNorm, SwiGLU and GELU nodes against the same math as chains of ATen ops under
 // autograd (the form of Hugging Face's LlamaRMSNorm and LlamaMLP).
 #include <gtest/gtest.h>
 
@@ -112,6 +112,63 @@ TEST(Swiglu, MatchesTheExactMathAndAutogradsChain) {
     EXPECT_TRUE(std::isnan(t.view(-1)[7].item<float>()));
     EXPECT_TRUE(std::isnan(t.view(-1)[rows * width - 1].item<float>()));
     EXPECT_EQ(at::isnan(t).sum().item<int64_t>(), 2);
+  }
+}
+
+// GELU with tanh's approximation (GPT-2's gelu_new) on fp32 CPU tensors: memtune's kernels,
+// AVX2 and portable, against the exact math in fp64 (Hugging Face's form, 0.5 x (1 + tanh(u)))
+// and ATen's gelu(approximate="tanh") under autograd; extremes saturate (0 and x, gradients
+// 0 and gy), NaN is carried through, and the backward holds the one gradient alone.
+TEST(GeluTanh, MatchesTheExactMathAndAtensGelu) {
+  memtune::install_cpu_budget_allocator();
+  torch::manual_seed(6);
+  const int64_t rows = 3 * 67, width = 517;
+  at::Tensor x0 = at::randn({3, 67, width}) * 3;
+  x0.view(-1).slice(0, 0, 8).copy_(at::tensor({0.0f, -0.0f, 12.0f, -12.0f, 80.0f, -80.0f, 1e-30f, -0.7f}));
+  const at::Tensor g0 = at::randn({3, 67, width});
+  const at::Tensor x = x0.to(at::kDouble), gy = g0.to(at::kDouble);
+  const double beta = std::sqrt(2.0 / M_PI), kappa = 0.044715;
+  const at::Tensor t = at::tanh(beta * (x + kappa * x.pow(3)));
+  const at::Tensor y_exact = 0.5 * x * (1 + t);
+  const at::Tensor d_exact = gy * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * beta * (1 + 3 * kappa * x * x));
+  // Each term's size: the bound for a few roundings of each.
+  const at::Tensor d_scale = gy.abs() * (0.5 * (1 + t) + (0.5 * x * (1 - t * t) * beta * (1 + 3 * kappa * x * x)).abs()) + 1e-7 * gy.abs();
+  for (bool portable : {false, true}) {
+    memtune::models::detail::use_portable_cpu_kernels(portable);
+    SCOPED_TRACE(portable ? "portable" : "AVX2 where the CPU has it");
+    at::Tensor xin = x0.clone().requires_grad_(true);
+    at::Tensor y = memtune::models::gelu_tanh(xin);
+    expect_elementwise(y, y_exact, y_exact.abs() + 1e-7 * x.abs(), 2e-6, "forward");
+    {
+      const int64_t before = memtune::cpu_allocated_bytes();
+      memtune::ScopedPeakReset peak;
+      y.backward(g0);
+      EXPECT_LE(peak.peak() - before, memtune::models::gelu_backward_transient(rows, width)) << "the backward's transient";
+    }
+    expect_elementwise(xin.grad(), d_exact, d_scale, 4e-6, "gradient");
+    at::Tensor xr = x0.clone().requires_grad_(true);
+    at::Tensor yr = at::gelu(xr, "tanh");
+    yr.backward(g0);
+    expect_close(y, yr, 2e-6, "forward against ATen's");
+    expect_close(xin.grad(), xr.grad(), 4e-6, "gradient against ATen's");
+    // Saturation: far left 0 (gradient 0; the AVX2 exponential stops at 2^127, so under 1e-30
+    // rather than 0), far right x (gradient gy).
+    EXPECT_LT(std::abs(y.view(-1)[5].item<float>()), 1e-30f);
+    EXPECT_EQ(y.view(-1)[4].item<float>(), 80.0f);
+    EXPECT_LT(std::abs(xin.grad().view(-1)[5].item<float>()), 1e-30f);
+    EXPECT_EQ(xin.grad().view(-1)[4].item<float>(), g0.view(-1)[4].item<float>());
+  }
+  memtune::models::detail::use_portable_cpu_kernels(false);
+
+  at::Tensor xn = x0.clone();
+  xn.view(-1)[3] = std::numeric_limits<float>::quiet_NaN();
+  xn.view(-1)[rows * width - 1] = std::numeric_limits<float>::quiet_NaN();
+  xn.requires_grad_(true);
+  at::Tensor y = memtune::models::gelu_tanh(xn);
+  y.backward(g0);
+  for (const at::Tensor& out : {y, xn.grad()}) {
+    EXPECT_TRUE(std::isnan(out.view(-1)[3].item<float>()));
+    EXPECT_EQ(at::isnan(out).sum().item<int64_t>(), 2);
   }
 }
 
