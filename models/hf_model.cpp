@@ -61,12 +61,14 @@ std::unique_ptr<CausalLM> load_hf_model(const fs::path& dir, const LoadOptions& 
   int64_t done = 0;
   at::NoGradGuard no_grad;
   const std::vector<bool> skip = options.skip ? options.skip(*model) : std::vector<bool>();
+  bool loaded_nf4 = false;  // a projection read from bitsandbytes' 4-bit tensors
   for (TensorSlot& slot : model->tensors()) {
     const bool skipped = !skip.empty() && skip[static_cast<size_t>(&slot - model->tensors().data())];
     const bool projection = slot.role == TensorRole::kLinearWeight;
     if (projection && is_bnb_nf4(keys, slot.name)) {
       auto get = [&](const std::string& key) { return ckpt.contains(key) ? ckpt.load(key) : at::Tensor(); };
       slot.linear->set_quantized(std::make_shared<NF4Tensor>(nf4_from_bnb(get, slot.name)));
+      loaded_nf4 = true;
       for (const auto& k : keys)
         if (k.rfind(slot.name, 0) == 0) used.insert(k);
     } else {
@@ -110,6 +112,17 @@ std::unique_ptr<CausalLM> load_hf_model(const fs::path& dir, const LoadOptions& 
     }
     if (options.on_tensor) options.on_tensor(slot.name, ++done, total);
   }
+  // config.json's quantization_config describes the stored tensors: over dense projections
+  // transformers would quantize on load (bitsandbytes) or expect another format's tensors.
+  if (spec.extra.contains("quantization_config") && !loaded_nf4) {
+    const json& q = spec.extra["quantization_config"];
+    const std::string method = q.is_object() && q.contains("quant_method") && q["quant_method"].is_string()
+                                   ? q["quant_method"].get<std::string>()
+                                   : "unnamed";
+    fail((dir / "config.json").string(), ": quantization_config (quant_method ", method,
+         ") describes quantized weights, and the checkpoint's projections are dense. Hint: remove "
+         "quantization_config from config.json; to quantize on load, set model.quantization_config.load_in_4bit");
+  }
   for (const auto& k : keys)
     MEMTUNE_CHECK(used.count(k) || ignorable(k) ||
                       (spec.tie_word_embeddings && k == "lm_head.weight"),
@@ -146,6 +159,9 @@ void save_hf_model(const CausalLM& model, const fs::path& dir, const SaveOptions
   config["torch_dtype"] = options.dtype == at::kBFloat16 ? "bfloat16"
                           : options.dtype == at::kHalf   ? "float16"
                                                          : "float32";
+  // The tensors written decide: a model saved dense carries no quantization_config (one kept
+  // from the loaded config.json would tell transformers its dense tensors are quantized).
+  config.erase("quantization_config");
   if (any_nf4) {
     config["quantization_config"] = {
         {"quant_method", "bitsandbytes"},

@@ -61,6 +61,14 @@ RopeScaling read_rope_scaling(const json& j, const std::string& where, int64_t m
   MEMTUNE_CHECK(type == "linear" || type == "llama3" || type == "yarn" || type == "dynamic", where,
                 ": rope_scaling type '", type, "' is not supported (supported: linear, llama3, yarn, dynamic)");
   r.type = type;
+  // transformers' rope validation requires these keys (a missing one is its KeyError).
+  std::vector<const char*> required;
+  if (type != "yarn") required.push_back("factor");
+  if (type == "llama3")
+    for (const char* k : {"low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}) required.push_back(k);
+  for (const char* k : required)
+    MEMTUNE_CHECK(j.contains(k) && !j[k].is_null(), where, ": rope_scaling type '", type, "' needs '", k,
+                  "' (transformers refuses the config without it)");
   r.low_freq_factor = get_or<double>(j, "low_freq_factor", 1.0, where);
   r.high_freq_factor = get_or<double>(j, "high_freq_factor", 4.0, where);
   const bool yarn = type == "yarn";
@@ -145,6 +153,13 @@ ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
     std::string act = get_or<std::string>(c, "activation_function", "gelu_new", where);
     MEMTUNE_CHECK(act == "gelu_new" || act == "gelu_pytorch_tanh", where,
                   ": activation_function '", act, "' is not supported (gelu_new)");
+    // Attention scores scaled otherwise than by 1/sqrt(head_dim): transformers' eager GPT-2
+    // attention reads these, its SDPA path does not; memtune implements neither form.
+    MEMTUNE_CHECK(get_or<bool>(c, "scale_attn_weights", true, where), where,
+                  ": scale_attn_weights false (attention without 1/sqrt(head_dim)) is not supported");
+    MEMTUNE_CHECK(!get_or<bool>(c, "scale_attn_by_inverse_layer_idx", false, where), where,
+                  ": scale_attn_by_inverse_layer_idx true (scores divided by the layer's index + 1) is not "
+                  "supported");
   } else {
     s.intermediate_size = require_int(c, {"intermediate_size"}, where);
     s.max_position_embeddings = get_or<int64_t>(c, "max_position_embeddings", 2048, where);
@@ -163,6 +178,16 @@ ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
                   "to train with full attention");
     std::string act = get_or<std::string>(c, "hidden_act", "silu", where);
     MEMTUNE_CHECK(act == "silu", where, ": hidden_act '", act, "' is not supported (silu)");
+    // Dropout on the attention probabilities in training (transformers applies it with every
+    // attention backend): memtune's attention has none.
+    const double attention_dropout = get_or<double>(c, "attention_dropout", 0.0, where);
+    MEMTUNE_CHECK(attention_dropout == 0, where, ": attention_dropout ", attention_dropout,
+                  " is not supported (memtune's attention applies no dropout); set it to 0.0 to train without");
+    for (const json* holder : {&c, c.contains("rope_parameters") ? &c["rope_parameters"] : nullptr})
+      if (holder != nullptr && holder->is_object())
+        MEMTUNE_CHECK(get_or<double>(*holder, "partial_rotary_factor", 1.0, where) == 1.0, where,
+                      ": partial_rotary_factor ", get_or<double>(*holder, "partial_rotary_factor", 1.0, where),
+                      " (rotary on part of each head) is not supported");
     // Newer configs nest rope settings in rope_parameters; older ones keep them top level.
     if (c.contains("rope_parameters") && c["rope_parameters"].is_object()) {
       const json& rp = c["rope_parameters"];
@@ -190,8 +215,25 @@ ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
   return s;
 }
 
+std::string unapplied_dropout(const ModelSpec& s) {
+  if (!s.is_gpt2()) return "";  // the Llama family's attention_dropout is refused unless 0
+  std::string set;
+  for (const char* key : {"resid_pdrop", "embd_pdrop", "attn_pdrop"}) {
+    const auto it = s.extra.find(key);
+    const double p = it == s.extra.end() ? 0.1 : it->is_number() ? it->get<double>() : 0.0;
+    if (p != 0) set += str_cat(set.empty() ? "" : ", ", key, " ", p, it == s.extra.end() ? " (absent: 0.1)" : "");
+  }
+  if (set.empty()) return "";
+  return "config.json's GPT-2 dropout (" + set + ") is not applied: memtune trains GPT-2 without dropout, as llm.c "
+         "does, where transformers applies it in training; set them to 0.0 in config.json to make the two agree";
+}
+
 json spec_to_hf_config(const ModelSpec& s) {
   json c = s.extra;
+  // memtune's GPT-2 applies no dropout: a config it writes says so (transformers' default is 0.1).
+  if (s.is_gpt2())
+    for (const char* key : {"resid_pdrop", "embd_pdrop", "attn_pdrop"})
+      if (!c.contains(key)) c[key] = 0.0;
   c["architectures"] = json::array({s.architecture});
   c["model_type"] = s.model_type;
   c["vocab_size"] = s.vocab_size;

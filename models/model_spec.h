@@ -53,8 +53,13 @@ struct ModelSpec {
 
 // Reads a config.json object; `where` names the file in messages.
 ModelSpec spec_from_hf_config(const nlohmann::json& config, const std::string& where);
-// The config.json HF writes for this spec (round-trips through spec_from_hf_config).
+// The config.json HF writes for this spec (round-trips through spec_from_hf_config). A GPT-2
+// spec without dropout keys gets them at 0.0: memtune's GPT-2 applies none.
 nlohmann::json spec_to_hf_config(const ModelSpec& spec);
+// A line for the log when config.json asks for dropout that memtune's forward does not apply
+// (GPT-2's resid_pdrop, embd_pdrop and attn_pdrop, 0.1 when absent as in transformers); empty
+// otherwise.
+std::string unapplied_dropout(const ModelSpec& spec);
 // Throws UserError when the shape is impossible (heads not dividing, ...).
 void validate_spec(const ModelSpec& spec, const std::string& where);
 

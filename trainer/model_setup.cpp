@@ -165,6 +165,8 @@ ModelBundle setup_model(const Config& c, const fs::path& adapter_dir, const Skip
                 spec.max_position_embeddings, " of a model with rope_scaling dynamic, whose scaling memtune applies "
                 "within max_position_embeddings only (transformers keeps the longest sequence's scaling for the "
                 "forwards that follow); set data.max_seq_length <= ", spec.max_position_embeddings);
+  if (fs::is_directory(c.model.name_or_path))  // a preset is memtune's own model, without dropout keys
+    if (const std::string w = models::unapplied_dropout(spec); !w.empty()) b.warnings.push_back(w);
   model.set_compute_dtype(b.compute_dtype);
   model.set_attention_kernel(models::parse_attention_kernel(c.model.attn_implementation));
 

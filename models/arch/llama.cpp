@@ -99,8 +99,11 @@ class LlamaModel : public CausalLM {
     rope_scale_ = rope_attention_factor(spec.rope_scaling);
   }
 
+  // transformers builds the embedding with padding_idx = pad_token_id: that row gets no gradient.
   at::Tensor embed(const at::Tensor& ids, const at::Tensor&) override {
-    return at::embedding(embed_tokens_, ids);
+    const std::optional<int64_t>& pad = spec().pad_token_id;
+    const int64_t padding_idx = pad && *pad >= 0 && *pad < spec().vocab_size ? *pad : -1;
+    return at::embedding(embed_tokens_, ids, padding_idx);
   }
 
   LayerContext layer_context(const data::Batch& b) override {

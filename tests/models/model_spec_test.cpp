@@ -146,3 +146,77 @@ TEST(ModelSpecBias, MlpBiasIsLlamasOnly) {
 }
 
 }  // namespace
+
+namespace {
+
+json small_gpt2() {
+  return {{"model_type", "gpt2"}, {"vocab_size", 256}, {"n_embd", 64}, {"n_layer", 2}, {"n_head", 4},
+          {"n_positions", 128}};
+}
+
+// Fields transformers reads that change the forward and that memtune does not implement are
+// refused by name unless they hold their no-op value (they were read past before).
+TEST(ModelSpecUnimplemented, MathChangingFieldsAreRefusedByName) {
+  json c = small("llama");
+  c["attention_dropout"] = 0.1;
+  EXPECT_NE(error_of(c).find("attention_dropout 0.1 is not supported"), std::string::npos) << error_of(c);
+  c["attention_dropout"] = 0.0;
+  EXPECT_EQ(error_of(c), "");
+  c["partial_rotary_factor"] = 0.5;
+  EXPECT_NE(error_of(c).find("partial_rotary_factor 0.5 (rotary on part of each head) is not supported"),
+            std::string::npos)
+      << error_of(c);
+  c.erase("partial_rotary_factor");
+  c["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 10000.0}, {"partial_rotary_factor", 0.25}};
+  EXPECT_NE(error_of(c).find("partial_rotary_factor 0.25"), std::string::npos) << error_of(c);
+  c["rope_parameters"]["partial_rotary_factor"] = 1.0;
+  EXPECT_EQ(error_of(c), "");
+
+  json g = small_gpt2();
+  EXPECT_EQ(error_of(g), "");
+  g["scale_attn_weights"] = false;
+  EXPECT_NE(error_of(g).find("scale_attn_weights false"), std::string::npos) << error_of(g);
+  g["scale_attn_weights"] = true;
+  g["scale_attn_by_inverse_layer_idx"] = true;
+  EXPECT_NE(error_of(g).find("scale_attn_by_inverse_layer_idx true"), std::string::npos) << error_of(g);
+}
+
+// transformers' rope validation needs these keys; memtune used defaults where it raises.
+TEST(ModelSpecRope, KeysTransformersRequiresAreRequired) {
+  json c = small("llama");
+  c["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}, {"high_freq_factor", 4.0},
+                       {"original_max_position_embeddings", 8192}};
+  EXPECT_NE(error_of(c).find("rope_scaling type 'llama3' needs 'low_freq_factor'"), std::string::npos) << error_of(c);
+  c["rope_scaling"]["low_freq_factor"] = 1.0;
+  EXPECT_EQ(error_of(c), "");
+  c["rope_scaling"] = {{"type", "linear"}};
+  EXPECT_NE(error_of(c).find("rope_scaling type 'linear' needs 'factor'"), std::string::npos) << error_of(c);
+  c["rope_scaling"]["factor"] = 2.0;
+  EXPECT_EQ(error_of(c), "");
+}
+
+// GPT-2's dropout (0.1 in transformers when absent) is not applied by memtune's forward: the
+// log says so for a loaded config, and a config memtune writes for its own GPT-2 says 0.0.
+TEST(ModelSpecDropout, Gpt2DropoutIsNamedAndMemtunesOwnConfigsSayZero) {
+  json g = small_gpt2();
+  const std::string absent = memtune::models::unapplied_dropout(spec_from_hf_config(g, "c"));
+  EXPECT_NE(absent.find("resid_pdrop 0.1 (absent: 0.1), embd_pdrop 0.1 (absent: 0.1), attn_pdrop 0.1 (absent: 0.1)"),
+            std::string::npos)
+      << absent;
+  g["resid_pdrop"] = 0.0;
+  g["embd_pdrop"] = 0.0;
+  g["attn_pdrop"] = 0.2;
+  const std::string one = memtune::models::unapplied_dropout(spec_from_hf_config(g, "c"));
+  EXPECT_NE(one.find("(attn_pdrop 0.2) is not applied"), std::string::npos) << one;
+  g["attn_pdrop"] = 0.0;
+  EXPECT_EQ(memtune::models::unapplied_dropout(spec_from_hf_config(g, "c")), "");
+  EXPECT_EQ(memtune::models::unapplied_dropout(spec_from_hf_config(small("llama"), "c")), "");
+
+  const json written = spec_to_hf_config(spec_from_hf_config(small_gpt2(), "c"));
+  for (const char* key : {"resid_pdrop", "embd_pdrop", "attn_pdrop"}) EXPECT_EQ(written.at(key), 0.0) << key;
+  json kept = small_gpt2();
+  kept["resid_pdrop"] = 0.1;
+  EXPECT_EQ(spec_to_hf_config(spec_from_hf_config(kept, "c")).at("resid_pdrop"), 0.1);
+}
+
+}  // namespace
