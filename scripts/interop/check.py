@@ -393,6 +393,9 @@ class Check:
              "activation_function"),
             ("qwen2 use_sliding_window", dict(FAMILIES["qwen2"], use_sliding_window=True, sliding_window=8,
                                               max_window_layers=1), "use_sliding_window"),
+            ("llama attention_dropout 0.1", dict(BASE_LLAMA, attention_dropout=0.1), "attention_dropout"),
+            ("gpt2 scale_attn_by_inverse_layer_idx", dict(FAMILIES["gpt2"], scale_attn_by_inverse_layer_idx=True),
+             "scale_attn_by_inverse_layer_idx"),
         ]
         for label, config, key in cases:
             d = "hf-refused-" + re.sub(r"\W+", "-", label)
