@@ -338,7 +338,10 @@ void read_value(const Item& it, std::map<std::string, SizeSpec>& v, Ctx& ctx, co
   }
 }
 
+// A value replaces the whole setting (an override `gradient_checkpointing=false` or
+// `={policy: layers, layers: [0]}` leaves no n or layers of the config's own value behind).
 void read_value(const Item& it, CheckpointingConfig& v, Ctx& ctx, const Field& f) {
+  v = CheckpointingConfig{};
   if (it.node.IsScalar()) {
     bool on = false;
     v.policy = parse_bool(it.node.Scalar(), on) ? (on ? "all" : "none") : it.node.Scalar();
@@ -674,6 +677,21 @@ Config parse_config(const std::string& yaml_text, const std::string& source,
   read(Item{root, "", root.Mark()}, config, ctx, Field{});
   for (const auto& text : overrides) apply_override(config, text, ctx);
   validate(config, Checker(ctx.source, &ctx.seen));
+  return config;
+}
+
+Config parse_saved_config(const std::string& yaml_text, const std::string& source) {
+  Ctx ctx;
+  ctx.source = source;
+  YAML::Node root;
+  try {
+    root = YAML::Load(yaml_text);
+  } catch (const YAML::Exception& e) {
+    fail(ctx.at(e.mark), ": not valid YAML: ", e.msg);
+  }
+  Config config;
+  config.source = source;
+  read(Item{root, "", root.Mark()}, config, ctx, Field{});
   return config;
 }
 

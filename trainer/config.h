@@ -206,6 +206,10 @@ struct Config {
 // `overrides` ("training.learning_rate=1e-4", values typed as in YAML), then validates.
 Config parse_config(const std::string& yaml_text, const std::string& source,
                     const std::vector<std::string>& overrides = {});
+// A config memtune wrote (a checkpoint's config.yaml), read as written: unknown keys and wrong
+// types throw, values are not validated (the version that wrote it did; a rule added since
+// must not make an older checkpoint unresumable).
+Config parse_saved_config(const std::string& yaml_text, const std::string& source);
 Config load_config(const std::filesystem::path& path, const std::vector<std::string>& overrides = {});
 // Refuses impossible values (parse_config calls it; for configs built or changed in code).
 void validate(const Config& config);

@@ -629,7 +629,7 @@ void Trainer::resume() {
       load_training_checkpoint(dir, [this](const std::string& key) { return sharding_->owns_state(key); });
   // The ladder's optimizer_8bit had been taken (the checkpoint's run configured AdamW in
   // fp32 and holds 8-bit state): the state is in that form again.
-  const Config written = parse_config(ck.config_yaml, (dir / "config.yaml").string());
+  const Config written = parse_saved_config(ck.config_yaml, (dir / "config.yaml").string());
   OptimizerOptions written_kind;
   set_optimizer_kind(written.training.optim, written_kind);
   if (ck.state.optimizer.value("kind", std::string()) == "adamw_8bit" && written_kind.kind != "adamw_8bit" &&

@@ -988,6 +988,32 @@ TEST(ConfigErrors, KeysWithoutTheKeyThatReadsThemAreRefused) {
   EXPECT_EQ(ok.training.gradient_checkpointing.n, 3);
 }
 
+// A checkpointing value replaces the whole setting: memtune estimate --plan's overrides
+// (gradient_checkpointing=false, or a whole map) apply over a config with another policy.
+TEST(ConfigOverrides, ACheckpointingValueReplacesTheWholeSetting) {
+  const std::string yaml = "training:\n  gradient_checkpointing: {policy: every_n, n: 4}\n";
+  const Config off = parse(yaml, {"training.gradient_checkpointing=false"});
+  EXPECT_EQ(off.training.gradient_checkpointing.policy, "none");
+  EXPECT_EQ(off.training.gradient_checkpointing.n, memtune::trainer::CheckpointingConfig{}.n);
+  const Config layers = parse(yaml, {"training.gradient_checkpointing={policy: layers, layers: [0, 2]}"});
+  EXPECT_EQ(layers.training.gradient_checkpointing.layers, (std::vector<int>{0, 2}));
+  EXPECT_EQ(layers.training.gradient_checkpointing.n, memtune::trainer::CheckpointingConfig{}.n);
+  const Config back = parse("training:\n  gradient_checkpointing: {policy: layers, layers: [0, 1]}\n",
+                            {"training.gradient_checkpointing={policy: every_n, n: 2}"});
+  EXPECT_TRUE(back.training.gradient_checkpointing.layers.empty());
+}
+
+// A checkpoint's config.yaml is read as written: a rule added since (here, momentum only with
+// sgd) does not make an older checkpoint unresumable.
+TEST(ConfigSaved, ACheckpointsConfigIsReadWithoutTheRulesAcrossKeys) {
+  const std::string saved = "training:\n  optim: adamw_torch\n  momentum: 0.9\n  eval_steps: 5\n";
+  EXPECT_NE(error_of(saved).find("only optim: sgd has a momentum"), std::string::npos);
+  const Config c = memtune::trainer::parse_saved_config(saved, "step-1/config.yaml");
+  EXPECT_EQ(c.training.optim, "adamw_torch");
+  EXPECT_DOUBLE_EQ(c.training.momentum, 0.9);
+  EXPECT_THROW(memtune::trainer::parse_saved_config("training: {optimm: sgd}\n", "s"), memtune::UserError);
+}
+
 // One config may serve a LoRA and a full run (training.finetune=full as an override): the lora
 // section is then unused, and the log says so, naming the key.
 TEST(ConfigNotes, ALoraSectionInAFullFineTuneIsNamed) {
