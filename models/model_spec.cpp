@@ -178,11 +178,6 @@ ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
                   "to train with full attention");
     std::string act = get_or<std::string>(c, "hidden_act", "silu", where);
     MEMTUNE_CHECK(act == "silu", where, ": hidden_act '", act, "' is not supported (silu)");
-    // Dropout on the attention probabilities in training (transformers applies it with every
-    // attention backend): memtune's attention has none.
-    const double attention_dropout = get_or<double>(c, "attention_dropout", 0.0, where);
-    MEMTUNE_CHECK(attention_dropout == 0, where, ": attention_dropout ", attention_dropout,
-                  " is not supported (memtune's attention applies no dropout); set it to 0.0 to train without");
     for (const json* holder : {&c, c.contains("rope_parameters") ? &c["rope_parameters"] : nullptr})
       if (holder != nullptr && holder->is_object())
         MEMTUNE_CHECK(get_or<double>(*holder, "partial_rotary_factor", 1.0, where) == 1.0, where,
@@ -207,6 +202,12 @@ ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
   s.bos_token_id = opt_int("bos_token_id");
   s.eos_token_id = opt_int("eos_token_id");
   s.pad_token_id = opt_int("pad_token_id");
+  // The Llama family's embedding takes it as nn.Embedding's padding_idx, which must index the
+  // vocabulary (a negative one counts from its end).
+  if (!s.is_gpt2() && s.pad_token_id)
+    MEMTUNE_CHECK(*s.pad_token_id >= -s.vocab_size && *s.pad_token_id < s.vocab_size, where, ": pad_token_id ",
+                  *s.pad_token_id, " is outside the vocabulary (vocab_size ", s.vocab_size,
+                  "); transformers' embedding refuses it as its padding index");
   s.torch_dtype = get_or<std::string>(c, "torch_dtype", "float32", where);
   for (auto it = c.begin(); it != c.end(); ++it)
     if (!modelled_keys().count(it.key()) || (it.key() == "mlp_bias" && s.model_type != "llama"))
@@ -215,8 +216,14 @@ ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
   return s;
 }
 
+double attention_dropout(const ModelSpec& s) {
+  if (s.is_gpt2()) return 0;
+  const auto it = s.extra.find("attention_dropout");
+  return it != s.extra.end() && it->is_number() ? it->get<double>() : 0.0;
+}
+
 std::string unapplied_dropout(const ModelSpec& s) {
-  if (!s.is_gpt2()) return "";  // the Llama family's attention_dropout is refused unless 0
+  if (!s.is_gpt2()) return "";  // the Llama family's attention_dropout: refused in training
   std::string set;
   for (const char* key : {"resid_pdrop", "embd_pdrop", "attn_pdrop"}) {
     const auto it = s.extra.find(key);

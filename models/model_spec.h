@@ -60,6 +60,10 @@ nlohmann::json spec_to_hf_config(const ModelSpec& spec);
 // (GPT-2's resid_pdrop, embd_pdrop and attn_pdrop, 0.1 when absent as in transformers); empty
 // otherwise.
 std::string unapplied_dropout(const ModelSpec& spec);
+// The Llama family's attention_dropout (0 when absent), which transformers applies to the
+// attention probabilities in training and memtune's attention does not: training refuses it
+// unless 0; evaluation, generation and merges compute what transformers does outside training.
+double attention_dropout(const ModelSpec& spec);
 // Throws UserError when the shape is impossible (heads not dividing, ...).
 void validate_spec(const ModelSpec& spec, const std::string& where);
 

@@ -167,6 +167,9 @@ ModelBundle setup_model(const Config& c, const fs::path& adapter_dir, const Skip
                 "forwards that follow); set data.max_seq_length <= ", spec.max_position_embeddings);
   if (fs::is_directory(c.model.name_or_path))  // a preset is memtune's own model, without dropout keys
     if (const std::string w = models::unapplied_dropout(spec); !w.empty()) b.warnings.push_back(w);
+  MEMTUNE_CHECK(models::attention_dropout(spec) == 0, c.model.name_or_path, "/config.json: attention_dropout ",
+                models::attention_dropout(spec), " drops attention probabilities in training, which memtune's "
+                "attention does not. Hint: set it to 0.0 in config.json to train without it");
   model.set_compute_dtype(b.compute_dtype);
   model.set_attention_kernel(models::parse_attention_kernel(c.model.attn_implementation));
 

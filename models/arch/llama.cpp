@@ -101,8 +101,10 @@ class LlamaModel : public CausalLM {
 
   // transformers builds the embedding with padding_idx = pad_token_id: that row gets no gradient.
   at::Tensor embed(const at::Tensor& ids, const at::Tensor&) override {
+    // A negative id counts from the vocabulary's end, as nn.Embedding takes it (the range is
+    // checked when config.json is read).
     const std::optional<int64_t>& pad = spec().pad_token_id;
-    const int64_t padding_idx = pad && *pad >= 0 && *pad < spec().vocab_size ? *pad : -1;
+    const int64_t padding_idx = !pad ? -1 : *pad < 0 ? *pad + spec().vocab_size : *pad;
     return at::embedding(embed_tokens_, ids, padding_idx);
   }
 

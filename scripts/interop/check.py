@@ -393,7 +393,6 @@ class Check:
              "activation_function"),
             ("qwen2 use_sliding_window", dict(FAMILIES["qwen2"], use_sliding_window=True, sliding_window=8,
                                               max_window_layers=1), "use_sliding_window"),
-            ("llama attention_dropout 0.1", dict(BASE_LLAMA, attention_dropout=0.1), "attention_dropout"),
             ("gpt2 scale_attn_by_inverse_layer_idx", dict(FAMILIES["gpt2"], scale_attn_by_inverse_layer_idx=True),
              "scale_attn_by_inverse_layer_idx"),
         ]
@@ -416,6 +415,18 @@ class Check:
                                "data": {"train_file": "rows.bin", "format": "tokens", "max_seq_length": SEQ}}, f)
                 self.refused("train, dynamic, max_seq_length past it", ["train", "refuse-dynamic.yaml"],
                              "max_position_embeddings")
+        # Dropout on the attention probabilities: transformers applies it in training, memtune's
+        # attention does not, so training refuses it (evaluation has none in either).
+        d = "hf-refused-attention-dropout"
+        r = self.judge("make_model", config=dict(BASE_LLAMA, attention_dropout=0.1), out=d, dtype="fp32", shard=None)
+        if not r["ok"]:
+            self.report.add("refusal", "train, llama attention_dropout 0.1", "-", "error", False, r["error"][:200])
+            return
+        with open(self.path("refuse-attention-dropout.yaml"), "w") as f:
+            json.dump({"model": {"name_or_path": d}, "training": {"output_dir": "run-refused", "max_steps": 1},
+                       "data": {"train_file": "rows.bin", "format": "tokens", "max_seq_length": SEQ}}, f)
+        self.refused("train, llama attention_dropout 0.1", ["train", "refuse-attention-dropout.yaml"],
+                     "attention_dropout")
 
     def tokenizer_check(self):
         def run():

@@ -158,10 +158,20 @@ json small_gpt2() {
 // refused by name unless they hold their no-op value (they were read past before).
 TEST(ModelSpecUnimplemented, MathChangingFieldsAreRefusedByName) {
   json c = small("llama");
-  c["attention_dropout"] = 0.1;
-  EXPECT_NE(error_of(c).find("attention_dropout 0.1 is not supported"), std::string::npos) << error_of(c);
-  c["attention_dropout"] = 0.0;
+  c["pad_token_id"] = 256;  // nn.Embedding(padding_idx) must index the vocabulary
+  EXPECT_NE(error_of(c).find("pad_token_id 256 is outside the vocabulary (vocab_size 256)"), std::string::npos)
+      << error_of(c);
+  c["pad_token_id"] = -257;
+  EXPECT_NE(error_of(c).find("pad_token_id -257 is outside"), std::string::npos) << error_of(c);
+  c["pad_token_id"] = -1;  // counts from the end, as nn.Embedding takes it
   EXPECT_EQ(error_of(c), "");
+  c.erase("pad_token_id");
+  // attention_dropout is read (training refuses it unless 0; evaluation has none anyway).
+  c["attention_dropout"] = 0.1;
+  EXPECT_EQ(error_of(c), "");
+  EXPECT_EQ(memtune::models::attention_dropout(spec_from_hf_config(c, "c")), 0.1);
+  c["attention_dropout"] = 0.0;
+  EXPECT_EQ(memtune::models::attention_dropout(spec_from_hf_config(c, "c")), 0.0);
   c["partial_rotary_factor"] = 0.5;
   EXPECT_NE(error_of(c).find("partial_rotary_factor 0.5 (rotary on part of each head) is not supported"),
             std::string::npos)

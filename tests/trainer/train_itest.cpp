@@ -496,6 +496,21 @@ TEST(Train, PresetKeysBesideAModelDirectoryAreRefused) {
   EXPECT_NE(seed.output.find("model.init_seed: 5 seeds a preset's random weights"), std::string::npos) << seed.output;
   TrainRun plain = train(d / "p", model + " training.max_steps=1");
   EXPECT_EQ(plain.exit_code, 0) << plain.output;
+
+  // attention_dropout, which transformers applies in training and memtune's attention does not:
+  // training refuses it by name; evaluation, which has no dropout in either, reads the model.
+  json config = json::parse(read_file(d / "tiny/config.json"));
+  config["attention_dropout"] = 0.1;
+  write_file(d / "tiny/config.json", config.dump());
+  TrainRun dropout = train(d / "dr", model + " training.max_steps=1");
+  EXPECT_EQ(dropout.exit_code, 2) << dropout.output;
+  EXPECT_NE(dropout.output.find("config.json: attention_dropout 0.1 drops attention probabilities in training"),
+            std::string::npos)
+      << dropout.output;
+  const auto eval = run(memtune_bin() + " eval --model " + (d / "tiny").string() + " --data " +
+                        (source_dir() / "examples/data/tasks_eval.jsonl").string() + " --format instruction --tokenizer " +
+                        (source_dir() / "examples/tiny-tokenizer").string() + " --max-seq-length 64");
+  EXPECT_EQ(eval.exit_code, 0) << eval.output;
 }
 
 // Exact-match accuracy renders prompts and reads answers as text: a model without a tokenizer
