@@ -662,9 +662,10 @@ void validate(const Config& config, const Checker& c) {
 using reflect::help_of;
 using reflect::visit;
 
-Config parse_config(const std::string& yaml_text, const std::string& source,
-                    const std::vector<std::string>& overrides) {
-  Ctx ctx;
+namespace {
+
+// The YAML text read into a Config, every key's type checked; `ctx` keeps where each key was.
+Config read_config(const std::string& yaml_text, const std::string& source, Ctx& ctx) {
   ctx.source = source.empty() ? "config" : source;
   YAML::Node root;
   try {
@@ -675,6 +676,15 @@ Config parse_config(const std::string& yaml_text, const std::string& source,
   Config config;
   config.source = source;
   read(Item{root, "", root.Mark()}, config, ctx, Field{});
+  return config;
+}
+
+}  // namespace
+
+Config parse_config(const std::string& yaml_text, const std::string& source,
+                    const std::vector<std::string>& overrides) {
+  Ctx ctx;
+  Config config = read_config(yaml_text, source, ctx);
   for (const auto& text : overrides) apply_override(config, text, ctx);
   validate(config, Checker(ctx.source, &ctx.seen));
   return config;
@@ -682,17 +692,7 @@ Config parse_config(const std::string& yaml_text, const std::string& source,
 
 Config parse_saved_config(const std::string& yaml_text, const std::string& source) {
   Ctx ctx;
-  ctx.source = source;
-  YAML::Node root;
-  try {
-    root = YAML::Load(yaml_text);
-  } catch (const YAML::Exception& e) {
-    fail(ctx.at(e.mark), ": not valid YAML: ", e.msg);
-  }
-  Config config;
-  config.source = source;
-  read(Item{root, "", root.Mark()}, config, ctx, Field{});
-  return config;
+  return read_config(yaml_text, source, ctx);
 }
 
 Config load_config(const std::filesystem::path& path, const std::vector<std::string>& overrides) {

@@ -1,5 +1,7 @@
 #include "trainer/model_setup.h"
 
+#include <algorithm>
+
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 
@@ -39,10 +41,6 @@ at::ScalarType dtype_from_name(const std::string& name) {
 }
 
 
-}  // namespace
-
-namespace {
-
 // What the config asks of the matmuls before the device has its say: training.fp16 / bf16,
 // else bnb_4bit_compute_dtype (auto included).
 std::string asked_compute_dtype(const Config& c) {
@@ -53,9 +51,8 @@ std::string asked_compute_dtype(const Config& c) {
 
 }  // namespace
 
-bool fp16_loss_scaling(const Config& c, const c10::Device& device) {
-  std::string note;
-  return asked_compute_dtype(c) == "float16" || resolve_compute_dtype(c, device, &note) == at::kHalf;
+bool fp16_loss_scaling(const Config& c, at::ScalarType compute_dtype) {
+  return asked_compute_dtype(c) == "float16" || compute_dtype == at::kHalf;
 }
 
 at::ScalarType resolve_compute_dtype(const Config& c, const c10::Device& device, std::string* note) {
@@ -186,8 +183,9 @@ ModelBundle setup_model(const Config& c, const fs::path& adapter_dir, const Skip
     b.adapter.base_model_name_or_path = c.model.name_or_path;
     // PEFT takes fan_in_fan_out from the module: true for weights stored [in, out] (GPT-2's
     // Conv1D), false for Linear, warning when the config said otherwise.
-    bool stored_in_out = false;
-    for (const models::Linear* l : model.linears()) stored_in_out = stored_in_out || l->fan_in_fan_out();
+    const std::vector<models::Linear*> linears = model.linears();
+    const bool stored_in_out =
+        std::any_of(linears.begin(), linears.end(), [](const models::Linear* l) { return l->fan_in_fan_out(); });
     b.adapter.fan_in_fan_out = stored_in_out;
     if (c.lora.fan_in_fan_out && !stored_in_out)
       b.warnings.push_back("lora.fan_in_fan_out is true, but this model's projections are Linear layers stored "

@@ -41,10 +41,11 @@ c10::Device resolve_device(const std::string& spec, const std::string& where = "
 // bf16). `note` receives why, and a warning when an explicit choice will be slow.
 at::ScalarType resolve_compute_dtype(const Config& config, const c10::Device& device, std::string* note);
 
-// Whether gradients need fp16's dynamic loss scaling: the matmuls run in fp16 (training.fp16,
-// bnb_4bit_compute_dtype: float16, or auto on a GPU without bf16), or fp16 was asked for on a
-// CPU, whose matmuls stay fp32 while the scaling runs as it would on a GPU.
-bool fp16_loss_scaling(const Config& config, const c10::Device& device);
+// Whether gradients need fp16's dynamic loss scaling: the matmuls run in fp16
+// (`compute_dtype`, resolve_compute_dtype's: training.fp16, bnb_4bit_compute_dtype: float16, or
+// auto on a GPU without bf16), or fp16 was asked for on a CPU, whose matmuls stay fp32 while the
+// scaling runs as it would on a GPU.
+bool fp16_loss_scaling(const Config& config, at::ScalarType compute_dtype);
 
 // The model's shape: a Hugging Face directory's config.json, or a preset (with
 // model.architecture when set). Throws UserError naming the presets when it is neither.

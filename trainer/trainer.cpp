@@ -431,7 +431,7 @@ void Trainer::build_update() {
     for (size_t i = 0; i < params_.size(); ++i)
       if (!on_demand[i]) pg_->broadcast(params_[i].second, 0);
   }
-  scaler_ = std::make_unique<GradScaler>(fp16_loss_scaling(c_, bundle_.device), t.fp16_init_scale,
+  scaler_ = std::make_unique<GradScaler>(fp16_loss_scaling(c_, bundle_.compute_dtype), t.fp16_init_scale,
                                          t.fp16_growth_interval);
 }
 
