@@ -56,10 +56,12 @@ struct Model {
 
 const std::vector<Model>& bench_models() {
   static const std::vector<Model> all = {
-      {"M QLoRA r16", {"model.name_or_path=tiny-llama", "model.quantization_config.load_in_4bit=true", "lora.r=16",
+      {"M QLoRA r16", {"model.name_or_path=tiny-llama", "model.quantization_config.load_in_4bit=true",
+                       "model.quantization_config.bnb_4bit_use_double_quant=true", "lora.r=16",
                        "lora.target_modules=all-linear"}, true},
       {"M full", {"model.name_or_path=tiny-llama", "training.finetune=full"}, true},
-      {"GPT-2 124M QLoRA", {"model.name_or_path=gpt2", "model.quantization_config.load_in_4bit=true", "lora.r=16",
+      {"GPT-2 124M QLoRA", {"model.name_or_path=gpt2", "model.quantization_config.load_in_4bit=true",
+                            "model.quantization_config.bnb_4bit_use_double_quant=true", "lora.r=16",
                             "lora.target_modules=all-linear"}, false},
       {"GPT-2 124M full", {"model.name_or_path=gpt2", "training.finetune=full"}, false},
   };
@@ -112,7 +114,7 @@ int worker(const Model& m, const std::string& level) {
   model->set_compute_dtype(at::kFloat);
   at::manual_seed(c.training.seed);
   if (c.training.finetune == "lora")
-    models::apply_lora(*model, trainer::lora_options(c.lora), trainer::lora_targets(c.lora));
+    models::apply_lora(*model, trainer::lora_options(c.lora), trainer::lora_targets(c.lora, spec.model_type));
   else
     models::make_all_trainable(*model);
   const auto params = model->trainable_parameters();

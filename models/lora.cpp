@@ -1,6 +1,7 @@
 #include "models/lora.h"
 
 #include <cstdio>
+#include <map>
 #include <regex>
 #include <set>
 
@@ -43,6 +44,16 @@ std::string with_commas(int64_t n) {
 }
 
 }  // namespace
+
+std::vector<std::string> peft_default_targets(const std::string& model_type) {
+  static const std::map<std::string, std::vector<std::string>> kDefaults = {
+      {"llama", {"q_proj", "v_proj"}}, {"mistral", {"q_proj", "v_proj"}}, {"mixtral", {"q_proj", "v_proj"}},
+      {"qwen2", {"q_proj", "v_proj"}}, {"qwen3", {"q_proj", "v_proj"}},   {"gemma", {"q_proj", "v_proj"}},
+      {"gemma2", {"q_proj", "v_proj"}}, {"gpt2", {"c_attn"}},
+  };
+  const auto it = kDefaults.find(model_type);
+  return it == kDefaults.end() ? std::vector<std::string>{} : it->second;
+}
 
 bool lora_targets(const LoraTargets& t, const std::string& module, int layer) {
   if (!t.layers_to_transform.empty()) {

@@ -18,6 +18,11 @@ struct LoraTargets {
   std::vector<int> layers_to_transform;  // empty: every layer
 };
 
+// PEFT's default target_modules for a model type (its TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+// for the types memtune builds: q_proj and v_proj for the Llama family, c_attn for GPT-2);
+// empty for a type PEFT has no default for, where PEFT asks for target_modules.
+std::vector<std::string> peft_default_targets(const std::string& model_type);
+
 // A target_modules string as the regex PEFT makes of it (re.fullmatch over module names).
 // A pattern std::regex cannot compile is a UserError naming `where` and the pattern.
 std::regex target_regex(const std::string& pattern, const std::string& where);

@@ -76,10 +76,12 @@ void QuantizationConfig::fields(F&& f) {
   f("load_in_4bit", load_in_4bit, "NF4 4-bit base weights for the linear layers");
   f("load_in_8bit", load_in_8bit, "bitsandbytes 8-bit weights: accepted key, refused when true");
   f("bnb_4bit_compute_dtype", bnb_4bit_compute_dtype,
-    "dtype of the matmuls (torch.float16, fp16, half, bf16, fp32 accepted); auto: bfloat16 on GPUs with it "
+    "dtype of the matmuls (torch.float16, fp16, half, bf16, fp32 accepted; float32 when absent, as bitsandbytes); "
+    "auto: bfloat16 on GPUs with it "
     "(sm_80 and newer), float16 on older GPUs, float32 on CPUs. float16 turns on fp16's loss scaling as "
     "training.fp16 does; training.fp16 / bf16 override this key", kDtype);
-  f("bnb_4bit_quant_type", bnb_4bit_quant_type, "4-bit code book (fp4 is not supported)",
+  f("bnb_4bit_quant_type", bnb_4bit_quant_type,
+    "4-bit code book: nf4 only (bitsandbytes' default, fp4, is not supported, so nf4 is memtune's)",
     Field::one_of({"nf4"}, "only nf4 is supported"));
   f("bnb_4bit_use_double_quant", bnb_4bit_use_double_quant,
     "quantize the absmax values too (about 4.127 bits per parameter)");
@@ -114,7 +116,8 @@ void LoraConfig::fields(F&& f) {
   f("lora_alpha", lora_alpha, "scaling = lora_alpha / r (or / sqrt(r) with use_rslora)");
   f("lora_dropout", lora_dropout, "dropout on the adapter's input, in [0, 1)");
   f("target_modules", target_modules,
-    "all-linear, a list of module names, or one string (a regex over full module names, as PEFT)");
+    "all-linear, a list of module names, or one string (a regex over full module names, as PEFT); absent: PEFT's "
+    "default for the model type (q_proj, v_proj for the Llama family; c_attn for GPT-2)");
   f("exclude_modules", exclude_modules, "module names never adapted");
   f("layers_to_transform", layers_to_transform, "layer indices to adapt; empty: every layer");
   f("use_rslora", use_rslora, "rank-stabilised scaling lora_alpha / sqrt(r)");
@@ -157,12 +160,13 @@ void TrainingConfig::fields(F&& f) {
   f("adam_beta2", adam_beta2, "AdamW beta2, in [0, 1)");
   f("adam_epsilon", adam_epsilon, "AdamW epsilon");
   f("optim", optim,
-    "optimizer (Hugging Face's names): adamw_torch and adamw are torch's AdamW (fp32 states); adamw_bnb_8bit and "
+    "optimizer (Hugging Face's names): adamw_torch, adamw_torch_fused (transformers 5's default: the same update "
+    "in one kernel) and adamw are torch's AdamW (fp32 states); adamw_bnb_8bit and "
     "adamw_8bit bitsandbytes' 8-bit AdamW; paged_* bitsandbytes' paged AdamW (states in host memory outside the "
     "device budget; on a GPU they pass through two device slots of at most 64 MiB during the update); adafactor transformers' Adafactor as the Trainer builds it (factored second moments, "
     "the schedule's learning rate; reads no adam_* key)",
-    {"adamw_torch", "adamw", "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor",
-     "sgd"});
+    {"adamw_torch", "adamw_torch_fused", "adamw", "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit",
+     "paged_adamw_32bit", "adafactor", "sgd"});
   f("momentum", momentum, "SGD momentum, in [0, 1); at 0 SGD keeps no state (as torch.optim.SGD); optim: sgd only");
   f("max_grad_norm", max_grad_norm, "clip the global gradient norm to this; <= 0: no clipping");
   f("logging_steps", logging_steps, "log metrics every this many steps");
@@ -185,7 +189,9 @@ void TrainingConfig::fields(F&& f) {
   f("dataloader_pin_memory", dataloader_pin_memory, "accepted for compatibility; changes nothing");
   f("dataloader_num_workers", dataloader_num_workers, "accepted for compatibility; changes nothing");
   f("remove_unused_columns", remove_unused_columns, "accepted for compatibility; changes nothing");
-  f("report_to", report_to, "accepted for compatibility; metrics go to output_dir/metrics.jsonl");
+  f("report_to", report_to, "experiment trackers: none only (metrics go to output_dir/metrics.jsonl and train.log)",
+    Field::one_of({"none"}, "memtune reports to no experiment tracker; its metrics are in output_dir/metrics.jsonl "
+                            "and train.log. Hint: set report_to: none, or drop the key"));
 }
 
 template <class F>
@@ -483,8 +489,6 @@ void validate(const LoraConfig& l, const std::string& p, const Checker& c) {
   c.check(l.r >= 1, p + ".r", l.r, "the rank must be at least 1");
   c.check(l.lora_alpha > 0, p + ".lora_alpha", l.lora_alpha, "must be > 0 (scaling = lora_alpha / r)");
   c.check(l.lora_dropout >= 0 && l.lora_dropout < 1, p + ".lora_dropout", l.lora_dropout, "must be in [0, 1)");
-  c.check(!l.target_modules.empty(), p + ".target_modules", l.target_modules,
-          "name at least one module, or all-linear");
   for (const auto& name : l.target_modules) {
     c.check(!name.empty(), p + ".target_modules", l.target_modules, "a module name must not be empty");
     c.check(name != "all-linear" || l.target_modules.size() == 1, p + ".target_modules", l.target_modules,
@@ -645,7 +649,8 @@ void validate(const Config& config, const Checker& c) {
   // state in host memory from the start, it would do nothing.
   const std::string& optim = config.training.optim;
   const bool eight = config.memory.on_oom.allows("optimizer_8bit");
-  c.check(!eight || optim == "adamw_torch" || optim == "adamw" || optim == "paged_adamw_32bit",
+  c.check(!eight || optim == "adamw_torch" || optim == "adamw_torch_fused" || optim == "adamw" ||
+              optim == "paged_adamw_32bit",
           "memory.on_oom.ladder", "optimizer_8bit",
           str_cat("quantizes AdamW's fp32 state, and training.optim: ", optim,
                   " keeps none. Hint: drop optimizer_8bit, or train with adamw_torch"));
@@ -760,9 +765,6 @@ std::vector<std::string> compatibility_notes(const Config& config) {
   if (t.remove_unused_columns != defaults.remove_unused_columns)
     notes.push_back("training.remove_unused_columns: accepted for compatibility; memtune builds its own "
                     "batches, so it changes nothing");
-  if (!t.report_to.empty() && t.report_to != "none")
-    notes.push_back("training.report_to: accepted for compatibility; memtune writes metrics to "
-                    "output_dir/metrics.jsonl only, so '" + t.report_to + "' changes nothing");
   // A full fine-tune builds no adapter (one config may serve both modes, by an override).
   if (t.finetune == "full") {
     const std::string key = reflect::first_difference(config.lora, LoraConfig{});

@@ -5,6 +5,11 @@
 // effective config written to output_dir/config.yaml all come from that visitor.
 // YAML is parsed in trainer/config.cpp (the schema) and trainer/config_reflect (the engine)
 // and nowhere else.
+// A key named after a Hugging Face / PEFT / bitsandbytes one has that library's default too
+// (lora_alpha 8, target_modules by model type, fp32 compute and no double quantization for
+// 4-bit weights, learning rate 5e-5, 3 epochs, micro-batches of 8): a config ported from
+// there trains the same without the keys it left out. memtune's own keys, and the few whose library default it cannot run (fp4),
+// say so in their help.
 #include <cstdint>
 #include <filesystem>
 #include <map>
@@ -21,9 +26,9 @@ namespace memtune::trainer {
 struct QuantizationConfig {
   bool load_in_4bit = false;                  // NF4 base weights for the linear layers
   bool load_in_8bit = false;                  // accepted key; refused when true (not supported)
-  std::string bnb_4bit_compute_dtype = "auto";  // auto|float32|float16|bfloat16: base matmul dtype
+  std::string bnb_4bit_compute_dtype = "float32";  // auto|float32|float16|bfloat16: base matmul dtype
   std::string bnb_4bit_quant_type = "nf4";    // nf4 only (fp4 refused)
-  bool bnb_4bit_use_double_quant = true;      // quantize the absmax values too (~4.127 bits/param)
+  bool bnb_4bit_use_double_quant = false;     // quantize the absmax values too (~4.127 bits/param)
   std::string bnb_4bit_quant_storage = "uint8";  // storage dtype of the packed codes
   int blocksize = 64;                         // elements per absmax block, power of 2 in 32..4096
 
@@ -64,11 +69,12 @@ struct ModelConfig {
 // PEFT's LoraConfig keys.
 struct LoraConfig {
   int r = 8;                          // rank of A [r,in] and B [out,r]
-  double lora_alpha = 16;             // scaling = lora_alpha / r (or / sqrt(r) with use_rslora)
+  double lora_alpha = 8;              // scaling = lora_alpha / r (or / sqrt(r) with use_rslora)
   double lora_dropout = 0.0;          // dropout on the adapter's input
   // all-linear, or module names. An entry matches a module whose name ends with it, or that it
   // matches in full as a regex: YAML's single string (PEFT: a regex) becomes a one-element list.
-  std::vector<std::string> target_modules = {"all-linear"};
+  // Empty (the key absent): PEFT's default for the model type (models::peft_default_targets).
+  std::vector<std::string> target_modules;
   std::vector<std::string> exclude_modules;
   std::vector<int> layers_to_transform;  // empty: every layer
   bool use_rslora = false;
@@ -84,15 +90,15 @@ struct LoraConfig {
 struct TrainingConfig {
   std::string output_dir = "runs/memtune";
   std::string finetune = "lora";              // lora|full
-  int per_device_train_batch_size = 1;        // micro-batch rows; kAuto: from the estimate
-  int per_device_eval_batch_size = 1;
+  int per_device_train_batch_size = 8;        // micro-batch rows; kAuto: from the estimate
+  int per_device_eval_batch_size = 8;
   int gradient_accumulation_steps = 1;        // micro-batches per optimizer step
   CheckpointingConfig gradient_checkpointing;
   std::string activation_offload = "false";  // false|checkpoints: checkpointed layers' inputs in host memory
   bool fp16 = false;                          // fp16 autocast with dynamic loss scaling
   bool bf16 = false;                          // bf16 autocast
-  double learning_rate = 2e-4;
-  double num_train_epochs = 1;
+  double learning_rate = 5e-5;
+  double num_train_epochs = 3;
   int64_t max_steps = -1;                     // > 0 overrides num_train_epochs
   std::string lr_scheduler_type = "linear";   // constant|constant_with_warmup|linear|cosine
   double warmup_ratio = 0;

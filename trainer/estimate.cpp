@@ -56,7 +56,7 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
   in.lora_dropout = c.lora.lora_dropout;
   if (in.finetune == "lora") {
     // The model's own projections, matched as PEFT does, and the tensors trained whole.
-    const models::LoraTargets targets = lora_targets(c.lora);
+    const models::LoraTargets targets = lora_targets(c.lora, s.model_type);
     const std::vector<const models::TensorSlot*> whole =
         models::modules_to_save_tensors(*structure, c.lora.modules_to_save, "lora.modules_to_save");
     for (const models::TensorSlot& t : structure->tensors()) {

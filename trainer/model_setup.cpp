@@ -139,9 +139,11 @@ models::LoraOptions lora_options(const LoraConfig& l) {
   return o;
 }
 
-models::LoraTargets lora_targets(const LoraConfig& l) {
+models::LoraTargets lora_targets(const LoraConfig& l, const std::string& model_type) {
   models::LoraTargets t;
-  t.target_modules = l.target_modules;
+  t.target_modules = l.target_modules.empty() ? models::peft_default_targets(model_type) : l.target_modules;
+  MEMTUNE_CHECK(!t.target_modules.empty(), "lora.target_modules is not set, and PEFT has no default for model_type '",
+                model_type, "'; name the projections to adapt (e.g. [q_proj, v_proj]) or all-linear");
   t.exclude_modules = l.exclude_modules;
   t.layers_to_transform = l.layers_to_transform;
   return t;
@@ -177,9 +179,9 @@ ModelBundle setup_model(const Config& c, const fs::path& adapter_dir, const Skip
     b.adapter = models::read_adapter_config(adapter_dir);
     b.notes.push_back("adapter " + adapter_dir.string() + ": " + s.describe());
   } else if (c.training.finetune == "lora") {
-    models::LoraSummary s = models::apply_lora(model, lora_options(c.lora), lora_targets(c.lora));
+    models::LoraSummary s = models::apply_lora(model, lora_options(c.lora), lora_targets(c.lora, spec.model_type));
     b.adapter.lora = lora_options(c.lora);
-    b.adapter.targets = lora_targets(c.lora);
+    b.adapter.targets = lora_targets(c.lora, spec.model_type);
     b.adapter.base_model_name_or_path = c.model.name_or_path;
     // PEFT takes fan_in_fan_out from the module: true for weights stored [in, out] (GPT-2's
     // Conv1D), false for Linear, warning when the config said otherwise.
@@ -190,6 +192,12 @@ ModelBundle setup_model(const Config& c, const fs::path& adapter_dir, const Skip
     if (c.lora.fan_in_fan_out && !stored_in_out)
       b.warnings.push_back("lora.fan_in_fan_out is true, but this model's projections are Linear layers stored "
                            "[out, in]; setting it to false, as PEFT does");
+    if (c.lora.target_modules.empty()) {
+      std::string names;
+      for (const auto& n : b.adapter.targets.target_modules) names += (names.empty() ? "" : ", ") + n;
+      b.notes.push_back("lora.target_modules is not set: PEFT's default for " + spec.model_type + ", [" + names +
+                        "] (all-linear adapts every projection)");
+    }
     b.notes.push_back("LoRA on " + std::to_string(s.modules.size()) + " projections: " + s.describe());
     if (!c.lora.modules_to_save.empty()) {
       const int64_t n = models::apply_modules_to_save(model, c.lora.modules_to_save, "lora.modules_to_save");

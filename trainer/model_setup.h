@@ -76,6 +76,8 @@ std::vector<models::DeviceBudget> auto_budgets(const Config& config, const c10::
                                                bool distributed);
 
 models::LoraOptions lora_options(const LoraConfig& lora);
-models::LoraTargets lora_targets(const LoraConfig& lora);
+// The config's targets; target_modules absent takes PEFT's default for `model_type`, and a
+// type PEFT has none for is refused, as PEFT refuses it, asking for target_modules.
+models::LoraTargets lora_targets(const LoraConfig& lora, const std::string& model_type);
 
 }  // namespace memtune::trainer

@@ -62,7 +62,7 @@ int64_t optimizer_state_bytes(const std::string& kind, bool paged, at::IntArrayR
 
 void set_optimizer_kind(const std::string& optim, OptimizerOptions& o) {
   o.paged = false;
-  if (optim == "adamw_torch" || optim == "adamw") {
+  if (optim == "adamw_torch" || optim == "adamw_torch_fused" || optim == "adamw") {
     o.kind = "adamw";
   } else if (optim == "adamw_bnb_8bit" || optim == "adamw_8bit") {
     o.kind = "adamw_8bit";

@@ -44,12 +44,12 @@ struct OptimizerOptions {
   double adafactor_decay_rate = -0.8; // beta2 at step t: 1 - t^decay_rate
 };
 
-// training.optim (Hugging Face's names) as options: adamw_torch|adamw -> adamw,
+// training.optim (Hugging Face's names) as options: adamw_torch|adamw_torch_fused|adamw -> adamw,
 // adamw_bnb_8bit|adamw_8bit -> adamw_8bit, paged_adamw_8bit -> adamw_8bit + paged,
 // paged_adamw_32bit -> adamw_32bit + paged, adafactor, sgd. Anything else: UserError with the list.
 void set_optimizer_kind(const std::string& optim, OptimizerOptions& o);
 inline constexpr const char* kOptimNames =
-    "adamw_torch, adamw, adamw_bnb_8bit, adamw_8bit, paged_adamw_8bit, paged_adamw_32bit, adafactor, sgd";
+    "adamw_torch, adamw_torch_fused, adamw, adamw_bnb_8bit, adamw_8bit, paged_adamw_8bit, paged_adamw_32bit, adafactor, sgd";
 
 // Device bytes of the states of `kind` (OptimizerOptions::kind) for one trainable tensor of
 // this shape: 0 when paged; adamw_8bit: uint8 codes and fp32 absmax per kBlock8bit for

@@ -67,6 +67,32 @@ void expect_refused(const fs::path& dir, const std::vector<std::string>& words) 
   }
 }
 
+// PEFT's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING (peft/utils/constants.py) for
+// the model types memtune builds: what target_modules=None adapts.
+TEST(PeftDefaults, TargetModulesByModelTypeArePefts) {
+  for (const char* type : {"llama", "mistral", "qwen2", "qwen3"})
+    EXPECT_EQ(peft_default_targets(type), (std::vector<std::string>{"q_proj", "v_proj"})) << type;
+  EXPECT_EQ(peft_default_targets("gpt2"), std::vector<std::string>{"c_attn"});
+  EXPECT_TRUE(peft_default_targets("parallel_block").empty());  // PEFT asks for target_modules
+  // On the presets every layer's q and v (Llama) or fused qkv (GPT-2) get an adapter, nothing else.
+  for (const char* name : {"tiny-llama", "tiny-gpt2"}) {
+    std::unique_ptr<CausalLM> m = init_random_model(*preset(name), 1);
+    LoraTargets t;
+    t.target_modules = peft_default_targets(m->spec().model_type);
+    LoraOptions o;
+    o.r = kRank;
+    const LoraSummary s = apply_lora(*m, o, t);
+    const size_t per_layer = m->spec().is_gpt2() ? 1 : 2;
+    EXPECT_EQ(s.modules.size(), per_layer * static_cast<size_t>(m->spec().num_layers)) << name;
+    for (const std::string& module : s.modules) {
+      const bool qv = module.size() >= 7 && (module.compare(module.size() - 7, 7, ".q_proj") == 0 ||
+                                             module.compare(module.size() - 7, 7, ".v_proj") == 0);
+      const bool qkv = module.size() >= 7 && module.compare(module.size() - 7, 7, ".c_attn") == 0;
+      EXPECT_TRUE(m->spec().is_gpt2() ? qkv : qv) << name << ": " << module;
+    }
+  }
+}
+
 TEST(PeftAdapter, PlainLoraLoads) {
   auto model = tiny_llama();
   fs::path dir = write_adapter(base_config(), q_proj_tensors(*model));

@@ -37,6 +37,22 @@ TEST(CustomModel, RegisteredArchitectureInitialisesAndTrains) {
   EXPECT_EQ(plain.exit_code, 2) << plain.output;
   EXPECT_NE(plain.output.find("is not registered"), std::string::npos) << plain.output;
   EXPECT_NE(plain.output.find("examples/custom_model"), std::string::npos) << plain.output;
+
+  // A model type PEFT has no default targets for needs target_modules, as PEFT asks for them.
+  config["model_type"] = "parallel_block";
+  write_file(d / "model/config.json", config.dump(2));
+  auto untargeted = run(custom_bin() + " train " + (source_dir() / "configs/quickstart.yaml").string() +
+                        " runtime.device=cpu model.name_or_path=" + (d / "model").string() + " model.tokenizer=" +
+                        (d / "model").string() + " lora.target_modules=[] training.output_dir=" +
+                        (d / "run3").string() + " training.max_steps=1 data.train_file=" +
+                        (source_dir() / "examples/data/tasks_train.jsonl").string() + " data.eval_file=" +
+                        (source_dir() / "examples/data/tasks_eval.jsonl").string() +
+                        " data.max_seq_length=64 data.cache_dir=" + (d / "cache").string());
+  EXPECT_EQ(untargeted.exit_code, 2) << untargeted.output;
+  EXPECT_NE(untargeted.output.find("lora.target_modules is not set, and PEFT has no default for model_type "
+                                   "'parallel_block'"),
+            std::string::npos)
+      << untargeted.output;
 }
 
 // The architecture states its layers' memory beside its forward (CausalLM::layer_memory),

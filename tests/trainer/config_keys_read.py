@@ -28,7 +28,7 @@ ONLY_IN_CONFIG = {
     "dataloader_pin_memory": "compatibility note",
     "dataloader_num_workers": "compatibility note",
     "remove_unused_columns": "compatibility note",
-    "report_to": "compatibility note",
+    "report_to": "none only (no experiment tracker)",
     "eval_split": "0 only (no held-out split)",
 }
 

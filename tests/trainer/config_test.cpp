@@ -96,6 +96,49 @@ TEST(Config, EmptyTextAndEmptySectionsGiveDefaults) {
   EXPECT_TRUE(parse("lora:\ntraining:\n") == Config());
 }
 
+// A key left out means what it means in the library it is named after. The values below are
+// those libraries' own defaults, read from transformers 5.12.1 (TrainingArguments(output_dir=...)
+// and BitsAndBytesConfig(load_in_4bit=True) printed in the Debian root of scripts/interop_check.sh)
+// and from PEFT's LoraConfig dataclass (peft/tuners/lora/config.py).
+TEST(Config, KeysLeftOutTakeTheLibrariesDefaults) {
+  const Config c = parse("");
+  // PEFT's LoraConfig: r 8, lora_alpha 8, lora_dropout 0.0, target_modules None (the model
+  // type's default, resolved when the model is known), use_rslora False, bias "none".
+  EXPECT_EQ(c.lora.r, 8);
+  EXPECT_DOUBLE_EQ(c.lora.lora_alpha, 8);
+  EXPECT_DOUBLE_EQ(c.lora.lora_dropout, 0);
+  EXPECT_TRUE(c.lora.target_modules.empty());
+  EXPECT_FALSE(c.lora.use_rslora);
+  EXPECT_EQ(c.lora.bias, "none");
+  // BitsAndBytesConfig: compute dtype float32, no double quantization, uint8 storage.
+  const auto& q = c.model.quantization_config;
+  EXPECT_FALSE(q.load_in_4bit);
+  EXPECT_EQ(q.bnb_4bit_compute_dtype, "float32");
+  EXPECT_FALSE(q.bnb_4bit_use_double_quant);
+  EXPECT_EQ(q.bnb_4bit_quant_storage, "uint8");
+  // TrainingArguments.
+  const auto& t = c.training;
+  EXPECT_EQ(t.per_device_train_batch_size, 8);
+  EXPECT_EQ(t.per_device_eval_batch_size, 8);
+  EXPECT_EQ(t.gradient_accumulation_steps, 1);
+  EXPECT_DOUBLE_EQ(t.learning_rate, 5e-5);
+  EXPECT_DOUBLE_EQ(t.num_train_epochs, 3.0);
+  EXPECT_EQ(t.max_steps, -1);
+  EXPECT_EQ(t.lr_scheduler_type, "linear");
+  EXPECT_EQ(t.warmup_steps, 0);
+  EXPECT_DOUBLE_EQ(t.weight_decay, 0);
+  EXPECT_DOUBLE_EQ(t.adam_beta1, 0.9);
+  EXPECT_DOUBLE_EQ(t.adam_beta2, 0.999);
+  EXPECT_DOUBLE_EQ(t.adam_epsilon, 1e-8);
+  EXPECT_DOUBLE_EQ(t.max_grad_norm, 1.0);
+  EXPECT_EQ(t.seed, 42u);
+  EXPECT_FALSE(t.fp16);
+  EXPECT_FALSE(t.bf16);
+  EXPECT_EQ(t.gradient_checkpointing.policy, "none");
+  // transformers 5's default optimizer, torch's fused AdamW, is the same update as adamw_torch.
+  EXPECT_EQ(parse("training: {optim: adamw_torch_fused}").training.optim, "adamw_torch_fused");
+}
+
 TEST(Config, SpecialFormsFixture) {
   auto c = memtune::trainer::load_config(memtune::testing::source_dir() / "tests/trainer/fixtures/special_forms.yaml");
   EXPECT_EQ(c.model.torch_dtype, "float32");
@@ -454,11 +497,19 @@ TEST(ConfigErrors, UnknownScheduler) {
   EXPECT_HAS(e, "(did you mean cosine?)");
 }
 
+// transformers would send metrics to the tracker; memtune has none, so it refuses the key
+// rather than drop them silently.
+TEST(ConfigErrors, ReportToATrackerIsRefused) {
+  const std::string yaml = "training:\n  report_to: wandb\n";
+  expect_invalid(yaml, "report_to", "wandb", "training.report_to", "wandb",
+                 "memtune reports to no experiment tracker; its metrics are in output_dir/metrics.jsonl");
+}
+
 TEST(ConfigErrors, UnknownOptim) {
   const std::string yaml = "training:\n  optim: lion_8bit\n";
   expect_invalid(yaml, "optim", "lion_8bit", "training.optim", "lion_8bit",
                  "expected one of "
-                 "adamw_torch|adamw|adamw_bnb_8bit|adamw_8bit|paged_adamw_8bit|paged_adamw_32bit|adafactor|sgd");
+                 "adamw_torch|adamw_torch_fused|adamw|adamw_bnb_8bit|adamw_8bit|paged_adamw_8bit|paged_adamw_32bit|adafactor|sgd");
 }
 
 TEST(Config, OptimTakesHuggingFaceNames) {
@@ -632,7 +683,7 @@ Config every_field_changed() {
   m.tokenizer = "tok/tokenizer.json";
   m.quantization_config.load_in_4bit = true;
   m.quantization_config.bnb_4bit_compute_dtype = "float16";
-  m.quantization_config.bnb_4bit_use_double_quant = false;
+  m.quantization_config.bnb_4bit_use_double_quant = true;
   m.quantization_config.blocksize = 128;
   m.device_map.entries = {{"model.layers.0-15", "cuda:0"}, {"model.layers.16-31", "cpu"}, {"lm_head", "offload"}};
   m.max_memory["cuda:0"] = memtune::parse_size("20GiB");
@@ -685,7 +736,6 @@ Config every_field_changed() {
   t.dataloader_pin_memory = false;
   t.dataloader_num_workers = 2;
   t.remove_unused_columns = false;
-  t.report_to = "wandb";
   auto& d = c.data;
   d.train_file = "data/train.jsonl";
   d.eval_file = "data/eval.jsonl";
@@ -765,7 +815,7 @@ std::map<std::string, std::string> leaves(const std::string& yaml) {
 const std::set<std::string> kSingleValued = {
     "model.quantization_config.load_in_8bit", "model.quantization_config.bnb_4bit_quant_type",
     "model.quantization_config.bnb_4bit_quant_storage", "lora.bias", "lora.task_type", "model.torch_dtype",
-    "model.low_cpu_mem_usage", "training.group_by_length", "data.eval_split"};
+    "model.low_cpu_mem_usage", "training.group_by_length", "training.report_to", "data.eval_split"};
 
 TEST(ConfigRoundTrip, EveryFieldChangedIsComplete) {
   auto defaults = leaves(to_yaml(Config()));
@@ -825,7 +875,7 @@ TEST(ConfigRoundTrip, ToYamlWritesEveryKeyNested) {
                         "memory.on_oom.shrink_factor", "memory.device_limit", "model.max_memory",
                         "distributed.bucket_size_mb", "runtime.log_level", "data.cache_dir"})
     EXPECT_TRUE(keys.count(k)) << k;
-  EXPECT_EQ(keys.at("training.learning_rate"), "0.0002");
+  EXPECT_EQ(keys.at("training.learning_rate"), "5e-05");
   EXPECT_EQ(keys.at("training.gradient_checkpointing"), "false");
   EXPECT_EQ(keys.at("memory.device_limit"), "~");
 }
@@ -833,11 +883,11 @@ TEST(ConfigRoundTrip, ToYamlWritesEveryKeyNested) {
 TEST(ConfigHelp, ContainsEveryKeyWithTypeDefaultAndHelp) {
   const std::string help = memtune::trainer::config_help();
   for (const auto& [path, value] : leaves(to_yaml(Config()))) EXPECT_HAS(help, "  " + path + " (");
-  EXPECT_HAS(help, "training.learning_rate (number, default: 0.0002)\n      peak learning rate");
-  EXPECT_HAS(help, "training.per_device_train_batch_size (integer|auto, default: 1)");
+  EXPECT_HAS(help, "training.learning_rate (number, default: 5e-05)\n      peak learning rate");
+  EXPECT_HAS(help, "training.per_device_train_batch_size (integer|auto, default: 8)");
   EXPECT_HAS(help, "model.quantization_config.blocksize (integer, default: 64)");
   EXPECT_HAS(help, "memory.device_limit (size, default: null)");
-  EXPECT_HAS(help, "lora.target_modules (string or list of strings, default: [all-linear])");
+  EXPECT_HAS(help, "lora.target_modules (string or list of strings, default: [])");
 }
 
 TEST(ConfigNotes, CompatibilityKeysSayTheyChangeNothing) {
@@ -847,11 +897,9 @@ TEST(ConfigNotes, CompatibilityKeysSayTheyChangeNothing) {
   EXPECT_HAS(notes[0], "training.dataloader_pin_memory: accepted for compatibility;");
   EXPECT_EQ(notes[1], "training.remove_unused_columns: accepted for compatibility; memtune builds its own "
                       "batches, so it changes nothing");
-  auto more = memtune::trainer::compatibility_notes(
-      parse("training: {dataloader_num_workers: 4, report_to: wandb}"));
-  ASSERT_EQ(more.size(), 2u);
+  auto more = memtune::trainer::compatibility_notes(parse("training: {dataloader_num_workers: 4, report_to: none}"));
+  ASSERT_EQ(more.size(), 1u);
   EXPECT_HAS(more[0], "training.dataloader_num_workers: accepted for compatibility;");
-  EXPECT_HAS(more[1], "training.report_to: accepted for compatibility;");
   EXPECT_TRUE(memtune::trainer::compatibility_notes(Config()).empty());
 }
 

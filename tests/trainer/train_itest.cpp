@@ -100,6 +100,32 @@ TEST(Train, QLoraRunLearnsAndWritesPeftAdapter) {
   EXPECT_NE(r.output.find("NF4 base"), std::string::npos) << r.output;
 }
 
+// Keys left out of a config take PEFT's and bitsandbytes' defaults: lora_alpha 8, LoRA on the
+// model type's default targets (q_proj and v_proj for Llama), no double quantization.
+TEST(Train, KeysLeftOutTakePeftsDefaults) {
+  const fs::path dir = temp_dir();
+  std::string config = base_config(dir / "out");
+  const std::string lora_line = "lora: {r: 4, lora_alpha: 8, target_modules: all-linear}\n";
+  ASSERT_NE(config.find(lora_line), std::string::npos);
+  config.replace(config.find(lora_line), lora_line.size(), "lora: {r: 4}\n");
+  TrainRun r = train(dir, "training.max_steps=1", config);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("lora.target_modules is not set: PEFT's default for llama, [q_proj, v_proj]"),
+            std::string::npos) << r.output;
+  json cfg = json::parse(read_file(r.dir / "adapter/adapter_config.json"));
+  EXPECT_EQ(cfg["lora_alpha"], 8);
+  std::vector<std::string> targets = cfg["target_modules"].get<std::vector<std::string>>();
+  std::sort(targets.begin(), targets.end());
+  EXPECT_EQ(targets, (std::vector<std::string>{"q_proj", "v_proj"}));
+  const auto adapter = load_all_tensors(r.dir / "adapter/adapter_model.safetensors");
+  for (const auto& [name, t] : adapter)
+    EXPECT_TRUE(name.find(".q_proj.lora_") != std::string::npos || name.find(".v_proj.lora_") != std::string::npos)
+        << name;
+  EXPECT_EQ(adapter.size(), 2u * 2u * 4u);  // q and v, A and B, tiny-llama's 4 layers
+  const std::string effective = read_file(r.dir / "config.yaml");
+  EXPECT_NE(effective.find("bnb_4bit_use_double_quant: false"), std::string::npos) << effective;
+}
+
 TEST(Train, EffectiveConfigRoundTrips) {
   TrainRun r = train(temp_dir(), "training.max_steps=1");
   ASSERT_EQ(r.exit_code, 0) << r.output;
