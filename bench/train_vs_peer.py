@@ -202,6 +202,12 @@ def gpt2_row(args):
                                  f"{os.path.join(SHARED_BENCH, 'README.md')} says")
         # The same weights and tokens as llm.c, its optimizer settings: the same work.
         run(["/usr/bin/python3", os.path.join(SHARED_BENCH, "llmc_to_hf.py"), ckpt, model_dir])
+        # llm.c trains without dropout; transformers' GPT-2 default (absent keys) is 0.1.
+        with open(os.path.join(model_dir, "config.json")) as f:
+            hf_config = json.load(f)
+        hf_config.update(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        with open(os.path.join(model_dir, "config.json"), "w") as f:
+            json.dump(hf_config, f, indent=1)
         extra = {"learning_rate": 1e-4, "lr_scheduler_type": "constant"}
     else:
         run([args.memtune, "init-model", "--preset", "gpt2", "--out", model_dir, "--seed", "1"])

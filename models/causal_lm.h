@@ -144,6 +144,10 @@ class CausalLM {
   virtual at::Tensor layer(int index, const at::Tensor& x, const LayerContext& ctx) = 0;
   virtual at::Tensor final_norm(const at::Tensor& x) = 0;
   virtual const at::Tensor& head_weight() const = 0;  // (V,C); the embedding when tied
+  // Whether layer() applies config.json's dropout in training (models::dropout_rates) as
+  // transformers does; training refuses a nonzero rate for an architecture that does not,
+  // rather than train without it.
+  virtual bool applies_dropout() const { return false; }
 
   // Memory accounting (models/memory.h): what layer `index` keeps and holds in a step of
   // these shapes under `plan`, and what the forward holds beside the layers. An

@@ -216,31 +216,24 @@ ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
   return s;
 }
 
-double attention_dropout(const ModelSpec& s) {
-  if (s.is_gpt2()) return 0;
-  const auto it = s.extra.find("attention_dropout");
-  return it != s.extra.end() && it->is_number() ? it->get<double>() : 0.0;
-}
-
-std::string unapplied_dropout(const ModelSpec& s) {
-  if (!s.is_gpt2()) return "";  // the Llama family's attention_dropout: refused in training
-  std::string set;
-  for (const char* key : {"resid_pdrop", "embd_pdrop", "attn_pdrop"}) {
+DropoutRates dropout_rates(const ModelSpec& s) {
+  auto rate = [&](const char* key, double absent) {
     const auto it = s.extra.find(key);
-    const double p = it == s.extra.end() ? 0.1 : it->is_number() ? it->get<double>() : 0.0;
-    if (p != 0) set += str_cat(set.empty() ? "" : ", ", key, " ", p, it == s.extra.end() ? " (absent: 0.1)" : "");
+    return it != s.extra.end() && it->is_number() ? it->get<double>() : absent;
+  };
+  DropoutRates r;
+  if (s.is_gpt2()) {
+    r.residual = rate("resid_pdrop", 0.1);
+    r.embedding = rate("embd_pdrop", 0.1);
+    r.attention = rate("attn_pdrop", 0.1);
+  } else {
+    r.attention = rate("attention_dropout", 0.0);
   }
-  if (set.empty()) return "";
-  return "config.json's GPT-2 dropout (" + set + ") is not applied: memtune trains GPT-2 without dropout, as llm.c "
-         "does, where transformers applies it in training; set them to 0.0 in config.json to make the two agree";
+  return r;
 }
 
 json spec_to_hf_config(const ModelSpec& s) {
   json c = s.extra;
-  // memtune's GPT-2 applies no dropout: a config it writes says so (transformers' default is 0.1).
-  if (s.is_gpt2())
-    for (const char* key : {"resid_pdrop", "embd_pdrop", "attn_pdrop"})
-      if (!c.contains(key)) c[key] = 0.0;
   c["architectures"] = json::array({s.architecture});
   c["model_type"] = s.model_type;
   c["vocab_size"] = s.vocab_size;
@@ -296,6 +289,12 @@ json spec_to_hf_config(const ModelSpec& s) {
 }
 
 void validate_spec(const ModelSpec& s, const std::string& where) {
+  for (const char* key : {"resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout"}) {
+    const auto it = s.extra.find(key);
+    if (it == s.extra.end() || it->is_null()) continue;
+    MEMTUNE_CHECK(it->is_number() && it->get<double>() >= 0 && it->get<double>() < 1, where, ": ", key, " ",
+                  it->dump(), " is not a dropout probability; it must be a number in [0, 1)");
+  }
   MEMTUNE_CHECK(s.vocab_size > 0 && s.hidden_size > 0 && s.num_layers > 0 && s.num_heads > 0 &&
                     s.intermediate_size > 0 && s.head_dim > 0,
                 where, ": vocab_size, hidden_size, num_hidden_layers, num_attention_heads, "
@@ -360,6 +359,8 @@ ModelSpec gpt2_like(int64_t vocab, int64_t hidden, int64_t layers, int64_t heads
   s.head_dim = hidden / heads;
   s.max_position_embeddings = max_pos;
   s.tie_word_embeddings = true;
+  // memtune's own GPT-2 models train without dropout, as llm.c's (transformers' default is 0.1).
+  for (const char* key : {"resid_pdrop", "embd_pdrop", "attn_pdrop"}) s.extra[key] = 0.0;
   return s;
 }
 

@@ -53,17 +53,17 @@ struct ModelSpec {
 
 // Reads a config.json object; `where` names the file in messages.
 ModelSpec spec_from_hf_config(const nlohmann::json& config, const std::string& where);
-// The config.json HF writes for this spec (round-trips through spec_from_hf_config). A GPT-2
-// spec without dropout keys gets them at 0.0: memtune's GPT-2 applies none.
+// The config.json HF writes for this spec (round-trips through spec_from_hf_config).
 nlohmann::json spec_to_hf_config(const ModelSpec& spec);
-// A line for the log when config.json asks for dropout that memtune's forward does not apply
-// (GPT-2's resid_pdrop, embd_pdrop and attn_pdrop, 0.1 when absent as in transformers); empty
-// otherwise.
-std::string unapplied_dropout(const ModelSpec& spec);
-// The Llama family's attention_dropout (0 when absent), which transformers applies to the
-// attention probabilities in training and memtune's attention does not: training refuses it
-// unless 0; evaluation, generation and merges compute what transformers does outside training.
-double attention_dropout(const ModelSpec& spec);
+// Dropout in training, as transformers applies it (0 outside training, and wherever the
+// config says 0). GPT-2: resid_pdrop after each block's two output projections, embd_pdrop
+// on the embeddings, attn_pdrop on the attention probabilities, each 0.1 when absent (memtune's
+// own GPT-2 presets say 0.0); the Llama family: attention_dropout on the probabilities, 0
+// when absent.
+struct DropoutRates {
+  double residual = 0, embedding = 0, attention = 0;
+};
+DropoutRates dropout_rates(const ModelSpec& spec);
 // Throws UserError when the shape is impossible (heads not dividing, ...).
 void validate_spec(const ModelSpec& spec, const std::string& where);
 

@@ -51,4 +51,44 @@ uint64_t dropout_site(const std::string& name);
 // Only the boolean mask is kept for backward, as at::dropout keeps it.
 at::Tensor keyed_dropout(const at::Tensor& x, double p, uint64_t site);
 
+// Dropout on attention probabilities, drawn by position rather than from a stream, so that
+// a fused kernel regenerates in backward the mask it drew in forward and keeps none: the
+// probability of key s for query t of query head h in batch row b is kept when
+//   attention_kept(attention_row_hash(seeds[b], h, t), s, threshold)
+// with seeds[b] the row's seed for the site (attention_dropout_seeds) and threshold the
+// keep probability in 32-bit fixed point. Kept probabilities are scaled by 1/(1-p), as
+// torch's dropout scales them. attention_keep_mask is the same draw as a tensor.
+struct AttentionDropout {
+  double p = 0;         // 0: none
+  at::Tensor seeds;     // int64 (B): each row's 32-bit seed for this site
+  bool active() const { return p > 0; }
+};
+
+inline uint32_t fmix32(uint32_t x) {  // MurmurHash3's finaliser: a bijection of 32 bits
+  x ^= x >> 16;
+  x *= 0x85EBCA6Bu;
+  x ^= x >> 13;
+  x *= 0xC2B2AE35u;
+  return x ^ (x >> 16);
+}
+inline uint32_t attention_row_hash(uint32_t seed, int64_t head, int64_t t) {
+  const uint32_t h = fmix32(seed + static_cast<uint32_t>(head) * 0x9E3779B9u);
+  return fmix32(h + static_cast<uint32_t>(t) * 0x85EBCA77u);
+}
+inline bool attention_kept(uint32_t row_hash, int64_t s, uint32_t threshold) {
+  return fmix32(row_hash ^ (static_cast<uint32_t>(s) * 0xC2B2AE3Du)) < threshold;
+}
+// 1-p in 32-bit fixed point (at most 2^32 - 1).
+uint32_t attention_keep_threshold(double p);
+
+// Per row of the batch in scope, its seed for attention-dropout `site`: from the row's key
+// (current_dropout_keys), or with no keys in scope from the default generator of `device`
+// (replayed by activation checkpointing as torch's dropout is).
+at::Tensor attention_dropout_seeds(uint64_t site, int64_t rows, const c10::Device& device);
+
+// The kept (true) entries of query rows [t0, t1) of every head against keys [s0, s1), as
+// bool (B, heads, t1-t0, s1-s0) on the seeds' device: attention_kept for each entry.
+at::Tensor attention_keep_mask(const at::Tensor& seeds, int64_t heads, int64_t t0, int64_t t1, int64_t s0, int64_t s1,
+                               double p);
+
 }  // namespace memtune

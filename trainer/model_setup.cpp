@@ -164,11 +164,22 @@ ModelBundle setup_model(const Config& c, const fs::path& adapter_dir, const Skip
                 spec.max_position_embeddings, " of a model with rope_scaling dynamic, whose scaling memtune applies "
                 "within max_position_embeddings only (transformers keeps the longest sequence's scaling for the "
                 "forwards that follow); set data.max_seq_length <= ", spec.max_position_embeddings);
-  if (fs::is_directory(c.model.name_or_path))  // a preset is memtune's own model, without dropout keys
-    if (const std::string w = models::unapplied_dropout(spec); !w.empty()) b.warnings.push_back(w);
-  MEMTUNE_CHECK(models::attention_dropout(spec) == 0, c.model.name_or_path, "/config.json: attention_dropout ",
-                models::attention_dropout(spec), " drops attention probabilities in training, which memtune's "
-                "attention does not. Hint: set it to 0.0 in config.json to train without it");
+  const models::DropoutRates dropout = models::dropout_rates(spec);
+  MEMTUNE_CHECK(model.applies_dropout() || dropout.residual + dropout.embedding + dropout.attention == 0,
+                c.model.name_or_path, "/config.json asks for dropout in training (",
+                spec.is_gpt2() ? "resid_pdrop, embd_pdrop, attn_pdrop" : "attention_dropout",
+                "), which architecture '", spec.architecture, "' does not apply. Hint: set it to 0.0 in config.json, "
+                "or apply it in the architecture's layer() (see models/arch/llama.cpp) and override applies_dropout()");
+  MEMTUNE_CHECK(dropout.attention == 0 || c.model.attn_implementation != "sdpa", c.model.name_or_path,
+                "/config.json drops attention probabilities in training (", spec.is_gpt2() ? "attn_pdrop " : "attention_dropout ",
+                dropout.attention, "), and model.attn_implementation: sdpa draws its own masks, which cannot follow "
+                "each sample through micro-batch splits and retries. Hint: attn_implementation auto or eager, or "
+                "set it to 0.0 in config.json");
+  if (dropout.residual > 0 || dropout.embedding > 0 || dropout.attention > 0)
+    b.notes.push_back(str_cat("dropout in training, from config.json: ",
+                              spec.is_gpt2() ? str_cat("resid_pdrop ", dropout.residual, ", embd_pdrop ",
+                                                       dropout.embedding, ", attn_pdrop ", dropout.attention)
+                                             : str_cat("attention_dropout ", dropout.attention)));
   model.set_compute_dtype(b.compute_dtype);
   model.set_attention_kernel(models::parse_attention_kernel(c.model.attn_implementation));
 

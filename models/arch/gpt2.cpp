@@ -11,6 +11,7 @@
 #include "models/layers/norm_act.h"
 #include "models/layers/projection_memory.h"
 #include "models/registry.h"
+#include "runtime/keyed_dropout.h"
 
 namespace memtune::models {
 
@@ -18,13 +19,18 @@ namespace {
 
 class Gpt2Model : public CausalLM {
  public:
-  explicit Gpt2Model(const ModelSpec& spec) : CausalLM(spec), layers_(spec.num_layers) {
+  explicit Gpt2Model(const ModelSpec& spec)
+      : CausalLM(spec), dropout_(dropout_rates(spec)), embedding_site_(dropout_site("transformer.drop")),
+        layers_(spec.num_layers) {
     const int64_t C = spec.hidden_size, F = spec.intermediate_size;
     add_tensor("transformer.wte.weight", {spec.vocab_size, C}, TensorRole::kEmbedding, &wte_);
     add_tensor("transformer.wpe.weight", {spec.max_position_embeddings, C}, TensorRole::kPositionEmbedding, &wpe_);
     for (int i = 0; i < spec.num_layers; ++i) {
       const std::string p = "transformer.h." + std::to_string(i) + ".";
       Layer& L = layers_[i];
+      L.attn_site = dropout_site(p + "attn.attn_dropout");
+      L.attn_resid_site = dropout_site(p + "attn.resid_dropout");
+      L.mlp_resid_site = dropout_site(p + "mlp.dropout");
       auto conv1d = [&](const std::string& name, int64_t in, int64_t out) {
         return &add_linear(std::make_unique<Linear>(p + name, in, out, true, /*fan_in_fan_out=*/true), i);
       };
@@ -54,23 +60,31 @@ class Gpt2Model : public CausalLM {
     return ctx;
   }
 
-  at::Tensor layer(int i, const at::Tensor& x, const LayerContext& ctx) override {
+  // Dropout in training as transformers' GPT2Model places it: embd_pdrop on the embeddings
+  // (applied here, at the first layer's input, which is the embeddings), attn_pdrop on the
+  // attention probabilities, resid_pdrop on each sublayer's output before its residual sum.
+  at::Tensor layer(int i, const at::Tensor& x_in, const LayerContext& ctx) override {
     const Layer& L = layers_[i];
     const ModelSpec& s = spec_;
-    const int64_t B = x.size(0), T = x.size(1), C = s.hidden_size, H = s.num_heads, D = s.head_dim;
+    const int64_t B = x_in.size(0), T = x_in.size(1), C = s.hidden_size, H = s.num_heads, D = s.head_dim;
+    auto drop = [&](const at::Tensor& t, double p, uint64_t site) {
+      return ctx.training && p > 0 ? keyed_dropout(t, p, site) : t;
+    };
+    const at::Tensor x = i == 0 ? drop(x_in, dropout_.embedding, embedding_site_) : x_in;
     at::Tensor h = at::layer_norm(x, {C}, L.ln1_w, L.ln1_b, s.norm_eps);
     at::Tensor qkv = L.c_attn->forward(h, ctx.training);  // (B,T,3C)
     auto parts = qkv.split(C, -1);
     at::Tensor q = parts[0].view({B, T, H, 1, D}).permute({0, 2, 3, 1, 4});  // (B,H,1,T,D)
     at::Tensor k = parts[1].view({B, T, H, D}).permute({0, 2, 1, 3});
     at::Tensor v = parts[2].view({B, T, H, D}).permute({0, 2, 1, 3});
-    at::Tensor a =
-        causal_segment_attention(q, k, v, ctx.segment_ids, 1.0 / std::sqrt(static_cast<double>(D)), 0, ctx.attention);
+    at::Tensor a = causal_segment_attention(
+        q, k, v, ctx.segment_ids, 1.0 / std::sqrt(static_cast<double>(D)), 0,
+        with_dropout(ctx.attention, ctx.training, dropout_.attention, L.attn_site, B, x.device()));
     a = a.permute({0, 3, 1, 2, 4}).reshape({B, T, C});
-    at::Tensor y = x + L.c_proj->forward(a, ctx.training);
+    at::Tensor y = x + drop(L.c_proj->forward(a, ctx.training), dropout_.residual, L.attn_resid_site);
     h = at::layer_norm(y, {C}, L.ln2_w, L.ln2_b, s.norm_eps);
     at::Tensor m = gelu_tanh(L.fc->forward(h, ctx.training));
-    return y + L.proj->forward(m, ctx.training);
+    return y + drop(L.proj->forward(m, ctx.training), dropout_.residual, L.mlp_resid_site);
   }
 
   at::Tensor final_norm(const at::Tensor& x) override {
@@ -78,6 +92,8 @@ class Gpt2Model : public CausalLM {
   }
 
   const at::Tensor& head_weight() const override { return spec_.tie_word_embeddings ? wte_ : lm_head_; }
+
+  bool applies_dropout() const override { return true; }
 
   // layer()'s memory, op by op (see LlamaModel::layer_memory): LayerNorms keep x and fp32
   // mean and rstd, GELU keeps its input, q, k and v are views of one (B,T,3C) projection.
@@ -94,7 +110,10 @@ class Gpt2Model : public CausalLM {
     const bool g_in = plan.input_grad;
     if (g_in) attn += layer_norm_kept(E, C, a);
     if (tqkv.keeps_input()) attn += E * C * a;  // h
-    const AttentionMemory at = attention_memory(s.batch, H, H, s.tokens, spec_.head_dim, a, s.fused_cpu_attention, s.threads);
+    AttentionOptions dropped;  // the blocked kernel draws dropout's masks per block
+    dropped.dropout.p = dropout_.attention;
+    const AttentionMemory at =
+        attention_memory(s.batch, H, H, s.tokens, spec_.head_dim, a, s.fused_cpu_attention, s.threads, dropped);
     const bool g_attention = g_in || tqkv.trains();
     if (g_attention) attn += at.kept;
     // The merged heads: a view of the fused kernel's output, which it keeps itself.
@@ -105,12 +124,20 @@ class Gpt2Model : public CausalLM {
     if (g_y || tfc.trains()) mlp += E * F * a;        // GELU's input
     if (tp.keeps_input()) mlp += E * F * a;           // GELU's output
 
+    // keyed_dropout keeps its boolean mask where a gradient flows through it; while it runs,
+    // a row's uniform draws, the masks and its output.
+    const bool resid = dropout_.residual > 0, embd = i == 0 && dropout_.embedding > 0;
+    if (resid && g_y) mlp += E * C;
+    if (resid && (g_y || tfc.trains() || tp.trains())) mlp += E * C;
+    if (embd && g_in) attn += E * C;
+    const int64_t drop = resid || embd ? E * C * (a + 2) + s.tokens * C * 5 : 0;
+
     const int64_t qkv = E * 3 * C * a;
     LayerMemory m;
     m.kept = attn + mlp;
     // At the MLP's end: GELU's output (a transient unless the projection keeps it), the
     // projection's output before the residual sum.
-    const int64_t mlp_end = (tp.keeps_input() ? 0 : E * F * a) + E * C * a + E * r * 4 + panel;
+    const int64_t mlp_end = (tp.keeps_input() ? 0 : E * F * a) + E * C * a + E * r * 4 + panel + drop;
     m.forward = std::max(attn + (s.fused_cpu_attention ? 0 : qkv) + at.forward_transient,
                          m.kept + (s.fused_cpu_attention ? 0 : qkv) + mlp_end);
     // Unrecorded: x, h, the projection, the merged heads, y, and the MLP's fc output and GELU's.
@@ -131,7 +158,10 @@ class Gpt2Model : public CausalLM {
   struct Layer {
     at::Tensor ln1_w, ln1_b, ln2_w, ln2_b;
     Linear *c_attn = nullptr, *c_proj = nullptr, *fc = nullptr, *proj = nullptr;
+    uint64_t attn_site = 0, attn_resid_site = 0, mlp_resid_site = 0;  // keyed dropout's sites
   };
+  DropoutRates dropout_;
+  uint64_t embedding_site_;
   at::Tensor wte_, wpe_, ln_f_w_, ln_f_b_, lm_head_;
   std::vector<Layer> layers_;
 };

@@ -72,12 +72,14 @@ double rope_attention_factor(const RopeScaling& r) {
 
 class LlamaModel : public CausalLM {
  public:
-  explicit LlamaModel(const ModelSpec& spec) : CausalLM(spec), layers_(spec.num_layers) {
+  explicit LlamaModel(const ModelSpec& spec)
+      : CausalLM(spec), dropout_(dropout_rates(spec)), layers_(spec.num_layers) {
     const int64_t C = spec.hidden_size, F = spec.intermediate_size, q = spec.q_dim(), kv = spec.kv_dim();
     add_tensor("model.embed_tokens.weight", {spec.vocab_size, C}, TensorRole::kEmbedding, &embed_tokens_);
     for (int i = 0; i < spec.num_layers; ++i) {
       const std::string p = layer_prefix(i);
       Layer& L = layers_[i];
+      L.attention_dropout_site = dropout_site(p + "self_attn.attention_dropout");
       add_tensor(p + "input_layernorm.weight", {C}, TensorRole::kNorm, &L.input_norm, i);
       auto lin = [&](const std::string& name, int64_t in, int64_t out, bool bias) {
         return &add_linear(std::make_unique<Linear>(p + name, in, out, bias), i);
@@ -145,9 +147,11 @@ class LlamaModel : public CausalLM {
     k = apply_rotary(k, ctx.cos, ctx.sin);
     // Query head j uses key/value head j / G (HF's repeat_kv).
     at::Tensor q5 = q.view({B, T, Hkv, G, D}).permute({0, 2, 3, 1, 4});  // (B,Hkv,G,T,D)
-    at::Tensor a = causal_segment_attention(q5, k.permute({0, 2, 1, 3}), v.permute({0, 2, 1, 3}),
-                                            ctx.segment_ids, 1.0 / std::sqrt(static_cast<double>(D)),
-                                            s.sliding_window.value_or(0), ctx.attention);
+    // attention_dropout on the probabilities in training, as transformers' eager attention.
+    at::Tensor a = causal_segment_attention(
+        q5, k.permute({0, 2, 1, 3}), v.permute({0, 2, 1, 3}), ctx.segment_ids, 1.0 / std::sqrt(static_cast<double>(D)),
+        s.sliding_window.value_or(0),
+        with_dropout(ctx.attention, ctx.training, dropout_.attention, L.attention_dropout_site, B, x.device()));
     a = a.permute({0, 3, 1, 2, 4}).reshape({B, T, s.q_dim()});
     at::Tensor y = x + L.o->forward(a, ctx.training);
     h = rms_norm(y, L.post_norm, s.norm_eps);
@@ -156,6 +160,8 @@ class LlamaModel : public CausalLM {
   }
 
   at::Tensor final_norm(const at::Tensor& x) override { return rms_norm(x, norm_, spec_.norm_eps); }
+
+  bool applies_dropout() const override { return true; }
 
   // layer()'s memory, op by op. A tensor is kept only by an op that needs it for a wanted
   // gradient: a trained weight or an adapter without dropout keeps its projection's input
@@ -178,8 +184,10 @@ class LlamaModel : public CausalLM {
     if (g_in) attn += rms_norm_kept(E, C, a);
     const bool qkv_trained = tq.trains() || tk.trains() || tv.trains();
     if (tq.keeps_input() || tk.keeps_input() || tv.keeps_input()) attn += E * C * a;  // h
-    const AttentionMemory at =
-        attention_memory(s.batch, sp.num_heads, sp.num_kv_heads, s.tokens, sp.head_dim, a, s.fused_cpu_attention, s.threads);
+    AttentionOptions dropped;  // the blocked kernel draws dropout's masks per block
+    dropped.dropout.p = dropout_.attention;
+    const AttentionMemory at = attention_memory(s.batch, sp.num_heads, sp.num_kv_heads, s.tokens, sp.head_dim, a,
+                                                s.fused_cpu_attention, s.threads, dropped);
     const bool g_attention = g_in || qkv_trained;
     if (g_attention) attn += at.kept;
     // The merged heads: a view of the fused kernel's output, which it keeps itself.
@@ -228,7 +236,9 @@ class LlamaModel : public CausalLM {
     at::Tensor input_norm, post_norm;
     Linear *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr, *gate = nullptr, *up = nullptr,
            *down = nullptr;
+    uint64_t attention_dropout_site = 0;
   };
+  DropoutRates dropout_;
   at::Tensor embed_tokens_, norm_, lm_head_, inv_freq_;
   double rope_scale_ = 1.0;  // cos/sin scale (yarn's attention factor)
   std::vector<Layer> layers_;

@@ -59,10 +59,19 @@ at::Tensor block_scores(const at::Tensor& q, const at::Tensor& k, const at::Tens
   return s.mul_(scale).add_(block_mask(seg, t0, t1, k0, window));
 }
 
+// Attention dropout's scaled mask Z (0 or 1/(1-p)) for query rows [t0,t1) against keys
+// [k0,t1), shaped like block_scores: (B,Hkv,G,bt,tk) fp32. Query head h*G+g of row b draws
+// attention_keep_mask's bits, as the fused CPU kernel does.
+at::Tensor block_dropout(const at::Tensor& seeds, double p, int64_t Hkv, int64_t G, int64_t t0, int64_t t1,
+                         int64_t k0) {
+  at::Tensor keep = attention_keep_mask(seeds, Hkv * G, t0, t1, k0, t1, p);  // (B,Hkv*G,bt,tk)
+  return keep.to(at::kFloat).mul_(1.0 / (1.0 - p)).view({keep.size(0), Hkv, G, t1 - t0, t1 - k0});
+}
+
 struct SegmentAttention : public torch::autograd::Function<SegmentAttention> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, const at::Tensor& seg, double scale, int64_t window,
-                            int64_t block, int64_t keep_probs_bytes) {
+                            int64_t block, int64_t keep_probs_bytes, double dropout, const at::Tensor& seeds) {
     const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), T = q.size(3), D = q.size(4);
     at::Tensor out = at::empty_like(q);
     at::Tensor lse = at::empty({B, Hkv, G, T}, q.options().dtype(at::kFloat));
@@ -78,7 +87,9 @@ struct SegmentAttention : public torch::autograd::Function<SegmentAttention> {
       p.div_(denom);
       lse.slice(3, t0, t1).copy_((m + denom.log()).squeeze(-1));
       at::Tensor pc = p.to(q.scalar_type());
-      at::Tensor o = at::matmul(pc.view({B, Hkv, G * bt, t1 - k0}), v.slice(2, k0, t1));
+      // Dropout follows the softmax: the kept probabilities (P Z) weight the values.
+      at::Tensor pv = dropout > 0 ? p.mul(block_dropout(seeds, dropout, Hkv, G, t0, t1, k0)).to(q.scalar_type()) : pc;
+      at::Tensor o = at::matmul(pv.view({B, Hkv, G * bt, t1 - k0}), v.slice(2, k0, t1));
       out.slice(3, t0, t1).copy_(o.view({B, Hkv, G, bt, D}));
       if (keep) probs.push_back(pc);
     }
@@ -86,7 +97,8 @@ struct SegmentAttention : public torch::autograd::Function<SegmentAttention> {
     ctx->saved_data["window"] = window;
     ctx->saved_data["block"] = block;
     ctx->saved_data["keep"] = keep;
-    variable_list saved = {q, k, v, seg, out, lse};
+    ctx->saved_data["dropout"] = dropout;
+    variable_list saved = {q, k, v, seg, out, lse, seeds};
     saved.insert(saved.end(), probs.begin(), probs.end());
     ctx->save_for_backward(saved);
     return out;
@@ -100,6 +112,8 @@ struct SegmentAttention : public torch::autograd::Function<SegmentAttention> {
     const int64_t block = ctx->saved_data["block"].toInt();
     const int64_t window = ctx->saved_data["window"].toInt();
     const bool keep = ctx->saved_data["keep"].toBool();
+    const double dropout = ctx->saved_data["dropout"].toDouble();
+    const at::Tensor& seeds = saved[6];
     const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), T = q.size(3), D = q.size(4);
     at::Tensor dout = grads[0].contiguous();
     at::Tensor dq = at::empty_like(q);
@@ -112,23 +126,27 @@ struct SegmentAttention : public torch::autograd::Function<SegmentAttention> {
       const int64_t t1 = std::min(T, t0 + block), bt = t1 - t0, k0 = first_key(t0, window), tk = t1 - k0;
       at::Tensor p;
       if (keep) {
-        p = saved[6 + index].to(at::kFloat);
+        p = saved[7 + index].to(at::kFloat);
       } else {
         p = block_scores(q, k, seg, t0, t1, window, scale);
         p.sub_(lse.slice(3, t0, t1).unsqueeze(-1)).exp_();
       }
-      at::Tensor pc = p.to(q.scalar_type()).view({B, Hkv, G * bt, tk});
+      // With dropout's scaled mask Z: dV += (P Z)^T dO and dS = P (Z (dO V^T) - D) scale.
+      const at::Tensor z = dropout > 0 ? block_dropout(seeds, dropout, Hkv, G, t0, t1, k0) : at::Tensor();
+      at::Tensor pc = (z.defined() ? p * z : p).to(q.scalar_type()).view({B, Hkv, G * bt, tk});
       at::Tensor dob = dout.slice(3, t0, t1).reshape({B, Hkv, G * bt, D});
       dv.slice(2, k0, t1).add_(at::matmul(pc.transpose(-1, -2), dob));
-      at::Tensor dp = at::matmul(dob, v.slice(2, k0, t1).transpose(-1, -2)).view({B, Hkv, G, bt, tk});
-      at::Tensor ds = p * dp.to(at::kFloat).sub_(delta.slice(3, t0, t1).unsqueeze(-1));
+      at::Tensor dp = at::matmul(dob, v.slice(2, k0, t1).transpose(-1, -2)).view({B, Hkv, G, bt, tk}).to(at::kFloat);
+      if (z.defined()) dp.mul_(z);
+      at::Tensor ds = p * dp.sub_(delta.slice(3, t0, t1).unsqueeze(-1));
       ds.mul_(scale);
       at::Tensor dsc = ds.to(q.scalar_type()).view({B, Hkv, G * bt, tk});
       dq.slice(3, t0, t1).copy_(at::matmul(dsc, k.slice(2, k0, t1)).view({B, Hkv, G, bt, D}));
       at::Tensor qb = q.slice(3, t0, t1).reshape({B, Hkv, G * bt, D});
       dk.slice(2, k0, t1).add_(at::matmul(dsc.transpose(-1, -2), qb));
     }
-    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor()};
   }
 };
 
@@ -309,11 +327,21 @@ AttentionMemory attention_memory(int64_t B, int64_t Hq, int64_t Hkv, int64_t T, 
     return m;
   }
   // The blocked kernel: contiguous copies of q, k, v; the probabilities kept or formed again.
+  // Dropout draws a block's mask from three int64 hashes at a time and keeps it as fp32.
+  const int64_t drop = o.dropout.active() ? scores / kF32 * (3 * kI64 + kF32) : 0;
   m.kept = E * (2 * q + 2 * kv) * a + lse + probs;
-  m.forward_transient = scores + (keep ? 0 : scores) + mask;
+  m.forward_transient = scores + (keep ? 0 : scores) + mask + drop;
   m.no_grad_own = m.kept;
-  m.backward_transient = E * (4 * q + 2 * kv) * kF32 + lse + (keep ? 2 * scores : 3 * scores + mask);
+  m.backward_transient = E * (4 * q + 2 * kv) * kF32 + lse + (keep ? 2 * scores : 3 * scores + mask) + drop;
   return m;
+}
+
+AttentionOptions with_dropout(const AttentionOptions& options, bool training, double p, uint64_t site, int64_t rows,
+                              const c10::Device& device) {
+  if (!training || p <= 0) return options;
+  AttentionOptions o = options;
+  o.dropout = {p, attention_dropout_seeds(site, rows, device)};
+  return o;
 }
 
 bool uses_fused_cpu_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -329,6 +357,15 @@ at::Tensor causal_segment_attention(const at::Tensor& q, const at::Tensor& k, co
   MEMTUNE_INTERNAL_ASSERT(segment_ids.dim() == 2 && segment_ids.size(0) == q.size(0) && segment_ids.size(1) == q.size(3),
               "attention: segment ids ", segment_ids.sizes(), " do not match q ", q.sizes());
   using Kernel = AttentionOptions::Kernel;
+  const AttentionDropout& dropout = options.dropout;
+  if (dropout.active()) {
+    MEMTUNE_CHECK(options.kernel != Kernel::kSdpa,
+                  "model.attn_implementation: sdpa draws its own dropout masks, which memtune cannot make follow "
+                  "each sample, and this model drops attention probabilities in training (attention_dropout / "
+                  "attn_pdrop ", dropout.p, "). Hint: attn_implementation auto or eager");
+    MEMTUNE_INTERNAL_ASSERT(dropout.seeds.defined() && dropout.seeds.numel() == q.size(0), "attention dropout: ",
+                            dropout.seeds.defined() ? dropout.seeds.numel() : 0, " seeds for ", q.size(0), " rows");
+  }
   if (options.kernel == Kernel::kSdpa) {
 #if MEMTUNE_HAS_SDPA
     if (!options.one_segment_per_row && documents_known(options, q.size(0), q.size(3), sliding_window))
@@ -339,18 +376,21 @@ at::Tensor causal_segment_attention(const at::Tensor& q, const at::Tensor& k, co
 #endif
   }
   if (options.kernel == Kernel::kAuto) {
-    at::Tensor out = detail::fused_cpu_attention(q, k, v, segment_ids, scale, sliding_window);
+    at::Tensor out = detail::fused_cpu_attention(q, k, v, segment_ids, scale, sliding_window, dropout);
     if (out.defined()) return out;
 #if MEMTUNE_HAS_SDPA
-    if (q.is_cuda() && options.one_segment_per_row && sliding_window <= 0)
+    if (dropout.active()) {
+      // SDPA's dropout is not keyed: the blocked kernel below draws the keyed masks.
+    } else if (q.is_cuda() && options.one_segment_per_row && sliding_window <= 0)
       return sdpa_attention(q, k, v, segment_ids, scale, sliding_window, true);
-    if (q.is_cuda() && documents_known(options, q.size(0), q.size(3), sliding_window))
+    else if (q.is_cuda() && documents_known(options, q.size(0), q.size(3), sliding_window))
       return sdpa_documents(q, k, v, scale, options);
 #endif
   }
+  const at::Tensor seeds = dropout.active() ? dropout.seeds.to(q.device()).to(at::kLong) : at::zeros({0}, q.options().dtype(at::kLong));
   return SegmentAttention::apply(q.contiguous(), k.contiguous(), v.contiguous(),
                                  segment_ids.to(q.device()), scale, sliding_window, options.query_block,
-                                 options.keep_probs_bytes);
+                                 options.keep_probs_bytes, dropout.active() ? dropout.p : 0.0, seeds);
 }
 
 }  // namespace memtune::models

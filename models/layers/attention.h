@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "runtime/keyed_dropout.h"
+
 namespace memtune::models {
 
 // q (B,Hkv,G,T,D) — G query heads share each of the Hkv key/value heads —, k and v
@@ -50,6 +52,11 @@ struct AttentionOptions {
   // probabilities instead of recomputing them in backward.
   int64_t query_block = 64;
   int64_t keep_probs_bytes = 64LL << 20;
+  // Dropout on the probabilities (training only; the model sets it per layer): the fused
+  // CPU kernel and the blocked one draw attention_keep_mask's bits (runtime/keyed_dropout.h),
+  // so the same sample gets the same mask in any batch, and neither keeps it; SDPA draws
+  // its own, so auto does not take SDPA with dropout, and `sdpa` refuses it.
+  AttentionDropout dropout;
 };
 
 // Packed rows' documents grouped by width (the smallest power of two >= the length, at
@@ -76,6 +83,11 @@ std::shared_ptr<const std::vector<std::vector<int64_t>>> segment_run_lengths(con
 // The option's spelling in configs (auto, eager, sdpa); throws on anything else, and on
 // sdpa when the LibTorch memtune was built against predates it.
 AttentionOptions::Kernel parse_attention_kernel(const std::string& name);
+
+// `options` with attention dropout `p` for dropout site `site` when training and p > 0 (the
+// rows' seeds from their keys: attention_dropout_seeds), else `options` as they are.
+AttentionOptions with_dropout(const AttentionOptions& options, bool training, double p, uint64_t site, int64_t rows,
+                              const c10::Device& device);
 
 // Whether this build has at::scaled_dot_product_attention (LibTorch >= 2.0).
 bool sdpa_available();

@@ -11,6 +11,8 @@
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "runtime/error.h"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #define MEMTUNE_ATTN_X86 1
@@ -223,9 +225,52 @@ void for_each_kv_head(int64_t B, int64_t Hkv, int64_t floats, const at::TensorOp
   });
 }
 
+float row_dot(const float* a, const float* b, int64_t n) {
+  float sum = 0.0f;
+  for (int64_t d = 0; d < n; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
+// Attention dropout's mask (runtime/keyed_dropout.h), drawn again wherever it is needed:
+// forward and backward compute the same bits from (row seed, head, query, key).
+class DropMask {
+ public:
+  DropMask(double p, const at::Tensor& seeds)
+      : p_(p), threshold_(attention_keep_threshold(p)), scale_(static_cast<float>(1.0 / (1.0 - p))),
+        seeds_(p > 0 ? seeds.data_ptr<int64_t>() : nullptr) {}
+  bool active() const { return p_ > 0; }
+
+  // Row t's allowed keys [lo, hi) of a block whose columns start at key k0: dropped ones
+  // zeroed, kept ones scaled.
+  void apply(float* row, int64_t b, int64_t head, int64_t t, int64_t lo, int64_t hi, int64_t k0) const {
+    const uint32_t h = attention_row_hash(static_cast<uint32_t>(seeds_[b]), head, t);
+    for (int64_t s = lo; s < hi; ++s) row[s - k0] = attention_kept(h, s, threshold_) ? row[s - k0] * scale_ : 0.0f;
+  }
+
+  // Row t's backward: p (the probabilities) becomes p Z, dp (dO V^T) becomes
+  // dS = p (Z dp - dl) scale over all tk columns (those outside [lo, hi) have p = 0).
+  void backward(float* p, float* dp, float dl, float scale, int64_t b, int64_t head, int64_t t, int64_t lo,
+                int64_t hi, int64_t k0, int64_t tk) const {
+    const uint32_t h = attention_row_hash(static_cast<uint32_t>(seeds_[b]), head, t);
+    for (int64_t j = 0; j < tk; ++j) {
+      const int64_t s = k0 + j;
+      const float z = s >= lo && s < hi && attention_kept(h, s, threshold_) ? scale_ : 0.0f;
+      dp[j] = p[j] * (z * dp[j] - dl) * scale;
+      p[j] *= z;
+    }
+  }
+
+ private:
+  double p_;
+  uint32_t threshold_;
+  float scale_;
+  const int64_t* seeds_;
+};
+
 struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q_in, const at::Tensor& k_in,
-                            const at::Tensor& v_in, const at::Tensor& first_keys, double scale_d, int64_t window) {
+                            const at::Tensor& v_in, const at::Tensor& first_keys, double scale_d, int64_t window,
+                            double dropout, const at::Tensor& dropout_seeds) {
     at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in), v = last_dim_contiguous(v_in);
     const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), T = q.size(3), D = q.size(4);
     const float scale = static_cast<float>(scale_d);
@@ -235,6 +280,7 @@ struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
     const Scratch s(T, D);
     const View vq(q), vk(k), vv(v), vo(out), vl(lse);
     const GemmFn gemm = gemm_kernel();
+    const DropMask drop(dropout, dropout_seeds);
     for_each_kv_head(B, Hkv, s.forward_floats(), q.options(), [&](int64_t b, int64_t h, float* kt_buf) {
       float* v_buf = kt_buf + s.transposed();
       float* S = v_buf + s.straight();
@@ -252,6 +298,9 @@ struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
             return lg[t] = *std::max_element(x, x + n) * scale;
           };
           const int64_t k0 = block_probs(gemm, s, first, scale, qg, vq.s3, kt, t0, t1, S, row_max, sums);
+          if (drop.active())  // the sums stay those of every probability: dropout follows the softmax
+            for (int64_t t = t0; t < t1; ++t)
+              drop.apply(S + (t - t0) * s.ld, b, h * G + g, t, first[t], t + 1, k0);
           gemm(t1 - t0, D, t1 - k0, rows_of(S, s.ld), {vp.at(0, k0), vp.stride}, og + t0 * vo.s3, vo.s3, false);
           for (int64_t t = t0; t < t1; ++t) {
             const float inv = 1.0f / sums[t - t0];
@@ -263,7 +312,8 @@ struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
       }
     });
     ctx->saved_data["scale"] = scale_d;
-    ctx->save_for_backward({q, k, v, first_keys, out, lse});
+    ctx->saved_data["dropout"] = dropout;
+    ctx->save_for_backward({q, k, v, first_keys, out, lse, dropout_seeds});
     return out;
   }
 
@@ -272,6 +322,7 @@ struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
     const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &first_keys = saved[3], &out = saved[4],
                      &lse = saved[5];
     const float scale = static_cast<float>(ctx->saved_data["scale"].toDouble());
+    const DropMask drop(ctx->saved_data["dropout"].toDouble(), saved[6]);
     const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), T = q.size(3), D = q.size(4);
     at::Tensor dout = last_dim_contiguous(grads[0]);
     // Like q, k, v: the last dimension contiguous (empty_like keeps a dense layout, else
@@ -304,8 +355,23 @@ struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
           const int64_t k0 = block_probs(gemm, s, first, scale, qg, vq.s3, kt, t0, t1, P, saved_lse, nullptr);
           const int64_t tk = t1 - k0;
           const float* dob = dog + t0 * vdo.s3;
-          // dV += P^T dO;  dP = dO V^T
           const Panels dop = pack_panels(dob, vdo.s3, 1, bt, D, bt, rows_buf);
+          if (drop.active()) {
+            // With the kept mask Z (scaled by 1/(1-p)): O = (P Z) V, so dV += (P Z)^T dO and
+            // dS = P (Z (dO V^T) - rowsum(dO O)) scale. dS goes into dP, P Z into P.
+            gemm(bt, tk, D, rows_of(dob, vdo.s3), {vt.at(k0 / kLanes, 0), vt.stride}, dP, s.ld, false);
+            for (int64_t i = 0; i < bt; ++i) {
+              const float dl = row_dot(dob + i * vdo.s3, og + (t0 + i) * vo.s3, D);
+              drop.backward(P + i * s.ld, dP + i * s.ld, dl, scale, b, h * G + g, t0 + i, first[t0 + i], t0 + i + 1,
+                            k0, tk);
+            }
+            gemm(tk, D, bt, columns_of(P, s.ld), dop, dvh + k0 * vdv.s2, vdv.s2, true);
+            gemm(bt, D, tk, rows_of(dP, s.ld), {kp.at(0, k0), kp.stride}, dqg + t0 * vdq.s3, vdq.s3, false);
+            const Panels qp = pack_panels(qg + t0 * vq.s3, vq.s3, 1, bt, D, bt, rows_buf);
+            gemm(tk, D, bt, columns_of(dP, s.ld), qp, dkh + k0 * vdk.s2, vdk.s2, true);
+            continue;
+          }
+          // dV += P^T dO;  dP = dO V^T
           gemm(tk, D, bt, columns_of(P, s.ld), dop, dvh + k0 * vdv.s2, vdv.s2, true);
           gemm(bt, tk, D, rows_of(dob, vdo.s3), {vt.at(k0 / kLanes, 0), vt.stride}, dP, s.ld, false);
           // dS = P * (dP - rowsum(dO * O)) * scale, into P
@@ -325,7 +391,7 @@ struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
         }
       }
     });
-    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -375,11 +441,16 @@ bool fused_cpu_attention_applies(const at::Tensor& q, const at::Tensor& k, const
 }
 
 at::Tensor fused_cpu_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               const at::Tensor& segment_ids, double scale, int64_t sliding_window) {
+                               const at::Tensor& segment_ids, double scale, int64_t sliding_window,
+                               const AttentionDropout& dropout) {
   if (!dtypes_and_devices_fit(q, k, v, segment_ids)) return at::Tensor();
   at::Tensor first = first_keys(segment_ids, sliding_window);
   if (!first.defined()) return at::Tensor();
-  return FusedCpuAttention::apply(q, k, v, first, scale, sliding_window);
+  at::Tensor seeds = dropout.active() ? dropout.seeds.to(at::kCPU).to(at::kLong).contiguous() : at::zeros({0}, first.options());
+  if (dropout.active())
+    MEMTUNE_INTERNAL_ASSERT(seeds.numel() == q.size(0), "attention dropout: ", seeds.numel(), " seeds for ", q.size(0),
+                            " rows");
+  return FusedCpuAttention::apply(q, k, v, first, scale, sliding_window, dropout.active() ? dropout.p : 0.0, seeds);
 }
 
 }  // namespace memtune::models::detail

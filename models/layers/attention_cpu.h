@@ -6,6 +6,8 @@
 // sizes of 64 the batched BLAS calls cost more in per-matrix overhead than in arithmetic.
 #include <ATen/core/Tensor.h>
 
+#include "runtime/keyed_dropout.h"
+
 namespace memtune::models::detail {
 
 // Whether fused_cpu_attention takes these inputs: CPU float32 q, k, v (any strides), and
@@ -18,9 +20,12 @@ bool fused_cpu_attention_applies(const at::Tensor& q, const at::Tensor& k, const
 // As causal_segment_attention (attention.h), or an undefined tensor when the inputs are not
 // ones fused_cpu_attention_applies to (checked in the same pass that prepares them). The
 // output is laid out (B,T,Hkv,G,D) in memory, so merging the heads back into (B,T,H*D)
-// needs no copy.
+// needs no copy. With `dropout` active, the probabilities are dropped as
+// attention_keep_mask draws them (after the softmax, before the values), the mask drawn
+// again in backward instead of kept.
 at::Tensor fused_cpu_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               const at::Tensor& segment_ids, double scale, int64_t sliding_window);
+                               const at::Tensor& segment_ids, double scale, int64_t sliding_window,
+                               const AttentionDropout& dropout = {});
 
 // Bytes of one thread's scratch in the backward pass (the larger pass) at T tokens of D
 // dimensions.

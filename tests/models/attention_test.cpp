@@ -19,9 +19,10 @@ namespace {
 using memtune::models::causal_segment_attention;
 using memtune::testing::expect_close;
 
-// q (B,Hkv,G,T,D), k/v (B,Hkv,T,D): every query against every key, then the mask.
+// q (B,Hkv,G,T,D), k/v (B,Hkv,T,D): every query against every key, then the mask; with a
+// dropout mask `z` (B,Hkv,G,T,T, 0 or 1/(1-p)) the probabilities are multiplied by it.
 at::Tensor naive_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& seg,
-                           double scale, int64_t window) {
+                           double scale, int64_t window, const at::Tensor& z = {}) {
   const int64_t T = q.size(3);
   at::Tensor s = at::matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale;  // (B,Hkv,G,T,T)
   at::Tensor pos = at::arange(T, at::kLong);
@@ -29,7 +30,8 @@ at::Tensor naive_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   at::Tensor allowed = (kp <= qp).unsqueeze(0) & (seg.unsqueeze(2) == seg.unsqueeze(1));  // (B,T,T)
   if (window > 0) allowed = allowed & (qp - kp < window).unsqueeze(0);
   s = s.masked_fill(allowed.logical_not().view({seg.size(0), 1, 1, T, T}), -std::numeric_limits<float>::infinity());
-  return at::matmul(at::softmax(s, -1), v.unsqueeze(2));
+  at::Tensor p = at::softmax(s, -1);
+  return at::matmul(z.defined() ? p * z : p, v.unsqueeze(2));
 }
 
 using memtune::models::AttentionOptions;
@@ -44,7 +46,15 @@ void expect_textbook(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   at::Tensor out = causal_segment_attention(qa, ka, va, seg, 0.35, window, options);
   at::Tensor qr = q.detach().clone().requires_grad_(true), kr = k.detach().clone().requires_grad_(true),
              vr = v.detach().clone().requires_grad_(true);
-  at::Tensor ref = naive_attention(qr, kr, vr, seg, 0.35, window);
+  at::Tensor z;  // the dropout mask, as attention_keep_mask draws it for every (row, head, query, key)
+  if (options.dropout.active()) {
+    const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), T = q.size(3);
+    z = memtune::attention_keep_mask(options.dropout.seeds, Hkv * G, 0, T, 0, T, options.dropout.p)
+            .to(at::kFloat)
+            .div(1.0 - options.dropout.p)
+            .view({B, Hkv, G, T, T});
+  }
+  at::Tensor ref = naive_attention(qr, kr, vr, seg, 0.35, window, z);
   expect_close(out, ref, 2e-5, "output", 1.0);
   at::Tensor g = at::randn(out.sizes(), at::kFloat);
   auto grads = torch::autograd::grad({out}, {qa, ka, va}, {g});
@@ -82,6 +92,54 @@ TEST(Attention, BlockedKernelMatchesTheTextbookAttention) {
   }
 }
 
+// Random 32-bit seeds, one per batch row (attention_dropout_seeds' values).
+at::Tensor row_seeds(int64_t B) { return at::randint(int64_t{1} << 32, {B}, at::kLong); }
+
+// Dropout on the probabilities: the blocked kernel draws attention_keep_mask's bits per block,
+// in forward and again in backward, and equals the textbook attention with that mask.
+TEST(Attention, BlockedKernelWithDropoutMatchesTheTextbookAttention) {
+  torch::manual_seed(19);
+  const int64_t B = 2, Hkv = 2, G = 2, T = 23, D = 8;
+  const at::Tensor seg = two_rows_of_segments(T);
+  for (double p : {0.1, 0.5}) {
+    for (int64_t window : {0, 3}) {
+      for (int64_t block : {4, 7, 64}) {
+        for (int64_t keep_bytes : {int64_t{64} << 20, int64_t{0}}) {
+          SCOPED_TRACE("p " + std::to_string(p) + ", window " + std::to_string(window) + ", block " +
+                       std::to_string(block) + ", keep " + std::to_string(keep_bytes));
+          AttentionOptions options;
+          options.kernel = AttentionOptions::Kernel::kEager;
+          options.query_block = block;
+          options.keep_probs_bytes = keep_bytes;
+          options.dropout = {p, row_seeds(B)};
+          expect_textbook(at::randn({B, Hkv, G, T, D}), at::randn({B, Hkv, T, D}), at::randn({B, Hkv, T, D}), seg,
+                          window, options);
+        }
+      }
+    }
+  }
+}
+
+// The mask: about 1 - p of the entries kept, each row's bits from its own seed only (a row
+// draws the same mask in any batch), heads and queries drawn apart.
+TEST(Attention, DropoutMaskKeepsOneMinusPAndFollowsTheRowsSeed) {
+  const at::Tensor seeds = at::tensor(std::vector<int64_t>{12345, 4000000000LL, 7}, at::kLong);
+  for (double p : {0.1, 0.5, 0.9}) {
+    const at::Tensor keep = memtune::attention_keep_mask(seeds, 4, 0, 256, 0, 256, p);  // (3,4,256,256)
+    const double kept = keep.to(at::kDouble).mean().item<double>();
+    EXPECT_NEAR(kept, 1.0 - p, 0.005) << p;  // 786432 draws: the standard error is under 0.0006
+    const at::Tensor alone = memtune::attention_keep_mask(seeds.slice(0, 1, 2), 4, 0, 256, 0, 256, p);
+    EXPECT_TRUE(at::equal(alone[0], keep[1]));
+    EXPECT_FALSE(at::equal(keep[0], keep[1]));
+    EXPECT_FALSE(at::equal(keep[0][0], keep[0][1]));           // heads
+    EXPECT_FALSE(at::equal(keep[0][0][5], keep[0][0][6]));     // queries
+    // A block of queries and keys is the same draw as the whole matrix's block.
+    const at::Tensor block = memtune::attention_keep_mask(seeds, 4, 100, 140, 30, 90, p);
+    EXPECT_TRUE(at::equal(block, keep.slice(2, 100, 140).slice(3, 30, 90)));
+  }
+  EXPECT_TRUE(memtune::attention_keep_mask(seeds, 2, 0, 64, 0, 64, 0.0).all().item<bool>());
+}
+
 // The fused CPU kernel: lengths across its 32-row blocks, head sizes off its 8- and
 // 16-column tiles, grouped-query heads, windows, packed documents and padding, and q, k, v
 // as the strided views the models pass (heads split out of (B,T,H*D) projections).
@@ -108,6 +166,31 @@ TEST_P(FusedCpuAttention, MatchesTheTextbookAttention) {
       at::Tensor v = kv.slice(2, s.Hkv * s.D).view({B, s.T, s.Hkv, s.D}).permute({0, 2, 1, 3});
       ASSERT_TRUE(uses_fused_cpu_attention(q, k, v, seg));
       expect_textbook(q, k, v, seg, window, {});
+    }
+  }
+}
+
+// With dropout the fused kernel draws the same bits as attention_keep_mask, from the same
+// hash written for one element at a time, and keeps no mask: backward draws it again.
+TEST_P(FusedCpuAttention, DropoutMatchesTheTextbookAttention) {
+  torch::manual_seed(23);
+  struct Shape { int64_t Hkv, G, T, D; };
+  for (const Shape& s : {Shape{2, 2, 23, 8}, Shape{1, 3, 70, 12}, Shape{2, 1, 33, 64}}) {
+    const at::Tensor seg = two_rows_of_segments(s.T);
+    for (double p : {0.1, 0.6}) {
+      for (int64_t window : {0, 5}) {
+        SCOPED_TRACE("Hkv " + std::to_string(s.Hkv) + " G " + std::to_string(s.G) + " T " + std::to_string(s.T) +
+                     " p " + std::to_string(p) + " window " + std::to_string(window));
+        const int64_t B = 2, H = s.Hkv * s.G;
+        at::Tensor q = at::randn({B, s.T, H * s.D}).view({B, s.T, s.Hkv, s.G, s.D}).permute({0, 2, 3, 1, 4});
+        at::Tensor kv = at::randn({B, s.T, 2 * s.Hkv * s.D});
+        at::Tensor k = kv.slice(2, 0, s.Hkv * s.D).view({B, s.T, s.Hkv, s.D}).permute({0, 2, 1, 3});
+        at::Tensor v = kv.slice(2, s.Hkv * s.D).view({B, s.T, s.Hkv, s.D}).permute({0, 2, 1, 3});
+        ASSERT_TRUE(uses_fused_cpu_attention(q, k, v, seg));
+        AttentionOptions options;
+        options.dropout = {p, row_seeds(B)};
+        expect_textbook(q, k, v, seg, window, options);
+      }
     }
   }
 }

@@ -166,12 +166,18 @@ TEST(ModelSpecUnimplemented, MathChangingFieldsAreRefusedByName) {
   c["pad_token_id"] = -1;  // counts from the end, as nn.Embedding takes it
   EXPECT_EQ(error_of(c), "");
   c.erase("pad_token_id");
-  // attention_dropout is read (training refuses it unless 0; evaluation has none anyway).
+  // attention_dropout is read (training applies it to the probabilities); a value nn.Dropout
+  // could not take, or one that would drop everything, is refused.
   c["attention_dropout"] = 0.1;
   EXPECT_EQ(error_of(c), "");
-  EXPECT_EQ(memtune::models::attention_dropout(spec_from_hf_config(c, "c")), 0.1);
-  c["attention_dropout"] = 0.0;
-  EXPECT_EQ(memtune::models::attention_dropout(spec_from_hf_config(c, "c")), 0.0);
+  EXPECT_EQ(memtune::models::dropout_rates(spec_from_hf_config(c, "c")).attention, 0.1);
+  c["attention_dropout"] = 1.0;
+  EXPECT_NE(error_of(c).find("attention_dropout 1.0 is not a dropout probability"), std::string::npos) << error_of(c);
+  c["attention_dropout"] = "0.1";
+  EXPECT_NE(error_of(c).find("attention_dropout \"0.1\" is not a dropout probability"), std::string::npos)
+      << error_of(c);
+  c.erase("attention_dropout");
+  EXPECT_EQ(memtune::models::dropout_rates(spec_from_hf_config(c, "c")).attention, 0.0);
   c["partial_rotary_factor"] = 0.5;
   EXPECT_NE(error_of(c).find("partial_rotary_factor 0.5 (rotary on part of each head) is not supported"),
             std::string::npos)
@@ -205,28 +211,34 @@ TEST(ModelSpecRope, KeysTransformersRequiresAreRequired) {
   EXPECT_EQ(error_of(c), "");
 }
 
-// GPT-2's dropout (0.1 in transformers when absent) is not applied by memtune's forward: the
-// log says so for a loaded config, and a config memtune writes for its own GPT-2 says 0.0.
-TEST(ModelSpecDropout, Gpt2DropoutIsNamedAndMemtunesOwnConfigsSayZero) {
+// GPT-2's dropout rates are transformers' (0.1 when absent), memtune's own GPT-2 presets say
+// 0.0, and a config written for a spec keeps what it read (absent stays absent: 0.1 for both).
+TEST(ModelSpecDropout, Gpt2RatesAreTransformersAndRoundTrip) {
   json g = small_gpt2();
-  const std::string absent = memtune::models::unapplied_dropout(spec_from_hf_config(g, "c"));
-  EXPECT_NE(absent.find("resid_pdrop 0.1 (absent: 0.1), embd_pdrop 0.1 (absent: 0.1), attn_pdrop 0.1 (absent: 0.1)"),
-            std::string::npos)
-      << absent;
+  const memtune::models::DropoutRates absent = memtune::models::dropout_rates(spec_from_hf_config(g, "c"));
+  EXPECT_EQ(absent.residual, 0.1);
+  EXPECT_EQ(absent.embedding, 0.1);
+  EXPECT_EQ(absent.attention, 0.1);
   g["resid_pdrop"] = 0.0;
-  g["embd_pdrop"] = 0.0;
+  g["embd_pdrop"] = 0.25;
   g["attn_pdrop"] = 0.2;
-  const std::string one = memtune::models::unapplied_dropout(spec_from_hf_config(g, "c"));
-  EXPECT_NE(one.find("(attn_pdrop 0.2) is not applied"), std::string::npos) << one;
-  g["attn_pdrop"] = 0.0;
-  EXPECT_EQ(memtune::models::unapplied_dropout(spec_from_hf_config(g, "c")), "");
-  EXPECT_EQ(memtune::models::unapplied_dropout(spec_from_hf_config(small("llama"), "c")), "");
+  const memtune::models::DropoutRates set = memtune::models::dropout_rates(spec_from_hf_config(g, "c"));
+  EXPECT_EQ(set.residual, 0.0);
+  EXPECT_EQ(set.embedding, 0.25);
+  EXPECT_EQ(set.attention, 0.2);
+  EXPECT_EQ(memtune::models::dropout_rates(spec_from_hf_config(small("llama"), "c")).attention, 0.0);
+  g["resid_pdrop"] = -0.1;
+  EXPECT_NE(error_of(g).find("resid_pdrop -0.1 is not a dropout probability"), std::string::npos) << error_of(g);
 
   const json written = spec_to_hf_config(spec_from_hf_config(small_gpt2(), "c"));
-  for (const char* key : {"resid_pdrop", "embd_pdrop", "attn_pdrop"}) EXPECT_EQ(written.at(key), 0.0) << key;
+  for (const char* key : {"resid_pdrop", "embd_pdrop", "attn_pdrop"}) EXPECT_FALSE(written.contains(key)) << key;
   json kept = small_gpt2();
-  kept["resid_pdrop"] = 0.1;
-  EXPECT_EQ(spec_to_hf_config(spec_from_hf_config(kept, "c")).at("resid_pdrop"), 0.1);
+  kept["resid_pdrop"] = 0.05;
+  EXPECT_EQ(spec_to_hf_config(spec_from_hf_config(kept, "c")).at("resid_pdrop"), 0.05);
+  for (const char* name : {"tiny-gpt2", "gpt2"}) {
+    const memtune::models::DropoutRates own = memtune::models::dropout_rates(*memtune::models::preset(name));
+    EXPECT_EQ(own.residual + own.embedding + own.attention, 0.0) << name;
+  }
 }
 
 }  // namespace

@@ -53,6 +53,23 @@ TEST(CustomModel, RegisteredArchitectureInitialisesAndTrains) {
                                    "'parallel_block'"),
             std::string::npos)
       << untargeted.output;
+
+  // Dropout config.json asks for, which this architecture's layer() does not apply: refused,
+  // not trained without.
+  config["attention_dropout"] = 0.1;
+  write_file(d / "model/config.json", config.dump(2));
+  auto dropped = run(custom_bin() + " train " + (source_dir() / "configs/quickstart.yaml").string() +
+                     " runtime.device=cpu model.name_or_path=" + (d / "model").string() + " model.tokenizer=" +
+                     (d / "model").string() + " training.output_dir=" + (d / "run4").string() +
+                     " training.max_steps=1 data.train_file=" +
+                     (source_dir() / "examples/data/tasks_train.jsonl").string() + " data.eval_file=" +
+                     (source_dir() / "examples/data/tasks_eval.jsonl").string() +
+                     " data.max_seq_length=64 data.cache_dir=" + (d / "cache").string());
+  EXPECT_EQ(dropped.exit_code, 2) << dropped.output;
+  EXPECT_NE(dropped.output.find("asks for dropout in training (attention_dropout), which architecture "
+                                "'ParallelBlockForCausalLM' does not apply"),
+            std::string::npos)
+      << dropped.output;
 }
 
 // The architecture states its layers' memory beside its forward (CausalLM::layer_memory),

@@ -26,7 +26,7 @@ std::string config(const fs::path& out, int seq = 64) {
          "  name_or_path: tiny-llama\n"
          "  tokenizer: " + (src / "examples/tiny-tokenizer").string() + "\n"
          "  quantization_config: {load_in_4bit: true}\n"
-         "lora: {r: 4, lora_alpha: 8}\n"
+         "lora: {r: 4, lora_alpha: 8, target_modules: all-linear}\n"
          "runtime: {device: cpu}\n"  // CPU budgets and fp32, on a GPU machine too
          "training:\n"
          "  output_dir: " + out.string() + "\n"
@@ -140,6 +140,45 @@ TEST(Supervisor, WithDropoutTheSplitDoesNotChangeTheMath) {
   // And dropout is on: without it the run differs, by several times the tolerance above.
   TrainRun none = train(d / "none", "training.max_steps=4");
   ASSERT_EQ(none.exit_code, 0) << none.output;
+  EXPECT_GT(std::abs(rows(none.out).back()["loss"].get<double>() - rows(as_configured.out).back()["loss"].get<double>()),
+            3e-5);
+}
+
+// GPT-2's own dropout, as transformers applies it in training (embd_pdrop on the embeddings,
+// attn_pdrop on the attention probabilities, resid_pdrop on each sublayer's output), follows
+// each sample as LoRA's does: a retry at a smaller micro-batch and a checkpointed run equal
+// the configured run, and the dropout is on (the run without it differs).
+TEST(Supervisor, WithGpt2DropoutTheSplitDoesNotChangeTheMath) {
+  fs::path d = temp_dir();
+  const std::string tokenizer = (source_dir() / "examples/tiny-tokenizer").string();
+  for (const char* name : {"dropped", "plain"}) {
+    auto init = run(memtune_bin() + " init-model --preset tiny-gpt2 --tokenizer " + tokenizer + " --out " +
+                    (d / name).string());
+    ASSERT_EQ(init.exit_code, 0) << init.output;
+  }
+  json c = json::parse(read_file(d / "dropped/config.json"));
+  for (const char* key : {"resid_pdrop", "embd_pdrop", "attn_pdrop"}) c[key] = 0.1;
+  write_file(d / "dropped/config.json", c.dump(2));
+  auto gpt2 = [&](const char* model) {
+    return "model.name_or_path=" + (d / model).string() + " model.tokenizer=" + tokenizer +
+           " model.quantization_config.load_in_4bit=false training.finetune=full training.max_steps=4 ";
+  };
+  TrainRun as_configured = train(d / "configured", gpt2("dropped"));
+  ASSERT_EQ(as_configured.exit_code, 0) << as_configured.output;
+  EXPECT_NE(as_configured.output.find("dropout in training, from config.json: resid_pdrop 0.1, embd_pdrop 0.1, "
+                                      "attn_pdrop 0.1"),
+            std::string::npos)
+      << as_configured.output;
+  TrainRun oom = train(d / "oom", gpt2("dropped") + "memory.inject_oom=0:backward memory.grow_after_steps=1000");
+  ASSERT_EQ(oom.exit_code, 0) << oom.output;
+  EXPECT_EQ(rows(oom.out).front()["micro_batch"], 2);
+  expect_same_run(oom.out, as_configured.out, 1e-5);
+  TrainRun ckpt = train(d / "ckpt", gpt2("dropped") + "training.gradient_checkpointing=true");
+  ASSERT_EQ(ckpt.exit_code, 0) << ckpt.output;
+  expect_same_run(ckpt.out, as_configured.out, 1e-6);
+  TrainRun none = train(d / "none", gpt2("plain"));
+  ASSERT_EQ(none.exit_code, 0) << none.output;
+  EXPECT_EQ(none.output.find("dropout in training"), std::string::npos) << none.output;
   EXPECT_GT(std::abs(rows(none.out).back()["loss"].get<double>() - rows(as_configured.out).back()["loss"].get<double>()),
             3e-5);
 }
