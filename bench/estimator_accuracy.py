@@ -159,6 +159,9 @@ CASES = [
     case("gpt2 qlora s512 b4 every2 dropout0.1", "tiny-gpt2", "text", 512, 4, CK_EVERY2, "qlora",
          ["lora.lora_dropout=0.1"]),
     case("gpt2-long lora s4096 b1 layers[0]", "gpt2-long", "text", 4096, 1, CK_L0, "lora"),
+    # gpt2-long's config.json has no dropout keys: transformers' 0.1 everywhere, applied in training
+    case("gpt2-long full s1024 b2 hf-dropout", "gpt2-long", "text", 1024, 2, CK_NONE, "full"),
+    case("gpt2-long lora s1024 b2 hf-dropout", "gpt2-long", "text", 1024, 2, CK_NONE, "lora"),
     # The registered custom architecture (examples/custom_model), its own binary
     case("parallel qlora s256 b2 ckpt-all", "parallel", "tasks", 256, 2, CK_ALL, "qlora"),
     case("parallel lora s512 b4", "parallel", "text", 512, 4, CK_NONE, "lora"),
