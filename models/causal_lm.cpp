@@ -247,7 +247,7 @@ LayerMemory CausalLM::layer_memory(int index, const StepShape& s, const LayerPla
   int64_t widest = C, panel = 0;
   for (const Linear* l : layer_linears(index)) {
     const LinearTraining t = plan.training(*l);
-    m.kept += E * (l->in_features() + l->out_features()) * a + lora_kept(E, l->in_features(), t.lora_r, t.lora_dropout);
+    m.kept += E * (l->in_features() + l->out_features()) * a + lora_kept(E, l->in_features(), t.lora_r, t.lora_dropout, s.dropout_keeps_mask());
     widest = std::max({widest, l->in_features(), l->out_features()});
     if (t.nf4) panel = std::max(panel, nf4_panel_bytes(l->out_features(), l->in_features(), s.compute_bytes));
   }

@@ -25,6 +25,9 @@ struct StepShape {
   // (models/layers/cuda/), whose backward forms no fp32 intermediates.
   bool cuda_kernels = false;
   int64_t rows() const { return batch * tokens; }
+  // keyed_dropout keeps a boolean mask (runtime/keyed_dropout.h): on a GPU, and for fp16/bf16
+  // inputs on the CPU (taken where the matmuls are not fp32, a bound for adapters' fp32 inputs).
+  bool dropout_keeps_mask() const { return cuda_kernels || compute_bytes != 4; }
 };
 
 // How one projection is trained in the planned run.

@@ -292,8 +292,8 @@ void validate_spec(const ModelSpec& s, const std::string& where) {
   for (const char* key : {"resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout"}) {
     const auto it = s.extra.find(key);
     if (it == s.extra.end() || it->is_null()) continue;
-    MEMTUNE_CHECK(it->is_number() && it->get<double>() >= 0 && it->get<double>() < 1, where, ": ", key, " ",
-                  it->dump(), " is not a dropout probability; it must be a number in [0, 1)");
+    MEMTUNE_CHECK(it->is_number() && it->get<double>() >= 0 && it->get<double>() <= 1, where, ": ", key, " ",
+                  it->dump(), " is not a dropout probability; it must be a number in [0, 1], as nn.Dropout takes");
   }
   MEMTUNE_CHECK(s.vocab_size > 0 && s.hidden_size > 0 && s.num_layers > 0 && s.num_heads > 0 &&
                     s.intermediate_size > 0 && s.head_dim > 0,

@@ -6,6 +6,13 @@
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "runtime/cpu_features.h"
+#if MEMTUNE_X86
+#include <immintrin.h>
+#endif
 
 #include "runtime/error.h"
 
@@ -42,6 +49,111 @@ uint64_t dropout_site(const std::string& name) {
   return h;
 }
 
+namespace {
+
+// Row b's element e (its position times the width, plus the column) is kept when
+// fmix32(seed ^ e * 0x9E3779B9) < threshold; y = x * scale where kept, else 0. The same
+// function turns the output's gradient into the input's.
+void drop_span_scalar(const float* x, float* y, int64_t n, uint32_t seed, uint32_t e0, uint32_t threshold,
+                      float scale) {
+  for (int64_t j = 0; j < n; ++j) {
+    const uint32_t e = e0 + static_cast<uint32_t>(j);
+    y[j] = fmix32(seed ^ (e * 0x9E3779B9u)) < threshold ? x[j] * scale : 0.0f;
+  }
+}
+
+#if MEMTUNE_X86
+__attribute__((target("avx2"))) void drop_span_avx2(const float* x, float* y, int64_t n, uint32_t seed, uint32_t e0,
+                                                    uint32_t threshold, float scale) {
+  const __m256i golden = _mm256_set1_epi32(static_cast<int>(0x9E3779B9u));
+  const __m256i c1 = _mm256_set1_epi32(static_cast<int>(0x85EBCA6Bu));
+  const __m256i c2 = _mm256_set1_epi32(static_cast<int>(0xC2B2AE35u));
+  // Unsigned h < threshold as a signed compare: both with the sign bit flipped.
+  const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  const __m256i limit = _mm256_set1_epi32(static_cast<int>(threshold ^ 0x80000000u));
+  const __m256i s = _mm256_set1_epi32(static_cast<int>(seed)), eight = _mm256_set1_epi32(8);
+  const __m256 vs = _mm256_set1_ps(scale);
+  __m256i e = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(e0)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8, e = _mm256_add_epi32(e, eight)) {
+    __m256i h = _mm256_xor_si256(s, _mm256_mullo_epi32(e, golden));
+    h = _mm256_mullo_epi32(_mm256_xor_si256(h, _mm256_srli_epi32(h, 16)), c1);
+    h = _mm256_mullo_epi32(_mm256_xor_si256(h, _mm256_srli_epi32(h, 13)), c2);
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+    const __m256i keep = _mm256_cmpgt_epi32(limit, _mm256_xor_si256(h, sign));
+    const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + j), vs);
+    _mm256_storeu_ps(y + j, _mm256_and_ps(v, _mm256_castsi256_ps(keep)));
+  }
+  drop_span_scalar(x + j, y + j, n - j, seed, e0 + static_cast<uint32_t>(j), threshold, scale);
+}
+#endif
+
+bool t_portable = false;
+
+// x (B, T, width...) contiguous fp32 on the CPU: y = x with row b's kept elements of its first
+// lengths[b] positions scaled, every other element 0.
+at::Tensor drop_rows(const at::Tensor& x, const std::vector<uint32_t>& seeds, const std::vector<int64_t>& lengths,
+                     uint32_t threshold, float scale) {
+  const int64_t B = x.size(0), T = x.size(1), width = x.numel() / std::max<int64_t>(1, B * T);
+  at::Tensor y = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+#if MEMTUNE_X86
+  const bool avx2 = !t_portable && cpu_has_avx2();
+#endif
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1));  // positions per task
+  at::parallel_for(0, B * T, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / T, t = i % T;
+      const float* xi = xp + i * width;
+      float* yi = yp + i * width;
+      if (t >= lengths[static_cast<size_t>(b)]) {
+        std::fill(yi, yi + width, 0.0f);
+        continue;
+      }
+      const uint32_t e0 = static_cast<uint32_t>(t * width);
+#if MEMTUNE_X86
+      if (avx2) {
+        drop_span_avx2(xi, yi, width, seeds[static_cast<size_t>(b)], e0, threshold, scale);
+        continue;
+      }
+#endif
+      drop_span_scalar(xi, yi, width, seeds[static_cast<size_t>(b)], e0, threshold, scale);
+    }
+  });
+  return y;
+}
+
+// The mask is drawn again in backward, so only the rows' seeds and lengths are kept.
+struct KeyedDropoutFunction : public torch::autograd::Function<KeyedDropoutFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, double p,
+                            const std::vector<uint32_t>& seeds, const std::vector<int64_t>& lengths) {
+    const uint32_t threshold = attention_keep_threshold(p);
+    const float scale = static_cast<float>(1.0 / (1.0 - p));
+    ctx->saved_data["p"] = p;
+    ctx->saved_data["seeds"] = std::vector<int64_t>(seeds.begin(), seeds.end());
+    ctx->saved_data["lengths"] = lengths;
+    return drop_rows(x.contiguous(), seeds, lengths, threshold, scale);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const double p = ctx->saved_data["p"].toDouble();
+    const std::vector<int64_t> s = ctx->saved_data["seeds"].toIntVector();
+    const std::vector<uint32_t> seeds(s.begin(), s.end());
+    const std::vector<int64_t> lengths = ctx->saved_data["lengths"].toIntVector();
+    const at::Tensor g = grads[0].to(at::kFloat).contiguous();
+    return {drop_rows(g, seeds, lengths, attention_keep_threshold(p), static_cast<float>(1.0 / (1.0 - p))),
+            at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+void use_portable_dropout_kernel(bool portable) { t_portable = portable; }
+
+bool keyed_dropout_keeps_mask(const at::Tensor& x) { return !(x.device().is_cpu() && x.scalar_type() == at::kFloat); }
+
 at::Tensor keyed_dropout(const at::Tensor& x, double p, uint64_t site) {
   const DropoutKeys& k = t_keys;
   if (k.empty()) return at::dropout(x, p, true);
@@ -50,6 +162,17 @@ at::Tensor keyed_dropout(const at::Tensor& x, double p, uint64_t site) {
                           "keyed_dropout: input of shape ", x.sizes(), " for ", k.keys.size(), " row keys");
   const int64_t B = x.size(0), T = x.size(1);
   const int64_t width = x.numel() / std::max<int64_t>(1, B * T);  // elements per position
+  if (!keyed_dropout_keeps_mask(x)) {
+    MEMTUNE_INTERNAL_ASSERT(T * width <= int64_t{0xFFFFFFFF}, "keyed_dropout: ", T * width,
+                            " elements per row, past the 32-bit element index");
+    std::vector<uint32_t> seeds(static_cast<size_t>(B));
+    std::vector<int64_t> lengths(static_cast<size_t>(B));
+    for (int64_t b = 0; b < B; ++b) {
+      seeds[static_cast<size_t>(b)] = static_cast<uint32_t>(mix(k.keys[static_cast<size_t>(b)] ^ mix(site)));
+      lengths[static_cast<size_t>(b)] = std::min(k.lengths[static_cast<size_t>(b)], T);
+    }
+    return KeyedDropoutFunction::apply(x, p, seeds, lengths);
+  }
   at::Tensor keep = at::zeros({B, T, width}, x.options().dtype(at::kBool));
   const double keep_p = 1.0 - p;
   for (int64_t b = 0; b < B; ++b) {
@@ -57,12 +180,13 @@ at::Tensor keyed_dropout(const at::Tensor& x, double p, uint64_t site) {
     if (len <= 0) continue;
     at::Tensor row;
     const uint64_t seed = mix(k.keys[b] ^ mix(site));
+    // The device's default generator, reseeded for the row and given its state back (its
+    // mutex is taken around the state changes only: the draw takes it itself). fp16/bf16
+    // rows on the CPU draw from a CPU generator.
     if (x.device().is_cpu()) {
       at::Generator gen = at::detail::createCPUGenerator(seed);
       row = at::rand({len, width}, gen, x.options().dtype(at::kFloat)) < keep_p;
     } else {
-      // The device's default generator, reseeded for the row and given its state back.
-      // (Its mutex is taken around the state changes only: the draw takes it itself.)
       at::Generator gen = at::globalContext().defaultGenerator(x.device());
       at::Tensor saved;
       {
@@ -76,7 +200,7 @@ at::Tensor keyed_dropout(const at::Tensor& x, double p, uint64_t site) {
     }
     keep[b].narrow(0, 0, len).copy_(row);
   }
-  return x.masked_fill(keep.logical_not().view(x.sizes()), 0) * (1.0 / keep_p);
+  return x.masked_fill(keep.logical_not().view(x.sizes()), 0).mul_(1.0 / keep_p);
 }
 
 uint32_t attention_keep_threshold(double p) {

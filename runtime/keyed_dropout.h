@@ -1,8 +1,9 @@
 #pragma once
 // Dropout whose mask depends on the sample, not on the batch it happens to be in. Each row
 // of a training batch carries a key (from the run's seed, the epoch and the sample's index
-// in the dataset) and its length; a dropout site (a LoRA adapter's input) draws row b's
-// mask from a generator seeded by (key_b, site) over the row's own positions only. So a
+// in the dataset) and its length; a dropout site (a LoRA adapter's input, a GPT-2 residual,
+// a layer's attention probabilities) draws row b's mask from (key_b, site) alone, over the
+// row's own positions only. So a
 // micro-batch split, a retry after an out-of-memory error, a grow-back, a resume, a
 // recomputation under activation checkpointing and a different number of ranks all draw
 // the same masks for the same sample, and the supervisor's changes never change the math,
@@ -46,10 +47,17 @@ uint64_t dropout_row_key(uint64_t seed, int64_t step, int64_t sample_index, int6
 uint64_t dropout_site(const std::string& name);
 
 // x (B, T, ...): each element kept with probability 1-p and scaled by 1/(1-p). With keys in
-// scope (one per row of x), row b's mask comes from a generator seeded by (keys[b], site)
-// over its first lengths[b] positions (padding is never kept); without, at::dropout.
-// Only the boolean mask is kept for backward, as at::dropout keeps it.
+// scope (one per row of x), row b's mask depends on (keys[b], site) only, over its first
+// lengths[b] positions (padding is never kept); without, at::dropout.
+// fp32 on the CPU: element e of row b (position times width, plus column) is kept when
+// fmix32(seed_b ^ e * 0x9E3779B9) < (1-p) 2^32, one fused pass (AVX2 where the CPU has it)
+// that backward runs again on the gradient, so no mask is kept. Elsewhere (GPUs, fp16/bf16):
+// a generator seeded per row, and the boolean mask kept for backward as at::dropout keeps it.
 at::Tensor keyed_dropout(const at::Tensor& x, double p, uint64_t site);
+// Whether keyed_dropout of x keeps a boolean mask for backward (one byte per element).
+bool keyed_dropout_keeps_mask(const at::Tensor& x);
+// Tests: the portable kernel instead of the AVX2 one.
+void use_portable_dropout_kernel(bool portable);
 
 // Dropout on attention probabilities, drawn by position rather than from a stream, so that
 // a fused kernel regenerates in backward the mask it drew in forward and keeps none: the

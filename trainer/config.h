@@ -107,7 +107,7 @@ struct TrainingConfig {
   double adam_beta1 = 0.9;
   double adam_beta2 = 0.999;
   double adam_epsilon = 1e-8;
-  std::string optim = "adamw_torch";          // adamw_torch|adamw|sgd
+  std::string optim = "adamw_torch";          // Hugging Face's names (config.cpp lists them)
   double momentum = 0;                        // sgd only
   double max_grad_norm = 1.0;                 // <= 0: no clipping
   int64_t logging_steps = 1;

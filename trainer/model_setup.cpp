@@ -74,8 +74,11 @@ at::ScalarType resolve_compute_dtype(const Config& c, const c10::Device& device,
   // Face's autocast runs the matmuls in the autocast dtype whatever the quantization config says).
   const std::string& bnb = c.model.quantization_config.bnb_4bit_compute_dtype;
   const bool from_training = c.training.fp16 || c.training.bf16;
-  std::string by = from_training ? (c.training.fp16 ? "training.fp16" : "training.bf16") : "bnb_4bit_compute_dtype";
-  if (from_training && bnb != "auto" && bnb != asked) by += ", over bnb_4bit_compute_dtype: " + bnb;
+  const bool bnb_default = bnb == QuantizationConfig{}.bnb_4bit_compute_dtype;
+  std::string by = from_training ? (c.training.fp16 ? "training.fp16" : "training.bf16")
+                   : bnb_default ? "the default, as transformers computes float32 weights without training.bf16 or fp16"
+                                 : "bnb_4bit_compute_dtype";
+  if (from_training && bnb != "auto" && !bnb_default && bnb != asked) by += ", over bnb_4bit_compute_dtype: " + bnb;
   at::ScalarType t = dtype_from_name(asked);
   if (device.is_cpu() && t == at::kHalf) {
     // LibTorch's CPU kernels have no fp16 matmul: the matmuls run in fp32, and fp16's
@@ -165,13 +168,17 @@ ModelBundle setup_model(const Config& c, const fs::path& adapter_dir, const Skip
                 "within max_position_embeddings only (transformers keeps the longest sequence's scaling for the "
                 "forwards that follow); set data.max_seq_length <= ", spec.max_position_embeddings);
   const models::DropoutRates dropout = models::dropout_rates(spec);
+  MEMTUNE_CHECK(std::max({dropout.residual, dropout.embedding, dropout.attention}) < 1, c.model.name_or_path,
+                "/config.json: a dropout rate of 1 drops every value in training, and nothing would train. Hint: a "
+                "rate in [0, 1)");
   MEMTUNE_CHECK(model.applies_dropout() || dropout.residual + dropout.embedding + dropout.attention == 0,
                 c.model.name_or_path, "/config.json asks for dropout in training (",
                 spec.is_gpt2() ? "resid_pdrop, embd_pdrop, attn_pdrop" : "attention_dropout",
                 "), which architecture '", spec.architecture, "' does not apply. Hint: set it to 0.0 in config.json, "
                 "or apply it in the architecture's layer() (see models/arch/llama.cpp) and override applies_dropout()");
   MEMTUNE_CHECK(dropout.attention == 0 || c.model.attn_implementation != "sdpa", c.model.name_or_path,
-                "/config.json drops attention probabilities in training (", spec.is_gpt2() ? "attn_pdrop " : "attention_dropout ",
+                "/config.json drops attention probabilities in training (",
+                spec.is_gpt2() ? "attn_pdrop " : "attention_dropout ",
                 dropout.attention, "), and model.attn_implementation: sdpa draws its own masks, which cannot follow "
                 "each sample through micro-batch splits and retries. Hint: attn_implementation auto or eager, or "
                 "set it to 0.0 in config.json");

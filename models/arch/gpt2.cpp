@@ -124,13 +124,19 @@ class Gpt2Model : public CausalLM {
     if (g_y || tfc.trains()) mlp += E * F * a;        // GELU's input
     if (tp.keeps_input()) mlp += E * F * a;           // GELU's output
 
-    // keyed_dropout keeps its boolean mask where a gradient flows through it; while it runs,
-    // a row's uniform draws, the masks and its output.
+    // keyed_dropout keeps a boolean mask where a gradient flows through it, where it keeps
+    // one (s.dropout_keeps_mask()); while it runs: its output, and where it keeps a mask, a
+    // row's uniform draws and the masks.
     const bool resid = dropout_.residual > 0, embd = i == 0 && dropout_.embedding > 0;
-    if (resid && g_y) mlp += E * C;
-    if (resid && (g_y || tfc.trains() || tp.trains())) mlp += E * C;
-    if (embd && g_in) attn += E * C;
-    const int64_t drop = resid || embd ? E * C * (a + 2) + s.tokens * C * 5 : 0;
+    const bool masks = s.dropout_keeps_mask();
+    if (masks && resid && g_y) mlp += E * C;
+    if (masks && resid && (g_y || tfc.trains() || tp.trains())) mlp += E * C;
+    if (masks && embd && g_in) attn += E * C;
+    // The first layer's dropped input lives beside its input through the layer; LayerNorm
+    // keeps it where a gradient flows.
+    const int64_t embd_x = embd ? E * C * a : 0;
+    if (embd && g_in) attn += embd_x;
+    const int64_t drop = resid || embd ? E * C * a + (masks ? 2 * E * C + s.tokens * C * 5 : 0) : 0;
 
     const int64_t qkv = E * 3 * C * a;
     LayerMemory m;
@@ -138,7 +144,7 @@ class Gpt2Model : public CausalLM {
     // At the MLP's end: GELU's output (a transient unless the projection keeps it), the
     // projection's output before the residual sum.
     const int64_t mlp_end = (tp.keeps_input() ? 0 : E * F * a) + E * C * a + E * r * 4 + panel + drop;
-    m.forward = std::max(attn + (s.fused_cpu_attention ? 0 : qkv) + at.forward_transient,
+    m.forward = std::max(attn + (embd && !g_in ? embd_x : 0) + (s.fused_cpu_attention ? 0 : qkv) + at.forward_transient,
                          m.kept + (s.fused_cpu_attention ? 0 : qkv) + mlp_end);
     // Unrecorded: x, h, the projection, the merged heads, y, and the MLP's fc output and GELU's.
     m.forward_no_grad = std::max(E * C * a + qkv + at.no_grad_own + at.forward_transient,

@@ -23,9 +23,10 @@ struct FrozenWeight {
 
 // What an adapter of rank r on a projection of `in` features keeps for backward at `rows`
 // rows (models/memory.h): x A^T (fp32), and with dropout the dropped input (fp32, the
-// adapter's input) and keyed_dropout's boolean mask.
-inline int64_t lora_kept(int64_t rows, int64_t in, int64_t r, double dropout) {
-  return r > 0 ? rows * r * 4 + (dropout > 0 ? rows * in * (4 + 1) : 0) : 0;
+// adapter's input) and, where keyed_dropout keeps one (`mask`: a GPU, or fp16/bf16 on the
+// CPU: keyed_dropout_keeps_mask), its boolean mask.
+inline int64_t lora_kept(int64_t rows, int64_t in, int64_t r, double dropout, bool mask) {
+  return r > 0 ? rows * r * 4 + (dropout > 0 ? rows * in * (4 + (mask ? 1 : 0)) : 0) : 0;
 }
 
 // x (..., in); adapter_input: what the adapter sees, x after LoRA dropout (undefined: x

@@ -19,7 +19,7 @@ struct ProjectionTally {
   int64_t add(const Linear& l, const LinearTraining& t, const StepShape& s) {
     lora_rank = std::max(lora_rank, t.lora_r);
     if (t.nf4) panel = std::max(panel, nf4_panel_bytes(l.out_features(), l.in_features(), s.compute_bytes));
-    return lora_kept(s.rows(), l.in_features(), t.lora_r, t.lora_dropout);
+    return lora_kept(s.rows(), l.in_features(), t.lora_r, t.lora_dropout, s.dropout_keeps_mask());
   }
 };
 

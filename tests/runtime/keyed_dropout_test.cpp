@@ -55,6 +55,31 @@ TEST(KeyedDropout, KeepsOneMinusPScaledAndPassesTheGradientThroughTheMask) {
   EXPECT_TRUE(at::equal(x.grad(), kept.to(at::kFloat) * (1 / (1 - kP))));
 }
 
+// fp32 on the CPU draws its mask in one pass, AVX2 where the CPU has it: the portable pass
+// draws the same bits for widths around the 8 lanes, and backward draws them again.
+TEST(KeyedDropout, TheCpuPassDrawsTheSameBitsPortableAndVectorised) {
+  for (int64_t width : {1, 7, 8, 9, 37, 256}) {
+    at::Tensor x = at::randn({3, 11, width});
+    at::Tensor fast, portable, grad_fast, grad_portable;
+    for (bool p : {false, true}) {
+      use_portable_dropout_kernel(p);
+      at::Tensor xi = x.clone().requires_grad_(true);
+      DropoutKeysScope scope(DropoutKeys{{5, 6, 7}, {11, 4, 0}});
+      at::Tensor y = keyed_dropout(xi, kP, 3);
+      y.backward(at::ones_like(y));
+      (p ? portable : fast) = y.detach();
+      (p ? grad_portable : grad_fast) = xi.grad();
+    }
+    use_portable_dropout_kernel(false);
+    EXPECT_TRUE(at::equal(fast, portable)) << width;
+    EXPECT_TRUE(at::equal(grad_fast, grad_portable)) << width;
+    EXPECT_TRUE(at::equal(grad_fast, fast.ne(0).to(at::kFloat) * (1 / (1 - kP)))) << width;
+    EXPECT_EQ(fast[2].abs().sum().item<double>(), 0.0);  // a row of length 0
+    EXPECT_FALSE(keyed_dropout_keeps_mask(x));
+    EXPECT_TRUE(keyed_dropout_keeps_mask(x.to(at::kBFloat16)));
+  }
+}
+
 TEST(KeyedDropout, WithoutKeysItIsPlainDropoutAndScopesNest) {
   EXPECT_TRUE(current_dropout_keys().empty());
   {

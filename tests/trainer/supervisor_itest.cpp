@@ -66,7 +66,13 @@ std::vector<std::string> event_kinds(const fs::path& out) {
 
 // The same per-step losses and samples, and the same trained tensors (the adapter, or the
 // whole model of a full fine-tune).
-void expect_same_run(const fs::path& a, const fs::path& b, double tol) {
+// Losses within `tol`, and the trained weights within `weight_tol` (default `tol`): Adam
+// moves a weight whose gradient is near zero by up to the learning rate on summation-order
+// noise, so a run split differently can differ there by ~1e-5 after a few steps of 1e-3
+// (measured: 1.3e-5 on GPT-2's full fine-tune without dropout); a mask drawn differently
+// moves the losses by more than 3e-5 (each dropout test checks its run without dropout).
+void expect_same_run(const fs::path& a, const fs::path& b, double tol, double weight_tol = -1) {
+  if (weight_tol < 0) weight_tol = tol;
   auto ra = rows(a), rb = rows(b);
   ASSERT_EQ(ra.size(), rb.size());
   for (size_t i = 0; i < ra.size(); ++i) {
@@ -77,7 +83,7 @@ void expect_same_run(const fs::path& a, const fs::path& b, double tol) {
   models::SafetensorsFile fa(a / trained), fb(b / trained);
   ASSERT_EQ(fa.names().size(), fb.names().size());
   for (const auto& n : fa.names())
-    EXPECT_LE((fa.load(n) - fb.load(n)).abs().max().item<double>(), tol) << n;
+    EXPECT_LE((fa.load(n) - fb.load(n)).abs().max().item<double>(), weight_tol) << n;
 }
 
 class InjectedOom : public ::testing::TestWithParam<std::string> {};
@@ -172,7 +178,7 @@ TEST(Supervisor, WithGpt2DropoutTheSplitDoesNotChangeTheMath) {
   TrainRun oom = train(d / "oom", gpt2("dropped") + "memory.inject_oom=0:backward memory.grow_after_steps=1000");
   ASSERT_EQ(oom.exit_code, 0) << oom.output;
   EXPECT_EQ(rows(oom.out).front()["micro_batch"], 2);
-  expect_same_run(oom.out, as_configured.out, 1e-5);
+  expect_same_run(oom.out, as_configured.out, 1e-5, 5e-5);  // every weight trained: see expect_same_run
   TrainRun ckpt = train(d / "ckpt", gpt2("dropped") + "training.gradient_checkpointing=true");
   ASSERT_EQ(ckpt.exit_code, 0) << ckpt.output;
   expect_same_run(ckpt.out, as_configured.out, 1e-6);
@@ -380,7 +386,7 @@ TEST(Supervisor, GrowBackUndoesTheLadderInReverseAndKeepsTheMath) {
     EXPECT_NE(grows[2 + k].find("undid checkpointing layer " + std::to_string(3 - k)), std::string::npos) << grows[2 + k];
   EXPECT_NE(grows[6].find("micro-batch 1 -> 2"), std::string::npos) << grows[6];
   EXPECT_EQ(rows(back.out).back()["micro_batch"], 2);
-  expect_same_run(back.out, plain.out, 1e-5);
+  expect_same_run(back.out, plain.out, 1e-5, 3e-5);  // 16 steps at two micro-batch sizes
 }
 
 // A plain full fine-tune (no saving configured) under a limit that cannot hold its AdamW
