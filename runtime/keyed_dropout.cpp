@@ -28,6 +28,11 @@ uint64_t mix(uint64_t x) {  // splitmix64's finaliser
   return x ^ (x >> 31);
 }
 
+// Row b's seed at dropout site `site` (attention dropout salts its sites apart).
+uint64_t row_seed(const DropoutKeys& k, int64_t b, uint64_t site) {
+  return mix(k.keys[static_cast<size_t>(b)] ^ mix(site));
+}
+
 }  // namespace
 
 const DropoutKeys& current_dropout_keys() { return t_keys; }
@@ -128,7 +133,7 @@ at::Tensor drop_rows(const at::Tensor& x, const std::vector<uint32_t>& seeds, co
 struct KeyedDropoutFunction : public torch::autograd::Function<KeyedDropoutFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, double p,
                             const std::vector<uint32_t>& seeds, const std::vector<int64_t>& lengths) {
-    const uint32_t threshold = attention_keep_threshold(p);
+    const uint32_t threshold = dropout_keep_threshold(p);
     const float scale = static_cast<float>(1.0 / (1.0 - p));
     ctx->saved_data["p"] = p;
     ctx->saved_data["seeds"] = std::vector<int64_t>(seeds.begin(), seeds.end());
@@ -143,7 +148,7 @@ struct KeyedDropoutFunction : public torch::autograd::Function<KeyedDropoutFunct
     const std::vector<uint32_t> seeds(s.begin(), s.end());
     const std::vector<int64_t> lengths = ctx->saved_data["lengths"].toIntVector();
     const at::Tensor g = grads[0].to(at::kFloat).contiguous();
-    return {drop_rows(g, seeds, lengths, attention_keep_threshold(p), static_cast<float>(1.0 / (1.0 - p))),
+    return {drop_rows(g, seeds, lengths, dropout_keep_threshold(p), static_cast<float>(1.0 / (1.0 - p))),
             at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
@@ -168,7 +173,7 @@ at::Tensor keyed_dropout(const at::Tensor& x, double p, uint64_t site) {
     std::vector<uint32_t> seeds(static_cast<size_t>(B));
     std::vector<int64_t> lengths(static_cast<size_t>(B));
     for (int64_t b = 0; b < B; ++b) {
-      seeds[static_cast<size_t>(b)] = static_cast<uint32_t>(mix(k.keys[static_cast<size_t>(b)] ^ mix(site)));
+      seeds[static_cast<size_t>(b)] = static_cast<uint32_t>(row_seed(k, b, site));
       lengths[static_cast<size_t>(b)] = std::min(k.lengths[static_cast<size_t>(b)], T);
     }
     return KeyedDropoutFunction::apply(x, p, seeds, lengths);
@@ -179,7 +184,7 @@ at::Tensor keyed_dropout(const at::Tensor& x, double p, uint64_t site) {
     const int64_t len = std::min(k.lengths[b], T);
     if (len <= 0) continue;
     at::Tensor row;
-    const uint64_t seed = mix(k.keys[b] ^ mix(site));
+    const uint64_t seed = row_seed(k, b, site);
     // The device's default generator, reseeded for the row and given its state back (its
     // mutex is taken around the state changes only: the draw takes it itself). fp16/bf16
     // rows on the CPU draw from a CPU generator.
@@ -203,7 +208,7 @@ at::Tensor keyed_dropout(const at::Tensor& x, double p, uint64_t site) {
   return x.masked_fill(keep.logical_not().view(x.sizes()), 0).mul_(1.0 / keep_p);
 }
 
-uint32_t attention_keep_threshold(double p) {
+uint32_t dropout_keep_threshold(double p) {
   const double keep = std::ldexp(1.0 - p, 32);
   return keep >= 4294967295.0 ? 0xFFFFFFFFu : static_cast<uint32_t>(std::llround(keep));
 }
@@ -217,7 +222,7 @@ at::Tensor attention_dropout_seeds(uint64_t site, int64_t rows, const c10::Devic
   at::Tensor seeds = at::empty({rows}, int64);
   int64_t* out = seeds.data_ptr<int64_t>();
   for (int64_t b = 0; b < rows; ++b)
-    out[b] = static_cast<int64_t>(mix(k.keys[static_cast<size_t>(b)] ^ mix(site ^ 0xA77E47105ull)) & 0xFFFFFFFFull);
+    out[b] = static_cast<int64_t>(row_seed(k, b, site ^ 0xA77E47105ull) & 0xFFFFFFFFull);
   return seeds.to(device);
 }
 
@@ -247,7 +252,7 @@ at::Tensor attention_keep_mask(const at::Tensor& seeds, int64_t heads, int64_t t
   at::Tensor h = fmix32_tensor(seed.add(head.mul(int64_t{0x9E3779B9})).bitwise_and_(kLow));
   h = fmix32_tensor(h.add(t.mul(int64_t{0x85EBCA77})).bitwise_and_(kLow));
   const at::Tensor col = s.mul(int64_t{0xC2B2AE3D}).bitwise_and_(kLow);
-  return fmix32_tensor(h.bitwise_xor(col)) < static_cast<int64_t>(attention_keep_threshold(p));
+  return fmix32_tensor(h.bitwise_xor(col)) < static_cast<int64_t>(dropout_keep_threshold(p));
 }
 
 }  // namespace memtune

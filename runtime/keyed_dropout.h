@@ -86,8 +86,9 @@ inline uint32_t attention_row_hash(uint32_t seed, int64_t head, int64_t t) {
 inline bool attention_kept(uint32_t row_hash, int64_t s, uint32_t threshold) {
   return fmix32(row_hash ^ (static_cast<uint32_t>(s) * 0xC2B2AE3Du)) < threshold;
 }
-// 1-p in 32-bit fixed point (at most 2^32 - 1).
-uint32_t attention_keep_threshold(double p);
+// 1-p in 32-bit fixed point (at most 2^32 - 1): keyed_dropout's CPU pass and attention
+// dropout keep a draw below it.
+uint32_t dropout_keep_threshold(double p);
 
 // Per row of the batch in scope, its seed for attention-dropout `site`: from the row's key
 // (current_dropout_keys), or with no keys in scope from the default generator of `device`

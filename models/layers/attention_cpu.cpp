@@ -236,7 +236,7 @@ float row_dot(const float* a, const float* b, int64_t n) {
 class DropMask {
  public:
   DropMask(double p, const at::Tensor& seeds)
-      : p_(p), threshold_(attention_keep_threshold(p)), scale_(static_cast<float>(1.0 / (1.0 - p))),
+      : p_(p), threshold_(dropout_keep_threshold(p)), scale_(static_cast<float>(1.0 / (1.0 - p))),
         seeds_(p > 0 ? seeds.data_ptr<int64_t>() : nullptr) {}
   bool active() const { return p_ > 0; }
 
@@ -356,38 +356,24 @@ struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
           const int64_t tk = t1 - k0;
           const float* dob = dog + t0 * vdo.s3;
           const Panels dop = pack_panels(dob, vdo.s3, 1, bt, D, bt, rows_buf);
-          if (drop.active()) {
-            // With the kept mask Z (scaled by 1/(1-p)): O = (P Z) V, so dV += (P Z)^T dO and
-            // dS = P (Z (dO V^T) - rowsum(dO O)) scale. dS goes into dP, P Z into P.
-            gemm(bt, tk, D, rows_of(dob, vdo.s3), {vt.at(k0 / kLanes, 0), vt.stride}, dP, s.ld, false);
-            for (int64_t i = 0; i < bt; ++i) {
-              const float dl = row_dot(dob + i * vdo.s3, og + (t0 + i) * vo.s3, D);
-              drop.backward(P + i * s.ld, dP + i * s.ld, dl, scale, b, h * G + g, t0 + i, first[t0 + i], t0 + i + 1,
-                            k0, tk);
-            }
-            gemm(tk, D, bt, columns_of(P, s.ld), dop, dvh + k0 * vdv.s2, vdv.s2, true);
-            gemm(bt, D, tk, rows_of(dP, s.ld), {kp.at(0, k0), kp.stride}, dqg + t0 * vdq.s3, vdq.s3, false);
-            const Panels qp = pack_panels(qg + t0 * vq.s3, vq.s3, 1, bt, D, bt, rows_buf);
-            gemm(tk, D, bt, columns_of(dP, s.ld), qp, dkh + k0 * vdk.s2, vdk.s2, true);
-            continue;
-          }
-          // dV += P^T dO;  dP = dO V^T
-          gemm(tk, D, bt, columns_of(P, s.ld), dop, dvh + k0 * vdv.s2, vdv.s2, true);
+          // dP = dO V^T, then per row dS = P (dP - rowsum(dO O)) scale into dP. With dropout's
+          // kept mask Z (scaled by 1/(1-p)), O = (P Z) V: dS = P (Z dP - rowsum(dO O)) scale,
+          // and P becomes P Z for dV.
           gemm(bt, tk, D, rows_of(dob, vdo.s3), {vt.at(k0 / kLanes, 0), vt.stride}, dP, s.ld, false);
-          // dS = P * (dP - rowsum(dO * O)) * scale, into P
           for (int64_t i = 0; i < bt; ++i) {
-            const float* o = og + (t0 + i) * vo.s3;
-            const float* dorow = dob + i * vdo.s3;
-            float dl = 0.0f;
-            for (int64_t d = 0; d < D; ++d) dl += dorow[d] * o[d];
+            const float dl = row_dot(dob + i * vdo.s3, og + (t0 + i) * vo.s3, D);
             float* p = P + i * s.ld;
-            const float* dp = dP + i * s.ld;
-            for (int64_t j = 0; j < tk; ++j) p[j] = p[j] * (dp[j] - dl) * scale;
+            float* dp = dP + i * s.ld;
+            if (drop.active())
+              drop.backward(p, dp, dl, scale, b, h * G + g, t0 + i, first[t0 + i], t0 + i + 1, k0, tk);
+            else
+              for (int64_t j = 0; j < tk; ++j) dp[j] = p[j] * (dp[j] - dl) * scale;
           }
-          // dQ = dS K;  dK += dS^T Q
-          gemm(bt, D, tk, rows_of(P, s.ld), {kp.at(0, k0), kp.stride}, dqg + t0 * vdq.s3, vdq.s3, false);
+          // dV += P^T dO;  dQ = dS K;  dK += dS^T Q
+          gemm(tk, D, bt, columns_of(P, s.ld), dop, dvh + k0 * vdv.s2, vdv.s2, true);
+          gemm(bt, D, tk, rows_of(dP, s.ld), {kp.at(0, k0), kp.stride}, dqg + t0 * vdq.s3, vdq.s3, false);
           const Panels qp = pack_panels(qg + t0 * vq.s3, vq.s3, 1, bt, D, bt, rows_buf);
-          gemm(tk, D, bt, columns_of(P, s.ld), qp, dkh + k0 * vdk.s2, vdk.s2, true);
+          gemm(tk, D, bt, columns_of(dP, s.ld), qp, dkh + k0 * vdk.s2, vdk.s2, true);
         }
       }
     });

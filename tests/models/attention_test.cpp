@@ -150,22 +150,29 @@ class FusedCpuAttention : public ::testing::TestWithParam<bool> {
   void TearDown() override { memtune::models::detail::use_portable_cpu_kernels(false); }
 };
 
+struct Shape { int64_t Hkv, G, T, D; };
+struct Qkv { at::Tensor q, k, v; };
+
+// Random q, k, v of B rows as llama.cpp builds them: q (B,T,H,D) seen as (B,Hkv,G,T,D), k and
+// v halves of one (B,T,2*Hkv*D) projection seen as (B,Hkv,T,D).
+Qkv strided_qkv(int64_t B, const Shape& s) {
+  const int64_t H = s.Hkv * s.G;
+  at::Tensor q = at::randn({B, s.T, H * s.D}).view({B, s.T, s.Hkv, s.G, s.D}).permute({0, 2, 3, 1, 4});
+  at::Tensor kv = at::randn({B, s.T, 2 * s.Hkv * s.D});
+  return {q, kv.slice(2, 0, s.Hkv * s.D).view({B, s.T, s.Hkv, s.D}).permute({0, 2, 1, 3}),
+          kv.slice(2, s.Hkv * s.D).view({B, s.T, s.Hkv, s.D}).permute({0, 2, 1, 3})};
+}
+
 TEST_P(FusedCpuAttention, MatchesTheTextbookAttention) {
   torch::manual_seed(11);
-  struct Shape { int64_t Hkv, G, T, D; };
   for (const Shape& s : {Shape{2, 2, 23, 8}, Shape{1, 3, 70, 12}, Shape{2, 1, 33, 64}, Shape{1, 1, 1, 5}}) {
     const at::Tensor seg = s.T > 10 ? two_rows_of_segments(s.T) : at::zeros({2, s.T}, at::kLong);
     for (int64_t window : {0, 1, 3, 40}) {
       SCOPED_TRACE("Hkv " + std::to_string(s.Hkv) + " G " + std::to_string(s.G) + " T " + std::to_string(s.T) +
                    " D " + std::to_string(s.D) + " window " + std::to_string(window));
-      const int64_t B = 2, H = s.Hkv * s.G;
-      // As llama.cpp builds them: q (B,T,H,D) seen as (B,Hkv,G,T,D), k and v (B,T,Hkv,D) as (B,Hkv,T,D).
-      at::Tensor q = at::randn({B, s.T, H * s.D}).view({B, s.T, s.Hkv, s.G, s.D}).permute({0, 2, 3, 1, 4});
-      at::Tensor kv = at::randn({B, s.T, 2 * s.Hkv * s.D});
-      at::Tensor k = kv.slice(2, 0, s.Hkv * s.D).view({B, s.T, s.Hkv, s.D}).permute({0, 2, 1, 3});
-      at::Tensor v = kv.slice(2, s.Hkv * s.D).view({B, s.T, s.Hkv, s.D}).permute({0, 2, 1, 3});
-      ASSERT_TRUE(uses_fused_cpu_attention(q, k, v, seg));
-      expect_textbook(q, k, v, seg, window, {});
+      const Qkv t = strided_qkv(2, s);
+      ASSERT_TRUE(uses_fused_cpu_attention(t.q, t.k, t.v, seg));
+      expect_textbook(t.q, t.k, t.v, seg, window, {});
     }
   }
 }
@@ -174,22 +181,17 @@ TEST_P(FusedCpuAttention, MatchesTheTextbookAttention) {
 // hash written for one element at a time, and keeps no mask: backward draws it again.
 TEST_P(FusedCpuAttention, DropoutMatchesTheTextbookAttention) {
   torch::manual_seed(23);
-  struct Shape { int64_t Hkv, G, T, D; };
   for (const Shape& s : {Shape{2, 2, 23, 8}, Shape{1, 3, 70, 12}, Shape{2, 1, 33, 64}}) {
     const at::Tensor seg = two_rows_of_segments(s.T);
     for (double p : {0.1, 0.6}) {
       for (int64_t window : {0, 5}) {
         SCOPED_TRACE("Hkv " + std::to_string(s.Hkv) + " G " + std::to_string(s.G) + " T " + std::to_string(s.T) +
                      " p " + std::to_string(p) + " window " + std::to_string(window));
-        const int64_t B = 2, H = s.Hkv * s.G;
-        at::Tensor q = at::randn({B, s.T, H * s.D}).view({B, s.T, s.Hkv, s.G, s.D}).permute({0, 2, 3, 1, 4});
-        at::Tensor kv = at::randn({B, s.T, 2 * s.Hkv * s.D});
-        at::Tensor k = kv.slice(2, 0, s.Hkv * s.D).view({B, s.T, s.Hkv, s.D}).permute({0, 2, 1, 3});
-        at::Tensor v = kv.slice(2, s.Hkv * s.D).view({B, s.T, s.Hkv, s.D}).permute({0, 2, 1, 3});
-        ASSERT_TRUE(uses_fused_cpu_attention(q, k, v, seg));
+        const Qkv t = strided_qkv(2, s);
+        ASSERT_TRUE(uses_fused_cpu_attention(t.q, t.k, t.v, seg));
         AttentionOptions options;
-        options.dropout = {p, row_seeds(B)};
-        expect_textbook(q, k, v, seg, window, options);
+        options.dropout = {p, row_seeds(2)};
+        expect_textbook(t.q, t.k, t.v, seg, window, options);
       }
     }
   }

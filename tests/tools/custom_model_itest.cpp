@@ -41,13 +41,16 @@ TEST(CustomModel, RegisteredArchitectureInitialisesAndTrains) {
   // A model type PEFT has no default targets for needs target_modules, as PEFT asks for them.
   config["model_type"] = "parallel_block";
   write_file(d / "model/config.json", config.dump(2));
-  auto untargeted = run(custom_bin() + " train " + (source_dir() / "configs/quickstart.yaml").string() +
-                        " runtime.device=cpu model.name_or_path=" + (d / "model").string() + " model.tokenizer=" +
-                        (d / "model").string() + " lora.target_modules=[] training.output_dir=" +
-                        (d / "run3").string() + " training.max_steps=1 data.train_file=" +
-                        (source_dir() / "examples/data/tasks_train.jsonl").string() + " data.eval_file=" +
-                        (source_dir() / "examples/data/tasks_eval.jsonl").string() +
-                        " data.max_seq_length=64 data.cache_dir=" + (d / "cache").string());
+  // One training step of the quickstart config on the custom model, with `overrides`.
+  auto one_step = [&](const std::string& out, const std::string& overrides) {
+    return run(custom_bin() + " train " + (source_dir() / "configs/quickstart.yaml").string() +
+               " runtime.device=cpu model.name_or_path=" + (d / "model").string() + " model.tokenizer=" +
+               (d / "model").string() + " training.output_dir=" + (d / out).string() +
+               " training.max_steps=1 data.train_file=" + (source_dir() / "examples/data/tasks_train.jsonl").string() +
+               " data.eval_file=" + (source_dir() / "examples/data/tasks_eval.jsonl").string() +
+               " data.max_seq_length=64 data.cache_dir=" + (d / "cache").string() + " " + overrides);
+  };
+  auto untargeted = one_step("run3", "lora.target_modules=[]");
   EXPECT_EQ(untargeted.exit_code, 2) << untargeted.output;
   EXPECT_NE(untargeted.output.find("lora.target_modules is not set, and PEFT has no default for model_type "
                                    "'parallel_block'"),
@@ -58,13 +61,7 @@ TEST(CustomModel, RegisteredArchitectureInitialisesAndTrains) {
   // not trained without.
   config["attention_dropout"] = 0.1;
   write_file(d / "model/config.json", config.dump(2));
-  auto dropped = run(custom_bin() + " train " + (source_dir() / "configs/quickstart.yaml").string() +
-                     " runtime.device=cpu model.name_or_path=" + (d / "model").string() + " model.tokenizer=" +
-                     (d / "model").string() + " training.output_dir=" + (d / "run4").string() +
-                     " training.max_steps=1 data.train_file=" +
-                     (source_dir() / "examples/data/tasks_train.jsonl").string() + " data.eval_file=" +
-                     (source_dir() / "examples/data/tasks_eval.jsonl").string() +
-                     " data.max_seq_length=64 data.cache_dir=" + (d / "cache").string());
+  auto dropped = one_step("run4", "");
   EXPECT_EQ(dropped.exit_code, 2) << dropped.output;
   EXPECT_NE(dropped.output.find("asks for dropout in training (attention_dropout), which architecture "
                                 "'ParallelBlockForCausalLM' does not apply"),
