@@ -534,6 +534,14 @@ TEST(Train, PresetKeysBesideAModelDirectoryAreRefused) {
       << dropout.output;
   ASSERT_EQ(step_losses(dropout.dir).size(), 1u);
   EXPECT_GT(std::abs(step_losses(dropout.dir)[0] - step_losses(plain.dir)[0]), 1e-5);
+  // A rate of 1 loads (nn.Dropout takes it) but would drop everything: training refuses it.
+  config["attention_dropout"] = 1.0;
+  write_file(d / "tiny/config.json", config.dump());
+  TrainRun all = train(d / "all", model + " training.max_steps=1");
+  EXPECT_EQ(all.exit_code, 2) << all.output;
+  EXPECT_NE(all.output.find("a dropout rate of 1 drops every value in training"), std::string::npos) << all.output;
+  config["attention_dropout"] = 0.1;
+  write_file(d / "tiny/config.json", config.dump());
   const auto eval = run(memtune_bin() + " eval --model " + (d / "tiny").string() + " --data " +
                         (source_dir() / "examples/data/tasks_eval.jsonl").string() + " --format instruction --tokenizer " +
                         (source_dir() / "examples/tiny-tokenizer").string() + " --max-seq-length 64");
