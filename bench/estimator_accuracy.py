@@ -87,7 +87,7 @@ CK_ALL = "training.gradient_checkpointing=true"
 CK_NONE = "training.gradient_checkpointing=false"
 CK_EVERY2 = "training.gradient_checkpointing={policy: every_n, n: 2}"
 CK_L0 = "training.gradient_checkpointing={policy: layers, layers: [0]}"
-QLORA = "model.quantization_config.load_in_4bit=true"
+QLORA = ["model.quantization_config.load_in_4bit=true", "model.quantization_config.bnb_4bit_quant_type=nf4"]
 LORA = "model.quantization_config.load_in_4bit=false"
 FULL = ["model.quantization_config.load_in_4bit=false", "training.finetune=full"]
 ATTN_ONLY = "lora.target_modules=[q_proj,k_proj,v_proj,o_proj]"
@@ -96,7 +96,7 @@ ATTN_ONLY = "lora.target_modules=[q_proj,k_proj,v_proj,o_proj]"
 def case(name, model, data, seq, mb, ckpt, mode, extra=(), ga=1, dtype="fp32", rows=None):
     ov = [f"data.max_seq_length={seq}", f"training.per_device_train_batch_size={mb}",
           f"training.gradient_accumulation_steps={ga}", ckpt]
-    ov += FULL if mode == "full" else [QLORA if mode == "qlora" else LORA]
+    ov += FULL if mode == "full" else QLORA if mode == "qlora" else [LORA]
     if dtype == "bf16":
         ov.append("training.bf16=true")
     elif dtype == "fp16":

@@ -66,7 +66,8 @@ def train(args, mode, name, rung):
     lora = mode == "qlora"
     cfg = {
         "model": {"name_or_path": args.model_dir,
-                  "quantization_config": {"load_in_4bit": lora, "bnb_4bit_compute_dtype": "float32"}},
+                  "quantization_config": {"load_in_4bit": lora, "bnb_4bit_quant_type": "nf4",
+                                          "bnb_4bit_compute_dtype": "float32"}},
         "lora": {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"},
         "training": {"output_dir": out, "finetune": "lora" if lora else "full", "per_device_train_batch_size": 1,
                      "gradient_accumulation_steps": 4, "max_steps": args.steps, "logging_steps": 1,

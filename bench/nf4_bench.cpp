@@ -1,5 +1,6 @@
 // NF4 figures, each beside its yardstick measured in the same run (2 intra-op threads):
-//  - dequantize throughput (GB/s of fp32 output) vs memcpy bandwidth of the same bytes;
+//  - dequantize throughput (GB/s of fp32 output) vs memcpy bandwidth of the same bytes, and
+//    FP4's beside it;
 //  - Linear4bit forward+backward(grad_x) vs a dense fp32 Linear, 512 tokens.
 // With --cuda (a CUDA build on a GPU): the CUDA kernels' dequantize bandwidth (bytes read and
 // written) against the same GPU's device-to-device copy, and quantize, instead.
@@ -63,6 +64,15 @@ void bench_dequantize() {
               n / t_bf16 / 1e9);
   double t_quant = time_median([&] { memtune::nf4_quantize(src.view({rows, cols}), 64, true); }, 3);
   std::printf("  quantize fp32 -> nf4   %7.2f Gelem/s (%.2f s for this tensor)\n", n / t_quant / 1e9, t_quant);
+  // FP4 (bitsandbytes' default code): the same unpacking with another table, and a sign bit
+  // plus 7 pivots of |x| where NF4 compares against 15 midpoints.
+  const memtune::NF4Tensor q4 = memtune::nf4_quantize(src.view({rows, cols}), 64, true, "", memtune::QuantType::kFP4);
+  const double t_deq4 = time_median([&] { memtune::nf4_dequantize_range_into(q4, 0, n, out); }, 9);
+  std::printf("  fp4 -> fp32            %7.2f GB/s of output  (%.0f %% of memcpy)\n", bytes / t_deq4 / 1e9,
+              100.0 * t_copy / t_deq4);
+  const double t_quant4 = time_median(
+      [&] { memtune::nf4_quantize(src.view({rows, cols}), 64, true, "", memtune::QuantType::kFP4); }, 3);
+  std::printf("  quantize fp32 -> fp4   %7.2f Gelem/s (%.2f s for this tensor)\n", n / t_quant4 / 1e9, t_quant4);
 }
 
 void bench_linear(int64_t out, int64_t in, int64_t tokens) {

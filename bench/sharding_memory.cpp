@@ -33,6 +33,7 @@
 #include "runtime/cpu_budget_allocator.h"
 #include "runtime/dist_env.h"
 #include "runtime/error.h"
+#include "runtime/nf4.h"
 #include "runtime/process_group.h"
 #include "runtime/threads.h"
 #include "trainer/config.h"
@@ -57,11 +58,13 @@ struct Model {
 const std::vector<Model>& bench_models() {
   static const std::vector<Model> all = {
       {"M QLoRA r16", {"model.name_or_path=tiny-llama", "model.quantization_config.load_in_4bit=true",
-                       "model.quantization_config.bnb_4bit_use_double_quant=true", "lora.r=16",
+                       "model.quantization_config.bnb_4bit_use_double_quant=true",
+                       "model.quantization_config.bnb_4bit_quant_type=nf4", "lora.r=16",
                        "lora.target_modules=all-linear"}, true},
       {"M full", {"model.name_or_path=tiny-llama", "training.finetune=full"}, true},
       {"GPT-2 124M QLoRA", {"model.name_or_path=gpt2", "model.quantization_config.load_in_4bit=true",
-                            "model.quantization_config.bnb_4bit_use_double_quant=true", "lora.r=16",
+                            "model.quantization_config.bnb_4bit_use_double_quant=true",
+                            "model.quantization_config.bnb_4bit_quant_type=nf4", "lora.r=16",
                             "lora.target_modules=all-linear"}, false},
       {"GPT-2 124M full", {"model.name_or_path=gpt2", "training.finetune=full"}, false},
   };
@@ -110,7 +113,8 @@ int worker(const Model& m, const std::string& level) {
   std::unique_ptr<models::CausalLM> model = models::init_random_model(spec, 0);
   const auto& q = c.model.quantization_config;
   if (q.load_in_4bit)
-    for (models::Linear* l : model->linears()) l->quantize(q.blocksize, q.bnb_4bit_use_double_quant);
+    for (models::Linear* l : model->linears())
+      l->quantize(q.blocksize, q.bnb_4bit_use_double_quant, quant_type_from_name(q.bnb_4bit_quant_type));
   model->set_compute_dtype(at::kFloat);
   at::manual_seed(c.training.seed);
   if (c.training.finetune == "lora")

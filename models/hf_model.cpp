@@ -65,7 +65,7 @@ std::unique_ptr<CausalLM> load_hf_model(const fs::path& dir, const LoadOptions& 
   for (TensorSlot& slot : model->tensors()) {
     const bool skipped = !skip.empty() && skip[static_cast<size_t>(&slot - model->tensors().data())];
     const bool projection = slot.role == TensorRole::kLinearWeight;
-    if (projection && is_bnb_nf4(keys, slot.name)) {
+    if (projection && is_bnb_4bit(keys, slot.name)) {
       auto get = [&](const std::string& key) { return ckpt.contains(key) ? ckpt.load(key) : at::Tensor(); };
       slot.linear->set_quantized(std::make_shared<NF4Tensor>(nf4_from_bnb(get, slot.name)));
       loaded_nf4 = true;
@@ -88,7 +88,8 @@ std::unique_ptr<CausalLM> load_hf_model(const fs::path& dir, const LoadOptions& 
           std::vector<int64_t> out_in = info.shape;
           if (slot.linear->fan_in_fan_out()) std::swap(out_in[0], out_in[1]);
           slot.linear->set_quantized(std::make_shared<NF4Tensor>(
-              nf4_meta(out_in, floating ? info.dtype : at::kFloat, options.blocksize, options.double_quant)));
+              nf4_meta(out_in, floating ? info.dtype : at::kFloat, options.blocksize, options.double_quant,
+                       options.quant_type)));
         } else {
           *slot.tensor = at::empty(info.shape, at::TensorOptions(options.dense_dtype).device(at::kMeta));
         }
@@ -103,7 +104,7 @@ std::unique_ptr<CausalLM> load_hf_model(const fs::path& dir, const LoadOptions& 
                            : view.to(at::kFloat);
         at::Tensor out_in = slot.linear->fan_in_fan_out() ? w.t().contiguous() : w;
         slot.linear->set_quantized(std::make_shared<NF4Tensor>(
-            nf4_quantize(out_in, options.blocksize, options.double_quant, slot.name)));
+            nf4_quantize(out_in, options.blocksize, options.double_quant, slot.name, options.quant_type)));
       } else {
         *slot.tensor = view.to(options.dense_dtype, /*non_blocking=*/false, /*copy=*/true);
       }
@@ -167,7 +168,7 @@ void save_hf_model(const CausalLM& model, const fs::path& dir, const SaveOptions
         {"quant_method", "bitsandbytes"},
         {"load_in_4bit", true},
         {"load_in_8bit", false},
-        {"bnb_4bit_quant_type", "nf4"},
+        {"bnb_4bit_quant_type", quant_type_name(any_nf4->quant_type)},
         {"bnb_4bit_use_double_quant", any_nf4->double_quant},
         {"bnb_4bit_compute_dtype", "float32"},
         {"bnb_4bit_quant_storage", "uint8"},

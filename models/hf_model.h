@@ -10,11 +10,13 @@
 #include <ATen/core/Tensor.h>
 
 #include "models/causal_lm.h"
+#include "runtime/nf4.h"
 
 namespace memtune::models {
 
 struct LoadOptions {
-  bool load_in_4bit = false;       // quantize the projections to NF4 as they arrive
+  bool load_in_4bit = false;       // quantize the projections to 4 bits as they arrive
+  QuantType quant_type = QuantType::kNF4;
   int64_t blocksize = 64;
   bool double_quant = true;
   at::ScalarType dense_dtype = at::kFloat;  // dtype kept for dense tensors

@@ -19,9 +19,10 @@
 #endif
 
 // Numerics follow bitsandbytes' CUDA kernels (csrc: kQuantizeBlockwise, dQuantizeNF4,
-// dQuantize, kDequantizeBlockwise): x * (1.0f / absmax) in fp32, codes by strict ">"
-// against fp32 midpoints, dequantized value code * absmax in fp32 (no fused multiply-add:
-// this file is built without -mfma and the AVX2 path does not enable it).
+// dQuantizeFP4, dQuantize, kDequantizeBlockwise): x * (1.0f / absmax) in fp32, codes by
+// strict ">" against fp32 midpoints (FP4: of |x|, with the sign bit for x < 0), dequantized
+// value codebook[code] * absmax in fp32 (no fused multiply-add: this file is built without
+// -mfma and the AVX2 path does not enable it).
 
 namespace memtune {
 namespace {
@@ -79,32 +80,32 @@ void absmax_range(const NF4Tensor& q, int64_t b0, int64_t b1, float* out) {
 // ---- CPU dequantization kernels -------------------------------------------------------
 
 // Dispatch: the AVX2 kernels (runtime/nf4_kernels_avx2.cpp) on CPUs that have AVX2.
-void pairs(const uint8_t* p, int64_t nbytes, float s, float* o) {
+void pairs(const uint8_t* p, int64_t nbytes, const float* codebook, float s, float* o) {
 #ifdef MEMTUNE_X86
-  if (cpu_has_avx2()) return pairs_avx2(p, nbytes, s, o);
+  if (cpu_has_avx2()) return pairs_avx2(p, nbytes, codebook, s, o);
 #endif
-  pairs_scalar(p, nbytes, s, o);
+  pairs_scalar(p, nbytes, codebook, s, o);
 }
 
-void block_codes(const float* x, int64_t len, float r, uint8_t* codes) {
+void block_codes(QuantType t, const float* x, int64_t len, float r, uint8_t* codes) {
 #ifdef MEMTUNE_X86
-  if (cpu_has_avx2()) return codes_avx2(x, len, r, codes);
+  if (cpu_has_avx2()) return t == QuantType::kFP4 ? fp4_codes_avx2(x, len, r, codes) : nf4_codes_avx2(x, len, r, codes);
 #endif
-  codes_scalar(x, len, r, codes);
+  codes_scalar(t, x, len, r, codes);
 }
 
 // Elements [a, z) of the flattened tensor, all in one block with scale s, into o (fp32).
-void segment_fp32(const uint8_t* packed, int64_t a, int64_t z, float s, float* o) {
+void segment_fp32(const uint8_t* packed, const float* codebook, int64_t a, int64_t z, float s, float* o) {
   int64_t i = a;
   if (i < z && (i & 1)) {
-    *o++ = kCodebook[packed[i >> 1] & 15] * s;
+    *o++ = codebook[packed[i >> 1] & 15] * s;
     ++i;
   }
   int64_t npairs = (z - i) / 2;
-  pairs(packed + (i >> 1), npairs, s, o);
+  pairs(packed + (i >> 1), npairs, codebook, s, o);
   o += 2 * npairs;
   i += 2 * npairs;
-  if (i < z) *o = kCodebook[packed[i >> 1] >> 4] * s;
+  if (i < z) *o = codebook[packed[i >> 1] >> 4] * s;
 }
 
 void convert(const float* src, int64_t n, c10::BFloat16* dst) {
@@ -126,6 +127,7 @@ void dequantize_range_cpu(const NF4Tensor& q, int64_t begin, int64_t count, T* o
   if (count <= 0) return;
   const int64_t bs = q.blocksize;
   const uint8_t* packed = q.packed.data_ptr<uint8_t>();
+  const float* codebook = codebook_of(q.quant_type).data();
   const int64_t end = begin + count;
   const int64_t b_first = begin / bs, b_last = (end - 1) / bs + 1;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / bs);
@@ -138,9 +140,9 @@ void dequantize_range_cpu(const NF4Tensor& q, int64_t begin, int64_t count, T* o
       const int64_t a = std::max(begin, b * bs), z = std::min(end, (b + 1) * bs);
       T* dst = out + (a - begin);
       if constexpr (std::is_same<T, float>::value) {
-        segment_fp32(packed, a, z, scales[b - b0], dst);
+        segment_fp32(packed, codebook, a, z, scales[b - b0], dst);
       } else {
-        segment_fp32(packed, a, z, scales[b - b0], tmp.data());
+        segment_fp32(packed, codebook, a, z, scales[b - b0], tmp.data());
         convert(tmp.data(), z - a, dst);
       }
     }
@@ -149,8 +151,8 @@ void dequantize_range_cpu(const NF4Tensor& q, int64_t begin, int64_t count, T* o
 
 // The 4-bit half of nf4_quantize on the CPU (any device's tensor is copied here first):
 // checks that every value is finite, then packed codes and fp32 absmax per block.
-void quantize_blocks_cpu(const at::Tensor& w, int64_t blocksize, const std::string& what, at::Tensor& packed,
-                         at::Tensor& absmax) {
+void quantize_blocks_cpu(const at::Tensor& w, int64_t blocksize, QuantType type, const std::string& what,
+                         at::Tensor& packed, at::Tensor& absmax) {
   at::Tensor x = w.detach().to(at::kCPU).to(at::kFloat).contiguous();
   const int64_t n = x.numel();
   const float* xp = x.data_ptr<float>();
@@ -169,6 +171,7 @@ void quantize_blocks_cpu(const at::Tensor& w, int64_t blocksize, const std::stri
   absmax = at::empty({nb}, at::TensorOptions(at::kFloat));
   uint8_t* pp = packed.data_ptr<uint8_t>();
   float* ap = absmax.data_ptr<float>();
+  const uint8_t zero_code = code_of(type, 0.0f);
   at::parallel_for(0, nb, std::max<int64_t>(1, 16384 / blocksize), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t a = b * blocksize, z = std::min(n, a + blocksize);
@@ -178,11 +181,11 @@ void quantize_blocks_cpu(const at::Tensor& w, int64_t blocksize, const std::stri
       const int64_t len = z - a;
       uint8_t codes[4096 + 1];
       if (m == 0.0f) {
-        std::memset(codes, kZeroCode, len);
+        std::memset(codes, zero_code, len);
       } else {
-        block_codes(xp + a, len, 1.0f / m, codes);
+        block_codes(type, xp + a, len, 1.0f / m, codes);
       }
-      codes[len] = nf4_code(0.0f);  // padding nibble of an odd-length tensor
+      codes[len] = zero_code;  // padding nibble of an odd-length tensor
       for (int64_t i = 0; i < len; i += 2) pp[(a + i) >> 1] = static_cast<uint8_t>((codes[i] << 4) | codes[i + 1]);
     }
   });
@@ -219,7 +222,17 @@ const char* nf4_dtype_name(at::ScalarType t) {
   }
 }
 
-const std::array<float, 16>& nf4_codebook() { return kCodebook; }
+const char* quant_type_name(QuantType t) { return t == QuantType::kFP4 ? "fp4" : "nf4"; }
+
+const char* quant_type_label(QuantType t) { return t == QuantType::kFP4 ? "FP4" : "NF4"; }
+
+QuantType quant_type_from_name(const std::string& name) {
+  if (name == "nf4") return QuantType::kNF4;
+  if (name == "fp4") return QuantType::kFP4;
+  fail("4-bit quant type '", name, "' is not nf4 or fp4 (bitsandbytes' two 4-bit codes)");
+}
+
+const std::array<float, 16>& codebook_4bit(QuantType t) { return codebook_of(t); }
 
 at::Tensor nf4_dynamic_map() {
   // create_dynamic_map(signed=True, max_exponent_bits=7, total_bits=8): for i in 0..6,
@@ -271,11 +284,13 @@ double nf4_bits_per_parameter(const NF4Tensor& q) {
   return n == 0 ? 0.0 : 8.0 * static_cast<double>(q.storage_bytes()) / static_cast<double>(n);
 }
 
-NF4Tensor nf4_meta(const std::vector<int64_t>& shape, at::ScalarType dtype, int64_t blocksize, bool double_quant) {
+NF4Tensor nf4_meta(const std::vector<int64_t>& shape, at::ScalarType dtype, int64_t blocksize, bool double_quant,
+                   QuantType quant_type) {
   NF4Tensor q;
   q.shape = shape;
   q.blocksize = blocksize;
   q.double_quant = double_quant;
+  q.quant_type = quant_type;
   q.dtype = dtype;
   const int64_t nb = q.nblocks();
   auto meta = [](int64_t n, at::ScalarType t) { return at::empty({n}, at::TensorOptions(t).device(at::kMeta)); };
@@ -290,7 +305,8 @@ NF4Tensor nf4_meta(const std::vector<int64_t>& shape, at::ScalarType dtype, int6
   return q;
 }
 
-NF4Tensor nf4_quantize(const at::Tensor& w, int64_t blocksize, bool double_quant, const std::string& name) {
+NF4Tensor nf4_quantize(const at::Tensor& w, int64_t blocksize, bool double_quant, const std::string& name,
+                       QuantType quant_type) {
   const std::string what = name.empty() ? std::string("tensor") : "tensor '" + name + "'";
   MEMTUNE_CHECK(w.defined(), "nf4_quantize: ", what, " is undefined");
   MEMTUNE_CHECK(supported_float(w.scalar_type()), "nf4_quantize: ", what, " has dtype ",
@@ -303,15 +319,16 @@ NF4Tensor nf4_quantize(const at::Tensor& w, int64_t blocksize, bool double_quant
   q.shape = w.sizes().vec();
   q.blocksize = blocksize;
   q.double_quant = double_quant;
+  q.quant_type = quant_type;
   q.dtype = w.scalar_type();
   at::Tensor absmax;  // fp32 [nblocks]
 #ifdef MEMTUNE_CUDA
   // On its device when the tensor is finite; otherwise the CPU's check names what is wrong.
   if (w.is_cuda() && at::isfinite(w.detach()).all().item<bool>())
-    nf4_quantize_blocks_cuda(w.detach(), blocksize, q.packed, absmax);
+    nf4_quantize_blocks_cuda(w.detach(), blocksize, quant_type, q.packed, absmax);
   else
 #endif
-    quantize_blocks_cpu(w, blocksize, what, q.packed, absmax);
+    quantize_blocks_cpu(w, blocksize, quant_type, what, q.packed, absmax);
 
   if (!double_quant) {
     q.absmax = absmax;
@@ -388,8 +405,8 @@ at::Tensor nf4_dequantize_generic(const NF4Tensor& q, at::ScalarType out_dtype) 
   at::Tensor hi = at::bitwise_right_shift(q.packed, 4);
   at::Tensor lo = at::bitwise_and(q.packed, 15);
   at::Tensor idx = at::stack({hi, lo}, 1).reshape({-1}).to(at::kLong);  // [2 * ceil(n/2)]
-  at::Tensor codebook = at::tensor(std::vector<float>(kCodebook.begin(), kCodebook.end()),
-                                   opts.dtype(at::kFloat));
+  const auto& cb = codebook_of(q.quant_type);
+  at::Tensor codebook = at::tensor(std::vector<float>(cb.begin(), cb.end()), opts.dtype(at::kFloat));
   at::Tensor values = codebook.index_select(0, idx);
   const int64_t padded = nb * bs;
   if (values.numel() < padded) values = at::constant_pad_nd(values, {0, padded - values.numel()});

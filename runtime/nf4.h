@@ -1,14 +1,16 @@
 #pragma once
-// NF4 4-bit weights, byte for byte as bitsandbytes stores them (quantize_4bit with
-// quant_type "nf4", optional double quantization of the absmax values), and the
-// serialized form of its checkpoints ("-bnb-4bit" models) is models/io/bnb_nf4.h.
+// 4-bit weights, byte for byte as bitsandbytes stores them (quantize_4bit with quant_type
+// "nf4" or "fp4", optional double quantization of the absmax values); the serialized form of
+// its checkpoints ("-bnb-4bit" models) is models/io/bnb_nf4.h. NF4 (QLoRA's normal-float
+// code) is what recipes use and what names here say; FP4 differs only in its codebook and in
+// how a scaled value picks its code.
 //
 // Layout of a tensor of n elements, flattened row-major, in blocks of `blocksize`:
 //   packed  uint8 [ceil(n/2)]: code of element 2k in the HIGH nibble, 2k+1 in the low one
 //   absmax  per block max|x|: fp32 [nblocks], or with double quantization uint8 codes of
 //           (absmax - nested_offset) in blocks of 256 over the signed dynamic map, each
 //           256-block scaled by nested_absmax (fp32 [ceil(nblocks/256)]).
-// Dequantized value: nf4_codebook()[code] * absmax (fp32), cast to the output dtype.
+// Dequantized value: codebook_4bit(quant_type)[code] * absmax (fp32), cast to the output dtype.
 #include <ATen/core/Tensor.h>
 
 #include <array>
@@ -20,8 +22,17 @@
 
 namespace memtune {
 
-// bitsandbytes' NF4 codebook; index = 4-bit code.
-const std::array<float, 16>& nf4_codebook();
+// bitsandbytes' two 4-bit codes (BitsAndBytesConfig.bnb_4bit_quant_type).
+enum class QuantType : uint8_t { kNF4, kFP4 };
+
+const char* quant_type_name(QuantType t);   // "nf4", "fp4": the config's and bitsandbytes' spelling
+const char* quant_type_label(QuantType t);  // "NF4", "FP4": for logs and reports
+
+// The quant type of a name quant_type_name gives; throws UserError for another.
+QuantType quant_type_from_name(const std::string& name);
+
+// bitsandbytes' codebook of a quant type (get_4bit_type); index = 4-bit code.
+const std::array<float, 16>& codebook_4bit(QuantType t);
 
 // bitsandbytes' create_dynamic_map(signed=True, max_exponent_bits=7, total_bits=8):
 // 256 sorted fp32 values, the map double quantization uses.
@@ -38,6 +49,7 @@ struct NF4Tensor {
   std::vector<int64_t> shape;   // original shape
   int64_t blocksize = 64;
   bool double_quant = true;
+  QuantType quant_type = QuantType::kNF4;
   at::ScalarType dtype = at::kFloat;  // original dtype
 
   int64_t numel() const;
@@ -47,17 +59,18 @@ struct NF4Tensor {
   at::Device device() const { return packed.device(); }
 };
 
-// Quantizes a float32/float16/bfloat16 tensor. `name` only labels error messages.
-// Throws UserError on inf/nan (count and first flat index) and on a blocksize that is not
-// a power of two in [32, 4096]. A CUDA tensor's blocks are quantized on its device
-// (runtime/cuda/nf4_cuda.h), their double quantization on the CPU: the bytes are the CPU's.
-// An all-zero block gets the code of 0.0 for every element.
 // The form nf4_quantize gives a tensor of this shape and dtype, as meta tensors (shapes and
 // dtypes, no memory; nested_offset 0): a placeholder for a weight another process holds.
-NF4Tensor nf4_meta(const std::vector<int64_t>& shape, at::ScalarType dtype, int64_t blocksize, bool double_quant);
+NF4Tensor nf4_meta(const std::vector<int64_t>& shape, at::ScalarType dtype, int64_t blocksize, bool double_quant,
+                   QuantType quant_type = QuantType::kNF4);
 
+// Quantizes a float32/float16/bfloat16 tensor with the codebook of `quant_type`. `name` only
+// labels error messages. Throws UserError on inf/nan (count and first flat index) and on a
+// blocksize that is not a power of two in [32, 4096]. A CUDA tensor's blocks are quantized
+// on its device (runtime/cuda/nf4_cuda.h), their double quantization on the CPU: the bytes
+// are the CPU's. An all-zero block gets the code of 0.0 for every element.
 NF4Tensor nf4_quantize(const at::Tensor& w, int64_t blocksize = 64, bool double_quant = true,
-                       const std::string& name = "");
+                       const std::string& name = "", QuantType quant_type = QuantType::kNF4);
 
 // Dequantizes to shape q.shape in out_dtype (fp32 math, then one cast). The CPU kernel is
 // vectorized (AVX2 when the CPU has it) and parallel; on CUDA one kernel gives the same

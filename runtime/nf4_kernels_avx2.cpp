@@ -22,10 +22,10 @@ __attribute__((target("avx2"), always_inline)) inline __m256 lookup8(__m128i idx
 
 }  // namespace
 
-__attribute__((target("avx2"))) void pairs_avx2(const uint8_t* p, int64_t nbytes, float s,
-                                                float* o) {
-  const __m256 lut_lo = _mm256_loadu_ps(kCodebook.data());
-  const __m256 lut_hi = _mm256_loadu_ps(kCodebook.data() + 8);
+__attribute__((target("avx2"))) void pairs_avx2(const uint8_t* p, int64_t nbytes, const float* codebook,
+                                                float s, float* o) {
+  const __m256 lut_lo = _mm256_loadu_ps(codebook);
+  const __m256 lut_hi = _mm256_loadu_ps(codebook + 8);
   const __m256 scale = _mm256_set1_ps(s);
   const __m128i low4 = _mm_set1_epi8(0x0F);
   int64_t k = 0;
@@ -41,12 +41,22 @@ __attribute__((target("avx2"))) void pairs_avx2(const uint8_t* p, int64_t nbytes
     _mm256_storeu_ps(d + 16, lookup8(e1, lut_lo, lut_hi, scale));
     _mm256_storeu_ps(d + 24, lookup8(_mm_srli_si128(e1, 8), lut_lo, lut_hi, scale));
   }
-  pairs_scalar(p + k, nbytes - k, s, o + 2 * k);
+  pairs_scalar(p + k, nbytes - k, codebook, s, o + 2 * k);
 }
 
-__attribute__((target("avx2"))) void codes_avx2(const float* x, int64_t len, float r, uint8_t* codes) {
+namespace {
+
+// Eight int32 codes (0..15) to eight bytes at `codes`.
+__attribute__((target("avx2"), always_inline)) inline void store_codes8(__m256i c, uint8_t* codes) {
+  __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(codes), _mm_packus_epi16(w, w));
+}
+
+}  // namespace
+
+__attribute__((target("avx2"))) void nf4_codes_avx2(const float* x, int64_t len, float r, uint8_t* codes) {
   __m256 th[15];
-  for (int j = 0; j < 15; ++j) th[j] = _mm256_set1_ps(kThresholds[j]);
+  for (int j = 0; j < 15; ++j) th[j] = _mm256_set1_ps(kNf4Thresholds[j]);
   const __m256 scale = _mm256_set1_ps(r);
   int64_t i = 0;
   for (; i + 8 <= len; i += 8) {
@@ -54,10 +64,32 @@ __attribute__((target("avx2"))) void codes_avx2(const float* x, int64_t len, flo
     __m256i c = _mm256_setzero_si256();
     for (int j = 0; j < 15; ++j)  // each true compare is -1
       c = _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(v, th[j], _CMP_GT_OQ)));
-    __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packus_epi16(w, w));
+    store_codes8(c, codes + i);
   }
-  codes_scalar(x + i, len - i, r, codes + i);
+  codes_scalar(QuantType::kNF4, x + i, len - i, r, codes + i);
+}
+
+__attribute__((target("avx2"))) void fp4_codes_avx2(const float* x, int64_t len, float r, uint8_t* codes) {
+  __m256 th[7];
+  for (int j = 0; j < 7; ++j) th[j] = _mm256_set1_ps(kFp4MagnitudeThresholds[j]);
+  alignas(32) int32_t lut[8];
+  for (int j = 0; j < 8; ++j) lut[j] = kFp4MagnitudeCodes[j];
+  const __m256i magnitude_code = _mm256_load_si256(reinterpret_cast<const __m256i*>(lut));
+  const __m256 scale = _mm256_set1_ps(r);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256i sign_bit = _mm256_set1_epi32(0b1000);
+  int64_t i = 0;
+  for (; i + 8 <= len; i += 8) {
+    __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + i), scale);
+    __m256 a = _mm256_and_ps(v, abs_mask);
+    __m256i m = _mm256_setzero_si256();
+    for (int j = 0; j < 7; ++j)  // each true compare is -1
+      m = _mm256_sub_epi32(m, _mm256_castps_si256(_mm256_cmp_ps(a, th[j], _CMP_GT_OQ)));
+    __m256i negative = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ));
+    __m256i c = _mm256_or_si256(_mm256_permutevar8x32_epi32(magnitude_code, m), _mm256_and_si256(negative, sign_bit));
+    store_codes8(c, codes + i);
+  }
+  codes_scalar(QuantType::kFP4, x + i, len - i, r, codes + i);
 }
 
 __attribute__((target("avx2"))) void convert_bf16_avx2(const float* src, int64_t n, c10::BFloat16* dst) {

@@ -19,6 +19,7 @@
 #include "data/tokenizer.h"
 #include "runtime/error.h"
 #include "runtime/memory.h"
+#include "runtime/nf4.h"
 #include "runtime/units.h"
 #include "tools/commands.h"
 #include "trainer/config.h"
@@ -263,7 +264,7 @@ void add_estimate_command(CLI::App& app) {
     }
     std::printf("memory estimate: %s, micro-batch %lld x %lld tokens, finetune %s%s\n", c.model.name_or_path.c_str(),
                 static_cast<long long>(in.micro_batch), static_cast<long long>(in.seq_length), in.finetune.c_str(),
-                in.load_in_4bit ? ", NF4 base" : "");
+                in.load_in_4bit ? str_cat(", ", quant_type_label(in.quant_type), " base").c_str() : "");
     std::printf("data: %s\n", data_note.c_str());
     for (const auto& k : e.components)
       std::printf("  %-38s %12s  %s\n", k.name.c_str(), format_bytes(k.bytes).c_str(), k.note.c_str());

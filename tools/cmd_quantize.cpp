@@ -1,4 +1,4 @@
-// memtune quantize: a model with NF4 projections in bitsandbytes' checkpoint format.
+// memtune quantize: a model with 4-bit (NF4 or FP4) projections in bitsandbytes' checkpoint format.
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
@@ -14,20 +14,24 @@
 namespace memtune::cli {
 
 void add_quantize_command(CLI::App& app) {
-  auto* cmd = app.add_subcommand("quantize", "write a model with NF4 projections in bitsandbytes' format");
+  auto* cmd = app.add_subcommand("quantize", "write a model with 4-bit projections in bitsandbytes' format");
   struct A {
-    std::string model, out;
+    std::string model, out, quant_type = "nf4";
     int64_t blocksize = 64;
     bool no_double_quant = false;
   };
   auto a = std::make_shared<A>();
   cmd->add_option("--model", a->model, "Hugging Face model directory")->required();
   cmd->add_option("--out", a->out, "output directory")->required();
+  cmd->add_option("--quant-type", a->quant_type, "4-bit code (bnb_4bit_quant_type)")
+      ->check(CLI::IsMember({"nf4", "fp4"}))
+      ->capture_default_str();
   cmd->add_option("--blocksize", a->blocksize, "elements per absmax block")->capture_default_str();
   cmd->add_flag("--no-double-quant", a->no_double_quant, "keep the absmax values in fp32");
   cmd->callback([a] {
     models::LoadOptions lo;
     lo.load_in_4bit = true;
+    lo.quant_type = quant_type_from_name(a->quant_type);
     lo.blocksize = a->blocksize;
     lo.double_quant = !a->no_double_quant;
     lo.on_tensor = [](const std::string&, int64_t d, int64_t t) { progress("quantize", d, t); };

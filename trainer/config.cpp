@@ -73,7 +73,7 @@ const Field kCheckpointRef = checkpoint_ref_field();
 
 template <class F>
 void QuantizationConfig::fields(F&& f) {
-  f("load_in_4bit", load_in_4bit, "NF4 4-bit base weights for the linear layers");
+  f("load_in_4bit", load_in_4bit, "4-bit base weights for the linear layers (bitsandbytes' format)");
   f("load_in_8bit", load_in_8bit, "bitsandbytes 8-bit weights: accepted key, refused when true");
   f("bnb_4bit_compute_dtype", bnb_4bit_compute_dtype,
     "dtype of the matmuls (torch.float16, fp16, half, bf16, fp32 accepted; float32 when absent, as bitsandbytes); "
@@ -81,8 +81,8 @@ void QuantizationConfig::fields(F&& f) {
     "(sm_80 and newer), float16 on older GPUs, float32 on CPUs. float16 turns on fp16's loss scaling as "
     "training.fp16 does; training.fp16 / bf16 override this key", kDtype);
   f("bnb_4bit_quant_type", bnb_4bit_quant_type,
-    "4-bit code book: nf4 only (bitsandbytes' default, fp4, is not supported, so nf4 is memtune's)",
-    Field::one_of({"nf4"}, "only nf4 is supported"));
+    "4-bit code: nf4 (QLoRA's normal float, what recipes set) or fp4 (a 4-bit float; bitsandbytes' default)",
+    Field::one_of({"nf4", "fp4"}, "bitsandbytes' 4-bit codes are nf4 and fp4"));
   f("bnb_4bit_use_double_quant", bnb_4bit_use_double_quant,
     "quantize the absmax values too (about 4.127 bits per parameter)");
   f("bnb_4bit_quant_storage", bnb_4bit_quant_storage, "storage dtype of the packed codes",

@@ -6,10 +6,10 @@
 // YAML is parsed in trainer/config.cpp (the schema) and trainer/config_reflect (the engine)
 // and nowhere else.
 // A key named after a Hugging Face / PEFT / bitsandbytes one has that library's default too
-// (lora_alpha 8, target_modules by model type, fp32 compute and no double quantization for
-// 4-bit weights, learning rate 5e-5, 3 epochs, micro-batches of 8): a config ported from
-// there trains the same without the keys it left out. memtune's own keys, and the few whose library default it cannot run (fp4),
-// say so in their help.
+// (lora_alpha 8, target_modules by model type, FP4 codes, fp32 compute and no double
+// quantization for 4-bit weights, learning rate 5e-5, 3 epochs, micro-batches of 8): a config
+// ported from there trains the same without the keys it left out. memtune's own keys say so
+// in their help.
 #include <cstdint>
 #include <filesystem>
 #include <map>
@@ -24,10 +24,10 @@ namespace memtune::trainer {
 
 // bitsandbytes' BitsAndBytesConfig keys.
 struct QuantizationConfig {
-  bool load_in_4bit = false;                  // NF4 base weights for the linear layers
+  bool load_in_4bit = false;                  // 4-bit base weights for the linear layers
   bool load_in_8bit = false;                  // accepted key; refused when true (not supported)
   std::string bnb_4bit_compute_dtype = "float32";  // auto|float32|float16|bfloat16: base matmul dtype
-  std::string bnb_4bit_quant_type = "nf4";    // nf4 only (fp4 refused)
+  std::string bnb_4bit_quant_type = "fp4";    // nf4 | fp4 (bitsandbytes' default)
   bool bnb_4bit_use_double_quant = false;     // quantize the absmax values too (~4.127 bits/param)
   std::string bnb_4bit_quant_storage = "uint8";  // storage dtype of the packed codes
   int blocksize = 64;                         // elements per absmax block, power of 2 in 32..4096

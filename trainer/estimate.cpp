@@ -47,6 +47,7 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
 
   const auto& q = c.model.quantization_config;
   in.load_in_4bit = q.load_in_4bit;
+  in.quant_type = quant_type_from_name(q.bnb_4bit_quant_type);
   in.double_quant = q.bnb_4bit_use_double_quant;
   in.blocksize = q.blocksize;
   in.dense_bytes = 4;  // dense tensors are kept in fp32 (models::LoadOptions::dense_dtype)

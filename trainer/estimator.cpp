@@ -347,7 +347,7 @@ class Planner {
       e.components.push_back({std::move(name), bytes, std::move(note)});
     };
     if (e.weights_nf4)
-      add("weights: NF4", e.weights_nf4,
+      add(str_cat("weights: ", quant_type_label(m_.quant_type)), e.weights_nf4,
           str_cat("projections, blocksize ", m_.blocksize, m_.double_quant ? ", double quant" : ""));
     add("weights: dense", e.weights_dense, str_cat(wb, " bytes per element"));
     if (e.fetched_layer)

@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "runtime/nf4.h"
+
 namespace memtune::models {
 class CausalLM;
 }
@@ -27,9 +29,10 @@ struct EstimateInput {
   int64_t num_layers = 0;           // model->num_layers()
 
   // Storage of the base weights.
-  bool load_in_4bit = false;        // NF4 projections (embeddings, norms, head stay dense)
+  bool load_in_4bit = false;        // 4-bit projections (embeddings, norms, head stay dense)
+  QuantType quant_type = QuantType::kNF4;  // names the component; NF4 and FP4 take the same bytes
   bool double_quant = true;         // absmax as uint8 codes + fp32 per 256 blocks
-  int64_t blocksize = 64;           // NF4 elements per absmax block
+  int64_t blocksize = 64;           // 4-bit elements per absmax block
   int64_t dense_bytes = 4;          // bytes per element of dense base tensors
 
   // Fine-tuning.

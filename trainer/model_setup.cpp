@@ -121,6 +121,7 @@ std::unique_ptr<models::CausalLM> load_base_model(const ModelConfig& m, const Sk
   if (fs::is_directory(dir)) {
     models::LoadOptions o;
     o.load_in_4bit = q.load_in_4bit;
+    o.quant_type = quant_type_from_name(q.bnb_4bit_quant_type);
     o.blocksize = q.blocksize;
     o.double_quant = q.bnb_4bit_use_double_quant;
     o.skip = skip;
@@ -128,7 +129,8 @@ std::unique_ptr<models::CausalLM> load_base_model(const ModelConfig& m, const Sk
   }
   auto model = models::init_random_model(model_spec(m), m.init_seed);
   if (q.load_in_4bit)
-    for (models::Linear* l : model->linears()) l->quantize(q.blocksize, q.bnb_4bit_use_double_quant);
+    for (models::Linear* l : model->linears())
+      l->quantize(q.blocksize, q.bnb_4bit_use_double_quant, quant_type_from_name(q.bnb_4bit_quant_type));
   return model;
 }
 
@@ -231,13 +233,15 @@ ModelBundle setup_model(const Config& c, const fs::path& adapter_dir, const Skip
   }
 
   int64_t nf4 = 0, nf4_bytes = 0;
+  const char* code = "";
   for (models::Linear* l : model.linears())
     if (l->quantized()) {
       nf4 += l->qweight()->numel();
       nf4_bytes += l->qweight()->storage_bytes();
+      code = quant_type_label(l->qweight()->quant_type);
     }
   if (nf4 > 0)
-    b.notes.push_back(str_cat("NF4 base: ", nf4, " parameters in ", format_bytes(nf4_bytes), " (",
+    b.notes.push_back(str_cat(code, " base: ", nf4, " parameters in ", format_bytes(nf4_bytes), " (",
                               static_cast<double>(nf4_bytes) * 8.0 / static_cast<double>(nf4),
                               " bits per parameter)"));
   b.notes.push_back("base weights: " + format_bytes(model.base_storage_bytes()));

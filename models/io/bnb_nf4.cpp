@@ -55,10 +55,13 @@ namespace {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+std::string state_suffix(QuantType t) { return std::string(".quant_state.bitsandbytes__") + quant_type_name(t); }
+
 std::string json_state(const NF4Tensor& q) {
   // Key order and separators of json.dumps(QuantState.as_dict(packed=True)'s non-tensor items).
-  std::string s = "{\"quant_type\": \"nf4\", \"blocksize\": " + std::to_string(q.blocksize) +
-                  ", \"dtype\": \"" + nf4_dtype_name(q.dtype) + "\", \"shape\": [";
+  std::string s = std::string("{\"quant_type\": \"") + quant_type_name(q.quant_type) +
+                  "\", \"blocksize\": " + std::to_string(q.blocksize) + ", \"dtype\": \"" + nf4_dtype_name(q.dtype) +
+                  "\", \"shape\": [";
   for (size_t i = 0; i < q.shape.size(); ++i) s += (i ? ", " : "") + std::to_string(q.shape[i]);
   s += "]";
   if (q.double_quant) {
@@ -82,19 +85,22 @@ std::vector<std::pair<std::string, at::Tensor>> nf4_to_bnb(const std::string& we
   std::vector<std::pair<std::string, at::Tensor>> out;
   out.emplace_back(w, q.packed.view({-1, 1}));
   out.emplace_back(w + ".absmax", q.absmax);
+  const auto& codebook = codebook_4bit(q.quant_type);
   out.emplace_back(w + ".quant_map",
-                   at::tensor(std::vector<float>(nf4_codebook().begin(), nf4_codebook().end()), q.packed.options().dtype(at::kFloat)));
+                   at::tensor(std::vector<float>(codebook.begin(), codebook.end()),
+                              q.packed.options().dtype(at::kFloat)));
   if (q.double_quant) {
     out.emplace_back(w + ".nested_absmax", q.nested_absmax);
     out.emplace_back(w + ".nested_quant_map", q.nested_quant_map);
   }
-  out.emplace_back(w + ".quant_state.bitsandbytes__nf4", bytes_tensor(json_state(q)).to(q.device()));
+  out.emplace_back(w + state_suffix(q.quant_type), bytes_tensor(json_state(q)).to(q.device()));
   return out;
 }
 
-bool is_bnb_nf4(const std::vector<std::string>& keys, const std::string& weight_name) {
-  const std::string key = weight_name + ".quant_state.bitsandbytes__nf4";
-  return std::find(keys.begin(), keys.end(), key) != keys.end();
+bool is_bnb_4bit(const std::vector<std::string>& keys, const std::string& weight_name) {
+  for (QuantType t : {QuantType::kNF4, QuantType::kFP4})
+    if (std::find(keys.begin(), keys.end(), weight_name + state_suffix(t)) != keys.end()) return true;
+  return false;
 }
 
 NF4Tensor nf4_from_bnb(const std::function<at::Tensor(const std::string&)>& get, const std::string& weight_name) {
@@ -105,14 +111,14 @@ NF4Tensor nf4_from_bnb(const std::function<at::Tensor(const std::string&)>& get,
                   "' is missing; the checkpoint is incomplete or not a bitsandbytes 4-bit one");
     return t;
   };
-  const std::string state_key = w + ".quant_state.bitsandbytes__nf4";
-  at::Tensor state = get(state_key);
-  if (!state.defined()) {
-    MEMTUNE_CHECK(!get(w + ".quant_state.bitsandbytes__fp4").defined(), "bitsandbytes state of '", w,
-                  "' is FP4 (quant_state.bitsandbytes__fp4); memtune reads NF4 only",
-                  "; re-quantize with bnb_4bit_quant_type: nf4");
-    need(state_key);
-  }
+  // The state's key names the quant type (QuantState.as_dict: "quant_state.bitsandbytes__" + type).
+  const std::string nf4_key = w + state_suffix(QuantType::kNF4), fp4_key = w + state_suffix(QuantType::kFP4);
+  at::Tensor nf4_state = get(nf4_key), fp4_state = get(fp4_key);
+  MEMTUNE_CHECK(!(nf4_state.defined() && fp4_state.defined()), "bitsandbytes state of '", w, "' is both '", nf4_key,
+                "' and '", fp4_key, "'; a weight has one quant type");
+  const QuantType key_type = fp4_state.defined() ? QuantType::kFP4 : QuantType::kNF4;
+  const std::string state_key = key_type == QuantType::kFP4 ? fp4_key : nf4_key;
+  at::Tensor state = key_type == QuantType::kFP4 ? fp4_state : need(nf4_key);
   state = state.to(at::kCPU).contiguous();
   MEMTUNE_CHECK(state.scalar_type() == at::kByte, "bitsandbytes state '", state_key, "' has dtype ",
                 state.scalar_type(), ", expected uint8 bytes of JSON");
@@ -124,10 +130,11 @@ NF4Tensor nf4_from_bnb(const std::function<at::Tensor(const std::string&)>& get,
     MEMTUNE_CHECK(j.contains(k), "bitsandbytes state '", state_key, "' lacks field '", k, "': ", text);
     return j.at(k);
   };
-  MEMTUNE_CHECK(field("quant_type") == "nf4", "bitsandbytes state '", state_key, "' has quant_type ",
-                field("quant_type").dump(), "; memtune reads nf4 only");
+  MEMTUNE_CHECK(field("quant_type") == quant_type_name(key_type), "bitsandbytes state '", state_key,
+                "' has quant_type ", field("quant_type").dump(), "; its key says ", quant_type_name(key_type));
 
   NF4Tensor q;
+  q.quant_type = key_type;
   const auto& bs = field("blocksize");
   MEMTUNE_CHECK(bs.is_number_integer(), "bitsandbytes state '", state_key, "': blocksize ", bs.dump(), " is not an integer");
   q.blocksize = bs.get<int64_t>();
@@ -154,10 +161,11 @@ NF4Tensor nf4_from_bnb(const std::function<at::Tensor(const std::string&)>& get,
   q.packed = packed.contiguous().view({-1});
 
   at::Tensor qmap = need(w + ".quant_map").to(at::kCPU, at::kFloat).contiguous();
-  bool is_nf4_map = qmap.numel() == 16;
-  for (int64_t i = 0; is_nf4_map && i < 16; ++i) is_nf4_map = qmap.data_ptr<float>()[i] == nf4_codebook()[i];
-  MEMTUNE_CHECK(is_nf4_map, "bitsandbytes '", w, ".quant_map' is not the NF4 codebook (",
-                qmap.numel(), " values); the weight was quantized with another 4-bit type");
+  const auto& codebook = codebook_4bit(key_type);
+  bool is_codebook = qmap.numel() == 16;
+  for (int64_t i = 0; is_codebook && i < 16; ++i) is_codebook = qmap.data_ptr<float>()[i] == codebook[i];
+  MEMTUNE_CHECK(is_codebook, "bitsandbytes '", w, ".quant_map' is not the ", quant_type_name(key_type),
+                " codebook (", qmap.numel(), " values); the weight was quantized with another 4-bit type");
 
   q.double_quant = j.contains("nested_offset") || get(w + ".nested_absmax").defined();
   at::Tensor absmax = need(w + ".absmax").contiguous().view({-1});

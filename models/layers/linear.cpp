@@ -63,10 +63,10 @@ at::Tensor Linear::forward(const at::Tensor& x, bool training) const {
   return y;
 }
 
-void Linear::quantize(int64_t blocksize, bool double_quant) {
+void Linear::quantize(int64_t blocksize, bool double_quant, QuantType quant_type) {
   if (qweight_) return;
   at::Tensor w = fan_in_fan_out_ ? weight.t().contiguous() : weight;  // bnb stores [out, in]
-  qweight_ = std::make_shared<NF4Tensor>(nf4_quantize(w, blocksize, double_quant));
+  qweight_ = std::make_shared<NF4Tensor>(nf4_quantize(w, blocksize, double_quant, name_, quant_type));
   weight = at::Tensor();
 }
 

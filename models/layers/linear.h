@@ -9,6 +9,7 @@
 
 namespace memtune {
 struct NF4Tensor;
+enum class QuantType : uint8_t;  // runtime/nf4.h
 }
 
 namespace memtune::models {
@@ -51,8 +52,8 @@ class Linear {
   // (..., in) -> (..., out), in x's dtype.
   at::Tensor forward(const at::Tensor& x, bool training) const;
 
-  // Replaces the dense weight by its NF4 form ([out, in] as bitsandbytes stores it).
-  void quantize(int64_t blocksize, bool double_quant);
+  // Replaces the dense weight by its 4-bit form ([out, in] as bitsandbytes stores it).
+  void quantize(int64_t blocksize, bool double_quant, QuantType quant_type);
   void set_quantized(std::shared_ptr<const NF4Tensor> q);
   const std::shared_ptr<const NF4Tensor>& qweight() const { return qweight_; }
 

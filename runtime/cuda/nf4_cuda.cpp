@@ -1,6 +1,7 @@
 #include "runtime/cuda/nf4_cuda.h"
 
 #include <ATen/ATen.h>
+#include <algorithm>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -39,13 +40,14 @@ at::Tensor nf4_dequantize_cuda(const NF4Tensor& q, at::ScalarType out_dtype) {
   } else {
     scales.absmax = q.absmax.data_ptr<float>();
   }
-  C10_CUDA_CHECK(nf4_cuda::dequantize(q.packed.data_ptr<uint8_t>(), scales, nf4_kernels::kCodebook.data(), q.numel(),
-                                      q.blocksize, out_type, out.data_ptr(),
+  C10_CUDA_CHECK(nf4_cuda::dequantize(q.packed.data_ptr<uint8_t>(), scales, codebook_4bit(q.quant_type).data(),
+                                      q.numel(), q.blocksize, out_type, out.data_ptr(),
                                       c10::cuda::getCurrentCUDAStream(device.index()).stream()));
   return out;
 }
 
-void nf4_quantize_blocks_cuda(const at::Tensor& w, int64_t blocksize, at::Tensor& packed, at::Tensor& absmax) {
+void nf4_quantize_blocks_cuda(const at::Tensor& w, int64_t blocksize, QuantType quant_type, at::Tensor& packed,
+                              at::Tensor& absmax) {
   TORCH_CHECK(w.is_cuda(), "nf4_quantize_blocks_cuda: the tensor is on ", w.device());
   nf4_cuda::InType in_type;
   switch (w.scalar_type()) {
@@ -59,8 +61,17 @@ void nf4_quantize_blocks_cuda(const at::Tensor& w, int64_t blocksize, at::Tensor
   const int64_t n = x.numel();
   packed = at::empty({(n + 1) / 2}, x.options().dtype(at::kByte));
   absmax = at::empty({(n + blocksize - 1) / blocksize}, x.options().dtype(at::kFloat));
-  C10_CUDA_CHECK(nf4_cuda::quantize(x.data_ptr(), in_type, nf4_kernels::kThresholds.data(), n, blocksize,
-                                    packed.data_ptr<uint8_t>(), absmax.data_ptr<float>(),
+  nf4_cuda::CodeRule rule;
+  if (quant_type == QuantType::kFP4) {
+    rule.sign_magnitude = true;
+    std::copy(nf4_kernels::kFp4MagnitudeThresholds.begin(), nf4_kernels::kFp4MagnitudeThresholds.end(),
+              rule.thresholds);
+    std::copy(nf4_kernels::kFp4MagnitudeCodes.begin(), nf4_kernels::kFp4MagnitudeCodes.end(), rule.magnitude_codes);
+  } else {
+    std::copy(nf4_kernels::kNf4Thresholds.begin(), nf4_kernels::kNf4Thresholds.end(), rule.thresholds);
+  }
+  C10_CUDA_CHECK(nf4_cuda::quantize(x.data_ptr(), in_type, rule, n, blocksize, packed.data_ptr<uint8_t>(),
+                                    absmax.data_ptr<float>(),
                                     c10::cuda::getCurrentCUDAStream(w.device().index()).stream()));
 }
 

@@ -11,7 +11,9 @@ namespace memtune {
 at::Tensor nf4_dequantize_cuda(const NF4Tensor& q, at::ScalarType out_dtype);
 
 // The 4-bit half of nf4_quantize for a finite CUDA tensor w (fp32/fp16/bf16): packed codes
-// (uint8 [ceil(n/2)]) and fp32 absmax per block, on w's device, equal to the CPU's bytes.
-void nf4_quantize_blocks_cuda(const at::Tensor& w, int64_t blocksize, at::Tensor& packed, at::Tensor& absmax);
+// of `quant_type` (uint8 [ceil(n/2)]) and fp32 absmax per block, on w's device, equal to the
+// CPU's bytes.
+void nf4_quantize_blocks_cuda(const at::Tensor& w, int64_t blocksize, QuantType quant_type, at::Tensor& packed,
+                              at::Tensor& absmax);
 
 }  // namespace memtune

@@ -1,7 +1,8 @@
-// NF4 dequantize and quantize on CUDA, the numerics of runtime/nf4.cpp's CPU kernels
-// (bitsandbytes' kDequantizeBlockwise and kQuantizeBlockwise): value = codebook[code] * scale
-// in fp32, scale = map[code] * nested_absmax, then + offset (two roundings), codes by strict
-// ">" against the fp32 midpoints of x * (1 / absmax). Every product and sum is written as an
+// 4-bit (NF4, FP4) dequantize and quantize on CUDA, the numerics of runtime/nf4.cpp's CPU
+// kernels (bitsandbytes' kDequantizeBlockwise and kQuantizeBlockwise): value =
+// codebook[code] * scale in fp32, scale = map[code] * nested_absmax, then + offset (two
+// roundings), codes by strict ">" against the fp32 midpoints of x * (1 / absmax) (FP4: of
+// its magnitude, with the sign bit for x < 0). Every product and sum is written as an
 // _rn intrinsic, so nvcc's default contraction into fused multiply-adds cannot change a bit.
 #include "runtime/cuda/nf4_cuda_kernels.h"
 
@@ -16,15 +17,11 @@ namespace memtune::nf4_cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr uint8_t kZeroCode = 7;  // the code of 0.0
 
 // Tables passed by value (kernel parameters) and copied to shared memory by each CTA: a
 // warp's lanes index them with different codes, which constant memory would serialize.
 struct Codebook {
   float v[16];
-};
-struct Thresholds {
-  float v[15];
 };
 
 int log2_of(int64_t blocksize) {
@@ -102,30 +99,41 @@ __global__ void absmax_kernel(const T* __restrict__ x, int64_t n, int64_t blocks
   }
 }
 
-__device__ __forceinline__ uint32_t nf4_code(float v, const float* thresholds) {
+// CodeRule's two forms (nf4_cuda_kernels.h); th and mc are the rule's tables in shared memory.
+__device__ __forceinline__ uint32_t code_of(float v, bool sign_magnitude, const float* th, const uint8_t* mc) {
   uint32_t c = 0;
+  if (!sign_magnitude) {
 #pragma unroll
-  for (int j = 0; j < 15; ++j) c += v > thresholds[j] ? 1u : 0u;
-  return c;
+    for (int j = 0; j < 15; ++j) c += v > th[j] ? 1u : 0u;
+    return c;
+  }
+  const float a = fabsf(v);
+#pragma unroll
+  for (int j = 0; j < 7; ++j) c += a > th[j] ? 1u : 0u;
+  return (v < 0.0f ? 8u : 0u) | mc[c];
 }
 
 // Thread k writes packed byte k: elements 2k (high nibble) and 2k + 1, one block.
 template <class T>
 __global__ void codes_kernel(const T* __restrict__ x, int64_t n, int log2_bs, const float* __restrict__ absmax,
-                             Thresholds thresholds, uint8_t* __restrict__ packed) {
+                             CodeRule rule, uint8_t* __restrict__ packed) {
   __shared__ float th[15];
-  if (threadIdx.x < 15) th[threadIdx.x] = thresholds.v[threadIdx.x];
+  __shared__ uint8_t mc[8];
+  if (threadIdx.x < 15) th[threadIdx.x] = rule.thresholds[threadIdx.x];
+  if (threadIdx.x < 8) mc[threadIdx.x] = rule.magnitude_codes[threadIdx.x];
   __syncthreads();
+  const bool sm = rule.sign_magnitude;
+  const uint32_t zero_code = code_of(0.0f, sm, th, mc);
   const int64_t nbytes = (n + 1) / 2;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < nbytes; k += stride) {
     const int64_t i = 2 * k;
     const float m = absmax[i >> log2_bs];
-    uint32_t hi = kZeroCode, lo = kZeroCode;  // a block of zeros; the padding of an odd n
+    uint32_t hi = zero_code, lo = zero_code;  // a block of zeros; the padding of an odd n
     if (m != 0.0f) {
       const float r = __frcp_rn(m);  // 1.0f / m, correctly rounded like the CPU's division
-      hi = nf4_code(__fmul_rn(Convert<T>::from(x[i]), r), th);
-      if (i + 1 < n) lo = nf4_code(__fmul_rn(Convert<T>::from(x[i + 1]), r), th);
+      hi = code_of(__fmul_rn(Convert<T>::from(x[i]), r), sm, th, mc);
+      if (i + 1 < n) lo = code_of(__fmul_rn(Convert<T>::from(x[i + 1]), r), sm, th, mc);
     }
     packed[k] = static_cast<uint8_t>((hi << 4) | lo);
   }
@@ -142,14 +150,14 @@ cudaError_t launch_dequantize(const uint8_t* packed, const Scales& s, int64_t n,
 }
 
 template <class T>
-cudaError_t launch_quantize(const void* x, int64_t n, int64_t blocksize, const Thresholds& th, uint8_t* packed,
+cudaError_t launch_quantize(const void* x, int64_t n, int64_t blocksize, const CodeRule& rule, uint8_t* packed,
                             float* absmax, cudaStream_t stream) {
   const int64_t nblocks = (n + blocksize - 1) / blocksize;
   const T* xt = static_cast<const T*>(x);
   absmax_kernel<T><<<grid_for(nblocks * 32), kThreads, 0, stream>>>(xt, n, blocksize, nblocks, absmax);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  codes_kernel<T><<<grid_for((n + 1) / 2), kThreads, 0, stream>>>(xt, n, log2_of(blocksize), absmax, th, packed);
+  codes_kernel<T><<<grid_for((n + 1) / 2), kThreads, 0, stream>>>(xt, n, log2_of(blocksize), absmax, rule, packed);
   return cudaGetLastError();
 }
 
@@ -169,15 +177,13 @@ cudaError_t dequantize(const uint8_t* packed, const Scales& scales, const float*
   return cudaErrorInvalidValue;
 }
 
-cudaError_t quantize(const void* x, InType in_type, const float* thresholds, int64_t n, int64_t blocksize,
+cudaError_t quantize(const void* x, InType in_type, const CodeRule& rule, int64_t n, int64_t blocksize,
                      uint8_t* packed, float* absmax, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
-  Thresholds th;
-  for (int i = 0; i < 15; ++i) th.v[i] = thresholds[i];
   switch (in_type) {
-    case InType::kFloat: return launch_quantize<float>(x, n, blocksize, th, packed, absmax, stream);
-    case InType::kHalf: return launch_quantize<__half>(x, n, blocksize, th, packed, absmax, stream);
-    case InType::kBFloat16: return launch_quantize<__nv_bfloat16>(x, n, blocksize, th, packed, absmax, stream);
+    case InType::kFloat: return launch_quantize<float>(x, n, blocksize, rule, packed, absmax, stream);
+    case InType::kHalf: return launch_quantize<__half>(x, n, blocksize, rule, packed, absmax, stream);
+    case InType::kBFloat16: return launch_quantize<__nv_bfloat16>(x, n, blocksize, rule, packed, absmax, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -1,5 +1,5 @@
 #pragma once
-// NF4's CUDA kernels (nf4_cuda_kernels.cu), on raw device pointers so that nvcc compiles no
+// The 4-bit (NF4, FP4) CUDA kernels (nf4_cuda_kernels.cu), on raw device pointers so that nvcc compiles no
 // LibTorch header; runtime/cuda/nf4_cuda.cpp checks the tensors and calls these. The
 // numerics are runtime/nf4.cpp's, operation for operation (no fused multiply-add), so the
 // results equal the CPU kernels' bit for bit.
@@ -30,10 +30,20 @@ cudaError_t dequantize(const uint8_t* packed, const Scales& scales, const float*
 
 enum class InType { kFloat, kHalf, kBFloat16 };
 
-// absmax[b] = max |x| over block b, then packed codes of x * (1 / absmax[b]): the number of
-// the 15 host `thresholds` (the codes' midpoints) it exceeds; the code of 0.0 for a block of
-// zeros and for the padding nibble of an odd n. x (contiguous) must be finite.
-cudaError_t quantize(const void* x, InType in_type, const float* thresholds, int64_t n, int64_t blocksize,
+// How a value v scaled into [-1, 1] gets its 4-bit code (bitsandbytes' dQuantizeNF4 and
+// dQuantizeFP4). NF4: the number of the 15 `thresholds` (sorted midpoints) v exceeds. FP4
+// (sign_magnitude): 8 when v < 0, or-ed with magnitude_codes[the number of the first 7
+// thresholds |v| exceeds].
+struct CodeRule {
+  bool sign_magnitude = false;
+  float thresholds[15] = {};
+  uint8_t magnitude_codes[8] = {};
+};
+
+// absmax[b] = max |x| over block b, then packed codes of x * (1 / absmax[b]) by `rule`; the
+// code of 0.0 for a block of zeros and for the padding nibble of an odd n. x (contiguous)
+// must be finite.
+cudaError_t quantize(const void* x, InType in_type, const CodeRule& rule, int64_t n, int64_t blocksize,
                      uint8_t* packed, float* absmax, cudaStream_t stream);
 
 }  // namespace memtune::nf4_cuda

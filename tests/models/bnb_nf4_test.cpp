@@ -1,5 +1,6 @@
-// bitsandbytes' state-dict layout of NF4 weights (models/io/bnb_nf4.h): the entries and the
-// JSON state as bitsandbytes writes them, read back exactly, damaged states refused by name.
+// bitsandbytes' state-dict layout of 4-bit (NF4, FP4) weights (models/io/bnb_nf4.h): the
+// entries and the JSON state as bitsandbytes writes them, read back exactly, damaged states
+// refused by name.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -26,8 +27,10 @@ std::map<std::string, at::Tensor> as_map(const std::vector<std::pair<std::string
 
 TEST(BnbNf4, RoundTrip) {
   at::Tensor x = at::randn({96, 80}).to(at::kBFloat16);
-  for (bool dq : {true, false}) {
-    NF4Tensor q = memtune::nf4_quantize(x, 64, dq);
+  for (auto [dq, type] : {std::pair{true, memtune::QuantType::kNF4}, {false, memtune::QuantType::kNF4},
+                          {true, memtune::QuantType::kFP4}, {false, memtune::QuantType::kFP4}}) {
+    SCOPED_TRACE(memtune::quant_type_name(type));
+    NF4Tensor q = memtune::nf4_quantize(x, 64, dq, "", type);
     const std::string w = "model.layers.0.self_attn.q_proj.weight";
     auto entries = memtune::nf4_to_bnb(w, q);
     auto m = as_map(entries);
@@ -38,15 +41,25 @@ TEST(BnbNf4, RoundTrip) {
       want.push_back(w + ".nested_absmax");
       want.push_back(w + ".nested_quant_map");
     }
-    want.push_back(w + ".quant_state.bitsandbytes__nf4");
+    want.push_back(w + ".quant_state.bitsandbytes__" + memtune::quant_type_name(type));
     EXPECT_EQ(keys, want);
     EXPECT_EQ(m[w].sizes().vec(), (std::vector<int64_t>{96 * 80 / 2, 1}));
     EXPECT_EQ(m[w].scalar_type(), at::kByte);
     at::Tensor qm = m[w + ".quant_map"];
     ASSERT_EQ(qm.numel(), 16);
-    for (int i = 0; i < 16; ++i) EXPECT_EQ(qm[i].item<float>(), memtune::nf4_codebook()[i]);
-    EXPECT_TRUE(memtune::is_bnb_nf4(keys, w));
-    EXPECT_FALSE(memtune::is_bnb_nf4(keys, "model.layers.0.self_attn.k_proj.weight"));
+    // get_4bit_type(type): NF4's quantiles, or FP4's e2m1 values over 12 (code 8 is +0.0).
+    const std::vector<float> nf4 = {-1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
+                                    -0.28444138169288635f, -0.18477343022823334f, -0.09105003625154495f, 0.0f,
+                                    0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f,
+                                    0.33791524171829224f, 0.44070982933044434f, 0.5626170039176941f,
+                                    0.7229568362236023f, 1.0f};
+    const float e2m1[16] = {0, 0.0625, 8, 12, 4, 6, 2, 3, 0, -0.0625, -8, -12, -4, -6, -2, -3};
+    for (int i = 0; i < 16; ++i) {
+      const float want_value = type == memtune::QuantType::kNF4 ? nf4[i] : e2m1[i] / 12.0f;
+      EXPECT_EQ(bytes_of(qm[i]), bytes_of(at::tensor(want_value))) << i;  // bits, so +0.0 is not -0.0
+    }
+    EXPECT_TRUE(memtune::is_bnb_4bit(keys, w));
+    EXPECT_FALSE(memtune::is_bnb_4bit(keys, "model.layers.0.self_attn.k_proj.weight"));
 
     NF4Tensor back = memtune::nf4_from_bnb(
         [&](const std::string& k) { return m.count(k) ? m[k] : at::Tensor(); }, w);
@@ -54,6 +67,7 @@ TEST(BnbNf4, RoundTrip) {
     EXPECT_EQ(back.blocksize, 64);
     EXPECT_EQ(back.dtype, at::kBFloat16);
     EXPECT_EQ(back.double_quant, dq);
+    EXPECT_EQ(back.quant_type, type);
     EXPECT_TRUE(at::equal(back.packed, q.packed));
     EXPECT_TRUE(at::equal(back.absmax, q.absmax));
     if (dq) {
@@ -71,6 +85,11 @@ TEST(BnbNf4, JsonLayout) {
   EXPECT_EQ(bytes_of(m["w.quant_state.bitsandbytes__nf4"]),
             R"({"quant_type": "nf4", "blocksize": 64, "dtype": "float16", "shape": [4, 64]})");
   EXPECT_EQ(m["w.absmax"].scalar_type(), at::kFloat);
+  q = memtune::nf4_quantize(at::ones({4, 64}), 64, false, "", memtune::QuantType::kFP4);
+  m = as_map(memtune::nf4_to_bnb("w", q));
+  EXPECT_EQ(m.count("w.quant_state.bitsandbytes__nf4"), 0u);
+  EXPECT_EQ(bytes_of(m["w.quant_state.bitsandbytes__fp4"]),
+            R"({"quant_type": "fp4", "blocksize": 64, "dtype": "float32", "shape": [4, 64]})");
 }
 
 TEST(BnbNf4, RejectsInconsistentState) {
@@ -110,7 +129,7 @@ TEST(BnbNf4, RejectsInconsistentState) {
     m[w + ".quant_state.bitsandbytes__nf4"] = at::tensor(std::vector<uint8_t>(s.begin(), s.end()), at::kByte);
   };
   set_json("\"nf4\"", "\"fp4\"");
-  expect_error(m, "quant_type \"fp4\"");
+  expect_error(m, "quant_type \"fp4\"; its key says nf4");
   m = good;
   set_json("[32, 64]", "[32, 65]");
   expect_error(m, "needs 1040");
@@ -121,11 +140,22 @@ TEST(BnbNf4, RejectsInconsistentState) {
   m = good;
   m.erase(w + ".quant_state.bitsandbytes__nf4");
   m[w + ".quant_state.bitsandbytes__fp4"] = good[w + ".quant_state.bitsandbytes__nf4"];
-  expect_error(m, "FP4");
+  expect_error(m, "quant_type \"nf4\"; its key says fp4");
+
+  m = good;
+  m[w + ".quant_state.bitsandbytes__fp4"] = good[w + ".quant_state.bitsandbytes__nf4"];
+  expect_error(m, "both");
 
   m = good;
   m[w + ".quant_map"] = at::linspace(-1, 1, 16);
-  expect_error(m, "not the NF4 codebook");
+  expect_error(m, "not the nf4 codebook");
+
+  // An FP4 state whose quant_map is NF4's.
+  auto fp4 = as_map(memtune::nf4_to_bnb(w, memtune::nf4_quantize(at::randn({32, 64}), 64, true, "",
+                                                                 memtune::QuantType::kFP4)));
+  EXPECT_NO_THROW(load(fp4));
+  fp4[w + ".quant_map"] = good[w + ".quant_map"];
+  expect_error(fp4, "not the fp4 codebook");
 }
 
 TEST(BnbNf4, PythonFloatRepr) {

@@ -78,11 +78,25 @@ TEST(HfFields, QuantizationConfigDescribesTheStoredTensors) {
         << e.what();
   }
 
-  // Saved in bitsandbytes' 4-bit form, it carries bitsandbytes' quantization_config and loads.
-  for (models::Linear* l : model->linears()) l->quantize(64, true);
-  models::save_hf_model(*model, d / "nf4", models::SaveOptions{});
-  EXPECT_EQ(json::parse(read_file(d / "nf4/config.json"))["quantization_config"]["quant_method"], "bitsandbytes");
-  EXPECT_NO_THROW(models::load_hf_model(d / "nf4", models::LoadOptions{}));
+  // Saved in bitsandbytes' 4-bit form, it carries bitsandbytes' quantization_config, with
+  // the quant type the weights have, and loads back as those weights.
+  for (QuantType type : {QuantType::kNF4, QuantType::kFP4}) {
+    const std::string name = quant_type_name(type);
+    auto quantized = models::init_random_model(spec, 1);
+    for (models::Linear* l : quantized->linears()) l->quantize(64, true, type);
+    models::save_hf_model(*quantized, d / name, models::SaveOptions{});
+    const json q = json::parse(read_file(d / name / "config.json"))["quantization_config"];
+    EXPECT_EQ(q["quant_method"], "bitsandbytes");
+    EXPECT_EQ(q["bnb_4bit_quant_type"], name);
+    models::LoadOptions other;  // what the config asks for does not re-quantize stored 4-bit weights
+    other.quant_type = type == QuantType::kNF4 ? QuantType::kFP4 : QuantType::kNF4;
+    auto back = models::load_hf_model(d / name, other);
+    for (size_t i = 0; i < back->linears().size(); ++i) {
+      ASSERT_TRUE(back->linears()[i]->quantized());
+      EXPECT_EQ(back->linears()[i]->qweight()->quant_type, type) << name;
+      EXPECT_TRUE(at::equal(back->linears()[i]->dense_weight(), quantized->linears()[i]->dense_weight())) << name;
+    }
+  }
 }
 
 }  // namespace

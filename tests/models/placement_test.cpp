@@ -68,7 +68,7 @@ std::unique_ptr<models::CausalLM> lora_llama(bool quantize, bool tied = false) {
   spec.tie_word_embeddings = tied;
   auto model = models::init_random_model(spec, 7);
   if (quantize)
-    for (models::Linear* l : model->linears()) l->quantize(64, true);
+    for (models::Linear* l : model->linears()) l->quantize(64, true, memtune::QuantType::kNF4);
   models::LoraOptions o;
   o.r = 4;
   at::manual_seed(3);

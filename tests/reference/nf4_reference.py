@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Independent NF4 reference, written from bitsandbytes' algorithm (NumPy, fp32 math).
+"""Independent NF4 and FP4 reference, written from bitsandbytes' algorithm (NumPy, fp32 math).
 
   nf4_reference.py OUTDIR   writes fixtures for tests/runtime/nf4_test.cpp
 
@@ -9,13 +9,15 @@ bitsandbytes (quantize_4bit on CUDA, compress_statistics=True for double quantiz
     neighbouring codebook values that scaled exceeds (its dQuantizeNF4 decision tree);
     element 2k goes to the high nibble, 2k+1 to the low one (an odd tail pads with 0.0).
     memtune gives an all-zero block the code of 0.0 (bitsandbytes' kernel computes 0 * inf).
+    FP4: dQuantizeFP4's decision tree, ported branch for branch below (sign bit for x < 0,
+    then the tree over |x|), and get_4bit_type("fp4")'s values for dequantization.
   - double quantization: offset = absmax.mean() (torch, fp32), absmax -= offset, then
     quantize_blockwise(blocksize=256) over create_dynamic_map(): per 256-block the absmax,
     x * (1 / absmax), and dQuantize's binary search with midpoint rounding.
   - dequantize: codebook[code] * absmax in fp32, with absmax = map[q] * nested + offset.
 Files per case NAME: NAME.input (raw bytes in the case dtype), NAME.packed (uint8),
 NAME.absmax (fp32 or uint8), NAME.nested_absmax (fp32), NAME.deq (fp32), and one line in
-cases.txt: name dtype blocksize double_quant offset_bits json_state dim0 dim1 ...
+cases.txt: name quant_type dtype blocksize double_quant offset_bits json_state dim0 dim1 ...
 """
 import json
 import os
@@ -53,6 +55,41 @@ def f32_literal(text):
 
 
 THRESHOLDS = np.array([f32_literal(t) for t in THRESHOLD_LITERALS], dtype=F32)
+
+
+def fp4_codebook():
+    """bitsandbytes.functional.get_4bit_type("fp4"): the list (its "-0" is an int, so +0.0)
+    divided by its largest magnitude, in torch fp32."""
+    data = torch.tensor([0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0, -0, -0.0625, -8.0, -12.0, -4.0, -6.0, -2.0, -3.0])
+    data.div_(data.abs().max())
+    return data.numpy().astype(F32)
+
+
+FP4 = fp4_codebook()
+
+
+def fp4_code(x):
+    """dQuantizeFP4 (csrc/kernels.cu), branch for branch; fp32 comparisons."""
+    lit = f32_literal
+    sign = 0b1000 if x < 0 else 0
+    x = F32(abs(x))
+    if x > lit("0.29166667"):
+        if x > lit("0.583333"):
+            return (0b0011 if x > lit("0.8333333") else 0b0010) + sign
+        return (0b101 if x > lit("0.4166667") else 0b100) + sign
+    if x > lit("0.0859375"):
+        return (0b0111 if x > lit("0.20833333") else 0b0110) + sign
+    return (0b0001 if x > lit("0.00260417") else 0b0000) + sign
+
+
+def codes_of(quant_type, scaled):
+    if quant_type == "nf4":
+        return (scaled[:, None] > THRESHOLDS[None, :]).sum(1)
+    return np.array([fp4_code(v) for v in scaled], dtype=np.uint8)
+
+
+def codebook(quant_type):
+    return NF4 if quant_type == "nf4" else FP4
 # The literals are the midpoints of the codebook (to within one fp32 step).
 _MID = ((NF4[:-1].astype(np.float64) + NF4[1:].astype(np.float64)) / 2).astype(F32)
 assert np.all(np.abs(THRESHOLDS.view(np.int32) - _MID.view(np.int32)) <= 1)
@@ -109,7 +146,7 @@ def dquantize(code, x):
     return lower_pivot if x < mid else pivot
 
 
-def quantize(x32, blocksize, double_quant):
+def quantize(x32, blocksize, double_quant, quant_type):
     n = x32.size
     flat = x32.reshape(-1)
     nb = (n + blocksize - 1) // blocksize
@@ -121,12 +158,12 @@ def quantize(x32, blocksize, double_quant):
             m = np.max(np.abs(blk)).astype(F32)
             absmax[b] = m
             if m == 0:
-                codes[b * blocksize:b * blocksize + blk.size] = 7
+                codes[b * blocksize:b * blocksize + blk.size] = codes_of(quant_type, np.zeros(1, F32))[0]
                 continue
             scaled = blk * (F32(1.0) / m)
-            codes[b * blocksize:b * blocksize + blk.size] = (scaled[:, None] > THRESHOLDS[None, :]).sum(1)
+            codes[b * blocksize:b * blocksize + blk.size] = codes_of(quant_type, scaled)
     if n % 2:
-        codes = np.append(codes, np.uint8(7))  # padding element 0.0
+        codes = np.append(codes, np.uint8(codes_of(quant_type, np.zeros(1, F32))[0]))  # padding element 0.0
     packed = ((codes[0::2] << 4) | codes[1::2]).astype(np.uint8)
     out = {"packed": packed, "absmax_fp32": absmax}
     if not double_quant:
@@ -152,15 +189,15 @@ def quantize(x32, blocksize, double_quant):
     return out
 
 
-def dequantize(packed, recon, n, blocksize):
+def dequantize(packed, recon, n, blocksize, quant_type):
     codes = np.stack([packed >> 4, packed & 15], 1).reshape(-1)[:n]
     scale = np.repeat(recon, blocksize)[:n]
-    return (NF4[codes] * scale).astype(F32)
+    return (codebook(quant_type)[codes] * scale).astype(F32)
 
 
-def json_state(dtype, blocksize, shape, q):
+def json_state(quant_type, dtype, blocksize, shape, q):
     """What QuantState.as_dict(packed=True) packs: json.dumps of the non-tensor items."""
-    d = {"quant_type": "nf4", "blocksize": blocksize, "dtype": dtype, "shape": tuple(shape)}
+    d = {"quant_type": quant_type, "blocksize": blocksize, "dtype": dtype, "shape": tuple(shape)}
     if "offset" in q:
         d.update({"nested_blocksize": 256, "nested_dtype": "float32",
                   "nested_offset": float(q["offset"])})
@@ -182,18 +219,37 @@ def make_input(rng, shape, dtype):
     return t.float().numpy(), raw
 
 
+def fp4_edges():
+    """One block of 128 with absmax 1, so each value is its own scaled value: every pivot of
+    dQuantizeFP4 and its fp32 neighbours, both signs, signed zeros and tiny values."""
+    vals = [1.0, -0.0, 0.0, -1e-30, 1e-30, -1e-40]
+    for t in ["0.00260417", "0.0859375", "0.20833333", "0.29166667", "0.4166667", "0.583333", "0.8333333"]:
+        p = f32_literal(t)
+        for v in (np.nextafter(p, F32(0)), p, np.nextafter(p, F32(2))):
+            vals += [float(v), -float(v)]
+    vals += list(FP4.astype(float)) + [-1.0, 0.999]
+    x = np.zeros(128, dtype=F32)
+    x[:len(vals)] = np.array(vals, dtype=F32)
+    return x
+
+
 CASES = [
-    # name, shape, dtype, blocksize, double_quant
-    ("square64", (64, 64), "float32", 64, True),
-    ("odd_partial", (33, 65), "float32", 64, True),
-    ("bs32_nodq", (7, 300), "float32", 32, False),
-    ("bs128", (128, 520), "float32", 128, True),
-    ("one_partial_block", (1001,), "float32", 4096, False),
-    ("many_nested", (300, 257), "float32", 64, True),
-    ("fp16", (96, 130), "float16", 64, True),
-    ("bf16", (50, 77), "bfloat16", 256, True),
-    ("bf16_nodq", (40, 64), "bfloat16", 64, False),
-    ("bs4096", (3, 5000), "float32", 4096, True),
+    # name, shape, dtype, blocksize, double_quant, quant_type
+    ("square64", (64, 64), "float32", 64, True, "nf4"),
+    ("odd_partial", (33, 65), "float32", 64, True, "nf4"),
+    ("bs32_nodq", (7, 300), "float32", 32, False, "nf4"),
+    ("bs128", (128, 520), "float32", 128, True, "nf4"),
+    ("one_partial_block", (1001,), "float32", 4096, False, "nf4"),
+    ("many_nested", (300, 257), "float32", 64, True, "nf4"),
+    ("fp16", (96, 130), "float16", 64, True, "nf4"),
+    ("bf16", (50, 77), "bfloat16", 256, True, "nf4"),
+    ("bf16_nodq", (40, 64), "bfloat16", 64, False, "nf4"),
+    ("bs4096", (3, 5000), "float32", 4096, True, "nf4"),
+    ("fp4_square64", (64, 64), "float32", 64, True, "fp4"),
+    ("fp4_odd_nodq", (33, 65), "float32", 64, False, "fp4"),
+    ("fp4_bf16", (50, 77), "bfloat16", 256, True, "fp4"),
+    ("fp4_fp16_bs32", (96, 130), "float16", 32, False, "fp4"),
+    ("fp4_edges", (128,), "float32", 128, False, "fp4"),
 ]
 
 
@@ -202,11 +258,15 @@ def main():
     os.makedirs(out, exist_ok=True)
     rng = np.random.default_rng(1234)
     lines = []
-    for name, shape, dtype, bs, dq in CASES:
-        x32, raw = make_input(rng, shape, dtype)
-        q = quantize(x32, bs, dq)
+    for name, shape, dtype, bs, dq, qt in CASES:
+        if name == "fp4_edges":
+            x32 = fp4_edges()
+            raw = x32.tobytes()
+        else:
+            x32, raw = make_input(rng, shape, dtype)
+        q = quantize(x32, bs, dq, qt)
         n = x32.size
-        deq = dequantize(q["packed"], q["recon"], n, bs)
+        deq = dequantize(q["packed"], q["recon"], n, bs, qt)
         with open(os.path.join(out, name + ".input"), "wb") as f:
             f.write(raw)
         q["packed"].tofile(os.path.join(out, name + ".packed"))
@@ -215,8 +275,8 @@ def main():
             q["nested_absmax"].tofile(os.path.join(out, name + ".nested_absmax"))
         deq.tofile(os.path.join(out, name + ".deq"))
         offset_bits = int(np.array([q.get("offset", F32(0))], dtype=F32).view(np.uint32)[0])
-        state = json_state(dtype, bs, shape, q).replace(" ", "\x01")  # one token per field
-        lines.append(" ".join([name, dtype, str(bs), str(int(dq)), str(offset_bits), state]
+        state = json_state(qt, dtype, bs, shape, q).replace(" ", "\x01")  # one token per field
+        lines.append(" ".join([name, qt, dtype, str(bs), str(int(dq)), str(offset_bits), state]
                               + [str(d) for d in shape]))
     DYNAMIC.tofile(os.path.join(out, "dynamic_map"))
     with open(os.path.join(out, "cases.txt"), "w") as f:

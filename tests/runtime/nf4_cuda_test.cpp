@@ -17,6 +17,7 @@
 namespace {
 
 using memtune::NF4Tensor;
+using memtune::QuantType;
 
 NF4Tensor on(const NF4Tensor& q, const c10::Device& device) {
   NF4Tensor r = q;
@@ -62,8 +63,9 @@ TEST(Nf4Cuda, DequantizeEqualsTheCpuBitForBit_CUDA) {
   const c10::Device cuda(c10::kCUDA, 0);
   uint64_t seed = 1;
   for (const Shape& s : shapes())
-    for (bool dq : {true, false}) {
-      const NF4Tensor q = memtune::nf4_quantize(weights(s.shape, s.blocksize, at::kFloat, seed++), s.blocksize, dq);
+    for (auto [dq, type] : {std::pair{true, QuantType::kNF4}, {false, QuantType::kNF4}, {true, QuantType::kFP4}}) {
+      const NF4Tensor q =
+          memtune::nf4_quantize(weights(s.shape, s.blocksize, at::kFloat, seed++), s.blocksize, dq, "", type);
       const NF4Tensor qg = on(q, cuda);
       for (at::ScalarType out : {at::kFloat, at::kBFloat16, at::kHalf}) {
         const at::Tensor want = memtune::nf4_dequantize(q, out);
@@ -72,7 +74,8 @@ TEST(Nf4Cuda, DequantizeEqualsTheCpuBitForBit_CUDA) {
         EXPECT_EQ(got.sizes(), want.sizes());
         EXPECT_TRUE(at::equal(got.cpu(), want))
             << "shape " << at::IntArrayRef(s.shape) << " blocksize " << s.blocksize << " double_quant " << dq
-            << " out " << out << ": " << (got.cpu().to(at::kFloat) != want.to(at::kFloat)).sum().item<int64_t>()
+            << " " << memtune::quant_type_name(type) << " out " << out << ": "
+            << (got.cpu().to(at::kFloat) != want.to(at::kFloat)).sum().item<int64_t>()
             << " elements differ";
       }
     }
@@ -98,13 +101,13 @@ TEST(Nf4Cuda, QuantizeGivesTheCpusBytes_CUDA) {
   uint64_t seed = 100;
   for (const Shape& s : shapes())
     for (at::ScalarType dtype : {at::kFloat, at::kHalf, at::kBFloat16})
-      for (bool dq : {true, false}) {
+      for (auto [dq, type] : {std::pair{true, QuantType::kNF4}, {false, QuantType::kNF4}, {false, QuantType::kFP4}}) {
         const at::Tensor w = weights(s.shape, s.blocksize, dtype, seed++);
-        const NF4Tensor want = memtune::nf4_quantize(w, s.blocksize, dq);
-        const NF4Tensor got = memtune::nf4_quantize(w.to(cuda), s.blocksize, dq);
+        const NF4Tensor want = memtune::nf4_quantize(w, s.blocksize, dq, "", type);
+        const NF4Tensor got = memtune::nf4_quantize(w.to(cuda), s.blocksize, dq, "", type);
         const std::string what = "shape " + std::to_string(s.shape[0]) + "x" + std::to_string(s.shape[1]) +
                                  " blocksize " + std::to_string(s.blocksize) + " " + c10::toString(dtype) +
-                                 (dq ? " double_quant" : "");
+                                 (dq ? " double_quant " : " ") + memtune::quant_type_name(type);
         ASSERT_TRUE(got.packed.is_cuda()) << what;
         EXPECT_TRUE(at::equal(got.packed.cpu(), want.packed)) << what << ": codes";
         EXPECT_TRUE(at::equal(got.absmax.cpu(), want.absmax)) << what << ": absmax";

@@ -1,9 +1,11 @@
-// NF4 against an independent reference (tests/reference/nf4_reference.py, NumPy, written
-// from bitsandbytes' algorithm) byte for byte, plus cases worked out here from the algorithm.
+// NF4 and FP4 against an independent reference (tests/reference/nf4_reference.py, NumPy,
+// written from bitsandbytes' algorithm) byte for byte, plus cases worked out here from the
+// algorithm and the vector kernels against the scalar ones.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -13,19 +15,21 @@
 #include "runtime/error.h"
 #include "models/io/bnb_nf4.h"
 #include "runtime/nf4.h"
+#include "runtime/nf4_kernels.h"
 #include "test_util.h"
 
 namespace {
 
 namespace mt = memtune::testing;
 using memtune::NF4Tensor;
+using memtune::QuantType;
 
 using mt::bytes_of;
 using mt::reference_bytes;
 using mt::tensor_from_bytes;
 
 struct RefCase {
-  std::string name, dtype, json;
+  std::string name, quant_type, dtype, json;
   int64_t blocksize = 0;
   bool double_quant = false;
   uint32_t offset_bits = 0;
@@ -45,7 +49,7 @@ class Nf4Reference : public ::testing::Test {
     for (const std::string& line : mt::reference_lines(*dir_ / "cases.txt")) {
       std::istringstream f(line);
       RefCase c;
-      f >> c.name >> c.dtype >> c.blocksize >> c.double_quant >> c.offset_bits >> c.json;
+      f >> c.name >> c.quant_type >> c.dtype >> c.blocksize >> c.double_quant >> c.offset_bits >> c.json;
       for (char& ch : c.json)
         if (ch == '\x01') ch = ' ';
       int64_t d;
@@ -60,16 +64,20 @@ class Nf4Reference : public ::testing::Test {
   static at::Tensor input(const RefCase& c) {
     return tensor_from_bytes(reference_bytes(*dir_ / (c.name + ".input")), dtype_of(c.dtype), c.shape);
   }
+  static NF4Tensor quantize(const RefCase& c) {
+    return memtune::nf4_quantize(input(c), c.blocksize, c.double_quant, c.name,
+                                 memtune::quant_type_from_name(c.quant_type));
+  }
   static mt::fs::path* dir_;
 };
 mt::fs::path* Nf4Reference::dir_ = nullptr;
 
 TEST_F(Nf4Reference, QuantizeMatchesByteForByte) {
   auto all = cases();
-  ASSERT_GE(all.size(), 8u);
+  ASSERT_GE(all.size(), 15u);
   for (const auto& c : all) {
     SCOPED_TRACE(c.name);
-    NF4Tensor q = memtune::nf4_quantize(input(c), c.blocksize, c.double_quant);
+    NF4Tensor q = quantize(c);
     EXPECT_EQ(q.shape, c.shape);
     EXPECT_EQ(q.dtype, dtype_of(c.dtype));
     EXPECT_EQ(q.packed.numel(), (q.numel() + 1) / 2);
@@ -89,18 +97,21 @@ TEST_F(Nf4Reference, QuantizeMatchesByteForByte) {
     at::Tensor deq = memtune::nf4_dequantize(q, at::kFloat);
     EXPECT_EQ(deq.sizes().vec(), c.shape);
     EXPECT_TRUE(bytes_of(deq) == reference_bytes(*dir_ / (c.name + ".deq"))) << "dequantized values differ";
-    // The JSON bitsandbytes packs, as Python's json.dumps writes it.
+    // The JSON bitsandbytes packs, as Python's json.dumps writes it, under its type's key.
+    int states = 0;
     for (const auto& [key, t] : memtune::nf4_to_bnb("m.w.weight", q))
-      if (key == "m.w.weight.quant_state.bitsandbytes__nf4") {
+      if (key == "m.w.weight.quant_state.bitsandbytes__" + c.quant_type) {
+        ++states;
         EXPECT_EQ(bytes_of(t), c.json);
       }
+    EXPECT_EQ(states, 1);
   }
 }
 
 TEST_F(Nf4Reference, DequantizePathsAgree) {
   for (const auto& c : cases()) {
     SCOPED_TRACE(c.name);
-    NF4Tensor q = memtune::nf4_quantize(input(c), c.blocksize, c.double_quant);
+    NF4Tensor q = quantize(c);
     for (auto dt : {at::kFloat, at::kBFloat16, at::kHalf}) {
       at::Tensor fast = memtune::nf4_dequantize(q, dt);
       at::Tensor generic = memtune::nf4_dequantize_generic(q, dt);
@@ -135,7 +146,7 @@ std::vector<int> codes_of(const NF4Tensor& q) {
 }
 
 TEST(Nf4, CodebookValuesAndMidpoints) {
-  const auto& cb = memtune::nf4_codebook();
+  const auto& cb = memtune::codebook_4bit(memtune::QuantType::kNF4);
   EXPECT_EQ(cb[0], -1.0f);
   EXPECT_EQ(cb[7], 0.0f);
   EXPECT_EQ(cb[15], 1.0f);
@@ -240,7 +251,7 @@ TEST(Nf4, RejectsNonFiniteWithCountAndIndex) {
 TEST(Nf4, DequantizeErrorBound) {
   // |x - deq| <= absmax * (largest half gap between neighbouring codes), plus the error of
   // the reconstructed absmax under double quantization.
-  const auto& cb = memtune::nf4_codebook();
+  const auto& cb = memtune::codebook_4bit(memtune::QuantType::kNF4);
   float half_gap = 0;
   for (int i = 0; i < 15; ++i) half_gap = std::max(half_gap, (cb[i + 1] - cb[i]) / 2);
   at::Tensor x = at::randn({256, 192}) * at::rand({256, 1}) * 3;
@@ -274,5 +285,95 @@ TEST(Nf4, BitsPerParameter) {
   NF4Tensor plain = memtune::nf4_quantize(at::randn({rows, 64}), 64, false);
   EXPECT_DOUBLE_EQ(memtune::nf4_bits_per_parameter(plain), 4.5);
 }
+
+// ---- FP4 ---------------------------------------------------------------------------
+
+TEST(Fp4, ZeroBlockPaddingAndSignedZeros) {
+  // FP4's code of 0.0 is 0 (NF4's is 7): an all-zero block and the odd tail's padding nibble
+  // take it. A value below zero, however small, keeps the sign bit (code 8, -0 * absmax).
+  at::Tensor x = at::randn({64 + 64 + 7});
+  x.narrow(0, 0, 64).zero_();
+  x[64] = 4.0f;           // block 1's absmax: x / 4 is what the tree sees
+  x[65] = -1e-4f;         // -2.5e-5 after scaling: below the first pivot, negative
+  x[66] = -0.0f;          // not below zero: code 0
+  x[67] = -4.0f;
+  NF4Tensor q = memtune::nf4_quantize(x, 64, false, "", QuantType::kFP4);
+  EXPECT_EQ(q.quant_type, QuantType::kFP4);
+  auto codes = codes_of(q);
+  for (int i = 0; i < 64; ++i) ASSERT_EQ(codes[i], 0) << i;
+  EXPECT_EQ(codes[64], 0b0011);  // +1.0
+  EXPECT_EQ(codes[65], 0b1000);
+  EXPECT_EQ(codes[66], 0b0000);
+  EXPECT_EQ(codes[67], 0b1011);  // -1.0
+  EXPECT_EQ(q.packed[q.packed.numel() - 1].item<uint8_t>() & 15, 0);
+  at::Tensor deq = memtune::nf4_dequantize(q, at::kFloat);
+  EXPECT_EQ(deq[64].item<float>(), 4.0f);
+  EXPECT_EQ(deq[67].item<float>(), -4.0f);
+  EXPECT_EQ(deq[65].item<float>(), 0.0f);
+  EXPECT_TRUE(at::all(deq.narrow(0, 0, 64) == 0).item<bool>());
+}
+
+TEST(Fp4, DequantizeErrorBound) {
+  // FP4's levels are 1/12 of 0, 1/16, 2, 3, 4, 6, 8, 12: the largest half gap is (12 - 8) / 24.
+  const auto& cb = memtune::codebook_4bit(QuantType::kFP4);
+  std::vector<float> sorted(cb.begin(), cb.end());
+  std::sort(sorted.begin(), sorted.end());
+  float half_gap = 0;
+  for (int i = 0; i < 15; ++i) half_gap = std::max(half_gap, (sorted[i + 1] - sorted[i]) / 2);
+  EXPECT_FLOAT_EQ(half_gap, 4.0f / 24.0f);
+  at::Tensor x = at::randn({128, 192});
+  NF4Tensor q = memtune::nf4_quantize(x, 64, false, "", QuantType::kFP4);
+  at::Tensor deq = memtune::nf4_dequantize(q, at::kFloat).view({-1, 64});
+  at::Tensor xb = x.view({-1, 64});
+  EXPECT_TRUE(at::all((deq - xb).abs() <= xb.abs().amax(1, true) * half_gap * 1.0001).item<bool>());
+  // The nearest level, not merely a close one: FP4 codes the same tensor worse than NF4
+  // (it spends levels on 1/192 and 1/6), which is why QLoRA recipes set nf4.
+  NF4Tensor n = memtune::nf4_quantize(x, 64, false, "", QuantType::kNF4);
+  const double err_fp4 = (deq - xb).pow(2).mean().item<double>();
+  const double err_nf4 = (memtune::nf4_dequantize(n, at::kFloat).view({-1, 64}) - xb).pow(2).mean().item<double>();
+  EXPECT_GT(err_fp4, err_nf4);
+}
+
+#ifdef MEMTUNE_X86
+TEST(Nf4Kernels, Avx2EqualsScalarForBothCodes) {
+  if (!memtune::cpu_has_avx2()) GTEST_SKIP() << "this CPU has no AVX2";
+  namespace k = memtune::nf4_kernels;
+  // Every pivot of both codes and its fp32 neighbours, both signs, signed zeros, tiny values
+  // (a denormal too), and random values, over a length that leaves a scalar tail.
+  std::vector<float> x = {0.0f, -0.0f, 1e-30f, -1e-30f, -1e-40f, 1.0f, -1.0f};
+  auto add_around = [&](float p) {
+    for (float v : {std::nextafter(p, -2.0f), p, std::nextafter(p, 2.0f)}) {
+      x.push_back(v);
+      x.push_back(-v);
+    }
+  };
+  for (float p : k::kNf4Thresholds) add_around(p);
+  for (float p : k::kFp4MagnitudeThresholds) add_around(p);
+  at::Tensor r = at::rand({300}) * 2 - 1;
+  for (int64_t i = 0; i < r.numel(); ++i) x.push_back(r[i].item<float>());
+  const int64_t n = static_cast<int64_t>(x.size());
+  ASSERT_NE(n % 8, 0);
+  for (QuantType t : {QuantType::kNF4, QuantType::kFP4}) {
+    SCOPED_TRACE(memtune::quant_type_name(t));
+    std::vector<uint8_t> scalar(n), vec(n);
+    k::codes_scalar(t, x.data(), n, 1.0f, scalar.data());
+    if (t == QuantType::kFP4) {
+      k::fp4_codes_avx2(x.data(), n, 1.0f, vec.data());
+    } else {
+      k::nf4_codes_avx2(x.data(), n, 1.0f, vec.data());
+    }
+    EXPECT_EQ(vec, scalar);
+    // Unpacking: every byte value, 16-byte groups and a tail.
+    std::vector<uint8_t> bytes(256 + 5);
+    for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<uint8_t>(i * 7);
+    const int64_t nb = static_cast<int64_t>(bytes.size());
+    std::vector<float> a(2 * nb), b(2 * nb);
+    const float* cb = memtune::codebook_4bit(t).data();
+    k::pairs_scalar(bytes.data(), nb, cb, 0.37f, a.data());
+    k::pairs_avx2(bytes.data(), nb, cb, 0.37f, b.data());
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0);
+  }
+}
+#endif
 
 }  // namespace

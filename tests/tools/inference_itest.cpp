@@ -97,6 +97,29 @@ TEST(Inference, MergedModelComputesWhatBasePlusAdapterDoes) {
   EXPECT_EQ(f.info("model.layers.0.self_attn.q_proj.weight").dtype, at::kBFloat16);
 }
 
+// `memtune quantize --quant-type`: bitsandbytes' state of either code, which eval reads back;
+// each quantized model computes nearly what the dense one does, and not exactly.
+TEST(Inference, QuantizeWritesEitherCodeAndEvalReadsIt) {
+  const Trained& t = trained();
+  const double dense = eval_json(t.base, "")["loss"].get<double>();
+  for (const std::string type : {"nf4", "fp4"}) {
+    const fs::path out = t.dir / ("quantized-" + type);
+    auto r = run(memtune_bin() + " quantize --model " + t.base.string() + " --out " + out.string() +
+                 " --quant-type " + type);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(json::parse(read_file(out / "config.json"))["quantization_config"]["bnb_4bit_quant_type"], type);
+    models::SafetensorsFile f(out / "model.safetensors");
+    EXPECT_TRUE(f.contains("model.layers.0.self_attn.q_proj.weight.quant_state.bitsandbytes__" + type)) << type;
+    const double loss = eval_json(out, "")["loss"].get<double>();
+    EXPECT_NEAR(loss, dense, 0.05 * dense) << type;
+    EXPECT_NE(loss, dense) << type;
+  }
+  auto bad = run(memtune_bin() + " quantize --model " + t.base.string() + " --out " + (t.dir / "q-int4").string() +
+                 " --quant-type int4");
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("int4"), std::string::npos) << bad.output;
+}
+
 TEST(Inference, ASeedReplaysTheSampledText) {
   const Trained& t = trained();
   const std::string args = "--adapter " + t.adapter.string() + " --temperature 1.5 --top-p 0.95 --seed 11";

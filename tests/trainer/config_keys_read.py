@@ -18,7 +18,6 @@ import sys
 # member -> what config.cpp does with it (its only effect).
 ONLY_IN_CONFIG = {
     "load_in_8bit": "refused when true",
-    "bnb_4bit_quant_type": "nf4 only (fp4 refused)",
     "bnb_4bit_quant_storage": "uint8 only",
     "torch_dtype": "float32 only (memtune's dense weights are float32)",
     "low_cpu_mem_usage": "true only (loads always stream from the mmapped safetensors)",

@@ -110,9 +110,10 @@ TEST(Config, KeysLeftOutTakeTheLibrariesDefaults) {
   EXPECT_TRUE(c.lora.target_modules.empty());
   EXPECT_FALSE(c.lora.use_rslora);
   EXPECT_EQ(c.lora.bias, "none");
-  // BitsAndBytesConfig: compute dtype float32, no double quantization, uint8 storage.
+  // BitsAndBytesConfig: FP4 codes, compute dtype float32, no double quantization, uint8 storage.
   const auto& q = c.model.quantization_config;
   EXPECT_FALSE(q.load_in_4bit);
+  EXPECT_EQ(q.bnb_4bit_quant_type, "fp4");
   EXPECT_EQ(q.bnb_4bit_compute_dtype, "float32");
   EXPECT_FALSE(q.bnb_4bit_use_double_quant);
   EXPECT_EQ(q.bnb_4bit_quant_storage, "uint8");
@@ -375,7 +376,7 @@ TEST(ConfigErrors, Fp16AndBf16BothTrue) {
 TEST(ConfigErrors, QuantTypeUnknown) {
   const std::string yaml = "model:\n  quantization_config:\n    bnb_4bit_quant_type: nf3\n";
   std::string e = expect_invalid(yaml, "bnb_4bit_quant_type", "nf3", "model.quantization_config.bnb_4bit_quant_type",
-                                 "nf3", "only nf4 is supported");
+                                 "nf3", "bitsandbytes' 4-bit codes are nf4 and fp4");
   EXPECT_HAS(e, "did you mean nf4?");
 }
 
@@ -395,10 +396,10 @@ TEST(ConfigErrors, AttnImplementationNamesAndVersion) {
   EXPECT_EQ(parse("model:\n  attn_implementation: eager\n").model.attn_implementation, "eager");
 }
 
-TEST(ConfigErrors, QuantTypeFp4OnlyNf4) {
-  const std::string yaml = "model:\n  quantization_config:\n    bnb_4bit_quant_type: fp4\n";
-  expect_invalid(yaml, "bnb_4bit_quant_type", "fp4", "model.quantization_config.bnb_4bit_quant_type", "fp4",
-                 "only nf4 is supported");
+TEST(Config, QuantTypeNf4OrFp4) {
+  for (const std::string t : {"nf4", "fp4"})
+    EXPECT_EQ(parse("model:\n  quantization_config:\n    bnb_4bit_quant_type: " + t + "\n")
+                  .model.quantization_config.bnb_4bit_quant_type, t);
 }
 
 TEST(ConfigErrors, LoadIn8bitRefused) {

@@ -144,11 +144,12 @@ INSTANTIATE_TEST_SUITE_P(
     Shapes, EstimateVsModel,
     ::testing::Values(
         Shape{"llama_nf4_lora_none", {"model.name_or_path=tiny-llama", "model.quantization_config.load_in_4bit=true",
-                                      "data.max_seq_length=128", "training.per_device_train_batch_size=2"}},
+                                      "model.quantization_config.bnb_4bit_quant_type=nf4", "data.max_seq_length=128",
+                                      "training.per_device_train_batch_size=2"}},
         // LoRA dropout: each adapter keeps its dropped input and mask, and its projection's
         // input is no longer kept for it. bf16 compute: the residual stream stays fp32, so
         // attention still takes the fused CPU kernel.
-        Shape{"llama_nf4_lora_dropout", {"model.name_or_path=tiny-llama", "model.quantization_config.load_in_4bit=true",
+        Shape{"llama_fp4_lora_dropout", {"model.name_or_path=tiny-llama", "model.quantization_config.load_in_4bit=true",
                                          "lora.lora_dropout=0.1", "lora.target_modules=all-linear", "data.max_seq_length=256",
                                          "training.per_device_train_batch_size=2"}},
         Shape{"gpt2_dense_lora_dropout_bf16", {"model.name_or_path=tiny-gpt2", "lora.lora_dropout=0.05",
@@ -162,15 +163,16 @@ INSTANTIATE_TEST_SUITE_P(
                                                  "training.gradient_checkpointing=true",
                                                  "training.activation_offload=checkpoints"}},
         Shape{"gpt2_nf4_qv_every2", {"model.name_or_path=tiny-gpt2", "model.quantization_config.load_in_4bit=true",
-                                     "lora.target_modules=[c_attn]", "data.max_seq_length=256",
+                                     "model.quantization_config.bnb_4bit_quant_type=nf4", "lora.target_modules=[c_attn]",
+                                     "data.max_seq_length=256",
                                      "training.gradient_checkpointing={policy: every_n, n: 2}"}},
         // lora.modules_to_save: whole tensors trained beside the adapters (their gradients,
         // AdamW states, the head's dW in the loss, the embedding's gradient flowing through every layer).
-        Shape{"llama_nf4_lora_head_embed_norm", {"model.name_or_path=tiny-llama",
+        Shape{"llama_fp4_lora_head_embed_norm", {"model.name_or_path=tiny-llama",
                                                  "model.quantization_config.load_in_4bit=true",
                                                  "lora.modules_to_save=[embed_tokens,model.norm,lm_head]",
                                                  "data.max_seq_length=128", "training.per_device_train_batch_size=2"}},
-        Shape{"gpt2_nf4_qv_wpe_lnf", {"model.name_or_path=tiny-gpt2", "model.quantization_config.load_in_4bit=true",
+        Shape{"gpt2_fp4_qv_wpe_lnf", {"model.name_or_path=tiny-gpt2", "model.quantization_config.load_in_4bit=true",
                                       "lora.target_modules=[c_attn]", "lora.modules_to_save=[wpe,ln_f]",
                                       "data.max_seq_length=128"}},
         Shape{"gpt2_full", {"model.name_or_path=tiny-gpt2", "training.finetune=full", "data.max_seq_length=128",
@@ -253,9 +255,10 @@ TEST(EstimateCommand, JsonHasThePeakTheBreakdownAndWhatFits) {
   const int64_t peak = j["peak_bytes"].get<int64_t>();
   EXPECT_EQ(peak, std::max({j["forward_peak_bytes"].get<int64_t>(), j["backward_peak_bytes"].get<int64_t>(),
                             j["optimizer_peak_bytes"].get<int64_t>()}));
-  bool nf4 = false;
-  for (const auto& k : j["components"]) nf4 = nf4 || k["name"] == "weights: NF4";
-  EXPECT_TRUE(nf4) << j.dump();
+  // The config leaves bnb_4bit_quant_type out: bitsandbytes' default, FP4, and the same bytes as NF4.
+  bool fp4 = false;
+  for (const auto& k : j["components"]) fp4 = fp4 || k["name"] == "weights: FP4";
+  EXPECT_TRUE(fp4) << j.dump();
   EXPECT_GT(j["max_micro_batch"].get<int64_t>(), 2);
 
   // The device exactly as large as the configured run's peak: micro-batch 2 is the largest.

@@ -211,7 +211,7 @@ std::unique_ptr<models::CausalLM> layers_model() {
   lo.init = "gaussian";  // B = 0 would give A no gradient
   for (models::Linear* l : m->linears()) {
     if (l->name().find("layers.0.") != std::string::npos || l->name().find("layers.1.") != std::string::npos)
-      l->quantize(64, true);
+      l->quantize(64, true, memtune::QuantType::kNF4);
     l->add_lora(lo);
     at::NoGradGuard ng;
     l->lora->B.normal_(0, 0.02);

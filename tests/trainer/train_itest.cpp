@@ -33,7 +33,7 @@ std::string base_config(const fs::path& out) {
   return "model:\n"
          "  name_or_path: tiny-llama\n"
          "  tokenizer: " + (src / "examples/tiny-tokenizer").string() + "\n"
-         "  quantization_config: {load_in_4bit: true, bnb_4bit_compute_dtype: auto}\n"
+         "  quantization_config: {load_in_4bit: true, bnb_4bit_quant_type: nf4, bnb_4bit_compute_dtype: auto}\n"
          "lora: {r: 4, lora_alpha: 8, target_modules: all-linear}\n"
          "runtime: {device: cpu}\n"  // CPU budgets and fp32, on a GPU machine too
          "training:\n"
@@ -101,13 +101,16 @@ TEST(Train, QLoraRunLearnsAndWritesPeftAdapter) {
 }
 
 // Keys left out of a config take PEFT's and bitsandbytes' defaults: lora_alpha 8, LoRA on the
-// model type's default targets (q_proj and v_proj for Llama), no double quantization.
+// model type's default targets (q_proj and v_proj for Llama), FP4 codes, no double quantization.
 TEST(Train, KeysLeftOutTakePeftsDefaults) {
   const fs::path dir = temp_dir();
   std::string config = base_config(dir / "out");
-  const std::string lora_line = "lora: {r: 4, lora_alpha: 8, target_modules: all-linear}\n";
-  ASSERT_NE(config.find(lora_line), std::string::npos);
-  config.replace(config.find(lora_line), lora_line.size(), "lora: {r: 4}\n");
+  auto replace = [&](const std::string& from, const std::string& to) {
+    ASSERT_NE(config.find(from), std::string::npos) << from;
+    config.replace(config.find(from), from.size(), to);
+  };
+  replace("lora: {r: 4, lora_alpha: 8, target_modules: all-linear}\n", "lora: {r: 4}\n");
+  replace("bnb_4bit_quant_type: nf4, ", "");
   TrainRun r = train(dir, "training.max_steps=1", config);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("lora.target_modules is not set: PEFT's default for llama, [q_proj, v_proj]"),
@@ -124,6 +127,8 @@ TEST(Train, KeysLeftOutTakePeftsDefaults) {
   EXPECT_EQ(adapter.size(), 2u * 2u * 4u);  // q and v, A and B, tiny-llama's 4 layers
   const std::string effective = read_file(r.dir / "config.yaml");
   EXPECT_NE(effective.find("bnb_4bit_use_double_quant: false"), std::string::npos) << effective;
+  EXPECT_NE(effective.find("bnb_4bit_quant_type: fp4"), std::string::npos) << effective;
+  EXPECT_NE(r.output.find("FP4 base"), std::string::npos) << r.output;
 }
 
 TEST(Train, EffectiveConfigRoundTrips) {
