@@ -9,6 +9,7 @@
 #include "data/batch.h"
 #include "data/dataset.h"
 #include "models/causal_lm.h"
+#include "runtime/compat.h"
 #include "runtime/error.h"
 
 namespace memtune::trainer {
@@ -23,19 +24,29 @@ EvalResult evaluate(models::CausalLM& model, const data::Dataset& dataset, int64
   int64_t correct = 0;
   EvalResult r;
   models::ForwardOptions opts;
-  for (int64_t i = 0; i < n; i += micro_batch) {
+  for (int64_t i = 0; i < n;) {
     if (stop && stop()) {
       r.stopped = true;
       break;
     }
     std::vector<data::Sample> samples;
     for (int64_t j = i; j < std::min(n, i + micro_batch); ++j) samples.push_back(dataset.sample(j));
-    data::Batch b = data::collate(samples, 8, pad);
-    models::ForwardOutput out = model.forward(b, opts);
+    models::ForwardOutput out;
+    try {
+      data::Batch b = data::collate(samples, 8, pad);
+      out = model.forward(b, opts);
+    } catch (const std::exception& e) {
+      if (!compat::is_out_of_memory(e) || micro_batch == 1) throw;
+      micro_batch = (micro_batch + 1) / 2;  // the same rows again, fewer at a time
+      ++r.oom_retries;
+      continue;
+    }
     sum += out.loss_sum.item<double>();
     r.tokens += out.target_tokens;
     correct += out.correct_tokens;
+    i += static_cast<int64_t>(samples.size());
   }
+  r.micro_batch = micro_batch;
   r.token_accuracy = r.tokens > 0 ? static_cast<double>(correct) / static_cast<double>(r.tokens) : 0.0;
   r.loss = r.tokens > 0 ? sum / static_cast<double>(r.tokens) : 0.0;
   r.perplexity = std::exp(r.loss);

@@ -18,10 +18,15 @@ struct EvalResult {
   int64_t tokens = 0;     // target tokens counted
   double token_accuracy = 0;  // share of targets that are the most likely next token
   bool stopped = false;       // `stop` said so before every row was seen: the figures cover fewer rows
+  int64_t micro_batch = 0;    // samples at a time at the end: the one asked for, or less after out-of-memory errors
+  int64_t oom_retries = 0;    // micro-batches run again, halved, after an out-of-memory error
 };
 
 // `max_rows` < 0: every sample. Runs without gradients, `micro_batch` (>= 1) samples at a
 // time; `stop`, asked before each micro-batch, ends it early (a SIGTERM during evaluation).
+// An out-of-memory error halves the micro-batch for the rest of the evaluation and runs the
+// same samples again (the loss is a sum over tokens, so the figures stay); at one sample it
+// is rethrown.
 EvalResult evaluate(models::CausalLM& model, const data::Dataset& dataset, int64_t micro_batch,
                     int64_t max_rows = -1, const std::function<bool()>& stop = {});
 

@@ -931,12 +931,15 @@ void Trainer::save_checkpoint() {
 
 void Trainer::evaluate_loss(const char* when) {
   if (!eval_set_ || eval_stopped()) return;
-  // Evaluation has no retry after an out-of-memory error: it takes at most the micro-batch
-  // that training runs now (which fits with gradients kept). Its loss is a sum over tokens,
-  // so the batch changes no figure.
+  // Evaluation takes at most the micro-batch that training runs now (which fits with
+  // gradients kept), and halves it after an out-of-memory error (before the first step the
+  // supervisor has not settled yet). Its loss is a sum over tokens: the batch changes no figure.
   const int64_t batch = std::min<int64_t>(c_.training.per_device_eval_batch_size,
                                           supervisor_ ? std::max<int64_t>(1, supervisor_->micro_batch()) : 1);
   const EvalResult r = evaluate(*bundle_.model, *eval_set_, batch, -1, [this] { return eval_stopped(); });
+  if (r.oom_retries > 0)
+    spdlog::warn("eval ({}): out of memory at {} samples at once; ran {} micro-batch(es) again, ending at {}", when,
+                 batch, r.oom_retries, r.micro_batch);
   if (r.stopped) {
     spdlog::warn("eval ({}): stopped by signal {} after {} tokens; not recorded", when, g_stop_signal.load(), r.tokens);
     return;

@@ -224,8 +224,13 @@ TEST(Supervisor, GrowsBackAndUndoesAFailedGrow) {
 
 TEST(Supervisor, RealBudgetSettlesOnAMicroBatchThatFitsWithTheSameLosses) {
   fs::path d = temp_dir();
+  // Evaluation asks for 16 rows at once too. Before the first step (the supervisor has not
+  // settled yet) that runs out of memory, and it halves its micro-batch and runs the same rows
+  // again; the final one takes at most the micro-batch training settled on. Both losses (sums
+  // over tokens) are the reference's.
   const std::string shape = "training.per_device_train_batch_size=16 training.gradient_accumulation_steps=1 "
-                            "data.max_seq_length=256 training.max_steps=3";
+                            "data.max_seq_length=256 training.max_steps=3 training.per_device_eval_batch_size=16 "
+                            "data.eval_file=" + (source_dir() / "examples/data/tasks_eval.jsonl").string();
   TrainRun ref = train(d / "ref", shape + " training.per_device_train_batch_size=1 training.gradient_accumulation_steps=16");
   ASSERT_EQ(ref.exit_code, 0) << ref.output;
   // The budget: the micro-batch-1 run's peak plus a little; 16 rows at once cannot fit.
@@ -249,6 +254,16 @@ TEST(Supervisor, RealBudgetSettlesOnAMicroBatchThatFitsWithTheSameLosses) {
   }
   EXPECT_TRUE(r.front().contains("oom_recovery_s")) << "the first step ran out of memory at 16 rows";
   expect_same_run(fit.out, ref.out, 1e-5);
+  const auto eval_fit = read_jsonl(fit.out / "metrics.jsonl", "eval_loss");
+  const auto eval_ref = read_jsonl(ref.out / "metrics.jsonl", "eval_loss");
+  ASSERT_EQ(eval_fit.size(), 2u);
+  ASSERT_EQ(eval_ref.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_NEAR(eval_fit[i]["eval_loss"].get<double>(), eval_ref[i]["eval_loss"].get<double>(), 1e-5) << i;
+    EXPECT_EQ(eval_fit[i]["eval_tokens"], eval_ref[i]["eval_tokens"]) << i;
+  }
+  EXPECT_NE(fit.output.find("eval (before training): out of memory at 16 samples at once"), std::string::npos)
+      << fit.output;
 }
 
 // On a GPU, real CUDA out-of-memory errors, no injection: under memory.device_limit, and a
