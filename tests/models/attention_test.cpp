@@ -12,6 +12,7 @@
 #include "models/layers/attention.h"
 #include "models/layers/attention_cpu.h"
 #include "models/layers/cpu_vec.h"
+#include "runtime/error.h"
 #include "test_util.h"
 
 namespace {
@@ -226,6 +227,17 @@ TEST(Attention, SdpaMatchesTheTextbookAttention) {
   options.kernel = AttentionOptions::Kernel::kSdpa;
   const int64_t B = 2, Hkv = 2, G = 2, T = 23, D = 8;
   at::Tensor q = at::randn({B, Hkv, G, T, D}), k = at::randn({B, Hkv, T, D}), v = at::randn({B, Hkv, T, D});
+  {
+    // With attention dropout sdpa is refused on any LibTorch: it draws masks of its own.
+    AttentionOptions dropping = options;
+    dropping.dropout = {0.1, row_seeds(B)};
+    try {
+      causal_segment_attention(q, k, v, at::zeros({B, T}, at::kLong), 0.35, 0, dropping);
+      ADD_FAILURE() << "sdpa ran with attention dropout";
+    } catch (const memtune::UserError& e) {
+      EXPECT_NE(std::string(e.what()).find("sdpa draws its own dropout masks"), std::string::npos) << e.what();
+    }
+  }
   if (!memtune::models::sdpa_available()) {
     try {
       causal_segment_attention(q, k, v, at::zeros({B, T}, at::kLong), 0.35, 0, options);
