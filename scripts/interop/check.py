@@ -119,6 +119,19 @@ class Memtune:
         return self.run(*args).stdout.rstrip("\n")
 
 
+def normal(v):
+    """A default as one string: numbers by value (5e-05 and 5e-5 alike), booleans lower case."""
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, (int, float)):
+        return repr(float(v))
+    s = str(v)
+    try:
+        return repr(float(s))
+    except ValueError:
+        return s
+
+
 def rel(a, b):
     return abs(a - b) / max(abs(b), 1e-12)
 
@@ -447,11 +460,45 @@ class Check:
                                 f"{len(h['ids'])} ids", m == h["ids"], "" if m == h["ids"] else f"{m} vs {h['ids']}")
         self.guarded("tokenizer", "ids", run)
 
+    # Keys whose default memtune takes from transformers (TrainingArguments) and bitsandbytes
+    # (BitsAndBytesConfig(load_in_4bit=True)), and the pairs of defaults that are one setting
+    # under two spellings. logging_steps and save_steps are memtune's own (its help says so).
+    DEFAULT_KEYS = {
+        "training": ["learning_rate", "num_train_epochs", "max_steps", "lr_scheduler_type", "warmup_steps",
+                     "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "seed", "fp16",
+                     "bf16", "gradient_checkpointing", "per_device_train_batch_size", "per_device_eval_batch_size",
+                     "gradient_accumulation_steps", "optim", "save_total_limit"],
+        "quantization_config": ["load_in_8bit", "bnb_4bit_quant_type", "bnb_4bit_compute_dtype",
+                                "bnb_4bit_use_double_quant", "bnb_4bit_quant_storage"],
+    }
+    SAME_SETTING = {("adamw_torch", "adamw_torch_fused"),  # one update; transformers 5 defaults to fused
+                    ("0.0", "None")}                       # save_total_limit: keep every checkpoint
+
+    def defaults(self):
+        def run():
+            text = self.mt.run("train", "--help-config").stdout
+            ours = {}
+            for section, keys in self.DEFAULT_KEYS.items():
+                prefix = "model.quantization_config." if section == "quantization_config" else "training."
+                for k in keys:
+                    m = re.search(r"^\s*" + re.escape(prefix + k) + r" \(.*default: ([^)]*)\)\s*$", text, re.M)
+                    ours[(section, k)] = m.group(1) if m else None
+            theirs = self.judge("defaults", keys=self.DEFAULT_KEYS)
+            for (section, k), mine in ours.items():
+                hf = theirs[section][k]
+                pair = (normal(mine), normal(hf))
+                same = mine is not None and (pair[0] == pair[1] or pair in self.SAME_SETTING)
+                self.report.add("defaults", f"{section}.{k}", mine, hf, same,
+                                "" if same else "a config that leaves the key out trains differently")
+        self.guarded("defaults", "TrainingArguments and BitsAndBytesConfig", run)
+
     def run(self, only):
         v = self.judge("versions")
         print(f"judge: transformers {v['transformers']}, torch {v['torch']}, tokenizers {v['tokenizers']}, "
               f"safetensors {v['safetensors']}", flush=True)
         want = lambda g: not only or g in only
+        if want("defaults"):
+            self.defaults()
         if want("mt->hf"):
             for family in FAMILIES:
                 self.memtune_writes(family)
@@ -516,7 +563,8 @@ def main():
     p.add_argument("--work", required=True, help="work directory on this machine")
     p.add_argument("--work-in-root", required=True, help="the same directory as the root sees it")
     p.add_argument("--judge-in-root", required=True, help="judge.py as the root sees it")
-    p.add_argument("--only", nargs="*", default=[], help="groups: mt->hf hf->mt adapter full refusal tokenizer")
+    p.add_argument("--only", nargs="*", default=[],
+                   help="groups: defaults mt->hf hf->mt adapter full refusal tokenizer")
     args = p.parse_args()
     sys.exit(1 if Check(args).run(set(args.only)) else 0)
 

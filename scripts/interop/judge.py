@@ -18,6 +18,9 @@ Requests ({"op": ..., ...}):
   dynamic_state   model, short, long   a short row's loss before and after a long forward
   adapter_config  adapter, model           which adapter_config.json target_modules PEFT's
                                            matching rules select in the model
+  defaults        keys                     TrainingArguments() and BitsAndBytesConfig(load_in_4bit=True):
+                                           {"training": {key: value}, "quantization_config": {...}}
+                                           (enums and dtypes as their names; a key absent: null)
 """
 import json
 import math
@@ -54,6 +57,22 @@ def load_model(model_dir):
         path(model_dir), dtype=torch.float32, output_loading_info=True)
     model.eval()
     return model, info
+
+
+def plain(v):
+    """A default as JSON: enums by value, torch dtypes by name."""
+    if isinstance(v, torch.dtype):
+        return str(v).replace("torch.", "")
+    if hasattr(v, "value") and not isinstance(v, (int, float, str, bool)):
+        return v.value
+    return v
+
+
+def op_defaults(r):
+    ta = transformers.TrainingArguments(output_dir=path("defaults-probe"))
+    bnb = transformers.BitsAndBytesConfig(load_in_4bit=True)
+    return {"training": {k: plain(getattr(ta, k, None)) for k in r["keys"]["training"]},
+            "quantization_config": {k: plain(getattr(bnb, k, None)) for k in r["keys"]["quantization_config"]}}
 
 
 def op_versions(_):
