@@ -15,7 +15,7 @@
 namespace memtune::trainer {
 
 EvalResult evaluate(models::CausalLM& model, const data::Dataset& dataset, int64_t micro_batch, int64_t max_rows,
-                    const std::function<bool()>& stop, bool shrink_on_oom) {
+                    const std::function<bool()>& stop, const std::function<bool()>& on_oom) {
   MEMTUNE_CHECK(micro_batch >= 1, "evaluation batch size is ", micro_batch, "; it must be at least 1");
   at::NoGradGuard no_grad;
   const int64_t n = max_rows < 0 ? dataset.size() : std::min(max_rows, dataset.size());
@@ -36,7 +36,7 @@ EvalResult evaluate(models::CausalLM& model, const data::Dataset& dataset, int64
       data::Batch b = data::collate(samples, 8, pad);
       out = model.forward(b, opts);
     } catch (const std::exception& e) {
-      if (!shrink_on_oom || !compat::is_out_of_memory(e) || micro_batch == 1) throw;
+      if (!compat::is_out_of_memory(e) || micro_batch == 1 || !on_oom || !on_oom()) throw;
       micro_batch = (micro_batch + 1) / 2;  // the same rows again, fewer at a time
       ++r.oom_retries;
       continue;

@@ -24,12 +24,13 @@ struct EvalResult {
 
 // `max_rows` < 0: every sample. Runs without gradients, `micro_batch` (>= 1) samples at a
 // time; `stop`, asked before each micro-batch, ends it early (a SIGTERM during evaluation).
-// With `shrink_on_oom`, an out-of-memory error halves the micro-batch for the rest of the
-// evaluation and runs the same samples again (the loss is a sum over tokens, so the figures
-// stay); at one sample, or without it, the error is rethrown. Leave it off where a forward
-// holds collectives (layers sharded over ranks): one rank's retry would pair its gathers with
-// the other ranks' next layer.
+// After an out-of-memory error `on_oom` is called (to release cached memory) and says whether
+// to halve the micro-batch for the rest of the evaluation and run the same samples again (the
+// loss is a sum over tokens, so the figures stay); without it, or at one sample, the error is
+// rethrown. Leave it out where a forward holds collectives (layers sharded over ranks): one
+// rank's retry would pair its gathers with the other ranks' next layer.
 EvalResult evaluate(models::CausalLM& model, const data::Dataset& dataset, int64_t micro_batch,
-                    int64_t max_rows = -1, const std::function<bool()>& stop = {}, bool shrink_on_oom = true);
+                    int64_t max_rows = -1, const std::function<bool()>& stop = {},
+                    const std::function<bool()>& on_oom = {});
 
 }  // namespace memtune::trainer

@@ -932,13 +932,17 @@ void Trainer::save_checkpoint() {
 void Trainer::evaluate_loss(const char* when) {
   if (!eval_set_ || eval_stopped()) return;
   // Evaluation takes at most the micro-batch that training runs now (which fits with
-  // gradients kept), and halves it after an out-of-memory error (before the first step the
-  // supervisor has not settled yet), except with layers sharded over ranks, whose forwards
-  // are collectives. Its loss is a sum over tokens: the batch changes no figure.
+  // gradients kept), and under the supervisor halves it after an out-of-memory error (before
+  // the first step the supervisor has not settled yet), except with layers sharded over ranks,
+  // whose forwards are collectives. Its loss is a sum over tokens: the batch changes no figure.
   const int64_t batch = std::min<int64_t>(c_.training.per_device_eval_batch_size,
                                           supervisor_ ? std::max<int64_t>(1, supervisor_->micro_batch()) : 1);
-  const EvalResult r = evaluate(*bundle_.model, *eval_set_, batch, -1, [this] { return eval_stopped(); },
-                                /*shrink_on_oom=*/layer_shards_ == nullptr);
+  std::function<bool()> on_oom;
+  if (c_.memory.supervise && !layer_shards_) on_oom = [this] {
+    mem_->release_cached();
+    return true;
+  };
+  const EvalResult r = evaluate(*bundle_.model, *eval_set_, batch, -1, [this] { return eval_stopped(); }, on_oom);
   if (r.oom_retries > 0)
     spdlog::warn("eval ({}): out of memory at {} samples at once; ran {} micro-batch(es) again, ending at {}", when,
                  batch, r.oom_retries, r.micro_batch);

@@ -69,7 +69,8 @@ at::Tensor nf4_matmul_w(const at::Tensor& g, const NF4Tensor& q, at::ScalarType 
   return gx;
 }
 
-// The quantized state travels through saved_data as IValues (tensors share storage).
+// The quantized state travels through saved_data as IValues (tensors share storage): every
+// field of NF4Tensor, or backward decodes with another codebook than forward.
 void save_nf4(AutogradContext* ctx, const NF4Tensor& q) {
   auto& s = ctx->saved_data;
   s["packed"] = q.packed;
@@ -80,6 +81,7 @@ void save_nf4(AutogradContext* ctx, const NF4Tensor& q) {
   s["shape"] = q.shape;
   s["blocksize"] = q.blocksize;
   s["double_quant"] = q.double_quant;
+  s["quant_type"] = static_cast<int64_t>(q.quant_type);
   s["dtype"] = static_cast<int64_t>(q.dtype);
 }
 
@@ -94,6 +96,7 @@ NF4Tensor load_nf4(AutogradContext* ctx) {
   q.shape = s["shape"].toIntVector();
   q.blocksize = s["blocksize"].toInt();
   q.double_quant = s["double_quant"].toBool();
+  q.quant_type = static_cast<QuantType>(s["quant_type"].toInt());
   q.dtype = static_cast<at::ScalarType>(s["dtype"].toInt());
   return q;
 }

@@ -1,4 +1,5 @@
-// Linear4bit against a dense Linear holding deq(W), and the bytes its graph keeps alive.
+// Linear4bit against a dense Linear holding deq(W) (NF4 and FP4), and the bytes its graph
+// keeps alive.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -42,9 +43,11 @@ TEST_P(Linear4bitTest, MatchesDenseLinearOnDequantizedWeight) {
   for (const Case& c : std::vector<Case>{{{8, 64}, 48, 64, true, true},
                                          {{2, 5, 67}, 33, 67, true, false},
                                          {{3, 1, 4096}, 700, 4096, false, false},
-                                         {{16, 300}, 2000, 300, true, true}}) {
-    SCOPED_TRACE(c.in);
-    auto w = std::make_shared<const NF4Tensor>(memtune::nf4_quantize(at::randn({c.out, c.in}), 64, true));
+                                         {{16, 300}, 2000, 300, true, true}})
+  for (memtune::QuantType type : {memtune::QuantType::kNF4, memtune::QuantType::kFP4}) {
+    SCOPED_TRACE(std::to_string(c.in) + " " + memtune::quant_type_name(type));
+    // Backward decodes the weight as forward did: with the other codebook grad_x would differ.
+    auto w = std::make_shared<const NF4Tensor>(memtune::nf4_quantize(at::randn({c.out, c.in}), 64, true, "", type));
     at::Tensor dense_w = memtune::nf4_dequantize(*w, at::kFloat);
     at::Tensor b = c.bias ? at::randn({c.out}).requires_grad_(c.bias_grad) : at::Tensor();
     at::Tensor x = at::randn(c.x_shape).requires_grad_(true);

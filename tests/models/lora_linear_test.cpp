@@ -1,5 +1,5 @@
 // The fused LoRA node against the same math written as separate ATen ops under autograd:
-// outputs and every gradient (x, A, B, bias, dropout input), dense and NF4 bases.
+// outputs and every gradient (x, A, B, bias, dropout input), dense, NF4 and FP4 bases.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -23,6 +23,7 @@ struct Case {
   std::vector<int64_t> x_shape;
   int64_t out, r;
   bool nf4, bias, bias_grad, dropout, x_grad, transposed;
+  memtune::QuantType type = memtune::QuantType::kNF4;  // the 4-bit code, with nf4
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
@@ -38,7 +39,7 @@ TEST_P(LoraLinearTest, MatchesComposedOps) {
   at::Tensor w = c.transposed ? w_stored.t() : w_stored;  // [out, in] view
   FrozenWeight frozen;
   if (c.nf4) {
-    frozen.nf4 = std::make_shared<const NF4Tensor>(memtune::nf4_quantize(w.contiguous(), 64, true));
+    frozen.nf4 = std::make_shared<const NF4Tensor>(memtune::nf4_quantize(w.contiguous(), 64, true, "", c.type));
     w = memtune::nf4_dequantize(*frozen.nf4, at::kFloat);  // the reference multiplies what NF4 holds
   } else {
     frozen.dense = w;
@@ -86,7 +87,9 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"conv1d_transposed", {3, 32}, 48, 4, false, true, false, false, true, true},
                       Case{"nf4", {2, 9, 128}, 96, 8, true, false, false, false, true, false},
                       Case{"nf4_bias_dropout", {2, 9, 128}, 96, 8, true, true, false, true, true, false},
-                      Case{"nf4_no_x_grad", {10, 128}, 64, 16, true, false, false, false, false, false}),
+                      Case{"nf4_no_x_grad", {10, 128}, 64, 16, true, false, false, false, false, false},
+                      Case{"fp4_bias_dropout", {2, 9, 128}, 96, 8, true, true, false, true, true, false,
+                           memtune::QuantType::kFP4}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
 TEST(LoraLinear, RejectsMismatchedShapes) {
