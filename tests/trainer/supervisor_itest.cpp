@@ -300,7 +300,9 @@ TEST(Supervisor, RealCudaOutOfMemoryShrinksAndKeepsTheMath_CUDA) {
   const std::string big = gpu + "data.max_seq_length=1024 data.pack_sequences=true training.max_steps=2";
   TrainRun ref = train(d / "big_ref", big + " training.per_device_train_batch_size=1024 training.gradient_accumulation_steps=8");
   ASSERT_EQ(ref.exit_code, 0) << ref.output;
-  TrainRun all = train(d / "big", big + " training.per_device_train_batch_size=8192 memory.grow_after_steps=1000");
+  // 8192 rows a step on both sides (the config's accumulation of 2 would make it 16384 here).
+  TrainRun all = train(d / "big", big + " training.per_device_train_batch_size=8192 training.gradient_accumulation_steps=1 "
+                                        "memory.grow_after_steps=1000");
   ASSERT_EQ(all.exit_code, 0) << all.output;
   auto r = rows(all.out);
   ASSERT_FALSE(r.empty());
