@@ -5,6 +5,15 @@
 // code) is what recipes use and what names here say; FP4 differs only in its codebook and in
 // how a scaled value picks its code.
 //
+// The codes are those of bitsandbytes' kernels evaluated in IEEE fp32 (1 / absmax correctly
+// rounded, denormals kept). bitsandbytes' release builds compile them with --use_fast_math:
+// an approximate reciprocal (a helper measured it one fp32 step off for 13 % of absmax
+// values on an H200) and denormals flushed to zero. So a value within a step of a pivot can
+// take the neighbouring code there, and a negative value that scales below FLT_MIN takes
+// FP4's +0 code (0) where memtune gives -0 (8). Dequantizing FP4's code 8 gives +0.0 here
+// and -0.0 in bitsandbytes' CUDA kernel (0 * -1): the same number. Layout, codebooks, state
+// and every other byte are bitsandbytes'.
+//
 // Layout of a tensor of n elements, flattened row-major, in blocks of `blocksize`:
 //   packed  uint8 [ceil(n/2)]: code of element 2k in the HIGH nibble, 2k+1 in the low one
 //   absmax  per block max|x|: fp32 [nblocks], or with double quantization uint8 codes of

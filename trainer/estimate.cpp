@@ -50,6 +50,15 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
   in.quant_type = quant_type_from_name(q.bnb_4bit_quant_type);
   in.double_quant = q.bnb_4bit_use_double_quant;
   in.blocksize = q.blocksize;
+  // A model stored in bitsandbytes' 4-bit form is read as stored (models::load_hf_model): its
+  // config.json's quantization_config, not this config's keys, says what the weights are.
+  if (const nlohmann::json& stored = s.extra.contains("quantization_config") ? s.extra["quantization_config"]
+                                                                              : nlohmann::json();
+      stored.is_object() && stored.value("quant_method", "") == "bitsandbytes" && stored.value("load_in_4bit", false)) {
+    in.load_in_4bit = true;
+    in.quant_type = quant_type_from_name(stored.value("bnb_4bit_quant_type", "fp4"));
+    in.double_quant = stored.value("bnb_4bit_use_double_quant", false);
+  }
   in.dense_bytes = 4;  // dense tensors are kept in fp32 (models::LoadOptions::dense_dtype)
 
   in.finetune = c.training.finetune;

@@ -234,12 +234,21 @@ ModelBundle setup_model(const Config& c, const fs::path& adapter_dir, const Skip
 
   int64_t nf4 = 0, nf4_bytes = 0;
   const char* code = "";
+  const QuantType asked = quant_type_from_name(c.model.quantization_config.bnb_4bit_quant_type);
+  bool stored_other = false;
   for (models::Linear* l : model.linears())
     if (l->quantized()) {
       nf4 += l->qweight()->numel();
       nf4_bytes += l->qweight()->storage_bytes();
       code = quant_type_label(l->qweight()->quant_type);
+      stored_other = stored_other || l->qweight()->quant_type != asked;
     }
+  // Weights stored in bitsandbytes' 4-bit form are read as stored (transformers, too, takes a
+  // pre-quantized model's own quantization_config over the one passed).
+  if (stored_other)
+    b.notes.push_back(str_cat("the model's projections are stored as ", code, " and read as they are; "
+                              "model.quantization_config.bnb_4bit_quant_type ", quant_type_name(asked),
+                              " applies when memtune quantizes"));
   if (nf4 > 0)
     b.notes.push_back(str_cat(code, " base: ", nf4, " parameters in ", format_bytes(nf4_bytes), " (",
                               static_cast<double>(nf4_bytes) * 8.0 / static_cast<double>(nf4),

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <map>
 #include <set>
 
 #include <ATen/ATen.h>
@@ -239,6 +240,28 @@ TEST(EstimateCommand, TheDataBoundsTheRowsAndTheLoss) {
       << "estimated " << j["peak_bytes"] << ", measured " << measured;
   EXPECT_GT(rel(bound["peak_bytes"].get<int64_t>(), measured), 1.0)
       << "estimated without the data " << bound["peak_bytes"] << ", measured " << measured;
+}
+
+// A model stored in bitsandbytes' 4-bit form is read as stored, whatever the config's
+// quantization keys say: the estimate counts its 4-bit weights with their code, and training
+// says which code it read.
+TEST(EstimateCommand, AModelStoredIn4BitIsEstimatedAsStored) {
+  const fs::path d = temp_dir();
+  ASSERT_EQ(run(memtune_bin() + " init-model --preset tiny-llama --seed 1 --out " + (d / "dense").string()).exit_code, 0);
+  auto q = run(memtune_bin() + " quantize --model " + (d / "dense").string() + " --out " + (d / "nf4").string() +
+               " --quant-type nf4");
+  ASSERT_EQ(q.exit_code, 0) << q.output;
+  write_file(d / "c.yaml", config_yaml(d / "out", (d / "nf4").string(), /*nf4=*/false));
+  const json j = estimate_json(d / "c.yaml", "--no-data");
+  std::map<std::string, int64_t> components;
+  for (const auto& k : j["components"]) components[k["name"].get<std::string>()] = k["bytes"].get<int64_t>();
+  ASSERT_TRUE(components.count("weights: NF4")) << j.dump();
+  EXPECT_EQ(components.count("weights: FP4"), 0u) << j.dump();
+  auto train = run(memtune_bin() + " train " + (d / "c.yaml").string() + " training.max_steps=1", 300);
+  ASSERT_EQ(train.exit_code, 0) << train.output;
+  EXPECT_NE(train.output.find("the model's projections are stored as NF4 and read as they are; "
+                              "model.quantization_config.bnb_4bit_quant_type fp4 applies when memtune quantizes"),
+            std::string::npos) << train.output;
 }
 
 TEST(EstimateCommand, JsonHasThePeakTheBreakdownAndWhatFits) {
