@@ -290,7 +290,8 @@ TEST(Nf4, BitsPerParameter) {
 
 TEST(Fp4, ZeroBlockPaddingAndSignedZeros) {
   // FP4's code of 0.0 is 0 (NF4's is 7): an all-zero block and the odd tail's padding nibble
-  // take it. A value below zero, however small, keeps the sign bit (code 8, -0 * absmax).
+  // take it. A value below zero, however small, keeps the sign bit (code 8, -0 * absmax) in
+  // IEEE fp32 (bitsandbytes' fast-math build flushes denormals: runtime/nf4.h).
   at::Tensor x = at::randn({64 + 64 + 7}).clamp(-3, 3);
   x.narrow(0, 0, 64).zero_();
   x[64] = 4.0f;           // block 1's absmax: x / 4 is what the tree sees
