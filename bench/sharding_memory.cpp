@@ -33,7 +33,6 @@
 #include "runtime/cpu_budget_allocator.h"
 #include "runtime/dist_env.h"
 #include "runtime/error.h"
-#include "runtime/nf4.h"
 #include "runtime/process_group.h"
 #include "runtime/threads.h"
 #include "trainer/config.h"
@@ -113,8 +112,7 @@ int worker(const Model& m, const std::string& level) {
   std::unique_ptr<models::CausalLM> model = models::init_random_model(spec, 0);
   const auto& q = c.model.quantization_config;
   if (q.load_in_4bit)
-    for (models::Linear* l : model->linears())
-      l->quantize(q.blocksize, q.bnb_4bit_use_double_quant, quant_type_from_name(q.bnb_4bit_quant_type));
+    for (models::Linear* l : model->linears()) l->quantize(q.blocksize, q.bnb_4bit_use_double_quant, trainer::quant_type(q));
   model->set_compute_dtype(at::kFloat);
   at::manual_seed(c.training.seed);
   if (c.training.finetune == "lora")

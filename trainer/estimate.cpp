@@ -47,17 +47,27 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
 
   const auto& q = c.model.quantization_config;
   in.load_in_4bit = q.load_in_4bit;
-  in.quant_type = quant_type_from_name(q.bnb_4bit_quant_type);
+  in.quant_type = quant_type(q);
   in.double_quant = q.bnb_4bit_use_double_quant;
   in.blocksize = q.blocksize;
   // A model stored in bitsandbytes' 4-bit form is read as stored (models::load_hf_model): its
   // config.json's quantization_config, not this config's keys, says what the weights are.
-  if (const nlohmann::json& stored = s.extra.contains("quantization_config") ? s.extra["quantization_config"]
-                                                                              : nlohmann::json();
-      stored.is_object() && stored.value("quant_method", "") == "bitsandbytes" && stored.value("load_in_4bit", false)) {
+  const nlohmann::json stored = s.extra.value("quantization_config", nlohmann::json());
+  // A field of it, absent: bitsandbytes' default; present: of the type bitsandbytes reads.
+  auto field = [&](const char* key, const nlohmann::json& absent, bool (nlohmann::json::*is_type)() const) {
+    const nlohmann::json v = stored.value(key, absent);
+    MEMTUNE_CHECK((v.*is_type)(), "config.json: quantization_config.", key, " is ", v.dump(),
+                  ", not of the type bitsandbytes reads (absent, it is ", absent.dump(), ")");
+    return v;
+  };
+  if (stored.is_object() && stored.value("quant_method", nlohmann::json()) == "bitsandbytes" &&
+      field("load_in_4bit", false, &nlohmann::json::is_boolean).get<bool>()) {
     in.load_in_4bit = true;
-    in.quant_type = quant_type_from_name(stored.value("bnb_4bit_quant_type", "fp4"));
-    in.double_quant = stored.value("bnb_4bit_use_double_quant", false);
+    const std::string type = field("bnb_4bit_quant_type", "fp4", &nlohmann::json::is_string).get<std::string>();
+    MEMTUNE_CHECK(type == "nf4" || type == "fp4", "config.json: quantization_config.bnb_4bit_quant_type is '", type,
+                  "'; bitsandbytes' 4-bit codes are nf4 and fp4");
+    in.quant_type = quant_type_from_name(type);
+    in.double_quant = field("bnb_4bit_use_double_quant", false, &nlohmann::json::is_boolean).get<bool>();
   }
   in.dense_bytes = 4;  // dense tensors are kept in fp32 (models::LoadOptions::dense_dtype)
 

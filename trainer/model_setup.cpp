@@ -121,7 +121,7 @@ std::unique_ptr<models::CausalLM> load_base_model(const ModelConfig& m, const Sk
   if (fs::is_directory(dir)) {
     models::LoadOptions o;
     o.load_in_4bit = q.load_in_4bit;
-    o.quant_type = quant_type_from_name(q.bnb_4bit_quant_type);
+    o.quant_type = quant_type(q);
     o.blocksize = q.blocksize;
     o.double_quant = q.bnb_4bit_use_double_quant;
     o.skip = skip;
@@ -129,10 +129,11 @@ std::unique_ptr<models::CausalLM> load_base_model(const ModelConfig& m, const Sk
   }
   auto model = models::init_random_model(model_spec(m), m.init_seed);
   if (q.load_in_4bit)
-    for (models::Linear* l : model->linears())
-      l->quantize(q.blocksize, q.bnb_4bit_use_double_quant, quant_type_from_name(q.bnb_4bit_quant_type));
+    for (models::Linear* l : model->linears()) l->quantize(q.blocksize, q.bnb_4bit_use_double_quant, quant_type(q));
   return model;
 }
+
+QuantType quant_type(const QuantizationConfig& q) { return quant_type_from_name(q.bnb_4bit_quant_type); }
 
 models::LoraOptions lora_options(const LoraConfig& l) {
   models::LoraOptions o;
@@ -234,7 +235,7 @@ ModelBundle setup_model(const Config& c, const fs::path& adapter_dir, const Skip
 
   int64_t nf4 = 0, nf4_bytes = 0;
   const char* code = "";
-  const QuantType asked = quant_type_from_name(c.model.quantization_config.bnb_4bit_quant_type);
+  const QuantType asked = quant_type(c.model.quantization_config);
   bool stored_other = false;
   for (models::Linear* l : model.linears())
     if (l->quantized()) {

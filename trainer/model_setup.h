@@ -14,6 +14,7 @@
 #include "models/device_map.h"
 #include "models/lora.h"
 #include "models/peft.h"
+#include "runtime/nf4.h"
 #include "trainer/config.h"
 
 namespace memtune::data {
@@ -76,6 +77,10 @@ std::vector<models::DeviceBudget> auto_budgets(const Config& config, const c10::
                                                bool distributed);
 
 models::LoraOptions lora_options(const LoraConfig& lora);
+
+// The 4-bit code bnb_4bit_quant_type names (validated by the config's schema).
+QuantType quant_type(const QuantizationConfig& q);
+
 // The config's targets; target_modules absent takes PEFT's default for `model_type`, and a
 // type PEFT has none for is refused, as PEFT refuses it, asking for target_modules.
 models::LoraTargets lora_targets(const LoraConfig& lora, const std::string& model_type);

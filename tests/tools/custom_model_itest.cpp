@@ -50,23 +50,20 @@ TEST(CustomModel, RegisteredArchitectureInitialisesAndTrains) {
                " data.eval_file=" + (source_dir() / "examples/data/tasks_eval.jsonl").string() +
                " data.max_seq_length=64 data.cache_dir=" + (d / "cache").string() + " " + overrides);
   };
-  auto untargeted = one_step("run3", "lora.target_modules=[]");
-  EXPECT_EQ(untargeted.exit_code, 2) << untargeted.output;
-  EXPECT_NE(untargeted.output.find("lora.target_modules is not set, and PEFT has no default for model_type "
-                                   "'parallel_block'"),
-            std::string::npos)
-      << untargeted.output;
+  // Refused with exit code 2 and `message` in the output.
+  auto expect_refused = [](const auto& r, const std::string& message) {
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find(message), std::string::npos) << r.output;
+  };
+  expect_refused(one_step("run3", "lora.target_modules=[]"),
+                 "lora.target_modules is not set, and PEFT has no default for model_type 'parallel_block'");
 
   // Dropout config.json asks for, which this architecture's layer() does not apply: refused,
   // not trained without.
   config["attention_dropout"] = 0.1;
   write_file(d / "model/config.json", config.dump(2));
-  auto dropped = one_step("run4", "");
-  EXPECT_EQ(dropped.exit_code, 2) << dropped.output;
-  EXPECT_NE(dropped.output.find("asks for dropout in training (attention_dropout), which architecture "
-                                "'ParallelBlockForCausalLM' does not apply"),
-            std::string::npos)
-      << dropped.output;
+  expect_refused(one_step("run4", ""), "asks for dropout in training (attention_dropout), which architecture "
+                                       "'ParallelBlockForCausalLM' does not apply");
 }
 
 // The architecture states its layers' memory beside its forward (CausalLM::layer_memory),

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <map>
 #include <set>
+#include <tuple>
 
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
@@ -262,6 +263,18 @@ TEST(EstimateCommand, AModelStoredIn4BitIsEstimatedAsStored) {
   EXPECT_NE(train.output.find("the model's projections are stored as NF4 and read as they are; "
                               "model.quantization_config.bnb_4bit_quant_type fp4 applies when memtune quantizes"),
             std::string::npos) << train.output;
+  // A quantization_config that says what no bitsandbytes writes is refused by key and value.
+  json cfg = json::parse(read_file(d / "nf4/config.json"));
+  for (const auto& [key, value, message] : std::vector<std::tuple<std::string, json, std::string>>{
+           {"bnb_4bit_quant_type", "int4", "bnb_4bit_quant_type is 'int4'; bitsandbytes' 4-bit codes are nf4 and fp4"},
+           {"bnb_4bit_use_double_quant", "yes", "bnb_4bit_use_double_quant is \"yes\", not of the type"}}) {
+    json bad = cfg;
+    bad["quantization_config"][key] = value;
+    write_file(d / "nf4/config.json", bad.dump(2));
+    auto r = run(memtune_bin() + " estimate " + (d / "c.yaml").string() + " --json --no-data", 120);
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find("config.json: quantization_config." + message), std::string::npos) << r.output;
+  }
 }
 
 TEST(EstimateCommand, JsonHasThePeakTheBreakdownAndWhatFits) {
