@@ -87,12 +87,15 @@ void run(const c10::Device& device, at::ScalarType dtype, const Shape& s, int re
         return q * c + hf_rotate_half(q) * sn;
       }));
 
-  // The head in the activations' dtype, as a model holds it; the loss in fp32.
+  // The head in the activations' dtype; its products in the run's compute dtype (bf16 on the
+  // GPU: models::loss_matmul_dtype), the softmax in fp32, as a model runs them.
   const at::Tensor h = at::randn({s.tokens, s.hidden}, opt).div_(8).requires_grad_(true);
   const at::Tensor head = at::randn({s.vocab, s.hidden}, opt).div_(8);
   const at::Tensor targets = at::randint(s.vocab, {s.tokens}, opt.dtype(at::kLong));
   row("head + loss (frozen head)",
-      timed([&] { return mm::linear_cross_entropy_sum(h, head, targets, mm::loss_chunk_rows(s.vocab)); }),
+      timed([&] {
+        return mm::linear_cross_entropy_sum(h, head, targets, mm::loss_chunk_rows(s.vocab), nullptr, dtype);
+      }),
       timed([&] {
         const at::Tensor logits = at::matmul(h, head.t()).to(at::kFloat);
         return at::cross_entropy_loss(logits, targets, {}, at::Reduction::Sum, -100);

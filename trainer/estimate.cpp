@@ -9,6 +9,7 @@
 #include "models/causal_lm.h"
 #include "models/device_map.h"
 #include "models/hf_model.h"
+#include "models/layers/cross_entropy.h"
 #include "models/lora.h"
 #include "models/registry.h"
 #include "runtime/error.h"
@@ -109,7 +110,9 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
   in.prefetch = c.distributed.prefetch;
   in.bucket_bytes = c.distributed.bucket_size_mb << 20;
   std::string note;
-  in.compute_bytes = static_cast<int64_t>(c10::elementSize(resolve_compute_dtype(c, device, &note)));
+  const at::ScalarType compute_dtype = resolve_compute_dtype(c, device, &note);
+  in.compute_bytes = static_cast<int64_t>(c10::elementSize(compute_dtype));
+  in.loss_bf16 = models::loss_matmul_dtype(compute_dtype) == at::kBFloat16;
   // Activations are in the dense dtype (fp32: LoadOptions::dense_dtype) whatever the compute
   // dtype: each projection casts its output back, so q, k and v reach attention in fp32 and
   // on the CPU take the fused kernel (its rule: fp32 CPU tensors) unless the config asks
@@ -259,10 +262,8 @@ std::string describe(const LadderPlan& plan) {
   return str_cat(steps, ": ", format_bytes(plan.peak_bytes), plan.fits ? " (fits)" : " (does NOT fit)");
 }
 
-void check_fits(const Config& c, const models::ModelSpec& spec, int64_t budget, int64_t world_size) {
-  const EstimateInput best = with_ladder(c, estimate_input(c, spec), world_size);
+std::string what_would_fit(const EstimateInput& best, int64_t budget) {
   const int64_t peak = estimate_memory(best).peak_bytes;
-  if (peak <= budget) return;
   std::string would;
   if (!best.load_in_4bit && best.finetune == "lora") {
     EstimateInput q = best;
@@ -274,6 +275,14 @@ void check_fits(const Config& c, const models::ModelSpec& spec, int64_t budget, 
   const int64_t t = max_seq_length(best, budget);
   if (t > 0) would += str_cat("; data.max_seq_length: ", t, " (the longest that fits)");
   would += str_cat("; a device with at least ", format_bytes(peak), " (memory.device_limit)");
+  return would;
+}
+
+void check_fits(const Config& c, const models::ModelSpec& spec, int64_t budget, int64_t world_size) {
+  const EstimateInput best = with_ladder(c, estimate_input(c, spec), world_size);
+  const int64_t peak = estimate_memory(best).peak_bytes;
+  if (peak <= budget) return;
+  const std::string would = what_would_fit(best, budget);
   // MemoryExhausted (exit code 3), as when the supervisor runs out of rungs: nothing loaded.
   throw MemoryExhausted(str_cat(
       "memory: this run cannot fit in ", format_bytes(budget), ": the estimate at micro-batch ", best.micro_batch,

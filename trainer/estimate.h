@@ -82,6 +82,11 @@ std::string describe(const LadderPlan& plan);
 // between 1 and `cap` (the dataset's rows).
 int64_t auto_micro_batch(const Config& config, const EstimateInput& in, int64_t budget, int64_t cap);
 
+// What would fit `budget` where `best` (a plan with every saving it may take) does not, by the
+// estimate, as "; key: value (why)" clauses: load_in_4bit for a dense LoRA run, the longest
+// data.max_seq_length that fits, and the device size the plan needs.
+std::string what_would_fit(const EstimateInput& best, int64_t budget);
+
 // Refuses (MemoryExhausted, a UserError) a run whose estimated peak at micro-batch 1 with every layer
 // checkpointed exceeds `budget` bytes, saying what would fit: load_in_4bit, a shorter
 // data.max_seq_length, fewer layers' adapters, or a device of the needed size.

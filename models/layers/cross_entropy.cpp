@@ -1,6 +1,7 @@
 #include "models/layers/cross_entropy.h"
 
 #include <algorithm>
+#include <cstdint>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -12,6 +13,8 @@
 #include "runtime/error.h"
 
 #ifdef MEMTUNE_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/Exceptions.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -69,33 +72,77 @@ void row_softmax_parts(at::Tensor& e, at::Tensor* m, at::Tensor* s, at::Tensor* 
   });
 }
 
+// dw (V,C) fp32 += p^T h for p (n,V) and h (n,C) in bf16: the products of bf16 values are
+// exact in fp32 and summed in fp32, so dW is not rounded to bf16 chunk by chunk. On CUDA one
+// cuBLAS GEMM with bf16 inputs and an fp32 result; elsewhere the fp32 product of the same
+// values, through `scratch`, an fp32 (n,V) buffer of the chunk's that p may overwrite.
+void add_bf16_product_t(at::Tensor& dw, const at::Tensor& p, const at::Tensor& h, at::Tensor& scratch) {
+#ifdef MEMTUNE_CUDA
+  if (dw.is_cuda()) {
+    // Row-major dw (V,C) is column-major dw^T (C,V) = h^T p: h row-major (n,C) is h^T
+    // column-major (ld C), p row-major (n,V) is p^T column-major (ld V), taken transposed.
+    MEMTUNE_INTERNAL_ASSERT(dw.is_contiguous() && p.is_contiguous() && h.is_contiguous() &&
+                                dw.scalar_type() == at::kFloat && p.scalar_type() == at::kBFloat16 &&
+                                h.scalar_type() == at::kBFloat16,
+                            "add_bf16_product_t: contiguous fp32 dw, bf16 p and h");
+    const c10::cuda::CUDAGuard guard(dw.device());
+    const int64_t V = dw.size(0), C = dw.size(1), n = p.size(0);
+    MEMTUNE_INTERNAL_ASSERT(V <= INT32_MAX && C <= INT32_MAX && n <= INT32_MAX, "add_bf16_product_t: sizes over int");
+    const float one = 1.0f;
+    TORCH_CUDABLAS_CHECK(cublasGemmEx(at::cuda::getCurrentCUDABlasHandle(), CUBLAS_OP_N, CUBLAS_OP_T,
+                                      static_cast<int>(C), static_cast<int>(V), static_cast<int>(n), &one,
+                                      h.data_ptr(), CUDA_R_16BF, static_cast<int>(C), p.data_ptr(), CUDA_R_16BF,
+                                      static_cast<int>(V), &one, dw.data_ptr(), CUDA_R_32F, static_cast<int>(C),
+                                      CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    return;
+  }
+#endif
+  scratch.copy_(p);
+  dw.addmm_(scratch.t(), h.to(at::kFloat));
+}
+
 struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
                             const at::Tensor& targets, int64_t chunk, bool grad_hidden,
-                            bool grad_weight, int64_t* correct) {
+                            bool grad_weight, int64_t* correct, at::ScalarType mm_dtype) {
+    const bool bf16 = mm_dtype == at::kBFloat16;
     at::Tensor rows = (targets != -100).nonzero().squeeze(1);  // trained rows only
     at::Tensor h_all = hidden.index_select(0, rows);
     at::Tensor t_all = targets.index_select(0, rows);
-    at::Tensor w = weight.to(at::kFloat);
+    at::Tensor w = weight.to(mm_dtype);
     at::Tensor total = at::zeros({}, hidden.options().dtype(at::kFloat));
+    at::Tensor n_correct = at::zeros({}, targets.options());  // read once, not a sync per chunk
     at::Tensor dh_rows = grad_hidden ? at::empty({rows.size(0), hidden.size(1)}, w.options()) : at::Tensor();
-    at::Tensor dw = grad_weight ? at::zeros(weight.sizes(), w.options()) : at::Tensor();
+    at::Tensor dw = grad_weight ? at::zeros(weight.sizes(), w.options().dtype(at::kFloat)) : at::Tensor();
     const int64_t n = rows.size(0);
     for (int64_t i0 = 0; i0 < n; i0 += chunk) {
       const int64_t i1 = std::min(n, i0 + chunk);
-      at::Tensor h = h_all.slice(0, i0, i1).to(at::kFloat);  // (n,C)
+      at::Tensor h = h_all.slice(0, i0, i1).to(mm_dtype);   // (n,C)
       at::Tensor t = t_all.slice(0, i0, i1).unsqueeze(1);    // (n,1)
-      at::Tensor e = at::matmul(h, w.t());                   // (n,V) fp32 logits
+      at::Tensor e = at::matmul(h, w.t());                   // (n,V) logits
+      if (bf16) e = e.to(at::kFloat);                        // rounded to bf16, then fp32 as the loss takes them
       at::Tensor picked = e.gather(1, t);
       at::Tensor m, s, first_max;
       row_softmax_parts(e, &m, &s, &first_max);              // e = exp(logits - max), in place
-      if (correct) *correct += (first_max == t).sum().item<int64_t>();
+      if (correct) n_correct.add_((first_max == t).sum());
       total.add_((m + s.log() - picked).sum());              // logsumexp - logit[target]
       if (!grad_hidden && !grad_weight) continue;
-      // d loss / d logits = e / s - onehot(t). The 1/s goes on the narrow side of each
-      // product (n x C, not n x V) and the one-hot part is a row gather / scatter.
       at::Tensor inv = s.reciprocal_();
       at::Tensor t1 = t.squeeze(1);
+      if (bf16) {
+        // d loss / d logits = softmax - onehot(t), formed in fp32 and rounded to bf16 for both
+        // products, as autograd does for bf16 logits taken to fp32.
+        e.mul_(inv).scatter_add_(1, t, at::full({i1 - i0, 1}, -1.0, e.options()));
+        at::Tensor p = e.to(at::kBFloat16);
+        if (grad_hidden) {
+          at::Tensor out = dh_rows.slice(0, i0, i1);
+          at::mm_out(out, p, w);
+        }
+        if (grad_weight) add_bf16_product_t(dw, p, h, e);
+        continue;
+      }
+      // d loss / d logits = e / s - onehot(t). The 1/s goes on the narrow side of each
+      // product (n x C, not n x V) and the one-hot part is a row gather / scatter.
       if (grad_hidden) {
         at::Tensor out = dh_rows.slice(0, i0, i1);
         at::mm_out(out, e, w);
@@ -106,9 +153,10 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
         dw.index_add_(0, t1, h.neg());
       }
     }
+    if (correct) *correct += n_correct.item<int64_t>();
     at::Tensor dh;
     if (grad_hidden) {
-      dh = at::zeros(hidden.sizes(), w.options());
+      dh = at::zeros(hidden.sizes(), dh_rows.options());
       dh.index_copy_(0, rows, dh_rows);
       dh = dh.to(hidden.scalar_type());
     }
@@ -128,19 +176,25 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
       return in_place ? g.mul_(s) : g * s;
     };
     at::Tensor dh = scaled(saved[0]), dw = scaled(saved[1]);
-    return {dh, dw, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dh, dw, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 }  // namespace
 
+at::ScalarType loss_matmul_dtype(at::ScalarType compute_dtype) {
+  return compute_dtype == at::kBFloat16 ? at::kBFloat16 : at::kFloat;
+}
+
 at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& weight,
-                                    const at::Tensor& targets, int64_t chunk_rows, int64_t* correct) {
+                                    const at::Tensor& targets, int64_t chunk_rows, int64_t* correct,
+                                    at::ScalarType compute_dtype) {
   MEMTUNE_INTERNAL_ASSERT(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1),
               "linear_cross_entropy_sum: hidden (N,C), weight (V,C)");
   const bool grad = at::GradMode::is_enabled();
   return LinearCrossEntropy::apply(hidden, weight, targets.to(at::kLong), chunk_rows,
-                                   grad && hidden.requires_grad(), grad && weight.requires_grad(), correct);
+                                   grad && hidden.requires_grad(), grad && weight.requires_grad(), correct,
+                                   loss_matmul_dtype(compute_dtype));
 }
 
 }  // namespace memtune::models

@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
 
 namespace memtune::models {
 
@@ -20,8 +21,16 @@ namespace memtune::models {
 // one more chunk of logits in memory (32 MB and 131 MB at 256 rows).
 int64_t loss_chunk_rows(int64_t vocab_size);
 
+// The dtype the head's products run in for a run computing in `compute_dtype`: bf16 for bf16,
+// as Hugging Face's lm_head under bf16 autocast or in a bf16 model (the logits rounded to
+// bf16, then taken to fp32 for the softmax; d loss / d logits formed in fp32 and rounded to
+// bf16 for the products that give d hidden and dW; dW summed in fp32). Otherwise fp32: an fp16
+// d loss / d logits, formed before any loss scale applies, would flush every probability
+// under 2^-24 to zero.
+at::ScalarType loss_matmul_dtype(at::ScalarType compute_dtype);
+
 at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& weight,
                                     const at::Tensor& targets, int64_t chunk_rows = 1024,
-                                    int64_t* correct = nullptr);
+                                    int64_t* correct = nullptr, at::ScalarType compute_dtype = at::kFloat);
 
 }  // namespace memtune::models

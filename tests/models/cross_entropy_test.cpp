@@ -133,6 +133,86 @@ TEST(LinearCrossEntropy, OnCudaEqualsTheCpuKernels_CUDA) {
 INSTANTIATE_TEST_SUITE_P(Kernels, LinearCrossEntropyKernels, ::testing::Values(false, true),
                          [](const auto& info) { return info.param ? "Portable" : "Avx2WhereAvailable"; });
 
+// In a bf16 run the head's products run in bf16, as Hugging Face's lm_head under bf16
+// autocast: the reference is ATen's linear on bf16 copies, its logits taken to fp32 for
+// cross_entropy, under autograd. The inputs are bf16 values held in fp32, so the fp32 path
+// would differ from the reference only by the roundings the bf16 path must make (checked: it
+// does differ, so the comparisons can tell the paths apart).
+TEST(LinearCrossEntropy, Bf16ProductsAreThoseOfAutocast) {
+  torch::manual_seed(21);
+  const int64_t n = 37, c = 24, v = 301;
+  for (int64_t chunk : {5, 1024}) {
+    SCOPED_TRACE(chunk);
+    const auto bf16_values = [](at::Tensor t) { return t.to(at::kBFloat16).to(at::kFloat); };
+    at::Tensor hidden = bf16_values(at::randn({n, c})).requires_grad_(true);
+    at::Tensor weight = bf16_values(at::randn({v, c}).div_(2)).requires_grad_(true);
+    at::Tensor targets = at::randint(v, {n}, at::kLong);
+    targets.index_put_({at::arange(0, n, 4)}, -100);
+
+    int64_t correct = 0;
+    at::Tensor loss = linear_cross_entropy_sum(hidden, weight, targets, chunk, &correct, at::kBFloat16);
+    at::Tensor h_ref = hidden.detach().clone().requires_grad_(true);
+    at::Tensor w_ref = weight.detach().clone().requires_grad_(true);
+    at::Tensor logits = at::mm(h_ref.to(at::kBFloat16), w_ref.to(at::kBFloat16).t()).to(at::kFloat);
+    at::Tensor loss_ref = at::cross_entropy_loss(logits, targets, {}, at::Reduction::Sum, -100);
+    expect_close(loss, loss_ref, 1e-6, "loss");
+    const at::Tensor loss_fp32 = linear_cross_entropy_sum(hidden.detach(), weight.detach(), targets, chunk);
+    EXPECT_GT((loss_fp32 - loss_ref).abs().item<double>(), 4 * 1e-6 * loss_ref.abs().item<double>())
+        << "the fp32 path is as close: the test cannot tell them apart";
+    at::Tensor kept = targets != -100;
+    EXPECT_EQ(correct,
+              (logits.detach().argmax(1).masked_select(kept) == targets.masked_select(kept)).sum().item<int64_t>());
+
+    loss.backward();
+    loss_ref.backward();
+    // d hidden is a bf16 product: bf16 values, equal to the reference's but where a
+    // probability's fp32 rounding fell on the other side of a bf16 one.
+    const at::Tensor dh = hidden.grad(), dh_ref = h_ref.grad();
+    EXPECT_TRUE(at::equal(dh, bf16_values(dh))) << "d hidden is not a bf16 product";
+    const double same = (dh == dh_ref).to(at::kDouble).mean().item<double>();
+    EXPECT_GT(same, 0.9) << "d hidden equals the reference's in only " << same << " of its elements";
+    expect_close(dh, dh_ref, 1e-2, "grad hidden");
+    // dW sums the exact products of the bf16 d logits and hidden in fp32 (not rounded to
+    // bf16 as autocast's is): against that sum in fp64.
+    at::Tensor d_logits = at::softmax(logits.detach(), 1);
+    d_logits.scatter_add_(1, targets.clamp_min(0).unsqueeze(1), -at::ones({n, 1}));
+    d_logits.index_put_({targets == -100}, 0);
+    const at::Tensor dw_exact =
+        at::mm(bf16_values(d_logits).to(at::kDouble).t(), hidden.detach().to(at::kDouble)).to(at::kFloat);
+    expect_close(weight.grad(), dw_exact, 2e-3, "grad weight");
+    expect_close(w_ref.grad(), dw_exact, 1e-2, "the reference's grad weight");
+  }
+}
+
+// The bf16 path on CUDA (dW through cuBLAS with an fp32 result) against the CPU's (dW as the
+// fp32 product of the same bf16 values): the same sums in another order.
+TEST(LinearCrossEntropy, Bf16OnCudaEqualsTheCpu_CUDA) {
+  MEMTUNE_SKIP_WITHOUT_CUDA();
+  const c10::Device cuda(c10::kCUDA, 0);
+  torch::manual_seed(12);
+  const int64_t n = 45, c = 32, v = 304;
+  at::Tensor hidden = at::randn({n, c}).requires_grad_(true);
+  at::Tensor weight = at::randn({v, c}).div_(2).requires_grad_(true);
+  at::Tensor targets = at::randint(v, {n}, at::kLong);
+  targets.index_put_({at::arange(0, n, 5)}, -100);
+  for (int64_t chunk : {7, 1024}) {
+    SCOPED_TRACE(chunk);
+    hidden.mutable_grad() = at::Tensor();
+    weight.mutable_grad() = at::Tensor();
+    int64_t correct = 0, correct_gpu = 0;
+    at::Tensor loss = linear_cross_entropy_sum(hidden, weight, targets, chunk, &correct, at::kBFloat16);
+    at::Tensor hg = hidden.detach().to(cuda).requires_grad_(true);
+    at::Tensor wg = weight.detach().to(cuda).requires_grad_(true);
+    at::Tensor loss_gpu = linear_cross_entropy_sum(hg, wg, targets.to(cuda), chunk, &correct_gpu, at::kBFloat16);
+    expect_close(loss_gpu.cpu(), loss, 1e-5, "loss");
+    EXPECT_EQ(correct_gpu, correct);
+    loss.backward();
+    loss_gpu.backward();
+    expect_close(hg.grad().cpu(), hidden.grad(), 1e-2, "grad hidden");
+    expect_close(wg.grad().cpu(), weight.grad(), 1e-4, "grad weight");
+  }
+}
+
 TEST(LinearCrossEntropy, FrozenWeightGetsNoGradient) {
   at::Tensor hidden = at::randn({6, 8}).requires_grad_(true);
   at::Tensor weight = at::randn({11, 8});

@@ -7,7 +7,9 @@
 
 #include <memory>
 
+#include "models/layers/linear.h"
 #include "models/layers/lora_linear.h"
+#include "runtime/cpu_budget_allocator.h"
 #include "runtime/error.h"
 #include "test_util.h"
 
@@ -100,6 +102,46 @@ TEST(LoraLinear, RejectsMismatchedShapes) {
                memtune::UserError);
   EXPECT_THROW(lora_linear(at::randn({2, 16}), {}, FrozenWeight{}, {}, at::randn({4, 16}), at::randn({8, 4}), 1.0),
                memtune::UserError);
+}
+
+// A frozen fp32 base computing in bf16: the products, outputs and gradients of at::linear on
+// bf16 copies (Conv1D: x @ W + b) bit for bit, but no bf16 copy of the weight kept between
+// forward and backward (autograd keeps at::linear's).
+TEST(FrozenDenseBase, Bf16ProductsKeepNoCopyOfTheWeight) {
+  memtune::install_cpu_budget_allocator();
+  torch::manual_seed(9);
+  const int64_t in = 512, out = 256;
+  for (bool conv1d : {false, true}) {
+    for (bool bias : {false, true}) {
+      SCOPED_TRACE(std::string(conv1d ? "Conv1D" : "Linear") + (bias ? " with bias" : ""));
+      memtune::models::Linear l("model.layers.0.mlp.up_proj", in, out, bias, conv1d);
+      l.weight = conv1d ? at::randn({in, out}) : at::randn({out, in});
+      if (bias) l.bias = at::randn({out}).requires_grad_(true);
+      l.compute_dtype = at::kBFloat16;
+      at::Tensor x = at::randn({2, 3, in}).requires_grad_(true);
+
+      const int64_t before = memtune::cpu_allocated_bytes();
+      at::Tensor y = l.forward(x, true);
+      const int64_t kept = memtune::cpu_allocated_bytes() - before - y.numel() * 4;
+      EXPECT_LT(kept, in * out * 2 / 8) << "a bf16 copy of the weight (" << in * out * 2 << " B) is kept";
+
+      at::Tensor x_ref = x.detach().clone().requires_grad_(true);
+      at::Tensor b_ref = bias ? l.bias.detach().clone().requires_grad_(true) : at::Tensor();
+      const at::Tensor w16 = l.weight.to(at::kBFloat16);
+      const at::Tensor b16 = bias ? b_ref.to(at::kBFloat16) : at::Tensor();
+      at::Tensor y_ref = conv1d ? at::matmul(x_ref.to(at::kBFloat16), w16)
+                                : at::linear(x_ref.to(at::kBFloat16), w16, b16);
+      if (conv1d && bias) y_ref = y_ref + b16;
+      y_ref = y_ref.to(at::kFloat);
+      EXPECT_TRUE(at::equal(y, y_ref));
+      const at::Tensor g = at::randn_like(y);
+      y.backward(g);
+      y_ref.backward(g);
+      EXPECT_TRUE(at::equal(x.grad(), x_ref.grad()));
+      if (bias) expect_close(l.bias.grad(), b_ref.grad(), 1e-2, "bias grad");
+      EXPECT_FALSE(l.weight.grad().defined());
+    }
+  }
 }
 
 }  // namespace

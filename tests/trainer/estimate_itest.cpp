@@ -14,6 +14,7 @@
 #include "data/batch.h"
 #include "data/tokenizer.h"
 #include "models/hf_model.h"
+#include "models/layers/cross_entropy.h"
 #include "models/lora.h"
 #include "runtime/cpu_budget_allocator.h"
 #include "runtime/keyed_dropout.h"
@@ -158,6 +159,14 @@ INSTANTIATE_TEST_SUITE_P(
                                                "lora.target_modules=all-linear",
                                                "training.bf16=true", "data.max_seq_length=256",
                                                "training.per_device_train_batch_size=2"}},
+        // A dense fp32 base computing in bf16: its products cast each frozen weight, and keep no copy for backward.
+        Shape{"llama_dense_lora_bf16", {"model.name_or_path=tiny-llama", "training.bf16=true",
+                                        "data.max_seq_length=128", "training.per_device_train_batch_size=2"}},
+        // bf16 with the head trained: the loss's bf16 products and its dW summed in fp32.
+        Shape{"llama_nf4_lora_head_bf16", {"model.name_or_path=tiny-llama", "lora.modules_to_save=[lm_head]",
+                                           "model.quantization_config.load_in_4bit=true",
+                                           "training.bf16=true", "data.max_seq_length=512",
+                                           "training.per_device_train_batch_size=2"}},
         Shape{"llama_dense_lora_all", {"model.name_or_path=tiny-llama", "data.max_seq_length=256",
                                        "training.per_device_train_batch_size=2", "training.gradient_checkpointing=true"}},
         Shape{"llama_dense_lora_all_offloaded", {"model.name_or_path=tiny-llama", "data.max_seq_length=256",
@@ -188,6 +197,35 @@ INSTANTIATE_TEST_SUITE_P(
 // A full fine-tune accumulating gradients over micro-batches holds every fp32 gradient
 // through the later micro-batches' forward and backward: the estimate of the real binary
 // agrees with its training run's measured peak (it was 11-13 % under before it counted them).
+// The loss's own term (Estimate::loss: the hidden it is handed, its rows, their gradient, a
+// chunk of logits, dW) against the allocator's peak over the call, in fp32 and with the
+// head's products in bf16, the head trained.
+TEST(EstimateLoss, TheLossTermAgreesWithTheAllocatorInFp32AndBf16) {
+  install_cpu_budget_allocator();
+  for (const char* precision : {"training.bf16=false", "training.bf16=true"}) {
+    SCOPED_TRACE(precision);
+    trainer::Config c = trainer::parse_config(
+        "runtime: {device: cpu}", "test",
+        {"model.name_or_path=tiny-llama", "lora.modules_to_save=[lm_head]", "data.max_seq_length=512",
+         "training.per_device_train_batch_size=2", precision});
+    const models::ModelSpec spec = trainer::model_spec(c);
+    const trainer::Estimate e = estimate_memory(trainer::estimate_input(c, spec));
+    std::string note;
+    const at::ScalarType dtype = trainer::resolve_compute_dtype(c, c10::kCPU, &note);
+    const int64_t E = 2 * 512, C = spec.hidden_size, V = spec.vocab_size;
+    at::Tensor weight = at::randn({V, C}).div_(8).requires_grad_(true);
+    at::Tensor targets = at::randint(V, {E}, at::kLong);
+    const int64_t before = cpu_allocated_bytes();
+    ScopedPeakReset peak;
+    {
+      at::Tensor hidden = at::randn({E, C}).requires_grad_(true);
+      at::Tensor loss = models::linear_cross_entropy_sum(hidden, weight, targets, models::loss_chunk_rows(V), nullptr, dtype);
+    }
+    const int64_t measured = peak.peak() - before;
+    EXPECT_NEAR(rel(e.loss, measured), 0.0, 0.05) << "estimated " << e.loss << ", measured " << measured;
+  }
+}
+
 TEST(EstimateCommand, AccumulatedGradientsAreCountedThroughTheLaterMicroBatches) {
   fs::path d = temp_dir();
   write_file(d / "c.yaml", config_yaml(d / "out", "tiny-llama", false));
