@@ -608,10 +608,19 @@ void Trainer::build_supervisor() {
       now.micro_batch = micro_batch;
       return estimate_peak(now) <= limit_;
     });
+  // When the ladder has nothing left: the plan it reached, by the estimate, and what would fit.
   supervisor_->set_report([this] {
-    return str_cat("memory limit ", limit_ ? format_bytes(limit_) : std::string("none"), ", load peak ",
-                   format_bytes(load_peak_), ". Try a smaller data.max_seq_length, load_in_4bit, fewer LoRA targets, "
-                   "or a larger memory.device_limit.");
+    std::string report = str_cat("memory limit ", limit_ ? format_bytes(limit_) : std::string("none"),
+                                 ", load peak ", format_bytes(load_peak_), ".");
+    if (budget_ <= 0) return report + " Try a smaller data.max_seq_length, load_in_4bit or fewer LoRA targets.";
+    const EstimateInput now = plan_now();
+    const int64_t peak = estimate_peak(now);
+    report += str_cat(" The estimate of the plan reached (micro-batch ", now.micro_batch, " and the rungs above): ",
+                      format_bytes(peak), " of ", format_bytes(budget_));
+    if (peak <= budget_)
+      return report + ", which says it fits: what ran out is outside the memory model (another process on the "
+                      "device, fragmentation) or the model is wrong here (please report it with memory_report.txt).";
+    return str_cat(report, ". What would fit", what_would_fit(now, budget_), ".");
   });
 }
 

@@ -589,6 +589,11 @@ TEST(Supervisor, NothingFitsAtMicroBatchOneStopsWithAReportAndKeepsTheCheckpoint
     EXPECT_NE(r.output.find("step 1: ladder: offload layers: offloaded layer " + std::to_string(layer), tried),
               std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("the estimate before loading the model"), std::string::npos) << r.output;
+  // The errors were injected: the estimate of the plan reached says it fits the machine.
+  EXPECT_NE(r.output.find("The estimate of the plan reached (micro-batch 1 and the rungs above): "), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("which says it fits: what ran out is outside the memory model"), std::string::npos)
+      << r.output;
   first_checkpoint_kept();
 }
 
