@@ -352,6 +352,57 @@ TEST(Supervisor, LadderReachesActivationAndOptimizerOffloadAndKeepsTheMath) {
   EXPECT_TRUE(state.optimizer_offload);
 }
 
+// Each rung that keeps the math, taken after an out-of-memory error in each phase of step 1
+// (the micro-batch already 1, the ladder that rung alone): the run equals one configured with
+// the rung from the start, and the rung is in metrics.jsonl's events and the report's timeline.
+struct RungCase {
+  std::string rung, phase, both, configured, event;
+};
+void PrintTo(const RungCase& c, std::ostream* os) { *os << c.rung << " at " << c.phase; }
+
+class LadderRung : public ::testing::TestWithParam<RungCase> {};
+
+TEST_P(LadderRung, TakenInAnyPhaseEqualsTheRunConfiguredWithIt) {
+  const RungCase& c = GetParam();
+  fs::path d = temp_dir();
+  const std::string shape = "training.per_device_train_batch_size=1 training.gradient_accumulation_steps=2 "
+                            "training.max_steps=3 lora.lora_dropout=0.1 " + c.both;
+  TrainRun ref = train(d / "ref", shape + " " + c.configured);
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  TrainRun ladder = train(d / "ladder", shape + " memory.grow_after_steps=1000 \"memory.on_oom.ladder=[" + c.rung +
+                                            "]\" memory.inject_oom=1:" + c.phase);
+  ASSERT_EQ(ladder.exit_code, 0) << ladder.output;
+  std::vector<std::string> taken;
+  for (const auto& r : rows(ladder.out))
+    for (const auto& e : r["events"])
+      if (e["kind"] == "ladder") taken.push_back(e["detail"].get<std::string>());
+  ASSERT_EQ(taken.size(), 1u) << ladder.output;
+  EXPECT_NE(taken[0].find(c.event), std::string::npos) << taken[0];
+  EXPECT_NE(read_file(ladder.out / "memory_report.txt").find("step 1: ladder: " + taken[0]), std::string::npos)
+      << read_file(ladder.out / "memory_report.txt");
+  expect_same_run(ladder.out, ref.out, 1e-6);
+}
+
+std::vector<RungCase> rung_cases() {
+  const std::vector<RungCase> rungs = {
+      {"activation_offload", "", "training.gradient_checkpointing=true", "training.activation_offload=checkpoints",
+       "activation offload"},
+      {"optimizer_offload", "", "", "memory.optimizer_offload=cpu", "optimizer state"},
+      {"layer_offload", "", "", "'model.device_map={model.layers.0-2: cpu, model.layers.3: offload}'",
+       "offloaded layer 3"},
+  };
+  std::vector<RungCase> cases;
+  for (const RungCase& r : rungs)
+    for (const char* phase : {"forward", "backward", "optimizer"}) {
+      cases.push_back(r);
+      cases.back().phase = phase;
+    }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(EachPhase, LadderRung, ::testing::ValuesIn(rung_cases()),
+                         [](const auto& info) { return info.param.rung + "_" + info.param.phase; });
+
 // memory.on_oom.ladder sets the rungs and their order: without micro_batch the micro-batch
 // stays at 2 and optimizer offload, listed first, comes before checkpointing. Three injected
 // OOMs at step 0 take optimizer offload, then layers 0 and 1 checkpointed; the run equals one
