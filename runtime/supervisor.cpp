@@ -52,6 +52,8 @@ void Supervisor::set_agreement(std::function<std::pair<bool, int64_t>(bool, int6
   agree_ = std::move(agree);
 }
 
+void Supervisor::set_first_rung(std::function<std::string()> first_rung) { first_rung_ = std::move(first_rung); }
+
 void Supervisor::set_report(std::function<std::string()> report) { report_ = std::move(report); }
 
 void Supervisor::event(int64_t step, std::string kind, std::string detail) {
@@ -171,10 +173,17 @@ void Supervisor::run_step(int64_t step, const StepStages& stages) {
       good_steps_ = 0;
       continue;
     }
-    // One rung, then more while the memory model says the plan still does not fit.
+    // One rung, then more while the memory model says the plan still does not fit, from the
+    // cheapest rung that it says fits alone where there is one.
+    size_t first = 0;
+    if (first_rung_) {
+      const std::string name = first_rung_();
+      for (size_t i = 0; i < ladder_.size(); ++i)
+        if (ladder_[i].name == name) first = i;
+    }
     std::string changed;
     bool climbed = false;
-    for (size_t i = 0; i < ladder_.size();) {
+    for (size_t i = first; i < ladder_.size();) {
       changed = ladder_[i].apply();
       if (changed.empty()) {
         ++i;

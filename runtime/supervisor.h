@@ -87,6 +87,10 @@ class Supervisor {
   // does not; where it said that one fits, it has just been proved wrong there, and the
   // shrink takes the fixed factor (memory.on_oom.shrink_factor) instead.
   void set_fits(std::function<bool(int64_t micro_batch)> fits);
+  // The rung to start the climb at, by name as added ("" or an unknown name: the first): the
+  // memory model's cheapest rung that fits alone, so that the rungs before it, which would
+  // not have been enough, are not taken (trainer::cheapest_fitting_rung).
+  void set_first_rung(std::function<std::string()> first_rung);
 
   // Runs the step to completion, retrying the same samples after an out-of-memory error.
   void run_step(int64_t step, const StepStages& stages);
@@ -125,6 +129,7 @@ class Supervisor {
   std::function<std::pair<bool, int64_t>(bool, int64_t)> agree_;
   std::function<std::string()> report_;
   std::function<bool(int64_t)> fits_;
+  std::function<std::string()> first_rung_;
   std::vector<SupervisorEvent> events_;
   std::vector<std::string> history_;  // everything tried, for the final report
   double recovery_seconds_ = 0.0;

@@ -230,8 +230,9 @@ void OnOomConfig::fields(F&& f) {
     "step's samples kept; first when listed), checkpointing (more layers), activation_offload (checkpointed layers' "
     "inputs in host memory), optimizer_offload (the optimizer's state and the gradients in host memory), layer_offload (frozen "
     "layers' weights in host memory); optimizer_8bit (not by default: it changes the numerics) turns AdamW's fp32 "
-    "state into bitsandbytes' 8-bit state and update (adamw_8bit) from the next step. The memory model decides how "
-    "far to climb, and takes optimizer_offload before the first step when the optimizer's state cannot stay on the "
+    "state into bitsandbytes' 8-bit state and update (adamw_8bit) from the next step. The order is the order of "
+    "cost. Under memory.device_limit the memory model decides how far to climb, takes only the first rung that "
+    "fits alone where one does (the rungs before it would not have been enough), and takes optimizer_offload before the first step when the optimizer's state cannot stay on the "
     "device under memory.device_limit even with every other rung",
     Field{"micro_batch", "checkpointing", "activation_offload", "optimizer_offload", "layer_offload",
           "optimizer_8bit"});

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <functional>
 
 #include <ATen/Parallel.h>
 #include <c10/core/ScalarType.h>
@@ -196,6 +197,65 @@ bool optimizer_8bit_at_start(const Config& c, const EstimateInput& in, int64_t b
   return estimate_peak(with_ladder(c, in, world_size, /*optimizer_offload=*/false, /*optimizer_8bit=*/false)) > budget;
 }
 
+namespace {
+
+// Takes `rung` of memory.on_oom.ladder on `in` until `enough()` (as trainer.cpp's rungs take
+// it after out-of-memory errors: checkpointing layer by layer from the first, layer offload
+// from the last layer down for LoRA) and says what it took in `steps`; false when it took
+// nothing (the rung is exhausted or does not apply).
+bool climb(const Config& c, EstimateInput& in, const std::string& rung, int64_t world_size,
+           const std::function<bool()>& enough, std::vector<std::string>* steps) {
+  const bool sharded = world_size > 1 && c.distributed.sharding == "full";
+  if (rung == "checkpointing") {
+    int64_t first = -1, last = -1;
+    for (size_t i = 0; i < in.checkpoint_layers.size() && !enough(); ++i)
+      if (!in.checkpoint_layers[i]) {
+        in.checkpoint_layers[i] = true;
+        if (first < 0) first = static_cast<int64_t>(i);
+        last = static_cast<int64_t>(i);
+      }
+    if (first < 0) return false;
+    steps->push_back(first == last ? str_cat("checkpointing layer ", first)
+                                   : str_cat("checkpointing layers ", first, "-", last));
+  } else if (rung == "activation_offload" && !in.offload_activations &&
+             std::count(in.checkpoint_layers.begin(), in.checkpoint_layers.end(), true) > 0) {
+    in.offload_activations = true;
+    steps->push_back("activation offload");
+  } else if (rung == "optimizer_offload" && !in.optimizer_paged) {
+    offload_optimizer(c, in, world_size);
+    steps->push_back("optimizer offload");
+  } else if (rung == "optimizer_8bit" && !in.optimizer_paged && (in.optimizer == "adamw" || in.optimizer == "adamw_32bit")) {
+    in.optimizer = "adamw_8bit";
+    steps->push_back("8-bit optimizer state");
+  } else if (rung == "layer_offload" && in.finetune == "lora" && !sharded) {
+    in.offloaded_layers.resize(static_cast<size_t>(in.num_layers), false);
+    int64_t count = 0;
+    for (int64_t i = in.num_layers - 1; i >= 0 && !enough(); --i)
+      if (!in.offloaded_layers[static_cast<size_t>(i)]) {
+        in.offloaded_layers[static_cast<size_t>(i)] = true;
+        ++count;
+      }
+    if (count == 0) return false;
+    steps->push_back(str_cat("layer offload (", count, " layers)"));
+  } else {
+    return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+std::string cheapest_fitting_rung(const Config& c, const EstimateInput& in, int64_t budget, int64_t world_size) {
+  if (estimate_peak(in) <= budget) return "";  // the estimate has no say: it was proved wrong here
+  for (const std::string& rung : c.memory.on_oom.ladder) {
+    if (rung == "micro_batch") continue;
+    EstimateInput taken = in;
+    std::vector<std::string> steps;
+    if (climb(c, taken, rung, world_size, [] { return false; }, &steps) && estimate_peak(taken) <= budget) return rung;
+  }
+  return "";
+}
+
 LadderPlan ladder_plan(const Config& c, EstimateInput in, int64_t budget, int64_t world_size) {
   LadderPlan plan;
   in.world_size = world_size;
@@ -213,40 +273,15 @@ LadderPlan ladder_plan(const Config& c, EstimateInput in, int64_t budget, int64_
       in.micro_batch = std::clamp<int64_t>(max_micro_batch(in, budget, before), 1, before);
       plan.steps.push_back(str_cat("micro-batch ", before, " -> ", in.micro_batch));
     }
-    const bool sharded = world_size > 1 && c.distributed.sharding == "full";
-    for (const std::string& rung : c.memory.on_oom.ladder) {
-      if (fits()) break;
-      if (rung == "checkpointing") {
-        int64_t first = -1, last = -1;
-        for (size_t i = 0; i < in.checkpoint_layers.size() && !fits(); ++i)
-          if (!in.checkpoint_layers[i]) {
-            in.checkpoint_layers[i] = true;
-            if (first < 0) first = static_cast<int64_t>(i);
-            last = static_cast<int64_t>(i);
-          }
-        if (first >= 0)
-          plan.steps.push_back(first == last ? str_cat("checkpointing layer ", first)
-                                             : str_cat("checkpointing layers ", first, "-", last));
-      } else if (rung == "activation_offload" && !in.offload_activations &&
-                 std::count(in.checkpoint_layers.begin(), in.checkpoint_layers.end(), true) > 0) {
-        in.offload_activations = true;
-        plan.steps.push_back("activation offload");
-      } else if (rung == "optimizer_offload" && !in.optimizer_paged) {
-        offload_optimizer(c, in, world_size);
-        plan.steps.push_back("optimizer offload");
-      } else if (rung == "optimizer_8bit" && !in.optimizer_paged &&
-                 (in.optimizer == "adamw" || in.optimizer == "adamw_32bit")) {
-        in.optimizer = "adamw_8bit";
-        plan.steps.push_back("8-bit optimizer state");
-      } else if (rung == "layer_offload" && in.finetune == "lora" && !sharded) {
-        in.offloaded_layers.resize(static_cast<size_t>(in.num_layers), false);
-        int64_t count = 0;
-        for (int64_t i = in.num_layers - 1; i >= 0 && !fits(); --i)
-          if (!in.offloaded_layers[static_cast<size_t>(i)]) {
-            in.offloaded_layers[static_cast<size_t>(i)] = true;
-            ++count;
-          }
-        if (count > 0) plan.steps.push_back(str_cat("layer offload (", count, " layers)"));
+    if (!fits()) {
+      const std::string alone = cheapest_fitting_rung(c, in, budget, world_size);
+      if (!alone.empty()) {
+        climb(c, in, alone, world_size, fits, &plan.steps);
+      } else {
+        for (const std::string& rung : c.memory.on_oom.ladder) {
+          if (fits()) break;
+          climb(c, in, rung, world_size, fits, &plan.steps);
+        }
       }
     }
   }

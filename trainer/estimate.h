@@ -66,7 +66,8 @@ bool optimizer_8bit_at_start(const Config& config, const EstimateInput& in, int6
 // may shrink it), then the ladder's rungs in memory.on_oom.ladder's order, each as far as
 // needed (checkpointing layer by layer, activation offload, optimizer offload, 8-bit AdamW
 // state, layer offload from the last layer down for LoRA), as trainer.cpp's rungs take them after an
-// out-of-memory error. `steps` says what was taken; none when `in` fits or the supervisor is off.
+// out-of-memory error; where one rung alone would do (cheapest_fitting_rung), that rung only.
+// `steps` says what was taken; none when `in` fits or the supervisor is off.
 struct LadderPlan {
   EstimateInput settled;
   std::vector<std::string> steps;
@@ -74,6 +75,13 @@ struct LadderPlan {
   bool fits = false;
 };
 LadderPlan ladder_plan(const Config& config, EstimateInput in, int64_t budget, int64_t world_size);
+// The cheapest rung that fits: the first of memory.on_oom.ladder (its order is the order of
+// cost: recomputation, copies, the update on the CPU, weights fetched every step) that, taken
+// as far as it goes, brings `in` under `budget` by the estimate; "" when none does alone, or
+// when the estimate says `in` fits already (an error it did not predict: the ladder then
+// climbs in order). The supervisor starts its climb there, so that rungs that would not have
+// been enough are not paid for. activation_offload applies only where layers are checkpointed.
+std::string cheapest_fitting_rung(const Config& config, const EstimateInput& in, int64_t budget, int64_t world_size);
 // "step; step: peak (fits)", as `memtune estimate` and `memtune train` print it.
 std::string describe(const LadderPlan& plan);
 

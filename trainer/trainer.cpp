@@ -608,6 +608,14 @@ void Trainer::build_supervisor() {
       now.micro_batch = micro_batch;
       return estimate_peak(now) <= limit_;
     });
+  if (limit_ > 0) {
+    std::map<std::string, std::string> names;  // config key -> the rung's name as added
+    for (const auto& [key, r] : rungs) names[key] = r.name;
+    supervisor_->set_first_rung([this, names] {
+      const std::string key = cheapest_fitting_rung(c_, plan_now(), limit_, dist_.world_size);
+      return key.empty() ? std::string() : names.at(key);
+    });
+  }
   // When the ladder has nothing left: the plan it reached, by the estimate, and what would fit.
   supervisor_->set_report([this] {
     std::string report = str_cat("memory limit ", limit_ ? format_bytes(limit_) : std::string("none"),

@@ -403,6 +403,50 @@ std::vector<RungCase> rung_cases() {
 INSTANTIATE_TEST_SUITE_P(EachPhase, LadderRung, ::testing::ValuesIn(rung_cases()),
                          [](const auto& info) { return info.param.rung + "_" + info.param.phase; });
 
+// The cheapest rung that fits is taken alone. A dense LoRA run at micro-batch 1 under a limit
+// that checkpointing every layer, activation offload and optimizer offload together cannot
+// meet (by the estimate), while offloading the layers' weights alone can: climbing in order
+// would have paid for the first three before reaching layer offload; the supervisor takes
+// only layer offload, as `memtune estimate` says it will, and the run equals one configured
+// with every layer offloaded from the start.
+TEST(Supervisor, TheCheapestRungThatFitsIsTakenAlone) {
+  fs::path d = temp_dir();
+  const std::string shape = "model.quantization_config.load_in_4bit=false training.per_device_train_batch_size=1 "
+                            "training.gradient_accumulation_steps=1 training.max_steps=3 memory.grow_after_steps=1000 ";
+  fs::create_directories(d / "est");
+  write_file(d / "est/c.yaml", config(d / "est/out", 256));
+  auto peak = [&](const std::string& args) {
+    auto r = run(memtune_bin() + " estimate " + (d / "est/c.yaml").string() + " --json " + shape + args, 120);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    const json j = json::parse(r.output.substr(r.output.find('{'), r.output.rfind('}') - r.output.find('{') + 1));
+    return j;
+  };
+  const int64_t in_order = peak("training.gradient_checkpointing=true training.activation_offload=checkpoints "
+                                "memory.optimizer_offload=cpu")["peak_bytes"].get<int64_t>();
+  const int64_t layers_off = peak("'model.device_map={model.layers.0-3: offload}'")["peak_bytes"].get<int64_t>();
+  ASSERT_LT(layers_off, in_order * 0.8) << "no limit separates the two plans here";
+  const int64_t limit = (layers_off + in_order) / 2;
+  const std::string at = "memory.device_limit=" + std::to_string(limit);
+  const json plan = peak(at)["ladder"];
+  ASSERT_EQ(plan["steps"].size(), 1u) << plan.dump();
+  EXPECT_EQ(plan["steps"][0].get<std::string>().rfind("layer offload (", 0), 0u) << plan.dump();
+
+  TrainRun ladder = train(d / "ladder", shape + at, 256);
+  ASSERT_EQ(ladder.exit_code, 0) << ladder.output;
+  int offloaded = 0;
+  for (const auto& r : rows(ladder.out))
+    for (const auto& e : r["events"])
+      if (e["kind"] == "ladder") {
+        EXPECT_NE(e["detail"].get<std::string>().find("offload layers: offloaded layer"), std::string::npos) << e.dump();
+        ++offloaded;
+      }
+  EXPECT_GT(offloaded, 0) << ladder.output;
+  TrainRun ref = train(d / "ref", shape + "'model.device_map={model.layers.0-3: offload}'", 256);
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  EXPECT_NE(ladder.output.find("layer 3: offload"), std::string::npos) << "layer 3 was not offloaded at load";
+  expect_same_run(ladder.out, ref.out, 1e-6);
+}
+
 // memory.on_oom.ladder sets the rungs and their order: without micro_batch the micro-batch
 // stays at 2 and optimizer offload, listed first, comes before checkpointing. Three injected
 // OOMs at step 0 take optimizer offload, then layers 0 and 1 checkpointed; the run equals one
