@@ -128,6 +128,33 @@ TEST(Launch, ThreeProcessesEqualOneProcessOnTheGlobalBatch) {
                       d / "three/out/adapter/adapter_model.safetensors", 1e-5);
 }
 
+// bitsandbytes' 8-bit AdamW state, on the device and paged, in a full fine-tune (every tensor
+// of 4096 elements or more is in 8 bits): each rank quantizes the same reduced gradients into
+// its own copy of the state, so the copies stay identical. A rank whose state (or weights)
+// drifted would forward other logits, and the losses, summed over both ranks, would leave the
+// one-process run's; the trained weights are rank 0's. They differ from the one process's by
+// up to 1e-4 (a tenth of the learning rate): the two sum the gradients in other orders, and a
+// code on the edge of two 8-bit values takes the other one (measured: 6.4e-5 after 6 steps).
+TEST(Launch, EightBitAndPagedStatesTrainAsOneProcessOnTheGlobalBatch) {
+  MEMTUNE_REQUIRE_GLOO();
+  for (const char* optim : {"adamw_8bit", "paged_adamw_8bit"}) {
+    SCOPED_TRACE(optim);
+    fs::path d = temp_dir();
+    fs::path one_cfg = write_config(d / "one"), two_cfg = write_config(d / "two");
+    const std::string full = std::string("training.finetune=full model.quantization_config.load_in_4bit=false "
+                                         "training.max_steps=6 training.optim=") + optim;
+    auto one = run(memtune_bin() + " train " + one_cfg.string() + " " + full + " training.per_device_train_batch_size=4",
+                   300);
+    ASSERT_EQ(one.exit_code, 0) << one.output;
+    auto two = run(launch_cmd("--nproc-per-node 2", two_cfg, full), 300);
+    ASSERT_EQ(two.exit_code, 0) << two.output;
+    auto a = step_losses(d / "one/out"), b = step_losses(d / "two/out");
+    ASSERT_EQ(a.size(), 6u);
+    expect_same_losses(a, b, 1e-5);
+    expect_same_tensors(d / "one/out/model/model.safetensors", d / "two/out/model/model.safetensors", 1e-4);
+  }
+}
+
 TEST(Launch, KilledWorkerStopsTheOthersAndIsNamed) {
   MEMTUNE_REQUIRE_GLOO();
   fs::path d = temp_dir();
