@@ -34,23 +34,41 @@ def estimate(config, optim):
     return states, j["trainable_parameters"]
 
 
-def train(config, optim, steps, out_dir):
+def train(config, optim, steps, out_dir, extra=()):
     subprocess.run([MEMTUNE, "train", config, "training.optim=" + optim, "training.max_steps=%d" % steps,
-                    "training.logging_steps=1", "training.output_dir=" + out_dir], cwd=ROOT,
+                    "training.logging_steps=1", "training.output_dir=" + out_dir, *extra], cwd=ROOT,
                    capture_output=True, text=True, check=True)
-    rows = []
+    rows, evals = [], []
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         for line in f:
             r = json.loads(line)
             if "loss" in r:
                 rows.append(r)
+            if "eval_loss" in r:
+                evals.append(r["eval_loss"])
     mem = next(iter(rows[-1]["memory"].values()))
     return {
         "losses": [r["loss"] for r in rows],
         "allocated": mem["allocated"],
         "peak": max(next(iter(r["memory"].values()))["peak"] for r in rows),
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows[1:]),
+        "eval_loss": evals[-1] if evals else None,
     }
+
+
+def held_out_split(config, k, tmp):
+    """The config's data.train_file split into (train, eval) files under tmp: the last k documents held out."""
+    import re
+    with open(os.path.join(ROOT, config)) as f:
+        m = re.search(r"^\s*train_file:\s*(\S+)", f.read(), re.M)
+    with open(os.path.join(ROOT, m.group(1))) as f:
+        docs = [line for line in f if line.strip()]
+    train_path, eval_path = os.path.join(tmp, "train.jsonl"), os.path.join(tmp, "eval.jsonl")
+    with open(train_path, "w") as f:
+        f.writelines(docs[:-k])
+    with open(eval_path, "w") as f:
+        f.writelines(docs[-k:])
+    return train_path, eval_path
 
 
 def main():
@@ -59,6 +77,9 @@ def main():
     ap.add_argument("--config", default="configs/quickstart-base.yaml")
     ap.add_argument("--options", default=",".join(OPTIONS))
     ap.add_argument("--runs", help="keep each option's run in DIR/OPTION (default: a temporary directory)")
+    ap.add_argument("--held-out", type=int, default=0, metavar="K",
+                    help="hold the train_file's last K documents out as data.eval_file, evaluated at the end")
+    ap.add_argument("--seeds", type=int, default=1, help="runs per option, seeds 0..N-1, compared by their means")
     ap.add_argument("--json")
     a = ap.parse_args()
     if not os.path.exists(MEMTUNE):
@@ -66,9 +87,24 @@ def main():
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         runs = os.path.abspath(a.runs) if a.runs else tmp
+        extra = []
+        if a.held_out:
+            train_path, eval_path = held_out_split(a.config, a.held_out, tmp)
+            extra = ["data.train_file=" + train_path, "data.eval_file=" + eval_path, "training.eval_steps=%d" % a.steps]
         for optim in a.options.split(","):
             states, trainable = estimate(a.config, optim)
-            r = train(a.config, optim, a.steps, os.path.join(runs, optim))
+            seeds = []
+            for seed in range(a.seeds):
+                seeded = extra + (["model.init_seed=%d" % seed, "training.seed=%d" % seed] if a.seeds > 1 else [])
+                name = optim if a.seeds == 1 else "%s-seed%d" % (optim, seed)
+                seeds.append(train(a.config, optim, a.steps, os.path.join(runs, name), seeded))
+            r = dict(seeds[0])
+            if a.seeds > 1:  # the means over seeds; each seed's figures under "seeds"
+                r["losses"] = [statistics.mean(l) for l in zip(*(x["losses"] for x in seeds))]
+                r["tokens_per_s"] = statistics.median(x["tokens_per_s"] for x in seeds)
+                if seeds[0]["eval_loss"] is not None:
+                    r["eval_loss"] = statistics.mean(x["eval_loss"] for x in seeds)
+                r["seeds"] = seeds
             r.update(estimated_state_bytes=states, trainable_parameters=trainable,
                      state_bytes_per_param=states / trainable)
             results[optim] = r
@@ -85,12 +121,20 @@ def main():
         l32 = statistics.mean(base["losses"][-10:])
         l8 = statistics.mean(results["adamw_8bit"]["losses"][-10:])
         print(f"8-bit vs 32-bit: mean loss of the last 10 steps {l8:.4f} vs {l32:.4f} ({100 * (l8 - l32) / l32:+.2f} %)")
+        e8, e32 = results["adamw_8bit"]["eval_loss"], base["eval_loss"]
+        if e8 is not None and e32 is not None:
+            print(f"8-bit vs 32-bit: held-out eval loss at the end {e8:.4f} vs {e32:.4f} ({100 * (e8 - e32) / e32:+.2f} %)")
+        if a.seeds > 1:
+            for optim in ("adamw_torch", "adamw_8bit"):
+                per = results[optim]["seeds"]
+                print(f"  {optim} per seed: last-10 loss " + ", ".join(f"{statistics.mean(x['losses'][-10:]):.4f}" for x in per) +
+                      ("; eval " + ", ".join(f"{x['eval_loss']:.4f}" for x in per) if per[0]["eval_loss"] is not None else ""))
         if a.runs:
             print(f"curves side by side: {MEMTUNE} report {os.path.join(runs, 'adamw_8bit')} "
                   f"--compare {os.path.join(runs, 'adamw_torch')}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"config": a.config, "steps": a.steps, "results": results}, f, indent=1)
+            json.dump({"config": a.config, "steps": a.steps, "held_out": a.held_out, "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":
