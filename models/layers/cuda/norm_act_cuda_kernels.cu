@@ -4,6 +4,7 @@
 #include "models/layers/cuda/norm_act_cuda_kernels.h"
 
 #include <algorithm>
+#include <cstdint>
 
 #include "runtime/cuda/device_math.cuh"
 
@@ -88,36 +89,106 @@ __global__ void rms_norm_backward_weight_kernel(const T* __restrict__ x, const f
 
 __device__ __forceinline__ float sigmoid(float g) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-g))); }
 
+// One element of SwiGLU each way, shared by the scalar and the vector kernels so that both
+// give the same bits.
 template <class T>
-__global__ void swiglu_forward_kernel(const T* __restrict__ gate, const T* __restrict__ up, int64_t n,
+__device__ __forceinline__ T swiglu_one(T gate, T up) {
+  const float g = Convert<T>::from(gate);
+  const float s = round_to<T>(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))));  // silu(g), stored as T
+  return Convert<T>::to(__fmul_rn(s, Convert<T>::from(up)));
+}
+
+template <class T>
+__device__ __forceinline__ T swiglu_grad_up(T gate, T gy) {
+  const float g = Convert<T>::from(gate);
+  const float s = round_to<T>(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))));
+  return Convert<T>::to(__fmul_rn(Convert<T>::from(gy), s));
+}
+
+// silu'(g) = sig * (1 + g * (1 - sig)) applied to the product's gradient gy * up, in the
+// order of ATen's silu_backward (ds * sig * (1 + g * (1 - sig)), one FMA).
+template <class T>
+__device__ __forceinline__ T swiglu_grad_gate(T gate, T up, T gy) {
+  const float g = Convert<T>::from(gate);
+  const float ds = round_to<T>(__fmul_rn(Convert<T>::from(gy), Convert<T>::from(up)));
+  const float sig = sigmoid(g);
+  return Convert<T>::to(__fmul_rn(__fmul_rn(ds, sig), __fmaf_rn(g, __fsub_rn(1.0f, sig), 1.0f)));
+}
+
+// Elements [begin, n) one per thread and iteration.
+template <class T>
+__global__ void swiglu_forward_kernel(const T* __restrict__ gate, const T* __restrict__ up, int64_t begin, int64_t n,
                                       T* __restrict__ y) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-    const float g = Convert<T>::from(gate[i]);
-    const float s = round_to<T>(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))));  // silu(g), stored as T
-    y[i] = Convert<T>::to(__fmul_rn(s, Convert<T>::from(up[i])));
-  }
+  for (int64_t i = begin + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
+    y[i] = swiglu_one(gate[i], up[i]);
 }
 
 template <class T>
 __global__ void swiglu_backward_kernel(const T* __restrict__ gate, const T* __restrict__ up, const T* __restrict__ gy,
-                                       int64_t n, T* __restrict__ grad_gate, T* __restrict__ grad_up) {
+                                       int64_t begin, int64_t n, T* __restrict__ grad_gate, T* __restrict__ grad_up) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-    const float g = Convert<T>::from(gate[i]), d = Convert<T>::from(gy[i]);
+  for (int64_t i = begin + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    if (grad_up != nullptr) grad_up[i] = swiglu_grad_up(gate[i], gy[i]);
+    if (grad_gate != nullptr) grad_gate[i] = swiglu_grad_gate(gate[i], up[i], gy[i]);
+  }
+}
+
+// 16 bytes of each tensor per thread and iteration (8 bf16 or fp16, 4 fp32): one vector
+// load or store per tensor where one element each made the scalar kernels slower than
+// ATen's vectorized ones (0.76x at 4096 x 14336 bf16 on an H200, 2026-11-26). `vectors`
+// counts 16-byte groups; every pointer is 16-byte aligned.
+template <class T>
+struct Vec {
+  static constexpr int kN = 16 / sizeof(T);
+  alignas(16) T v[kN];
+  __device__ __forceinline__ static Vec load(const T* p, int64_t i) {
+    Vec r;
+    *reinterpret_cast<uint4*>(r.v) = reinterpret_cast<const uint4*>(p)[i];
+    return r;
+  }
+  __device__ __forceinline__ void store(T* p, int64_t i) const {
+    reinterpret_cast<uint4*>(p)[i] = *reinterpret_cast<const uint4*>(v);
+  }
+};
+
+template <class T>
+__global__ void swiglu_forward_vec_kernel(const T* __restrict__ gate, const T* __restrict__ up, int64_t vectors,
+                                          T* __restrict__ y) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < vectors; i += stride) {
+    const Vec<T> g = Vec<T>::load(gate, i), u = Vec<T>::load(up, i);
+    Vec<T> o;
+#pragma unroll
+    for (int k = 0; k < Vec<T>::kN; ++k) o.v[k] = swiglu_one(g.v[k], u.v[k]);
+    o.store(y, i);
+  }
+}
+
+template <class T>
+__global__ void swiglu_backward_vec_kernel(const T* __restrict__ gate, const T* __restrict__ up,
+                                           const T* __restrict__ gy, int64_t vectors, T* __restrict__ grad_gate,
+                                           T* __restrict__ grad_up) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < vectors; i += stride) {
+    const Vec<T> g = Vec<T>::load(gate, i), d = Vec<T>::load(gy, i);
     if (grad_up != nullptr) {
-      const float s = round_to<T>(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))));
-      grad_up[i] = Convert<T>::to(__fmul_rn(d, s));
+      Vec<T> o;
+#pragma unroll
+      for (int k = 0; k < Vec<T>::kN; ++k) o.v[k] = swiglu_grad_up(g.v[k], d.v[k]);
+      o.store(grad_up, i);
     }
     if (grad_gate != nullptr) {
-      // silu'(g) = sig * (1 + g * (1 - sig)) applied to the product's gradient gy * up, in
-      // the order of ATen's silu_backward (ds * sig * (1 + g * (1 - sig)), one FMA).
-      const float ds = round_to<T>(__fmul_rn(d, Convert<T>::from(up[i])));
-      const float sig = sigmoid(g);
-      grad_gate[i] = Convert<T>::to(__fmul_rn(__fmul_rn(ds, sig), __fmaf_rn(g, __fsub_rn(1.0f, sig), 1.0f)));
+      const Vec<T> u = Vec<T>::load(up, i);
+      Vec<T> o;
+#pragma unroll
+      for (int k = 0; k < Vec<T>::kN; ++k) o.v[k] = swiglu_grad_gate(g.v[k], u.v[k], d.v[k]);
+      o.store(grad_gate, i);
     }
   }
 }
+
+bool aligned16(const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 }  // namespace
 
@@ -168,8 +239,15 @@ cudaError_t swiglu_forward(const void* gate, const void* up, DType t, int64_t n,
   if (n == 0) return cudaSuccess;
   with_type(t, [&](auto tag) {
     using T = decltype(tag);
-    swiglu_forward_kernel<T><<<flat_grid(n), kFlatThreads, 0, stream>>>(
-        static_cast<const T*>(gate), static_cast<const T*>(up), n, static_cast<T*>(y));
+    const T *g = static_cast<const T*>(gate), *u = static_cast<const T*>(up);
+    T* out = static_cast<T*>(y);
+    int64_t begin = 0;
+    if (aligned16(g) && aligned16(u) && aligned16(out)) {
+      const int64_t vectors = n / Vec<T>::kN;
+      if (vectors > 0) swiglu_forward_vec_kernel<T><<<flat_grid(vectors), kFlatThreads, 0, stream>>>(g, u, vectors, out);
+      begin = vectors * Vec<T>::kN;
+    }
+    if (begin < n) swiglu_forward_kernel<T><<<flat_grid(n - begin), kFlatThreads, 0, stream>>>(g, u, begin, n, out);
   });
   return cudaGetLastError();
 }
@@ -179,9 +257,17 @@ cudaError_t swiglu_backward(const void* gate, const void* up, const void* gy, DT
   if (n == 0 || (grad_gate == nullptr && grad_up == nullptr)) return cudaSuccess;
   with_type(t, [&](auto tag) {
     using T = decltype(tag);
-    swiglu_backward_kernel<T><<<flat_grid(n), kFlatThreads, 0, stream>>>(
-        static_cast<const T*>(gate), static_cast<const T*>(up), static_cast<const T*>(gy), n,
-        static_cast<T*>(grad_gate), static_cast<T*>(grad_up));
+    const T *g = static_cast<const T*>(gate), *u = static_cast<const T*>(up), *d = static_cast<const T*>(gy);
+    T *gg = static_cast<T*>(grad_gate), *gu = static_cast<T*>(grad_up);
+    int64_t begin = 0;
+    if (aligned16(g) && aligned16(u) && aligned16(d) && aligned16(gg) && aligned16(gu)) {
+      const int64_t vectors = n / Vec<T>::kN;
+      if (vectors > 0)
+        swiglu_backward_vec_kernel<T><<<flat_grid(vectors), kFlatThreads, 0, stream>>>(g, u, d, vectors, gg, gu);
+      begin = vectors * Vec<T>::kN;
+    }
+    if (begin < n)
+      swiglu_backward_kernel<T><<<flat_grid(n - begin), kFlatThreads, 0, stream>>>(g, u, d, begin, n, gg, gu);
   });
   return cudaGetLastError();
 }
