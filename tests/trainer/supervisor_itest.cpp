@@ -64,6 +64,15 @@ std::vector<std::string> event_kinds(const fs::path& out) {
   return kinds;
 }
 
+// The details of the ladder events in metrics.jsonl, in order ("offload layers: offloaded layer 3").
+std::vector<std::string> ladder_events(const fs::path& out) {
+  std::vector<std::string> details;
+  for (const auto& r : rows(out))
+    for (const auto& e : r["events"])
+      if (e["kind"] == "ladder") details.push_back(e["detail"].get<std::string>());
+  return details;
+}
+
 // The same per-step losses and samples, and the same trained tensors (the adapter, or the
 // whole model of a full fine-tune).
 // Losses within `tol`, and the trained weights within `weight_tol` (default `tol`): Adam
@@ -336,10 +345,7 @@ TEST(Supervisor, LadderReachesActivationAndOptimizerOffloadAndKeepsTheMath) {
   for (int i = 0; i < 7; ++i) seven += std::string(i ? "," : "") + "0:forward";
   TrainRun ladder = train(d / "ladder", shape + "memory.grow_after_steps=1000 memory.inject_oom=" + seven);
   ASSERT_EQ(ladder.exit_code, 0) << ladder.output;
-  std::vector<std::string> rungs;
-  for (const auto& r : rows(ladder.out))
-    for (const auto& e : r["events"])
-      if (e["kind"] == "ladder") rungs.push_back(e["detail"].get<std::string>());
+  const std::vector<std::string> rungs = ladder_events(ladder.out);
   ASSERT_EQ(rungs.size(), 6u) << ladder.output;
   for (int layer = 0; layer < 4; ++layer) EXPECT_NE(rungs[layer].find("checkpointing layer " + std::to_string(layer)),
                                                     std::string::npos) << rungs[layer];
@@ -372,10 +378,7 @@ TEST_P(LadderRung, TakenInAnyPhaseEqualsTheRunConfiguredWithIt) {
   TrainRun ladder = train(d / "ladder", shape + " memory.grow_after_steps=1000 \"memory.on_oom.ladder=[" + c.rung +
                                             "]\" memory.inject_oom=1:" + c.phase);
   ASSERT_EQ(ladder.exit_code, 0) << ladder.output;
-  std::vector<std::string> taken;
-  for (const auto& r : rows(ladder.out))
-    for (const auto& e : r["events"])
-      if (e["kind"] == "ladder") taken.push_back(e["detail"].get<std::string>());
+  const std::vector<std::string> taken = ladder_events(ladder.out);
   ASSERT_EQ(taken.size(), 1u) << ladder.output;
   EXPECT_NE(taken[0].find(c.event), std::string::npos) << taken[0];
   EXPECT_NE(read_file(ladder.out / "memory_report.txt").find("step 1: ladder: " + taken[0]), std::string::npos)
@@ -433,14 +436,9 @@ TEST(Supervisor, TheCheapestRungThatFitsIsTakenAlone) {
 
   TrainRun ladder = train(d / "ladder", shape + at, 256);
   ASSERT_EQ(ladder.exit_code, 0) << ladder.output;
-  int offloaded = 0;
-  for (const auto& r : rows(ladder.out))
-    for (const auto& e : r["events"])
-      if (e["kind"] == "ladder") {
-        EXPECT_NE(e["detail"].get<std::string>().find("offload layers: offloaded layer"), std::string::npos) << e.dump();
-        ++offloaded;
-      }
-  EXPECT_GT(offloaded, 0) << ladder.output;
+  const std::vector<std::string> taken = ladder_events(ladder.out);
+  EXPECT_FALSE(taken.empty()) << ladder.output;
+  for (const auto& t : taken) EXPECT_NE(t.find("offload layers: offloaded layer"), std::string::npos) << t;
   TrainRun ref = train(d / "ref", shape + "'model.device_map={model.layers.0-3: offload}'", 256);
   ASSERT_EQ(ref.exit_code, 0) << ref.output;
   EXPECT_NE(ladder.output.find("layer 3: offload"), std::string::npos) << "layer 3 was not offloaded at load";
