@@ -44,7 +44,8 @@ except ImportError:
 print(":".join(sorted({os.path.dirname(p) for r in roots for p in glob.glob(r + "/**/lib/*.so*", recursive=True)})))
 EOF
 )
-  [ -n "$link_dirs" ] && args+=(-DCMAKE_EXE_LINKER_FLAGS="-Wl,-rpath-link,$link_dirs")
+  [ -n "$link_dirs" ] && args+=(-DCMAKE_EXE_LINKER_FLAGS="-Wl,-rpath-link,$link_dirs"
+                                 -DMEMTUNE_CUDA_LIB_DIRS="${link_dirs//:/;}")
 fi
 
 start=$(date +%s)
