@@ -250,6 +250,7 @@ LayerMemory CausalLM::layer_memory(int index, const StepShape& s, const LayerPla
     m.kept += E * (l->in_features() + l->out_features()) * a + lora_kept(E, l->in_features(), t.lora_r, t.lora_dropout, s.dropout_keeps_mask());
     widest = std::max({widest, l->in_features(), l->out_features()});
     if (t.nf4) panel = std::max(panel, nf4_panel_bytes(l->out_features(), l->in_features(), s.compute_bytes));
+    else if (s.compute_bytes != a) panel = std::max(panel, l->out_features() * l->in_features() * s.compute_bytes);
   }
   const AttentionMemory at = attention_memory(s.batch, spec_.num_heads, spec_.num_kv_heads, s.tokens, spec_.head_dim, a,
                                               s.fused_cpu_attention, s.threads);

@@ -180,6 +180,9 @@ void Supervisor::run_step(int64_t step, const StepStages& stages) {
       const std::string name = first_rung_();
       for (size_t i = 0; i < ladder_.size(); ++i)
         if (ladder_[i].name == name) first = i;
+      // Every rank takes the same rungs: the earliest any rank chose (each estimates its own
+      // limit, which a fraction of a device's memory makes differ between devices).
+      if (agree_) first = static_cast<size_t>(agree_(false, static_cast<int64_t>(first)).second);
     }
     std::string changed;
     bool climbed = false;
@@ -187,6 +190,8 @@ void Supervisor::run_step(int64_t step, const StepStages& stages) {
       changed = ladder_[i].apply();
       if (changed.empty()) {
         ++i;
+        // The chosen rung and those after it had nothing left to give: the ones before it.
+        if (i == ladder_.size() && !climbed && first > 0) i = first = 0;
         continue;
       }
       climbed = true;

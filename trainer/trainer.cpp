@@ -628,7 +628,8 @@ void Trainer::build_supervisor() {
     if (peak <= budget_)
       return report + ", which says it fits: what ran out is outside the memory model (another process on the "
                       "device, fragmentation) or the model is wrong here (please report it with memory_report.txt).";
-    return str_cat(report, ". What would fit", what_would_fit(now, budget_), ".");
+    // What would fit with every rung (a stop after memory.on_oom.max_retries may leave some).
+    return str_cat(report, ". What would fit", what_would_fit(with_ladder(c_, now, dist_.world_size), budget_), ".");
   });
 }
 

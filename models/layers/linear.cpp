@@ -16,17 +16,22 @@ namespace memtune::models {
 
 namespace {
 
-// A frozen dense weight whose products run in another dtype (an fp32 model computing in bf16
-// or fp16): cast for the forward's product and again for backward's, so that no cast copy
-// lives between them. Under at::linear autograd keeps the copy it multiplied by, a second
-// copy of every frozen weight of the model, in the compute dtype, from forward to backward.
-// x and b are in the compute dtype; the products are at::linear's (Conv1D: x @ W + b). The
-// bias travels as an optional: LibTorch 1.13's Function::apply rejects undefined tensors.
-struct FrozenCastLinear : public torch::autograd::Function<FrozenCastLinear> {
+// A dense weight whose products run in another dtype (an fp32 model computing in bf16 or
+// fp16): cast for the forward's product and again for backward's, so that no cast copy lives
+// between them. Under at::linear autograd keeps the copy it multiplied by: a second copy of
+// every weight of the model, in the compute dtype, from forward to backward. A trained weight
+// keeps the (compute-dtype) input for its gradient, as at::linear does, and gets that gradient
+// in its own dtype, as autograd's cast gives it. x and b are in the compute dtype; the products
+// are at::linear's (Conv1D: x @ W + b). The bias travels as an optional: LibTorch 1.13's
+// Function::apply rejects undefined tensors.
+struct CastLinear : public torch::autograd::Function<CastLinear> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                             const c10::optional<at::Tensor>& b_opt, const at::Tensor& weight, bool fan_in_fan_out) {
     const at::Tensor b = b_opt.has_value() ? *b_opt : at::Tensor();
-    ctx->save_for_backward({weight});
+    if (weight.requires_grad())
+      ctx->save_for_backward({weight, x});
+    else
+      ctx->save_for_backward({weight});
     ctx->saved_data["fan_in_fan_out"] = fan_in_fan_out;
     ctx->saved_data["has_bias"] = b.defined();
     const at::Tensor w = weight.to(x.scalar_type());
@@ -38,13 +43,21 @@ struct FrozenCastLinear : public torch::autograd::Function<FrozenCastLinear> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const at::Tensor& g = grads[0];
-    const at::Tensor w = ctx->get_saved_variables()[0].to(g.scalar_type());
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& weight = saved[0];
+    const at::Tensor w = weight.to(g.scalar_type());
     const bool fan_in_fan_out = ctx->saved_data["fan_in_fan_out"].toBool();
     at::Tensor dx = ctx->needs_input_grad(0) ? at::matmul(g, fan_in_fan_out ? w.t() : w) : at::Tensor();
     // Edges exist only for tensor inputs: x, then the bias when given, then the weight.
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
-    at::Tensor db = has_bias && ctx->needs_input_grad(1) ? g.reshape({-1, g.size(-1)}).sum(0) : at::Tensor();
-    return {dx, db, at::Tensor(), at::Tensor()};
+    const at::Tensor g2 = g.reshape({-1, g.size(-1)});
+    at::Tensor db = has_bias && ctx->needs_input_grad(1) ? g2.sum(0) : at::Tensor();
+    at::Tensor dw;
+    if (saved.size() > 1 && ctx->needs_input_grad(has_bias ? 2 : 1)) {
+      const at::Tensor x2 = saved[1].reshape({-1, saved[1].size(-1)});
+      dw = (fan_in_fan_out ? at::mm(x2.t(), g2) : at::mm(g2.t(), x2)).to(weight.scalar_type());
+    }
+    return {dx, db, dw, at::Tensor()};
   }
 };
 
@@ -81,10 +94,10 @@ at::Tensor Linear::forward(const at::Tensor& x, bool training) const {
   } else {
     at::Tensor xc = x.to(compute_dtype);
     at::Tensor b = bias.defined() ? bias.to(compute_dtype) : bias;
-    if (!weight.requires_grad() && weight.scalar_type() != compute_dtype && at::GradMode::is_enabled()) {
+    if (weight.scalar_type() != compute_dtype && at::GradMode::is_enabled()) {
       c10::optional<at::Tensor> b_opt;
       if (b.defined()) b_opt = b;
-      y = FrozenCastLinear::apply(xc, b_opt, weight, fan_in_fan_out_);
+      y = CastLinear::apply(xc, b_opt, weight, fan_in_fan_out_);
     } else if (fan_in_fan_out_) {
       const at::Tensor w = weight.to(compute_dtype);
       y = at::matmul(xc, w);  // Conv1D: x @ W, W [in, out]

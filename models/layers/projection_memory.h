@@ -1,7 +1,8 @@
 #pragma once
 // What a layer's projections add to its memory (models/memory.h), for an architecture's
 // CausalLM::layer_memory: each adapter's kept tensors, the widest adapter's rank (its x A^T
-// sits beside a product) and the largest dequantized NF4 panel.
+// sits beside a product) and the largest transient weight: a dequantized NF4 panel, or a
+// dense weight cast to the compute dtype.
 #include <algorithm>
 #include <cstdint>
 
@@ -18,7 +19,13 @@ struct ProjectionTally {
   // Notes `l`'s adapter rank and panel; returns what its adapter keeps for backward.
   int64_t add(const Linear& l, const LinearTraining& t, const StepShape& s) {
     lora_rank = std::max(lora_rank, t.lora_r);
-    if (t.nf4) panel = std::max(panel, nf4_panel_bytes(l.out_features(), l.in_features(), s.compute_bytes));
+    if (t.nf4) {
+      panel = std::max(panel, nf4_panel_bytes(l.out_features(), l.in_features(), s.compute_bytes));
+    } else if (s.compute_bytes != s.act_bytes) {
+      // A dense weight computing in another dtype: its cast, made for each product and not
+      // kept (models/layers/linear.cpp, CastLinear).
+      panel = std::max(panel, l.out_features() * l.in_features() * s.compute_bytes);
+    }
     return lora_kept(s.rows(), l.in_features(), t.lora_r, t.lora_dropout, s.dropout_keeps_mask());
   }
 };

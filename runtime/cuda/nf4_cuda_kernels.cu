@@ -94,6 +94,7 @@ __global__ void dequantize_kernel(const uint8_t* __restrict__ packed, Scales s, 
   }
 }
 
+// One warp per quantization block: max |x| over the block (exact, so in any order).
 template <class T>
 __global__ void absmax_kernel(const T* __restrict__ x, int64_t n, int64_t blocksize, int64_t nblocks,
                               float* __restrict__ absmax) {

@@ -104,42 +104,57 @@ TEST(LoraLinear, RejectsMismatchedShapes) {
                memtune::UserError);
 }
 
-// A frozen fp32 base computing in bf16: the products, outputs and gradients of at::linear on
-// bf16 copies (Conv1D: x @ W + b) bit for bit, but no bf16 copy of the weight kept between
-// forward and backward (autograd keeps at::linear's).
-TEST(FrozenDenseBase, Bf16ProductsKeepNoCopyOfTheWeight) {
+// A dense fp32 weight computing in bf16, frozen or trained: the products, outputs and
+// gradients of at::linear on bf16 copies (Conv1D: x @ W + b) under autograd, but no bf16 copy
+// of the weight kept between forward and backward (autograd keeps at::linear's). The trained
+// bias beside a frozen weight is for the node's sake: configs train a bias only with its weight.
+TEST(CastDenseWeight, Bf16ProductsKeepNoCopyOfTheWeight) {
   memtune::install_cpu_budget_allocator();
   torch::manual_seed(9);
-  const int64_t in = 512, out = 256;
-  for (bool conv1d : {false, true}) {
-    for (bool bias : {false, true}) {
-      SCOPED_TRACE(std::string(conv1d ? "Conv1D" : "Linear") + (bias ? " with bias" : ""));
-      memtune::models::Linear l("model.layers.0.mlp.up_proj", in, out, bias, conv1d);
-      l.weight = conv1d ? at::randn({in, out}) : at::randn({out, in});
-      if (bias) l.bias = at::randn({out}).requires_grad_(true);
-      l.compute_dtype = at::kBFloat16;
-      at::Tensor x = at::randn({2, 3, in}).requires_grad_(true);
+  const int64_t in = 512, out = 256, rows = 6;
+  for (bool trained : {false, true}) {
+    for (bool conv1d : {false, true}) {
+      for (bool bias : {false, true}) {
+        SCOPED_TRACE(std::string(trained ? "trained " : "frozen ") + (conv1d ? "Conv1D" : "Linear") +
+                     (bias ? " with bias" : ""));
+        memtune::models::Linear l("model.layers.0.mlp.up_proj", in, out, bias, conv1d);
+        l.weight = (conv1d ? at::randn({in, out}) : at::randn({out, in})).requires_grad_(trained);
+        if (bias) l.bias = at::randn({out}).requires_grad_(true);
+        l.compute_dtype = at::kBFloat16;
+        at::Tensor x = at::randn({2, rows / 2, in}).requires_grad_(true);
 
-      const int64_t before = memtune::cpu_allocated_bytes();
-      at::Tensor y = l.forward(x, true);
-      const int64_t kept = memtune::cpu_allocated_bytes() - before - y.numel() * 4;
-      EXPECT_LT(kept, in * out * 2 / 8) << "a bf16 copy of the weight (" << in * out * 2 << " B) is kept";
+        const int64_t before = memtune::cpu_allocated_bytes();
+        at::Tensor y = l.forward(x, true);
+        // Kept: the output and, for a trained weight, the bf16 input.
+        const int64_t kept = memtune::cpu_allocated_bytes() - before - y.numel() * 4 - (trained ? rows * in * 2 : 0);
+        EXPECT_LT(kept, in * out * 2 / 8) << "a bf16 copy of the weight (" << in * out * 2 << " B) is kept";
 
-      at::Tensor x_ref = x.detach().clone().requires_grad_(true);
-      at::Tensor b_ref = bias ? l.bias.detach().clone().requires_grad_(true) : at::Tensor();
-      const at::Tensor w16 = l.weight.to(at::kBFloat16);
-      const at::Tensor b16 = bias ? b_ref.to(at::kBFloat16) : at::Tensor();
-      at::Tensor y_ref = conv1d ? at::matmul(x_ref.to(at::kBFloat16), w16)
-                                : at::linear(x_ref.to(at::kBFloat16), w16, b16);
-      if (conv1d && bias) y_ref = y_ref + b16;
-      y_ref = y_ref.to(at::kFloat);
-      EXPECT_TRUE(at::equal(y, y_ref));
-      const at::Tensor g = at::randn_like(y);
-      y.backward(g);
-      y_ref.backward(g);
-      EXPECT_TRUE(at::equal(x.grad(), x_ref.grad()));
-      if (bias) expect_close(l.bias.grad(), b_ref.grad(), 1e-2, "bias grad");
-      EXPECT_FALSE(l.weight.grad().defined());
+        at::Tensor x_ref = x.detach().clone().requires_grad_(true);
+        at::Tensor w_ref = l.weight.detach().clone().requires_grad_(trained);
+        at::Tensor b_ref = bias ? l.bias.detach().clone().requires_grad_(true) : at::Tensor();
+        const at::Tensor w16 = w_ref.to(at::kBFloat16);
+        const at::Tensor b16 = bias ? b_ref.to(at::kBFloat16) : at::Tensor();
+        at::Tensor y_ref = conv1d ? at::matmul(x_ref.to(at::kBFloat16), w16)
+                                  : at::linear(x_ref.to(at::kBFloat16), w16, b16);
+        if (conv1d && bias) y_ref = y_ref + b16;
+        y_ref = y_ref.to(at::kFloat);
+        EXPECT_TRUE(at::equal(y, y_ref));
+        const at::Tensor g = at::randn_like(y);
+        y.backward(g);
+        y_ref.backward(g);
+        EXPECT_TRUE(at::equal(x.grad(), x_ref.grad()));
+        if (bias) expect_close(l.bias.grad(), b_ref.grad(), 1e-2, "bias grad");
+        if (trained) {
+          // The same bf16 products, summed in the GEMM's order for the other layout.
+          ASSERT_TRUE(l.weight.grad().defined());
+          EXPECT_EQ(l.weight.grad().scalar_type(), at::kFloat);
+          expect_close(l.weight.grad(), w_ref.grad(), 1e-2, "weight grad");
+          const double same = (l.weight.grad() == w_ref.grad()).to(at::kDouble).mean().item<double>();
+          EXPECT_GT(same, 0.9) << "weight grad: only " << same << " of its elements are the reference's";
+        } else {
+          EXPECT_FALSE(l.weight.grad().defined());
+        }
+      }
     }
   }
 }

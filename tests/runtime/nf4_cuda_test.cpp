@@ -81,18 +81,22 @@ TEST(Nf4Cuda, DequantizeEqualsTheCpuBitForBit_CUDA) {
     }
 }
 
-// A packed buffer that starts at an odd address takes the kernel's byte-by-byte path.
+// A packed buffer that starts at an odd address takes the kernel's byte-by-byte path, and so
+// does one 4-byte aligned but not 8 for 16-bit outputs (whose vector path loads 8 bytes).
 TEST(Nf4Cuda, DequantizeOfAnUnalignedStateEqualsTheCpu_CUDA) {
   MEMTUNE_SKIP_WITHOUT_CUDA();
   const c10::Device cuda(c10::kCUDA, 0);
   const NF4Tensor q = memtune::nf4_quantize(weights({17, 64}, 64, at::kFloat, 7), 64, true);
-  NF4Tensor qg = on(q, cuda);
-  at::Tensor shifted = at::empty({q.packed.numel() + 1}, qg.packed.options());
-  shifted.narrow(0, 1, q.packed.numel()).copy_(qg.packed);
-  qg.packed = shifted.narrow(0, 1, q.packed.numel());
-  ASSERT_NE(reinterpret_cast<uintptr_t>(qg.packed.data_ptr()) % 4, 0u);
-  for (at::ScalarType out : {at::kFloat, at::kHalf})
-    EXPECT_TRUE(at::equal(memtune::nf4_dequantize(qg, out).cpu(), memtune::nf4_dequantize(q, out))) << out;
+  for (int64_t shift : {1, 4}) {
+    NF4Tensor qg = on(q, cuda);
+    at::Tensor shifted = at::empty({q.packed.numel() + shift}, qg.packed.options());
+    shifted.narrow(0, shift, q.packed.numel()).copy_(qg.packed);
+    qg.packed = shifted.narrow(0, shift, q.packed.numel());
+    ASSERT_NE(reinterpret_cast<uintptr_t>(qg.packed.data_ptr()) % 8, 0u);
+    for (at::ScalarType out : {at::kFloat, at::kHalf, at::kBFloat16})
+      EXPECT_TRUE(at::equal(memtune::nf4_dequantize(qg, out).cpu(), memtune::nf4_dequantize(q, out)))
+          << out << ", packed shifted by " << shift;
+  }
 }
 
 TEST(Nf4Cuda, QuantizeGivesTheCpusBytes_CUDA) {

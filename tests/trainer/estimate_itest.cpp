@@ -162,6 +162,10 @@ INSTANTIATE_TEST_SUITE_P(
         // A dense fp32 base computing in bf16: its products cast each frozen weight, and keep no copy for backward.
         Shape{"llama_dense_lora_bf16", {"model.name_or_path=tiny-llama", "training.bf16=true",
                                         "data.max_seq_length=128", "training.per_device_train_batch_size=2"}},
+        // A full fine-tune in bf16: each product casts its trained fp32 weight and keeps the bf16 input.
+        Shape{"llama_full_bf16", {"model.name_or_path=tiny-llama", "training.finetune=full",
+                                  "model.quantization_config.load_in_4bit=false", "training.bf16=true",
+                                  "data.max_seq_length=128", "training.per_device_train_batch_size=2"}},
         // bf16 with the head trained: the loss's bf16 products and its dW summed in fp32.
         Shape{"llama_nf4_lora_head_bf16", {"model.name_or_path=tiny-llama", "lora.modules_to_save=[lm_head]",
                                            "model.quantization_config.load_in_4bit=true",
