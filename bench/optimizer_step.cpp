@@ -26,6 +26,9 @@ int main(int argc, char** argv) {
                  1 << 20);
     return 2;
   }
+  // The training binary's intra-op threads (from the CPU affinity): left to LibTorch 1.13's
+  // own default, this VM's parallel regions ran on one thread of two.
+  std::printf("%s\n", memtune::configure_threads(0).c_str());
   double base = 0;
   auto median_ms = [](auto&& step) {
     std::vector<double> ms;
