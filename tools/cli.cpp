@@ -67,6 +67,10 @@ int report_exception(std::exception_ptr error) {
 int memtune_main(int argc, char** argv) {
   reexec_with_passive_omp_wait(argv);
   init_logging({});
+  // Every command's intra-op threads from the CPU affinity (`memtune train` then applies
+  // runtime.num_threads): LibTorch 1.13's own default is one thread on some machines, which
+  // ran eval, generate, merge and quantize at half speed on two cores.
+  spdlog::debug("{}", configure_threads(0));
   CLI::App app{"memtune: fine-tune transformer language models on the memory you have"};
   app.require_subcommand(0, 1);
   bool version = false;
