@@ -13,6 +13,7 @@
 #include "models/layers/linear4bit.h"
 #include "models/layers/lora_linear.h"
 #include "models/layers/norm_act.h"
+#include "models/layers/projection_memory.h"
 #include "runtime/activation_checkpoint.h"
 #include "runtime/error.h"
 #include "runtime/keyed_dropout.h"
@@ -244,14 +245,13 @@ LayerMemory CausalLM::layer_memory(int index, const StepShape& s, const LayerPla
   const int64_t E = s.rows(), C = spec_.hidden_size, a = s.act_bytes;
   LayerMemory m;
   m.stated = false;
-  int64_t widest = C, panel = 0;
+  int64_t widest = C;
+  ProjectionTally tally;  // adapters' kept tensors and the largest transient weight
   for (const Linear* l : layer_linears(index)) {
-    const LinearTraining t = plan.training(*l);
-    m.kept += E * (l->in_features() + l->out_features()) * a + lora_kept(E, l->in_features(), t.lora_r, t.lora_dropout, s.dropout_keeps_mask());
+    m.kept += E * (l->in_features() + l->out_features()) * a + tally.add(*l, plan.training(*l), s);
     widest = std::max({widest, l->in_features(), l->out_features()});
-    if (t.nf4) panel = std::max(panel, nf4_panel_bytes(l->out_features(), l->in_features(), s.compute_bytes));
-    else if (s.compute_bytes != a) panel = std::max(panel, l->out_features() * l->in_features() * s.compute_bytes);
   }
+  const int64_t panel = tally.panel;
   const AttentionMemory at = attention_memory(s.batch, spec_.num_heads, spec_.num_kv_heads, s.tokens, spec_.head_dim, a,
                                               s.fused_cpu_attention, s.threads);
   m.kept += at.kept + 2 * layer_norm_kept(E, C, a);

@@ -128,7 +128,6 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
       total.add_((m + s.log() - picked).sum());              // logsumexp - logit[target]
       if (!grad_hidden && !grad_weight) continue;
       at::Tensor inv = s.reciprocal_();
-      at::Tensor t1 = t.squeeze(1);
       if (bf16) {
         // d loss / d logits = softmax - onehot(t), formed in fp32 and rounded to bf16 for both
         // products, as autograd does for bf16 logits taken to fp32.
@@ -143,6 +142,7 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
       }
       // d loss / d logits = e / s - onehot(t). The 1/s goes on the narrow side of each
       // product (n x C, not n x V) and the one-hot part is a row gather / scatter.
+      const at::Tensor t1 = t.squeeze(1);
       if (grad_hidden) {
         at::Tensor out = dh_rows.slice(0, i0, i1);
         at::mm_out(out, e, w);
