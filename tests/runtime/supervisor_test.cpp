@@ -252,6 +252,45 @@ TEST(Supervisor, TheMemoryModelChoosesHowFarToClimb) {
   EXPECT_EQ(ladder, 3);
 }
 
+// The climb starts at the rung the memory model says fits alone; the rungs before it are not
+// taken. Where that rung has nothing left, the climb goes back to the first.
+TEST(Supervisor, TheClimbStartsAtTheRungThatFitsAloneAndFallsBackWhereItHasNothingLeft) {
+  Supervisor s(options(1, 1));
+  std::vector<std::string> on;
+  add_switch_rung(s, on, "checkpointing");
+  add_switch_rung(s, on, "offload");
+  s.set_fits([&](int64_t) { return !on.empty(); });
+  s.set_first_rung([] { return std::string("offload"); });
+  Recorder r;
+  int ooms = 1;
+  r.oom_in_compute = [&](int64_t) { return ooms-- > 0; };
+  s.run_step(0, r.stages());
+  EXPECT_EQ(on, (std::vector<std::string>{"offload"}));
+  // offload is taken now: the next error falls back to checkpointing.
+  ooms = 1;
+  s.run_step(1, r.stages());
+  EXPECT_EQ(on, (std::vector<std::string>{"offload", "checkpointing"}));
+  EXPECT_EQ(r.applied, 2);
+}
+
+// Ranks start the climb at the earliest rung any of them chose.
+TEST(Supervisor, RanksAgreeOnTheEarliestFirstRung) {
+  Supervisor s(options(1, 1));
+  std::vector<std::string> on;
+  add_switch_rung(s, on, "checkpointing");
+  add_switch_rung(s, on, "offload");
+  s.set_fits([&](int64_t) { return !on.empty(); });
+  s.set_first_rung([] { return std::string("offload"); });  // this rank's choice: index 1
+  // Another rank chose index 0 (it proposes 0 to every agreement; a step's attempts use only
+  // the out-of-memory flag).
+  s.set_agreement([](bool oom, int64_t p) { return std::make_pair(oom, std::min<int64_t>(p, 0)); });
+  Recorder r;
+  int ooms = 1;
+  r.oom_in_compute = [&](int64_t) { return ooms-- > 0; };
+  s.run_step(0, r.stages());
+  EXPECT_EQ(on, (std::vector<std::string>{"checkpointing"}));
+}
+
 TEST(Supervisor, ARungWithoutUndoStays) {
   Supervisor s(options(2, 2));
   bool on = false;
