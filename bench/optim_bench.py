@@ -61,8 +61,12 @@ def held_out_split(config, k, tmp):
     import re
     with open(os.path.join(ROOT, config)) as f:
         m = re.search(r"^\s*train_file:\s*(\S+)", f.read(), re.M)
+    if not m:
+        sys.exit(f"--held-out: {config} names no data.train_file to split")
     with open(os.path.join(ROOT, m.group(1))) as f:
         docs = [line for line in f if line.strip()]
+    if not 0 < k < len(docs):
+        sys.exit(f"--held-out {k}: {m.group(1)} has {len(docs)} documents; hold out between 1 and {len(docs) - 1}")
     train_path, eval_path = os.path.join(tmp, "train.jsonl"), os.path.join(tmp, "eval.jsonl")
     with open(train_path, "w") as f:
         f.writelines(docs[:-k])
