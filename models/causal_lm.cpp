@@ -126,6 +126,16 @@ void CausalLM::init_random(uint64_t seed) {
   }
 }
 
+void CausalLM::set_dense_dtype(at::ScalarType dtype) {
+  at::NoGradGuard no_grad;
+  for (auto& s : slots_) {
+    at::Tensor& t = *s.tensor;
+    if (!t.defined() || t.scalar_type() == dtype) continue;
+    MEMTUNE_CHECK(!t.requires_grad(), "set_dense_dtype: ", s.name, " is trainable; cast before training is set up");
+    t = t.to(dtype);
+  }
+}
+
 void CausalLM::set_compute_dtype(at::ScalarType dtype) {
   compute_dtype_ = dtype;
   for (auto& l : linears_) l->compute_dtype = dtype;
@@ -358,7 +368,11 @@ ForwardOutput CausalLM::forward(const data::Batch& batch, const ForwardOptions& 
                                                                       : loss_chunk_rows(spec().vocab_size),
                                           &out.correct_tokens, compute_dtype_);
   out.target_tokens = (batch.targets != data::kIgnoreIndex).sum().item<int64_t>();
-  if (options.return_logits) out.logits = at::matmul(x.to(at::kFloat), head.to(at::kFloat).t());
+  // The logits as the loss forms them: in bf16 products in a bf16 run, as transformers' lm_head.
+  if (options.return_logits) {
+    const at::ScalarType mm = loss_matmul_dtype(compute_dtype_);
+    out.logits = at::matmul(x.to(mm), head.to(mm).t()).to(at::kFloat);
+  }
   return out;
 }
 

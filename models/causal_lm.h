@@ -104,6 +104,11 @@ class CausalLM {
   // with std 0.02 for matrices, ones for norm weights, zeros for biases.
   void init_random(uint64_t seed);
 
+  // Casts every dense base tensor (embeddings, norms, dense projections and their biases, the
+  // head; not 4-bit weights, not adapters) to `dtype`, as from_pretrained's torch_dtype keeps
+  // them. The residual stream then runs in it: the embedding's dtype.
+  void set_dense_dtype(at::ScalarType dtype);
+
   // Fills `slots_`; architectures call it once from their constructor.
   void set_compute_dtype(at::ScalarType dtype);
   at::ScalarType compute_dtype() const { return compute_dtype_; }

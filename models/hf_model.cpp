@@ -98,7 +98,10 @@ std::unique_ptr<CausalLM> load_hf_model(const fs::path& dir, const LoadOptions& 
       }
       at::Tensor view = ckpt.view(stored);  // zero-copy over the mapping
       if (projection && options.load_in_4bit) {
-        at::Tensor w = view.scalar_type() == at::kFloat || view.scalar_type() == at::kHalf ||
+        // From the stored floating dtype (exactly its fp32 value), or from the 16-bit dense
+        // dtype asked for: transformers casts to torch_dtype before bitsandbytes quantizes.
+        at::Tensor w = options.dense_dtype != at::kFloat ? view.to(options.dense_dtype)
+                       : view.scalar_type() == at::kFloat || view.scalar_type() == at::kHalf ||
                                view.scalar_type() == at::kBFloat16
                            ? view
                            : view.to(at::kFloat);

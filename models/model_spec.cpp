@@ -150,9 +150,9 @@ ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
     s.max_position_embeddings = require_int(c, {"n_positions", "max_position_embeddings"}, where);
     s.norm_eps = get_or<double>(c, "layer_norm_epsilon", 1e-5, where);
     s.tie_word_embeddings = get_or<bool>(c, "tie_word_embeddings", true, where);
-    std::string act = get_or<std::string>(c, "activation_function", "gelu_new", where);
-    MEMTUNE_CHECK(act == "gelu_new" || act == "gelu_pytorch_tanh", where,
-                  ": activation_function '", act, "' is not supported (gelu_new)");
+    s.activation = get_or<std::string>(c, "activation_function", "gelu_new", where);
+    MEMTUNE_CHECK(s.activation == "gelu_new" || s.activation == "gelu_pytorch_tanh", where,
+                  ": activation_function '", s.activation, "' is not supported (gelu_new, gelu_pytorch_tanh)");
     // Attention scores scaled otherwise than by 1/sqrt(head_dim): transformers' eager GPT-2
     // attention reads these, its SDPA path does not; memtune implements neither form.
     MEMTUNE_CHECK(get_or<bool>(c, "scale_attn_weights", true, where), where,
@@ -244,7 +244,7 @@ json spec_to_hf_config(const ModelSpec& s) {
     c["n_inner"] = s.intermediate_size;
     c["n_positions"] = s.max_position_embeddings;
     c["layer_norm_epsilon"] = s.norm_eps;
-    c["activation_function"] = "gelu_new";
+    c["activation_function"] = s.activation;
   } else {
     c["hidden_size"] = s.hidden_size;
     c["intermediate_size"] = s.intermediate_size;

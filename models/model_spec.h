@@ -44,6 +44,10 @@ struct ModelSpec {
   std::optional<int64_t> sliding_window;
   std::optional<int64_t> bos_token_id, eos_token_id, pad_token_id;
   std::string torch_dtype = "float32";   // dtype the checkpoint stores dense weights in
+  // GPT-2's activation_function: gelu_new (transformers' NewGELUActivation, the tanh formula as
+  // written) or gelu_pytorch_tanh (F.gelu's tanh approximation): one value in fp32, two
+  // roundings of it in 16-bit dtypes.
+  std::string activation = "gelu_new";
   nlohmann::json extra = nlohmann::json::object();  // keys of config.json memtune does not model
 
   int64_t q_dim() const { return num_heads * head_dim; }

@@ -19,7 +19,7 @@ namespace fs = std::filesystem;
 void add_eval_command(CLI::App& app) {
   auto* cmd = app.add_subcommand("eval", "loss, perplexity and token count of a model on a dataset");
   struct A {
-    std::string model, adapter, data, format = "auto", tokenizer, device = "cpu";
+    std::string model, adapter, data, format = "auto", tokenizer, device = "cpu", dtype = "fp32";
     int64_t max_seq_length = 1024, max_rows = -1, batch = 4;
     bool json = false;
   };
@@ -34,8 +34,12 @@ void add_eval_command(CLI::App& app) {
   cmd->add_option("--batch", a->batch, "rows per forward pass")->capture_default_str()->check(CLI::PositiveNumber);
   cmd->add_flag("--json", a->json, "print one JSON object: loss, perplexity, tokens");
   cmd->add_option("--device", a->device, "cpu, cuda, cuda:N or auto")->capture_default_str();
+  cmd->add_option("--dtype", a->dtype,
+                  "fp32, bf16 or fp16 (GPUs): the dtype the model's weights are kept and its products run in, "
+                  "as from_pretrained's dtype; adapters stay fp32")
+      ->capture_default_str();
   cmd->callback([a] {
-    auto model = load_for_inference(a->model, a->adapter, a->device);
+    auto model = load_for_inference(a->model, a->adapter, a->device, a->dtype);
     std::unique_ptr<data::Tokenizer> tok;
     fs::path tp = a->tokenizer.empty() ? fs::path(a->model) : fs::path(a->tokenizer);
     if (fs::exists(tp / "tokenizer.json") || fs::is_regular_file(tp)) tok = data::Tokenizer::load(tp);

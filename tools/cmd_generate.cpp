@@ -13,7 +13,7 @@ namespace memtune::cli {
 void add_generate_command(CLI::App& app) {
   auto* cmd = app.add_subcommand("generate", "continue a prompt with a model (and adapter)");
   struct A {
-    std::string model, adapter, prompt, tokenizer, device = "cpu";
+    std::string model, adapter, prompt, tokenizer, device = "cpu", dtype = "fp32";
     int64_t max_new_tokens = 64;
     bool greedy = false;
     double temperature = 1.0, top_p = 1.0;
@@ -30,8 +30,12 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--top-p", a->top_p)->capture_default_str();
   cmd->add_option("--seed", a->seed)->capture_default_str();
   cmd->add_option("--device", a->device, "cpu, cuda, cuda:N or auto")->capture_default_str();
+  cmd->add_option("--dtype", a->dtype,
+                  "fp32, bf16 or fp16 (GPUs): the dtype the model's weights are kept and its products run in, "
+                  "as from_pretrained's dtype; adapters stay fp32")
+      ->capture_default_str();
   cmd->callback([a] {
-    auto model = load_for_inference(a->model, a->adapter, a->device);
+    auto model = load_for_inference(a->model, a->adapter, a->device, a->dtype);
     auto tok = data::Tokenizer::load(a->tokenizer.empty() ? a->model : a->tokenizer);
     check_tokenizer_fits(*tok, *model);
     models::GenerateOptions o;

@@ -33,9 +33,14 @@ void copy_tokenizer_files(const fs::path& from, const fs::path& to) {
 }
 
 std::unique_ptr<models::CausalLM> load_for_inference(const std::string& model_dir, const std::string& adapter,
-                                                     const std::string& device) {
+                                                     const std::string& device, const std::string& dtype) {
   const c10::Device d = trainer::resolve_device(device, "--device");
-  auto model = models::load_hf_model(model_dir, {});
+  models::LoadOptions o;
+  o.dense_dtype = dtype_arg(dtype);
+  MEMTUNE_CHECK(o.dense_dtype != at::kHalf || !d.is_cpu(), "--dtype ", dtype,
+                ": CPUs have no fp16 matmul. Hint: --dtype fp32 or bf16 here, fp16 on a GPU");
+  auto model = models::load_hf_model(model_dir, o);
+  model->set_compute_dtype(o.dense_dtype);
   if (!adapter.empty()) models::load_adapter(*model, adapter);
   model->place(models::Placement::all_on(d, model->num_layers()));
   return model;

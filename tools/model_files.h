@@ -25,9 +25,11 @@ void copy_file_or_fail(const std::filesystem::path& from, const std::filesystem:
 // tokenizer.json, tokenizer.model and their config files, where `from` has them.
 void copy_tokenizer_files(const std::filesystem::path& from, const std::filesystem::path& to);
 
-// A model directory with an optional PEFT adapter, placed whole on `device` (auto, cpu, cuda:N).
+// A model directory with an optional PEFT adapter, placed whole on `device` (auto, cpu, cuda:N),
+// its dense tensors kept and its products run in `dtype` (dtype_arg's names), as
+// from_pretrained(dtype=...) loads and runs it; the adapter stays fp32, as PEFT's.
 std::unique_ptr<models::CausalLM> load_for_inference(const std::string& model_dir, const std::string& adapter,
-                                                     const std::string& device);
+                                                     const std::string& device, const std::string& dtype = "fp32");
 
 // A tokenizer with ids past the model's embedding rows would index out of range in the
 // first forward: refused up front, as train refuses it.

@@ -97,8 +97,9 @@ void ModelConfig::fields(F&& f) {
     "registered architecture for a preset; empty: from the preset or config.json");
   f("tokenizer", tokenizer, "tokenizer file or directory; empty: name_or_path's own");
   f("torch_dtype", torch_dtype,
-    "dtype the dense weights are loaded in: float32 only (the matmul dtype is "
-    "quantization_config.bnb_4bit_compute_dtype, training.bf16 or training.fp16)",
+    "dtype the dense weights (embeddings, norms, unquantized projections, head) and so the activations are kept "
+    "in, as from_pretrained's; auto: config.json's. bfloat16 / float16 need the same compute dtype (training.bf16 "
+    "/ fp16) and a LoRA run (trained tensors stay float32); float32 with training.bf16 is mixed precision",
     kDtype);
   f("quantization_config", quantization_config, "bitsandbytes' BitsAndBytesConfig");
   f("device_map", device_map,
@@ -460,11 +461,6 @@ void validate(const QuantizationConfig& q, const std::string& p, const Checker& 
 
 void validate(const ModelConfig& m, const std::string& p, const Checker& c) {
   c.check(!m.name_or_path.empty(), p + ".name_or_path", m.name_or_path, "must name a model directory or a preset");
-  c.check(m.torch_dtype == "float32", p + ".torch_dtype", m.torch_dtype,
-          "Hugging Face loads the weights in this dtype, but memtune keeps its dense weights (embeddings, "
-          "norms, unquantized projections) in float32; the matmuls run in "
-          "quantization_config.bnb_4bit_compute_dtype, or set training.bf16 / training.fp16. Remove the key or "
-          "set float32", kDtype);
   validate(m.quantization_config, p + ".quantization_config", c);
   if (m.device_map.entries.empty())
     c.check(is_device(m.device_map.single, true, false), p + ".device_map", m.device_map.single,

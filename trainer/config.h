@@ -55,7 +55,7 @@ struct ModelConfig {
   std::string name_or_path = "tiny-llama";  // HF model dir (config.json + safetensors) or preset
   std::string architecture;                 // registered architecture for a preset; empty: from the preset or config.json
   std::string tokenizer;                    // tokenizer file or dir; empty: name_or_path's own
-  std::string torch_dtype = "float32";      // dense weight dtype: float32 only (others refused)
+  std::string torch_dtype = "float32";      // dense tensors' dtype (trainer::resolve_dense_dtype)
   QuantizationConfig quantization_config;
   DeviceMapConfig device_map;
   std::map<std::string, SizeSpec> max_memory;  // device -> budget for device_map: auto

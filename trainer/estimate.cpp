@@ -71,7 +71,6 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
     in.quant_type = quant_type_from_name(type);
     in.double_quant = field("bnb_4bit_use_double_quant", false, &nlohmann::json::is_boolean).get<bool>();
   }
-  in.dense_bytes = 4;  // dense tensors are kept in fp32 (models::LoadOptions::dense_dtype)
 
   in.finetune = c.training.finetune;
   in.lora_r = c.lora.r;
@@ -114,10 +113,11 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
   const at::ScalarType compute_dtype = resolve_compute_dtype(c, device, &note);
   in.compute_bytes = static_cast<int64_t>(c10::elementSize(compute_dtype));
   in.loss_bf16 = models::loss_matmul_dtype(compute_dtype) == at::kBFloat16;
-  // Activations are in the dense dtype (fp32: LoadOptions::dense_dtype) whatever the compute
-  // dtype: each projection casts its output back, so q, k and v reach attention in fp32 and
-  // on the CPU take the fused kernel (its rule: fp32 CPU tensors) unless the config asks
+  // Activations are in the dense dtype (model.torch_dtype) whatever the compute dtype: each
+  // projection casts its output back, so in an fp32 model q, k and v reach attention in fp32
+  // and on the CPU take the fused kernel (its rule: fp32 CPU tensors) unless the config asks
   // for another.
+  in.dense_bytes = static_cast<int64_t>(c10::elementSize(resolve_dense_dtype(c, s, compute_dtype)));
   in.fused_cpu_attention = device.is_cpu() && in.dense_bytes == 4 && c.model.attn_implementation == "auto";
 #ifdef MEMTUNE_CUDA
   in.cuda_kernels = device.is_cuda();  // the activations are fp32, fp16 or bf16: the kernels' types

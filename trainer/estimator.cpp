@@ -239,31 +239,26 @@ class Planner {
     e.activations = kept + final_norm + batch + stack.context;
 
     // Loss (models/layers/cross_entropy.cpp): gradients are formed in the forward. Alive at
-    // once: the normed hidden (E,C), its N trained rows, their fp32 gradient, a chunk of fp32
-    // logits (softmaxed in place) and a chunk of gathered head rows; at the end the full (E,C)
-    // gradient, kept for backward (and dW (V,C) fp32 when the head is trained).
+    // once: the normed hidden (E,C), its N trained rows, their gradient in the products' dtype,
+    // the head in that dtype (a copy where it is stored in another), a chunk of logits and the
+    // chunk's hidden rows in that dtype; at the end the full (E,C) gradient in the hidden's
+    // dtype, kept for backward (and dW (V,C) fp32 when the head is trained).
+    // In fp32 products: the chunk's fp32 logits (softmaxed in place) and a chunk of gathered
+    // head rows. In bf16 products: the bf16 logits beside their fp32 copy, then that beside the
+    // bf16 d logits (6 bytes per logit at the peak), and the chunk's hidden also in fp32 where
+    // dW is summed on the CPU.
     const int64_t N = m_.max_sample_targets > 0 ? std::min(E, m_.micro_batch * m_.max_sample_targets) : E;
     const int64_t chunk = std::min(N, m_.loss_chunk_rows > 0 ? m_.loss_chunk_rows : models::loss_chunk_rows(V));
+    const int64_t mm = m_.loss_bf16 ? kBf16 : kF32;  // the products' dtype
+    const bool cast = act_ != mm;                    // the head and hidden are stored in another dtype
     const int64_t hidden = E * C * act_;
     const int64_t head_grad = head_trained_ ? V * C * kF32 : 0;
-    const int64_t rows = N * C * act_;
-    int64_t dh = E * C * kF32, loss_chunk = 0, loss_end = 0;
-    if (!m_.loss_bf16) {
-      const int64_t d_rows = N * C * kF32;
-      loss_chunk = hidden + rows + d_rows + chunk * V * kF32 + chunk * C * kF32 + head_grad;
-      loss_end = hidden + rows + d_rows + dh + head_grad;
-    } else {
-      // The products in bf16: a bf16 copy of the head; per chunk the bf16 logits beside
-      // their fp32 copy, then that beside the bf16 d logits (6 bytes per logit at the
-      // peak), and the chunk's hidden in bf16 (in fp32 too where dW is summed on the CPU);
-      // the rows' bf16 d hidden, at the end scattered into a bf16 (E,C) and cast to the
-      // hidden's dtype, which backward keeps.
-      const int64_t head_copy = V * C * kBf16, d_rows = N * C * kBf16;
-      const int64_t h_chunk = chunk * C * (kBf16 + (head_trained_ && !m_.cuda_kernels ? kF32 : 0));
-      dh = E * C * act_;
-      loss_chunk = hidden + rows + d_rows + head_copy + chunk * V * (kBf16 + kF32) + h_chunk + head_grad;
-      loss_end = hidden + rows + d_rows + head_copy + E * C * kBf16 + dh + head_grad;
-    }
+    const int64_t rows = N * C * act_, d_rows = N * C * mm, head_copy = cast ? V * C * mm : 0;
+    const int64_t h_chunk = (cast ? chunk * C * mm : 0) + (m_.loss_bf16 && head_trained_ && !m_.cuda_kernels ? chunk * C * kF32 : 0);
+    const int64_t logits = m_.loss_bf16 ? chunk * V * (kBf16 + kF32) : chunk * V * kF32 + chunk * C * kF32;
+    const int64_t dh = E * C * act_;
+    const int64_t loss_chunk = hidden + rows + d_rows + head_copy + logits + h_chunk + head_grad;
+    const int64_t loss_end = hidden + rows + d_rows + head_copy + (cast ? E * C * mm : 0) + dh + head_grad;
     e.loss = std::max(loss_chunk, loss_end);
     e.after_forward = e.activations + dh + head_grad;
 

@@ -94,6 +94,45 @@ at::ScalarType resolve_compute_dtype(const Config& c, const c10::Device& device,
   return t;
 }
 
+at::ScalarType resolve_dense_dtype(const Config& c, const models::ModelSpec& spec, at::ScalarType compute_dtype,
+                                   std::string* note) {
+  std::string name = c.model.torch_dtype, why = "model.torch_dtype";
+  if (name == "auto") {
+    // transformers 5 writes dtype, earlier versions torch_dtype.
+    const nlohmann::json& d = spec.extra.value("dtype", nlohmann::json());
+    name = d.is_string() ? d.get<std::string>() : spec.torch_dtype;
+    why = "model.torch_dtype auto: config.json's dtype";
+    MEMTUNE_CHECK(name == "float32" || name == "bfloat16" || name == "float16", c.model.name_or_path,
+                  "/config.json: dtype '", name, "' is not one memtune keeps dense weights in (float32, bfloat16, "
+                  "float16). Hint: set model.torch_dtype");
+  }
+  const at::ScalarType dtype = dtype_from_name(name);
+  if (dtype == at::kFloat) {
+    if (note) *note = "dense weights float32 (" + why + ")";
+    return dtype;
+  }
+  const std::string hint = " Hint: model.torch_dtype: float32 with training.bf16 (or fp16): true keeps fp32 weights "
+                           "and runs the products in 16 bits";
+  MEMTUNE_CHECK(c.training.finetune != "full", why, " is ", name, ", and training.finetune: full trains the dense "
+                "weights: transformers would update them in ", name, " itself (AdamW's states too), losing updates "
+                "smaller than its rounding, where memtune keeps trained weights in float32.", hint);
+  MEMTUNE_CHECK(c.lora.modules_to_save.empty(), why, " is ", name, ", and lora.modules_to_save trains whole tensors, "
+                "which memtune keeps in float32 (PEFT would train its copies in ", name, ").", hint);
+  std::string compute = c10::toString(compute_dtype);
+  MEMTUNE_CHECK(compute_dtype == dtype, why, " is ", name, ": the dense weights and the activations are ", name,
+                ", and the products would run in ", compute == "Float" ? "float32" : compute,
+                " (training.bf16 / training.fp16 / quantization_config.bnb_4bit_compute_dtype, resolved for ",
+                c.runtime.device, "). memtune runs a ", name, " model's products in ", name,
+                ", as transformers' does.",
+                dtype == at::kHalf && !c.training.fp16
+                    ? " Hint: training.fp16: true on a GPU (CPUs have no fp16 matmul), or model.torch_dtype: float32"
+                : dtype == at::kHalf ? " Hint: CPUs have no fp16 matmul: model.torch_dtype: float32 here"
+                                     : " Hint: training.bf16: true (on a CPU bf16 runs about 30x slower than fp32), "
+                                       "or model.torch_dtype: float32");
+  if (note) *note = "dense weights and activations " + name + " (" + why + "); LoRA adapters float32, as PEFT's";
+  return dtype;
+}
+
 models::ModelSpec model_spec(const ModelConfig& m) {
   if (fs::is_directory(m.name_or_path)) {
     MEMTUNE_CHECK(m.architecture.empty(), "model.architecture: '", m.architecture, "' picks a preset's architecture, "
@@ -115,11 +154,13 @@ models::ModelSpec model_spec(const ModelConfig& m) {
   return *spec;
 }
 
-std::unique_ptr<models::CausalLM> load_base_model(const ModelConfig& m, const SkipTensors& skip) {
+std::unique_ptr<models::CausalLM> load_base_model(const ModelConfig& m, at::ScalarType dense_dtype,
+                                                  const SkipTensors& skip) {
   const auto& q = m.quantization_config;
   fs::path dir(m.name_or_path);
   if (fs::is_directory(dir)) {
     models::LoadOptions o;
+    o.dense_dtype = dense_dtype;
     o.load_in_4bit = q.load_in_4bit;
     o.quant_type = quant_type(q);
     o.blocksize = q.blocksize;
@@ -128,6 +169,7 @@ std::unique_ptr<models::CausalLM> load_base_model(const ModelConfig& m, const Sk
     return models::load_hf_model(dir, o);
   }
   auto model = models::init_random_model(model_spec(m), m.init_seed);
+  model->set_dense_dtype(dense_dtype);
   if (q.load_in_4bit)
     for (models::Linear* l : model->linears()) l->quantize(q.blocksize, q.bnb_4bit_use_double_quant, quant_type(q));
   return model;
@@ -162,7 +204,8 @@ ModelBundle setup_model(const Config& c, const fs::path& adapter_dir, const Skip
   b.compute_dtype = resolve_compute_dtype(c, b.device, &note);
   b.notes.push_back(note);
 
-  b.model = load_base_model(c.model, skip);
+  b.model = load_base_model(c.model, resolve_dense_dtype(c, model_spec(c.model), b.compute_dtype, &note), skip);
+  b.notes.push_back(note);
   models::CausalLM& model = *b.model;
   const models::ModelSpec& spec = model.spec();
   MEMTUNE_CHECK(spec.rope_scaling.type != "dynamic" || c.data.max_seq_length <= spec.max_position_embeddings,

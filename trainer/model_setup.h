@@ -42,6 +42,16 @@ c10::Device resolve_device(const std::string& spec, const std::string& where = "
 // bf16). `note` receives why, and a warning when an explicit choice will be slow.
 at::ScalarType resolve_compute_dtype(const Config& config, const c10::Device& device, std::string* note);
 
+// The dtype the model's dense tensors are kept in (embeddings, norms, dense projections, the
+// head), and so the residual stream's: model.torch_dtype, auto being config.json's dtype
+// (torch_dtype) or float32 where it names none. float32, or a 16-bit dtype that must be the
+// compute dtype (`compute_dtype`, resolve_compute_dtype's): then every dense product runs in
+// it as in transformers' model of that dtype, with fp32 LoRA adapters as PEFT makes them. A
+// 16-bit dtype with anything trained but adapters, or with another compute dtype, is a
+// UserError naming the keys. `note` (optional) receives what was chosen and why.
+at::ScalarType resolve_dense_dtype(const Config& config, const models::ModelSpec& spec, at::ScalarType compute_dtype,
+                                   std::string* note = nullptr);
+
 // Whether gradients need fp16's dynamic loss scaling: the matmuls run in fp16
 // (`compute_dtype`, resolve_compute_dtype's: training.fp16, bnb_4bit_compute_dtype: float16, or
 // auto on a GPU without bf16), or fp16 was asked for on a CPU, whose matmuls stay fp32 while the
@@ -57,7 +67,10 @@ models::ModelSpec model_spec(const ModelConfig& config);
 // `skip` (optional, a Hugging Face directory only): the tensors this process does not read
 // (models::LoadOptions::skip; distributed.sharding: full).
 using SkipTensors = std::function<std::vector<bool>(const models::CausalLM& built)>;
-std::unique_ptr<models::CausalLM> load_base_model(const ModelConfig& config, const SkipTensors& skip = {});
+// `dense_dtype`: resolve_dense_dtype's; a projection quantized on load is quantized from its
+// weight in that dtype, as transformers casts to torch_dtype before bitsandbytes quantizes.
+std::unique_ptr<models::CausalLM> load_base_model(const ModelConfig& config, at::ScalarType dense_dtype = at::kFloat,
+                                                  const SkipTensors& skip = {});
 
 // The tokenizer model.tokenizer names, else the model directory's (tokenizer.json or
 // tokenizer.model); `path` receives where it was read. Null when a preset or a directory has

@@ -83,7 +83,7 @@ class Gpt2Model : public CausalLM {
     a = a.permute({0, 3, 1, 2, 4}).reshape({B, T, C});
     at::Tensor y = x + drop(L.c_proj->forward(a, ctx.training), dropout_.residual, L.attn_resid_site);
     h = at::layer_norm(y, {C}, L.ln2_w, L.ln2_b, s.norm_eps);
-    at::Tensor m = gelu_tanh(L.fc->forward(h, ctx.training));
+    at::Tensor m = gelu_tanh(L.fc->forward(h, ctx.training), s.activation == "gelu_new");
     return y + drop(L.proj->forward(m, ctx.training), dropout_.residual, L.mlp_resid_site);
   }
 
@@ -121,7 +121,10 @@ class Gpt2Model : public CausalLM {
     const bool g_y = g_attention || to.trains();
     if (g_y) mlp += layer_norm_kept(E, C, a);
     if (tfc.keeps_input()) mlp += E * C * a;           // h
-    if (g_y || tfc.trains()) mlp += E * F * a;        // GELU's input
+    // GELU's input; in a 16-bit model gelu_new runs as transformers' ops, whose autograd keeps
+    // three more tensors of its size (tanh's output, 1 + it, x / 2).
+    const bool gelu_ops = a != 4 && spec_.activation == "gelu_new";
+    if (g_y || tfc.trains()) mlp += E * F * a * (gelu_ops ? 4 : 1);
     if (tp.keeps_input()) mlp += E * F * a;           // GELU's output
 
     // keyed_dropout keeps a boolean mask where a gradient flows through it, where it keeps
@@ -150,7 +153,7 @@ class Gpt2Model : public CausalLM {
     m.forward_no_grad = std::max(E * C * a + qkv + at.no_grad_own + at.forward_transient,
                                  3 * E * C * a + qkv + E * C * a + 2 * E * F * a + panel);
     // The MLP's backward, beside the gradient flowing in (the caller's).
-    const int64_t at_mlp = gelu_backward_transient(E, F) + panel;
+    const int64_t at_mlp = (gelu_ops ? 4 * E * F * a : gelu_backward_transient(E, F)) + panel;
     m.backward = std::max(m.kept + at_mlp, attn + at.backward_transient);
     m.workspace = std::max(at_mlp, at.backward_transient);
     return m;

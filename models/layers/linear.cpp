@@ -1,6 +1,7 @@
 #include "models/layers/linear.h"
 
 #include <cmath>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -15,6 +16,15 @@
 namespace memtune::models {
 
 namespace {
+
+// GPT-2's Conv1D: x @ W + b with W [in, out], the rows as one matrix and the bias added inside
+// the GEMM (transformers' addmm: one rounding in 16-bit dtypes).
+at::Tensor conv1d(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+  const at::Tensor x2 = x.reshape({-1, x.size(-1)});
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = w.size(1);
+  return (b.defined() ? at::addmm(b, x2, w) : at::mm(x2, w)).view(sizes);
+}
 
 // A dense weight whose products run in another dtype (an fp32 model computing in bf16 or
 // fp16): cast for the forward's product and again for backward's, so that no cast copy lives
@@ -35,9 +45,7 @@ struct CastLinear : public torch::autograd::Function<CastLinear> {
     ctx->saved_data["fan_in_fan_out"] = fan_in_fan_out;
     ctx->saved_data["has_bias"] = b.defined();
     const at::Tensor w = weight.to(x.scalar_type());
-    if (!fan_in_fan_out) return at::linear(x, w, b);
-    at::Tensor y = at::matmul(x, w);
-    return b.defined() ? y + b : y;
+    return fan_in_fan_out ? conv1d(x, w, b) : at::linear(x, w, b);
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -77,13 +85,18 @@ Linear::Linear(std::string name, int64_t in_features, int64_t out_features, bool
       dropout_site_(dropout_site(name_)) {}
 
 at::Tensor Linear::forward(const at::Tensor& x, bool training) const {
-  // A LoRA adapter on a frozen base whose product runs in the adapter's dtype: one node
-  // (models/layers/lora_linear.h). Otherwise: the base, then the adapter added.
+  // A LoRA adapter on a frozen base whose product runs in the input's dtype, the adapter in
+  // that dtype or in fp32 (a bf16 or fp16 model): one node (models/layers/lora_linear.h).
+  // Otherwise: the base, then the adapter added.
   const bool frozen_base = qweight_ || !weight.requires_grad();
-  if (lora && frozen_base && compute_dtype == lora->A.scalar_type() && x.scalar_type() == compute_dtype &&
+  if (lora && frozen_base && x.scalar_type() == compute_dtype &&
+      (lora->A.scalar_type() == compute_dtype || lora->A.scalar_type() == at::kFloat) &&
       (!bias.defined() || bias.scalar_type() == compute_dtype) &&
       (qweight_ || weight.scalar_type() == compute_dtype)) {
-    at::Tensor h = training && lora->dropout > 0 ? keyed_dropout(x, lora->dropout, dropout_site_) : at::Tensor();
+    // PEFT drops the adapter's input after taking it to the adapter's dtype.
+    at::Tensor h = training && lora->dropout > 0
+                       ? keyed_dropout(x.to(lora->A.scalar_type()), lora->dropout, dropout_site_)
+                       : at::Tensor();
     FrozenWeight w{qweight_ ? at::Tensor() : (fan_in_fan_out_ ? weight.t() : weight), qweight_};
     return lora_linear(x, h, w, bias, lora->A, lora->B, lora->scaling);
   }
@@ -99,9 +112,7 @@ at::Tensor Linear::forward(const at::Tensor& x, bool training) const {
       if (b.defined()) b_opt = b;
       y = CastLinear::apply(xc, b_opt, weight, fan_in_fan_out_);
     } else if (fan_in_fan_out_) {
-      const at::Tensor w = weight.to(compute_dtype);
-      y = at::matmul(xc, w);  // Conv1D: x @ W, W [in, out]
-      if (b.defined()) y = y + b;
+      y = conv1d(xc, weight.to(compute_dtype), b);
     } else {
       y = at::linear(xc, weight.to(compute_dtype), b);
     }

@@ -34,12 +34,16 @@ bool use_panels(const NF4Tensor& q, Nf4MatmulPath path) {
 }  // namespace
 
 int64_t nf4_panel_bytes(int64_t out, int64_t in, int64_t elem_bytes) {
+  if (elem_bytes != 4) return out * in * elem_bytes;  // nf4_matmul_w's one GEMM (the forward's panels are smaller)
   return std::min(panel_rows(in, elem_bytes), out) * in * elem_bytes;
 }
 
 // y [M, out] = x [M, in] @ deq(W)^T
-at::Tensor nf4_matmul_wt(const at::Tensor& x, const NF4Tensor& q, at::ScalarType ct, Nf4MatmulPath path) {
-  if (!use_panels(q, path)) return at::mm(x, memtune::nf4_dequantize(q, ct).t());
+at::Tensor nf4_matmul_wt(const at::Tensor& x, const NF4Tensor& q, at::ScalarType ct, Nf4MatmulPath path,
+                         const at::Tensor& bias) {
+  if (!use_panels(q, path))
+    return bias.defined() ? at::addmm(bias, x, memtune::nf4_dequantize(q, ct).t())
+                          : at::mm(x, memtune::nf4_dequantize(q, ct).t());
   const int64_t out = q.shape[0], in = q.shape[1], rows = panel_rows(q, ct);
   at::Tensor y = at::empty({x.size(0), out}, x.options());
   at::Tensor buf = at::empty({std::min(rows, out) * in}, x.options());
@@ -48,14 +52,19 @@ at::Tensor nf4_matmul_wt(const at::Tensor& x, const NF4Tensor& q, at::ScalarType
     at::Tensor panel = buf.narrow(0, 0, r * in);
     memtune::nf4_dequantize_range_into(q, r0 * in, r * in, panel);
     at::Tensor y_cols = y.narrow(1, r0, r);  // strided (ld = out): BLAS writes it in place
-    at::mm_out(y_cols, x, panel.view({r, in}).t());
+    if (bias.defined())
+      at::addmm_out(y_cols, bias.narrow(0, r0, r), x, panel.view({r, in}).t());
+    else
+      at::mm_out(y_cols, x, panel.view({r, in}).t());
   }
   return y;
 }
 
 // gx [M, in] = g [M, out] @ deq(W)
 at::Tensor nf4_matmul_w(const at::Tensor& g, const NF4Tensor& q, at::ScalarType ct, Nf4MatmulPath path) {
-  if (!use_panels(q, path)) return at::mm(g, memtune::nf4_dequantize(q, ct));
+  // Summed over panels, a 16-bit gx would be rounded once per panel; one GEMM sums in fp32 and
+  // rounds once, as bitsandbytes' product of the dequantized weight does.
+  if (!use_panels(q, path) || ct != at::kFloat) return at::mm(g, memtune::nf4_dequantize(q, ct));
   const int64_t out = q.shape[0], in = q.shape[1], rows = panel_rows(q, ct);
   at::Tensor gx = at::empty({g.size(0), in}, g.options());
   at::Tensor buf = at::empty({std::min(rows, out) * in}, g.options());
@@ -112,8 +121,7 @@ class Linear4bitFunction : public torch::autograd::Function<Linear4bitFunction> 
     const at::Tensor bias = bias_opt.has_value() ? *bias_opt : at::Tensor();
     const int64_t in = w->shape[1], out = w->shape[0];
     at::Tensor x2 = x.reshape({-1, in}).to(ct);
-    at::Tensor y = nf4_matmul_wt(x2, *w, ct, path);
-    if (bias.defined()) y.add_(bias.to(ct));
+    at::Tensor y = nf4_matmul_wt(x2, *w, ct, path, bias.defined() ? bias.to(ct) : bias);
     save_nf4(ctx, *w);
     ctx->saved_data["compute_dtype"] = static_cast<int64_t>(ct);
     ctx->saved_data["path"] = static_cast<int64_t>(path);

@@ -22,12 +22,15 @@ enum class Nf4MatmulPath {
 };
 
 // The two products with a frozen NF4 W [out, in], x and g 2-D in the compute dtype ct:
-// y [M, out] = x [M, in] @ deq(W)^T and gx [M, in] = g [M, out] @ deq(W).
-at::Tensor nf4_matmul_wt(const at::Tensor& x, const NF4Tensor& q, at::ScalarType ct, Nf4MatmulPath path);
+// y [M, out] = x [M, in] @ deq(W)^T (+ bias [out], added inside the GEMM as F.linear does)
+// and gx [M, in] = g [M, out] @ deq(W).
+at::Tensor nf4_matmul_wt(const at::Tensor& x, const NF4Tensor& q, at::ScalarType ct, Nf4MatmulPath path,
+                         const at::Tensor& bias = {});
 at::Tensor nf4_matmul_w(const at::Tensor& g, const NF4Tensor& q, at::ScalarType ct, Nf4MatmulPath path);
 
 // Bytes of the dequantized panel the CPU products hold while they run, for a W [out, in]
-// in the compute dtype of `elem_bytes` (the memory model's transient, models/memory.h).
+// in the compute dtype of `elem_bytes` (the memory model's transient, models/memory.h): all
+// of W in 16-bit dtypes, whose backward takes one GEMM.
 int64_t nf4_panel_bytes(int64_t out, int64_t in, int64_t elem_bytes);
 
 // Keeps W's quantized state (its tensors share storage, nothing is copied) in an autograd

@@ -26,11 +26,16 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     if (dense.has_value()) {
       y = bias.has_value() ? at::addmm(*bias, x2, dense->t()) : at::mm(x2, dense->t());
     } else {
-      y = nf4_matmul_wt(x2, *nf4, x2.scalar_type(), path);
-      if (bias.has_value()) y.add_(*bias);
+      y = nf4_matmul_wt(x2, *nf4, x2.scalar_type(), path, bias.has_value() ? *bias : at::Tensor());
     }
-    at::Tensor ha = at::mm(h2, A.t());  // [M, r]
-    y.addmm_(ha, B.t(), /*beta=*/1, /*alpha=*/scaling);
+    // An fp32 adapter on a 16-bit base (PEFT's autocast_adapter_dtype): the adapter's input
+    // is taken to fp32, and the sum with the base's output is formed in fp32 and rounded once.
+    const bool mixed = A.scalar_type() != x.scalar_type();
+    at::Tensor ha = at::mm(mixed ? h2.to(A.scalar_type()) : h2, A.t());  // [M, r]
+    if (mixed)
+      y = at::addmm(y.to(A.scalar_type()), ha, B.t(), /*beta=*/1, /*alpha=*/scaling).to(x.scalar_type());
+    else
+      y.addmm_(ha, B.t(), /*beta=*/1, /*alpha=*/scaling);
 
     ctx->save_for_backward({h2, ha, A, B, dense.has_value() ? *dense : at::Tensor()});
     if (nf4) save_nf4(ctx, *nf4);
@@ -50,22 +55,28 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     const double scaling = ctx->saved_data["scaling"].toDouble();
     const auto path = static_cast<Nf4MatmulPath>(ctx->saved_data["path"].toInt());
     at::Tensor g = grad_outputs[0].reshape({-1, B.size(0)});
+    // A mixed node: the adapter's products in its own dtype (the gradient of a cast is the cast).
+    const bool mixed = A.scalar_type() != g.scalar_type();
+    const at::Tensor ga = mixed ? g.to(A.scalar_type()) : g;
 
     const auto x_sizes = ctx->saved_data["x_sizes"].toIntVector();
     const bool has_h = ctx->saved_data["has_h"].toBool();
     // Edges exist for the tensors given: x, A, B, then h and bias when present.
     const size_t h_edge = 3, bias_edge = has_h ? 4 : 3;
 
-    at::Tensor gha = at::mm(g, B).mul_(scaling);  // [M, r]: d loss / d (h A^T)
+    at::Tensor gha = at::mm(ga, B).mul_(scaling);  // [M, r]: d loss / d (h A^T)
     at::Tensor grad_x, grad_A, grad_B, grad_h, grad_bias;
     if (ctx->needs_input_grad(0)) {
       grad_x = dense.defined() ? at::mm(g, dense) : nf4_matmul_w(g, load_nf4(ctx), g.scalar_type(), path);
-      if (!has_h) grad_x.addmm_(gha, A);  // both paths in one buffer
+      if (!has_h && mixed)
+        grad_x.add_(at::mm(gha, A).to(g.scalar_type()));  // each path's gradient rounded, then summed, as autograd
+      else if (!has_h)
+        grad_x.addmm_(gha, A);  // both paths in one buffer
       grad_x = grad_x.view(x_sizes);
     }
-    if (has_h && ctx->needs_input_grad(h_edge)) grad_h = at::mm(gha, A).view(x_sizes);
-    if (ctx->needs_input_grad(1)) grad_A = at::mm(gha.t(), h2);
-    if (ctx->needs_input_grad(2)) grad_B = at::mm(g.t(), ha).mul_(scaling);
+    if (has_h && ctx->needs_input_grad(h_edge)) grad_h = at::mm(gha, A).to(h2.scalar_type()).view(x_sizes);
+    if (ctx->needs_input_grad(1)) grad_A = at::mm(gha.t(), h2.scalar_type() == A.scalar_type() ? h2 : h2.to(A.scalar_type()));
+    if (ctx->needs_input_grad(2)) grad_B = at::mm(ga.t(), ha).mul_(scaling);
     if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(bias_edge)) grad_bias = g.sum(0);
     return {grad_x, grad_A, grad_B, grad_h, grad_bias, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }

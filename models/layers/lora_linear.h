@@ -31,8 +31,11 @@ inline int64_t lora_kept(int64_t rows, int64_t in, int64_t r, double dropout, bo
 
 // x (..., in); adapter_input: what the adapter sees, x after LoRA dropout (undefined: x
 // itself, and grad_x sums both paths in one GEMM); bias [out] or undefined; A [r, in],
-// B [out, r]. Every tensor in one dtype and on one device. Gradients flow to x, the adapter
-// input, A, B and a bias that requires one; W gets none.
+// B [out, r]. Every tensor on one device, in one dtype, except that A and B may be fp32 on a
+// 16-bit x and W (PEFT's adapters on a bf16 or fp16 model: autocast_adapter_dtype): then the
+// adapter takes its input in fp32 and the sum with the base is formed in fp32 and rounded once,
+// as PEFT's forward does; the adapter input, when given, is then fp32 too. Gradients flow to x,
+// the adapter input, A, B and a bias that requires one; W gets none.
 at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& adapter_input, const FrozenWeight& w,
                        const at::Tensor& bias, const at::Tensor& A, const at::Tensor& B, double scaling,
                        Nf4MatmulPath path = Nf4MatmulPath::kAuto);

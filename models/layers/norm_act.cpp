@@ -1,6 +1,7 @@
 #include "models/layers/norm_act.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -312,9 +313,12 @@ struct GeluTanhFunction : public torch::autograd::Function<GeluTanhFunction> {
 
 }  // namespace
 
-at::Tensor gelu_tanh(const at::Tensor& x) {
+at::Tensor gelu_tanh(const at::Tensor& x, bool as_written) {
   if (x.device().is_cpu() && x.scalar_type() == at::kFloat) return GeluTanhFunction::apply(x);
-  return at::gelu(x, "tanh");
+  if (!as_written || x.scalar_type() == at::kFloat) return at::gelu(x, "tanh");
+  // transformers' NewGELUActivation op by op, each rounded to x's dtype as it rounds them.
+  const double c = std::sqrt(2.0 / 3.14159265358979323846);
+  return 0.5 * x * (1.0 + at::tanh(c * (x + 0.044715 * at::pow(x, 3.0))));
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {

@@ -18,10 +18,12 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // silu(gate) * up, in their dtype. Keeps gate and up; silu(gate) is rebuilt in backward.
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
 
-// GELU with tanh's approximation (Hugging Face's gelu_new, GPT-2's activation; ATen's
-// gelu(approximate="tanh")): on fp32 CPU tensors one node with memtune's kernels, elsewhere
-// at::gelu. Keeps x.
-at::Tensor gelu_tanh(const at::Tensor& x);
+// GELU with tanh's approximation (Hugging Face's gelu_new and gelu_pytorch_tanh, GPT-2's
+// activations; ATen's gelu(approximate="tanh")): on fp32 CPU tensors one node with memtune's
+// kernels, elsewhere at::gelu, which keeps x. `as_written` (gelu_new) on a 16-bit x: the
+// formula op by op, as transformers' NewGELUActivation rounds it (it keeps four tensors of x's
+// size).
+at::Tensor gelu_tanh(const at::Tensor& x, bool as_written = false);
 
 // Their memory at `rows` rows (models/memory.h), elements of `elem_bytes`: what each keeps
 // for backward, and the transient of SwiGLU's backward (sigmoid(gate) rebuilt, both

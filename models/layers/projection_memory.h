@@ -20,7 +20,9 @@ struct ProjectionTally {
   int64_t add(const Linear& l, const LinearTraining& t, const StepShape& s) {
     lora_rank = std::max(lora_rank, t.lora_r);
     if (t.nf4) {
-      panel = std::max(panel, nf4_panel_bytes(l.out_features(), l.in_features(), s.compute_bytes));
+      // A GPU dequantizes all of W for each product (models/layers/linear4bit.cpp).
+      panel = std::max(panel, s.cuda_kernels ? l.out_features() * l.in_features() * s.compute_bytes
+                                             : nf4_panel_bytes(l.out_features(), l.in_features(), s.compute_bytes));
     } else if (s.compute_bytes != s.act_bytes) {
       // A dense weight computing in another dtype: its cast, made for each product and not
       // kept (models/layers/linear.cpp, CastLinear).

@@ -14,7 +14,7 @@ Usage (all files are safetensors unless .json):
   hf_reference.py make-batch --out BATCH --vocab V --seed N [--rows 2 --seq 16 --max-docs 3
       --min-doc 2 --ignore-frac 0.1 --pad]
   hf_reference.py forward --model DIR --batch BATCH --out OUT [--lora ADAPTER_DIR]
-      [--dtype float64|float32] [--no-grad]
+      [--dtype float64|float32|bfloat16] [--no-grad]
   hf_reference.py train --model DIR --batch BATCH --lora ADAPTER_DIR --steps N --out OUT.json
       [--out-tensors FINAL --lr 1e-3 --weight-decay 0.0 --betas 0.9,0.999 --eps 1e-8
        --max-grad-norm 0 --dtype float64|float32]
@@ -506,14 +506,24 @@ class Forward:
         w = self.p["transformer.wte.weight" if self.cfg.family == "gpt2" else
                    "model.embed_tokens.weight"] if (name == "lm_head" and self.cfg.tie) \
             else self.p[name + ".weight"]
-        y = torch.matmul(x, w) if conv1d else torch.matmul(x, w.t())
         b = self.p.get(name + ".bias")
-        if b is not None:
-            y = y + b
+        if x.dtype in (torch.bfloat16, torch.float16):
+            # A 16-bit model rounds once per product, the bias inside it: PyTorch 2's F.linear on
+            # a contiguous 3-d input and GPT-2's Conv1D (addmm) both multiply the rows as one matrix.
+            x2 = x.reshape(-1, x.shape[-1])
+            wt = w if conv1d else w.t()
+            y = (torch.addmm(b, x2, wt) if b is not None else torch.mm(x2, wt)).view(*x.shape[:-1], -1)
+        else:
+            y = torch.matmul(x, w) if conv1d else torch.matmul(x, w.t())
+            if b is not None:
+                y = y + b
         if self.lora is not None and name in self.lora.modules:
             a_key, b_key = self.lora.modules[name]
             A, B = self.lp[a_key], self.lp[b_key]
-            y = y + torch.matmul(torch.matmul(x, A.t()), B.t()) * self.lora.scaling
+            # PEFT: the adapter takes x in its own dtype (fp32 adapters on a 16-bit model,
+            # autocast_adapter_dtype), the sum is formed in the wider dtype and rounded back.
+            xa = x.to(A.dtype)
+            y = (y + torch.matmul(torch.matmul(xa, A.t()), B.t()) * self.lora.scaling).to(y.dtype)
         return y
 
     def __call__(self, input_ids, position_ids, segment_ids):
@@ -605,10 +615,12 @@ def run_forward(cfg, base, batch, lora=None, lora_tensors=None, dtype=torch.floa
             t.requires_grad_(True)
         params[k] = t
     lp = None
+    # PEFT's adapters on a 16-bit model are fp32 (get_peft_model's autocast_adapter_dtype).
+    adapter_dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
     if lora is not None:
         lp = {}
         for k, v in lora_tensors.items():
-            t = v.to(dtype)
+            t = v.to(adapter_dtype)
             if want_grad:
                 t.requires_grad_(True)
             lp[k] = t
@@ -1409,7 +1421,9 @@ def main(argv=None):
     p.add_argument("--batch", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--lora", default=None)
-    p.add_argument("--dtype", choices=["float64", "float32"], default="float64")
+    p.add_argument("--dtype", choices=["float64", "float32", "bfloat16"], default="float64",
+                   help="bfloat16: the model's tensors in bf16 as from_pretrained(torch_dtype=bfloat16), "
+                        "LoRA tensors fp32 as PEFT makes them")
     p.add_argument("--no-grad", action="store_true")
 
     p = sub.add_parser("train")

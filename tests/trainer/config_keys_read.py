@@ -19,7 +19,6 @@ import sys
 ONLY_IN_CONFIG = {
     "load_in_8bit": "refused when true",
     "bnb_4bit_quant_storage": "uint8 only",
-    "torch_dtype": "float32 only (memtune's dense weights are float32)",
     "low_cpu_mem_usage": "true only (loads always stream from the mmapped safetensors)",
     "bias": "none only",
     "task_type": "CAUSAL_LM only",

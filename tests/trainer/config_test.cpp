@@ -13,6 +13,8 @@
 #include "runtime/error.h"
 #include "test_util.h"
 #include "trainer/config.h"
+#include "trainer/model_setup.h"
+#include "models/model_spec.h"
 
 namespace {
 
@@ -410,14 +412,53 @@ TEST(ConfigErrors, LoadIn8bitRefused) {
 
 // Keys Hugging Face / PEFT users write whose meaning memtune does not implement: refused by
 // name with what memtune does instead, never accepted and ignored (issue 22).
-TEST(ConfigErrors, TorchDtypeOtherThanFloat32Refused) {
-  for (const std::string v : {"bfloat16", "torch.float16", "auto"}) {
-    const std::string yaml = "model:\n  torch_dtype: " + v + "\n";
-    expect_invalid(yaml, "torch_dtype", v, "model.torch_dtype", v, "keeps its dense weights");
-  }
+// model.torch_dtype keeps the dense weights in that dtype, as from_pretrained does; a 16-bit
+// dtype takes its own compute dtype and a LoRA run, and is refused by name otherwise.
+TEST(TorchDtype, SixteenBitsNeedTheirComputeDtypeAndOnlyAdaptersTrained) {
+  using memtune::trainer::resolve_dense_dtype;
+  EXPECT_EQ(parse("model: {torch_dtype: torch.bfloat16}").model.torch_dtype, "bfloat16");
+  EXPECT_EQ(parse("model: {torch_dtype: fp16}").model.torch_dtype, "float16");
   EXPECT_EQ(parse("model: {torch_dtype: torch.float32}").model.torch_dtype, "float32");
-}
+  expect_invalid("model:\n  torch_dtype: float64\n", "torch_dtype", "float64", "model.torch_dtype", "float64",
+                 "expected one of auto|float32|float16|bfloat16");
 
+  memtune::models::ModelSpec spec = *memtune::models::preset("tiny-llama");
+  auto error = [&](const std::string& yaml, at::ScalarType compute) {
+    try {
+      resolve_dense_dtype(parse(yaml), spec, compute);
+    } catch (const memtune::UserError& e) {
+      return std::string(e.what());
+    }
+    ADD_FAILURE() << "accepted:\n" << yaml;
+    return std::string();
+  };
+  const std::string lora = "training: {finetune: lora}\n";
+  EXPECT_EQ(resolve_dense_dtype(parse("model: {torch_dtype: float32}"), spec, at::kBFloat16), at::kFloat);
+  EXPECT_EQ(resolve_dense_dtype(parse(lora + "model: {torch_dtype: bfloat16}"), spec, at::kBFloat16), at::kBFloat16);
+  EXPECT_EQ(resolve_dense_dtype(parse(lora + "model: {torch_dtype: float16}"), spec, at::kHalf), at::kHalf);
+  std::string e = error("training: {finetune: full}\nmodel: {torch_dtype: bfloat16}", at::kBFloat16);
+  EXPECT_HAS(e, "model.torch_dtype is bfloat16, and training.finetune: full");
+  EXPECT_HAS(e, "Hint: model.torch_dtype: float32 with training.bf16");
+  e = error(lora + "lora: {modules_to_save: [lm_head]}\nmodel: {torch_dtype: bfloat16}", at::kBFloat16);
+  EXPECT_HAS(e, "lora.modules_to_save");
+  e = error(lora + "model: {torch_dtype: bfloat16}", at::kFloat);
+  EXPECT_HAS(e, "the products would run in float32");
+  EXPECT_HAS(e, "Hint: training.bf16: true");
+  e = error(lora + "model: {torch_dtype: float16}", at::kFloat);
+  EXPECT_HAS(e, "fp16: true on a GPU (CPUs have no fp16 matmul)");
+  e = error(lora + "model: {torch_dtype: float16}", at::kBFloat16);
+  EXPECT_HAS(e, "the products would run in BFloat16");
+
+  // auto: config.json's dtype (transformers 5), else its torch_dtype, else float32.
+  const std::string automatic = lora + "model: {torch_dtype: auto}";
+  EXPECT_EQ(resolve_dense_dtype(parse(automatic), spec, at::kBFloat16), at::kFloat);
+  spec.torch_dtype = "bfloat16";
+  EXPECT_EQ(resolve_dense_dtype(parse(automatic), spec, at::kBFloat16), at::kBFloat16);
+  spec.extra["dtype"] = "float16";
+  EXPECT_EQ(resolve_dense_dtype(parse(automatic), spec, at::kHalf), at::kHalf);
+  spec.extra["dtype"] = "float64";
+  EXPECT_HAS(error(automatic, at::kFloat), "config.json: dtype 'float64' is not one memtune keeps");
+}
 TEST(ConfigErrors, LowCpuMemUsageFalseRefused) {
   const std::string yaml = "model:\n  low_cpu_mem_usage: false\n";
   expect_invalid(yaml, "low_cpu_mem_usage", "false", "model.low_cpu_mem_usage", "false",
@@ -682,6 +723,7 @@ Config every_field_changed() {
   m.name_or_path = "models/llama-3-8b";
   m.architecture = "llama";
   m.tokenizer = "tok/tokenizer.json";
+  m.torch_dtype = "bfloat16";
   m.quantization_config.load_in_4bit = true;
   m.quantization_config.bnb_4bit_compute_dtype = "float16";
   m.quantization_config.bnb_4bit_use_double_quant = true;
@@ -815,7 +857,7 @@ std::map<std::string, std::string> leaves(const std::string& yaml) {
 // refused otherwise: ConfigErrors.*Refused*).
 const std::set<std::string> kSingleValued = {
     "model.quantization_config.load_in_8bit", "model.quantization_config.bnb_4bit_quant_type",
-    "model.quantization_config.bnb_4bit_quant_storage", "lora.bias", "lora.task_type", "model.torch_dtype",
+    "model.quantization_config.bnb_4bit_quant_storage", "lora.bias", "lora.task_type",
     "model.low_cpu_mem_usage", "training.group_by_length", "training.report_to", "data.eval_split"};
 
 TEST(ConfigRoundTrip, EveryFieldChangedIsComplete) {

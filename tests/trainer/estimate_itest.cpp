@@ -171,6 +171,19 @@ INSTANTIATE_TEST_SUITE_P(
                                            "model.quantization_config.load_in_4bit=true",
                                            "training.bf16=true", "data.max_seq_length=512",
                                            "training.per_device_train_batch_size=2"}},
+        // A bf16 model (model.torch_dtype): weights, activations and the loss's hidden in bf16,
+        // fp32 adapters through the mixed LoRA node; dense, NF4, and GPT-2 (its gelu_new as
+        // transformers' ops).
+        Shape{"llama_bf16_model_lora", {"model.name_or_path=tiny-llama", "model.torch_dtype=bfloat16",
+                                        "training.bf16=true", "data.max_seq_length=128",
+                                        "training.per_device_train_batch_size=2"}},
+        Shape{"llama_bf16_model_qlora_dropout", {"model.name_or_path=tiny-llama", "model.torch_dtype=bfloat16",
+                                                 "model.quantization_config.load_in_4bit=true", "lora.lora_dropout=0.1",
+                                                 "training.bf16=true", "data.max_seq_length=128",
+                                                 "training.per_device_train_batch_size=2"}},
+        Shape{"gpt2_bf16_model_lora", {"model.name_or_path=tiny-gpt2", "model.torch_dtype=bfloat16",
+                                       "lora.target_modules=all-linear", "training.bf16=true",
+                                       "data.max_seq_length=128", "training.per_device_train_batch_size=2"}},
         Shape{"llama_dense_lora_all", {"model.name_or_path=tiny-llama", "data.max_seq_length=256",
                                        "training.per_device_train_batch_size=2", "training.gradient_checkpointing=true"}},
         Shape{"llama_dense_lora_all_offloaded", {"model.name_or_path=tiny-llama", "data.max_seq_length=256",
@@ -206,23 +219,26 @@ INSTANTIATE_TEST_SUITE_P(
 // head's products in bf16, the head trained.
 TEST(EstimateLoss, TheLossTermAgreesWithTheAllocatorInFp32AndBf16) {
   install_cpu_budget_allocator();
-  for (const char* precision : {"training.bf16=false", "training.bf16=true"}) {
+  // The head trained in an fp32 model, fp32 and bf16 products; a bf16 model's frozen head.
+  for (const std::string precision : {"training.bf16=false", "training.bf16=true", "model.torch_dtype=bfloat16"}) {
     SCOPED_TRACE(precision);
+    const bool bf16_model = precision == "model.torch_dtype=bfloat16";
     trainer::Config c = trainer::parse_config(
         "runtime: {device: cpu}", "test",
-        {"model.name_or_path=tiny-llama", "lora.modules_to_save=[lm_head]", "data.max_seq_length=512",
-         "training.per_device_train_batch_size=2", precision});
+        {"model.name_or_path=tiny-llama", bf16_model ? "training.bf16=true" : "lora.modules_to_save=[lm_head]",
+         "data.max_seq_length=512", "training.per_device_train_batch_size=2", precision});
     const models::ModelSpec spec = trainer::model_spec(c);
     const trainer::Estimate e = estimate_memory(trainer::estimate_input(c, spec));
     std::string note;
     const at::ScalarType dtype = trainer::resolve_compute_dtype(c, c10::kCPU, &note);
     const int64_t E = 2 * 512, C = spec.hidden_size, V = spec.vocab_size;
-    at::Tensor weight = at::randn({V, C}).div_(8).requires_grad_(true);
+    const at::ScalarType dense = bf16_model ? at::kBFloat16 : at::kFloat;
+    at::Tensor weight = at::randn({V, C}).div_(8).to(dense).requires_grad_(!bf16_model);
     at::Tensor targets = at::randint(V, {E}, at::kLong);
     const int64_t before = cpu_allocated_bytes();
     ScopedPeakReset peak;
     {
-      at::Tensor hidden = at::randn({E, C}).requires_grad_(true);
+      at::Tensor hidden = at::randn({E, C}).to(dense).requires_grad_(true);
       at::Tensor loss = models::linear_cross_entropy_sum(hidden, weight, targets, models::loss_chunk_rows(V), nullptr, dtype);
     }
     const int64_t measured = peak.peak() - before;

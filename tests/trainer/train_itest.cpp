@@ -189,6 +189,25 @@ TEST(Train, ResumeWithModulesToSaveEqualsUninterruptedRun) {
   expect_resume_equals_straight(temp_dir(), "lora.modules_to_save=[embed_tokens,model.norm,lm_head]");
 }
 
+// A bf16 model (model.torch_dtype: bfloat16, PEFT's fp32 adapters): a resume, and a batch
+// split into micro-batches (what the supervisor does after an out-of-memory error), give the
+// straight run's losses and adapter.
+TEST(Train, Bf16ModelResumeEqualsUninterruptedRun) {
+  expect_resume_equals_straight(temp_dir(), "model.torch_dtype=bfloat16 training.bf16=true lora.lora_dropout=0.1");
+}
+
+TEST(Train, Bf16ModelAccumulationEqualsTheUnsplitBatch) {
+  fs::path d = temp_dir();
+  const std::string bf16 = "model.torch_dtype=bfloat16 training.bf16=true training.max_steps=3 ";
+  TrainRun big = train(d / "big", bf16 + "training.per_device_train_batch_size=4 training.gradient_accumulation_steps=1");
+  TrainRun split = train(d / "split", bf16 + "training.per_device_train_batch_size=1 training.gradient_accumulation_steps=4");
+  ASSERT_EQ(big.exit_code, 0) << big.output;
+  ASSERT_EQ(split.exit_code, 0) << split.output;
+  EXPECT_NE(big.output.find("dense weights and activations bfloat16"), std::string::npos) << big.output;
+  expect_same_losses(step_losses(big.dir), step_losses(split.dir), 1e-6);
+  expect_same_tensors(big.dir / "adapter/adapter_model.safetensors", split.dir / "adapter/adapter_model.safetensors", 1e-6);
+}
+
 TEST(Train, ResumeRefusesABreakingConfigChange) {
   fs::path d = temp_dir();
   TrainRun first = train(d, "training.max_steps=2");
