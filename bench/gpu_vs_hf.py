@@ -9,8 +9,9 @@ Python with torch, transformers and peft (the lent H100's image). For each model
 weights in Hugging Face format written by `memtune init-model --config` (a Llama-3.2-1B-shaped
 and a Llama-3-8B-shaped config), the same random token ids, LoRA r 16 / alpha 32 on every
 linear layer, bf16, with gradient checkpointing off and on:
-  - memtune LoRA (training.bf16; the frozen base in fp32, as memtune stores dense weights),
-  - memtune QLoRA (NF4 + double quantization, bf16 compute),
+  - memtune LoRA (model.torch_dtype bfloat16 with training.bf16: the frozen base, the
+    activations and the products in bf16, fp32 adapters, as the peer's model),
+  - memtune QLoRA (NF4 + double quantization, bf16 compute, the rest of the model in bf16),
   - transformers + peft bf16 LoRA (AutoModelForCausalLM in bf16, attn_implementation sdpa,
     torch.optim.AdamW on the adapters), each in a process of its own;
 tokens/s (median of the steps after warm-up), peak GPU memory (memtune: its budget's peak;
@@ -110,7 +111,8 @@ def memtune_run(args, name, m, mode, ckpt, model_dir, tokens, device, extra=None
     shutil.rmtree(out, ignore_errors=True)
     bf16 = device != "cpu"
     cfg = {
-        "model": {"name_or_path": model_dir},
+        # On the GPU a bf16 model, as the peer loads it (AutoModelForCausalLM in bf16).
+        "model": {"name_or_path": model_dir, "torch_dtype": "bfloat16" if bf16 else "float32"},
         "lora": {"r": LORA_R, "lora_alpha": LORA_ALPHA, "lora_dropout": 0.0, "target_modules": TARGETS},
         "runtime": {"device": device},
         "training": {

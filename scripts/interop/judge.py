@@ -52,9 +52,9 @@ def path(p):
     return os.path.join(WORK, p)
 
 
-def load_model(model_dir):
+def load_model(model_dir, dtype="fp32"):
     model, info = AutoModelForCausalLM.from_pretrained(
-        path(model_dir), dtype=torch.float32, output_loading_info=True)
+        path(model_dir), dtype=DTYPES[dtype], output_loading_info=True)
     model.eval()
     return model, info
 
@@ -173,7 +173,7 @@ def merge_adapter(model, adapter_dir):
 
 
 def op_loss(r):
-    model, info = load_model(r["model"])
+    model, info = load_model(r["model"], r.get("dtype", "fp32"))
     merged = merge_adapter(model, r["adapter"]) if r.get("adapter") else []
     rows = torch.tensor(r["rows"], dtype=torch.long)
     with torch.no_grad():  # transformers' own causal-LM loss (labels shifted inside), per row
@@ -183,7 +183,7 @@ def op_loss(r):
 
 
 def op_generate(r):
-    model, _ = load_model(r["model"])
+    model, _ = load_model(r["model"], r.get("dtype", "fp32"))
     if r.get("adapter"):
         merge_adapter(model, r["adapter"])
     tok = AutoTokenizer.from_pretrained(path(r["model"]))
@@ -194,10 +194,15 @@ def op_generate(r):
                              pad_token_id=tok.pad_token_id or tok.eos_token_id,
                              output_scores=True, return_dict_in_generate=True)
     new = out.sequences[0, ids.shape[1]:].tolist()
-    margins = [float((lambda t: t[0] - t[1])(s[0].float().topk(2).values)) for s in out.scores]
+    tops = [s[0].float().topk(2).values for s in out.scores]
+    margins = [float(t[0] - t[1]) for t in tops]
     text = r["prompt"] + tok.decode(new, skip_special_tokens=True)
+    # Per step: the text so far, the top logit and its lead over the second (where a text that
+    # differs first parts from this one, and whether a rounding could have decided it).
+    prefixes = [r["prompt"] + tok.decode(new[:i], skip_special_tokens=True) for i in range(len(new))]
     return {"ids": new, "text": text, "min_margin": min(margins) if margins else None,
-            "prompt_ids": ids[0].tolist()}
+            "prompt_ids": ids[0].tolist(), "margins": margins, "tops": [float(t[0]) for t in tops],
+            "prefixes": prefixes}
 
 
 def op_tokenize(r):
