@@ -307,6 +307,17 @@ std::string what_would_fit(const EstimateInput& best, int64_t budget) {
     would += str_cat("; model.quantization_config.load_in_4bit: true (estimated ", format_bytes(p),
                      p <= budget ? ", fits" : ", still too large", ")");
   }
+  // An fp32 model computing in 16 bits, training only adapters: the model in that dtype, as
+  // transformers + PEFT would hold it (half the dense weights and activations).
+  const bool trains_whole = std::find(best.trained.begin(), best.trained.end(), true) != best.trained.end();
+  if (best.finetune == "lora" && best.dense_bytes == 4 && best.compute_bytes == 2 && !trains_whole) {
+    EstimateInput h = best;
+    h.dense_bytes = 2;
+    h.fused_cpu_attention = false;  // the fused CPU kernel takes fp32 only
+    const int64_t p = estimate_peak(h);
+    would += str_cat("; model.torch_dtype: ", best.loss_bf16 ? "bfloat16" : "float16", " (estimated ",
+                     format_bytes(p), p <= budget ? ", fits" : ", still too large", ")");
+  }
   const int64_t t = max_seq_length(best, budget);
   if (t > 0) would += str_cat("; data.max_seq_length: ", t, " (the longest that fits)");
   would += str_cat("; a device with at least ", format_bytes(peak), " (memory.device_limit)");

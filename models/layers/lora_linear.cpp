@@ -33,7 +33,7 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     const bool mixed = A.scalar_type() != x.scalar_type();
     at::Tensor ha = at::mm(mixed ? h2.to(A.scalar_type()) : h2, A.t());  // [M, r]
     if (mixed)
-      y = at::addmm(y.to(A.scalar_type()), ha, B.t(), /*beta=*/1, /*alpha=*/scaling).to(x.scalar_type());
+      y = y.to(A.scalar_type()).addmm_(ha, B.t(), /*beta=*/1, /*alpha=*/scaling).to(x.scalar_type());
     else
       y.addmm_(ha, B.t(), /*beta=*/1, /*alpha=*/scaling);
 

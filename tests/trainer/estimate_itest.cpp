@@ -246,6 +246,30 @@ TEST(EstimateLoss, TheLossTermAgreesWithTheAllocatorInFp32AndBf16) {
   }
 }
 
+// An fp32 model computing in bf16 that does not fit is told that the model in bf16 would, with
+// the estimate of that config itself (which EstimateVsModel's bf16-model shapes check against
+// the allocator); a full fine-tune, which a bf16 model cannot run, is not.
+TEST(EstimateFits, ABf16RunOfAnFp32ModelIsToldWhatTheBf16ModelTakes) {
+  const std::vector<std::string> run = {"model.name_or_path=tiny-llama", "training.bf16=true",
+                                        "data.max_seq_length=256", "training.per_device_train_batch_size=4"};
+  auto input = [&](std::vector<std::string> extra) {
+    extra.insert(extra.end(), run.begin(), run.end());
+    const trainer::Config c = trainer::parse_config("runtime: {device: cpu}", "test", extra);
+    return trainer::estimate_input(c, trainer::model_spec(c.model));
+  };
+  const trainer::EstimateInput fp32 = input({}), bf16 = input({"model.torch_dtype=bfloat16"});
+  const int64_t peak32 = estimate_memory(fp32).peak_bytes, peak16 = estimate_memory(bf16).peak_bytes;
+  ASSERT_LT(peak16, peak32);
+  const std::string would = trainer::what_would_fit(fp32, (peak16 + peak32) / 2);
+  EXPECT_NE(would.find("model.torch_dtype: bfloat16 (estimated " + format_bytes(peak16) + ", fits)"),
+            std::string::npos) << would;
+  EXPECT_NE(trainer::what_would_fit(fp32, peak16 / 2).find("bfloat16 (estimated " + format_bytes(peak16) +
+                                                             ", still too large)"),
+            std::string::npos);
+  const trainer::EstimateInput full = input({"training.finetune=full"});
+  EXPECT_EQ(trainer::what_would_fit(full, estimate_memory(full).peak_bytes / 2).find("torch_dtype"), std::string::npos);
+}
+
 TEST(EstimateCommand, AccumulatedGradientsAreCountedThroughTheLaterMicroBatches) {
   fs::path d = temp_dir();
   write_file(d / "c.yaml", config_yaml(d / "out", "tiny-llama", false));
