@@ -230,6 +230,10 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"full", 2, "adamw", "full", 1e-5, "", "_full_finetune"},
                       Case{"full", 3, "sgd", "full", 1e-6, "model.name_or_path=tiny-gpt2", "_gpt2_full_finetune"},
                       Case{"full", 2, "adamw", "lora", 1e-5, "model.quantization_config.load_in_4bit=false", "_dense"},
+                      // A bf16 model's base (model.torch_dtype), dense: its bf16 tensors sharded and gathered.
+                      Case{"full", 2, "adamw", "lora", 1e-5,
+                           "model.quantization_config.load_in_4bit=false model.torch_dtype=bfloat16 training.bf16=true",
+                           "_bf16_model"},
                       Case{"full", 3, "adamw", "lora", 1e-5, "distributed.prefetch=false", "_no_prefetch"},
                       Case{"full", 3, "adamw", "lora", 1e-5,
                            "model.name_or_path=tiny-gpt2 data.eval_file=" +
