@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# What a session lent a GPU machine runs first (issue 24), as one call of the device tool:
+# the build against the machine's PyTorch wheel, the GPU tests and runs (scripts/gpu_check.sh),
+# the kernels' figures against ATen's (bench_layer_kernels, bench_nf4_bench), then memtune
+# against transformers + PEFT (bench/gpu_vs_hf.py), in that order, each step started only
+# while the time left allows it. Every log and JSON goes under OUT (the device tool's $OUT),
+# with summary.txt saying what ran, how long it took and how it ended.
+#
+#   bash scripts/device_session.sh                 # everything the budget allows
+#   STEPS="bench vs-hf" bash scripts/device_session.sh   # a later call on the still-warm machine
+#
+# The device machine has no network: the Debian 12 libraries memtune links come from .deps
+# (bash scripts/device_deps.sh here, then carry .deps). Environment:
+#   OUT          where results go (default /tmp/memtune-device)
+#   BUDGET_S     seconds this call may take (default 560: the tool's 600 less a margin)
+#   STEPS        which of build check bench vs-hf to run (default all, in that order)
+#   VS_HF_ARGS   gpu_vs_hf.py's arguments (default: --models 1b --ckpt none,all)
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+out=${OUT:-/tmp/memtune-device}
+budget=${BUDGET_S:-560}
+steps=${STEPS:-build check bench vs-hf}
+mkdir -p "$out"
+summary=$out/summary.txt
+start=$SECONDS
+build=${BUILD_DIR:-$root/build-torch-wheel}
+
+if [ -d "$root/.deps/usr" ]; then
+  export DEPS_PREFIX=$root/.deps/usr
+  export LD_LIBRARY_PATH=$root/.deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
+
+note() { echo "$*" | tee -a "$summary"; }
+# step NAME NEEDS_S COMMAND...: runs COMMAND when NEEDS_S seconds are left, under a timeout
+# of what is left; logs to OUT/NAME.log.
+step() {
+  local name=$1 needs=$2; shift 2
+  case " $steps " in *" $name "*) ;; *) return 0 ;; esac
+  local left=$((budget - (SECONDS - start)))
+  if [ "$left" -lt "$needs" ]; then
+    note "$name: not started ($left s left, it needs about $needs s)"
+    return 0
+  fi
+  local t0=$SECONDS rc=0
+  timeout "$left" "$@" >"$out/$name.log" 2>&1 || rc=$?
+  note "$name: exit $rc in $((SECONDS - t0)) s (log $name.log)"
+  return "$rc"
+}
+
+note "device_session: $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo '?')"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$summary" ||
+  note "no nvidia-smi: this is not a GPU machine"
+
+step build 200 bash "$root/scripts/torch_wheel_build.sh" || { note "the build failed: nothing else runs"; exit 1; }
+step check 150 env BUILD_DIR="$build" LOG_DIR="$out/gpu-check" bash "$root/scripts/gpu_check.sh"
+step bench 60 bash -c "'$build/bench/bench_layer_kernels' --cuda > '$out/layer_kernels.txt' 2>&1;
+  '$build/bench/bench_nf4_bench' --cuda > '$out/nf4_bench.txt' 2>&1"
+# shellcheck disable=SC2086
+step vs-hf 240 python3 "$root/bench/gpu_vs_hf.py" --memtune "$build/memtune" --work /tmp/memtune-gpu-vs-hf \
+  --json "$out/gpu_vs_hf.json" ${VS_HF_ARGS:---models 1b --ckpt none,all}
+note "device_session: $((SECONDS - start)) s in all"
