@@ -135,6 +135,25 @@ TEST(Inference, DeviceFlagIsCheckedAndCpuIsTheDefault) {
   EXPECT_NE(bad.output.find("--device: 'gpu0' is not a device"), std::string::npos) << bad.output;
 }
 
+// --dtype bf16: the model kept and run in bf16, as from_pretrained(dtype=torch.bfloat16) (its
+// losses against transformers': docs/interop.md, group bf16). It computes nearly what fp32
+// does, and not exactly; fp16 has no CPU matmul and is refused by name, as is a dtype that is none.
+TEST(Inference, DtypeBf16RunsTheModelInBf16AndFp16IsRefusedOnTheCpu) {
+  const Trained& t = trained();
+  const double fp32 = eval_json(t.base, "--adapter " + t.adapter.string())["loss"].get<double>();
+  const double bf16 = eval_json(t.base, "--adapter " + t.adapter.string() + " --dtype bf16")["loss"].get<double>();
+  EXPECT_NEAR(bf16, fp32, 0.02 * fp32);
+  EXPECT_NE(bf16, fp32);
+  EXPECT_FALSE(generate(t.base, "--adapter " + t.adapter.string() + " --greedy --dtype bf16").empty());
+  for (const auto& [dtype, says] : {std::pair<std::string, std::string>{"fp16", "CPUs have no fp16 matmul"},
+                                    {"int8", "--dtype 'int8' (fp32, fp16, bf16)"}}) {
+    auto bad = run(memtune_bin() + " eval --model " + t.base.string() + " --data " + t.eval_file.string() +
+                   " --dtype " + dtype);
+    EXPECT_EQ(bad.exit_code, 2) << bad.output;
+    EXPECT_NE(bad.output.find(says), std::string::npos) << bad.output;
+  }
+}
+
 TEST(Inference, TopPZeroKeepsTheMostLikelyTokenAsTransformersDoes) {
   // transformers' TopPLogitsWarper always keeps one token (min_tokens_to_keep = 1): top_p 0
   // samples only the most likely token, so the text is the greedy text whatever the seed.
