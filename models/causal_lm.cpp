@@ -4,6 +4,7 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <algorithm>
 #include <optional>
 #include <unordered_map>
 
@@ -127,6 +128,8 @@ void CausalLM::init_random(uint64_t seed) {
 }
 
 void CausalLM::set_dense_dtype(at::ScalarType dtype) {
+  MEMTUNE_CHECK(layer_source_ == nullptr && std::find(offloaded_.begin(), offloaded_.end(), true) == offloaded_.end(),
+                "set_dense_dtype: cast before layers are offloaded or sharded (their tensors live in their buffers)");
   at::NoGradGuard no_grad;
   for (auto& s : slots_) {
     at::Tensor& t = *s.tensor;

@@ -88,7 +88,8 @@ std::unique_ptr<CausalLM> load_hf_model(const fs::path& dir, const LoadOptions& 
           std::vector<int64_t> out_in = info.shape;
           if (slot.linear->fan_in_fan_out()) std::swap(out_in[0], out_in[1]);
           slot.linear->set_quantized(std::make_shared<NF4Tensor>(
-              nf4_meta(out_in, floating ? info.dtype : at::kFloat, options.blocksize, options.double_quant,
+              nf4_meta(out_in, options.dense_dtype != at::kFloat ? options.dense_dtype : floating ? info.dtype : at::kFloat,
+                       options.blocksize, options.double_quant,
                        options.quant_type)));
         } else {
           *slot.tensor = at::empty(info.shape, at::TensorOptions(options.dense_dtype).device(at::kMeta));
@@ -163,6 +164,9 @@ void save_hf_model(const CausalLM& model, const fs::path& dir, const SaveOptions
   config["torch_dtype"] = options.dtype == at::kBFloat16 ? "bfloat16"
                           : options.dtype == at::kHalf   ? "float16"
                                                          : "float32";
+  // transformers 5 writes (and reads first) dtype: one kept from the loaded config.json would
+  // name the dtype it was loaded from.
+  if (config.contains("dtype")) config["dtype"] = config["torch_dtype"];
   // The tensors written decide: a model saved dense carries no quantization_config (one kept
   // from the loaded config.json would tell transformers its dense tensors are quantized).
   config.erase("quantization_config");

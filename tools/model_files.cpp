@@ -41,7 +41,13 @@ std::unique_ptr<models::CausalLM> load_for_inference(const std::string& model_di
                 ": CPUs have no fp16 matmul. Hint: --dtype fp32 or bf16 here, fp16 on a GPU");
   auto model = models::load_hf_model(model_dir, o);
   model->set_compute_dtype(o.dense_dtype);
-  if (!adapter.empty()) models::load_adapter(*model, adapter);
+  if (!adapter.empty()) {
+    models::load_adapter(*model, adapter);
+    // Its modules_to_save tensors in the model's dtype, as PEFT's copies of the model's modules.
+    for (auto& slot : model->tensors())
+      if (slot.tensor->defined() && slot.tensor->requires_grad()) *slot.tensor = slot.tensor->detach();
+    model->set_dense_dtype(o.dense_dtype);
+  }
   model->place(models::Placement::all_on(d, model->num_layers()));
   return model;
 }

@@ -46,7 +46,9 @@ at::ScalarType resolve_compute_dtype(const Config& config, const c10::Device& de
 // head), and so the residual stream's: model.torch_dtype, auto being config.json's dtype
 // (torch_dtype) or float32 where it names none. float32, or a 16-bit dtype that must be the
 // compute dtype (`compute_dtype`, resolve_compute_dtype's): then every dense product runs in
-// it as in transformers' model of that dtype, with fp32 LoRA adapters as PEFT makes them. A
+// it as in transformers' model of that dtype (but an fp16 head's, which the loss runs in fp32:
+// it forms its gradient before fp16's loss scale applies), with fp32 LoRA adapters as PEFT makes
+// them (their products in fp32, as PEFT runs them without autocast). A
 // 16-bit dtype with anything trained but adapters, or with another compute dtype, is a
 // UserError naming the keys. `note` (optional) receives what was chosen and why.
 at::ScalarType resolve_dense_dtype(const Config& config, const models::ModelSpec& spec, at::ScalarType compute_dtype,

@@ -146,12 +146,13 @@ class Gpt2Model : public CausalLM {
     m.kept = attn + mlp;
     // At the MLP's end: GELU's output (a transient unless the projection keeps it), the
     // projection's output before the residual sum.
-    const int64_t mlp_end = (tp.keeps_input() ? 0 : E * F * a) + E * C * a + E * r * 4 + panel + drop;
+    const int64_t gelu_run = gelu_ops ? 2 * E * F * a : 0;  // the formula's two intermediates while it runs
+    const int64_t mlp_end = (tp.keeps_input() ? 0 : E * F * a) + E * C * a + E * r * 4 + std::max(panel, gelu_run) + drop;
     m.forward = std::max(attn + (embd && !g_in ? embd_x : 0) + (s.fused_cpu_attention ? 0 : qkv) + at.forward_transient,
                          m.kept + (s.fused_cpu_attention ? 0 : qkv) + mlp_end);
     // Unrecorded: x, h, the projection, the merged heads, y, and the MLP's fc output and GELU's.
     m.forward_no_grad = std::max(E * C * a + qkv + at.no_grad_own + at.forward_transient,
-                                 3 * E * C * a + qkv + E * C * a + 2 * E * F * a + panel);
+                                 3 * E * C * a + qkv + E * C * a + 2 * E * F * a + std::max(panel, gelu_run));
     // The MLP's backward, beside the gradient flowing in (the caller's).
     const int64_t at_mlp = (gelu_ops ? 4 * E * F * a : gelu_backward_transient(E, F)) + panel;
     m.backward = std::max(m.kept + at_mlp, attn + at.backward_transient);

@@ -29,13 +29,16 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
       y = nf4_matmul_wt(x2, *nf4, x2.scalar_type(), path, bias.has_value() ? *bias : at::Tensor());
     }
     // An fp32 adapter on a 16-bit base (PEFT's autocast_adapter_dtype): the adapter's input
-    // is taken to fp32, and the sum with the base's output is formed in fp32 and rounded once.
+    // is taken to fp32. PEFT's Linear forms the sum with the base's output in fp32 and rounds
+    // it once; its 4-bit Linear rounds the adapter's output to the base's dtype first, then adds.
     const bool mixed = A.scalar_type() != x.scalar_type();
     at::Tensor ha = at::mm(mixed ? h2.to(A.scalar_type()) : h2, A.t());  // [M, r]
-    if (mixed)
+    if (!mixed)
+      y.addmm_(ha, B.t(), /*beta=*/1, /*alpha=*/scaling);
+    else if (dense.has_value())
       y = y.to(A.scalar_type()).addmm_(ha, B.t(), /*beta=*/1, /*alpha=*/scaling).to(x.scalar_type());
     else
-      y.addmm_(ha, B.t(), /*beta=*/1, /*alpha=*/scaling);
+      y.add_(at::mm(ha, B.t()).mul_(scaling).to(x.scalar_type()));
 
     ctx->save_for_backward({h2, ha, A, B, dense.has_value() ? *dense : at::Tensor()});
     if (nf4) save_nf4(ctx, *nf4);
@@ -57,7 +60,7 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     at::Tensor g = grad_outputs[0].reshape({-1, B.size(0)});
     // A mixed node: the adapter's products in its own dtype (the gradient of a cast is the cast).
     const bool mixed = A.scalar_type() != g.scalar_type();
-    const at::Tensor ga = mixed ? g.to(A.scalar_type()) : g;
+    at::Tensor ga = mixed ? g.to(A.scalar_type()) : g;
 
     const auto x_sizes = ctx->saved_data["x_sizes"].toIntVector();
     const bool has_h = ctx->saved_data["has_h"].toBool();
@@ -66,6 +69,8 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
 
     at::Tensor gha = at::mm(ga, B).mul_(scaling);  // [M, r]: d loss / d (h A^T)
     at::Tensor grad_x, grad_A, grad_B, grad_h, grad_bias;
+    if (ctx->needs_input_grad(2)) grad_B = at::mm(ga.t(), ha).mul_(scaling);
+    if (mixed) ga = at::Tensor();  // its fp32 copy of g, freed before d x's buffers
     if (ctx->needs_input_grad(0)) {
       grad_x = dense.defined() ? at::mm(g, dense) : nf4_matmul_w(g, load_nf4(ctx), g.scalar_type(), path);
       if (!has_h && mixed)
@@ -76,7 +81,6 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     }
     if (has_h && ctx->needs_input_grad(h_edge)) grad_h = at::mm(gha, A).to(h2.scalar_type()).view(x_sizes);
     if (ctx->needs_input_grad(1)) grad_A = at::mm(gha.t(), h2.scalar_type() == A.scalar_type() ? h2 : h2.to(A.scalar_type()));
-    if (ctx->needs_input_grad(2)) grad_B = at::mm(ga.t(), ha).mul_(scaling);
     if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(bias_edge)) grad_bias = g.sum(0);
     return {grad_x, grad_A, grad_B, grad_h, grad_bias, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }

@@ -9,6 +9,8 @@
 // kept by reference, an NF4 W as its quantized state (dequantized again in backward).
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <memory>
 
 #include "models/layers/linear4bit.h"
@@ -33,9 +35,15 @@ inline int64_t lora_kept(int64_t rows, int64_t in, int64_t r, double dropout, bo
 // itself, and grad_x sums both paths in one GEMM); bias [out] or undefined; A [r, in],
 // B [out, r]. Every tensor on one device, in one dtype, except that A and B may be fp32 on a
 // 16-bit x and W (PEFT's adapters on a bf16 or fp16 model: autocast_adapter_dtype): then the
-// adapter takes its input in fp32 and the sum with the base is formed in fp32 and rounded once,
-// as PEFT's forward does; the adapter input, when given, is then fp32 too. Gradients flow to x,
-// the adapter input, A, B and a bias that requires one; W gets none.
+// adapter takes its input in fp32 and, as PEFT's forward (without autocast), the sum with a
+// dense base is formed in fp32 and rounded once, while on a 4-bit base the adapter's output is
+// rounded to x's dtype and then added (PEFT's bnb Linear4bit); the adapter input, when given,
+// is then fp32 too. Gradients flow to x, the adapter input, A, B and a bias that requires one;
+// W gets none. Memory beyond lora_kept in that mixed form: the fp32 copies of x or of the output
+// while the node runs, 6 bytes per element of the wider of the two (lora_mixed_transient).
+inline int64_t lora_mixed_transient(int64_t rows, int64_t in, int64_t out) {
+  return rows * std::max(in, out) * 6;
+}
 at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& adapter_input, const FrozenWeight& w,
                        const at::Tensor& bias, const at::Tensor& A, const at::Tensor& B, double scaling,
                        Nf4MatmulPath path = Nf4MatmulPath::kAuto);

@@ -316,9 +316,18 @@ struct GeluTanhFunction : public torch::autograd::Function<GeluTanhFunction> {
 at::Tensor gelu_tanh(const at::Tensor& x, bool as_written) {
   if (x.device().is_cpu() && x.scalar_type() == at::kFloat) return GeluTanhFunction::apply(x);
   if (!as_written || x.scalar_type() == at::kFloat) return at::gelu(x, "tanh");
-  // transformers' NewGELUActivation op by op, each rounded to x's dtype as it rounds them.
+  // transformers' NewGELUActivation op by op, each rounded to x's dtype as it rounds them; one
+  // statement per op, so that each intermediate is freed as Python frees it (a C++ expression
+  // would keep every temporary until its end).
   const double c = std::sqrt(2.0 / 3.14159265358979323846);
-  return 0.5 * x * (1.0 + at::tanh(c * (x + 0.044715 * at::pow(x, 3.0))));
+  at::Tensor u = at::pow(x, 3.0);
+  u = 0.044715 * u;
+  u = x + u;
+  u = c * u;
+  u = at::tanh(u);
+  u = 1.0 + u;
+  at::Tensor half = 0.5 * x;
+  return half * u;
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {

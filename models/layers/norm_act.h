@@ -22,7 +22,7 @@ at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
 // activations; ATen's gelu(approximate="tanh")): on fp32 CPU tensors one node with memtune's
 // kernels, elsewhere at::gelu, which keeps x. `as_written` (gelu_new) on a 16-bit x: the
 // formula op by op, as transformers' NewGELUActivation rounds it (it keeps four tensors of x's
-// size).
+// size, and holds at most two more while it runs).
 at::Tensor gelu_tanh(const at::Tensor& x, bool as_written = false);
 
 // Their memory at `rows` rows (models/memory.h), elements of `elem_bytes`: what each keeps

@@ -1,8 +1,8 @@
 #pragma once
 // What a layer's projections add to its memory (models/memory.h), for an architecture's
 // CausalLM::layer_memory: each adapter's kept tensors, the widest adapter's rank (its x A^T
-// sits beside a product) and the largest transient weight: a dequantized NF4 panel, or a
-// dense weight cast to the compute dtype.
+// sits beside a product) and the largest transient: a dequantized NF4 panel, a dense weight
+// cast to the compute dtype, or an fp32 adapter's copies on a 16-bit model.
 #include <algorithm>
 #include <cstdint>
 
@@ -28,6 +28,9 @@ struct ProjectionTally {
       // kept (models/layers/linear.cpp, CastLinear).
       panel = std::max(panel, l.out_features() * l.in_features() * s.compute_bytes);
     }
+    // An fp32 adapter on a 16-bit model: the node's fp32 copies while it runs.
+    if (t.lora_r > 0 && !t.full && s.act_bytes != 4)
+      panel = std::max(panel, lora_mixed_transient(s.rows(), l.in_features(), l.out_features()));
     return lora_kept(s.rows(), l.in_features(), t.lora_r, t.lora_dropout, s.dropout_keeps_mask());
   }
 };

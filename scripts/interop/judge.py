@@ -52,9 +52,10 @@ def path(p):
     return os.path.join(WORK, p)
 
 
-def load_model(model_dir, dtype="fp32"):
+def load_model(model_dir, dtype="fp32", attn=None):
+    kwargs = {"attn_implementation": attn} if attn else {}
     model, info = AutoModelForCausalLM.from_pretrained(
-        path(model_dir), dtype=DTYPES[dtype], output_loading_info=True)
+        path(model_dir), dtype=DTYPES[dtype], output_loading_info=True, **kwargs)
     model.eval()
     return model, info
 
@@ -173,7 +174,7 @@ def merge_adapter(model, adapter_dir):
 
 
 def op_loss(r):
-    model, info = load_model(r["model"], r.get("dtype", "fp32"))
+    model, info = load_model(r["model"], r.get("dtype", "fp32"), r.get("attn"))
     merged = merge_adapter(model, r["adapter"]) if r.get("adapter") else []
     rows = torch.tensor(r["rows"], dtype=torch.long)
     with torch.no_grad():  # transformers' own causal-LM loss (labels shifted inside), per row
@@ -183,7 +184,7 @@ def op_loss(r):
 
 
 def op_generate(r):
-    model, _ = load_model(r["model"], r.get("dtype", "fp32"))
+    model, _ = load_model(r["model"], r.get("dtype", "fp32"), r.get("attn"))
     if r.get("adapter"):
         merge_adapter(model, r["adapter"])
     tok = AutoTokenizer.from_pretrained(path(r["model"]))

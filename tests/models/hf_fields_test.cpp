@@ -55,6 +55,24 @@ TEST(HfFields, ThePaddingRowOfTheEmbeddingGetsNoGradient) {
   EXPECT_GT(with_pad[21].abs().max().item<float>(), 0.0f);
 }
 
+// transformers 5 writes the checkpoint's dtype as `dtype` (and reads it before torch_dtype): a
+// model saved in another dtype than it was loaded in says the new one under both names, so
+// model.torch_dtype: auto and transformers read what the file holds.
+TEST(HfFields, TheSavedDtypeIsNamedUnderBothKeys) {
+  const fs::path d = temp_dir();
+  models::ModelSpec spec = *models::preset("tiny-llama");
+  spec.extra["dtype"] = "float32";  // as transformers 5 wrote it
+  auto model = models::init_random_model(spec, 1);
+  models::SaveOptions o;
+  o.dtype = at::kBFloat16;
+  models::save_hf_model(*model, d / "half", o);
+  const json written = json::parse(read_file(d / "half/config.json"));
+  EXPECT_EQ(written["torch_dtype"], "bfloat16");
+  EXPECT_EQ(written["dtype"], "bfloat16");
+  models::save_hf_model(*models::init_random_model(*models::preset("tiny-llama"), 1), d / "plain", o);
+  EXPECT_FALSE(json::parse(read_file(d / "plain/config.json")).contains("dtype"));  // not added where absent
+}
+
 TEST(HfFields, QuantizationConfigDescribesTheStoredTensors) {
   const fs::path d = temp_dir();
   models::ModelSpec spec = *models::preset("tiny-llama");

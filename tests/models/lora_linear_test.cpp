@@ -107,60 +107,72 @@ TEST(LoraLinear, RejectsMismatchedShapes) {
 
 // A bf16 model (model.torch_dtype: bfloat16) with PEFT's fp32 adapters: Linear::forward takes
 // the fused node, whose output and gradients are PEFT's ops under autograd: the base in bf16,
-// the adapter on x taken to fp32, the sum formed in fp32 and rounded once (PEFT's
-// `result + lora_B(lora_A(x)) * scaling` then `.to(torch_result_dtype)`).
+// the adapter on x taken to fp32 (with dropout: dropped after the cast); on a dense base the
+// sum formed in fp32 and rounded once (lora.Linear: `result + lora_B(lora_A(x)) * scaling`,
+// then `.to(torch_result_dtype)`), on a 4-bit base the adapter's output rounded to bf16 and
+// then added (bnb's Linear4bit: `output.to(expected_dtype)`, then `result + output`).
 TEST(LoraLinear, Fp32AdapterOnABf16BaseIsPeftsComposition) {
   memtune::install_cpu_budget_allocator();
   torch::manual_seed(11);
   const int64_t in = 128, out = 96, r = 8;
   for (bool nf4 : {false, true}) {
     for (bool bias : {false, true}) {
-      SCOPED_TRACE(std::string(nf4 ? "NF4" : "dense") + (bias ? " with bias" : ""));
-      memtune::models::Linear l("model.layers.0.self_attn.q_proj", in, out, bias);
-      l.weight = at::randn({out, in}).to(at::kBFloat16);
-      if (bias) l.bias = at::randn({out}).to(at::kBFloat16);
-      if (nf4) l.quantize(64, true, memtune::QuantType::kNF4);
-      l.compute_dtype = at::kBFloat16;
-      memtune::models::LoraOptions o;
-      o.r = r;
-      o.alpha = 16;
-      l.add_lora(o);
-      {
-        at::NoGradGuard g;
-        l.lora->B.normal_(0.0, 0.1);  // non-zero: the adapter's path matters
+      for (bool dropout : {false, true}) {
+        SCOPED_TRACE(std::string(nf4 ? "NF4" : "dense") + (bias ? " with bias" : "") + (dropout ? " dropout" : ""));
+        memtune::models::Linear l("model.layers.0.self_attn.q_proj", in, out, bias);
+        l.weight = at::randn({out, in}).to(at::kBFloat16);
+        if (bias) l.bias = at::randn({out}).to(at::kBFloat16);
+        if (nf4) l.quantize(64, true, memtune::QuantType::kNF4);
+        l.compute_dtype = at::kBFloat16;
+        memtune::models::LoraOptions o;
+        o.r = r;
+        o.alpha = 16;
+        l.add_lora(o);
+        {
+          at::NoGradGuard g;
+          l.lora->B.normal_(0.0, 0.1);  // non-zero: the adapter's path matters
+        }
+        at::Tensor x = at::randn({3, 5, in}).to(at::kBFloat16).requires_grad_(true);
+        // Dropout's mask drawn once, shared by both sides: the adapter sees x (in fp32) * mask / (1 - p).
+        const at::Tensor mask = (at::rand({3, 5, in}) > 0.3).to(at::kFloat) / 0.7;
+
+        const int64_t before = memtune::cpu_allocated_bytes();
+        at::Tensor h = dropout ? x.to(at::kFloat) * mask : at::Tensor();
+        at::Tensor y = dropout ? memtune::models::lora_linear(
+                                     x, h, memtune::models::FrozenWeight{nf4 ? at::Tensor() : l.weight, l.qweight()},
+                                     l.bias, l.lora->A, l.lora->B, l.lora->scaling)
+                               : l.forward(x, true);
+        // Kept: x A^T in fp32 (x itself is the caller's), nothing of x in fp32 but the dropped input.
+        const int64_t kept = memtune::cpu_allocated_bytes() - before - y.numel() * 2;
+        EXPECT_LE(kept, 15 * r * 4 + (dropout ? 15 * in * 4 : 0) + 512) << "more than x A^T kept";
+        EXPECT_EQ(y.scalar_type(), at::kBFloat16);
+
+        at::Tensor A = l.lora->A.detach().clone().requires_grad_(true);
+        at::Tensor B = l.lora->B.detach().clone().requires_grad_(true);
+        at::Tensor x_ref = x.detach().clone().requires_grad_(true);
+        const at::Tensor w = nf4 ? memtune::nf4_dequantize(*l.qweight(), at::kBFloat16) : l.weight;
+        // On the rows as one matrix, as PyTorch 2's linear takes a contiguous 3-d input (the bias
+        // added inside the GEMM, one rounding).
+        at::Tensor base = at::linear(x_ref.reshape({-1, in}), w, bias ? l.bias : at::Tensor()).view({3, 5, out});
+        at::Tensor h_ref = dropout ? x_ref.to(at::kFloat) * mask : x_ref.to(at::kFloat);
+        at::Tensor delta = at::linear(at::linear(h_ref, A), B) * l.lora->scaling;
+        at::Tensor y_ref = nf4 ? base + delta.to(at::kBFloat16) : (base + delta).to(at::kBFloat16);
+        auto same = [](const at::Tensor& a, const at::Tensor& b) {
+          return (a == b).to(at::kDouble).mean().item<double>();
+        };
+        expect_close(y.to(at::kFloat), y_ref.to(at::kFloat), 1e-2, "forward");
+        EXPECT_GT(same(y, y_ref), 0.98) << same(y, y_ref);
+
+        const at::Tensor g = at::randn(y.sizes()).to(at::kBFloat16);
+        y.backward(g);
+        y_ref.backward(g);
+        EXPECT_EQ(x.grad().scalar_type(), at::kBFloat16);
+        expect_close(x.grad().to(at::kFloat), x_ref.grad().to(at::kFloat), 1e-2, "grad_x");
+        EXPECT_GT(same(x.grad(), x_ref.grad()), 0.95) << same(x.grad(), x_ref.grad());
+        EXPECT_EQ(l.lora->A.grad().scalar_type(), at::kFloat);
+        expect_close(l.lora->A.grad(), A.grad(), 1e-5, "grad_A");
+        expect_close(l.lora->B.grad(), B.grad(), 1e-5, "grad_B");
       }
-      at::Tensor x = at::randn({3, 5, in}).to(at::kBFloat16).requires_grad_(true);
-
-      const int64_t before = memtune::cpu_allocated_bytes();
-      at::Tensor y = l.forward(x, true);
-      // Kept: x A^T in fp32 (x itself is the caller's), nothing of x in fp32.
-      const int64_t kept = memtune::cpu_allocated_bytes() - before - y.numel() * 2;
-      EXPECT_LE(kept, 15 * r * 4 + 512) << "more than x A^T kept";
-      EXPECT_EQ(y.scalar_type(), at::kBFloat16);
-
-      at::Tensor A = l.lora->A.detach().clone().requires_grad_(true);
-      at::Tensor B = l.lora->B.detach().clone().requires_grad_(true);
-      at::Tensor x_ref = x.detach().clone().requires_grad_(true);
-      const at::Tensor w = nf4 ? memtune::nf4_dequantize(*l.qweight(), at::kBFloat16) : l.weight;
-      // On the rows as one matrix, as PyTorch 2's linear takes a contiguous 3-d input (the bias
-      // added inside the GEMM, one rounding).
-      at::Tensor base = at::linear(x_ref.reshape({-1, in}), w, bias ? l.bias : at::Tensor()).view({3, 5, out});
-      at::Tensor y_ref = (base + at::linear(at::linear(x_ref.to(at::kFloat), A), B) * l.lora->scaling).to(at::kBFloat16);
-      auto same = [](const at::Tensor& a, const at::Tensor& b) {
-        return (a == b).to(at::kDouble).mean().item<double>();
-      };
-      expect_close(y.to(at::kFloat), y_ref.to(at::kFloat), 1e-2, "forward");
-      EXPECT_GT(same(y, y_ref), 0.98) << same(y, y_ref);
-
-      const at::Tensor g = at::randn(y.sizes()).to(at::kBFloat16);
-      y.backward(g);
-      y_ref.backward(g);
-      EXPECT_EQ(x.grad().scalar_type(), at::kBFloat16);
-      expect_close(x.grad().to(at::kFloat), x_ref.grad().to(at::kFloat), 1e-2, "grad_x");
-      EXPECT_GT(same(x.grad(), x_ref.grad()), 0.95) << same(x.grad(), x_ref.grad());
-      EXPECT_EQ(l.lora->A.grad().scalar_type(), at::kFloat);
-      expect_close(l.lora->A.grad(), A.grad(), 1e-5, "grad_A");
-      expect_close(l.lora->B.grad(), B.grad(), 1e-5, "grad_B");
     }
   }
 }

@@ -564,7 +564,10 @@ class Forward:
         H, nh, d = c.hidden, c.heads, c.head_dim
         h = p["transformer.wte.weight"][input_ids] + p["transformer.wpe.weight"][position_ids]
         mask = attention_mask(segment_ids)
-        act = gelu_new if c.act in ("gelu_new", "gelu_pytorch_tanh") else F.gelu
+        # gelu_new: NewGELUActivation's formula, op by op; gelu_pytorch_tanh: F.gelu's tanh form
+        # (one function, two roundings of it in 16 bits).
+        act = gelu_new if c.act == "gelu_new" else \
+            (lambda t: F.gelu(t, approximate="tanh")) if c.act == "gelu_pytorch_tanh" else F.gelu
         for i in range(c.layers):
             pre = f"transformer.h.{i}."
             x = F.layer_norm(h, (H,), p[pre + "ln_1.weight"], p[pre + "ln_1.bias"], c.eps)
