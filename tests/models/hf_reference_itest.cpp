@@ -119,17 +119,24 @@ INSTANTIATE_TEST_SUITE_P(
 // LoRA: the adapter's gradients against PEFT's semantics, for Linear and Conv1D targets.
 class HfReferenceLora : public ::testing::TestWithParam<Case> {};
 
-TEST_P(HfReferenceLora, AdapterGradientsMatch) {
-  if (!python_torch_available()) GTEST_SKIP() << "python3-torch not installed";
-  const Case& c = GetParam();
-  fs::path dir = temp_dir();
+// The reference's model, adapter (q, v and down, or GPT-2's c_attn and c_fc) and batch in
+// `dir`, and its forward of them (`forward_args`: more of its options) in dir/ref.safetensors.
+void make_lora_case(const Case& c, const fs::path& dir, const std::string& forward_args) {
   run_ref("init " + c.init_args + " --out " + (dir / "model").string() + " --seed 4");
   const bool gpt2 = c.init_args.find("gpt2") != std::string::npos;
   run_ref("init-lora --model " + (dir / "model").string() + " --out " + (dir / "adapter").string() +
       " --r 4 --alpha 8 --seed 6 --targets " + (gpt2 ? "c_attn,c_fc" : "q_proj,v_proj,down_proj"));
   run_ref("make-batch --out " + (dir / "batch.safetensors").string() + " --vocab 256 --rows 2 --seq 20 --seed 7");
-  run_ref("forward --model " + (dir / "model").string() + " --batch " + (dir / "batch.safetensors").string() +
-      " --lora " + (dir / "adapter").string() + " --out " + (dir / "ref.safetensors").string());
+  run_ref("forward " + forward_args + " --model " + (dir / "model").string() + " --batch " +
+      (dir / "batch.safetensors").string() + " --lora " + (dir / "adapter").string() + " --out " +
+      (dir / "ref.safetensors").string());
+}
+
+TEST_P(HfReferenceLora, AdapterGradientsMatch) {
+  if (!python_torch_available()) GTEST_SKIP() << "python3-torch not installed";
+  const Case& c = GetParam();
+  fs::path dir = temp_dir();
+  make_lora_case(c, dir, "");
 
   auto model = models::load_hf_model(dir / "model", {});
   models::load_adapter(*model, dir / "adapter");
@@ -159,14 +166,7 @@ TEST_P(HfReferenceLora, AdapterGradientsMatchInABf16Model) {
   if (!python_torch_available()) GTEST_SKIP() << "python3-torch not installed";
   const Case& c = GetParam();
   fs::path dir = temp_dir();
-  run_ref("init " + c.init_args + " --out " + (dir / "model").string() + " --seed 4");
-  const bool gpt2 = c.init_args.find("gpt2") != std::string::npos;
-  run_ref("init-lora --model " + (dir / "model").string() + " --out " + (dir / "adapter").string() +
-      " --r 4 --alpha 8 --seed 6 --targets " + (gpt2 ? "c_attn,c_fc" : "q_proj,v_proj,down_proj"));
-  run_ref("make-batch --out " + (dir / "batch.safetensors").string() + " --vocab 256 --rows 2 --seq 20 --seed 7");
-  run_ref("forward --dtype bfloat16 --model " + (dir / "model").string() + " --batch " +
-      (dir / "batch.safetensors").string() + " --lora " + (dir / "adapter").string() + " --out " +
-      (dir / "ref.safetensors").string());
+  make_lora_case(c, dir, "--dtype bfloat16");
   models::SafetensorsFile r(dir / "ref.safetensors");
   data::Batch batch = load_batch(dir / "batch.safetensors");
 
