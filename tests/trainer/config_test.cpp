@@ -447,7 +447,7 @@ TEST(TorchDtype, SixteenBitsNeedTheirComputeDtypeAndOnlyAdaptersTrained) {
   e = error(lora + "model: {torch_dtype: float16}", at::kFloat);
   EXPECT_HAS(e, "fp16: true on a GPU (CPUs have no fp16 matmul)");
   e = error(lora + "model: {torch_dtype: float16}", at::kBFloat16);
-  EXPECT_HAS(e, "the products would run in BFloat16");
+  EXPECT_HAS(e, "the products would run in bfloat16");
 
   // auto: config.json's dtype (transformers 5), else its torch_dtype, else float32.
   const std::string automatic = lora + "model: {torch_dtype: auto}";
