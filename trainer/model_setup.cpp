@@ -118,9 +118,8 @@ at::ScalarType resolve_dense_dtype(const Config& c, const models::ModelSpec& spe
                 "smaller than its rounding, where memtune keeps trained weights in float32.", hint);
   MEMTUNE_CHECK(c.lora.modules_to_save.empty(), why, " is ", name, ", and lora.modules_to_save trains whole tensors, "
                 "which memtune keeps in float32 (PEFT would train its copies in ", name, ").", hint);
-  const char* compute = compute_dtype == at::kBFloat16 ? "bfloat16" : compute_dtype == at::kHalf ? "float16" : "float32";
   MEMTUNE_CHECK(compute_dtype == dtype, why, " is ", name, ": the dense weights and the activations are ", name,
-                ", and the products would run in ", compute,
+                ", and the products would run in ", nf4_dtype_name(compute_dtype),
                 " (training.bf16 / training.fp16 / quantization_config.bnb_4bit_compute_dtype, resolved for ",
                 c.runtime.device, "). memtune runs a ", name, " model's products in ", name,
                 ", as transformers' does.",

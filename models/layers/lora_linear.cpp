@@ -32,7 +32,7 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     // is taken to fp32. PEFT's Linear forms the sum with the base's output in fp32 and rounds
     // it once; its 4-bit Linear rounds the adapter's output to the base's dtype first, then adds.
     const bool mixed = A.scalar_type() != x.scalar_type();
-    at::Tensor ha = at::mm(mixed ? h2.to(A.scalar_type()) : h2, A.t());  // [M, r]
+    at::Tensor ha = at::mm(h2.to(A.scalar_type()), A.t());  // [M, r]
     if (!mixed)
       y.addmm_(ha, B.t(), /*beta=*/1, /*alpha=*/scaling);
     else if (dense.has_value())
@@ -79,8 +79,8 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
         grad_x.addmm_(gha, A);  // both paths in one buffer
       grad_x = grad_x.view(x_sizes);
     }
-    if (has_h && ctx->needs_input_grad(h_edge)) grad_h = at::mm(gha, A).to(h2.scalar_type()).view(x_sizes);
-    if (ctx->needs_input_grad(1)) grad_A = at::mm(gha.t(), h2.scalar_type() == A.scalar_type() ? h2 : h2.to(A.scalar_type()));
+    if (has_h && ctx->needs_input_grad(h_edge)) grad_h = at::mm(gha, A).view(x_sizes);  // h is in A's dtype
+    if (ctx->needs_input_grad(1)) grad_A = at::mm(gha.t(), h2.to(A.scalar_type()));
     if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(bias_edge)) grad_bias = g.sum(0);
     return {grad_x, grad_A, grad_B, grad_h, grad_bias, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }

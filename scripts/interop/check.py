@@ -177,7 +177,7 @@ class Check:
     def loss_and_greedy(self, group, label, model, adapter=None, judge_model=None, judge_adapter=None,
                         dtype="fp32", rtol=None):
         """memtune eval / generate on `model` (+ adapter) against transformers on judge_model, both
-        loading the model in `dtype`."""
+        loading the model in `dtype`; returns the two evaluations."""
         m = self.mt.eval(model, adapter, dtype)
         h = self.judge("loss", model=judge_model or model, rows=self.rows, adapter=judge_adapter, dtype=dtype)
         if not h["ok"]:
@@ -206,6 +206,7 @@ class Check:
                     f"top logit {top:.3f} ({ulp:.2e}); " + note)
         self.report.add(group, f"{label}: greedy 16 tokens", "same text" if same else f"differs at char {first}",
                         f"margin {g['min_margin']:.1e}", ok, note)
+        return m, h
 
     def hf_config(self, family):
         """config.json as transformers writes it (the judge makes a model; only its config is used)."""
@@ -257,16 +258,14 @@ class Check:
 
         def run():
             model = f"hf-{family}-fp32"
-            self.loss_and_greedy(group, label, model, dtype="bf16", rtol=BF16_LOSS_RTOL)
+            m, h = self.loss_and_greedy(group, label, model, dtype="bf16", rtol=BF16_LOSS_RTOL)
             # bf16 really ran: memtune's bf16 loss is not its fp32 one (the tolerance above would
             # let an fp32 run pass); beside it, how far transformers' own eager attention lands
             # from its SDPA in bf16, the scale of what the two backends' roundings can differ by.
-            m16, m32 = self.mt.eval(model, dtype="bf16")["loss"], self.mt.eval(model)["loss"]
-            h = self.judge("loss", model=model, rows=self.rows, dtype="bf16")
+            m16, m32 = m["loss"], self.mt.eval(model)["loss"]
             he = self.judge("loss", model=model, rows=self.rows, dtype="bf16", attn="eager")
-            for r in (h, he):
-                if not r["ok"]:
-                    raise RuntimeError(r["error"])
+            if not he["ok"]:
+                raise RuntimeError(he["error"])
             self.report.add(group, f"{label}: not the fp32 loss", f"rel {rel(m16, m32):.1e} from fp32", "-",
                             rel(m16, m32) > 1e-5,
                             f"transformers bf16 eager vs sdpa: rel {rel(he['loss'], h['loss']):.1e}; memtune bf16 vs "
