@@ -20,6 +20,9 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-/tmp/memtune-device}
 budget=${BUDGET_S:-560}
 steps=${STEPS:-build check bench vs-hf}
+for s in $steps; do
+  case $s in build | check | bench | vs-hf) ;; *) echo "device_session: STEPS names '$s'; the steps are build check bench vs-hf" >&2; exit 2 ;; esac
+done
 mkdir -p "$out"
 summary=$out/summary.txt
 start=$SECONDS
