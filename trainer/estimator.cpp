@@ -11,6 +11,7 @@
 #include "runtime/nf4.h"
 #include "runtime/units.h"
 #include "trainer/adamw8bit_kernels.h"
+#include "trainer/optim_kernels.h"
 #include "trainer/optimizer.h"
 
 namespace memtune::trainer {
@@ -156,7 +157,7 @@ class Planner {
 
     // Trainable tensors, their gradients and the optimizer's states, tensor by tensor (8-bit
     // states depend on each tensor's size).
-    int64_t trainable = 0, largest_trainable = 0, largest_states = 0;
+    int64_t trainable = 0, largest_trainable = 0, largest_states = 0, square_sum_scratch = 0;
     std::vector<int64_t> layer_trainable(static_cast<size_t>(L_), 0), layer_largest(static_cast<size_t>(L_), 0);
     int64_t outside_trainable = 0;  // trained outside the layers, but the embeddings: final norm, head
     int64_t embedding_trainable = 0;
@@ -165,6 +166,7 @@ class Planner {
       for (int64_t d : shape) n *= d;
       trainable += n;
       largest_trainable = std::max(largest_trainable, n);
+      square_sum_scratch += square_sum_cuda_scratch(n);
       e.optimizer_states += optimizer_state_bytes(m_.optimizer, m_.optimizer_paged, shape, m_.sgd_momentum);
       largest_states = std::max(largest_states, optimizer_state_bytes(m_.optimizer, false, shape, m_.sgd_momentum));
       if (layer >= 0) {
@@ -193,10 +195,10 @@ class Planner {
       train(t->shape, t->layer, t->role == TensorRole::kEmbedding || t->role == TensorRole::kPositionEmbedding);
     e.trainable_parameters = trainable;
     e.gradients = trainable * kF32;
-    // Only torch's AdamW off the fused CPU kernel keeps a workspace (trainer/optimizer.cpp):
-    // not on the CPU, nor for offloaded states (updated on the host, by that kernel); Adafactor
-    // one on every device, in host memory with offloaded states.
-    const bool has_workspace = (m_.optimizer == "adamw" && !m_.cpu_update) || m_.optimizer == "adafactor";
+    // Adafactor keeps a workspace on every device (in host memory with offloaded states); torch's
+    // AdamW none: its fused kernels, the CPU's and a GPU's multi-tensor one, update in place
+    // (trainer/optimizer.cpp).
+    const bool has_workspace = m_.optimizer == "adafactor";
     e.optimizer_workspace = has_workspace && !m_.optimizer_paged ? largest_trainable * kF32 : 0;
     // Sharding (trainer/sharding.h): the ideal 1/W share; its whole-tensor partition is within
     // one tensor of it.
@@ -348,9 +350,11 @@ class Planner {
     e.workspace = workspace;
     e.backward_peak = persistent + bwd + gathered;
 
-    // Optimizer: off the CPU the gradient norm converts the largest gradient to fp64 and
-    // squares it (trainer/optimizer.cpp grad_square_sum); on the CPU it sums in place.
-    e.optimizer_peak = persistent + (grads_off ? 0 : e.gradients_after_reduce + (m_.cpu_update ? 0 : 2 * largest_trainable * 8));
+    // Optimizer: the gradient norm sums in place on the CPU; on a GPU it keeps one double per
+    // 4096 elements of each gradient it holds until it adds them (trainer/optimizer.cpp
+    // grad_square_sum; a rank of sharded gradients holds 1/W of them).
+    const int64_t norm_scratch = m_.cpu_update ? 0 : shard_grads ? (square_sum_scratch + W - 1) / W : square_sum_scratch;
+    e.optimizer_peak = persistent + (grads_off ? 0 : e.gradients_after_reduce + norm_scratch);
     e.peak_bytes = std::max({e.forward_peak, e.backward_peak, e.optimizer_peak});
 
     auto add = [&](std::string name, int64_t bytes, std::string note) {

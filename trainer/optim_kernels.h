@@ -48,6 +48,11 @@ void adafactor_apply(float d, float lr, const float* u, float* p, int64_t n);
 // kernel (clip_grad_norm's total does not depend on the machine's thread count).
 inline constexpr int64_t kSquareSumBlock = 16384;
 double square_sum(const float* x, int64_t n);
+// On a GPU (trainer/cuda/optim_cuda.h) the sum of squares writes one double per
+// kSquareSumChunkCuda elements of each gradient to the device, then adds those: its only
+// allocation, square_sum_cuda_scratch bytes for a gradient of n elements.
+inline constexpr int64_t kSquareSumChunkCuda = 4096;
+inline int64_t square_sum_cuda_scratch(int64_t n) { return (n + kSquareSumChunkCuda - 1) / kSquareSumChunkCuda * 8; }
 
 // The kernels themselves, on the calling thread (tests compare the two paths).
 // square_sum_block: 16 running sums, element j adding to sum j % 16, then the 16 added in

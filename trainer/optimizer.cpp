@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <exception>
+#include <map>
 #include <utility>
 #include <vector>
 
@@ -18,13 +19,20 @@
 #include "trainer/optim_kernels.h"
 #ifdef MEMTUNE_CUDA
 #include "trainer/cuda/adamw_bnb_cuda.h"
+#include "trainer/cuda/optim_cuda.h"
 #endif
 
 namespace memtune::trainer {
 
 namespace {
 
+// torch's AdamW as one kernel: the CPU's (trainer/optim_kernels.h) for fp32 tensors in host
+// memory, and on a CUDA build the multi-tensor kernel for fp32 tensors on one GPU
+// (trainer/cuda/optim_cuda.h, the same bits).
 bool fused_adamw_applies(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, const at::Tensor& v) {
+#ifdef MEMTUNE_CUDA
+  if (p.is_cuda()) return torch_adamw_cuda_applies(p, g, m, v);
+#endif
   for (const at::Tensor* t : {&p, &g, &m, &v})
     if (!t->device().is_cpu() || t->scalar_type() != at::kFloat || !t->is_contiguous()) return false;
   return true;
@@ -190,7 +198,8 @@ void Optimizer::reserve_workspaces() {
     const at::Tensor& p = params_[i].second;
     const at::Tensor& g = p.grad();
     if (!owned_[i] || !g.defined()) continue;
-    // AdamW: the host update of offloaded states and the fused CPU kernel need none.
+    // AdamW: the host update of offloaded states and the fused kernels (the CPU's, a GPU's
+    // multi-tensor one) need none.
     if (!adafactor &&
         ((offloaded_ && !p.device().is_cpu()) || fused_adamw_applies(p, g, exp_avg_[i], exp_avg_sq_[i])))
       continue;
@@ -337,6 +346,13 @@ void Optimizer::step(double lr, double grad_scale) {
   const double b1 = options_.beta1, b2 = options_.beta2;
   const double bc1 = 1.0 - std::pow(b1, static_cast<double>(steps_));
   const double bc2 = 1.0 - std::pow(b2, static_cast<double>(steps_));
+  // torch's AdamW kernels' scalars, but for each tensor's decay (1 - lr * its weight decay).
+  const TorchAdamW adamw{static_cast<float>(grad_scale), 1.0f, static_cast<float>(b1), static_cast<float>(1.0 - b1),
+                         static_cast<float>(b2), static_cast<float>(1.0 - b2), static_cast<float>(std::sqrt(bc2)),
+                         static_cast<float>(options_.eps), static_cast<float>(-lr / bc1)};
+#ifdef MEMTUNE_CUDA
+  std::vector<AdamWCudaTensor> on_gpu;  // torch's AdamW on GPU tensors: launched together below
+#endif
   for (size_t i = 0; i < params_.size(); ++i) {
     auto& [name, p] = params_[i];
     const at::Tensor& g = p.grad();
@@ -356,10 +372,14 @@ void Optimizer::step(double lr, double grad_scale) {
     const at::Tensor ph = on_host ? p.detach().to(at::kCPU).contiguous() : p;
     const at::Tensor gh = on_host ? g.to(at::kCPU, at::kFloat).contiguous() : g;
     if (options_.kind == "adamw" && fused_adamw_applies(ph, gh, exp_avg_[i], exp_avg_sq_[i])) {
-      const TorchAdamW s{static_cast<float>(grad_scale), static_cast<float>(1.0 - lr * wd), static_cast<float>(b1),
-                         static_cast<float>(1.0 - b1), static_cast<float>(b2), static_cast<float>(1.0 - b2),
-                         static_cast<float>(std::sqrt(bc2)), static_cast<float>(options_.eps),
-                         static_cast<float>(-lr / bc1)};
+      TorchAdamW s = adamw;
+      s.decay = static_cast<float>(1.0 - lr * wd);
+#ifdef MEMTUNE_CUDA
+      if (ph.is_cuda()) {
+        on_gpu.push_back({ph, gh, exp_avg_[i], exp_avg_sq_[i], s.decay});
+        continue;
+      }
+#endif
       torch_adamw(s, ph.data_ptr<float>(), gh.data_ptr<float>(), exp_avg_[i].data_ptr<float>(),
                   exp_avg_sq_[i].data_ptr<float>(), ph.numel());
     } else {
@@ -367,6 +387,9 @@ void Optimizer::step(double lr, double grad_scale) {
     }
     if (on_host) const_cast<at::Tensor&>(p).copy_(ph);
   }
+#ifdef MEMTUNE_CUDA
+  if (!on_gpu.empty()) torch_adamw_cuda(adamw, on_gpu);
+#endif
   unwinding.done = true;
   finish_paged();
 }
@@ -607,6 +630,10 @@ double grad_square_sum(const std::vector<std::pair<std::string, at::Tensor>>& pa
   // the end: a read per tensor would wait for the device once per tensor (448 times a step for
   // LoRA on every projection of an 8B model).
   std::vector<at::Tensor> device_sums;
+#ifdef MEMTUNE_CUDA
+  // fp32 gradients on a GPU: each device's in a few multi-tensor launches, no fp64 copy.
+  std::map<c10::DeviceIndex, std::vector<at::Tensor>> on_gpu;
+#endif
   for (const auto& [name, p] : params) {
     const at::Tensor& g = p.grad();
     if (!g.defined()) continue;
@@ -615,15 +642,28 @@ double grad_square_sum(const std::vector<std::pair<std::string, at::Tensor>>& pa
       sq += square_sum(g.data_ptr<float>(), g.numel());
       continue;
     }
-    at::Tensor s = g.to(at::kDouble).pow(2).sum();
-    auto same = std::find_if(device_sums.begin(), device_sums.end(),
+#ifdef MEMTUNE_CUDA
+    if (square_sum_cuda_applies(g)) {
+      on_gpu[g.device().index()].push_back(g);
+      continue;
+    }
+#endif
+    device_sums.push_back(g.to(at::kDouble).pow(2).sum());
+  }
+#ifdef MEMTUNE_CUDA
+  for (const auto& [index, grads] : on_gpu) device_sums.push_back(square_sum_cuda(grads));
+#endif
+  // One sum per device, read once.
+  std::vector<at::Tensor> per_device;
+  for (const at::Tensor& s : device_sums) {
+    auto same = std::find_if(per_device.begin(), per_device.end(),
                              [&](const at::Tensor& t) { return t.device() == s.device(); });
-    if (same == device_sums.end())
-      device_sums.push_back(s);
+    if (same == per_device.end())
+      per_device.push_back(s);
     else
       same->add_(s);
   }
-  for (const at::Tensor& s : device_sums) sq += s.item<double>();
+  for (const at::Tensor& s : per_device) sq += s.item<double>();
   return sq;
 }
 

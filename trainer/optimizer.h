@@ -78,8 +78,8 @@ class Optimizer {
   // e.g. the clipping coefficient). Parameters without a gradient are left alone.
   void step(double lr, double grad_scale = 1.0);
   // What the next step allocates on the devices, allocated now (step() calls it first): torch's
-  // AdamW off the fused CPU kernel (a GPU) takes a denominator the size of the largest
-  // parameter it updates, per device; Adafactor its update (on every device; in host memory
+  // AdamW off its fused kernels (a tensor neither the CPU's nor a GPU's kernel takes: not fp32,
+  // not contiguous) a denominator the size of the largest parameter it updates, per device; Adafactor its update (on every device; in host memory
   // outside the budget when the states are there); paged states on a GPU the two slots they
   // pass through. Only where that path runs, for the parameters that have a gradient. The
   // trainer calls it while an out-of-memory error can still be retried.
