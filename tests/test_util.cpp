@@ -200,6 +200,42 @@ void expect_close(const at::Tensor& actual, const at::Tensor& expected, double t
   EXPECT_LE(err, tol * scale) << what << ": max error " << err << " vs scale " << scale;
 }
 
+namespace {
+
+// Elements of `a` further than tol x max(1, max |a|) from `b`'s, and the largest difference
+// over that scale, across same-named tensors.
+struct TensorDifference {
+  int64_t elements = 0, beyond = 0;
+  double worst = 0;
+};
+
+TensorDifference tensor_difference(const std::map<std::string, at::Tensor>& a,
+                                   const std::map<std::string, at::Tensor>& b, double tol) {
+  TensorDifference d;
+  for (const auto& [name, t] : a) {
+    const auto other = b.find(name);
+    if (other == b.end()) continue;
+    const double scale = std::max(1.0, t.abs().max().item<double>());
+    const at::Tensor diff = (t.to(at::kDouble) - other->second.to(at::kDouble)).abs() / scale;
+    d.elements += t.numel();
+    d.beyond += (diff > tol).sum().item<int64_t>();
+    d.worst = std::max(d.worst, diff.max().item<double>());
+  }
+  return d;
+}
+
+}  // namespace
+
+void expect_same_tensors(const fs::path& a, const fs::path& b, double tol, double outlier_tol, int64_t per) {
+  auto ta = load_all_tensors(a), tb = load_all_tensors(b);
+  ASSERT_EQ(ta.size(), tb.size());
+  ASSERT_FALSE(ta.empty());
+  for (const auto& [name, t] : ta) ASSERT_TRUE(tb.count(name)) << name;
+  const TensorDifference d = tensor_difference(ta, tb, tol);
+  EXPECT_LE(d.beyond * per, d.elements) << d.beyond << " of " << d.elements << " elements differ by more than " << tol;
+  EXPECT_LE(d.worst, outlier_tol) << "the largest difference";
+}
+
 void expect_same_tensors(const fs::path& a, const fs::path& b, double tol) {
   auto ta = load_all_tensors(a), tb = load_all_tensors(b);
   ASSERT_EQ(ta.size(), tb.size());

@@ -132,9 +132,12 @@ TEST(Launch, ThreeProcessesEqualOneProcessOnTheGlobalBatch) {
 // of 4096 elements or more is in 8 bits): each rank quantizes the same reduced gradients into
 // its own copy of the state, so the copies stay identical. A rank whose state (or weights)
 // drifted would forward other logits, and the losses, summed over both ranks, would leave the
-// one-process run's; the trained weights are rank 0's. They differ from the one process's by
-// up to 1e-4 (a tenth of the learning rate): the two sum the gradients in other orders, and a
-// code on the edge of two 8-bit values takes the other one (measured: 6.4e-5 after 6 steps).
+// one-process run's; the trained weights are rank 0's. The two sum the gradients in other
+// orders, so a code on the edge of two 8-bit values can take the other one, which moves that
+// element by a good part of the learning rate (1e-3): rank 0's weights agree with the one
+// process's to 1e-5 but for one element in 1000 at most, each within 3e-4 (measured: 6.4e-5 at
+// most on a Zen 4; on a Zen 5, 99 of 988,288 elements beyond 1e-5, the largest 1.5e-4, the
+// median difference 1e-9). A drifted state would move most elements.
 TEST(Launch, EightBitAndPagedStatesTrainAsOneProcessOnTheGlobalBatch) {
   MEMTUNE_REQUIRE_GLOO();
   for (const char* optim : {"adamw_8bit", "paged_adamw_8bit"}) {
@@ -151,7 +154,8 @@ TEST(Launch, EightBitAndPagedStatesTrainAsOneProcessOnTheGlobalBatch) {
     auto a = step_losses(d / "one/out"), b = step_losses(d / "two/out");
     ASSERT_EQ(a.size(), 6u);
     expect_same_losses(a, b, 1e-5);
-    expect_same_tensors(d / "one/out/model/model.safetensors", d / "two/out/model/model.safetensors", 1e-4);
+    expect_same_tensors(d / "one/out/model/model.safetensors", d / "two/out/model/model.safetensors", 1e-5, 3e-4,
+                        1000);
   }
 }
 

@@ -76,10 +76,13 @@ std::vector<std::string> ladder_events(const fs::path& out) {
 // The same per-step losses and samples, and the same trained tensors (the adapter, or the
 // whole model of a full fine-tune).
 // Losses within `tol`, and the trained weights within `weight_tol` (default `tol`): Adam
-// moves a weight whose gradient is near zero by up to the learning rate on summation-order
-// noise, so a run split differently can differ there by ~1e-5 after a few steps of 1e-3
-// (measured: 1.3e-5 on GPT-2's full fine-tune without dropout); a mask drawn differently
-// moves the losses by more than 3e-5 (each dropout test checks its run without dropout).
+// moves a weight whose gradient is near its eps (1e-8) by up to the learning rate on
+// summation-order noise, so a run split differently can differ there by ~1e-5 after a few
+// steps of 1e-3 (measured: 1.3e-5 on GPT-2's full fine-tune without dropout; 1.45e-5 for one
+// element of an adapter's 36,992 on a Zen 5, the others within 1e-7). Such elements are rare:
+// with a `weight_tol` above `tol`, at most one trained element in 1000 may differ by more than
+// `tol` (GPT-2's: 3 of 1,055,488). A mask drawn differently moves the losses by more than
+// 3e-5 (each dropout test checks its run without dropout), and the weights nearly everywhere.
 void expect_same_run(const fs::path& a, const fs::path& b, double tol, double weight_tol = -1) {
   if (weight_tol < 0) weight_tol = tol;
   auto ra = rows(a), rb = rows(b);
@@ -91,8 +94,14 @@ void expect_same_run(const fs::path& a, const fs::path& b, double tol, double we
   const fs::path trained = fs::exists(a / "adapter") ? "adapter/adapter_model.safetensors" : "model/model.safetensors";
   models::SafetensorsFile fa(a / trained), fb(b / trained);
   ASSERT_EQ(fa.names().size(), fb.names().size());
-  for (const auto& n : fa.names())
-    EXPECT_LE((fa.load(n) - fb.load(n)).abs().max().item<double>(), weight_tol) << n;
+  int64_t elements = 0, beyond = 0;
+  for (const auto& n : fa.names()) {
+    const at::Tensor diff = (fa.load(n) - fb.load(n)).abs();
+    EXPECT_LE(diff.max().item<double>(), weight_tol) << n;
+    elements += diff.numel();
+    beyond += (diff > tol).sum().item<int64_t>();
+  }
+  if (weight_tol > tol) EXPECT_LE(beyond * 1000, elements) << beyond << " trained elements differ by more than " << tol;
 }
 
 class InjectedOom : public ::testing::TestWithParam<std::string> {};
@@ -147,7 +156,7 @@ TEST(Supervisor, WithDropoutTheSplitDoesNotChangeTheMath) {
   TrainRun oom = train(d / "oom", dropout + "memory.inject_oom=0:backward memory.grow_after_steps=1000");
   ASSERT_EQ(oom.exit_code, 0) << oom.output;
   EXPECT_EQ(rows(oom.out).front()["micro_batch"], 2);
-  expect_same_run(oom.out, as_configured.out, 1e-5);
+  expect_same_run(oom.out, as_configured.out, 1e-5, 5e-5);  // Adam near its eps: see expect_same_run
   // Recomputed under checkpointing, the masks are drawn again the same.
   TrainRun ckpt = train(d / "ckpt", dropout + "training.gradient_checkpointing=true");
   ASSERT_EQ(ckpt.exit_code, 0) << ckpt.output;
