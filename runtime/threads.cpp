@@ -87,8 +87,10 @@ std::string blas_core_hint() {
   for (const char* wide : {"skylakex", "cooperlake", "sapphirerapids"})
     if (strcasecmp(core.c_str(), wide) == 0) return "";
   // How much the AVX-512 kernels gain depends on the core: 1.9x on one thread of the AVX-512
-  // machine of 2026-11-24, nothing on a Zen 4 (family 25 model 17) of 2026-11-26, 108 against
-  // 112 GFLOP/s on one thread, 209 against 216 on two (docs/performance.md).
+  // machine of 2026-11-24, 1.83x on two threads of a Zen 5 (family 26 model 2) of 2026-11-26
+  // (381 against 207 GFLOP/s; memtune's training 1.3-1.6x), nothing on a Zen 4 (family 25
+  // model 17) of 2026-11-26, 108 against 112 GFLOP/s on one thread, 209 against 216 on two
+  // (docs/performance.md).
   return str_cat("OPENBLAS_CORETYPE=", forced, " makes OpenBLAS run its ", core,
                  " (AVX2) kernels on this CPU, which has AVX-512; on some such CPUs its SkylakeX kernels multiply "
                  "fp32 matrices up to 1.9x as fast, on others no faster: bench/bench_matmul_peak with and without "
