@@ -629,7 +629,15 @@ double grad_square_sum(const std::vector<std::pair<std::string, at::Tensor>>& pa
   // Elsewhere than in host memory the sums stay on their device, one per device, read once at
   // the end: a read per tensor would wait for the device once per tensor (448 times a step for
   // LoRA on every projection of an 8B model).
-  std::vector<at::Tensor> device_sums;
+  std::vector<at::Tensor> device_sums;  // one per device
+  auto add_on_device = [&](const at::Tensor& s) {
+    auto same = std::find_if(device_sums.begin(), device_sums.end(),
+                             [&](const at::Tensor& t) { return t.device() == s.device(); });
+    if (same == device_sums.end())
+      device_sums.push_back(s);
+    else
+      same->add_(s);
+  };
 #ifdef MEMTUNE_CUDA
   // fp32 gradients on a GPU: each device's in a few multi-tensor launches, no fp64 copy.
   std::map<c10::DeviceIndex, std::vector<at::Tensor>> on_gpu;
@@ -648,22 +656,12 @@ double grad_square_sum(const std::vector<std::pair<std::string, at::Tensor>>& pa
       continue;
     }
 #endif
-    device_sums.push_back(g.to(at::kDouble).pow(2).sum());
+    add_on_device(g.to(at::kDouble).pow(2).sum());
   }
 #ifdef MEMTUNE_CUDA
-  for (const auto& [index, grads] : on_gpu) device_sums.push_back(square_sum_cuda(grads));
+  for (const auto& [index, grads] : on_gpu) add_on_device(square_sum_cuda(grads));
 #endif
-  // One sum per device, read once.
-  std::vector<at::Tensor> per_device;
-  for (const at::Tensor& s : device_sums) {
-    auto same = std::find_if(per_device.begin(), per_device.end(),
-                             [&](const at::Tensor& t) { return t.device() == s.device(); });
-    if (same == per_device.end())
-      per_device.push_back(s);
-    else
-      same->add_(s);
-  }
-  for (const at::Tensor& s : per_device) sq += s.item<double>();
+  for (const at::Tensor& s : device_sums) sq += s.item<double>();
   return sq;
 }
 

@@ -87,6 +87,20 @@ __global__ void square_sum_kernel(SumList list, double* __restrict__ partials) {
   if (threadIdx.x == 0) partials[b] = sums[0];
 }
 
+// Fills first[0, count] for tensors of n[k] elements at `chunk` elements a CTA; returns the
+// grid (first[count]).
+int64_t plan_grid(const int64_t* n, int count, int64_t chunk, int64_t* first) {
+  int64_t blocks = 0;
+  for (int k = 0; k < count; ++k) {
+    first[k] = blocks;
+    blocks += (n[k] + chunk - 1) / chunk;
+  }
+  first[count] = blocks;
+  return blocks;
+}
+
+constexpr int64_t kMaxGrid = 0x7fffffff;  // CUDA's largest gridDim.x
+
 }  // namespace
 
 cudaError_t torch_adamw(const TorchAdamW& s, const AdamWTensor* tensors, int count, cudaStream_t stream) {
@@ -94,7 +108,6 @@ cudaError_t torch_adamw(const TorchAdamW& s, const AdamWTensor* tensors, int cou
   if (count > kMaxTensors) return cudaErrorInvalidValue;
   AdamWList list{};
   list.count = count;
-  int64_t blocks = 0;
   for (int k = 0; k < count; ++k) {
     const AdamWTensor& x = tensors[k];
     list.p[k] = x.p;
@@ -103,12 +116,10 @@ cudaError_t torch_adamw(const TorchAdamW& s, const AdamWTensor* tensors, int cou
     list.v[k] = x.v;
     list.n[k] = x.n;
     list.decay[k] = x.decay;
-    list.first[k] = blocks;
-    blocks += (x.n + kAdamWChunk - 1) / kAdamWChunk;
   }
-  list.first[count] = blocks;
+  const int64_t blocks = plan_grid(list.n, count, kAdamWChunk, list.first);
   if (blocks == 0) return cudaSuccess;
-  if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
+  if (blocks > kMaxGrid) return cudaErrorInvalidValue;
   torch_adamw_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(s, list);
   return cudaGetLastError();
 }
@@ -120,16 +131,13 @@ cudaError_t square_sums(const float* const* xs, const int64_t* ns, int count, do
   if (count > kMaxTensors) return cudaErrorInvalidValue;
   SumList list{};
   list.count = count;
-  int64_t blocks = 0;
   for (int k = 0; k < count; ++k) {
     list.x[k] = xs[k];
     list.n[k] = ns[k];
-    list.first[k] = blocks;
-    blocks += square_sum_partials(ns[k]);
   }
-  list.first[count] = blocks;
+  const int64_t blocks = plan_grid(list.n, count, kSumChunk, list.first);  // a partial per CTA
   if (blocks == 0) return cudaSuccess;
-  if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
+  if (blocks > kMaxGrid) return cudaErrorInvalidValue;
   square_sum_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(list, partials);
   return cudaGetLastError();
 }
