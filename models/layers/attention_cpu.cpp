@@ -1,10 +1,10 @@
 #include "models/layers/attention_cpu.h"
 
+#include "models/layers/cpu_gemm.h"
 #include "models/layers/cpu_vec.h"
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <unordered_set>
 
 #include <ATen/ATen.h>
@@ -12,11 +12,6 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "runtime/error.h"
-
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define MEMTUNE_ATTN_X86 1
-#endif
 
 namespace memtune::models::detail {
 
@@ -26,131 +21,9 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 constexpr int64_t kRows = 32;  // query rows per block
-constexpr int64_t kLanes = 16;  // columns of a packed panel: two 8-float registers
+constexpr int64_t kLanes = kPanelLanes;  // the GEMM's panel width (cpu_gemm.h)
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
-// ---- Operands ----------------------------------------------------------------------------
-// The left operand A (M x K) in place: element (i, k) at p[i * row + k * col] (row-major:
-// row = ld, col = 1; transposed storage: row = 1, col = ld).
-struct Left {
-  const float* p;
-  int64_t row, col;
-  float at(int64_t i, int64_t k) const { return p[i * row + k * col]; }
-};
-Left rows_of(const float* p, int64_t ld) { return {p, ld, 1}; }
-Left columns_of(const float* p, int64_t ld) { return {p, 1, ld}; }
-
-// The right operand B (K x N) packed as BLAS libraries pack it: column panels of 16,
-// panel q holding rows k = 0..K-1 of columns 16q..16q+15 contiguously (zero past N). The
-// kernel then streams B in order whatever the source strides were (heads in a (B,T,H*D)
-// tensor sit a power of two apart, which maps a panel's rows onto a few L1 sets).
-struct Panels {
-  const float* p;
-  int64_t stride;  // floats from one panel to the next
-  const float* at(int64_t q, int64_t k) const { return p + q * stride + k * kLanes; }
-};
-
-// Packs B (K x N), element (k, n) at src[k * row + n * col], into panels of `stride` >= K
-// rows (dst holds round_up(N, 16) / 16 * stride * 16 floats).
-Panels pack_panels(const float* src, int64_t row, int64_t col, int64_t K, int64_t N, int64_t stride, float* dst) {
-  for (int64_t q = 0; q * kLanes < N; ++q) {
-    const int64_t n0 = q * kLanes, nn = std::min(kLanes, N - n0);
-    float* d = dst + q * stride * kLanes;
-    for (int64_t k = 0; k < K; ++k, d += kLanes) {
-      if (col == 1 && nn == kLanes) {
-        std::memcpy(d, src + k * row + n0, kLanes * sizeof(float));
-        continue;
-      }
-      for (int64_t n = 0; n < nn; ++n) d[n] = src[k * row + (n0 + n) * col];
-      std::fill(d + nn, d + kLanes, 0.0f);
-    }
-  }
-  return {dst, stride * kLanes};
-}
-
-// ---- Kernels -----------------------------------------------------------------------------
-// C (M x N, row-major, ldc) = A (M x K) * B (K x N), or += with `acc`.
-using GemmFn = void (*)(int64_t M, int64_t N, int64_t K, Left A, Panels B, float* C, int64_t ldc, bool acc);
-
-void gemm_scalar(int64_t M, int64_t N, int64_t K, Left A, Panels B, float* C, int64_t ldc, bool acc) {
-  for (int64_t i = 0; i < M; ++i) {
-    float* c = C + i * ldc;
-    if (!acc) std::fill(c, c + N, 0.0f);
-    for (int64_t k = 0; k < K; ++k) {
-      const float a = A.at(i, k);
-      for (int64_t j = 0; j < N; ++j) c[j] += a * B.at(j / kLanes, k)[j % kLanes];
-    }
-  }
-}
-
-
-#ifdef MEMTUNE_ATTN_X86
-#define MEMTUNE_AVX2 __attribute__((target("avx2,fma")))
-
-// 4 x 16 tiles of C in eight registers; a K-step is two loads of B, four broadcasts of A
-// and eight fused multiply-adds.
-MEMTUNE_AVX2 void gemm_avx2(int64_t M, int64_t N, int64_t K, Left A, Panels B, float* C, int64_t ldc, bool acc) {
-  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  for (int64_t q = 0; q * kLanes < N; ++q) {
-    const int64_t j0 = q * kLanes, nj = std::min(kLanes, N - j0);
-    const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(nj, 8))), lanes);
-    const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::max<int64_t>(nj - 8, 0))), lanes);
-    const float* b = B.at(q, 0);
-    for (int64_t i0 = 0; i0 < M; i0 += 4) {
-      const int64_t mi = std::min<int64_t>(4, M - i0);
-      // Rows past M repeat the last one (computed, not stored).
-      const float* a0 = A.p + i0 * A.row;
-      const float* a1 = A.p + std::min(i0 + 1, M - 1) * A.row;
-      const float* a2 = A.p + std::min(i0 + 2, M - 1) * A.row;
-      const float* a3 = A.p + std::min(i0 + 3, M - 1) * A.row;
-      __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00;
-      for (int64_t k = 0; k < K; ++k) {
-        const __m256 b0 = _mm256_loadu_ps(b + k * kLanes), b1 = _mm256_loadu_ps(b + k * kLanes + 8);
-        const int64_t o = k * A.col;
-        __m256 x = _mm256_broadcast_ss(a0 + o);
-        c00 = _mm256_fmadd_ps(x, b0, c00);
-        c01 = _mm256_fmadd_ps(x, b1, c01);
-        x = _mm256_broadcast_ss(a1 + o);
-        c10 = _mm256_fmadd_ps(x, b0, c10);
-        c11 = _mm256_fmadd_ps(x, b1, c11);
-        x = _mm256_broadcast_ss(a2 + o);
-        c20 = _mm256_fmadd_ps(x, b0, c20);
-        c21 = _mm256_fmadd_ps(x, b1, c21);
-        x = _mm256_broadcast_ss(a3 + o);
-        c30 = _mm256_fmadd_ps(x, b0, c30);
-        c31 = _mm256_fmadd_ps(x, b1, c31);
-      }
-      const __m256 tile[4][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}};
-      for (int64_t r = 0; r < mi; ++r) {
-        float* c = C + (i0 + r) * ldc + j0;
-        __m256 v0 = tile[r][0], v1 = tile[r][1];
-        if (nj == kLanes) {
-          if (acc) v0 = _mm256_add_ps(v0, _mm256_loadu_ps(c)), v1 = _mm256_add_ps(v1, _mm256_loadu_ps(c + 8));
-          _mm256_storeu_ps(c, v0);
-          _mm256_storeu_ps(c + 8, v1);
-        } else {
-          if (acc) {
-            v0 = _mm256_add_ps(v0, _mm256_maskload_ps(c, m0));
-            v1 = _mm256_add_ps(v1, _mm256_maskload_ps(c + 8, m1));
-          }
-          _mm256_maskstore_ps(c, m0, v0);
-          _mm256_maskstore_ps(c + 8, m1, v1);
-        }
-      }
-    }
-  }
-}
-
-#endif
-
-// The GEMM this CPU runs best (cpu_vec.h chooses between AVX2 and portable).
-GemmFn gemm_kernel() {
-#ifdef MEMTUNE_ATTN_X86
-  if (avx2_kernels_active()) return gemm_avx2;
-#endif
-  return gemm_scalar;
-}
 
 // ---- Layout ------------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "models/layers/cpu_gemm.h"
 #include "runtime/error.h"
 
 namespace memtune::models {
@@ -10,6 +11,20 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
+
+// The adapter's products all have a side r wide. OpenBLAS splits one r wide in its output
+// over its threads at a third of one thread's speed or less; those go through cpu_gemm.h's
+// narrow_mm on fp32 CPU tensors instead (bench/lora_bench.cpp). alpha * a b:
+at::Tensor adapter_mm(const at::Tensor& a, const at::Tensor& b, double alpha = 1.0) {
+  if (detail::narrow_mm_applies(a, b)) return detail::narrow_mm(a, b, alpha);
+  at::Tensor c = at::mm(a, b);
+  return alpha == 1.0 ? c : c.mul_(alpha);
+}
+// a^T b with a [M, r]: as (b^T a)^T where that product is the narrow one.
+at::Tensor adapter_mm_tn(const at::Tensor& a, const at::Tensor& b) {
+  if (detail::narrow_mm_applies(b.t(), a)) return detail::narrow_mm(b.t(), a).t().contiguous();
+  return at::mm(a.t(), b);
+}
 
 class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> {
  public:
@@ -32,7 +47,7 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     // is taken to fp32. PEFT's Linear forms the sum with the base's output in fp32 and rounds
     // it once; its 4-bit Linear rounds the adapter's output to the base's dtype first, then adds.
     const bool mixed = A.scalar_type() != x.scalar_type();
-    at::Tensor ha = at::mm(h2.to(A.scalar_type()), A.t());  // [M, r]
+    at::Tensor ha = adapter_mm(h2.to(A.scalar_type()), A.t());  // [M, r]
     if (!mixed)
       y.addmm_(ha, B.t(), /*beta=*/1, /*alpha=*/scaling);
     else if (dense.has_value())
@@ -67,9 +82,9 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     // Edges exist for the tensors given: x, A, B, then h and bias when present.
     const size_t h_edge = 3, bias_edge = has_h ? 4 : 3;
 
-    at::Tensor gha = at::mm(ga, B).mul_(scaling);  // [M, r]: d loss / d (h A^T)
+    at::Tensor gha = adapter_mm(ga, B, scaling);  // [M, r]: d loss / d (h A^T)
     at::Tensor grad_x, grad_A, grad_B, grad_h, grad_bias;
-    if (ctx->needs_input_grad(2)) grad_B = at::mm(ga.t(), ha).mul_(scaling);
+    if (ctx->needs_input_grad(2)) grad_B = adapter_mm(ga.t(), ha, scaling);
     if (mixed) ga = at::Tensor();  // its fp32 copy of g, freed before d x's buffers
     if (ctx->needs_input_grad(0)) {
       grad_x = dense.defined() ? at::mm(g, dense) : nf4_matmul_w(g, load_nf4(ctx), g.scalar_type(), path);
@@ -80,7 +95,7 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
       grad_x = grad_x.view(x_sizes);
     }
     if (has_h && ctx->needs_input_grad(h_edge)) grad_h = at::mm(gha, A).view(x_sizes);  // h is in A's dtype
-    if (ctx->needs_input_grad(1)) grad_A = at::mm(gha.t(), h2.to(A.scalar_type()));
+    if (ctx->needs_input_grad(1)) grad_A = adapter_mm_tn(gha, h2.to(A.scalar_type()));
     if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(bias_edge)) grad_bias = g.sum(0);
     return {grad_x, grad_A, grad_B, grad_h, grad_bias, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }

@@ -88,6 +88,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"dense_dropout", {3, 6, 32}, 24, 4, false, true, false, true, true, false},
                       Case{"dense_no_x_grad", {2, 7, 32}, 24, 4, false, false, false, false, false, false},
                       Case{"conv1d_transposed", {3, 32}, 48, 4, false, true, false, false, true, true},
+                      // Rows enough to spread over threads, a rank off the 16-wide panels.
+                      Case{"dense_many_rows_r20", {3, 70, 96}, 72, 20, false, false, false, true, true, false},
                       Case{"nf4", {2, 9, 128}, 96, 8, true, false, false, false, true, false},
                       Case{"nf4_bias_dropout", {2, 9, 128}, 96, 8, true, true, false, true, true, false},
                       Case{"nf4_no_x_grad", {10, 128}, 64, 16, true, false, false, false, false, false},
