@@ -17,6 +17,11 @@ bool cpu_has_fma() {
   return has;
 }
 
+bool cpu_has_avx512f() {
+  static const bool has = __builtin_cpu_supports("avx512f");
+  return has;
+}
+
 // cpuid leaf 1, ECX bit 29: clang before 15 has no "f16c" for __builtin_cpu_supports.
 bool cpu_has_f16c() {
   static const bool has = [] {
@@ -29,6 +34,7 @@ bool cpu_has_f16c() {
 bool cpu_has_avx2() { return false; }
 bool cpu_has_fma() { return false; }
 bool cpu_has_f16c() { return false; }
+bool cpu_has_avx512f() { return false; }
 #endif
 
 }  // namespace memtune

@@ -14,5 +14,6 @@ namespace memtune {
 bool cpu_has_avx2();
 bool cpu_has_fma();
 bool cpu_has_f16c();  // fp32 <-> fp16 conversions (vcvtps2ph)
+bool cpu_has_avx512f();  // 512-bit registers and their fused multiply-add
 
 }  // namespace memtune

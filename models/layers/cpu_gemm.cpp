@@ -94,6 +94,58 @@ MEMTUNE_AVX2 void gemm_avx2(int64_t M, int64_t N, int64_t K, Left A, Panels B, f
   }
 }
 
+#define MEMTUNE_AVX512 __attribute__((target("avx512f")))
+
+// One R x 16 tile of C in R 16-float registers (R <= 12): a K-step is one load of B, R
+// broadcasts of A and R fused multiply-adds; twelve chains cover the multiply-add's latency
+// at two a cycle.
+template <int R>
+MEMTUNE_AVX512 void tile_avx512(int64_t K, const float* const* a, int64_t a_col, const float* b, float* c,
+                                int64_t ldc, int64_t nj, bool acc) {
+  __m512 t[R];
+  for (int r = 0; r < R; ++r) t[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 bk = _mm512_loadu_ps(b + k * kLanes);
+    const int64_t o = k * a_col;
+    for (int r = 0; r < R; ++r) t[r] = _mm512_fmadd_ps(_mm512_set1_ps(a[r][o]), bk, t[r]);
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << nj) - 1);
+  for (int r = 0; r < R; ++r, c += ldc) {
+    __m512 v = t[r];
+    if (acc) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, c));
+    _mm512_mask_storeu_ps(c, mask, v);
+  }
+}
+
+MEMTUNE_AVX512 void gemm_avx512(int64_t M, int64_t N, int64_t K, Left A, Panels B, float* C, int64_t ldc,
+                                bool acc) {
+  constexpr int64_t kTile = 12;
+  for (int64_t q = 0; q * kLanes < N; ++q) {
+    const int64_t j0 = q * kLanes, nj = std::min(kLanes, N - j0);
+    const float* b = B.at(q, 0);
+    for (int64_t i0 = 0; i0 < M; i0 += kTile) {
+      const float* a[kTile];
+      const int64_t mi = std::min(kTile, M - i0);
+      for (int64_t r = 0; r < mi; ++r) a[r] = A.p + (i0 + r) * A.row;
+      float* c = C + i0 * ldc + j0;
+      switch (mi) {
+        case 12: tile_avx512<12>(K, a, A.col, b, c, ldc, nj, acc); break;
+        case 11: tile_avx512<11>(K, a, A.col, b, c, ldc, nj, acc); break;
+        case 10: tile_avx512<10>(K, a, A.col, b, c, ldc, nj, acc); break;
+        case 9: tile_avx512<9>(K, a, A.col, b, c, ldc, nj, acc); break;
+        case 8: tile_avx512<8>(K, a, A.col, b, c, ldc, nj, acc); break;
+        case 7: tile_avx512<7>(K, a, A.col, b, c, ldc, nj, acc); break;
+        case 6: tile_avx512<6>(K, a, A.col, b, c, ldc, nj, acc); break;
+        case 5: tile_avx512<5>(K, a, A.col, b, c, ldc, nj, acc); break;
+        case 4: tile_avx512<4>(K, a, A.col, b, c, ldc, nj, acc); break;
+        case 3: tile_avx512<3>(K, a, A.col, b, c, ldc, nj, acc); break;
+        case 2: tile_avx512<2>(K, a, A.col, b, c, ldc, nj, acc); break;
+        default: tile_avx512<1>(K, a, A.col, b, c, ldc, nj, acc); break;
+      }
+    }
+  }
+}
+
 #endif
 
 }  // namespace
@@ -117,6 +169,7 @@ Panels pack_panels(const float* src, int64_t row, int64_t col, int64_t K, int64_
 
 GemmFn gemm_kernel() {
 #ifdef MEMTUNE_X86
+  if (avx512_kernels_active()) return gemm_avx512;
   if (avx2_kernels_active()) return gemm_avx2;
 #endif
   return gemm_scalar;
@@ -130,7 +183,7 @@ bool narrow_mm_applies(const at::Tensor& a, const at::Tensor& b) {
 }
 
 at::Tensor narrow_mm(const at::Tensor& a, const at::Tensor& b, double alpha, at::Tensor out, bool accumulate) {
-  MEMTUNE_CHECK(narrow_mm_applies(a, b), "narrow_mm: takes CPU fp32 a (M x K) and b (K x N) with K or N <= 64, got ",
+  MEMTUNE_CHECK(narrow_mm_applies(a, b), "narrow_mm: takes CPU fp32 a (M x K) and b (K x N) with N <= 64, got ",
                 a.sizes(), " ", a.scalar_type(), " and ", b.sizes(), " ", b.scalar_type());
   const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
   if (!out.defined()) out = at::empty({M, N}, a.options());
@@ -147,9 +200,9 @@ at::Tensor narrow_mm(const at::Tensor& a, const at::Tensor& b, double alpha, at:
   const float* ap = a.data_ptr<float>();
   const int64_t ar = a.stride(0), ac = a.stride(1), ldc = out.stride(0);
   float* cp = out.data_ptr<float>();
-  // Blocks of 6 rows (the kernel's tile); a task at least ~256k multiply-adds, so a small
-  // product stays on the calling thread.
-  constexpr int64_t kBlock = 6;
+  // Blocks of 12 rows (a whole number of either kernel's tiles); a task at least ~256k
+  // multiply-adds, so a small product stays on the calling thread.
+  constexpr int64_t kBlock = 12;
   const int64_t blocks = (M + kBlock - 1) / kBlock;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / (kBlock * K * N));
   at::parallel_for(0, blocks, grain, [&](int64_t t0, int64_t t1) {

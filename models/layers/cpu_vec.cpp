@@ -15,6 +15,7 @@ namespace memtune::models::detail {
 namespace {
 
 bool g_portable = false;
+bool g_avx2_at_most = false;
 
 float exp_shift_sum_scalar(float* x, int64_t n, float scale, float shift) {
   float sum = 0.0f;
@@ -259,7 +260,11 @@ MEMTUNE_AVX2 void rms_norm_backward_row_avx2(const float* x, const float* w, con
 
 bool avx2_kernels_active() { return !g_portable && cpu_has_avx2() && cpu_has_fma(); }
 
+bool avx512_kernels_active() { return avx2_kernels_active() && !g_avx2_at_most && cpu_has_avx512f(); }
+
 void use_portable_cpu_kernels(bool portable) { g_portable = portable; }
+
+void use_avx2_cpu_kernels_at_most(bool at_most) { g_avx2_at_most = at_most; }
 
 float exp_shift_sum(float* x, int64_t n, float scale, float shift) {
 #ifdef MEMTUNE_X86

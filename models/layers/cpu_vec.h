@@ -39,8 +39,14 @@ void rms_norm_backward_row(const float* x, const float* w, const float* gy, floa
 // asked for).
 bool avx2_kernels_active();
 
+// Whether the GEMM of cpu_gemm.h takes its AVX-512 form (the CPU has AVX-512F, and neither the
+// portable kernels nor AVX2 at most were asked for).
+bool avx512_kernels_active();
+
 // Tests: the portable C++ kernels instead of the AVX2 ones this CPU may have; covers the
 // attention kernel's GEMM too (attention_cpu.h).
 void use_portable_cpu_kernels(bool portable);
+// Tests: AVX2 at most, on a CPU that has AVX-512 (the machines without it run these).
+void use_avx2_cpu_kernels_at_most(bool at_most);
 
 }  // namespace memtune::models::detail

@@ -144,11 +144,18 @@ TEST(Attention, DropoutMaskKeepsOneMinusPAndFollowsTheRowsSeed) {
 // The fused CPU kernel: lengths across its 32-row blocks, head sizes off its 8- and
 // 16-column tiles, grouped-query heads, windows, packed documents and padding, and q, k, v
 // as the strided views the models pass (heads split out of (B,T,H*D) projections).
-// Both the AVX2 kernels (where the CPU has them) and the portable C++ ones.
-class FusedCpuAttention : public ::testing::TestWithParam<bool> {
+// The kernels this CPU runs best (AVX-512 or AVX2), AVX2 at most, and the portable C++ ones.
+enum class Kernels { kBest, kAvx2AtMost, kPortable };
+class FusedCpuAttention : public ::testing::TestWithParam<Kernels> {
  protected:
-  void SetUp() override { memtune::models::detail::use_portable_cpu_kernels(GetParam()); }
-  void TearDown() override { memtune::models::detail::use_portable_cpu_kernels(false); }
+  void SetUp() override {
+    memtune::models::detail::use_portable_cpu_kernels(GetParam() == Kernels::kPortable);
+    memtune::models::detail::use_avx2_cpu_kernels_at_most(GetParam() == Kernels::kAvx2AtMost);
+  }
+  void TearDown() override {
+    memtune::models::detail::use_portable_cpu_kernels(false);
+    memtune::models::detail::use_avx2_cpu_kernels_at_most(false);
+  }
 };
 
 struct Shape { int64_t Hkv, G, T, D; };
@@ -215,8 +222,13 @@ TEST_P(FusedCpuAttention, ManyDocumentsPerRow) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Kernels, FusedCpuAttention, ::testing::Values(false, true),
-                         [](const auto& info) { return info.param ? "Portable" : "Avx2WhereAvailable"; });
+INSTANTIATE_TEST_SUITE_P(Kernels, FusedCpuAttention,
+                         ::testing::Values(Kernels::kBest, Kernels::kAvx2AtMost, Kernels::kPortable),
+                         [](const auto& info) {
+                           return info.param == Kernels::kPortable     ? "Portable"
+                                  : info.param == Kernels::kAvx2AtMost ? "Avx2AtMost"
+                                                                       : "BestWhereAvailable";
+                         });
 
 // at::scaled_dot_product_attention (LibTorch 2.x; this runs on the CPU in the 2.x build):
 // the same answers with an explicit mask (packed documents, padding, windows), and with

@@ -1,7 +1,8 @@
 // narrow_mm (models/layers/cpu_gemm.h), the register-tiled GEMM the LoRA adapters' narrow
 // products take on the CPU: against the product in fp64 within the rounding bound of an
 // fp32 sum, for operands in place with any strides (transposed views), panels cut short,
-// rows off the tile, alpha and accumulation; the same bits whatever the thread count.
+// rows off the tile, alpha and accumulation, in its AVX-512 form (where the CPU has it) and
+// its AVX2 one; the same bits whatever the thread count.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -51,6 +52,9 @@ class NarrowMm : public ::testing::TestWithParam<Dims> {
 TEST_P(NarrowMm, IsTheProductWithinTheRoundingOfAnFp32Sum) {
   const Dims d = GetParam();
   at::manual_seed(d.M * 131 + d.K * 7 + d.N);
+  for (bool avx2_at_most : {false, true}) {
+    memtune::models::detail::use_avx2_cpu_kernels_at_most(avx2_at_most);
+    SCOPED_TRACE(avx2_at_most ? "AVX2 at most" : "the best kernel this CPU has");
   for (bool a_transposed : {false, true}) {
     for (bool b_transposed : {false, true}) {
       // Stored the other way round and seen through .t(), or strided by a slice.
@@ -71,6 +75,8 @@ TEST_P(NarrowMm, IsTheProductWithinTheRoundingOfAnFp32Sum) {
       EXPECT_TRUE(wide.slice(1, 2 + d.N).eq(7.0f).all().item<bool>()) << what;
     }
   }
+  }
+  memtune::models::detail::use_avx2_cpu_kernels_at_most(false);
 }
 
 // Rows as LoRA has them (micro-batch x tokens) and the edges of the 6 x 16 tile: one row, a
