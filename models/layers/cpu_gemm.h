@@ -1,11 +1,12 @@
 #pragma once
 // A register-tiled fp32 GEMM for the CPU products BLAS serves badly: many small ones
 // (attention's tiles, models/layers/attention_cpu.h) and narrow ones (a LoRA adapter's
-// rank-r products, models/layers/lora_linear.cpp), which OpenBLAS runs on one thread at a
-// fraction of its peak. The left operand is read in place with any strides; the right one
-// is packed, as BLAS libraries pack it, into column panels of 16. AVX-512 where the CPU has
-// it, else AVX2 + FMA (cpu_vec.h's choice), portable C++ elsewhere: memtune's own kernels
-// take the widest registers whatever core type OpenBLAS was told to use.
+// rank-r products, models/layers/lora_linear.cpp), which OpenBLAS runs at a third of its
+// peak or less (a 16-wide output split over two threads). The left operand is read in place
+// with any strides; the right one is packed, as BLAS libraries pack it, into column panels
+// of 16. AVX-512 where the CPU has it, else AVX2 + FMA (cpu_vec.h's choice), portable C++
+// elsewhere: memtune's own kernels take the widest registers whatever core type OpenBLAS
+// was told to use.
 #include <cstdint>
 
 #include <ATen/core/Tensor.h>
