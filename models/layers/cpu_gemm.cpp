@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -33,6 +34,16 @@ void gemm_scalar(int64_t M, int64_t N, int64_t K, Left A, Panels B, float* C, in
 }
 
 #ifdef MEMTUNE_X86
+// f(std::integral_constant<int, mi>{}) for a tile of 1 <= mi <= R rows: the tile kernels
+// take their row count as a template argument, so their accumulators stay in registers.
+template <int R, typename F>
+void with_rows(int64_t mi, F&& f) {
+  if constexpr (R > 1) {
+    if (mi < R) return with_rows<R - 1>(mi, f);
+  }
+  f(std::integral_constant<int, R>{});
+}
+
 #define MEMTUNE_AVX2 __attribute__((target("avx2,fma")))
 
 // One R x 16 tile of C (R <= 6: 2R accumulators, two registers of B and a broadcast fit the
@@ -82,14 +93,7 @@ MEMTUNE_AVX2 void gemm_avx2(int64_t M, int64_t N, int64_t K, Left A, Panels B, f
       const int64_t mi = std::min(kTile, M - i0);
       for (int64_t r = 0; r < mi; ++r) a[r] = A.p + (i0 + r) * A.row;
       float* c = C + i0 * ldc + j0;
-      switch (mi) {
-        case 6: tile_avx2<6>(K, a, A.col, b, c, ldc, nj, acc); break;
-        case 5: tile_avx2<5>(K, a, A.col, b, c, ldc, nj, acc); break;
-        case 4: tile_avx2<4>(K, a, A.col, b, c, ldc, nj, acc); break;
-        case 3: tile_avx2<3>(K, a, A.col, b, c, ldc, nj, acc); break;
-        case 2: tile_avx2<2>(K, a, A.col, b, c, ldc, nj, acc); break;
-        default: tile_avx2<1>(K, a, A.col, b, c, ldc, nj, acc); break;
-      }
+      with_rows<kTile>(mi, [&](auto rows) { tile_avx2<rows()>(K, a, A.col, b, c, ldc, nj, acc); });
     }
   }
 }
@@ -128,20 +132,7 @@ MEMTUNE_AVX512 void gemm_avx512(int64_t M, int64_t N, int64_t K, Left A, Panels 
       const int64_t mi = std::min(kTile, M - i0);
       for (int64_t r = 0; r < mi; ++r) a[r] = A.p + (i0 + r) * A.row;
       float* c = C + i0 * ldc + j0;
-      switch (mi) {
-        case 12: tile_avx512<12>(K, a, A.col, b, c, ldc, nj, acc); break;
-        case 11: tile_avx512<11>(K, a, A.col, b, c, ldc, nj, acc); break;
-        case 10: tile_avx512<10>(K, a, A.col, b, c, ldc, nj, acc); break;
-        case 9: tile_avx512<9>(K, a, A.col, b, c, ldc, nj, acc); break;
-        case 8: tile_avx512<8>(K, a, A.col, b, c, ldc, nj, acc); break;
-        case 7: tile_avx512<7>(K, a, A.col, b, c, ldc, nj, acc); break;
-        case 6: tile_avx512<6>(K, a, A.col, b, c, ldc, nj, acc); break;
-        case 5: tile_avx512<5>(K, a, A.col, b, c, ldc, nj, acc); break;
-        case 4: tile_avx512<4>(K, a, A.col, b, c, ldc, nj, acc); break;
-        case 3: tile_avx512<3>(K, a, A.col, b, c, ldc, nj, acc); break;
-        case 2: tile_avx512<2>(K, a, A.col, b, c, ldc, nj, acc); break;
-        default: tile_avx512<1>(K, a, A.col, b, c, ldc, nj, acc); break;
-      }
+      with_rows<kTile>(mi, [&](auto rows) { tile_avx512<rows()>(K, a, A.col, b, c, ldc, nj, acc); });
     }
   }
 }
