@@ -249,6 +249,13 @@ def main():
     if peak:
         log(f"{peak['gpu']}: bf16 matmul {peak['bf16_tflops']:.0f} TFLOP/s")
     rows = []
+
+    def keep():  # after every row, so a call cut off by its time limit keeps the rows it finished
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"date": datetime.date.today().isoformat(), "matmul": peak, "steps": args.steps,
+                           "warmup": args.warmup, "rows": rows}, f, indent=1)
+
     for name in names:
         m = MODELS[name]
         model_dir = os.path.join(args.work, f"model-{name}")
@@ -280,6 +287,7 @@ def main():
             if peak and "tokens_per_s" in row.get("peer", {}):
                 row["peer"]["mfu"] = row["peer"]["tokens_per_s"] * flops_per_token(m) / (peak["bf16_tflops"] * 1e12)
             rows.append(row)
+            keep()
         if (name == "8b" or args.smoke) and "all" in args.ckpt.split(","):
             # The seeds' consumer card: QLoRA inside 24 GiB, every layer checkpointed.
             limit = "24GiB" if name == "8b" else "64MiB"
@@ -289,6 +297,7 @@ def main():
             log(f"{name} QLoRA under {limit}: {r['tokens_per_s']:.0f} tok/s, {r['peak_gib']:.2f} GiB, "
                 f"micro-batch {r['micro_batch']}")
             rows.append({"model": name, "checkpointing": "all", "limited": r})
+            keep()
 
     result = {"date": datetime.date.today().isoformat(), "matmul": peak, "steps": args.steps,
               "warmup": args.warmup, "rows": rows}
@@ -317,9 +326,7 @@ def main():
               f"{lo['tokens_per_s']:.0f}{ratio(lo['tokens_per_s'])} | {lo['peak_gib']:.2f} | "
               f"{ql['tokens_per_s']:.0f}{ratio(ql['tokens_per_s'])} | {ql['peak_gib']:.2f}{mem} | "
               f"{mfu(peer)} / {mfu(lo)} / {mfu(ql)} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    keep()
     print(json.dumps(result))
 
 

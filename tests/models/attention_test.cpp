@@ -38,13 +38,14 @@ at::Tensor naive_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 using memtune::models::AttentionOptions;
 using memtune::models::uses_fused_cpu_attention;
 
-// memtune's attention and the textbook one on the same inputs: output and the three
-// gradients for a random output gradient.
+// memtune's attention (on `device`) and the textbook one (on the CPU) on the same inputs:
+// output and the three gradients for a random output gradient.
 void expect_textbook(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& seg,
-                     int64_t window, const AttentionOptions& options) {
-  at::Tensor qa = q.detach().clone().requires_grad_(true), ka = k.detach().clone().requires_grad_(true),
-             va = v.detach().clone().requires_grad_(true);
-  at::Tensor out = causal_segment_attention(qa, ka, va, seg, 0.35, window, options);
+                     int64_t window, const AttentionOptions& options, const at::Device& device = at::kCPU) {
+  at::Tensor qa = q.detach().to(device, false, true).requires_grad_(true),
+             ka = k.detach().to(device, false, true).requires_grad_(true),
+             va = v.detach().to(device, false, true).requires_grad_(true);
+  at::Tensor out = causal_segment_attention(qa, ka, va, seg.to(device), 0.35, window, options);
   at::Tensor qr = q.detach().clone().requires_grad_(true), kr = k.detach().clone().requires_grad_(true),
              vr = v.detach().clone().requires_grad_(true);
   at::Tensor z;  // the dropout mask, as attention_keep_mask draws it for every (row, head, query, key)
@@ -56,13 +57,13 @@ void expect_textbook(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
             .view({B, Hkv, G, T, T});
   }
   at::Tensor ref = naive_attention(qr, kr, vr, seg, 0.35, window, z);
-  expect_close(out, ref, 2e-5, "output", 1.0);
+  expect_close(out.cpu(), ref, 2e-5, "output", 1.0);
   at::Tensor g = at::randn(out.sizes(), at::kFloat);
-  auto grads = torch::autograd::grad({out}, {qa, ka, va}, {g});
+  auto grads = torch::autograd::grad({out}, {qa, ka, va}, {g.to(device)});
   ref.backward(g);
-  expect_close(grads[0], qr.grad(), 2e-5, "grad q", 1.0);
-  expect_close(grads[1], kr.grad(), 2e-5, "grad k", 1.0);
-  expect_close(grads[2], vr.grad(), 2e-5, "grad v", 1.0);
+  expect_close(grads[0].cpu(), qr.grad(), 2e-5, "grad q", 1.0);
+  expect_close(grads[1].cpu(), kr.grad(), 2e-5, "grad k", 1.0);
+  expect_close(grads[2].cpu(), vr.grad(), 2e-5, "grad v", 1.0);
 }
 
 // Row 0: two documents (10 + 13 tokens); row 1: one document then padding (segment -1).
@@ -116,6 +117,29 @@ TEST(Attention, BlockedKernelWithDropoutMatchesTheTextbookAttention) {
           expect_textbook(at::randn({B, Hkv, G, T, D}), at::randn({B, Hkv, T, D}), at::randn({B, Hkv, T, D}), seg,
                           window, options);
         }
+      }
+    }
+  }
+}
+
+// The same on a GPU: the keyed mask drawn there by int64 tensor ops must be the CPU's bits
+// (the textbook's mask is drawn on the CPU), and the blocked kernel's products CUDA's.
+TEST(Attention, OnCudaTheBlockedKernelWithDropoutMatchesTheTextbookAttention_CUDA) {
+  MEMTUNE_SKIP_WITHOUT_CUDA();
+  torch::manual_seed(23);
+  const int64_t B = 2, Hkv = 2, G = 2, T = 23, D = 8;
+  const at::Tensor seg = two_rows_of_segments(T);
+  for (double p : {0.1, 0.5}) {
+    for (int64_t window : {0, 3}) {
+      for (int64_t block : {4, 64}) {
+        SCOPED_TRACE("p " + std::to_string(p) + ", window " + std::to_string(window) + ", block " +
+                     std::to_string(block));
+        AttentionOptions options;
+        options.kernel = AttentionOptions::Kernel::kEager;
+        options.query_block = block;
+        options.dropout = {p, row_seeds(B)};
+        expect_textbook(at::randn({B, Hkv, G, T, D}), at::randn({B, Hkv, T, D}), at::randn({B, Hkv, T, D}), seg,
+                        window, options, at::Device(at::kCUDA, 0));
       }
     }
   }
