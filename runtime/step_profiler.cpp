@@ -3,15 +3,50 @@
 #include <cstdlib>
 
 #include <spdlog/spdlog.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/csrc/autograd/profiler_legacy.h>
+#include <torch/cuda.h>
+
+#include <optional>
+#include <set>
 
 #include "runtime/error.h"
 
 namespace memtune {
 
+namespace {
+namespace kineto = torch::autograd::profiler;
+using torch::profiler::impl::ActivityType;
+using torch::profiler::impl::ProfilerConfig;
+using torch::profiler::impl::ProfilerState;
+}  // namespace
+
+// On the CPU the legacy profiler (it writes the trace when destroyed); on a GPU Kineto,
+// whose trace has a row per kernel and copy on the GPU's streams beside the host's ops.
 struct StepProfiler::Recording {
-  explicit Recording(const std::string& file) : profile(file) {}
-  torch::autograd::profiler::RecordProfile profile;  // writes the trace when destroyed
+  Recording(const std::string& file, bool cuda) : file(file), cuda(cuda) {
+    if (!cuda) {
+      legacy.emplace(file);
+      return;
+    }
+    const ProfilerConfig config(ProfilerState::KINETO);
+    const std::set<ActivityType> activities{ActivityType::CPU, ActivityType::CUDA};
+    torch::cuda::synchronize();  // the step's kernels only, not the previous step's tail
+    kineto::prepareProfiler(config, activities);
+    kineto::enableProfiler(config, activities);
+  }
+  ~Recording() {
+    if (!cuda) return;
+    try {
+      torch::cuda::synchronize();  // CUPTI reports a kernel once it has run
+      kineto::disableProfiler()->save(file);
+    } catch (const std::exception& e) {
+      spdlog::warn("MEMTUNE_PROFILE: the GPU trace could not be written to {}: {}", file, e.what());
+    }
+  }
+  std::string file;
+  bool cuda;
+  std::optional<torch::autograd::profiler::RecordProfile> legacy;
 };
 
 StepProfiler::StepProfiler() {
@@ -29,9 +64,9 @@ StepProfiler::StepProfiler() {
 
 StepProfiler::~StepProfiler() = default;
 
-void StepProfiler::begin(int64_t step) {
+void StepProfiler::begin(int64_t step, bool cuda) {
   if (step != step_ || recording_) return;
-  recording_ = std::make_unique<Recording>(file_);
+  recording_ = std::make_unique<Recording>(file_, cuda);
 }
 
 void StepProfiler::end() {

@@ -4,7 +4,10 @@
     python3 scripts/profile_summary.py FILE [--top N]
 
 An op's self time is its duration less that of the ops nested in it on the same thread,
-so the column sums to the traced time. Standard library only.
+so the column sums to the traced time. A trace of a run on a GPU (Kineto's) also has the
+GPU's kernels, copies and fills: a second table gives their time by name, and how much of
+the span from the first to the last of them the GPU was busy (time covered by at least
+one), which says whether the host kept it fed. Standard library only.
 """
 import argparse
 import collections
@@ -22,6 +25,8 @@ def main():
         data = json.load(f)
     events = data if isinstance(data, list) else data.get("traceEvents", [])
     events = [e for e in events if e.get("ph") == "X"]
+    gpu = [e for e in events if e.get("cat") in GPU_CATEGORIES]
+    events = [e for e in events if e.get("cat") not in GPU_CATEGORIES and e.get("cat") not in HOST_API]
     by_thread = collections.defaultdict(list)
     for e in events:
         by_thread[e.get("tid")].append(e)
@@ -42,6 +47,34 @@ def main():
     print(f"{'self ms':>9} {'%':>6} {'total ms':>9} {'calls':>6}  op   (traced {traced / 1000:.1f} ms)")
     for name, us in self_us.most_common(a.top):
         print(f"{us / 1000:9.1f} {100 * us / traced:6.1f} {total_us[name] / 1000:9.1f} {calls[name]:6d}  {name}")
+    if gpu:
+        gpu_summary(gpu, a.top)
+
+
+GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
+HOST_API = {"cuda_runtime", "cuda_driver"}  # launches: nested in the ops that make them
+
+
+def gpu_summary(events, top):
+    """Time per kernel name, and the busy share of the GPU's span."""
+    us, calls = collections.Counter(), collections.Counter()
+    for e in events:
+        name = e["name"] if len(e["name"]) <= 100 else e["name"][:97] + "..."
+        us[name] += e["dur"]
+        calls[name] += 1
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events)
+    busy, end = 0.0, spans[0][0]
+    for t0, t1 in spans:
+        if t1 > end:
+            busy += t1 - max(t0, end)
+            end = t1
+    span = end - spans[0][0]
+    total = sum(us.values())
+    print(f"\nGPU: {len(events)} kernels, copies and fills, {total / 1000:.1f} ms in all; busy {busy / 1000:.1f} ms "
+          f"of the {span / 1000:.1f} ms from the first to the last ({100 * busy / span:.0f} %)")
+    print(f"{'ms':>9} {'%':>6} {'calls':>6}  kernel")
+    for name, t in us.most_common(top):
+        print(f"{t / 1000:9.1f} {100 * t / total:6.1f} {calls[name]:6d}  {name}")
 
 
 if __name__ == "__main__":

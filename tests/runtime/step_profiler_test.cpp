@@ -43,6 +43,29 @@ TEST(StepProfiler, WritesATraceOfTheAskedStepOnly) {
   EXPECT_GE(mm, 1);
 }
 
+// On a GPU the trace has the kernels too (Kineto with CUPTI), beside the host's op.
+TEST(StepProfiler, OnTheGpuTheTraceHasTheKernels_CUDA) {
+  MEMTUNE_SKIP_WITHOUT_CUDA();
+  const fs::path file = temp_dir() / "trace-cuda.json";
+  ProfileEnv env("1:" + file.string());
+  const at::Tensor a = at::ones({256, 256}, at::TensorOptions().device(at::kCUDA));
+  StepProfiler p;
+  p.begin(1, /*cuda=*/true);
+  (void)a.mm(a);
+  p.end();
+  ASSERT_TRUE(fs::exists(file));
+  std::ifstream in(file);
+  const auto trace = nlohmann::json::parse(in);
+  const auto& events = trace.is_array() ? trace : trace.at("traceEvents");
+  int mm = 0, kernels = 0;
+  for (const auto& e : events) {
+    if (e.value("name", "") == "aten::mm") ++mm;
+    if (e.value("cat", "") == "kernel") ++kernels;
+  }
+  EXPECT_GE(mm, 1);
+  EXPECT_GE(kernels, 1);  // the product's GEMM, as the GPU ran it
+}
+
 TEST(StepProfiler, MalformedValuesAreRefused) {
   for (const char* bad : {"trace.json", "0:trace.json", "x:trace.json", "3:", "-1:t.json"}) {
     SCOPED_TRACE(bad);
