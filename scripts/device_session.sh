@@ -2,9 +2,10 @@
 # What a session lent a GPU machine runs first (issue 24), as one call of the device tool:
 # the build against the machine's PyTorch wheel, the GPU tests and runs (scripts/gpu_check.sh),
 # the kernels' figures against ATen's (bench_layer_kernels, bench_nf4_bench), then memtune
-# against transformers + PEFT (bench/gpu_vs_hf.py), in that order, each step started only
-# while the time left allows it. Every log and JSON goes under OUT (the device tool's $OUT),
-# with summary.txt saying what ran, how long it took and how it ended.
+# against transformers + PEFT (bench/gpu_vs_hf.py), then one traced memtune step
+# (MEMTUNE_PROFILE), in that order, each step started only while the time left allows it.
+# Every log and JSON goes under OUT (the device tool's $OUT), with summary.txt saying what
+# ran, how long it took and how it ended.
 #
 #   bash scripts/device_session.sh                 # everything the budget allows
 #   STEPS="bench vs-hf" bash scripts/device_session.sh   # a later call on the still-warm machine
@@ -13,15 +14,15 @@
 # (bash scripts/device_deps.sh here, then carry .deps). Environment:
 #   OUT          where results go (default /tmp/memtune-device)
 #   BUDGET_S     seconds this call may take (default 560: the tool's 600 less a margin)
-#   STEPS        which of build check bench vs-hf to run (default all, in that order)
+#   STEPS        which of build check bench vs-hf profile to run (default all, in that order)
 #   VS_HF_ARGS   gpu_vs_hf.py's arguments (default: --models 1b --ckpt none,all)
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-/tmp/memtune-device}
 budget=${BUDGET_S:-560}
-steps=${STEPS:-build check bench vs-hf}
+steps=${STEPS:-build check bench vs-hf profile}
 for s in $steps; do
-  case $s in build | check | bench | vs-hf) ;; *) echo "device_session: STEPS names '$s'; the steps are build check bench vs-hf" >&2; exit 2 ;; esac
+  case $s in build | check | bench | vs-hf | profile) ;; *) echo "device_session: STEPS names '$s'; the steps are build check bench vs-hf profile" >&2; exit 2 ;; esac
 done
 mkdir -p "$out"
 summary=$out/summary.txt
@@ -61,4 +62,10 @@ step bench 60 bash -c "'$build/bench/bench_layer_kernels' --cuda > '$out/layer_k
 # shellcheck disable=SC2086
 step vs-hf 240 python3 "$root/bench/gpu_vs_hf.py" --memtune "$build/memtune" --work /tmp/memtune-gpu-vs-hf \
   --json "$out/gpu_vs_hf.json" ${VS_HF_ARGS:---models 1b --ckpt none,all}
+# Where a memtune LoRA step's GPU time goes: one traced step of the 1B run vs-hf configured
+# (kernels by name, the GPU's busy share; the trace itself stays on the machine).
+step profile 40 bash -c "cfg=/tmp/memtune-gpu-vs-hf/run-1b-lora-none.yaml; test -f \$cfg || exit 3
+  sed 's/run-1b-lora-none\"/run-1b-lora-none-profile\"/; s/\"max_steps\": [0-9]*/\"max_steps\": 5/' \$cfg > /tmp/profile-1b.yaml
+  MEMTUNE_PROFILE=4:/tmp/trace-1b-lora.json '$build/memtune' train /tmp/profile-1b.yaml &&
+  python3 '$root/scripts/profile_summary.py' /tmp/trace-1b-lora.json --top 40 > '$out/profile-1b-lora.txt'"
 note "device_session: $((SECONDS - start)) s in all"
