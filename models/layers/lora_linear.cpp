@@ -51,7 +51,7 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     if (!mixed)
       y.addmm_(ha, B.t(), /*beta=*/1, /*alpha=*/scaling);
     else if (dense.has_value())
-      y = y.to(A.scalar_type()).addmm_(ha, B.t(), /*beta=*/1, /*alpha=*/scaling).to(x.scalar_type());
+      y.add_(at::mm(ha, B.t()), scaling);  // formed in fp32 (the wider operand's dtype), rounded once into y
     else
       y.add_(at::mm(ha, B.t()).mul_(scaling).to(x.scalar_type()));
 
