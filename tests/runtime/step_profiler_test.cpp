@@ -66,6 +66,29 @@ TEST(StepProfiler, OnTheGpuTheTraceHasTheKernels_CUDA) {
   EXPECT_GE(kernels, 1);  // the product's GEMM, as the GPU ran it
 }
 
+// scripts/profile_summary.py on a trace shaped as Kineto writes a GPU run's: the host's ops
+// (launch calls left out: they sit inside the ops), then the kernels by name and the share of
+// the span they cover. Kernels at [10,30] and [25,35] ms overlap (two streams), a copy at
+// [50,60]: busy 35 of 50 ms.
+TEST(StepProfiler, SummaryOfAGpuTraceGivesKernelTimesAndTheBusyShare) {
+  const fs::path file = temp_dir() / "gpu-trace.json";
+  write_file(file, R"({"traceEvents": [
+    {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 10000, "pid": 1, "tid": 1},
+    {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 2000, "dur": 5000, "pid": 1, "tid": 1},
+    {"ph": "X", "cat": "kernel", "name": "gemm_a", "ts": 10000, "dur": 20000, "pid": 0, "tid": 7},
+    {"ph": "X", "cat": "kernel", "name": "gemm_a", "ts": 25000, "dur": 10000, "pid": 0, "tid": 8},
+    {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 50000, "dur": 10000, "pid": 0, "tid": 7}]})");
+  const CommandResult r =
+      run(python() + " " + (source_dir() / "scripts" / "profile_summary.py").string() + " " + file.string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("(traced 10.0 ms)"), std::string::npos) << r.output;  // the launch is not an op
+  EXPECT_EQ(r.output.find("cudaLaunchKernel"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("3 kernels, copies and fills, 40.0 ms in all"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("busy 35.0 ms of the 50.0 ms from the first to the last (70 %)"), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("     30.0   75.0      2  gemm_a"), std::string::npos) << r.output;
+}
+
 TEST(StepProfiler, MalformedValuesAreRefused) {
   for (const char* bad : {"trace.json", "0:trace.json", "x:trace.json", "3:", "-1:t.json"}) {
     SCOPED_TRACE(bad);
