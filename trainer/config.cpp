@@ -149,8 +149,10 @@ void TrainingConfig::fields(F&& f) {
     "checkpoints: each checkpointed layer's input (all it keeps) waits for backward in host memory, outside the "
     "device budget, and comes back just before its recomputation; all: refused (needs saved-tensor hooks)",
     {"false", "checkpoints", "all"});
-  f("fp16", fp16, "fp16 autocast with dynamic loss scaling");
-  f("bf16", bf16, "bf16 autocast");
+  f("fp16", fp16,
+    "fp16 autocast with dynamic loss scaling (a LoRA adapter's own products stay in its fp32, as PEFT's without "
+    "autocast)");
+  f("bf16", bf16, "bf16 autocast (a LoRA adapter's own products stay in its fp32, as PEFT's without autocast)");
   f("learning_rate", learning_rate, "peak learning rate");
   f("num_train_epochs", num_train_epochs, "passes over the training data (may be fractional)");
   f("max_steps", max_steps, "optimizer steps; > 0 overrides num_train_epochs, -1: from the epochs");

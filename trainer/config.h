@@ -95,8 +95,8 @@ struct TrainingConfig {
   int gradient_accumulation_steps = 1;        // micro-batches per optimizer step
   CheckpointingConfig gradient_checkpointing;
   std::string activation_offload = "false";  // false|checkpoints: checkpointed layers' inputs in host memory
-  bool fp16 = false;                          // fp16 autocast with dynamic loss scaling
-  bool bf16 = false;                          // bf16 autocast
+  bool fp16 = false;                          // fp16 autocast with dynamic loss scaling; adapters fp32
+  bool bf16 = false;                          // bf16 autocast; adapters fp32
   double learning_rate = 5e-5;
   double num_train_epochs = 3;
   int64_t max_steps = -1;                     // > 0 overrides num_train_epochs
