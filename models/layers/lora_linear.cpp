@@ -50,8 +50,10 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     at::Tensor ha = adapter_mm(h2.to(A.scalar_type()), A.t());  // [M, r]
     if (!mixed)
       y.addmm_(ha, B.t(), /*beta=*/1, /*alpha=*/scaling);
-    else if (dense.has_value())
-      y.add_(at::mm(ha, B.t()), scaling);  // formed in fp32 (the wider operand's dtype), rounded once into y
+    else if (dense.has_value() && y.is_cuda())
+      y.add_(at::mm(ha, B.t()), scaling);  // one kernel: read as fp32, summed, rounded once into y
+    else if (dense.has_value())  // the CPU's mixed in-place add would copy y to fp32 and back itself
+      y = y.to(A.scalar_type()).addmm_(ha, B.t(), /*beta=*/1, /*alpha=*/scaling).to(x.scalar_type());
     else
       y.add_(at::mm(ha, B.t()).mul_(scaling).to(x.scalar_type()));
 
