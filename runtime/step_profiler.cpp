@@ -21,31 +21,52 @@ using torch::profiler::impl::ProfilerConfig;
 using torch::profiler::impl::ProfilerState;
 }  // namespace
 
-// On the CPU the legacy profiler (it writes the trace when destroyed); on a GPU Kineto,
-// whose trace has a row per kernel and copy on the GPU's streams beside the host's ops.
+// On the CPU the legacy profiler (it writes the trace when destroyed). On a GPU Kineto, as
+// torch.profiler: where LibTorch's Kineto has CUPTI (PyTorch's wheels) its trace has a row per
+// kernel, copy and fill on the GPU's streams beside the host's ops; without CUPTI (Debian's
+// libtorch-cuda) the host's ops only; where Kineto cannot start, the legacy profiler's trace.
 struct StepProfiler::Recording {
-  Recording(const std::string& file, bool cuda) : file(file), cuda(cuda) {
-    if (!cuda) {
-      legacy.emplace(file);
-      return;
+  Recording(const std::string& file, int cuda_device) : file(file), device(cuda_device) {
+    if (device >= 0) {
+      try {
+        const ProfilerConfig config(ProfilerState::KINETO);
+        const std::set<ActivityType> activities{ActivityType::CPU, ActivityType::CUDA};
+        torch::cuda::synchronize(device);  // the step's kernels only, not the previous step's tail
+        kineto::prepareProfiler(config, activities);
+        kineto::enableProfiler(config, activities);
+        on_kineto = true;
+        return;
+      } catch (const std::exception& e) {
+        spdlog::warn("MEMTUNE_PROFILE: LibTorch's Kineto profiler did not start ({}); the trace will have the "
+                     "host's ops only",
+                     e.what());
+      }
     }
-    const ProfilerConfig config(ProfilerState::KINETO);
-    const std::set<ActivityType> activities{ActivityType::CPU, ActivityType::CUDA};
-    torch::cuda::synchronize();  // the step's kernels only, not the previous step's tail
-    kineto::prepareProfiler(config, activities);
-    kineto::enableProfiler(config, activities);
+    legacy.emplace(file);
   }
-  ~Recording() {
-    if (!cuda) return;
+  // Writes the trace; false (with a warning saying why) when it could not.
+  bool finish() {
+    if (!on_kineto) {
+      legacy.reset();
+      return true;
+    }
     try {
-      torch::cuda::synchronize();  // CUPTI reports a kernel once it has run
-      kineto::disableProfiler()->save(file);
+      torch::cuda::synchronize(device);  // CUPTI reports a kernel once it has run
     } catch (const std::exception& e) {
-      spdlog::warn("MEMTUNE_PROFILE: the GPU trace could not be written to {}: {}", file, e.what());
+      spdlog::warn("MEMTUNE_PROFILE: waiting for cuda:{} failed ({}); its last kernels may be missing", device,
+                   e.what());
+    }
+    try {
+      kineto::disableProfiler()->save(file);
+      return true;
+    } catch (const std::exception& e) {
+      spdlog::warn("MEMTUNE_PROFILE: the trace could not be written to {}: {}", file, e.what());
+      return false;
     }
   }
   std::string file;
-  bool cuda;
+  int device;
+  bool on_kineto = false;
   std::optional<torch::autograd::profiler::RecordProfile> legacy;
 };
 
@@ -64,15 +85,16 @@ StepProfiler::StepProfiler() {
 
 StepProfiler::~StepProfiler() = default;
 
-void StepProfiler::begin(int64_t step, bool cuda) {
+void StepProfiler::begin(int64_t step, int cuda_device) {
   if (step != step_ || recording_) return;
-  recording_ = std::make_unique<Recording>(file_, cuda);
+  recording_ = std::make_unique<Recording>(file_, cuda_device);
 }
 
 void StepProfiler::end() {
   if (!recording_) return;
+  const bool written = recording_->finish();
   recording_.reset();
-  spdlog::info("profile of step {}: {}", step_, file_);
+  if (written) spdlog::info("profile of step {}: {}", step_, file_);
 }
 
 }  // namespace memtune

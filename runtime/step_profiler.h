@@ -2,9 +2,9 @@
 // Where a training step's time goes: MEMTUNE_PROFILE=STEP:FILE records every ATen op of
 // step STEP (1-based) with LibTorch's profiler and writes a Chrome trace to FILE (open it
 // in chrome://tracing or ui.perfetto.dev; scripts/profile_summary.py prints self times).
-// A run on a CUDA device records the GPU's kernels and copies too (Kineto with CUPTI, as
-// torch.profiler does): on a GPU the host's op times say when work was queued, not how
-// long it ran.
+// A run on a CUDA device records the GPU's kernels and copies too (Kineto, as torch.profiler
+// does, where LibTorch's has CUPTI): on a GPU the host's op times say when work was queued,
+// not how long it ran.
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -19,8 +19,9 @@ class StepProfiler {
   StepProfiler(const StepProfiler&) = delete;
   StepProfiler& operator=(const StepProfiler&) = delete;
 
-  // Starts recording when step is the one asked for; `cuda`: the step runs on a CUDA device.
-  void begin(int64_t step, bool cuda = false);
+  // Starts recording when step is the one asked for; cuda_device: the index of the CUDA
+  // device the step runs on, -1 for the CPU.
+  void begin(int64_t step, int cuda_device = -1);
   void end();  // writes the trace if recording (on a GPU once its queued work has finished)
 
  private:

@@ -26,7 +26,7 @@ def main():
     events = data if isinstance(data, list) else data.get("traceEvents", [])
     events = [e for e in events if e.get("ph") == "X"]
     gpu = [e for e in events if e.get("cat") in GPU_CATEGORIES]
-    events = [e for e in events if e.get("cat") not in GPU_CATEGORIES and e.get("cat") not in HOST_API]
+    events = [e for e in events if e.get("cat") in HOST_OPS]
     by_thread = collections.defaultdict(list)
     for e in events:
         by_thread[e.get("tid")].append(e)
@@ -52,7 +52,10 @@ def main():
 
 
 GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
-HOST_API = {"cuda_runtime", "cuda_driver"}  # launches: nested in the ops that make them
+# The host's ops: the legacy profiler's events have no category, Kineto's are cpu_op and
+# user_annotation. Left out: launches (cuda_runtime, cuda_driver: inside the ops that make
+# them), the span of the whole recording (Trace) and the profiler's own overhead.
+HOST_OPS = {None, "cpu_op", "user_annotation", "python_function"}
 
 
 def gpu_summary(events, top):
@@ -68,7 +71,7 @@ def gpu_summary(events, top):
         if t1 > end:
             busy += t1 - max(t0, end)
             end = t1
-    span = end - spans[0][0]
+    span = max(end - spans[0][0], 1e-3)
     total = sum(us.values())
     print(f"\nGPU: {len(events)} kernels, copies and fills, {total / 1000:.1f} ms in all; busy {busy / 1000:.1f} ms "
           f"of the {span / 1000:.1f} ms from the first to the last ({100 * busy / span:.0f} %)")

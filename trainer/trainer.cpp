@@ -836,7 +836,7 @@ StepRecord Trainer::step() {
     mem_->release_cached();
   };
   const std::vector<int64_t> sent_before = pg_ ? pg_->sent_bytes() : std::vector<int64_t>{};
-  profiler_.begin(step_ + 1, device_.is_cuda());
+  profiler_.begin(step_ + 1, device_.is_cuda() ? std::max<int>(device_.index(), 0) : -1);
   supervisor_->run_step(step_, stages);
   profiler_.end();
   if (pg_) {
