@@ -252,9 +252,10 @@ def main():
 
     def keep():  # after every row, so a call cut off by its time limit keeps the rows it finished
         if args.json:
-            with open(args.json, "w") as f:
+            with open(args.json + ".tmp", "w") as f:
                 json.dump({"date": datetime.date.today().isoformat(), "matmul": peak, "steps": args.steps,
                            "warmup": args.warmup, "rows": rows}, f, indent=1)
+            os.replace(args.json + ".tmp", args.json)  # never a half-written file
 
     for name in names:
         m = MODELS[name]
