@@ -82,20 +82,25 @@ MEMTUNE_AVX2 void tile_avx2(int64_t K, const float* const* a, int64_t a_col, con
   }
 }
 
-// Panel by panel (one stays in L1 while the rows of A stream past it), tiles of 6 rows.
-MEMTUNE_AVX2 void gemm_avx2(int64_t M, int64_t N, int64_t K, Left A, Panels B, float* C, int64_t ldc, bool acc) {
-  constexpr int64_t kTile = 6;
+// Panel by panel (one stays in L1 while the rows of A stream past it), tiles of up to kTile
+// rows: tile(rows, ...) runs the kernel's rows() x 16 tile.
+template <int kTile, typename Tile>
+void gemm_panels(int64_t M, int64_t N, int64_t K, Left A, Panels B, float* C, int64_t ldc, bool acc, Tile tile) {
   for (int64_t q = 0; q * kLanes < N; ++q) {
     const int64_t j0 = q * kLanes, nj = std::min(kLanes, N - j0);
     const float* b = B.at(q, 0);
     for (int64_t i0 = 0; i0 < M; i0 += kTile) {
       const float* a[kTile];
-      const int64_t mi = std::min(kTile, M - i0);
+      const int64_t mi = std::min<int64_t>(kTile, M - i0);
       for (int64_t r = 0; r < mi; ++r) a[r] = A.p + (i0 + r) * A.row;
       float* c = C + i0 * ldc + j0;
-      with_rows<kTile>(mi, [&](auto rows) { tile_avx2<rows()>(K, a, A.col, b, c, ldc, nj, acc); });
+      with_rows<kTile>(mi, [&](auto rows) { tile(rows, K, a, A.col, b, c, ldc, nj, acc); });
     }
   }
+}
+
+void gemm_avx2(int64_t M, int64_t N, int64_t K, Left A, Panels B, float* C, int64_t ldc, bool acc) {
+  gemm_panels<6>(M, N, K, A, B, C, ldc, acc, [](auto rows, auto... args) { tile_avx2<rows()>(args...); });
 }
 
 #define MEMTUNE_AVX512 __attribute__((target("avx512f")))
@@ -121,20 +126,8 @@ MEMTUNE_AVX512 void tile_avx512(int64_t K, const float* const* a, int64_t a_col,
   }
 }
 
-MEMTUNE_AVX512 void gemm_avx512(int64_t M, int64_t N, int64_t K, Left A, Panels B, float* C, int64_t ldc,
-                                bool acc) {
-  constexpr int64_t kTile = 12;
-  for (int64_t q = 0; q * kLanes < N; ++q) {
-    const int64_t j0 = q * kLanes, nj = std::min(kLanes, N - j0);
-    const float* b = B.at(q, 0);
-    for (int64_t i0 = 0; i0 < M; i0 += kTile) {
-      const float* a[kTile];
-      const int64_t mi = std::min(kTile, M - i0);
-      for (int64_t r = 0; r < mi; ++r) a[r] = A.p + (i0 + r) * A.row;
-      float* c = C + i0 * ldc + j0;
-      with_rows<kTile>(mi, [&](auto rows) { tile_avx512<rows()>(K, a, A.col, b, c, ldc, nj, acc); });
-    }
-  }
+void gemm_avx512(int64_t M, int64_t N, int64_t K, Left A, Panels B, float* C, int64_t ldc, bool acc) {
+  gemm_panels<12>(M, N, K, A, B, C, ldc, acc, [](auto rows, auto... args) { tile_avx512<rows()>(args...); });
 }
 
 #endif
