@@ -10,10 +10,13 @@ weights in Hugging Face format written by `memtune init-model --config` (a Llama
 and a Llama-3-8B-shaped config), the same random token ids, LoRA r 16 / alpha 32 on every
 linear layer, bf16, with gradient checkpointing off and on:
   - memtune LoRA (model.torch_dtype bfloat16 with training.bf16: the frozen base, the
-    activations and the products in bf16, fp32 adapters, as the peer's model),
+    activations and the products in bf16; fp32 adapters multiplying in bf16 under the
+    Trainer's autocast, as the peer's),
   - memtune QLoRA (NF4 + double quantization, bf16 compute, the rest of the model in bf16),
   - transformers + peft bf16 LoRA (AutoModelForCausalLM in bf16, attn_implementation sdpa,
-    torch.optim.AdamW on the adapters), each in a process of its own;
+    the forward under torch.autocast(bf16) as the Trainer's bf16=True runs it (PEFT's fp32
+    adapters then multiply in bf16), torch.optim.AdamW on the adapters), each in a process
+    of its own (results before 2026-11-27 ran both sides' adapters in fp32, without autocast);
 tokens/s (median of the steps after warm-up), peak GPU memory (memtune: its budget's peak;
 the peer: torch.cuda.max_memory_allocated) and MFU against the bf16 matmul peak measured by
 this run. Then the 8B-shaped QLoRA under memory.device_limit=24GiB. The table and the
@@ -175,7 +178,8 @@ def peer_main(a):
                 rows.append(ids[at:at + T])
                 at += T
             x = torch.stack(rows).cuda()
-            loss = model(input_ids=x, labels=x).loss
+            with torch.autocast("cuda", dtype=torch.bfloat16):  # the Trainer's bf16=True
+                loss = model(input_ids=x, labels=x).loss
             (loss / acc).backward()
             total += loss.item() / acc
         opt.step()
@@ -186,7 +190,7 @@ def peer_main(a):
     timed = times[a.warmup:] or times
     print(json.dumps({"tokens_per_s": B * T * acc / statistics.median(timed),
                       "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-                      "first_loss": losses[0], "final_loss": losses[-1],
+                      "first_loss": losses[0], "final_loss": losses[-1], "autocast": "bf16",
                       "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                                    "peft": peft.__version__}}))
 

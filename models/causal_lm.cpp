@@ -139,9 +139,13 @@ void CausalLM::set_dense_dtype(at::ScalarType dtype) {
   }
 }
 
-void CausalLM::set_compute_dtype(at::ScalarType dtype) {
+void CausalLM::set_compute_dtype(at::ScalarType dtype, bool autocast) {
   compute_dtype_ = dtype;
-  for (auto& l : linears_) l->compute_dtype = dtype;
+  autocast_ = autocast;
+  for (auto& l : linears_) {
+    l->compute_dtype = dtype;
+    l->autocast = autocast;
+  }
 }
 
 namespace {

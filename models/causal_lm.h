@@ -109,9 +109,11 @@ class CausalLM {
   // them. The residual stream then runs in it: the embedding's dtype.
   void set_dense_dtype(at::ScalarType dtype);
 
-  // Fills `slots_`; architectures call it once from their constructor.
-  void set_compute_dtype(at::ScalarType dtype);
+  // The dtype of the base matmuls; `autocast`: the Trainer's fp16 / bf16 autocast
+  // (training.fp16 / bf16), under which fp32 adapters' products run in it too (Linear::autocast).
+  void set_compute_dtype(at::ScalarType dtype, bool autocast = false);
   at::ScalarType compute_dtype() const { return compute_dtype_; }
+  bool autocast() const { return autocast_; }
 
   ForwardOutput forward(const data::Batch& batch, const ForwardOptions& options);
 
@@ -175,6 +177,7 @@ class CausalLM {
   std::vector<TensorSlot> slots_;
   std::vector<std::unique_ptr<Linear>> linears_;
   at::ScalarType compute_dtype_ = at::kFloat;
+  bool autocast_ = false;
   AttentionOptions::Kernel attention_kernel_ = AttentionOptions::Kernel::kAuto;
 };
 

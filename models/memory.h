@@ -24,6 +24,9 @@ struct StepShape {
   // A CUDA device: RMSNorm, SwiGLU, rotary and the loss's softmax run memtune's kernels
   // (models/layers/cuda/), whose backward forms no fp32 intermediates.
   bool cuda_kernels = false;
+  // Bytes per element of LoRA adapters' products: 4 (their fp32), or compute_bytes under the
+  // Trainer's autocast (training.bf16 / fp16: models::Linear::autocast).
+  int64_t adapter_bytes = 4;
   int64_t rows() const { return batch * tokens; }
   // keyed_dropout keeps a boolean mask (runtime/keyed_dropout.h): on a GPU, and for fp16/bf16
   // inputs on the CPU (taken where the matmuls are not fp32, a bound for adapters' fp32 inputs).
@@ -36,12 +39,16 @@ struct LinearTraining {
   int64_t lora_r = 0;    // > 0: an adapter of this rank
   double lora_dropout = 0;
   bool nf4 = false;      // a frozen NF4 base: its products hold a dequantized panel
+  // Under autocast in an fp32 model the adapter's products take a 16-bit copy of the input.
+  bool lora_casts_input = false;
   // Its output needs a gradient (a trained weight or an adapter).
   bool trains() const { return full || lora_r > 0; }
+  // The adapter keeps a copy of the input of its own: dropped (LoRA dropout) or cast.
+  bool lora_own_input() const { return lora_r > 0 && (lora_dropout > 0 || lora_casts_input); }
   // The projection keeps its input for backward: a trained weight's gradient needs it, and
-  // so does an adapter's A without dropout. With LoRA dropout the adapter keeps its own
-  // dropped copy instead (lora_kept), and the input is freed unless another op keeps it.
-  bool keeps_input() const { return full || (lora_r > 0 && lora_dropout <= 0); }
+  // so does an adapter's A, unless the adapter keeps its own copy (lora_kept): then the
+  // input is freed unless another op keeps it.
+  bool keeps_input() const { return full || (lora_r > 0 && !lora_own_input()); }
 };
 
 // What the accounting of a layer is told about the run.

@@ -150,9 +150,11 @@ void TrainingConfig::fields(F&& f) {
     "device budget, and comes back just before its recomputation; all: refused (needs saved-tensor hooks)",
     {"false", "checkpoints", "all"});
   f("fp16", fp16,
-    "fp16 autocast with dynamic loss scaling (a LoRA adapter's own products stay in its fp32, as PEFT's without "
-    "autocast)");
-  f("bf16", bf16, "bf16 autocast (a LoRA adapter's own products stay in its fp32, as PEFT's without autocast)");
+    "fp16 autocast with dynamic loss scaling, as the Trainer's: LoRA adapters keep fp32 weights and multiply "
+    "in fp16, as PEFT's under autocast (bnb_4bit_compute_dtype alone: the base only)");
+  f("bf16", bf16,
+    "bf16 autocast, as the Trainer's: LoRA adapters keep fp32 weights and multiply in bf16, as PEFT's under "
+    "autocast (bnb_4bit_compute_dtype alone: the base only)");
   f("learning_rate", learning_rate, "peak learning rate");
   f("num_train_epochs", num_train_epochs, "passes over the training data (may be fractional)");
   f("max_steps", max_steps, "optimizer steps; > 0 overrides num_train_epochs, -1: from the epochs");

@@ -112,6 +112,7 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
   std::string note;
   const at::ScalarType compute_dtype = resolve_compute_dtype(c, device, &note);
   in.compute_bytes = static_cast<int64_t>(c10::elementSize(compute_dtype));
+  in.adapter_bytes = autocast_on(c) ? in.compute_bytes : 4;
   in.loss_bf16 = models::loss_matmul_dtype(compute_dtype) == at::kBFloat16;
   // Activations are in the dense dtype (model.torch_dtype) whatever the compute dtype: each
   // projection casts its output back, so in an fp32 model q, k and v reach attention in fp32

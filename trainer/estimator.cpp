@@ -46,7 +46,7 @@ class Planner {
     L_ = static_cast<int>(model.num_layers());
     const int64_t T = (m_.seq_length + 7) / 8 * 8;  // data::collate pads to a multiple of 8
     shape_ = {m_.micro_batch, T, full_ ? kF32 : m_.dense_bytes, m_.compute_bytes, m_.fused_cpu_attention, m_.threads,
-              m_.cuda_kernels};
+              m_.cuda_kernels, m_.adapter_bytes};
     E_ = shape_.rows();
     const int64_t samples =
         m_.samples_per_step > 0 ? m_.samples_per_step : m_.micro_batch * std::max<int64_t>(1, m_.accumulation_steps);
@@ -71,6 +71,7 @@ class Planner {
         lt.lora_r = adapted ? m_.lora_r : 0;
         lt.lora_dropout = adapted ? m_.lora_dropout : 0.0;
         lt.nf4 = m_.load_in_4bit && !full_;
+        lt.lora_casts_input = adapted && m_.adapter_bytes != m_.dense_bytes;
         training_[t.linear] = lt;
       }
       if (t.layer >= 0 && (whole || adapted)) layer_trains_[t.layer] = true;

@@ -81,6 +81,7 @@ struct EstimateInput {
   // (gradients_can_leave: one rank, or a CPU group).
   bool gradients_offloaded = false;
   int64_t compute_bytes = 4;        // bytes per element of the base matmuls
+  int64_t adapter_bytes = 4;        // ... of LoRA adapters' products (models::StepShape::adapter_bytes)
   bool loss_bf16 = false;           // the head's products in bf16 (models::loss_matmul_dtype)
   // Attention runs the fused CPU kernel (models/layers/attention_cpu.h: CPU, fp32), whose
   // scratch is per intra-op thread; otherwise the blocked ATen one.

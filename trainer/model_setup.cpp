@@ -232,7 +232,7 @@ ModelBundle setup_model(const Config& c, const fs::path& adapter_dir, const Skip
                               spec.is_gpt2() ? str_cat("resid_pdrop ", dropout.residual, ", embd_pdrop ",
                                                        dropout.embedding, ", attn_pdrop ", dropout.attention)
                                              : str_cat("attention_dropout ", dropout.attention)));
-  model.set_compute_dtype(b.compute_dtype);
+  model.set_compute_dtype(b.compute_dtype, autocast_on(c));
   model.set_attention_kernel(models::parse_attention_kernel(c.model.attn_implementation));
 
   // Adapters are drawn from the training seed, so a run is reproducible end to end.

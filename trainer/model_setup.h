@@ -37,6 +37,10 @@ struct ModelBundle {
 // The device runtime.device names (auto: the first CUDA device when present, else CPU).
 c10::Device resolve_device(const std::string& spec, const std::string& where = "runtime.device");
 
+// training.bf16 / fp16: the Trainer's autocast, under which LoRA adapters' products run in
+// the compute dtype too (models::Linear::autocast); bnb_4bit_compute_dtype alone sets the base's.
+inline bool autocast_on(const Config& c) { return c.training.bf16 || c.training.fp16; }
+
 // The dtype of the base matmuls: bnb_4bit_compute_dtype / fp16 / bf16, with auto resolved
 // for the device (bf16 on GPUs that have it, fp16 on older GPUs, fp32 on CPUs without native
 // bf16). `note` receives why, and a warning when an explicit choice will be slow.

@@ -147,7 +147,7 @@ class Gpt2Model : public CausalLM {
     // At the MLP's end: GELU's output (a transient unless the projection keeps it), the
     // projection's output before the residual sum.
     const int64_t gelu_run = gelu_ops ? 2 * E * F * a : 0;  // the formula's two intermediates while it runs
-    const int64_t mlp_end = (tp.keeps_input() ? 0 : E * F * a) + E * C * a + E * r * 4 + std::max(panel, gelu_run) + drop;
+    const int64_t mlp_end = (tp.keeps_input() ? 0 : E * F * a) + E * C * a + E * r * s.adapter_bytes + std::max(panel, gelu_run) + drop;
     m.forward = std::max(attn + (embd && !g_in ? embd_x : 0) + (s.fused_cpu_attention ? 0 : qkv) + at.forward_transient,
                          m.kept + (s.fused_cpu_attention ? 0 : qkv) + mlp_end);
     // Unrecorded: x, h, the projection, the merged heads, y, and the MLP's fc output and GELU's.

@@ -205,7 +205,7 @@ class LlamaModel : public CausalLM {
     // copies). At the MLP's end: silu(gate) * up (a transient unless down keeps it), down's
     // output before the residual sum, an adapter's x A^T (the fused LoRA node adds the
     // adapter inside the base's GEMM, no full-size delta).
-    const int64_t mlp_end = (td.keeps_input() ? 0 : E * F * a) + E * C * a + E * r * 4 + panel;
+    const int64_t mlp_end = (td.keeps_input() ? 0 : E * F * a) + E * C * a + E * r * s.adapter_bytes + panel;
     m.forward = std::max(attn + (s.fused_cpu_attention ? 0 : qkv) + at.forward_transient,
                          m.kept + (s.fused_cpu_attention ? 0 : qkv) + mlp_end);
     // Unrecorded: x, h, the locals, the merged heads, y, and the MLP's gate, up and the

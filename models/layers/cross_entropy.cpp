@@ -10,11 +10,11 @@
 #include <torch/csrc/autograd/graph_task.h>
 
 #include "models/layers/cpu_vec.h"
+#include "models/layers/product_fp32.h"
 #include "runtime/error.h"
 
 #ifdef MEMTUNE_CUDA
 #include <ATen/cuda/CUDAContext.h>
-#include <ATen/cuda/Exceptions.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -72,35 +72,6 @@ void row_softmax_parts(at::Tensor& e, at::Tensor* m, at::Tensor* s, at::Tensor* 
   });
 }
 
-// dw (V,C) fp32 += p^T h for p (n,V) and h (n,C) in bf16: the products of bf16 values are
-// exact in fp32 and summed in fp32, so dW is not rounded to bf16 chunk by chunk. On CUDA one
-// cuBLAS GEMM with bf16 inputs and an fp32 result; elsewhere the fp32 product of the same
-// values, through `scratch`, an fp32 (n,V) buffer of the chunk's that p may overwrite.
-void add_bf16_product_t(at::Tensor& dw, const at::Tensor& p, const at::Tensor& h, at::Tensor& scratch) {
-#ifdef MEMTUNE_CUDA
-  if (dw.is_cuda()) {
-    // Row-major dw (V,C) is column-major dw^T (C,V) = h^T p: h row-major (n,C) is h^T
-    // column-major (ld C), p row-major (n,V) is p^T column-major (ld V), taken transposed.
-    MEMTUNE_INTERNAL_ASSERT(dw.is_contiguous() && p.is_contiguous() && h.is_contiguous() &&
-                                dw.scalar_type() == at::kFloat && p.scalar_type() == at::kBFloat16 &&
-                                h.scalar_type() == at::kBFloat16,
-                            "add_bf16_product_t: contiguous fp32 dw, bf16 p and h");
-    const c10::cuda::CUDAGuard guard(dw.device());
-    const int64_t V = dw.size(0), C = dw.size(1), n = p.size(0);
-    MEMTUNE_INTERNAL_ASSERT(V <= INT32_MAX && C <= INT32_MAX && n <= INT32_MAX, "add_bf16_product_t: sizes over int");
-    const float one = 1.0f;
-    TORCH_CUDABLAS_CHECK(cublasGemmEx(at::cuda::getCurrentCUDABlasHandle(), CUBLAS_OP_N, CUBLAS_OP_T,
-                                      static_cast<int>(C), static_cast<int>(V), static_cast<int>(n), &one,
-                                      h.data_ptr(), CUDA_R_16BF, static_cast<int>(C), p.data_ptr(), CUDA_R_16BF,
-                                      static_cast<int>(V), &one, dw.data_ptr(), CUDA_R_32F, static_cast<int>(C),
-                                      CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-    return;
-  }
-#endif
-  scratch.copy_(p);
-  dw.addmm_(scratch.t(), h.to(at::kFloat));
-}
-
 struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
                             const at::Tensor& targets, int64_t chunk, bool grad_hidden,
@@ -137,7 +108,7 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
           at::Tensor out = dh_rows.slice(0, i0, i1);
           at::mm_out(out, p, w);
         }
-        if (grad_weight) add_bf16_product_t(dw, p, h, e);
+        if (grad_weight) add_product_t_fp32(dw, p, h, e);  // dW summed in fp32, not rounded chunk by chunk
         continue;
       }
       // d loss / d logits = e / s - onehot(t). The 1/s goes on the narrow side of each

@@ -85,6 +85,18 @@ Linear::Linear(std::string name, int64_t in_features, int64_t out_features, bool
       dropout_site_(dropout_site(name_)) {}
 
 at::Tensor Linear::forward(const at::Tensor& x, bool training) const {
+  // Under autocast an fp32 adapter multiplies in a 16-bit compute dtype (lora_linear's
+  // `autocast`: through 16-bit copies of A and B, its gradients summed in fp32).
+  const bool cast_adapter =
+      lora && autocast && compute_dtype != at::kFloat && lora->A.scalar_type() == at::kFloat;
+  // PEFT drops the adapter's input after taking it to the adapter's (fp32) dtype; autocast
+  // then casts the dropped input for the product.
+  auto adapter_input = [&]() {
+    at::Tensor h = x.to(lora->A.scalar_type());
+    if (training && lora->dropout > 0) h = keyed_dropout(h, lora->dropout, dropout_site_);
+    return cast_adapter ? h.to(compute_dtype) : h;
+  };
+
   // A LoRA adapter on a frozen base whose product runs in the input's dtype, the adapter in
   // that dtype or in fp32 (a bf16 or fp16 model): one node (models/layers/lora_linear.h).
   // Otherwise: the base, then the adapter added.
@@ -93,19 +105,15 @@ at::Tensor Linear::forward(const at::Tensor& x, bool training) const {
       (lora->A.scalar_type() == compute_dtype || lora->A.scalar_type() == at::kFloat) &&
       (!bias.defined() || bias.scalar_type() == compute_dtype) &&
       (qweight_ || weight.scalar_type() == compute_dtype)) {
-    // PEFT drops the adapter's input after taking it to the adapter's dtype.
-    at::Tensor h = training && lora->dropout > 0
-                       ? keyed_dropout(x.to(lora->A.scalar_type()), lora->dropout, dropout_site_)
-                       : at::Tensor();
+    at::Tensor h = training && lora->dropout > 0 ? adapter_input() : at::Tensor();
     FrozenWeight w{qweight_ ? at::Tensor() : (fan_in_fan_out_ ? weight.t() : weight), qweight_};
-    return lora_linear(x, h, w, bias, lora->A, lora->B, lora->scaling);
+    return lora_linear(x, h, w, bias, lora->A, lora->B, lora->scaling, Nf4MatmulPath::kAuto, cast_adapter);
   }
+  at::Tensor xc = x.to(compute_dtype);
   at::Tensor y;
   if (qweight_) {
-    y = linear4bit(x.to(compute_dtype), qweight_, bias.defined() ? bias.to(compute_dtype) : bias,
-                   compute_dtype);
+    y = linear4bit(xc, qweight_, bias.defined() ? bias.to(compute_dtype) : bias, compute_dtype);
   } else {
-    at::Tensor xc = x.to(compute_dtype);
     at::Tensor b = bias.defined() ? bias.to(compute_dtype) : bias;
     if (weight.scalar_type() != compute_dtype && at::GradMode::is_enabled()) {
       c10::optional<at::Tensor> b_opt;
@@ -117,15 +125,20 @@ at::Tensor Linear::forward(const at::Tensor& x, bool training) const {
       y = at::linear(xc, weight.to(compute_dtype), b);
     }
   }
-  y = y.to(x.scalar_type());
-  if (lora) {
-    // Adapters stay fp32 whatever the compute dtype (fp16 gradients could not be unscaled).
-    at::Tensor h = x.to(at::kFloat);
-    if (training && lora->dropout > 0) h = keyed_dropout(h, lora->dropout, dropout_site_);
-    at::Tensor delta = at::linear(at::linear(h, lora->A), lora->B);
-    y = y + (delta * lora->scaling).to(y.scalar_type());
+  if (!lora) return y.to(x.scalar_type());
+  // Under autocast the adapter alone as lora_linear's node, in compute_dtype, and its sum
+  // with the base's output there too (PEFT's `result + lora_B(lora_A(x)) * scaling` under
+  // it); its input a cast of its own, as autocast's for each op, so the two paths' gradients
+  // reach x each in x's dtype and are summed there. Otherwise in fp32, the adapters' dtype
+  // whatever the compute dtype (fp16 gradients could not be unscaled).
+  if (cast_adapter) {
+    const at::Tensor delta = lora_linear(adapter_input(), {}, FrozenWeight{}, {}, lora->A, lora->B, lora->scaling,
+                                         Nf4MatmulPath::kAuto, true);
+    return (y + delta).to(x.scalar_type());
   }
-  return y;
+  at::Tensor delta = at::linear(at::linear(adapter_input(), lora->A), lora->B) * lora->scaling;
+  y = y.to(x.scalar_type());
+  return y + delta.to(y.scalar_type());
 }
 
 void Linear::quantize(int64_t blocksize, bool double_quant, QuantType quant_type) {

@@ -48,6 +48,11 @@ class Linear {
   at::Tensor bias;    // [out] when has_bias()
   std::unique_ptr<LoraAdapter> lora;
   at::ScalarType compute_dtype = at::kFloat;  // dtype of the base matmul
+  // The Trainer's fp16 / bf16 autocast (training.fp16 / bf16): an fp32 adapter's products run
+  // in a 16-bit compute_dtype too, from 16-bit copies of A and B, as PEFT's adapters under
+  // torch.autocast; the gradients reach A and B through the casts, in fp32. Off (a 16-bit
+  // compute dtype from bnb_4bit_compute_dtype alone), they run in fp32, as PEFT's without it.
+  bool autocast = false;
 
   // (..., in) -> (..., out), in x's dtype.
   at::Tensor forward(const at::Tensor& x, bool training) const;

@@ -1,9 +1,12 @@
 #include "models/layers/lora_linear.h"
 
+#include <cmath>
+
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "models/layers/cpu_gemm.h"
+#include "models/layers/product_fp32.h"
 #include "runtime/error.h"
 
 namespace memtune::models {
@@ -26,6 +29,10 @@ at::Tensor adapter_mm_tn(const at::Tensor& a, const at::Tensor& b) {
   return at::mm(a.t(), b);
 }
 
+// A 16-bit adapter (bf16 or fp16 A and B, or under autocast 16-bit copies of fp32 ones)
+// rounds each product, as PEFT's ops do in 16 bits.
+bool sixteen_bit(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf; }
+
 class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> {
  public:
   // The bias travels as an optional (LibTorch 1.13's apply rejects undefined tensors); a
@@ -33,22 +40,37 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& A, const at::Tensor& B,
                             const c10::optional<at::Tensor>& h, const c10::optional<at::Tensor>& bias,
                             const c10::optional<at::Tensor>& dense, const NF4Tensor* nf4, double scaling,
-                            Nf4MatmulPath path) {
+                            Nf4MatmulPath path, bool autocast) {
     const int64_t in = A.size(1), out = B.size(0);
     at::Tensor x2 = x.reshape({-1, in});
     at::Tensor h2 = h.has_value() ? h->reshape({-1, in}) : x2;  // the adapter's input
     at::Tensor y;
     if (dense.has_value()) {
       y = bias.has_value() ? at::addmm(*bias, x2, dense->t()) : at::mm(x2, dense->t());
-    } else {
+    } else if (nf4) {
       y = nf4_matmul_wt(x2, *nf4, x2.scalar_type(), path, bias.has_value() ? *bias : at::Tensor());
+    } else {
+      y = at::zeros({x2.size(0), out}, x2.options());  // the adapter alone
     }
+    // Under autocast fp32 A and B multiply through 16-bit copies in x's dtype (kept for
+    // backward), whose gradients come back summed in fp32 (backward).
+    const bool cast = autocast && A.scalar_type() == at::kFloat && sixteen_bit(x);
+    const at::Tensor Ac = cast ? A.to(x.scalar_type()) : A, Bc = cast ? B.to(x.scalar_type()) : B;
     // An fp32 adapter on a 16-bit base (PEFT's autocast_adapter_dtype): the adapter's input
     // is taken to fp32. PEFT's Linear forms the sum with the base's output in fp32 and rounds
     // it once; its 4-bit Linear rounds the adapter's output to the base's dtype first, then adds.
-    const bool mixed = A.scalar_type() != x.scalar_type();
-    at::Tensor ha = adapter_mm(h2.to(A.scalar_type()), A.t());  // [M, r]
-    if (!mixed)
+    const bool mixed = Ac.scalar_type() != x.scalar_type();
+    at::Tensor ha = adapter_mm(h2.to(Ac.scalar_type()), Ac.t());  // [M, r]
+    if (!mixed && sixteen_bit(Ac)) {
+      // PEFT's `result + lora_B(lora_A(x)) * scaling` in 16 bits: the output rounded, scaled
+      // (rounded) and added. A power of two scales exactly: then one kernel scales and adds.
+      at::Tensor o = at::mm(ha, Bc.t());
+      int exponent = 0;
+      if (std::frexp(scaling, &exponent) == 0.5)
+        y.add_(o, scaling);
+      else
+        y.add_(o.mul_(scaling));
+    } else if (!mixed)
       y.addmm_(ha, B.t(), /*beta=*/1, /*alpha=*/scaling);
     else if (dense.has_value() && y.is_cuda())
       y.add_(at::mm(ha, B.t()), scaling);  // one kernel: read as fp32, summed, rounded once into y
@@ -57,13 +79,15 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     else
       y.add_(at::mm(ha, B.t()).mul_(scaling).to(x.scalar_type()));
 
-    ctx->save_for_backward({h2, ha, A, B, dense.has_value() ? *dense : at::Tensor()});
+    ctx->save_for_backward({h2, ha, Ac, Bc, dense.has_value() ? *dense : at::Tensor()});
     if (nf4) save_nf4(ctx, *nf4);
     ctx->saved_data["scaling"] = scaling;
     ctx->saved_data["path"] = static_cast<int64_t>(path);
     ctx->saved_data["x_sizes"] = x.sizes().vec();
     ctx->saved_data["has_h"] = h.has_value();
     ctx->saved_data["has_bias"] = bias.has_value();
+    ctx->saved_data["cast"] = cast;
+    ctx->saved_data["has_base"] = dense.has_value() || nf4 != nullptr;
     std::vector<int64_t> y_sizes = x.sizes().vec();
     y_sizes.back() = out;
     return y.view(y_sizes);
@@ -84,22 +108,43 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     // Edges exist for the tensors given: x, A, B, then h and bias when present.
     const size_t h_edge = 3, bias_edge = has_h ? 4 : 3;
 
+    // fp32 A and B cast under autocast: their gradients summed in fp32 from the 16-bit
+    // operands (product_fp32.h), not rounded to 16 bits, so a micro-batch split or a retry
+    // with fewer rows sums the same products (PyTorch's autocast rounds each to 16 bits).
+    const bool cast = ctx->saved_data["cast"].toBool();
     at::Tensor gha = adapter_mm(ga, B, scaling);  // [M, r]: d loss / d (h A^T)
     at::Tensor grad_x, grad_A, grad_B, grad_h, grad_bias;
-    if (ctx->needs_input_grad(2)) grad_B = adapter_mm(ga.t(), ha, scaling);
+    if (ctx->needs_input_grad(2) && cast) {
+      grad_B = at::zeros(B.sizes(), B.options().dtype(at::kFloat));
+      add_product_t_fp32(grad_B, ga.contiguous(), ha);
+      grad_B.mul_(scaling);
+    } else if (ctx->needs_input_grad(2)) {
+      grad_B = adapter_mm(ga.t(), ha, scaling);
+    }
     if (mixed) ga = at::Tensor();  // its fp32 copy of g, freed before d x's buffers
-    if (ctx->needs_input_grad(0)) {
+    const bool has_base = ctx->saved_data["has_base"].toBool();
+    if (ctx->needs_input_grad(0) && !has_base && !has_h) {
+      grad_x = at::mm(gha, A).view(x_sizes);  // the adapter alone
+    } else if (ctx->needs_input_grad(0) && has_base) {
       grad_x = dense.defined() ? at::mm(g, dense) : nf4_matmul_w(g, load_nf4(ctx), g.scalar_type(), path);
       if (!has_h && mixed)
         grad_x.add_(at::mm(gha, A).to(g.scalar_type()));  // each path's gradient rounded, then summed, as autograd
+      else if (!has_h && sixteen_bit(A))
+        grad_x.add_(at::mm(gha, A));  // ... in 16 bits too
       else if (!has_h)
         grad_x.addmm_(gha, A);  // both paths in one buffer
       grad_x = grad_x.view(x_sizes);
     }
     if (has_h && ctx->needs_input_grad(h_edge)) grad_h = at::mm(gha, A).view(x_sizes);  // h is in A's dtype
-    if (ctx->needs_input_grad(1)) grad_A = adapter_mm_tn(gha, h2.to(A.scalar_type()));
+    if (ctx->needs_input_grad(1) && cast) {
+      grad_A = at::zeros(A.sizes(), A.options().dtype(at::kFloat));
+      add_product_t_fp32(grad_A, gha, h2.contiguous());
+    } else if (ctx->needs_input_grad(1)) {
+      grad_A = adapter_mm_tn(gha, h2.to(A.scalar_type()));
+    }
     if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(bias_edge)) grad_bias = g.sum(0);
-    return {grad_x, grad_A, grad_B, grad_h, grad_bias, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad_x,        grad_A,       grad_B,       grad_h,       grad_bias,
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -107,8 +152,9 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
 
 at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& adapter_input, const FrozenWeight& w,
                        const at::Tensor& bias, const at::Tensor& A, const at::Tensor& B, double scaling,
-                       Nf4MatmulPath path) {
-  MEMTUNE_CHECK(w.dense.defined() != (w.nf4 != nullptr), "lora_linear: give exactly one of a dense or an NF4 weight");
+                       Nf4MatmulPath path, bool autocast) {
+  MEMTUNE_CHECK(!(w.dense.defined() && w.nf4), "lora_linear: give at most one of a dense or an NF4 weight");
+  MEMTUNE_CHECK(w.dense.defined() || w.nf4 || !bias.defined(), "lora_linear: a bias without a base weight");
   MEMTUNE_CHECK(A.dim() == 2 && B.dim() == 2 && A.size(0) == B.size(1), "lora_linear: A ", A.sizes(), " and B ",
                 B.sizes(), " do not form an adapter ([r, in] and [out, r])");
   MEMTUNE_CHECK(x.size(-1) == A.size(1), "lora_linear: input's last dim is ", x.size(-1), ", the adapter needs ",
@@ -122,7 +168,7 @@ at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& adapter_input, con
   if (adapter_input.defined()) h_opt = adapter_input;
   if (bias.defined()) bias_opt = bias;
   if (w.dense.defined()) dense_opt = w.dense.detach();
-  return LoraLinearFunction::apply(x, A, B, h_opt, bias_opt, dense_opt, w.nf4.get(), scaling, path);
+  return LoraLinearFunction::apply(x, A, B, h_opt, bias_opt, dense_opt, w.nf4.get(), scaling, path, autocast);
 }
 
 }  // namespace memtune::models

@@ -17,22 +17,35 @@
 
 namespace memtune::models {
 
-// The frozen base: exactly one of `dense` ([out, in]) or `nf4` is set.
+// The frozen base: one of `dense` ([out, in]) or `nf4` is set (neither: the adapter alone).
 struct FrozenWeight {
   at::Tensor dense;
   std::shared_ptr<const NF4Tensor> nf4;
 };
 
-// What an adapter of rank r on a projection of `in` features keeps for backward at `rows`
-// rows (models/memory.h): x A^T (fp32), and with dropout the dropped input (fp32, the
-// adapter's input) and, where keyed_dropout keeps one (`mask`: a GPU, or fp16/bf16 on the
-// CPU: keyed_dropout_keeps_mask), its boolean mask.
-inline int64_t lora_kept(int64_t rows, int64_t in, int64_t r, double dropout, bool mask) {
-  return r > 0 ? rows * r * 4 + (dropout > 0 ? rows * in * (4 + (mask ? 1 : 0)) : 0) : 0;
+// What an adapter of rank r on a projection of `in` x `out` features keeps for backward at
+// `rows` rows (models/memory.h), its products in `bytes` per element (4: fp32; 2: 16-bit
+// under autocast, models::Linear::autocast): x A^T; its own copy of the input where it keeps
+// one (`own_input`: LoRA dropout's dropped input, or the 16-bit cast of an fp32 model's);
+// LoRA dropout's boolean mask where keyed_dropout keeps one (`mask`: for the adapter's fp32
+// input, on a GPU: keyed_dropout_keeps_mask); in 16 bits the copies of A and B.
+inline int64_t lora_kept(int64_t rows, int64_t in, int64_t out, int64_t r, bool own_input, bool mask,
+                         int64_t bytes) {
+  if (r <= 0) return 0;
+  return rows * r * bytes + (own_input ? rows * in * bytes : 0) + (mask ? rows * in : 0) +
+         (bytes != 4 ? r * (in + out) * bytes : 0);
+}
+// Under autocast, with LoRA dropout: the input taken to fp32 (a copy unless it is fp32) and
+// dropped there, as PEFT drops it, while its 16-bit cast is made.
+inline int64_t lora_autocast_dropout_transient(int64_t rows, int64_t in, int64_t act_bytes) {
+  return rows * in * ((act_bytes != 4 ? 4 : 0) + 4 + 2);
 }
 
 // x (..., in); adapter_input: what the adapter sees, x after LoRA dropout (undefined: x
-// itself, and grad_x sums both paths in one GEMM); bias [out] or undefined; A [r, in],
+// itself, and grad_x sums both paths in one GEMM, or with 16-bit A and B rounds each path
+// and sums them, as autograd over PEFT's 16-bit ops: 16-bit adapters, or fp32 ones whose
+// copies models::Linear passes under autocast, whose output is also rounded, scaled and added
+// as PEFT's); bias [out] or undefined; A [r, in],
 // B [out, r]. Every tensor on one device, in one dtype, except that A and B may be fp32 on a
 // 16-bit x and W (PEFT's adapters on a bf16 or fp16 model: autocast_adapter_dtype): then the
 // adapter takes its input in fp32 and, as PEFT's forward (without autocast), the sum with a
@@ -44,8 +57,15 @@ inline int64_t lora_kept(int64_t rows, int64_t in, int64_t r, double dropout, bo
 inline int64_t lora_mixed_transient(int64_t rows, int64_t in, int64_t out) {
   return rows * std::max(in, out) * 6;
 }
+//
+// `autocast` (the Trainer's, models::Linear::autocast) with fp32 A and B on a 16-bit x: they
+// multiply through 16-bit copies in x's dtype, as PEFT's under torch.autocast (each product
+// rounded; the output scaled and added in 16 bits), and A's and B's gradients are summed in
+// fp32 from the 16-bit operands (product_fp32.h) rather than rounded to 16 bits, so that they
+// do not depend on how a step's rows are split into micro-batches. With neither a dense nor an
+// NF4 weight (and no bias) the node is the adapter alone: s (x A^T) B^T.
 at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& adapter_input, const FrozenWeight& w,
                        const at::Tensor& bias, const at::Tensor& A, const at::Tensor& B, double scaling,
-                       Nf4MatmulPath path = Nf4MatmulPath::kAuto);
+                       Nf4MatmulPath path = Nf4MatmulPath::kAuto, bool autocast = false);
 
 }  // namespace memtune::models

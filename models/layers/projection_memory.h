@@ -28,10 +28,19 @@ struct ProjectionTally {
       // kept (models/layers/linear.cpp, CastLinear).
       panel = std::max(panel, l.out_features() * l.in_features() * s.compute_bytes);
     }
-    // An fp32 adapter on a 16-bit model: the node's fp32 copies while it runs.
-    if (t.lora_r > 0 && !t.full && s.act_bytes != 4)
+    // An fp32 adapter on a 16-bit model outside autocast: the node's fp32 copies while it runs.
+    if (t.lora_r > 0 && !t.full && s.act_bytes != 4 && s.adapter_bytes == 4)
       panel = std::max(panel, lora_mixed_transient(s.rows(), l.in_features(), l.out_features()));
-    return lora_kept(s.rows(), l.in_features(), t.lora_r, t.lora_dropout, s.dropout_keeps_mask());
+    // A 16-bit adapter (autocast): its output before it is added in, and in backward its
+    // path's gradient for the input before the sum; with LoRA dropout, the input's fp32 copies.
+    if (t.lora_r > 0 && !t.full && s.adapter_bytes != 4) {
+      panel = std::max(panel, s.rows() * std::max(l.in_features(), l.out_features()) * s.adapter_bytes);
+      if (t.lora_dropout > 0)
+        panel = std::max(panel, lora_autocast_dropout_transient(s.rows(), l.in_features(), s.act_bytes));
+    }
+    // LoRA dropout drops the adapter's fp32 input: keyed_dropout keeps a mask for it on a GPU only.
+    return lora_kept(s.rows(), l.in_features(), l.out_features(), t.lora_r, t.lora_own_input(),
+                     t.lora_dropout > 0 && s.cuda_kernels, s.adapter_bytes);
   }
 };
 

@@ -158,50 +158,54 @@ TEST_P(HfReferenceLora, AdapterGradientsMatch) {
   EXPECT_NEAR(out.loss_sum.item<double>() / out.target_tokens, r.load("loss").item<double>(), 1e-5);
 }
 
-// A bf16 model (model.torch_dtype: bfloat16 with training.bf16) against transformers' model
-// loaded in bf16 with PEFT's fp32 adapters: every dense tensor and activation in bf16, the
-// adapters taking their input in fp32. The same model kept in fp32 (bf16 products) lands
-// a hundred times further from the reference's loss: the tolerance tells the two apart.
+struct Bf16Errors {
+  double loss = 0, grad = 0;  // |loss - ref| / ref; the largest |g - ref| / |ref| (2-norms) over the adapters' tensors
+};
+
+// memtune's loss and adapter gradients on the case in `dir` against the reference's there,
+// its dense tensors in `dense`, its products in bf16, under autocast or not.
+Bf16Errors bf16_errors(const Case& c, const fs::path& dir, at::ScalarType dense, bool autocast) {
+  models::SafetensorsFile r(dir / "ref.safetensors");
+  data::Batch batch = load_batch(dir / "batch.safetensors");
+  models::LoadOptions o;
+  o.dense_dtype = dense;
+  auto model = models::load_hf_model(dir / "model", o);
+  models::load_adapter(*model, dir / "adapter");
+  model->set_compute_dtype(at::kBFloat16, autocast);
+  models::ForwardOptions fo;
+  fo.training = true;
+  fo.checkpoint_layers.assign(model->num_layers(), c.checkpoint);
+  models::ForwardOutput out = model->forward(batch, fo);
+  (out.loss_sum / static_cast<double>(out.target_tokens)).backward();
+  Bf16Errors e;
+  const double ref_loss = r.load("loss").item<double>();
+  e.loss = std::abs(out.loss_sum.item<double>() / out.target_tokens - ref_loss) / ref_loss;
+  int checked = 0;
+  for (models::Linear* l : model->linears()) {
+    if (!l->lora) continue;
+    EXPECT_EQ(l->lora->A.grad().scalar_type(), at::kFloat);
+    for (const char* which : {"lora_A", "lora_B"}) {
+      const at::Tensor ref = r.load(models::peft_key(l->name(), which) + ".grad").to(at::kDouble);
+      const at::Tensor g = (which[5] == 'A' ? l->lora->A : l->lora->B).grad();
+      e.grad = std::max(e.grad, ((g.to(at::kDouble) - ref).norm() / ref.norm()).item<double>());
+    }
+    checked += 2;
+  }
+  EXPECT_GE(checked, 4);
+  return e;
+}
+
+// A bf16 model (model.torch_dtype: bfloat16 with bnb_4bit_compute_dtype: bfloat16, no
+// autocast) against transformers' model loaded in bf16 with PEFT's fp32 adapters: every dense
+// tensor and activation in bf16, the adapters taking their input in fp32 and multiplying in
+// fp32. The same model kept in fp32 (bf16 products) lands a hundred times further from the
+// reference's loss: the tolerance tells the two apart.
 TEST_P(HfReferenceLora, AdapterGradientsMatchInABf16Model) {
   if (!python_torch_available()) GTEST_SKIP() << "python3-torch not installed";
   const Case& c = GetParam();
   fs::path dir = temp_dir();
   make_lora_case(c, dir, "--dtype bfloat16");
-  models::SafetensorsFile r(dir / "ref.safetensors");
-  data::Batch batch = load_batch(dir / "batch.safetensors");
-
-  struct Errors {
-    double loss = 0, grad = 0;  // |loss - ref| / ref; the largest |g - ref| / |ref| (2-norms) over the adapters' tensors
-  };
-  auto run_memtune = [&](at::ScalarType dense) {
-    models::LoadOptions o;
-    o.dense_dtype = dense;
-    auto model = models::load_hf_model(dir / "model", o);
-    models::load_adapter(*model, dir / "adapter");
-    model->set_compute_dtype(at::kBFloat16);
-    models::ForwardOptions fo;
-    fo.training = true;
-    fo.checkpoint_layers.assign(model->num_layers(), c.checkpoint);
-    models::ForwardOutput out = model->forward(batch, fo);
-    (out.loss_sum / static_cast<double>(out.target_tokens)).backward();
-    Errors e;
-    const double ref_loss = r.load("loss").item<double>();
-    e.loss = std::abs(out.loss_sum.item<double>() / out.target_tokens - ref_loss) / ref_loss;
-    int checked = 0;
-    for (models::Linear* l : model->linears()) {
-      if (!l->lora) continue;
-      EXPECT_EQ(l->lora->A.grad().scalar_type(), at::kFloat);
-      for (const char* which : {"lora_A", "lora_B"}) {
-        const at::Tensor ref = r.load(models::peft_key(l->name(), which) + ".grad").to(at::kDouble);
-        const at::Tensor got = (which[5] == 'A' ? l->lora->A : l->lora->B).grad().to(at::kDouble);
-        e.grad = std::max(e.grad, ((got - ref).norm() / ref.norm()).item<double>());
-      }
-      checked += 2;
-    }
-    EXPECT_GE(checked, 4);
-    return e;
-  };
-  const Errors bf16 = run_memtune(at::kBFloat16), fp32 = run_memtune(at::kFloat);
+  const Bf16Errors bf16 = bf16_errors(c, dir, at::kBFloat16, false), fp32 = bf16_errors(c, dir, at::kFloat, false);
   std::cout << "bf16 model: loss " << bf16.loss << ", gradients " << bf16.grad << "; fp32 model: loss " << fp32.loss
             << ", gradients " << fp32.grad << "\n";
   // The forward is the reference's to the last bits; backward's roundings sit elsewhere in
@@ -210,6 +214,24 @@ TEST_P(HfReferenceLora, AdapterGradientsMatchInABf16Model) {
   EXPECT_LT(bf16.loss, 1e-6);
   EXPECT_GT(fp32.loss, 1e-5) << "the test does not tell a bf16 model from an fp32 one";
   EXPECT_LT(bf16.grad, 2e-2);
+}
+
+// The same model under the Trainer's bf16 autocast (training.bf16) against PEFT's adapters
+// run under torch.autocast: their products in bf16 from bf16 copies of x, A and B, the
+// adapter's output summed with the base's in bf16 (the loss to the last bits or nearly). A's
+// and B's gradients: PyTorch rounds them to bf16, memtune sums the same bf16 products in fp32
+// (within the tolerance; LoraLinear's autocast test checks what that buys).
+TEST_P(HfReferenceLora, AdapterGradientsMatchUnderBf16Autocast) {
+  if (!python_torch_available()) GTEST_SKIP() << "python3-torch not installed";
+  const Case& c = GetParam();
+  fs::path dir = temp_dir();
+  make_lora_case(c, dir, "--dtype bfloat16 --autocast");
+  const Bf16Errors on = bf16_errors(c, dir, at::kBFloat16, true), off = bf16_errors(c, dir, at::kBFloat16, false);
+  std::cout << "autocast: loss " << on.loss << ", gradients " << on.grad << "; without: loss " << off.loss
+            << ", gradients " << off.grad << "\n";
+  EXPECT_LT(on.loss, 1e-6);
+  EXPECT_GT(off.loss, 1e-5) << "the test does not tell autocast's adapters from fp32 ones";
+  EXPECT_LT(on.grad, 2e-2);
 }
 
 INSTANTIATE_TEST_SUITE_P(

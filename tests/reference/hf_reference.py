@@ -14,7 +14,7 @@ Usage (all files are safetensors unless .json):
   hf_reference.py make-batch --out BATCH --vocab V --seed N [--rows 2 --seq 16 --max-docs 3
       --min-doc 2 --ignore-frac 0.1 --pad]
   hf_reference.py forward --model DIR --batch BATCH --out OUT [--lora ADAPTER_DIR]
-      [--dtype float64|float32|bfloat16] [--no-grad]
+      [--dtype float64|float32|bfloat16] [--no-grad] [--autocast]
   hf_reference.py train --model DIR --batch BATCH --lora ADAPTER_DIR --steps N --out OUT.json
       [--out-tensors FINAL --lr 1e-3 --weight-decay 0.0 --betas 0.9,0.999 --eps 1e-8
        --max-grad-norm 0 --dtype float64|float32]
@@ -305,6 +305,8 @@ def peft_target_matches(name, targets):
 
 
 class Lora:
+    autocast = False  # the adapters' linears under torch.autocast (forward --autocast)
+
     def __init__(self, adapter_dir, cfg):
         with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
             self.config = c = json.load(f)
@@ -523,7 +525,13 @@ class Forward:
             # PEFT: the adapter takes x in its own dtype (fp32 adapters on a 16-bit model,
             # autocast_adapter_dtype), the sum is formed in the wider dtype and rounded back.
             xa = x.to(A.dtype)
-            y = (y + torch.matmul(torch.matmul(xa, A.t()), B.t()) * self.lora.scaling).to(y.dtype)
+            if self.lora.autocast and x.dtype in (torch.bfloat16, torch.float16):
+                # Under the Trainer's bf16 / fp16 autocast PyTorch's autocast casts x, A and B to
+                # 16 bits for each linear; the sum is then of two 16-bit tensors.
+                with torch.autocast("cpu", dtype=x.dtype):
+                    y = y + F.linear(F.linear(xa, A), B) * self.lora.scaling
+            else:
+                y = (y + torch.matmul(torch.matmul(xa, A.t()), B.t()) * self.lora.scaling).to(y.dtype)
         return y
 
     def __call__(self, input_ids, position_ids, segment_ids):
@@ -856,6 +864,8 @@ def cmd_forward(a):
     cfg, base = load_model(a.model)
     batch = load_batch(a.batch)
     lora = Lora(a.lora, cfg) if a.lora else None
+    if lora is not None:
+        lora.autocast = a.autocast
     logits, loss, grads = run_forward(cfg, base, batch, lora, lora.tensors if lora else None,
                                       _DTYPE_ARG[a.dtype], not a.no_grad)
     out = {"logits": logits.float(), "loss": loss.float().reshape(())}
@@ -1428,6 +1438,9 @@ def main(argv=None):
                    help="bfloat16: the model's tensors in bf16 as from_pretrained(torch_dtype=bfloat16), "
                         "LoRA tensors fp32 as PEFT makes them")
     p.add_argument("--no-grad", action="store_true")
+    p.add_argument("--autocast", action="store_true",
+                   help="with --lora on a 16-bit model: the adapters under torch.autocast in that dtype, "
+                        "as the Trainer's bf16 / fp16 runs PEFT's")
 
     p = sub.add_parser("train")
     p.add_argument("--model", required=True)

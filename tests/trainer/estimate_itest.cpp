@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <iostream>
 #include <map>
 #include <set>
 #include <tuple>
@@ -133,6 +134,9 @@ TEST_P(EstimateVsModel, KeptActivationsAndPeakAgreeWithTheAllocator) {
   const models::ModelSpec spec = trainer::model_spec(c);
   const trainer::Estimate e = estimate_memory(trainer::estimate_input(c, spec));
   const Measured m = measure(c, spec);
+  std::cout << GetParam().name << ": kept after forward " << rel(e.after_forward, m.kept_after_forward)
+            << ", step peak " << rel(e.peak_bytes, m.step_peak) << ", optimizer peak "
+            << rel(e.optimizer_peak, m.optimizer_peak) << " (estimate / measured - 1)\n";
   EXPECT_NEAR(rel(e.after_forward, m.kept_after_forward), 0.0, 0.10)
       << "kept after forward: estimated " << e.after_forward << ", measured " << m.kept_after_forward;
   EXPECT_NEAR(rel(e.peak_bytes, m.step_peak), 0.0, 0.10)
@@ -172,8 +176,9 @@ INSTANTIATE_TEST_SUITE_P(
                                            "training.bf16=true", "data.max_seq_length=512",
                                            "training.per_device_train_batch_size=2"}},
         // A bf16 model (model.torch_dtype): weights, activations and the loss's hidden in bf16,
-        // fp32 adapters through the mixed LoRA node; dense, NF4, and GPT-2 (its gelu_new as
-        // transformers' ops).
+        // fp32 adapters multiplying in bf16 under training.bf16's autocast (their bf16 copies
+        // kept); dense, NF4, and GPT-2 (its gelu_new as transformers' ops). Without autocast
+        // (bnb_4bit_compute_dtype alone) the adapters multiply in fp32 through the mixed node.
         Shape{"llama_bf16_model_lora", {"model.name_or_path=tiny-llama", "model.torch_dtype=bfloat16",
                                         "training.bf16=true", "data.max_seq_length=128",
                                         "training.per_device_train_batch_size=2"}},
@@ -181,6 +186,10 @@ INSTANTIATE_TEST_SUITE_P(
                                                  "model.quantization_config.load_in_4bit=true", "lora.lora_dropout=0.1",
                                                  "training.bf16=true", "data.max_seq_length=128",
                                                  "training.per_device_train_batch_size=2"}},
+        Shape{"llama_bf16_model_qlora_dropout_no_autocast",
+              {"model.name_or_path=tiny-llama", "model.torch_dtype=bfloat16",
+               "model.quantization_config.load_in_4bit=true", "model.quantization_config.bnb_4bit_compute_dtype=bfloat16",
+               "lora.lora_dropout=0.1", "data.max_seq_length=128", "training.per_device_train_batch_size=2"}},
         Shape{"gpt2_bf16_model_lora", {"model.name_or_path=tiny-gpt2", "model.torch_dtype=bfloat16",
                                        "lora.target_modules=all-linear", "training.bf16=true",
                                        "data.max_seq_length=128", "training.per_device_train_batch_size=2"}},
