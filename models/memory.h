@@ -29,7 +29,8 @@ struct StepShape {
   int64_t adapter_bytes = 4;
   int64_t rows() const { return batch * tokens; }
   // keyed_dropout keeps a boolean mask (runtime/keyed_dropout.h): on a GPU, and for fp16/bf16
-  // inputs on the CPU (taken where the matmuls are not fp32, a bound for adapters' fp32 inputs).
+  // inputs on the CPU (taken where the matmuls are not fp32). LoRA dropout's input is the
+  // adapter's fp32 whatever the model: a mask on a GPU only (projection_memory.h).
   bool dropout_keeps_mask() const { return cuda_kernels || compute_bytes != 4; }
 };
 

@@ -41,29 +41,29 @@ inline int64_t lora_autocast_dropout_transient(int64_t rows, int64_t in, int64_t
   return rows * in * ((act_bytes != 4 ? 4 : 0) + 4 + 2);
 }
 
-// x (..., in); adapter_input: what the adapter sees, x after LoRA dropout (undefined: x
-// itself, and grad_x sums both paths in one GEMM, or with 16-bit A and B rounds each path
-// and sums them, as autograd over PEFT's 16-bit ops: 16-bit adapters, or fp32 ones whose
-// copies models::Linear passes under autocast, whose output is also rounded, scaled and added
-// as PEFT's); bias [out] or undefined; A [r, in],
-// B [out, r]. Every tensor on one device, in one dtype, except that A and B may be fp32 on a
-// 16-bit x and W (PEFT's adapters on a bf16 or fp16 model: autocast_adapter_dtype): then the
-// adapter takes its input in fp32 and, as PEFT's forward (without autocast), the sum with a
-// dense base is formed in fp32 and rounded once, while on a 4-bit base the adapter's output is
-// rounded to x's dtype and then added (PEFT's bnb Linear4bit); the adapter input, when given,
-// is then fp32 too. Gradients flow to x, the adapter input, A, B and a bias that requires one;
-// W gets none. Memory beyond lora_kept in that mixed form: the fp32 copies of x or of the output
-// while the node runs, 6 bytes per element of the wider of the two (lora_mixed_transient).
+// Memory beyond lora_kept of an fp32 adapter on a 16-bit x outside autocast (lora_linear's
+// mixed form): the fp32 copies of x or of the output while the node runs, 6 bytes per element
+// of the wider of the two.
 inline int64_t lora_mixed_transient(int64_t rows, int64_t in, int64_t out) {
   return rows * std::max(in, out) * 6;
 }
-//
-// `autocast` (the Trainer's, models::Linear::autocast) with fp32 A and B on a 16-bit x: they
-// multiply through 16-bit copies in x's dtype, as PEFT's under torch.autocast (each product
-// rounded; the output scaled and added in 16 bits), and A's and B's gradients are summed in
-// fp32 from the 16-bit operands (product_fp32.h) rather than rounded to 16 bits, so that they
-// do not depend on how a step's rows are split into micro-batches. With neither a dense nor an
-// NF4 weight (and no bias) the node is the adapter alone: s (x A^T) B^T.
+
+// x (..., in); adapter_input: what the adapter sees, x after LoRA dropout (undefined: x
+// itself, and grad_x sums both paths); bias [out] or undefined; A [r, in], B [out, r]; with
+// neither a dense nor an NF4 weight (and no bias), the adapter alone: s (x A^T) B^T.
+// Gradients flow to x, the adapter input, A, B and a bias that requires one; W gets none.
+// Every tensor on one device, in one dtype, except fp32 A and B on a 16-bit x and W (PEFT's
+// adapters on a bf16 or fp16 model: autocast_adapter_dtype). How those multiply:
+//  - `autocast` (the Trainer's, models::Linear::autocast): through 16-bit copies in x's
+//    dtype, as PEFT's under torch.autocast: each product rounded, the output scaled and
+//    added in 16 bits, grad_x's two paths rounded, then summed. A's and B's gradients are
+//    the same 16-bit products summed in fp32 (product_fp32.h), not rounded to 16 bits, so
+//    that they do not depend on how a step's rows are split into micro-batches.
+//  - without autocast (the mixed form), in fp32, as PEFT's forward without it: the adapter
+//    takes its input (and the adapter input) in fp32; the sum with a dense base is formed in
+//    fp32 and rounded once, while on a 4-bit base the adapter's output is rounded to x's
+//    dtype and then added (PEFT's bnb Linear4bit).
+// 16-bit A and B multiply as under autocast, their gradients in 16 bits.
 at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& adapter_input, const FrozenWeight& w,
                        const at::Tensor& bias, const at::Tensor& A, const at::Tensor& B, double scaling,
                        Nf4MatmulPath path = Nf4MatmulPath::kAuto, bool autocast = false);
