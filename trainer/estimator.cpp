@@ -71,7 +71,8 @@ class Planner {
         lt.lora_r = adapted ? m_.lora_r : 0;
         lt.lora_dropout = adapted ? m_.lora_dropout : 0.0;
         lt.nf4 = m_.load_in_4bit && !full_;
-        lt.lora_casts_input = adapted && m_.adapter_bytes != m_.dense_bytes;
+        // fp32 activations with 16-bit adapter products: the fp32 model under autocast.
+        lt.lora_casts_input = adapted && m_.dense_bytes == kF32 && m_.adapter_bytes != kF32;
         training_[t.linear] = lt;
       }
       if (t.layer >= 0 && (whole || adapted)) layer_trains_[t.layer] = true;
