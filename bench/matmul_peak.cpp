@@ -3,9 +3,10 @@
 // from the CPU affinity). The yardstick for model-FLOPs utilisation in
 // bench/train_vs_peer.py. Prints one JSON line:
 //   {"peak_gflops": best, "shapes": [{"m":..,"k":..,"n":..,"gflops":..}, ...], "threads": N,
-//    "aten_cpu_capability": "AVX2", "blas_core": "Haswell"}
-// The last two name the instructions the run's kernels use: ATen's vectorized kernels pick a
-// capability at run time and OpenBLAS its core's kernels, so a CPU's AVX-512 need not be used.
+//    "aten_cpu_capability": "AVX2", "blas_core": "Haswell", "memtune_kernels": "AVX-512"}
+// The last three name the instructions the run's kernels use: ATen's vectorized kernels pick a
+// capability at run time, OpenBLAS its core's kernels, and memtune's own the widest the CPU has
+// under ATEN_CPU_CAPABILITY's cap, so a CPU's AVX-512 need not be used.
 //
 //   bench_matmul_peak [--seconds S]   (time spent per shape, default 1)
 #include <ATen/ATen.h>
@@ -18,6 +19,7 @@
 #include <cstring>
 #include <string>
 
+#include "runtime/cpu_features.h"
 #include "runtime/threads.h"
 
 int main(int argc, char** argv) {
@@ -54,8 +56,8 @@ int main(int argc, char** argv) {
     rows += row;
   }
   std::printf("{\"peak_gflops\": %.1f, \"threads\": %d, \"aten_cpu_capability\": \"%s\", \"blas_core\": \"%s\", "
-              "\"shapes\": [%s]}\n",
+              "\"memtune_kernels\": \"%s\", \"shapes\": [%s]}\n",
               best, at::get_num_threads(), memtune::aten_cpu_capability().c_str(), memtune::blas_core().c_str(),
-              rows.c_str());
+              memtune::cpu_kernels_in_use().c_str(), rows.c_str());
   return 0;
 }

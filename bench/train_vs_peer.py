@@ -185,6 +185,16 @@ def llmc_run(llmc):
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def uses_avx512(binary):
+    """Whether a compiled program touches AVX-512's registers (llm.c built with -march=native on an
+    AVX-512 CPU does; with -mno-avx512f it runs AVX2 as an AVX2-only machine would): None when
+    objdump is missing."""
+    if shutil.which("objdump") is None:
+        return None
+    out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", binary], capture_output=True, text=True).stdout
+    return "%zmm" in out
+
+
 def gpt2_row(args):
     """GPT-2 124M full fine-tune at B=4, T=64: memtune against llm.c, alternating per repeat."""
     m = dict(layers=12, hidden=768, heads=12, intermediate=3072, vocab=50257, seq=64, micro_batch=4, accum=1,
@@ -224,7 +234,8 @@ def gpt2_row(args):
     r.update(model="gpt2-124M", mode="full", checkpointing="none", runs=len(runs))
     if llmcs:
         pairs = [mt["tokens_per_s"] / lc["tokens_per_s"] for mt, lc in zip(runs, llmcs)]
-        r.update(llm_c=median_of(llmcs), speed_vs_llm_c=statistics.median(pairs), speed_vs_llm_c_pairs=pairs)
+        r.update(llm_c=median_of(llmcs), speed_vs_llm_c=statistics.median(pairs), speed_vs_llm_c_pairs=pairs,
+                 llm_c_avx512=uses_avx512(os.path.join(args.llmc, "train_gpt2")))
         r["rss_vs_llm_c"] = r["peak_rss_mib"] / r["llm_c"]["peak_rss_mib"]
     return r
 
@@ -247,7 +258,8 @@ def main():
 
     peak = json.loads(run([peak_bin]).stdout.strip().splitlines()[-1])
     log(f"fp32 matmul peak: {peak['peak_gflops']} GFLOP/s ({peak['threads']} threads; ATen kernels "
-        f"{peak.get('aten_cpu_capability')}, OpenBLAS core {peak.get('blas_core')})")
+        f"{peak.get('aten_cpu_capability')}, OpenBLAS core {peak.get('blas_core')}, memtune's "
+        f"{peak.get('memtune_kernels')})")
     rows = []
     wanted = args.models.split(",")
     for name, m in MODELS.items():
@@ -295,7 +307,7 @@ def main():
     result = {
         "date": datetime.date.today().isoformat(), "host": platform.node(), "cpus": os.cpu_count(),
         "cpu": cpu, "avx512": avx512, "aten_cpu_capability": peak.get("aten_cpu_capability"),
-        "blas_core": peak.get("blas_core"),
+        "blas_core": peak.get("blas_core"), "memtune_kernels": peak.get("memtune_kernels"),
         "matmul_peak_gflops": peak["peak_gflops"], "matmul_shapes": peak["shapes"], "rows": rows,
     }
     print_table(result)
@@ -308,7 +320,8 @@ def main():
 def print_table(res):
     print(f"memtune vs PyTorch eager peer, {res['date']}, {res['cpus']} CPUs, {res.get('cpu')} "
           f"({'with' if res.get('avx512') else 'without'} AVX-512; kernels: ATen {res.get('aten_cpu_capability')}, "
-          f"OpenBLAS {res.get('blas_core')}), fp32 matmul peak {res['matmul_peak_gflops']:.0f} GFLOP/s")
+          f"OpenBLAS {res.get('blas_core')}, memtune {res.get('memtune_kernels')}), fp32 matmul peak "
+          f"{res['matmul_peak_gflops']:.0f} GFLOP/s")
     print(f"{'model':<10}{'mode':<7}{'ckpt':<6}{'tok/s':>8}{'peer':>8}{'ratio':>7}{'pairs':>12}{'MFU':>6}"
           f"{'budget MiB':>11}{'RSS MiB':>9}{'peer RSS':>9}{'RSS ratio':>10}")
     for r in res["rows"]:

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <strings.h>
 
+#include "runtime/cpu_features.h"
 #include "runtime/error.h"
 
 namespace memtune {
@@ -64,7 +65,8 @@ std::string configure_threads(int requested) {
   return str_cat("threads: ", n, " intra-op (from ", source, "), OpenMP wait policy ",
                  wait ? wait : "default (spin)", ", OpenBLAS thread timeout 2^",
                  blas_timeout ? blas_timeout : "28 (default)", " cycles; kernels: ATen ", aten_cpu_capability(),
-                 ", OpenBLAS ", blas_core());
+                 ", OpenBLAS ", blas_core(),
+                 ", memtune ", cpu_kernels_in_use());
 }
 
 std::string aten_cpu_capability() {

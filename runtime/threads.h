@@ -15,7 +15,9 @@ namespace memtune {
 void reexec_with_passive_omp_wait(char** argv);
 
 // Sets LibTorch's intra-op threads: `requested` when > 0, else OMP_NUM_THREADS when set,
-// else the number of CPUs in this process's affinity mask. Returns a line for the log.
+// else the number of CPUs in this process's affinity mask. Returns a line for the log, which
+// names the kernels of ATen, OpenBLAS and memtune; it throws on an ATEN_CPU_CAPABILITY that
+// memtune does not know (runtime/cpu_features.h), so a run stops before its first step.
 std::string configure_threads(int requested);
 
 int affinity_cpu_count();

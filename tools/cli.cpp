@@ -70,7 +70,11 @@ int memtune_main(int argc, char** argv) {
   // Every command's intra-op threads from the CPU affinity (`memtune train` then applies
   // runtime.num_threads): LibTorch 1.13's own default is one thread on some machines, which
   // ran eval, generate, merge and quantize at half speed on two cores.
-  spdlog::debug("{}", configure_threads(0));
+  try {
+    spdlog::debug("{}", configure_threads(0));
+  } catch (...) {
+    return report_exception(std::current_exception());  // ATEN_CPU_CAPABILITY memtune does not know
+  }
   CLI::App app{"memtune: fine-tune transformer language models on the memory you have"};
   app.require_subcommand(0, 1);
   bool version = false;

@@ -337,7 +337,7 @@ TEST(Fp4, DequantizeErrorBound) {
 
 #ifdef MEMTUNE_X86
 TEST(Nf4Kernels, Avx2EqualsScalarForBothCodes) {
-  if (!memtune::cpu_has_avx2()) GTEST_SKIP() << "this CPU has no AVX2";
+  if (!memtune::cpu_has_avx2()) GTEST_SKIP() << "no AVX2 kernels here (the CPU has none, or ATEN_CPU_CAPABILITY=default)";
   namespace k = memtune::nf4_kernels;
   // Every pivot of both codes and its fp32 neighbours, both signs, signed zeros, tiny values
   // (a denormal too), and random values, over a length that leaves a scalar tail.

@@ -8,14 +8,16 @@
 #include <cstdlib>
 #include <string>
 
+#include "runtime/cpu_features.h"
+#include "runtime/error.h"
 #include "runtime/threads.h"
 
 namespace {
 
 TEST(Threads, TheLogNamesTheKernelsTheLibrariesChose) {
   const std::string aten = memtune::aten_cpu_capability();
-  EXPECT_TRUE(aten == "DEFAULT" || aten == "AVX2" || aten == "AVX512" || aten == "VSX" || aten == "ZVECTOR") << aten;
-  if (const char* forced = std::getenv("ATEN_CPU_CAPABILITY"); forced && strcasecmp(forced, "default") != 0)
+  EXPECT_TRUE(aten == "DEFAULT" || aten == "NO AVX" || aten == "AVX2" || aten == "AVX512" || aten == "VSX" || aten == "ZVECTOR") << aten;
+  if (const char* forced = std::getenv("ATEN_CPU_CAPABILITY"); forced && *forced && strcasecmp(forced, "default") != 0)
     EXPECT_EQ(strcasecmp(forced, aten.c_str()), 0) << forced << " asked, " << aten << " reported";
 
   const std::string core = memtune::blas_core();
@@ -37,7 +39,31 @@ TEST(Threads, TheLogNamesTheKernelsTheLibrariesChose) {
     EXPECT_NE(hint.find(std::string("OPENBLAS_CORETYPE=") + forced), std::string::npos) << hint;
 
   const std::string line = memtune::configure_threads(0);
-  EXPECT_NE(line.find("kernels: ATen " + aten + ", OpenBLAS " + core), std::string::npos) << line;
+  EXPECT_NE(line.find("kernels: ATen " + aten + ", OpenBLAS " + core + ", memtune "), std::string::npos) << line;
+}
+
+// ATEN_CPU_CAPABILITY's values as ATen 1.13 and 2.x compare them (strcmp, lower case); unset
+// or empty is no cap. ATen ignores anything else with a warning; memtune refuses it by name.
+TEST(Threads, AtenCpuCapabilityCapsMemtunesKernelsAndAnUnknownValueIsRefused) {
+  using memtune::CpuCap;
+  EXPECT_EQ(memtune::parse_cpu_capability(nullptr), CpuCap::kAvx512);
+  EXPECT_EQ(memtune::parse_cpu_capability(""), CpuCap::kAvx512);
+  EXPECT_EQ(memtune::parse_cpu_capability("avx512"), CpuCap::kAvx512);
+  EXPECT_EQ(memtune::parse_cpu_capability("avx2"), CpuCap::kAvx2);
+  EXPECT_EQ(memtune::parse_cpu_capability("default"), CpuCap::kDefault);
+  for (const char* bad : {"AVX2", "avx", "sse4", " avx2"}) {
+    try {
+      memtune::parse_cpu_capability(bad);
+      ADD_FAILURE() << bad << " accepted";
+    } catch (const memtune::UserError& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string("ATEN_CPU_CAPABILITY='") + bad + "'"), std::string::npos)
+          << e.what();
+    }
+  }
+  // This process's cap: what the CPU has, at most what the variable allows.
+  const memtune::CpuCap cap = memtune::parse_cpu_capability(std::getenv("ATEN_CPU_CAPABILITY"));
+  EXPECT_EQ(memtune::cpu_has_avx512f(), __builtin_cpu_supports("avx512f") && cap == CpuCap::kAvx512);
+  EXPECT_EQ(memtune::cpu_has_avx2(), __builtin_cpu_supports("avx2") && cap != CpuCap::kDefault);
 }
 
 }  // namespace

@@ -108,7 +108,7 @@ TEST(AdamW32Kernels, Avx2KernelsAreTheScalarOnesBitForBit) {
 #ifndef MEMTUNE_X86
   GTEST_SKIP() << "not an x86 CPU";
 #else
-  if (!memtune::cpu_has_avx2()) GTEST_SKIP() << "the CPU has no AVX2";
+  if (!memtune::cpu_has_avx2()) GTEST_SKIP() << "no AVX2 kernels here (the CPU has none, or ATEN_CPU_CAPABILITY=default)";
   std::mt19937 rng(5);
   int compared = 0;
   for (int64_t n : {0, 1, 7, 8, 9, 15, 16, 17, 100, 4096 + 5}) {
@@ -197,7 +197,7 @@ TEST(SquareSum, Avx2BlockIsTheScalarOneBitForBit) {
 #ifndef MEMTUNE_X86
   GTEST_SKIP() << "not an x86 CPU";
 #else
-  if (!memtune::cpu_has_avx2()) GTEST_SKIP() << "the CPU has no AVX2";
+  if (!memtune::cpu_has_avx2()) GTEST_SKIP() << "no AVX2 kernels here (the CPU has none, or ATEN_CPU_CAPABILITY=default)";
   std::mt19937 rng(8);
   for (int64_t n : {0, 1, 5, 15, 16, 17, 31, 33, 1000, 16384}) {
     for (int trial = 0; trial < 20; ++trial) {
@@ -306,7 +306,7 @@ TEST(AdafactorKernels, Avx2KernelsAreTheScalarOnesBitForBit) {
 #ifndef MEMTUNE_X86
   GTEST_SKIP() << "not an x86 CPU";
 #else
-  if (!memtune::cpu_has_avx2()) GTEST_SKIP() << "the CPU has no AVX2";
+  if (!memtune::cpu_has_avx2()) GTEST_SKIP() << "no AVX2 kernels here (the CPU has none, or ATEN_CPU_CAPABILITY=default)";
   std::mt19937 rng(11);
   at::manual_seed(11);
   for (int64_t cols : {1, 7, 8, 9, 16, 17, 4101}) {
