@@ -12,12 +12,19 @@
 namespace memtune {
 
 CpuCap parse_cpu_capability(const char* value) {
+#ifdef MEMTUNE_X86
   if (value == nullptr || *value == '\0' || std::strcmp(value, "avx512") == 0) return CpuCap::kAvx512;
   if (std::strcmp(value, "avx2") == 0) return CpuCap::kAvx2;
   if (std::strcmp(value, "default") == 0) return CpuCap::kDefault;
   fail("ATEN_CPU_CAPABILITY='", value,
-       "' is not a capability memtune knows; ATen's x86 values are default (no vector kernels), avx2 and "
+       "' is not a capability memtune knows; ATen's values on x86 are default (no vector kernels), avx2 and "
        "avx512, lower case, and memtune's own kernels follow the same cap. Unset it to use everything the CPU has");
+#else
+  // memtune's kernels are the portable ones here whatever the value; ATen judges its own
+  // (vsx, zvector, sve256, ...).
+  (void)value;
+  return CpuCap::kDefault;
+#endif
 }
 
 namespace {

@@ -7,7 +7,8 @@
 // The answer is what the CPU has, capped by ATEN_CPU_CAPABILITY when it is set: the variable
 // that caps ATen's own kernels ("default", "avx2", "avx512") caps memtune's the same way, so
 // that one setting runs a whole step on the instructions of a narrower machine (an AVX2-only
-// EPYC, say). ATen ignores a value it does not know, with a warning; memtune refuses it.
+// EPYC, say). ATen ignores a value it does not know, with a warning; memtune refuses it. Off
+// x86 memtune has portable kernels only and leaves the value to ATen.
 #include <string>
 
 // Where the x86 kernels exist at all.
