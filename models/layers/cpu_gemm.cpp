@@ -47,15 +47,20 @@ void with_rows(int64_t mi, F&& f) {
 #define MEMTUNE_AVX2 __attribute__((target("avx2,fma")))
 
 // One R x 16 tile of C (R <= 6: 2R accumulators, two registers of B and a broadcast fit the
-// sixteen): a K-step is two loads of B, R broadcasts of A and 2R fused multiply-adds.
+// sixteen): a K-step is two loads of B, R broadcasts of A and 2R fused multiply-adds. Every
+// loop over r is unrolled by pragma: left to itself GCC 12 kept lo and hi as arrays in memory
+// and stored all twelve registers on each K-step, which held a 6 x 16 tile to about 55 % of
+// one core's AVX2 peak on a Zen 5 (about 95 % unrolled, 2026-11-27).
 template <int R>
 MEMTUNE_AVX2 void tile_avx2(int64_t K, const float* const* a, int64_t a_col, const float* b, float* c, int64_t ldc,
                             int64_t nj, bool acc) {
   __m256 lo[R], hi[R];
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     const __m256 b0 = _mm256_loadu_ps(b + k * kLanes), b1 = _mm256_loadu_ps(b + k * kLanes + 8);
     const int64_t o = k * a_col;
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const __m256 x = _mm256_broadcast_ss(a[r] + o);
       lo[r] = _mm256_fmadd_ps(x, b0, lo[r]);
@@ -65,6 +70,7 @@ MEMTUNE_AVX2 void tile_avx2(int64_t K, const float* const* a, int64_t a_col, con
   const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(nj, 8))), lanes);
   const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::max<int64_t>(nj - 8, 0))), lanes);
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r, c += ldc) {
     __m256 v0 = lo[r], v1 = hi[r];
     if (nj == kLanes) {
