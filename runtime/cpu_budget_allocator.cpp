@@ -42,15 +42,22 @@ std::atomic<int64_t> g_inject_countdown{-1};  // < 0: disarmed
 std::atomic<bool> g_installed{false};
 std::atomic<int64_t> g_high_water{0};  // highest `allocated` ever (ScopedPeakReset leaves it)
 std::atomic<int64_t> g_cached{0};
+std::atomic<int64_t> g_maps{0};     // large blocks mapped anew
+std::atomic<int64_t> g_largest{0};  // the largest block mapped, in mapped bytes
 
 // Large blocks. A training step allocates the same sizes as the step before, so a freed
 // block is kept and handed out again for a request of the same page-rounded size: no page
 // faults, no zeroing by the kernel, and none of the fragmentation that makes glibc's heap
 // grow well past the live peak. What is mapped (live + cached) stays under the highest
-// live use plus a quarter (at least 16 MiB): a miss evicts cached blocks first, and a
-// freed block that would cross the line is unmapped. With an eighth, the S benchmark's
-// step (live peak ~110 MiB, 8 MiB logit chunks) missed 9000 pages a step, ~14 % of its
-// time in page faults on this VM; with a quarter, 680.
+// live use plus a slack: a quarter of it, and at least four of the largest block mapped
+// (16 MiB at the least). A miss evicts cached blocks first, and a freed block that would
+// cross the line is unmapped.
+// - With an eighth, the S benchmark's step (live peak ~110 MiB, 8 MiB logit chunks) missed
+//   9000 pages a step, ~14 % of its time in page faults on this VM; with a quarter, 680.
+// - The largest block's term is the loss: its chunks free and take again blocks of that
+//   size (logits, their gradient) while the rest of the step is live. S with checkpointing
+//   (live peak 60 MiB, so a quarter is 15) missed four 8 MiB blocks a step, 7,900 pages;
+//   with 4 x 8 MiB of slack, none (2026-11-27).
 class BlockCache {
  public:
   // A mapping of `mapped` bytes (a multiple of the page size), or nullptr.
@@ -65,10 +72,13 @@ class BlockCache {
       return base;
     }
     // A miss maps new pages: make room under the line by unmapping cached blocks, largest first.
+    raise_largest(static_cast<int64_t>(mapped));
     const auto need = live + static_cast<int64_t>(mapped);
     while (!free_.empty() && need + g_cached.load(std::memory_order_relaxed) > line()) pop_largest();
     void* base = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    return base == MAP_FAILED ? nullptr : base;
+    if (base == MAP_FAILED) return nullptr;
+    g_maps.fetch_add(1, std::memory_order_relaxed);
+    return base;
   }
 
   void give(void* base, std::size_t mapped, int64_t live) {
@@ -89,7 +99,12 @@ class BlockCache {
  private:
   static int64_t line() {
     const int64_t hw = g_high_water.load(std::memory_order_relaxed);
-    return hw + std::max<int64_t>(hw / 4, int64_t{16} << 20);
+    return hw + std::max({hw / 4, 4 * g_largest.load(std::memory_order_relaxed), int64_t{16} << 20});
+  }
+  static void raise_largest(int64_t mapped) {
+    int64_t p = g_largest.load(std::memory_order_relaxed);
+    while (mapped > p && !g_largest.compare_exchange_weak(p, mapped, std::memory_order_relaxed)) {
+    }
   }
   void pop_largest() {
     auto it = std::prev(free_.end());
@@ -240,6 +255,8 @@ CpuAllocatorCounters cpu_allocator_counters() {
   c.ooms = g_ooms.load();
   c.cached = g_cached.load();
   c.high_water = g_high_water.load();
+  c.maps = g_maps.load();
+  c.largest_block = g_largest.load();
   return c;
 }
 
