@@ -27,6 +27,8 @@ constexpr std::size_t kAlignment = 64;
 constexpr std::size_t kHeader = 64;  // holds the block's size; keeps data 64-byte aligned
 // Blocks from this size on are mapped pages of their own, kept for reuse when freed.
 constexpr std::size_t kMappedMin = std::size_t{256} << 10;
+// The least a cache may hold over the high water of live use (BlockCache).
+constexpr int64_t kCacheFloor = int64_t{32} << 20;
 // Above c10's default CPU allocator (0) and the mobile one (100 where it exists).
 constexpr uint8_t kPriority = 200;
 
@@ -42,22 +44,21 @@ std::atomic<int64_t> g_inject_countdown{-1};  // < 0: disarmed
 std::atomic<bool> g_installed{false};
 std::atomic<int64_t> g_high_water{0};  // highest `allocated` ever (ScopedPeakReset leaves it)
 std::atomic<int64_t> g_cached{0};
-std::atomic<int64_t> g_maps{0};     // large blocks mapped anew
-std::atomic<int64_t> g_largest{0};  // the largest block mapped, in mapped bytes
+std::atomic<int64_t> g_maps{0};  // large blocks mapped anew
 
 // Large blocks. A training step allocates the same sizes as the step before, so a freed
 // block is kept and handed out again for a request of the same page-rounded size: no page
 // faults, no zeroing by the kernel, and none of the fragmentation that makes glibc's heap
 // grow well past the live peak. What is mapped (live + cached) stays under the highest
-// live use plus a slack: a quarter of it, and at least four of the largest block mapped
-// (16 MiB at the least). A miss evicts cached blocks first, and a freed block that would
-// cross the line is unmapped.
+// live use plus a quarter (at least 32 MiB): a miss evicts cached blocks first, and a
+// freed block that would cross the line is unmapped.
 // - With an eighth, the S benchmark's step (live peak ~110 MiB, 8 MiB logit chunks) missed
 //   9000 pages a step, ~14 % of its time in page faults on this VM; with a quarter, 680.
-// - The largest block's term is the loss: its chunks free and take again blocks of that
-//   size (logits, their gradient) while the rest of the step is live. S with checkpointing
-//   (live peak 60 MiB, so a quarter is 15) missed four 8 MiB blocks a step, 7,900 pages;
-//   with 4 x 8 MiB of slack, none (2026-11-27).
+// - The floor is for small runs whose loss chunks are large next to their live peak: S
+//   with checkpointing (peak 60 MiB) missed four 8 MiB blocks a step under a 16 MiB floor,
+//   7,900 pages; under 32 MiB, about 25 (2026-11-27). A floor of four times the largest
+//   block also fixed it, but would let a streaming load of a model with a 2 GiB embedding
+//   keep 8 GiB of freed blocks.
 class BlockCache {
  public:
   // A mapping of `mapped` bytes (a multiple of the page size), or nullptr.
@@ -72,7 +73,6 @@ class BlockCache {
       return base;
     }
     // A miss maps new pages: make room under the line by unmapping cached blocks, largest first.
-    raise_largest(static_cast<int64_t>(mapped));
     const auto need = live + static_cast<int64_t>(mapped);
     while (!free_.empty() && need + g_cached.load(std::memory_order_relaxed) > line()) pop_largest();
     void* base = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -99,12 +99,7 @@ class BlockCache {
  private:
   static int64_t line() {
     const int64_t hw = g_high_water.load(std::memory_order_relaxed);
-    return hw + std::max({hw / 4, 4 * g_largest.load(std::memory_order_relaxed), int64_t{16} << 20});
-  }
-  static void raise_largest(int64_t mapped) {
-    int64_t p = g_largest.load(std::memory_order_relaxed);
-    while (mapped > p && !g_largest.compare_exchange_weak(p, mapped, std::memory_order_relaxed)) {
-    }
+    return hw + std::max<int64_t>(hw / 4, kCacheFloor);
   }
   void pop_largest() {
     auto it = std::prev(free_.end());
@@ -256,7 +251,6 @@ CpuAllocatorCounters cpu_allocator_counters() {
   c.cached = g_cached.load();
   c.high_water = g_high_water.load();
   c.maps = g_maps.load();
-  c.largest_block = g_largest.load();
   return c;
 }
 

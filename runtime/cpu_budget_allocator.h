@@ -12,8 +12,8 @@
 // Blocks of 256 KiB and more are pages mapped for them alone and, once freed, cached and
 // handed out again for a request of the same page-rounded size (a training step repeats
 // the sizes of the one before): a step then costs no page faults, and the process holds
-// at most the highest live use plus a quarter, or four of the largest block if that is
-// more (at least 16 MiB), where glibc's heap fragments to far more.
+// at most the highest live use plus a quarter (at least 32 MiB), where glibc's heap
+// fragments to far more.
 // Cached blocks are not counted as allocated (they are free to reuse, as in CUDA's
 // caching allocator's "reserved"); release_cpu_cached_blocks() unmaps them.
 //
@@ -40,7 +40,6 @@ struct CpuAllocatorCounters {
   int64_t cached = 0;             // bytes of freed large blocks kept for reuse
   int64_t high_water = 0;         // highest `allocated` ever (peak resets leave it)
   int64_t maps = 0;               // large blocks mapped anew (fresh pages: page faults); a repeated step adds none
-  int64_t largest_block = 0;      // bytes of the largest block mapped (page-rounded, with its header)
 };
 CpuAllocatorCounters cpu_allocator_counters();
 int64_t cpu_allocated_bytes();

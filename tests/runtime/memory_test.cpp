@@ -460,6 +460,36 @@ TEST(MemoryBackend, CudaBackendRefusedWithoutCudaBuildOrDevice) {
 }
 
 
+// The loss's chunks free and take again blocks of one size (logits, their gradient) while
+// the rest of the step is live, in phases of different sizes: the cache must hold both
+// phases' blocks over the high water. S with checkpointing (live peak 60 MiB, 8 MiB chunks)
+// mapped four blocks anew each step under a 16 MiB floor; under 32 MiB the same step, after
+// the first, maps nothing new. This is that step in miniature, so it runs before the other
+// cache tests raise the process's high water past it.
+TEST_F(CpuBudget, AStepThatRepeatsItsSizesMapsNothingNew) {
+  release_cpu_cached_blocks();
+  const int64_t big = 8 * kMiB;
+  at::Tensor rest = bytes(8 * kMiB);  // the rest of the step, live throughout
+  const auto step = [&] {
+    for (int64_t size : {big, big - kMiB / 2}) {  // two phases, three blocks each
+      std::vector<at::Tensor> chunk;
+      for (int i = 0; i < 3; ++i) chunk.push_back(bytes(size));
+    }
+  };
+  step();
+  const CpuAllocatorCounters warm = cpu_allocator_counters();
+  // The case: this step set the high water, and a quarter of it is less than the blocks of
+  // the phase the cache holds while the other phase is live.
+  ASSERT_LE(warm.high_water, rest.nbytes() + 3 * big + kMiB)
+      << "an earlier test raised the high water past this scenario: run it first";
+  ASSERT_LT(warm.high_water / 4, 3 * big);
+  step();
+  step();
+  EXPECT_EQ(cpu_allocator_counters().maps, warm.maps);
+  rest = at::Tensor();
+  release_cpu_cached_blocks();
+}
+
 // Large blocks: a freed block is handed out again for the same size (the same pages, no
 // new mapping), cached bytes are not counted as allocated, and release unmaps them.
 TEST_F(CpuBudget, LargeBlocksAreReusedAndReleased) {
@@ -488,20 +518,15 @@ TEST_F(CpuBudget, LargeBlocksAreReusedAndReleased) {
 }
 
 // What the process holds (live + cached) stays under the live high-water mark plus a
-// quarter, or four of the largest block (at least 16 MiB): freeing many blocks after a
-// smaller peak does not keep them all.
+// quarter (at least 32 MiB): freeing many blocks after a smaller peak does not keep them all.
 TEST_F(CpuBudget, CacheStaysUnderTheHighWaterLine) {
   release_cpu_cached_blocks();
-  // Blocks large next to what this process has used so far (the line counts from its high
-  // water and its largest block), so that the second size must evict.
-  const CpuAllocatorCounters before = cpu_allocator_counters();
-  const int64_t block =
-      std::max({4 * kMiB, before.high_water / 16, before.largest_block / 2}) / kMiB * kMiB;
+  const int64_t block = 4 * kMiB;
   std::vector<at::Tensor> ts;
   for (int i = 0; i < 16; ++i) ts.push_back(at::empty({block}, at::kByte));
   ts.clear();
   const auto line = [](const CpuAllocatorCounters& c) {
-    return c.high_water + std::max({c.high_water / 4, 4 * c.largest_block, 16 * kMiB});
+    return c.high_water + std::max<int64_t>(c.high_water / 4, 32 * kMiB);
   };
   auto after = cpu_allocator_counters();
   EXPECT_LE(after.allocated + after.cached, line(after));
@@ -515,36 +540,6 @@ TEST_F(CpuBudget, CacheStaysUnderTheHighWaterLine) {
   other.clear();
   release_cpu_cached_blocks();
   EXPECT_EQ(cpu_allocator_counters().cached, 0);
-}
-
-// The loss's chunks free and take again blocks of the step's largest size (logits, their
-// gradient) while the rest of the step is live, in phases of different sizes. A quarter of
-// the high water does not hold two such phases when the blocks are large next to it (S with
-// checkpointing mapped four 8 MiB blocks a step anew); four of the largest block do: after
-// one step, the same step maps nothing new. Sized from this process's high water so far,
-// which the line counts from.
-TEST_F(CpuBudget, AStepThatRepeatsItsSizesMapsNothingNew) {
-  release_cpu_cached_blocks();
-  const int64_t hw0 = cpu_allocator_counters().high_water;
-  const int64_t big = std::max<int64_t>(8 * kMiB, hw0 / 8) / kMiB * kMiB;
-  at::Tensor rest = bytes(std::max(2 * big, hw0 - 3 * big));  // the rest of the step, live throughout: 2-5 blocks
-  const auto step = [&] {
-    for (int64_t size : {big, big - kMiB / 2}) {  // two phases, three blocks each
-      std::vector<at::Tensor> chunk;
-      for (int i = 0; i < 3; ++i) chunk.push_back(bytes(size));
-    }
-  };
-  step();
-  const CpuAllocatorCounters warm = cpu_allocator_counters();
-  // The case this covers: this step set the high water (rest and a phase), and a quarter of
-  // it is less than the three blocks of the other phase it must cache besides.
-  ASSERT_LE(warm.high_water, rest.nbytes() + 3 * big + kMiB);
-  ASSERT_LT(std::max(warm.high_water / 4, 16 * kMiB), 3 * big);
-  step();
-  step();
-  EXPECT_EQ(cpu_allocator_counters().maps, warm.maps) << "blocks of " << big << " bytes";
-  rest = at::Tensor();
-  release_cpu_cached_blocks();
 }
 
 }  // namespace
