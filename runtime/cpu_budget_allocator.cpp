@@ -56,7 +56,7 @@ std::atomic<int64_t> g_maps{0};  // large blocks mapped anew
 //   9000 pages a step, ~14 % of its time in page faults on this VM; with a quarter, 680.
 // - The floor is for small runs whose loss chunks are large next to their live peak: S
 //   with checkpointing (peak 60 MiB) missed four 8 MiB blocks a step under a 16 MiB floor,
-//   7,900 pages; under 32 MiB, about 25 (2026-11-27). A floor of four times the largest
+//   7,900 pages; under 32 MiB, 13 to 25 (2026-11-27). A floor of four times the largest
 //   block also fixed it, but would let a streaming load of a model with a 2 GiB embedding
 //   keep 8 GiB of freed blocks.
 class BlockCache {
