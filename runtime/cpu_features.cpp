@@ -69,6 +69,7 @@ bool cpu_has_avx512f() { return false; }
 #endif
 
 std::string cpu_kernels_in_use() {
+  cap();  // the value is checked on every CPU, not only where a cpu_has_* reaches it
   const char* forced = std::getenv("ATEN_CPU_CAPABILITY");
   const std::string widest = cpu_has_avx512f() ? "AVX-512" : cpu_has_avx2() && cpu_has_fma() ? "AVX2" : "portable";
   if (forced == nullptr || *forced == '\0') return widest;
