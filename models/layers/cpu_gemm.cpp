@@ -21,6 +21,7 @@ namespace memtune::models::detail {
 namespace {
 
 constexpr int64_t kLanes = kPanelLanes;
+constexpr int64_t kNarrow = 64;  // the widest b narrow_mm takes
 
 void gemm_scalar(int64_t M, int64_t N, int64_t K, Left A, Panels B, float* C, int64_t ldc, bool acc) {
   for (int64_t i = 0; i < M; ++i) {
@@ -166,7 +167,6 @@ GemmFn gemm_kernel() {
 }
 
 bool narrow_mm_applies(const at::Tensor& a, const at::Tensor& b) {
-  constexpr int64_t kNarrow = 64;
   return avx2_kernels_active() && a.dim() == 2 && b.dim() == 2 && a.device().is_cpu() && b.device().is_cpu() &&
          a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat && a.size(1) == b.size(0) &&
          b.size(1) <= kNarrow;
@@ -177,9 +177,13 @@ at::Tensor narrow_mm(const at::Tensor& a, const at::Tensor& b, double alpha, at:
                 a.sizes(), " ", a.scalar_type(), " and ", b.sizes(), " ", b.scalar_type());
   const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
   if (!out.defined()) out = at::empty({M, N}, a.options());
-  MEMTUNE_CHECK(out.sizes() == at::IntArrayRef({M, N}) && out.scalar_type() == at::kFloat && out.stride(1) == 1,
-                "narrow_mm: out ", out.sizes(), " with strides ", out.strides(), " is not a row-major [", M, ", ", N,
-                "] fp32 matrix");
+  MEMTUNE_CHECK(out.sizes() == at::IntArrayRef({M, N}) && out.scalar_type() == at::kFloat &&
+                    (out.stride(1) == 1 || out.stride(0) == 1),
+                "narrow_mm: out ", out.sizes(), " with strides ", out.strides(), " is not a row-major or column-major [",
+                M, ", ", N, "] fp32 matrix");
+  // Column-major out (a transposed view of an N x M matrix, as a LoRA A's gradient [r, in] is
+  // to the product in^T x r): each block of rows is formed in a buffer and stored across.
+  const bool across = out.stride(1) != 1;
   RECORD_FUNCTION("memtune::narrow_mm", std::vector<c10::IValue>());  // a row in MEMTUNE_PROFILE's trace
   if (M == 0 || N == 0) return out;
   if (K == 0) return accumulate ? out : out.zero_();
@@ -188,7 +192,7 @@ at::Tensor narrow_mm(const at::Tensor& a, const at::Tensor& b, double alpha, at:
                                     packed.data_ptr<float>(), static_cast<float>(alpha));
   const GemmFn gemm = gemm_kernel();
   const float* ap = a.data_ptr<float>();
-  const int64_t ar = a.stride(0), ac = a.stride(1), ldc = out.stride(0);
+  const int64_t ar = a.stride(0), ac = a.stride(1), ldc = across ? out.stride(1) : out.stride(0);
   float* cp = out.data_ptr<float>();
   // Blocks of 12 rows (a whole number of either kernel's tiles); a task at least ~256k
   // multiply-adds, so a small product stays on the calling thread.
@@ -196,8 +200,20 @@ at::Tensor narrow_mm(const at::Tensor& a, const at::Tensor& b, double alpha, at:
   const int64_t blocks = (M + kBlock - 1) / kBlock;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / (kBlock * K * N));
   at::parallel_for(0, blocks, grain, [&](int64_t t0, int64_t t1) {
-    const int64_t i0 = t0 * kBlock, i1 = std::min(M, t1 * kBlock);
-    gemm(i1 - i0, N, K, {ap + i0 * ar, ar, ac}, panels, cp + i0 * ldc, ldc, accumulate);
+    const int64_t end = std::min(M, t1 * kBlock);
+    if (!across) {
+      gemm(end - t0 * kBlock, N, K, {ap + t0 * kBlock * ar, ar, ac}, panels, cp + t0 * kBlock * ldc, ldc, accumulate);
+      return;
+    }
+    float block[kBlock * kNarrow];
+    for (int64_t i0 = t0 * kBlock; i0 < end; i0 += kBlock) {
+      const int64_t rows = std::min(kBlock, end - i0);
+      gemm(rows, N, K, {ap + i0 * ar, ar, ac}, panels, block, N, /*acc=*/false);
+      for (int64_t j = 0; j < N; ++j) {  // the sum, then the old value added: the row-major form's bits
+        float* c = cp + j * ldc + i0;
+        for (int64_t r = 0; r < rows; ++r) c[r] = accumulate ? block[r * N + j] + c[r] : block[r * N + j];
+      }
+    }
   });
   return out;
 }

@@ -61,7 +61,8 @@ GemmFn gemm_kernel();
 bool narrow_mm_applies(const at::Tensor& a, const at::Tensor& b);
 
 // out = alpha * a b (out undefined: a new tensor), or out += alpha * a b with `accumulate`;
-// out row-major (its last stride 1). Rows are spread over the intra-op threads. Returns out.
+// out row-major (its last stride 1) or column-major (its first: a transposed view, the same
+// bits stored across). Rows are spread over the intra-op threads. Returns out.
 at::Tensor narrow_mm(const at::Tensor& a, const at::Tensor& b, double alpha = 1.0, at::Tensor out = {},
                      bool accumulate = false);
 

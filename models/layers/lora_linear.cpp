@@ -23,10 +23,13 @@ at::Tensor adapter_mm(const at::Tensor& a, const at::Tensor& b, double alpha = 1
   at::Tensor c = at::mm(a, b);
   return alpha == 1.0 ? c : c.mul_(alpha);
 }
-// a^T b with a [M, r]: as (b^T a)^T where that product is the narrow one.
+// a^T b with a [M, r]: as (b^T a)^T where that product is the narrow one, stored across
+// into the row-major [r, N] result.
 at::Tensor adapter_mm_tn(const at::Tensor& a, const at::Tensor& b) {
-  if (detail::narrow_mm_applies(b.t(), a)) return detail::narrow_mm(b.t(), a).t().contiguous();
-  return at::mm(a.t(), b);
+  if (!detail::narrow_mm_applies(b.t(), a)) return at::mm(a.t(), b);
+  at::Tensor c = at::empty({a.size(1), b.size(1)}, b.options());
+  detail::narrow_mm(b.t(), a, 1.0, c.t());
+  return c;
 }
 
 // A 16-bit adapter (bf16 or fp16 A and B, or under autocast 16-bit copies of fp32 ones)

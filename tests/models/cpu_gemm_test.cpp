@@ -2,7 +2,8 @@
 // products take on the CPU: against the product in fp64 within the rounding bound of an
 // fp32 sum, for operands in place with any strides (transposed views), panels cut short,
 // rows off the tile, alpha and accumulation, in its AVX-512 form (where the CPU has it) and
-// its AVX2 one; the same bits whatever the thread count.
+// its AVX2 one; a column-major output with the row-major one's bits; the same bits whatever
+// the thread count.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -73,6 +74,18 @@ TEST_P(NarrowMm, IsTheProductWithinTheRoundingOfAnFp32Sum) {
       expect_within_fp32_sum_bound(into, a, b, 1.0, {}, what + " into a slice");
       EXPECT_TRUE(wide.slice(1, 0, 2).eq(7.0f).all().item<bool>()) << what;
       EXPECT_TRUE(wide.slice(1, 2 + d.N).eq(7.0f).all().item<bool>()) << what;
+      // Column-major, into a slice of a wider N x M buffer: the row-major product's bits,
+      // alone and accumulated, the rows beside it untouched.
+      at::Tensor tall = at::full({d.N + 4, d.M}, 7.0f), across = tall.slice(0, 1, 1 + d.N).t();
+      narrow_mm(a, b, -0.75, across);
+      EXPECT_TRUE(memtune::testing::same_bits(across.contiguous(), narrow_mm(a, b, -0.75))) << what << " across";
+      at::Tensor c1 = c0.clone();
+      narrow_mm(a, b, 0.5, c1, /*accumulate=*/true);
+      across.copy_(c0);
+      narrow_mm(a, b, 0.5, across, /*accumulate=*/true);
+      EXPECT_TRUE(memtune::testing::same_bits(across.contiguous(), c1)) << what << " across, accumulated";
+      EXPECT_TRUE(tall.slice(0, 0, 1).eq(7.0f).all().item<bool>()) << what;
+      EXPECT_TRUE(tall.slice(0, 1 + d.N).eq(7.0f).all().item<bool>()) << what;
     }
   }
   }
@@ -118,7 +131,8 @@ TEST_F(NarrowMm, RefusesAnOutputOfTheWrongShapeOrLayout) {
   const at::Tensor a = at::randn({8, 32}), b = at::randn({32, 16});
   EXPECT_THROW(narrow_mm(a, at::randn({32, 100})), memtune::UserError);
   EXPECT_THROW(narrow_mm(a, b, 1.0, at::empty({8, 15})), memtune::UserError);
-  EXPECT_THROW(narrow_mm(a, b, 1.0, at::empty({16, 8}).t()), memtune::UserError);  // column-major
+  EXPECT_THROW(narrow_mm(a, b, 1.0, at::empty({8, 16}).t()), memtune::UserError);  // column-major [16, 8]
+  EXPECT_THROW(narrow_mm(a, b, 1.0, at::empty({8, 32}).slice(1, 0, 32, 2)), memtune::UserError);  // no stride 1
 }
 
 }  // namespace
