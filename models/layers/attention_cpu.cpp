@@ -167,10 +167,10 @@ struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
         float* lg = vl.at(b, h, g);
         for (int64_t t0 = 0; t0 < T; t0 += kRows) {
           const int64_t t1 = std::min(T, t0 + kRows);
-          auto row_max = [&](int64_t t, const float* x, int64_t n) {
-            return lg[t] = *std::max_element(x, x + n) * scale;
+          auto shift_by_max = [&](int64_t t, const float* x, int64_t n) {
+            return lg[t] = row_max(x, n) * scale;
           };
-          const int64_t k0 = block_probs(gemm, s, first, scale, qg, vq.s3, kt, t0, t1, S, row_max, sums);
+          const int64_t k0 = block_probs(gemm, s, first, scale, qg, vq.s3, kt, t0, t1, S, shift_by_max, sums);
           if (drop.active())  // the sums stay those of every probability: dropout follows the softmax
             for (int64_t t = t0; t < t1; ++t)
               drop.apply(S + (t - t0) * s.ld, b, h * G + g, t, first[t], t + 1, k0);
