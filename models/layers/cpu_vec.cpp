@@ -133,11 +133,10 @@ MEMTUNE_AVX2 float row_max_avx2(const float* x, int64_t n) {
 MEMTUNE_AVX2 int64_t exp_row_from_max_avx2(float* x, int64_t n, float* max, float* sum) {
   const float m = row_max_avx2(x, n);
   // The second pass finds the first maximum before overwriting, and exponentiates.
-  int64_t arg = -1;
-  int64_t j = 0;
+  int64_t arg = -1, j = 0;
   const __m256 vmax = _mm256_set1_ps(m);
   __m256 acc = _mm256_setzero_ps();
-  for (j = 0; j + 8 <= n; j += 8) {
+  for (; j + 8 <= n; j += 8) {
     const __m256 v = _mm256_loadu_ps(x + j);
     if (arg < 0) {
       const int hits = _mm256_movemask_ps(_mm256_cmp_ps(v, vmax, _CMP_EQ_OQ));

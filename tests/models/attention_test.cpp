@@ -254,24 +254,22 @@ INSTANTIATE_TEST_SUITE_P(Kernels, FusedCpuAttention,
                                                                        : "BestWhereAvailable";
                          });
 
-// at::scaled_dot_product_attention (LibTorch 2.x; this runs on the CPU in the 2.x build):
-// the same answers with an explicit mask (packed documents, padding, windows), and with
-// causal masking alone when every row is one document. 1.13 refuses it by name.
 // The fused kernel's row maximum (cpu_vec.h's row_max) against the standard library's, for
-// every length up to three vectors past a tail and the maximum in every place, in its AVX2
-// form and its portable one; ties, -inf and all-equal rows included.
+// every length from 1 to 41 (its 16-wide loop, its 8-wide step and its scalar tail in each
+// combination) and the maximum in every place, in its AVX2 form and its portable one; -inf
+// and all-equal rows included.
 TEST(RowMax, IsStdMaxElementsValueForEveryLengthAndPlace) {
   namespace d = memtune::models::detail;
   const float inf = std::numeric_limits<float>::infinity();
   for (bool portable : {false, true}) {
     d::use_portable_cpu_kernels(portable);
     for (int64_t n = 1; n <= 41; ++n) {
-      for (int64_t at_ = 0; at_ < n; ++at_) {
+      for (int64_t place = 0; place < n; ++place) {
         std::vector<float> x(n);
         for (int64_t j = 0; j < n; ++j) x[j] = static_cast<float>((j * 37 + n * 11) % 23) - 30.0f;
-        x[at_] = 5.5f + static_cast<float>(at_ % 3);
-        if (n > 2) x[(at_ + 1) % n] = -inf;
-        ASSERT_EQ(d::row_max(x.data(), n), *std::max_element(x.begin(), x.end())) << "n " << n << " at " << at_;
+        x[place] = 5.5f + static_cast<float>(place % 3);
+        if (n > 2) x[(place + 1) % n] = -inf;
+        ASSERT_EQ(d::row_max(x.data(), n), *std::max_element(x.begin(), x.end())) << "n " << n << " at " << place;
       }
       const std::vector<float> same(n, -2.25f), low(n, -inf);
       EXPECT_EQ(d::row_max(same.data(), n), -2.25f) << n;
@@ -281,6 +279,9 @@ TEST(RowMax, IsStdMaxElementsValueForEveryLengthAndPlace) {
   d::use_portable_cpu_kernels(false);
 }
 
+// at::scaled_dot_product_attention (LibTorch 2.x; this runs on the CPU in the 2.x build):
+// the same answers with an explicit mask (packed documents, padding, windows), and with
+// causal masking alone when every row is one document. 1.13 refuses it by name.
 TEST(Attention, SdpaMatchesTheTextbookAttention) {
   torch::manual_seed(13);
   AttentionOptions options;
