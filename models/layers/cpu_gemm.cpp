@@ -177,13 +177,17 @@ at::Tensor narrow_mm(const at::Tensor& a, const at::Tensor& b, double alpha, at:
                 a.sizes(), " ", a.scalar_type(), " and ", b.sizes(), " ", b.scalar_type());
   const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
   if (!out.defined()) out = at::empty({M, N}, a.options());
+  // Row-major (rows at least N apart) or column-major (columns at least M apart): no two
+  // elements share an address, which the threads would otherwise write at once.
+  const bool row_major = out.stride(1) == 1 && (M == 1 || out.stride(0) >= N);
+  const bool column_major = out.stride(0) == 1 && (N == 1 || out.stride(1) >= M);
   MEMTUNE_CHECK(out.sizes() == at::IntArrayRef({M, N}) && out.scalar_type() == at::kFloat &&
-                    (out.stride(1) == 1 || out.stride(0) == 1),
+                    (row_major || column_major),
                 "narrow_mm: out ", out.sizes(), " with strides ", out.strides(), " is not a row-major or column-major [",
                 M, ", ", N, "] fp32 matrix");
   // Column-major out (a transposed view of an N x M matrix, as a LoRA A's gradient [r, in] is
-  // to the product in^T x r): each block of rows is formed in a buffer and stored across.
-  const bool across = out.stride(1) != 1;
+  // to the [in, r] product h^T gha): each block of rows is formed in a buffer and stored across.
+  const bool across = !row_major;
   RECORD_FUNCTION("memtune::narrow_mm", std::vector<c10::IValue>());  // a row in MEMTUNE_PROFILE's trace
   if (M == 0 || N == 0) return out;
   if (K == 0) return accumulate ? out : out.zero_();
@@ -209,7 +213,9 @@ at::Tensor narrow_mm(const at::Tensor& a, const at::Tensor& b, double alpha, at:
     for (int64_t i0 = t0 * kBlock; i0 < end; i0 += kBlock) {
       const int64_t rows = std::min(kBlock, end - i0);
       gemm(rows, N, K, {ap + i0 * ar, ar, ac}, panels, block, N, /*acc=*/false);
-      for (int64_t j = 0; j < N; ++j) {  // the sum, then the old value added: the row-major form's bits
+      // The sum, then the old value added: the AVX tiles' order (narrow_mm takes no other), so
+      // the row-major form's bits.
+      for (int64_t j = 0; j < N; ++j) {
         float* c = cp + j * ldc + i0;
         for (int64_t r = 0; r < rows; ++r) c[r] = accumulate ? block[r * N + j] + c[r] : block[r * N + j];
       }

@@ -118,7 +118,7 @@ MEMTUNE_AVX2 float exp_shift_sum_avx2(float* x, int64_t n, float scale, float sh
 MEMTUNE_AVX2 float row_max_avx2(const float* x, int64_t n) {
   __m256 v0 = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), v1 = v0;
   int64_t j = 0;
-  for (; j + 16 <= n; j += 16) {  // two chains: a max's latency is three cycles
+  for (; j + 16 <= n; j += 16) {  // two chains, each max waiting on the one before it
     v0 = _mm256_max_ps(v0, _mm256_loadu_ps(x + j));
     v1 = _mm256_max_ps(v1, _mm256_loadu_ps(x + j + 8));
   }

@@ -9,12 +9,12 @@ namespace memtune::models::detail {
 float exp_shift_sum(float* x, int64_t n, float scale, float shift);
 
 // The largest of n >= 1 values (exact: a max rounds nothing, in any order). NaNs are not
-// ordered: a row holding one may give it or another value.
+// ordered: a row holding one may give NaN, another of its values or -inf.
 float row_max(const float* x, int64_t n);
 
 // A softmax row's pieces in two passes: *max = max x, then x[j] = exp(x[j] - max) in place
-// and *sum = their sum. Returns the first index holding the maximum (-1 for a row of NaNs
-// only; NaNs among numbers are not ordered, as in row_max).
+// and *sum = their sum. Returns the first index holding the maximum, -1 where no element
+// equals the maximum found (always for a row of NaNs; maybe for a row holding one).
 int64_t exp_row_from_max(float* x, int64_t n, float* max, float* sum);
 
 // SwiGLU on n fp32 elements, in the roundings of ATen's ops (silu(g) = g / (1 + exp(-g)),

@@ -1,6 +1,7 @@
 // memtune's blocked attention against the textbook one written with ATen ops (scores,
 // explicit mask, softmax, weighted sum) under autograd: outputs and gradients for every
-// query-block size, sliding windows, grouped-query heads and packed segments.
+// query-block size, sliding windows, grouped-query heads and packed segments; and the row
+// maximum the fused kernel and the loss share (cpu_vec.h).
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -8,6 +9,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <vector>
 
 #include "models/layers/attention.h"
 #include "models/layers/attention_cpu.h"
@@ -254,29 +256,33 @@ INSTANTIATE_TEST_SUITE_P(Kernels, FusedCpuAttention,
                                                                        : "BestWhereAvailable";
                          });
 
-// The fused kernel's row maximum (cpu_vec.h's row_max) against the standard library's, for
-// every length from 1 to 41 (its 16-wide loop, its 8-wide step and its scalar tail in each
-// combination) and the maximum in every place, in its AVX2 form and its portable one; -inf
-// and all-equal rows included.
-TEST(RowMax, IsStdMaxElementsValueForEveryLengthAndPlace) {
-  namespace d = memtune::models::detail;
+// The fused kernel's row maximum (cpu_vec.h's row_max) against the value placed as the
+// maximum, for every length from 1 to 41 (its 16-wide loop, its 8-wide step and its scalar
+// tail in each combination) and every place, in its AVX2 form and its portable one, with
+// +inf just past the row (read there, it would win); -inf and all-equal rows included.
+TEST(RowMax, IsTheLargestValueForEveryLengthAndPlace) {
+  using memtune::models::detail::row_max;
+  using memtune::models::detail::use_portable_cpu_kernels;
   const float inf = std::numeric_limits<float>::infinity();
   for (bool portable : {false, true}) {
-    d::use_portable_cpu_kernels(portable);
+    use_portable_cpu_kernels(portable);
     for (int64_t n = 1; n <= 41; ++n) {
       for (int64_t place = 0; place < n; ++place) {
-        std::vector<float> x(n);
-        for (int64_t j = 0; j < n; ++j) x[j] = static_cast<float>((j * 37 + n * 11) % 23) - 30.0f;
-        x[place] = 5.5f + static_cast<float>(place % 3);
+        std::vector<float> x(n + 16, inf);
+        for (int64_t j = 0; j < n; ++j) x[j] = static_cast<float>((j * 37 + n * 11) % 23) - 30.0f;  // -30 to -8
+        const float top = 5.5f + static_cast<float>(place % 3);
+        x[place] = top;
         if (n > 2) x[(place + 1) % n] = -inf;
-        ASSERT_EQ(d::row_max(x.data(), n), *std::max_element(x.begin(), x.end())) << "n " << n << " at " << place;
+        EXPECT_EQ(row_max(x.data(), n), top) << (portable ? "portable" : "AVX2") << ", n " << n << " at " << place;
       }
-      const std::vector<float> same(n, -2.25f), low(n, -inf);
-      EXPECT_EQ(d::row_max(same.data(), n), -2.25f) << n;
-      EXPECT_EQ(d::row_max(low.data(), n), -inf) << n;
+      std::vector<float> same(n + 16, inf), low(n + 16, inf);
+      std::fill(same.begin(), same.begin() + n, -2.25f);
+      std::fill(low.begin(), low.begin() + n, -inf);
+      EXPECT_EQ(row_max(same.data(), n), -2.25f) << n;
+      EXPECT_EQ(row_max(low.data(), n), -inf) << n;
     }
   }
-  d::use_portable_cpu_kernels(false);
+  use_portable_cpu_kernels(false);
 }
 
 // at::scaled_dot_product_attention (LibTorch 2.x; this runs on the CPU in the 2.x build):

@@ -74,9 +74,11 @@ TEST_P(NarrowMm, IsTheProductWithinTheRoundingOfAnFp32Sum) {
       expect_within_fp32_sum_bound(into, a, b, 1.0, {}, what + " into a slice");
       EXPECT_TRUE(wide.slice(1, 0, 2).eq(7.0f).all().item<bool>()) << what;
       EXPECT_TRUE(wide.slice(1, 2 + d.N).eq(7.0f).all().item<bool>()) << what;
-      // Column-major, into a slice of a wider N x M buffer: the row-major product's bits,
-      // alone and accumulated, the rows beside it untouched.
-      at::Tensor tall = at::full({d.N + 4, d.M}, 7.0f), across = tall.slice(0, 1, 1 + d.N).t();
+      // Column-major, into a slice of a wider and taller N x M buffer (its columns further
+      // apart than M): the row-major product's bits, alone and accumulated, the rows and
+      // columns around it untouched.
+      at::Tensor tall = at::full({d.N + 4, d.M + 3}, 7.0f);
+      at::Tensor across = tall.slice(0, 1, 1 + d.N).slice(1, 0, d.M).t();
       narrow_mm(a, b, -0.75, across);
       EXPECT_TRUE(memtune::testing::same_bits(across.contiguous(), narrow_mm(a, b, -0.75))) << what << " across";
       at::Tensor c1 = c0.clone();
@@ -86,6 +88,7 @@ TEST_P(NarrowMm, IsTheProductWithinTheRoundingOfAnFp32Sum) {
       EXPECT_TRUE(memtune::testing::same_bits(across.contiguous(), c1)) << what << " across, accumulated";
       EXPECT_TRUE(tall.slice(0, 0, 1).eq(7.0f).all().item<bool>()) << what;
       EXPECT_TRUE(tall.slice(0, 1 + d.N).eq(7.0f).all().item<bool>()) << what;
+      EXPECT_TRUE(tall.slice(1, d.M).eq(7.0f).all().item<bool>()) << what;
     }
   }
   }
@@ -93,11 +96,13 @@ TEST_P(NarrowMm, IsTheProductWithinTheRoundingOfAnFp32Sum) {
 }
 
 // Rows as LoRA has them (micro-batch x tokens) and the edges of the 6 x 16 tile: one row, a
-// remainder of every size, a panel cut short, two and four panels (r 17 to 64), K of one.
+// remainder of every size, a panel cut short, two and four panels (r 17 to 64), K of one,
+// one column.
 INSTANTIATE_TEST_SUITE_P(Shapes, NarrowMm,
                          ::testing::Values(Dims{1, 1, 1}, Dims{1, 40, 16}, Dims{5, 3, 7}, Dims{7, 19, 16},
                                            Dims{13, 64, 17}, Dims{64, 33, 8}, Dims{97, 128, 32},
-                                           Dims{250, 96, 64}, Dims{512, 768, 16}, Dims{23, 1, 48}),
+                                           Dims{250, 96, 64}, Dims{512, 768, 16}, Dims{23, 1, 48},
+                                           Dims{29, 5, 1}),
                          [](const ::testing::TestParamInfo<Dims>& info) {
                            return "M" + std::to_string(info.param.M) + "K" + std::to_string(info.param.K) + "N" +
                                   std::to_string(info.param.N);
@@ -109,10 +114,16 @@ TEST_F(NarrowMm, GivesTheSameBitsOnOneThreadAsOnMany) {
   const int threads = at::get_num_threads();
   at::set_num_threads(1);
   const at::Tensor one = narrow_mm(a, b);
+  at::Tensor one_across = at::empty({16, 1000});
+  narrow_mm(a, b, 1.0, one_across.t());
   at::set_num_threads(std::max(threads, 4));  // more tasks than this machine may have cores
   const at::Tensor many = narrow_mm(a, b);
+  at::Tensor many_across = at::empty({16, 1000});
+  narrow_mm(a, b, 1.0, many_across.t());
   at::set_num_threads(threads);
   EXPECT_TRUE(memtune::testing::same_bits(one, many));
+  EXPECT_TRUE(memtune::testing::same_bits(one_across, many_across));
+  EXPECT_TRUE(memtune::testing::same_bits(one_across.t().contiguous(), one));
 }
 
 TEST(NarrowMmApplies, OnlyToFp32CpuProductsAtMost64Wide) {
@@ -131,8 +142,12 @@ TEST_F(NarrowMm, RefusesAnOutputOfTheWrongShapeOrLayout) {
   const at::Tensor a = at::randn({8, 32}), b = at::randn({32, 16});
   EXPECT_THROW(narrow_mm(a, at::randn({32, 100})), memtune::UserError);
   EXPECT_THROW(narrow_mm(a, b, 1.0, at::empty({8, 15})), memtune::UserError);
-  EXPECT_THROW(narrow_mm(a, b, 1.0, at::empty({8, 16}).t()), memtune::UserError);  // column-major [16, 8]
+  EXPECT_THROW(narrow_mm(a, b, 1.0, at::empty({8, 16}).t()), memtune::UserError);  // the wrong shape, [16, 8]
   EXPECT_THROW(narrow_mm(a, b, 1.0, at::empty({8, 32}).slice(1, 0, 32, 2)), memtune::UserError);  // no stride 1
+  // Elements sharing addresses, which the threads would write at once.
+  EXPECT_THROW(narrow_mm(a, b, 1.0, at::empty({1, 16}).expand({8, 16})), memtune::UserError);
+  EXPECT_THROW(narrow_mm(a, b, 1.0, at::empty({23}).as_strided({8, 16}, {1, 1})), memtune::UserError);
+  EXPECT_THROW(narrow_mm(a, b, 1.0, at::empty({68}).as_strided({8, 16}, {1, 4})), memtune::UserError);
 }
 
 }  // namespace
