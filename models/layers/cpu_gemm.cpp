@@ -204,13 +204,13 @@ at::Tensor narrow_mm(const at::Tensor& a, const at::Tensor& b, double alpha, at:
   const int64_t blocks = (M + kBlock - 1) / kBlock;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / (kBlock * K * N));
   at::parallel_for(0, blocks, grain, [&](int64_t t0, int64_t t1) {
-    const int64_t end = std::min(M, t1 * kBlock);
+    const int64_t begin = t0 * kBlock, end = std::min(M, t1 * kBlock);
     if (!across) {
-      gemm(end - t0 * kBlock, N, K, {ap + t0 * kBlock * ar, ar, ac}, panels, cp + t0 * kBlock * ldc, ldc, accumulate);
+      gemm(end - begin, N, K, {ap + begin * ar, ar, ac}, panels, cp + begin * ldc, ldc, accumulate);
       return;
     }
     float block[kBlock * kNarrow];
-    for (int64_t i0 = t0 * kBlock; i0 < end; i0 += kBlock) {
+    for (int64_t i0 = begin; i0 < end; i0 += kBlock) {
       const int64_t rows = std::min(kBlock, end - i0);
       gemm(rows, N, K, {ap + i0 * ar, ar, ac}, panels, block, N, /*acc=*/false);
       // The sum, then the old value added: the AVX tiles' order (narrow_mm takes no other), so
