@@ -214,6 +214,8 @@ Dataset::Dataset(const fs::path& path, const Tokenizer* tokenizer, DatasetOption
     else log_once("dataset-no-eos", "data.add_eos_token: the tokenizer has no eos token; documents end without one");
   }
   build_rows();
+  MEMTUNE_CHECK(size() > 0 || !flat_stream_, "dataset ", path.string(), ": ", stats_.tokens,
+                " token, and a token trains only as the target of the one before it; write at least two");
   MEMTUNE_CHECK(size() > 0, "dataset ", path.string(), ": all ", stats_.dropped,
                 " documents are longer than data.max_seq_length (", o.max_seq_length,
                 ") and were dropped; raise max_seq_length or set data.truncation: right");
@@ -368,8 +370,11 @@ void Dataset::load(const fs::path& path, const Tokenizer* tokenizer) {
 void Dataset::build_rows() {
   const int64_t T = options_.max_seq_length;
   if (flat_stream_) {  // one stream: windows of T whose targets run on into the next window
+    // A window starting at the stream's last token would have no target (that token is
+    // already the one before's last target): a file of k T + 1 tokens, as llm.c writes its
+    // batches, is k windows, not k and a window that trains nothing.
     const int64_t n = docs_.size() > 0 ? docs_.length(0) : 0;
-    for (int64_t b = 0; b < n; b += T) {
+    for (int64_t b = 0; b + 1 < n; b += T) {
       spans_.push_back({0, b, std::min(T, n - b)});
       row_begin_.push_back(static_cast<int64_t>(spans_.size()));
     }

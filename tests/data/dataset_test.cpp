@@ -351,6 +351,25 @@ TEST(Dataset, TokenFileWithoutTokenizerIsOneStreamInRows) {
   EXPECT_EQ(ds.sample(1).position_ids, (std::vector<int32_t>{0, 1, 2, 3}));
   EXPECT_EQ(ds.sample(2).targets, (std::vector<int32_t>{9, X}));
   EXPECT_EQ(ds.stats().target_tokens, 9);
+
+  // k T + 1 tokens (llm.c's layout: each window's last target is the next window's first
+  // token) are k windows of T targets: every token but the first a target once, no window
+  // left with the last token alone and nothing to train.
+  const fs::path q = temp_dir() / "k.bin";
+  memtune::data::write_token_file(q, {0, 1, 2, 3, 4, 5, 6, 7, 8}, 50257);
+  Dataset k(q, nullptr, opts(4, true));
+  ASSERT_EQ(k.size(), 2);
+  EXPECT_EQ(k.sample(1).input_ids, (std::vector<int32_t>{4, 5, 6, 7}));
+  EXPECT_EQ(k.sample(1).targets, (std::vector<int32_t>{5, 6, 7, 8}));
+  EXPECT_EQ(k.stats().target_tokens, 8);
+  EXPECT_EQ(k.stats().samples, 2);
+
+  // One token trains nothing: refused by name, not an empty epoch.
+  const fs::path one = temp_dir() / "one.bin";
+  memtune::data::write_token_file(one, {7}, 50257);
+  const std::string e = error_of([&] { Dataset(one, nullptr, opts(4, true)); });
+  EXPECT_NE(e.find("one.bin: 1 token, and a token trains only as the target of the one before it"), std::string::npos)
+      << e;
 }
 
 // Without a tokenizer nothing else bounds a token file's ids: the model's vocab_size does
