@@ -9,7 +9,9 @@
 // over the base, the adapter's share of the FLOPs (3 r (in + out) / (2 in out)) and the
 // GFLOP/s its products ran at.
 //
-//   bench_lora_bench [--repeats N]
+//   bench_lora_bench [--repeats N] [--rows N] [--shape IN:OUT]...
+// --rows and --shape (repeatable) pick other shapes: the S benchmark model's are
+// --rows 1024 --shape 256:256 --shape 256:688 --shape 688:256.
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -32,16 +34,35 @@ int main(int argc, char** argv) {
   memtune::reexec_with_passive_omp_wait(argv);
   std::printf("# %s\n", memtune::configure_threads(0).c_str());
   int repeats = 21;
-  for (int i = 1; i + 1 < argc; ++i)
-    if (std::strcmp(argv[i], "--repeats") == 0) repeats = std::atoi(argv[i + 1]);
-
-  const int64_t rows = 512, r = 16;
+  int64_t rows = 512;
+  std::vector<std::pair<int64_t, int64_t>> shapes;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    long long in = 0, out = 0;
+    if (std::strcmp(argv[i], "--repeats") == 0) {
+      repeats = std::atoi(argv[i + 1]);
+    } else if (std::strcmp(argv[i], "--rows") == 0) {
+      rows = std::atoll(argv[i + 1]);
+    } else if (std::strcmp(argv[i], "--shape") == 0 && std::sscanf(argv[i + 1], "%lld:%lld", &in, &out) == 2 &&
+               in > 0 && out > 0) {
+      shapes.emplace_back(in, out);
+    } else {
+      std::fprintf(stderr, "bench_lora_bench: unknown or malformed argument '%s %s' (see the file's header)\n",
+                   argv[i], argv[i + 1]);
+      return 2;
+    }
+  }
+  if (repeats < 1 || rows < 1) {
+    std::fprintf(stderr, "bench_lora_bench: --repeats and --rows take a positive number\n");
+    return 2;
+  }
+  if (shapes.empty()) shapes = {{768, 768}, {768, 2048}, {2048, 768}};
+  const int64_t r = 16;
   const double scaling = 2.0;
   std::printf("# LoRA r %lld on a frozen fp32 projection, %lld rows, forward + backward, median of %d\n",
               static_cast<long long>(r), static_cast<long long>(rows), repeats);
   std::printf("| in -> out | base ms | memtune ms | adds | autograd ms | adds | adapter FLOPs | memtune adapter GFLOP/s |\n");
   std::printf("|---|---|---|---|---|---|---|---|\n");
-  for (auto [in, out] : std::vector<std::pair<int64_t, int64_t>>{{768, 768}, {768, 2048}, {2048, 768}}) {
+  for (auto [in, out] : shapes) {
     at::manual_seed(0);
     const at::Tensor W = at::randn({out, in}) * 0.02;
     const at::Tensor A = (at::randn({r, in}) * 0.02).requires_grad_();
