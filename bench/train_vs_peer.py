@@ -159,11 +159,13 @@ def memtune_run(name, m, mode, ckpt, args, model_dir, tokens, training=None):
 
 
 def median_of(runs):
-    """Each numeric figure's median over the runs (the first run's other fields)."""
+    """Each numeric figure's median over the runs (the first run's other fields), and each
+    run's tokens/s in order (tokens_per_s_runs): which side an outlying pair came from."""
     out = dict(runs[0])
     for k, v in runs[0].items():
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             out[k] = statistics.median(r[k] for r in runs)
+    out["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs]
     return out
 
 
