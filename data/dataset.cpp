@@ -214,8 +214,8 @@ Dataset::Dataset(const fs::path& path, const Tokenizer* tokenizer, DatasetOption
     else log_once("dataset-no-eos", "data.add_eos_token: the tokenizer has no eos token; documents end without one");
   }
   build_rows();
-  MEMTUNE_CHECK(size() > 0 || !flat_stream_, "dataset ", path.string(), ": ", stats_.tokens,
-                " token, and a token trains only as the target of the one before it; write at least two");
+  MEMTUNE_CHECK(size() > 0 || !flat_stream_, "dataset ", path.string(), " holds ", stats_.tokens,
+                " token: a token trains only as the target of the one before it. Hint: write at least two tokens");
   MEMTUNE_CHECK(size() > 0, "dataset ", path.string(), ": all ", stats_.dropped,
                 " documents are longer than data.max_seq_length (", o.max_seq_length,
                 ") and were dropped; raise max_seq_length or set data.truncation: right");
