@@ -111,9 +111,11 @@ put("token_file", "empty.bin", token_file(20240520, 1, [], 2))
 state = {"step": 3, "sampler": {"epoch": 0, "offset": 6, "seed": 1234},
          "scaler": {"enabled": True, "scale": 65536.0, "good_steps": 3, "skipped": 0},
          "supervisor": {"micro_batch": 4, "good_steps": 3, "grow_wait": 50, "grown_from": 0},
-         "optimizer": {"step": 3}, "checkpoint_layers": [True, False]}
+         "optimizer": {"step": 3}, "checkpoint_layers": [True, False], "world_size": 1,
+         "data": {"samples": 113, "target_tokens": 28672}}
 put("train_state", "state.json", json.dumps(state, indent=2))
-put("train_state", "old.json", json.dumps({k: v for k, v in state.items() if k != "checkpoint_layers"}))
+put("train_state", "old.json", json.dumps({k: v for k, v in state.items()
+                                           if k not in ("checkpoint_layers", "world_size", "data")}))
 
 # adapter_config: PEFT's file as peft 0.x writes it, and memtune's own.
 adapter = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 8, "lora_alpha": 16, "lora_dropout": 0.05,

@@ -102,10 +102,17 @@ std::map<std::string, at::Tensor> view_all(const fs::path& file) {
 }  // namespace
 
 nlohmann::json TrainState::to_json() const {
-  return {{"step", step},           {"sampler", sampler},     {"scaler", scaler},
-          {"supervisor", supervisor}, {"optimizer", optimizer}, {"checkpoint_layers", checkpoint_layers},
-          {"activation_offload", activation_offload}, {"optimizer_offload", optimizer_offload},
-          {"world_size", world_size}};
+  nlohmann::json j = {{"step", step},
+                      {"sampler", sampler},
+                      {"scaler", scaler},
+                      {"supervisor", supervisor},
+                      {"optimizer", optimizer},
+                      {"checkpoint_layers", checkpoint_layers},
+                      {"activation_offload", activation_offload},
+                      {"optimizer_offload", optimizer_offload},
+                      {"world_size", world_size}};
+  if (data_samples > 0) j["data"] = {{"samples", data_samples}, {"target_tokens", data_target_tokens}};
+  return j;
 }
 
 TrainState TrainState::from_json(const nlohmann::json& j, const std::string& origin) {
@@ -123,6 +130,13 @@ TrainState TrainState::from_json(const nlohmann::json& j, const std::string& ori
     s.checkpoint_layers = v.get<std::vector<bool>>();
   }
   if (j.contains("world_size")) s.world_size = json_int(j, "world_size", 1, int64_t{1} << 20, origin);
+  if (j.contains("data")) {  // absent from checkpoints of earlier versions
+    const auto& d = j["data"];
+    const std::string where = std::string(origin) + ".data";
+    MEMTUNE_CHECK(d.is_object(), where, " is ", d.dump(), "; expected an object");
+    s.data_samples = json_int(d, "samples", 1, int64_t{1} << 50, where);
+    s.data_target_tokens = json_int(d, "target_tokens", 0, int64_t{1} << 60, where);
+  }
   for (auto [key, dst] : {std::pair{"activation_offload", &s.activation_offload}, {"optimizer_offload", &s.optimizer_offload}})
     if (j.contains(key)) {  // absent from checkpoints of earlier versions
       MEMTUNE_CHECK(j[key].is_boolean(), origin, ".", key, " is ", j[key].dump(), "; expected true or false");

@@ -38,6 +38,11 @@ struct TrainState {
   bool activation_offload = false;      // the ladder's (or the config's) activation offload; false in old ones
   bool optimizer_offload = false;       // the optimizer's state in host memory (ladder or config)
   int64_t world_size = 0;               // ranks of the run that wrote it; 0 in old checkpoints (unknown)
+  // What data.train_file made for the run that wrote it: the sampler's order is a permutation
+  // of that many samples, so a resume on data that makes another count of samples or target
+  // tokens would not continue it. 0 in old checkpoints (unknown; state.json then has no "data").
+  int64_t data_samples = 0;
+  int64_t data_target_tokens = 0;
 
   nlohmann::json to_json() const;
   // Every key present and of its type, step in range; `origin` names the file.

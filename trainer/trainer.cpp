@@ -659,6 +659,17 @@ void Trainer::resume() {
     if (!optimizer_->states_quantized()) optimizer_->quantize_states();
   }
   check_resume_compatible(c_, written, dir, dist_.world_size, ck.state.world_size);
+  const auto& data_now = train_set_->stats();
+  MEMTUNE_CHECK(ck.state.data_samples == 0 || (ck.state.data_samples == data_now.samples &&
+                                               ck.state.data_target_tokens == data_now.target_tokens),
+                "resume_from_checkpoint: data.train_file ", c_.data.train_file, " now makes ", data_now.samples,
+                " samples (", data_now.target_tokens, " target tokens); the checkpoint's run had ",
+                ck.state.data_samples, " samples (", ck.state.data_target_tokens, " target tokens), so ", dir.string(),
+                " cannot continue its sample order: the file changed since, or this memtune splits it "
+                "differently. Hint: resume on the data the checkpoint's run read, or start a new training.output_dir");
+  if (ck.state.data_samples == 0)
+    spdlog::info("resume: {} names no data count (an earlier memtune wrote it): its sample order is not checked "
+                 "against the data", dir.string());
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& [name, p] = params_[i];
@@ -939,6 +950,8 @@ void Trainer::save_checkpoint() {
   state.activation_offload = offload_activations_;
   state.optimizer_offload = optimizer_offloaded();
   state.world_size = dist_.world_size;
+  state.data_samples = train_set_->stats().samples;
+  state.data_target_tokens = train_set_->stats().target_tokens;
   const auto whole_state = shards > 0 ? std::vector<std::pair<std::string, at::Tensor>>{} : optimizer_->state_tensors();
   const fs::path p = save_training_checkpoint(out_dir_, state, trainable, whole_state, cpu_rng_state(), config_yaml_,
                                               c_.training.save_total_limit, shards);

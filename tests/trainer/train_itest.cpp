@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <fstream>
@@ -19,6 +20,7 @@
 
 #include "models/io/safetensors.h"
 #include "runtime/atomic_file.h"
+#include "runtime/error.h"
 #include "test_util.h"
 #include "trainer/train_state.h"
 
@@ -243,6 +245,41 @@ TEST(Train, ResumeRefusesABreakingConfigChange) {
   EXPECT_NE(fine.output.find("resumed from"), std::string::npos) << fine.output;
 }
 
+// The sampler's order is a permutation of the samples the data makes: a resume on data that
+// makes another count (the same file name, its content changed) cannot continue it, and is
+// refused by name before anything runs; the same data again resumes.
+TEST(Train, ResumeRefusesDataThatMakesOtherSamples) {
+  const fs::path d = temp_dir();
+  const fs::path data = d / "tasks.jsonl";
+  fs::copy_file(source_dir() / "examples/data/tasks_train.jsonl", data);
+  const std::string original = read_file(data);
+  const int64_t records = std::count(original.begin(), original.end(), '\n');
+  const std::string on = " data.pack_sequences=false data.train_file=" + data.string();  // a record a sample
+  TrainRun first = train(d, "training.max_steps=2" + on);
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const fs::path state = first.dir / "checkpoints/step-2/state.json";
+  EXPECT_EQ(json::parse(read_file(state))["data"]["samples"], records);
+
+  write_file(data, original + original.substr(0, original.find('\n') + 1));  // one record more
+  const std::string resume = memtune_bin() + " train " + (d / "config.yaml.in").string() +
+                             " training.max_steps=4 training.resume_from_checkpoint=latest" + on;
+  auto changed = run(resume);
+  EXPECT_EQ(changed.exit_code, 2) << changed.output;
+  EXPECT_NE(changed.output.find(str_cat("now makes ", records + 1, " samples")), std::string::npos) << changed.output;
+  EXPECT_NE(changed.output.find(str_cat("the checkpoint's run had ", records, " samples (")), std::string::npos)
+      << changed.output;
+  EXPECT_EQ(trainer::latest_checkpoint(first.dir).filename(), "step-2") << "a step ran";
+
+  // A checkpoint of an earlier version names no count: it resumes as before.
+  json old = json::parse(read_file(state));
+  old.erase("data");
+  write_file(state, old.dump());
+  auto unknown = run(resume);
+  EXPECT_EQ(unknown.exit_code, 0) << unknown.output;
+  EXPECT_NE(unknown.output.find("resumed from"), std::string::npos) << unknown.output;
+  EXPECT_NE(unknown.output.find("names no data count"), std::string::npos) << unknown.output;
+}
+
 TEST(Train, DamagedStateJsonIsRefusedByKeyAndNothingRuns) {
   fs::path d = temp_dir();
   TrainRun first = train(d / "first", "training.max_steps=2");
@@ -262,6 +299,9 @@ TEST(Train, DamagedStateJsonIsRefusedByKeyAndNothingRuns) {
       {"badscale", [](json& j) { j["scaler"]["scale"] = "abc"; }, "scaler.scale is \"abc\"; expected a number"},
       {"nosteps", [](json& j) { j["optimizer"].erase("steps"); }, "optimizer: key 'steps' is missing"},
       {"layers", [](json& j) { j["checkpoint_layers"] = {true}; }, "checkpoint_layers names 1 layers, the model has 4"},
+      {"data", [](json& j) { j["data"]["samples"] = 0; }, "state.json.data.samples is 0; expected an integer in 1.."},
+      {"moredata", [](json& j) { j["data"]["samples"] = j["data"]["samples"].get<int64_t>() + 1; },
+       "cannot continue its sample order"},
       {"renamed", [](json&) {}, "step is 2 but the directory is step-9", "step-9"},
   };
   for (const auto& c : cases) {
@@ -517,7 +557,9 @@ TEST(Train, Float16ComputeDtypeScalesTheLossAsFp16Does) {
   EXPECT_GE(skipped_steps(half.dir), 1) << half.output;
   EXPECT_EQ(skipped_steps(single.dir), 0) << single.output;
   for (const auto& row : metrics(single.dir))
-    if (row.contains("loss_scale")) EXPECT_EQ(row["loss_scale"].get<double>(), 1.0);
+    if (row.contains("loss_scale")) {
+      EXPECT_EQ(row["loss_scale"].get<double>(), 1.0);
+    }
 }
 
 // PEFT sets fan_in_fan_out from the module (Conv1D: true, Linear: false) and warns when the
