@@ -664,9 +664,10 @@ void Trainer::resume() {
                                                ck.state.data_target_tokens == data_now.target_tokens),
                 "resume_from_checkpoint: data.train_file ", c_.data.train_file, " now makes ", data_now.samples,
                 " samples (", data_now.target_tokens, " target tokens); the checkpoint's run had ",
-                ck.state.data_samples, " samples (", ck.state.data_target_tokens, " target tokens), so ", dir.string(),
-                " cannot continue its sample order: the file changed since, or this memtune splits it "
-                "differently. Hint: resume on the data the checkpoint's run read, or start a new training.output_dir");
+                ck.state.data_samples, " samples (", ck.state.data_target_tokens, " target tokens), so the run of ", dir.string(),
+                " cannot continue on it (its sampler's order is a permutation of the samples that data made): the file "
+                "changed since, or this memtune splits it differently. Hint: resume on the data the checkpoint's run "
+                "read, or start a new training.output_dir");
   if (ck.state.data_samples == 0)
     spdlog::info("resume: {} names no data count (an earlier memtune wrote it): its sample order is not checked "
                  "against the data", dir.string());

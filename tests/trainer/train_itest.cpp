@@ -301,7 +301,7 @@ TEST(Train, DamagedStateJsonIsRefusedByKeyAndNothingRuns) {
       {"layers", [](json& j) { j["checkpoint_layers"] = {true}; }, "checkpoint_layers names 1 layers, the model has 4"},
       {"data", [](json& j) { j["data"]["samples"] = 0; }, "state.json.data.samples is 0; expected an integer in 1.."},
       {"moredata", [](json& j) { j["data"]["samples"] = j["data"]["samples"].get<int64_t>() + 1; },
-       "cannot continue its sample order"},
+       "cannot continue on it"},
       {"renamed", [](json&) {}, "step is 2 but the directory is step-9", "step-9"},
   };
   for (const auto& c : cases) {
