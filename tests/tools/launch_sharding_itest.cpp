@@ -447,7 +447,9 @@ TEST(ShardedLevels, EachLevelKeepsLessPerRank) {
   for (size_t i = 0; i < p1.size() && i < p2.size() && i < p3.size(); ++i) {
     // From the second step on, `optimizer` also keeps its all-reduce's flat copy of the
     // gradients (ProcessGroup::allreduce_sum).
-    if (i > 0) EXPECT_GE(p1[i] - p2[i], grads + grads * 2 / 3 - (int64_t{1} << 20) - largest) << "step " << i;
+    if (i > 0) {
+      EXPECT_GE(p1[i] - p2[i], grads + grads * 2 / 3 - (int64_t{1} << 20) - largest) << "step " << i;
+    }
     EXPECT_GE(p2[i] - p3[i], layers * 2 / 3 - 2 * layer) << "step " << i;
     // The per-rank estimate bounds each step's peak (it plans for the longest sample; these
     // are shorter), and comes within 20 % of it.

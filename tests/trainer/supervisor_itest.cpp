@@ -101,7 +101,9 @@ void expect_same_run(const fs::path& a, const fs::path& b, double tol, double we
     elements += diff.numel();
     beyond += (diff > tol).sum().item<int64_t>();
   }
-  if (weight_tol > tol) EXPECT_LE(beyond * 1000, elements) << beyond << " trained elements differ by more than " << tol;
+  if (weight_tol > tol) {
+    EXPECT_LE(beyond * 1000, elements) << beyond << " trained elements differ by more than " << tol;
+  }
 }
 
 class InjectedOom : public ::testing::TestWithParam<std::string> {};
