@@ -230,6 +230,9 @@ Dataset::Dataset(const fs::path& path, const Tokenizer* tokenizer, DatasetOption
                                          : "were dropped (data.truncation: drop)");
   if (stats_.skipped_invalid)
     spdlog::warn("dataset {}: {} invalid records skipped (data.skip_invalid)", path.string(), stats_.skipped_invalid);
+  if (stats_.no_target_documents)
+    spdlog::warn("dataset {}: {} of its {} documents train no token{}: each takes a place in a step and changes nothing",
+                 path.string(), stats_.no_target_documents, stats_.documents, no_target_reason());
 }
 
 void Dataset::load(const fs::path& path, const Tokenizer* tokenizer) {
@@ -397,6 +400,7 @@ void Dataset::build_rows() {
         row_len = 0;
       }
       spans_.push_back({d, 0, len});
+      if (span_targets(spans_.back()) == 0) ++stats_.no_target_documents;
       row_len += len;
     }
     if (row_len > 0) row_begin_.push_back(static_cast<int64_t>(spans_.size()));
@@ -412,6 +416,14 @@ void Dataset::build_rows() {
     stats_.longest_sample = std::max(stats_.longest_sample, length);
     stats_.most_sample_targets = std::max(stats_.most_sample_targets, targets);
   }
+}
+
+std::string Dataset::no_target_reason() const {
+  if (options_.train_on_prompt) return {};
+  if (format_ == "instruction") return " (data.train_on_prompt is false, so only a record's output trains)";
+  if (format_ != "chat") return {};
+  return " (data.train_on_prompt is false, so only messages whose role is 'assistant' train; ShareGPT's 'gpt' "
+         "is not one)";
 }
 
 int64_t Dataset::span_targets(const Span& s) const {

@@ -67,6 +67,7 @@ struct DatasetStats {
   int64_t skipped_invalid = 0;  // malformed records skipped (skip_invalid)
   int64_t samples = 0;          // rows
   int64_t target_tokens = 0;    // targets != kIgnoreIndex over all samples
+  int64_t no_target_documents = 0;  // documents kept whose tokens train nothing (a chat without an assistant reply)
   // The largest sample, and the most targets in one sample: what bounds a micro-batch's
   // activations (rows are padded to the batch's longest) and its loss (only trained rows
   // form logits). The memory estimate plans with them (trainer/estimator.h).
@@ -86,6 +87,10 @@ class Dataset {
   int64_t sample_length(int64_t i) const;  // tokens in sample i, without building it
 
   const DatasetStats& stats() const { return stats_; }
+  // Why documents may train no token, as a parenthesis for a message: with
+  // data.train_on_prompt false a chat trains its assistant messages only, an instruction
+  // record its output. Empty otherwise.
+  std::string no_target_reason() const;
   const std::string& format() const { return format_; }  // the resolved format
   bool from_cache() const { return from_cache_; }
   // Token files keep their tokens in the mapped file: there documents().tokens is empty

@@ -213,7 +213,8 @@ void DataConfig::fields(F&& f) {
   f("max_seq_length", max_seq_length, "tokens per sequence (at least 8)");
   f("pack_sequences", pack_sequences, "pack several samples into each sequence");
   f("truncation", truncation, "longer samples: right cuts the end, drop leaves them out", {"right", "drop"});
-  f("train_on_prompt", train_on_prompt, "false: prompt tokens are not in the loss");
+  f("train_on_prompt", train_on_prompt,
+    "false: only assistant messages (chat) and outputs (instruction) are in the loss; true: every token");
   f("skip_invalid", skip_invalid, "skip (and count) malformed lines instead of failing");
   f("add_eos_token", add_eos_token, "end each sample with the EOS token");
   f("shuffle", shuffle, "shuffle the samples each epoch");

@@ -141,7 +141,7 @@ struct DataConfig {
   int max_seq_length = 512;
   bool pack_sequences = true;
   std::string truncation = "right";       // right|drop
-  bool train_on_prompt = false;           // false: prompt tokens are not in the loss
+  bool train_on_prompt = false;           // false: only assistant messages / outputs are in the loss
   bool skip_invalid = false;              // skip (and count) malformed lines instead of failing
   bool add_eos_token = true;
   bool shuffle = true;

@@ -339,8 +339,27 @@ void Trainer::load_data() {
                "{} invalid skipped{}",
                c_.data.train_file, train_set_->format(), st.documents, st.samples, st.target_tokens, st.truncated,
                st.dropped, st.skipped_invalid, train_set_->from_cache() ? " (from cache)" : "");
-  if (!c_.data.eval_file.empty())
+  // Data without a target token (a chat whose replies are not under the role 'assistant'):
+  // training on it would be steps of loss 0 and a zero gradient, an evaluation a loss of 0
+  // over nothing, where transformers' mean over no labels is NaN.
+  auto require_targets = [](const data::Dataset& set, const char* key, const std::string& path,
+                            const char* consequence) {
+    const std::string why = set.no_target_reason();
+    std::string hint = "a document's tokens from its second on are its targets; check data.format and "
+                       "data.add_eos_token";
+    if (!why.empty())
+      hint = set.format() == "chat"
+                 ? "name the replying role 'assistant' (ShareGPT's 'human' and 'gpt' are 'user' and 'assistant'), "
+                   "or set data.train_on_prompt: true to train every token"
+                 : "give each record an output, or set data.train_on_prompt: true to train every token";
+    MEMTUNE_CHECK(set.stats().target_tokens > 0, key, " ", path, ": none of its ", set.stats().documents,
+                  " documents trains a token", why, ", so ", consequence, ". Hint: ", hint);
+  };
+  require_targets(*train_set_, "data.train_file", c_.data.train_file, "training would change nothing");
+  if (!c_.data.eval_file.empty()) {
     eval_set_ = std::make_unique<data::Dataset>(c_.data.eval_file, bundle_.tokenizer.get(), dopts);
+    require_targets(*eval_set_, "data.eval_file", c_.data.eval_file, "its loss would be a mean over nothing");
+  }
   // From here the memory plan knows the data: its longest sample and most targets per sample.
   plan_ = fit_to_data(plan_, st);
   if (plan_.seq_length < c_.data.max_seq_length || plan_.max_sample_targets < plan_.seq_length)

@@ -168,6 +168,34 @@ TEST(Dataset, ChatChatmlTrainsOnAssistantTurns) {
   EXPECT_EQ(ds.stats().target_tokens, static_cast<int64_t>(answer.size()) + 1);
 }
 
+// A chat without an assistant message trains no token while train_on_prompt is false (ShareGPT's
+// 'gpt' is not 'assistant'): each such document is counted, whatever the packing; with
+// train_on_prompt every document trains.
+TEST(Dataset, ChatsWithoutAnAssistantReplyAreCountedAsTrainingNothing) {
+  std::string text;
+  int64_t without = 0;
+  for (int i = 0; i < 12; ++i) {
+    const bool sharegpt = i % 4 == 0, prompt_only = i % 4 == 1;
+    without += sharegpt || prompt_only;
+    text += sharegpt ? R"({"messages": [{"role": "human", "content": "q"}, {"role": "gpt", "content": "a"}]})"
+            : prompt_only ? R"({"messages": [{"role": "user", "content": "q"}]})"
+                          : R"({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})";
+    text += "\n";
+  }
+  const auto path = file("mixed.jsonl", text);
+  for (const bool pack : {false, true}) {
+    auto o = opts(256, pack);
+    o.template_name = "chatml";
+    Dataset ds(path, &tok, o);
+    EXPECT_EQ(ds.stats().no_target_documents, without) << "pack " << pack;
+    EXPECT_NE(ds.no_target_reason().find("only messages whose role is 'assistant' train"), std::string::npos);
+    o.train_on_prompt = true;
+    Dataset all(path, &tok, o);
+    EXPECT_EQ(all.stats().no_target_documents, 0) << "pack " << pack;
+    EXPECT_EQ(all.no_target_reason(), "");
+  }
+}
+
 TEST(Dataset, ChatLlama3Rendering) {
   const auto path = file("c.jsonl",
                          R"({"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}, )"

@@ -280,6 +280,51 @@ TEST(Train, ResumeRefusesDataThatMakesOtherSamples) {
   EXPECT_NE(unknown.output.find("names no data count"), std::string::npos) << unknown.output;
 }
 
+// Chats whose replies are not under the role 'assistant' (ShareGPT's 'human' / 'gpt') train
+// no token while data.train_on_prompt is false: such data is refused by name before a step
+// (transformers' mean over no labels is NaN; this ran steps of loss 0 and changed nothing);
+// data where only some chats lack a reply trains, and the log counts those.
+TEST(Train, ChatDataThatTrainsNoTokenIsRefusedAndSomeIsCounted) {
+  const fs::path d = temp_dir();
+  std::string sharegpt, mixed;
+  for (int i = 0; i < 40; ++i) {
+    const std::string q = "what is " + std::to_string(i) + " plus " + std::to_string(i) + "?";
+    const std::string a = std::to_string(2 * i);
+    sharegpt += R"({"messages": [{"role": "human", "content": ")" + q + R"("}, {"role": "gpt", "content": ")" + a +
+                "\"}]}\n";
+    mixed += R"({"messages": [{"role": "user", "content": ")" + q + "\"}" +
+             (i % 4 ? R"(, {"role": "assistant", "content": ")" + a + "\"}" : std::string()) + "]}\n";
+  }
+  write_file(d / "sharegpt.jsonl", sharegpt);
+  write_file(d / "mixed.jsonl", mixed);
+  const std::string chat = " data.format=chat data.template_name=chatml data.train_file=";
+  TrainRun none = train(d / "none", "training.max_steps=2" + chat + (d / "sharegpt.jsonl").string());
+  EXPECT_EQ(none.exit_code, 2) << none.output;
+  EXPECT_NE(none.output.find("none of its 40 documents trains a token (data.train_on_prompt is false, so only "
+                             "messages whose role is 'assistant' train"),
+            std::string::npos)
+      << none.output;
+  EXPECT_NE(none.output.find("Hint: name the replying role 'assistant'"), std::string::npos) << none.output;
+  EXPECT_FALSE(fs::exists(none.dir / "metrics.jsonl")) << "a step ran";
+
+  TrainRun some = train(d / "some", "training.max_steps=2" + chat + (d / "mixed.jsonl").string());
+  ASSERT_EQ(some.exit_code, 0) << some.output;
+  EXPECT_NE(some.output.find("10 of its 40 documents train no token"), std::string::npos) << some.output;
+  TrainRun prompt = train(d / "prompt", "training.max_steps=1 data.train_on_prompt=true" + chat +
+                                            (d / "sharegpt.jsonl").string());
+  EXPECT_EQ(prompt.exit_code, 0) << prompt.output;
+  EXPECT_EQ(prompt.output.find("train no token"), std::string::npos) << prompt.output;
+  // An evaluation over such data would report a loss of 0 over nothing.
+  TrainRun eval = train(d / "eval", "training.max_steps=1 data.eval_file=" + (d / "sharegpt.jsonl").string() + chat +
+                                        (d / "mixed.jsonl").string());
+  EXPECT_EQ(eval.exit_code, 2) << eval.output;
+  EXPECT_NE(eval.output.find("data.eval_file " + (d / "sharegpt.jsonl").string() +
+                             ": none of its 40 documents trains a token"),
+            std::string::npos)
+      << eval.output;
+  EXPECT_NE(eval.output.find("its loss would be a mean over nothing"), std::string::npos) << eval.output;
+}
+
 TEST(Train, DamagedStateJsonIsRefusedByKeyAndNothingRuns) {
   fs::path d = temp_dir();
   TrainRun first = train(d / "first", "training.max_steps=2");
