@@ -231,8 +231,9 @@ Dataset::Dataset(const fs::path& path, const Tokenizer* tokenizer, DatasetOption
   if (stats_.skipped_invalid)
     spdlog::warn("dataset {}: {} invalid records skipped (data.skip_invalid)", path.string(), stats_.skipped_invalid);
   if (stats_.no_target_documents)
-    spdlog::warn("dataset {}: {} of its {} documents train no token{}: each takes a place in a step and changes nothing",
-                 path.string(), stats_.no_target_documents, stats_.documents, no_target_reason());
+    spdlog::warn("dataset {}: {} of its {} documents train no token{}: each takes a place in a step and changes "
+                 "nothing. Hint: {}",
+                 path.string(), stats_.no_target_documents, stats_.documents, no_target_reason(), no_target_hint());
 }
 
 void Dataset::load(const fs::path& path, const Tokenizer* tokenizer) {
@@ -400,7 +401,10 @@ void Dataset::build_rows() {
         row_len = 0;
       }
       spans_.push_back({d, 0, len});
-      if (span_targets(spans_.back()) == 0) ++stats_.no_target_documents;
+      if (span_targets(spans_.back()) == 0) {
+        ++stats_.no_target_documents;
+        if (len < docs_.length(d) && span_targets({d, 0, docs_.length(d)}) > 0) ++stats_.no_target_cut;
+      }
       row_len += len;
     }
     if (row_len > 0) row_begin_.push_back(static_cast<int64_t>(spans_.size()));
@@ -418,12 +422,41 @@ void Dataset::build_rows() {
   }
 }
 
+// The documents that train no token without having been cut: a prompt alone, or a role
+// other than 'assistant' (with train_on_prompt false, chat and instruction formats only).
+static bool untrained_by_role(const DatasetStats& st, const DatasetOptions& o, const std::string& format) {
+  return st.no_target_documents > st.no_target_cut && !o.train_on_prompt &&
+         (format == "chat" || format == "instruction");
+}
+
 std::string Dataset::no_target_reason() const {
-  if (options_.train_on_prompt) return {};
-  if (format_ == "instruction") return " (data.train_on_prompt is false, so only a record's output trains)";
-  if (format_ != "chat") return {};
-  return " (data.train_on_prompt is false, so only messages whose role is 'assistant' train; ShareGPT's 'gpt' "
-         "is not one)";
+  std::vector<std::string> why;
+  if (stats_.no_target_cut)
+    why.push_back(str_cat(stats_.no_target_cut, " of them had their trained tokens past data.max_seq_length (",
+                          options_.max_seq_length, ")"));
+  if (untrained_by_role(stats_, options_, format_))
+    why.push_back(format_ == "chat" ? "data.train_on_prompt is false, so only messages whose role is 'assistant' "
+                                      "train; ShareGPT's 'gpt' is not one"
+                                    : "data.train_on_prompt is false, so only a record's output trains");
+  if (why.empty()) return {};
+  std::string out = " (" + why[0];
+  for (size_t i = 1; i < why.size(); ++i) out += "; " + why[i];
+  return out + ")";
+}
+
+std::string Dataset::no_target_hint() const {
+  std::vector<std::string> hint;
+  if (stats_.no_target_cut) hint.push_back("raise data.max_seq_length");
+  if (untrained_by_role(stats_, options_, format_)) {
+    if (format_ == "chat") hint.push_back("name the replying role 'assistant' (ShareGPT's 'human' and 'gpt' are 'user' "
+                                          "and 'assistant')");
+    else hint.push_back("give each record an output");
+    hint.push_back("set data.train_on_prompt: true to train every token");
+  }
+  if (hint.empty()) return "a document's tokens from its second on are its targets; check data.format";
+  std::string out = hint[0];
+  for (size_t i = 1; i < hint.size(); ++i) out += (i + 1 == hint.size() ? ", or " : ", ") + hint[i];
+  return out;
 }
 
 int64_t Dataset::span_targets(const Span& s) const {

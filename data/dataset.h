@@ -67,7 +67,8 @@ struct DatasetStats {
   int64_t skipped_invalid = 0;  // malformed records skipped (skip_invalid)
   int64_t samples = 0;          // rows
   int64_t target_tokens = 0;    // targets != kIgnoreIndex over all samples
-  int64_t no_target_documents = 0;  // documents kept whose tokens train nothing (a chat without an assistant reply)
+  int64_t no_target_documents = 0;  // documents kept whose kept tokens train nothing (a chat without an assistant reply)
+  int64_t no_target_cut = 0;        // of those, documents whose trained tokens all lay past max_seq_length
   // The largest sample, and the most targets in one sample: what bounds a micro-batch's
   // activations (rows are padded to the batch's longest) and its loss (only trained rows
   // form logits). The memory estimate plans with them (trainer/estimator.h).
@@ -87,10 +88,12 @@ class Dataset {
   int64_t sample_length(int64_t i) const;  // tokens in sample i, without building it
 
   const DatasetStats& stats() const { return stats_; }
-  // Why documents may train no token, as a parenthesis for a message: with
-  // data.train_on_prompt false a chat trains its assistant messages only, an instruction
-  // record its output. Empty otherwise.
+  // Why the documents that train no token do not, as a parenthesis for a message (their
+  // trained tokens lay past max_seq_length; with train_on_prompt false a chat trains its
+  // assistant messages only, an instruction record its output), and what would make them
+  // train. Empty when every document trains.
   std::string no_target_reason() const;
+  std::string no_target_hint() const;
   const std::string& format() const { return format_; }  // the resolved format
   bool from_cache() const { return from_cache_; }
   // Token files keep their tokens in the mapped file: there documents().tokens is empty

@@ -214,7 +214,8 @@ void DataConfig::fields(F&& f) {
   f("pack_sequences", pack_sequences, "pack several samples into each sequence");
   f("truncation", truncation, "longer samples: right cuts the end, drop leaves them out", {"right", "drop"});
   f("train_on_prompt", train_on_prompt,
-    "false: only assistant messages (chat) and outputs (instruction) are in the loss; true: every token");
+    "chat and instruction: false puts only the replies (assistant messages, outputs, with their template's closing "
+    "tokens) in the loss, true every token; text, plain and tokens train every token either way");
   f("skip_invalid", skip_invalid, "skip (and count) malformed lines instead of failing");
   f("add_eos_token", add_eos_token, "end each sample with the EOS token");
   f("shuffle", shuffle, "shuffle the samples each epoch");

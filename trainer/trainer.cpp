@@ -344,16 +344,9 @@ void Trainer::load_data() {
   // over nothing, where transformers' mean over no labels is NaN.
   auto require_targets = [](const data::Dataset& set, const char* key, const std::string& path,
                             const char* consequence) {
-    const std::string why = set.no_target_reason();
-    std::string hint = "a document's tokens from its second on are its targets; check data.format and "
-                       "data.add_eos_token";
-    if (!why.empty())
-      hint = set.format() == "chat"
-                 ? "name the replying role 'assistant' (ShareGPT's 'human' and 'gpt' are 'user' and 'assistant'), "
-                   "or set data.train_on_prompt: true to train every token"
-                 : "give each record an output, or set data.train_on_prompt: true to train every token";
-    MEMTUNE_CHECK(set.stats().target_tokens > 0, key, " ", path, ": none of its ", set.stats().documents,
-                  " documents trains a token", why, ", so ", consequence, ". Hint: ", hint);
+    MEMTUNE_CHECK(set.stats().target_tokens > 0, key, " ", path, ": none of its ", set.stats().samples,
+                  " samples trains a token", set.no_target_reason(), ", so ", consequence, ". Hint: ",
+                  set.no_target_hint());
   };
   require_targets(*train_set_, "data.train_file", c_.data.train_file, "training would change nothing");
   if (!c_.data.eval_file.empty()) {

@@ -194,6 +194,19 @@ TEST(Dataset, ChatsWithoutAnAssistantReplyAreCountedAsTrainingNothing) {
     EXPECT_EQ(all.stats().no_target_documents, 0) << "pack " << pack;
     EXPECT_EQ(all.no_target_reason(), "");
   }
+  // A reply cut off by max_seq_length is named as such, with its own hint.
+  const auto cut = file("cut.jsonl", R"({"messages": [{"role": "user", "content": ")" + std::string(100, 'q') +
+                                         R"("}, {"role": "assistant", "content": "a"}]})" "\n" +
+                                         R"({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", )"
+                                         R"("content": "a"}]})" "\n");
+  auto o = opts(64);
+  o.template_name = "chatml";
+  Dataset ds(cut, &tok, o);
+  EXPECT_EQ(ds.stats().truncated, 1);
+  EXPECT_EQ(ds.stats().no_target_documents, 1);
+  EXPECT_EQ(ds.stats().no_target_cut, 1);
+  EXPECT_EQ(ds.no_target_reason(), " (1 of them had their trained tokens past data.max_seq_length (64))");
+  EXPECT_EQ(ds.no_target_hint(), "raise data.max_seq_length");
 }
 
 TEST(Dataset, ChatLlama3Rendering) {
