@@ -139,6 +139,13 @@ std::vector<fs::path> plain_files(const fs::path& path) {
   return files;
 }
 
+// The documents that train no token without having been cut: a prompt alone, or a role
+// other than 'assistant' (with train_on_prompt false, chat and instruction formats only).
+bool untrained_by_role(const DatasetStats& st, const DatasetOptions& o, const std::string& format) {
+  return st.no_target_documents > st.no_target_cut && !o.train_on_prompt &&
+         (format == "chat" || format == "instruction");
+}
+
 }  // namespace
 
 std::string detect_format(const fs::path& path, const std::string& text_field) {
@@ -420,13 +427,6 @@ void Dataset::build_rows() {
     stats_.longest_sample = std::max(stats_.longest_sample, length);
     stats_.most_sample_targets = std::max(stats_.most_sample_targets, targets);
   }
-}
-
-// The documents that train no token without having been cut: a prompt alone, or a role
-// other than 'assistant' (with train_on_prompt false, chat and instruction formats only).
-static bool untrained_by_role(const DatasetStats& st, const DatasetOptions& o, const std::string& format) {
-  return st.no_target_documents > st.no_target_cut && !o.train_on_prompt &&
-         (format == "chat" || format == "instruction");
 }
 
 std::string Dataset::no_target_reason() const {
