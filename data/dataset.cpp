@@ -408,10 +408,6 @@ void Dataset::build_rows() {
         row_len = 0;
       }
       spans_.push_back({d, 0, len});
-      if (span_targets(spans_.back()) == 0) {
-        ++stats_.no_target_documents;
-        if (len < docs_.length(d) && span_targets({d, 0, docs_.length(d)}) > 0) ++stats_.no_target_cut;
-      }
       row_len += len;
     }
     if (row_len > 0) row_begin_.push_back(static_cast<int64_t>(spans_.size()));
@@ -420,8 +416,14 @@ void Dataset::build_rows() {
   for (int64_t i = 0; i < size(); ++i) {
     int64_t length = 0, targets = 0;
     for (int64_t r = row_begin_[i]; r < row_begin_[i + 1]; ++r) {
-      length += spans_[r].length;
-      targets += span_targets(spans_[r]);
+      const Span& s = spans_[r];  // a document, or a stream's window (which always trains)
+      const int64_t trained = span_targets(s);
+      length += s.length;
+      targets += trained;
+      if (trained > 0) continue;
+      ++stats_.no_target_documents;
+      const int64_t whole = docs_.length(s.doc);
+      if (s.length < whole && span_targets({s.doc, 0, whole}) > 0) ++stats_.no_target_cut;
     }
     stats_.target_tokens += targets;
     stats_.longest_sample = std::max(stats_.longest_sample, length);
@@ -430,33 +432,27 @@ void Dataset::build_rows() {
 }
 
 std::string Dataset::no_target_reason() const {
-  std::vector<std::string> why;
+  std::string why;
   if (stats_.no_target_cut)
-    why.push_back(str_cat(stats_.no_target_cut, " of them had their trained tokens past data.max_seq_length (",
-                          options_.max_seq_length, ")"));
+    why = str_cat(stats_.no_target_cut, " of them had their trained tokens past data.max_seq_length (",
+                  options_.max_seq_length, ")");
   if (untrained_by_role(stats_, options_, format_))
-    why.push_back(format_ == "chat" ? "data.train_on_prompt is false, so only messages whose role is 'assistant' "
-                                      "train; ShareGPT's 'gpt' is not one"
-                                    : "data.train_on_prompt is false, so only a record's output trains");
-  if (why.empty()) return {};
-  std::string out = " (" + why[0];
-  for (size_t i = 1; i < why.size(); ++i) out += "; " + why[i];
-  return out + ")";
+    why += std::string(why.empty() ? "" : "; ") +
+           (format_ == "chat" ? "data.train_on_prompt is false, so only messages whose role is 'assistant' train; "
+                                "ShareGPT's 'gpt' is not one"
+                              : "data.train_on_prompt is false, so only a record's output trains");
+  return why.empty() ? why : " (" + why + ")";
 }
 
 std::string Dataset::no_target_hint() const {
-  std::vector<std::string> hint;
-  if (stats_.no_target_cut) hint.push_back("raise data.max_seq_length");
-  if (untrained_by_role(stats_, options_, format_)) {
-    if (format_ == "chat") hint.push_back("name the replying role 'assistant' (ShareGPT's 'human' and 'gpt' are 'user' "
-                                          "and 'assistant')");
-    else hint.push_back("give each record an output");
-    hint.push_back("set data.train_on_prompt: true to train every token");
-  }
-  if (hint.empty()) return "a document's tokens from its second on are its targets; check data.format";
-  std::string out = hint[0];
-  for (size_t i = 1; i < hint.size(); ++i) out += (i + 1 == hint.size() ? ", or " : ", ") + hint[i];
-  return out;
+  std::string hint = stats_.no_target_cut ? "raise data.max_seq_length" : "";
+  if (untrained_by_role(stats_, options_, format_))
+    hint += std::string(hint.empty() ? "" : ", ") +
+            (format_ == "chat" ? "name the replying role 'assistant' (ShareGPT's 'human' and 'gpt' are 'user' and "
+                                 "'assistant')"
+                               : "give each record an output") +
+            ", or set data.train_on_prompt: true to train every token";
+  return hint.empty() ? "a document's tokens from its second on are its targets; check data.format" : hint;
 }
 
 int64_t Dataset::span_targets(const Span& s) const {
