@@ -1,5 +1,5 @@
 // memtune's fused layer nodes (RMSNorm, SwiGLU, rotary: one autograd node each, and on
-// CUDA one kernel each way; the chunked head + loss) against the same math written as
+// CUDA one kernel each way; a LoRA projection; the chunked head + loss) against the same math written as
 // Hugging Face's modules write it, ATen ops under autograd, in one run on one device:
 // median milliseconds of forward + backward and the ratio.
 //   bench_layer_kernels           the CPU, fp32, a Llama-3.2-1B-shaped layer at 512 tokens
@@ -16,6 +16,7 @@
 
 #include "bench/median_ms.h"
 #include "models/layers/cross_entropy.h"
+#include "models/layers/lora_linear.h"
 #include "models/layers/norm_act.h"
 #include "models/layers/rotary.h"
 #include "runtime/threads.h"
@@ -85,6 +86,20 @@ void run(const c10::Device& device, at::ScalarType dtype, const Shape& s, int re
   row("rotary (q)", timed([&] { return mm::apply_rotary(q, cos, sin); }), timed([&] {
         const at::Tensor c = cos.to(dtype), sn = sin.to(dtype);
         return q * c + hf_rotate_half(q) * sn;
+      }));
+
+  // A LoRA adapter (r 16, fp32 A and B) on a frozen up_proj: the fused node, under the
+  // Trainer's autocast on a 16-bit device, against PEFT's forward written as ATen ops
+  // (autocast's casts written out: the products on 16-bit copies of A and B).
+  const at::Tensor W = at::randn({s.intermediate, s.hidden}, opt).div_(64);
+  const at::Tensor A = (at::randn({16, s.hidden}, opt.dtype(at::kFloat)) / 64).requires_grad_(true);
+  const at::Tensor B = (at::randn({s.intermediate, 16}, opt.dtype(at::kFloat)) / 4).requires_grad_(true);
+  const bool autocast = dtype != at::kFloat;
+  row("LoRA up_proj (r 16, frozen W)", timed([&] {
+        return mm::lora_linear(x, {}, mm::FrozenWeight{W, nullptr}, {}, A, B, 2.0, mm::Nf4MatmulPath::kAuto, autocast);
+      }),
+      timed([&] {
+        return at::linear(x, W) + at::linear(at::linear(x, A.to(dtype)), B.to(dtype)) * 2.0;
       }));
 
   // The head in the activations' dtype; its products in the run's compute dtype (bf16 on the

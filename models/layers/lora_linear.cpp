@@ -9,7 +9,50 @@
 #include "models/layers/product_fp32.h"
 #include "runtime/error.h"
 
+#ifdef MEMTUNE_CUDA
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "models/layers/cuda/lora_cuda_kernels.h"
+#endif
+
 namespace memtune::models {
+namespace {
+// A 16-bit adapter (bf16 or fp16 A and B, or under autocast 16-bit copies of fp32 ones)
+// rounds each product, as PEFT's ops do in 16 bits.
+bool sixteen_bit(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf; }
+}  // namespace
+
+namespace detail {
+// On CUDA the product's two passes over an (M, N) tensor (written, read back) are not made.
+void add_adapter_output(at::Tensor& y, const at::Tensor& a, const at::Tensor& b, double s) {
+  MEMTUNE_INTERNAL_ASSERT(a.size(0) == y.size(0) && b.size(1) == y.size(1) && a.size(1) == b.size(0),
+                          "add_adapter_output: y ", y.sizes(), " += a ", a.sizes(), " b ", b.sizes());
+#ifdef MEMTUNE_CUDA
+  if (y.is_cuda() && sixteen_bit(y) && y.dim() == 2 && y.stride(1) == 1 && a.scalar_type() == y.scalar_type() &&
+      b.scalar_type() == y.scalar_type()) {
+    const c10::cuda::CUDAGuard guard(y.device());
+    // The forward's b is B^T, a view of the adapter's B: its rows copied once (r x N, small).
+    const at::Tensor ac = a.stride(1) == 1 ? a : a.contiguous(), bc = b.stride(1) == 1 ? b : b.contiguous();
+    C10_CUDA_CHECK(lora_cuda::add_scaled_product(
+        y.data_ptr(), y.stride(0), ac.data_ptr(), ac.stride(0), bc.data_ptr(), bc.stride(0),
+        *cuda_math::device_type(y.scalar_type()), y.size(0), y.size(1), a.size(1), static_cast<float>(s),
+        c10::cuda::getCurrentCUDAStream(y.device().index()).stream()));
+    return;
+  }
+#endif
+  at::Tensor o = at::mm(a, b);
+  // A power of two scales exactly: then one kernel scales and adds.
+  int exponent = 0;
+  if (std::frexp(s, &exponent) == 0.5)
+    y.add_(o, s);
+  else
+    y.add_(o.mul_(s));
+}
+
+}  // namespace detail
+
 namespace {
 
 using torch::autograd::AutogradContext;
@@ -32,9 +75,6 @@ at::Tensor adapter_mm_tn(const at::Tensor& a, const at::Tensor& b) {
   return c;
 }
 
-// A 16-bit adapter (bf16 or fp16 A and B, or under autocast 16-bit copies of fp32 ones)
-// rounds each product, as PEFT's ops do in 16 bits.
-bool sixteen_bit(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf; }
 
 class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> {
  public:
@@ -64,16 +104,9 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     // it once; its 4-bit Linear rounds the adapter's output to the base's dtype first, then adds.
     const bool mixed = Ac.scalar_type() != x.scalar_type();
     at::Tensor ha = adapter_mm(h2.to(Ac.scalar_type()), Ac.t());  // [M, r]
-    if (!mixed && sixteen_bit(Ac)) {
-      // PEFT's `result + lora_B(lora_A(x)) * scaling` in 16 bits: the output rounded, scaled
-      // (rounded) and added. A power of two scales exactly: then one kernel scales and adds.
-      at::Tensor o = at::mm(ha, Bc.t());
-      int exponent = 0;
-      if (std::frexp(scaling, &exponent) == 0.5)
-        y.add_(o, scaling);
-      else
-        y.add_(o.mul_(scaling));
-    } else if (!mixed)
+    if (!mixed && sixteen_bit(Ac))
+      detail::add_adapter_output(y, ha, Bc.t(), scaling);
+    else if (!mixed)
       y.addmm_(ha, B.t(), /*beta=*/1, /*alpha=*/scaling);
     else if (dense.has_value() && y.is_cuda())
       y.add_(at::mm(ha, B.t()), scaling);  // one kernel: read as fp32, summed, rounded once into y
@@ -133,7 +166,7 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
       if (!has_h && mixed)
         grad_x.add_(at::mm(gha, A).to(g.scalar_type()));  // each path's gradient rounded, then summed, as autograd
       else if (!has_h && sixteen_bit(A))
-        grad_x.add_(at::mm(gha, A));  // ... in 16 bits too
+        detail::add_adapter_output(grad_x, gha, A, 1.0);  // ... in 16 bits too
       else if (!has_h)
         grad_x.addmm_(gha, A);  // both paths in one buffer
       grad_x = grad_x.view(x_sizes);

@@ -68,4 +68,13 @@ at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& adapter_input, con
                        const at::Tensor& bias, const at::Tensor& A, const at::Tensor& B, double scaling,
                        Nf4MatmulPath path = Nf4MatmulPath::kAuto, bool autocast = false);
 
+namespace detail {
+// y (M, N) += s (a b) for a (M, r) and b (r, N), all three in one 16-bit dtype, rounded as
+// PEFT's `result + lora_B(lora_A(x)) * scaling` in 16 bits rounds it: the product rounded,
+// scaled (rounded) and added. On CUDA one kernel forms each short product where it reads y
+// and sums it over k in order (models/layers/cuda/lora_cuda_kernels.h); elsewhere ATen's
+// product, then the scaled sum.
+void add_adapter_output(at::Tensor& y, const at::Tensor& a, const at::Tensor& b, double s);
+}  // namespace detail
+
 }  // namespace memtune::models

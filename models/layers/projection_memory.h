@@ -33,8 +33,14 @@ struct ProjectionTally {
       panel = std::max(panel, lora_mixed_transient(s.rows(), l.in_features(), l.out_features()));
     // A 16-bit adapter (autocast): its output before it is added in, and in backward its
     // path's gradient for the input before the sum; with LoRA dropout, the input's fp32 copies.
+    // On a GPU the node of a 16-bit model adds both where they are formed (lora_linear's
+    // add_adapter_output), but LoRA dropout's input gets its gradient as a tensor of its own.
     if (t.lora_r > 0 && !t.full && s.adapter_bytes != 4) {
-      panel = std::max(panel, s.rows() * std::max(l.in_features(), l.out_features()) * s.adapter_bytes);
+      const bool added_in_place = s.cuda_kernels && s.act_bytes == s.adapter_bytes;
+      if (!added_in_place)
+        panel = std::max(panel, s.rows() * std::max(l.in_features(), l.out_features()) * s.adapter_bytes);
+      else if (t.lora_dropout > 0)
+        panel = std::max(panel, s.rows() * l.in_features() * s.adapter_bytes);
       if (t.lora_dropout > 0)
         panel = std::max(panel, lora_autocast_dropout_transient(s.rows(), l.in_features(), s.act_bytes));
     }

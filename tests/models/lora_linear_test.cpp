@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -272,6 +273,87 @@ TEST(LoraLinear, UnderBf16AutocastTheAdapterRunsAsPeftsUnderAutocast) { expect_a
 TEST(LoraLinear, UnderBf16AutocastOnCudaTheAdapterRunsAsPeftsUnderAutocast_CUDA) {
   MEMTUNE_SKIP_WITHOUT_CUDA();
   expect_autocast_adapter_is_pefts(c10::Device(c10::kCUDA, 0));
+}
+
+// The adapter's output added into a 16-bit projection output (detail::add_adapter_output),
+// against a loop that writes PEFT's 16-bit ops out: the short product summed in fp32 over k
+// in order, rounded to T, scaled (rounded), added to y (rounded). On CUDA the kernel sums in
+// that order, so it must give the loop's bits; on the CPU ATen's product may sum in another
+// order, which can move a rounded product by one unit in its last place. The cases: tails
+// of the kernel's 16 x 256 tile, ranks past its chunk of 16, a y whose rows are wider than
+// its columns (a row stride a multiple of 8, or odd) or start off a 16-byte boundary, b as
+// a transposed view (the forward's B^T).
+template <class T>
+at::Tensor add_adapter_output_loop(const at::Tensor& y, const at::Tensor& a, const at::Tensor& b, double s) {
+  at::Tensor out = y.to(at::kCPU).clone(at::MemoryFormat::Contiguous);  // never y itself
+  const at::Tensor ac = a.to(at::kCPU).contiguous(), bc = b.to(at::kCPU).contiguous();
+  const int64_t m = out.size(0), n = out.size(1), r = ac.size(1);
+  const T* pa = ac.data_ptr<T>();
+  const T* pb = bc.data_ptr<T>();
+  T* py = out.data_ptr<T>();
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      float acc = 0.0f;
+      for (int64_t k = 0; k < r; ++k) acc = std::fma(static_cast<float>(pa[i * r + k]), static_cast<float>(pb[k * n + j]), acc);
+      const float scaled = static_cast<float>(T(static_cast<float>(T(acc)) * static_cast<float>(s)));
+      py[i * n + j] = T(static_cast<float>(py[i * n + j]) + scaled);
+    }
+  }
+  return out;
+}
+
+void expect_adapter_output_is_the_loops(const c10::Device& device) {
+  struct Shape {
+    int64_t m, n, r;
+  };
+  // LibTorch 1.13's CPU has no fp16 product.
+  const std::vector<at::ScalarType> dtypes =
+      device.is_cuda() ? std::vector<at::ScalarType>{at::kBFloat16, at::kHalf} : std::vector<at::ScalarType>{at::kBFloat16};
+  for (at::ScalarType dtype : dtypes) {
+    for (Shape sh : {Shape{1, 1, 1}, Shape{64, 512, 16}, Shape{37, 300, 16}, Shape{33, 257, 48}, Shape{5, 1000, 100},
+                     Shape{70, 24, 8}}) {
+      for (double s : {2.0, 1.5, 1.0}) {
+        // 0: y contiguous; 1: rows of a whole number of 16 bytes, wider than y; 2: the same
+        // rows, y starting 2 bytes in; 3: rows of an odd length.
+        for (int layout = 0; layout < 4; ++layout) {
+          SCOPED_TRACE(std::string(c10::toString(dtype)) + " m " + std::to_string(sh.m) + " n " +
+                       std::to_string(sh.n) + " r " + std::to_string(sh.r) + " s " + std::to_string(s) +
+                       " layout " + std::to_string(layout));
+          torch::manual_seed(sh.m * 1000 + sh.n + sh.r);
+          const auto opt = at::TensorOptions(dtype).device(device);
+          const int64_t width = layout == 3 ? sh.n + 9 : (sh.n + 7) / 8 * 8 + 8;
+          at::Tensor wide = (at::randn({sh.m, width}) * 4).to(opt);
+          const int64_t offset = layout == 2 ? 1 : 0;
+          at::Tensor y = layout == 0 ? wide.narrow(1, 0, sh.n).contiguous() : wide.narrow(1, offset, sh.n);
+          const at::Tensor a = at::randn({sh.m, sh.r}).to(opt);
+          const at::Tensor b = sh.m % 2 == 1 ? at::randn({sh.n, sh.r}).to(opt).t() : at::randn({sh.r, sh.n}).to(opt);
+          const at::Tensor before = y.clone();
+          const at::Tensor ref = dtype == at::kBFloat16 ? add_adapter_output_loop<c10::BFloat16>(y, a, b, s)
+                                                        : add_adapter_output_loop<c10::Half>(y, a, b, s);
+          memtune::models::detail::add_adapter_output(y, a, b, s);
+          if (layout != 0) {
+            EXPECT_TRUE(at::equal(wide.narrow(1, offset, sh.n).to(at::kCPU), y.to(at::kCPU))) << "y in place";
+          }
+          const at::Tensor got = y.to(at::kCPU).to(at::kFloat), want = ref.to(at::kFloat);
+          if (device.is_cuda()) {
+            EXPECT_TRUE(at::equal(got, want)) << (got != want).sum().item<int64_t>() << " elements differ";
+          } else {
+            expect_close(got, want, dtype == at::kHalf ? 2e-3 : 1.6e-2, "y");
+            EXPECT_GT((got == want).to(at::kDouble).mean().item<double>(), 0.9);
+          }
+          // Not a no-op: the adapter's part moved y.
+          EXPECT_FALSE(at::equal(before.to(at::kCPU), y.to(at::kCPU)));
+        }
+      }
+    }
+  }
+}
+
+TEST(LoraLinear, AdapterOutputAddsAsPeftsSixteenBitOps) { expect_adapter_output_is_the_loops(c10::kCPU); }
+
+TEST(LoraLinear, AdapterOutputOnCudaIsTheLoopsBits_CUDA) {
+  MEMTUNE_SKIP_WITHOUT_CUDA();
+  expect_adapter_output_is_the_loops(c10::Device(c10::kCUDA, 0));
 }
 
 // A dense fp32 weight computing in bf16, frozen or trained: the products, outputs and
