@@ -19,6 +19,8 @@
 // its `scale` argument in 2.1.
 #define MEMTUNE_HAS_SDPA MEMTUNE_TORCH_AT_LEAST(2, 0)
 #define MEMTUNE_SDPA_HAS_SCALE MEMTUNE_TORCH_AT_LEAST(2, 1)
+// Its `enable_gqa` (key and value heads shared by groups of query heads) in 2.5.
+#define MEMTUNE_SDPA_HAS_GQA MEMTUNE_TORCH_AT_LEAST(2, 5)
 
 // Headers: <ATen/ATen.h> brings <ATen/core/grad_mode.h> (at::NoGradGuard, at::AutoGradMode)
 // in 1.13 only; a file using them includes it itself.

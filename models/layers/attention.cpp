@@ -154,15 +154,23 @@ struct SegmentAttention : public torch::autograd::Function<SegmentAttention> {
 #if MEMTUNE_HAS_SDPA
 // q (B,Hkv,G,T,D) through at::scaled_dot_product_attention: heads flattened to H = Hkv*G,
 // k and v repeated to H (HF's repeat_kv), a boolean mask only where causal masking is not
-// enough.
+// enough. Causal masking alone on LibTorch 2.5 or later takes k and v at their Hkv heads
+// (enable_gqa), as transformers' sdpa_attention_forward does without a mask: no copies
+// repeated to H heads made, nor kept for backward (with a mask transformers repeats them, and
+// so does this: SDPA's fused kernels would not take the mask with grouped heads).
 at::Tensor sdpa_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& seg,
                           double scale, int64_t window, bool one_segment_per_row) {
   const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), T = q.size(3), D = q.size(4);
   at::Tensor qh = q.reshape({B, Hkv * G, T, D});
+  const bool causal_only = one_segment_per_row && window <= 0;
+#if MEMTUNE_SDPA_HAS_GQA
+  if (causal_only && G > 1)
+    return at::scaled_dot_product_attention(qh, k, v, c10::nullopt, 0.0, true, scale, /*enable_gqa=*/true)
+        .view({B, Hkv, G, T, D});
+#endif
   at::Tensor kh = k.unsqueeze(2).expand({B, Hkv, G, T, D}).reshape({B, Hkv * G, T, D});
   at::Tensor vh = v.unsqueeze(2).expand({B, Hkv, G, T, D}).reshape({B, Hkv * G, T, D});
   c10::optional<at::Tensor> mask;
-  const bool causal_only = one_segment_per_row && window <= 0;
   if (!causal_only) {
     at::Tensor s = seg.to(q.device());
     at::Tensor pos = at::arange(T, s.options());

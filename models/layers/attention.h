@@ -30,7 +30,8 @@ namespace memtune::models {
 //   call per width (flash/memory-efficient kernels, no mask, linear memory; the padding after
 //   a document cannot change it under causal masking); `sdpa` forces it, by documents where
 //   the runs are known, else with an explicit (B,1,T,T)
-//   boolean mask (quadratic memory); grouped key/value heads repeated to the query heads;
+//   boolean mask (quadratic memory); grouped key/value heads repeated to the query heads,
+//   except under causal masking alone on LibTorch >= 2.5 (SDPA's enable_gqa, as transformers);
 // - the blocked one written with ATen ops ("eager"): anything else (packed documents on a
 //   GPU, fp16/bf16, arbitrary segment ids), linear memory.
 struct DocumentBuckets;  // below

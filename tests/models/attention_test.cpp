@@ -147,6 +147,42 @@ TEST(Attention, OnCudaTheBlockedKernelWithDropoutMatchesTheTextbookAttention_CUD
   }
 }
 
+// SDPA on a GPU with grouped key/value heads (G query heads per key/value head) under causal
+// masking alone: in bf16 the fused kernels run (on LibTorch >= 2.5 with k and v at their own
+// heads, enable_gqa); fp32 too. Against the textbook attention in fp32 on the CPU of the same
+// values, outputs and the three gradients, within bf16's rounding of the inputs.
+TEST(Attention, SdpaOnCudaWithGroupedHeadsMatchesTheTextbookAttention_CUDA) {
+  MEMTUNE_SKIP_WITHOUT_CUDA();
+  torch::manual_seed(29);
+  const int64_t B = 2, Hkv = 2, G = 4, T = 70, D = 64;
+  AttentionOptions options;
+  options.kernel = AttentionOptions::Kernel::kSdpa;
+  options.one_segment_per_row = true;
+  const at::Tensor seg = at::zeros({B, T}, at::kLong);
+  for (at::ScalarType dtype : {at::kBFloat16, at::kFloat}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    // The inputs as the device's dtype holds them; the reference computes on those values.
+    const at::Tensor q = at::randn({B, Hkv, G, T, D}).to(dtype).to(at::kFloat);
+    const at::Tensor k = at::randn({B, Hkv, T, D}).to(dtype).to(at::kFloat);
+    const at::Tensor v = at::randn({B, Hkv, T, D}).to(dtype).to(at::kFloat);
+    const auto cuda = at::TensorOptions(dtype).device(at::kCUDA, 0);
+    at::Tensor qa = q.to(cuda).requires_grad_(true), ka = k.to(cuda).requires_grad_(true),
+               va = v.to(cuda).requires_grad_(true);
+    const at::Tensor out = causal_segment_attention(qa, ka, va, seg.to(qa.device()), 0.125, 0, options);
+    at::Tensor qr = q.clone().requires_grad_(true), kr = k.clone().requires_grad_(true),
+               vr = v.clone().requires_grad_(true);
+    const at::Tensor ref = naive_attention(qr, kr, vr, seg, 0.125, 0, at::Tensor());
+    const double tol = dtype == at::kFloat ? 2e-5 : 3e-2;
+    expect_close(out.cpu().to(at::kFloat), ref, tol, "output", 1.0);
+    const at::Tensor g = at::randn(out.sizes(), at::kFloat).to(dtype).to(at::kFloat);
+    auto grads = torch::autograd::grad({out}, {qa, ka, va}, {g.to(cuda)});
+    ref.backward(g);
+    expect_close(grads[0].cpu().to(at::kFloat), qr.grad(), tol, "grad q", 1.0);
+    expect_close(grads[1].cpu().to(at::kFloat), kr.grad(), tol, "grad k", 1.0);
+    expect_close(grads[2].cpu().to(at::kFloat), vr.grad(), tol, "grad v", 1.0);
+  }
+}
+
 // The mask: about 1 - p of the entries kept, each row's bits from its own seed only (a row
 // draws the same mask in any batch), heads and queries drawn apart.
 TEST(Attention, DropoutMaskKeepsOneMinusPAndFollowsTheRowsSeed) {
