@@ -1,7 +1,7 @@
 // memtune's fused layer nodes (RMSNorm, SwiGLU, rotary: one autograd node each, and on
-// CUDA one kernel each way; a LoRA projection; the chunked head + loss) against the same math written as
-// Hugging Face's modules write it, ATen ops under autograd, in one run on one device:
-// median milliseconds of forward + backward and the ratio.
+// CUDA one kernel each way; a LoRA projection; the chunked head + loss) against the same
+// math written as Hugging Face's modules (and PEFT) write it, ATen ops under autograd, in
+// one run on one device: median milliseconds of forward + backward and the ratio.
 //   bench_layer_kernels           the CPU, fp32, a Llama-3.2-1B-shaped layer at 512 tokens
 //   bench_layer_kernels --cuda    cuda:0, bf16, a Llama-3-8B-shaped layer at 4096 tokens
 // The loss line compares the chunked head + loss with ATen's linear + cross_entropy over
