@@ -19,41 +19,6 @@
 
 namespace memtune::models {
 namespace {
-// A 16-bit adapter (bf16 or fp16 A and B, or under autocast 16-bit copies of fp32 ones)
-// rounds each product, as PEFT's ops do in 16 bits.
-bool sixteen_bit(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf; }
-}  // namespace
-
-namespace detail {
-// On CUDA the product's two passes over an (M, N) tensor (written, read back) are not made.
-void add_adapter_output(at::Tensor& y, const at::Tensor& a, const at::Tensor& b, double s) {
-  MEMTUNE_INTERNAL_ASSERT(a.size(0) == y.size(0) && b.size(1) == y.size(1) && a.size(1) == b.size(0),
-                          "add_adapter_output: y ", y.sizes(), " += a ", a.sizes(), " b ", b.sizes());
-#ifdef MEMTUNE_CUDA
-  if (y.is_cuda() && sixteen_bit(y) && y.dim() == 2 && y.stride(1) == 1 && a.scalar_type() == y.scalar_type() &&
-      b.scalar_type() == y.scalar_type()) {
-    const c10::cuda::CUDAGuard guard(y.device());
-    // The forward's b is B^T, a view of the adapter's B: its rows copied once (r x N, small).
-    const at::Tensor ac = a.stride(1) == 1 ? a : a.contiguous(), bc = b.stride(1) == 1 ? b : b.contiguous();
-    C10_CUDA_CHECK(lora_cuda::add_scaled_product(
-        y.data_ptr(), y.stride(0), ac.data_ptr(), ac.stride(0), bc.data_ptr(), bc.stride(0),
-        *cuda_math::device_type(y.scalar_type()), y.size(0), y.size(1), a.size(1), static_cast<float>(s),
-        c10::cuda::getCurrentCUDAStream(y.device().index()).stream()));
-    return;
-  }
-#endif
-  at::Tensor o = at::mm(a, b);
-  // A power of two scales exactly: then one kernel scales and adds.
-  int exponent = 0;
-  if (std::frexp(s, &exponent) == 0.5)
-    y.add_(o, s);
-  else
-    y.add_(o.mul_(s));
-}
-
-}  // namespace detail
-
-namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
@@ -75,6 +40,9 @@ at::Tensor adapter_mm_tn(const at::Tensor& a, const at::Tensor& b) {
   return c;
 }
 
+// A 16-bit adapter (bf16 or fp16 A and B, or under autocast 16-bit copies of fp32 ones)
+// rounds each product, as PEFT's ops do in 16 bits.
+bool sixteen_bit(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf; }
 
 class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> {
  public:
@@ -206,5 +174,33 @@ at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& adapter_input, con
   if (w.dense.defined()) dense_opt = w.dense.detach();
   return LoraLinearFunction::apply(x, A, B, h_opt, bias_opt, dense_opt, w.nf4.get(), scaling, path, autocast);
 }
+
+namespace detail {
+// On CUDA the product's two passes over an (M, N) tensor (written, read back) are not made.
+void add_adapter_output(at::Tensor& y, const at::Tensor& a, const at::Tensor& b, double s) {
+  MEMTUNE_INTERNAL_ASSERT(a.size(0) == y.size(0) && b.size(1) == y.size(1) && a.size(1) == b.size(0),
+                          "add_adapter_output: y ", y.sizes(), " += a ", a.sizes(), " b ", b.sizes());
+#ifdef MEMTUNE_CUDA
+  if (y.is_cuda() && sixteen_bit(y) && y.dim() == 2 && y.stride(1) == 1 && a.scalar_type() == y.scalar_type() &&
+      b.scalar_type() == y.scalar_type()) {
+    const c10::cuda::CUDAGuard guard(y.device());
+    // The forward's b is B^T, a view of the adapter's B: its rows copied once (r x N, small).
+    const at::Tensor ac = a.stride(1) == 1 ? a : a.contiguous(), bc = b.stride(1) == 1 ? b : b.contiguous();
+    C10_CUDA_CHECK(lora_cuda::add_scaled_product(
+        y.data_ptr(), y.stride(0), ac.data_ptr(), ac.stride(0), bc.data_ptr(), bc.stride(0),
+        *cuda_math::device_type(y.scalar_type()), y.size(0), y.size(1), a.size(1), static_cast<float>(s),
+        c10::cuda::getCurrentCUDAStream(y.device().index()).stream()));
+    return;
+  }
+#endif
+  at::Tensor o = at::mm(a, b);
+  // A power of two scales exactly: then one kernel scales and adds.
+  int exponent = 0;
+  if (std::frexp(s, &exponent) == 0.5)
+    y.add_(o, s);
+  else
+    y.add_(o.mul_(s));
+}
+}  // namespace detail
 
 }  // namespace memtune::models
