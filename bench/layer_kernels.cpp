@@ -5,7 +5,9 @@
 //   bench_layer_kernels           the CPU, fp32, a Llama-3.2-1B-shaped layer at 512 tokens
 //   bench_layer_kernels --cuda    cuda:0, bf16, a Llama-3-8B-shaped layer at 4096 tokens
 // The loss line compares the chunked head + loss with ATen's linear + cross_entropy over
-// the whole logits (the memory the chunking saves is its point; the time is here).
+// the whole logits (the memory the chunking saves is its point; the time is here); on CUDA
+// two more lines set its bf16 kernel against the fp32 route it replaced, and its default
+// chunk against 1024 rows (the left column the first named).
 #include <ATen/ATen.h>
 #include <torch/torch.h>
 
@@ -115,6 +117,21 @@ void run(const c10::Device& device, at::ScalarType dtype, const Shape& s, int re
         const at::Tensor logits = at::matmul(h, head.t()).to(at::kFloat);
         return at::cross_entropy_loss(logits, targets, {}, at::Reduction::Sum, -100);
       }));
+  if (!cuda || dtype != at::kBFloat16) return;
+  // On CUDA in bf16: the one-pass kernel over bf16 logits against the route it replaced (an
+  // fp32 copy of each chunk's logits, the fp32 softmax pass, ATen's scaling and rounding),
+  // and chunks of 1024 rows against the default (fewer, larger products; 4x the logits).
+  const auto loss_with = [&](int64_t chunk) {
+    return timed([&] { return mm::linear_cross_entropy_sum(h, head, targets, chunk, nullptr, dtype); });
+  };
+  const int64_t chunk = mm::loss_chunk_rows(s.vocab);
+  const double fused = loss_with(chunk);
+  mm::detail::use_fused_bf16_softmax(false);
+  const double fp32_route = loss_with(chunk);
+  mm::detail::use_fused_bf16_softmax(true);
+  row("  loss: bf16 kernel vs fp32 route", fused, fp32_route);
+  const std::string wide = "  loss: 1024-row vs " + std::to_string(chunk) + "-row chunks";
+  row(wide.c_str(), loss_with(1024), fused);
 }
 
 }  // namespace

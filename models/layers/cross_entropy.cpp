@@ -72,6 +72,35 @@ void row_softmax_parts(at::Tensor& e, at::Tensor* m, at::Tensor* s, at::Tensor* 
   });
 }
 
+bool fused_bf16_softmax = true;
+
+// For a chunk's bf16 logits e (n,V) and targets t (n,1) on CUDA: the row max m, sum s and
+// first argmax (each (n,1)) and the chunk's loss added to `total` without an fp32 copy of the
+// logits, and where `grad`, e overwritten by d loss / d logits in bf16: the bits the fp32
+// route below gives (models/layers/cuda/cross_entropy_cuda_kernels.h). False where it does
+// not apply (not CUDA, not contiguous), leaving e as it was.
+bool bf16_softmax_grad_in_place(at::Tensor& e, const at::Tensor& t, bool grad, at::Tensor* m, at::Tensor* s,
+                                at::Tensor* first_max, at::Tensor* total) {
+#ifdef MEMTUNE_CUDA
+  if (fused_bf16_softmax && e.is_cuda() && e.scalar_type() == at::kBFloat16 && e.is_contiguous() &&
+      t.is_contiguous()) {
+    const c10::cuda::CUDAGuard guard(e.device());
+    const int64_t n = e.size(0), V = e.size(1);
+    const at::Tensor picked = e.gather(1, t).to(at::kFloat);  // before e is overwritten
+    *m = at::empty({n, 1}, e.options().dtype(at::kFloat));
+    *s = at::empty({n, 1}, e.options().dtype(at::kFloat));
+    *first_max = at::empty({n, 1}, e.options().dtype(at::kLong));
+    C10_CUDA_CHECK(cross_entropy_cuda::bf16_softmax_grad(
+        e.data_ptr(), n, V, grad ? t.data_ptr<int64_t>() : nullptr, m->data_ptr<float>(), s->data_ptr<float>(),
+        first_max->data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream(e.device().index()).stream()));
+    total->add_((*m + s->log() - picked).sum());  // logsumexp - logit[target]
+    return true;
+  }
+#endif
+  (void)e, (void)t, (void)grad, (void)m, (void)s, (void)first_max, (void)total;
+  return false;
+}
+
 struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
                             const at::Tensor& targets, int64_t chunk, bool grad_hidden,
@@ -86,14 +115,27 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
     at::Tensor dh_rows = grad_hidden ? at::empty({rows.size(0), hidden.size(1)}, w.options()) : at::Tensor();
     at::Tensor dw = grad_weight ? at::zeros(weight.sizes(), w.options().dtype(at::kFloat)) : at::Tensor();
     const int64_t n = rows.size(0);
+    // The bf16 products of d loss / d logits p (bf16, (n,V)) for the chunk [i0, i1).
+    auto bf16_products = [&](const at::Tensor& p, const at::Tensor& h, int64_t i0, int64_t i1, at::Tensor scratch) {
+      if (grad_hidden) {
+        at::Tensor out = dh_rows.slice(0, i0, i1);
+        at::mm_out(out, p, w);
+      }
+      if (grad_weight) add_product_t_fp32(dw, p, h, scratch);  // dW summed in fp32, not rounded chunk by chunk
+    };
     for (int64_t i0 = 0; i0 < n; i0 += chunk) {
       const int64_t i1 = std::min(n, i0 + chunk);
       at::Tensor h = h_all.slice(0, i0, i1).to(mm_dtype);   // (n,C)
       at::Tensor t = t_all.slice(0, i0, i1).unsqueeze(1);    // (n,1)
       at::Tensor e = at::matmul(h, w.t());                   // (n,V) logits
+      at::Tensor m, s, first_max;
+      if (bf16 && bf16_softmax_grad_in_place(e, t, grad_hidden || grad_weight, &m, &s, &first_max, &total)) {
+        if (correct) n_correct.add_((first_max == t).sum());
+        if (grad_hidden || grad_weight) bf16_products(e, h, i0, i1, {});
+        continue;
+      }
       if (bf16) e = e.to(at::kFloat);                        // rounded to bf16, then fp32 as the loss takes them
       at::Tensor picked = e.gather(1, t);
-      at::Tensor m, s, first_max;
       row_softmax_parts(e, &m, &s, &first_max);              // e = exp(logits - max), in place
       if (correct) n_correct.add_((first_max == t).sum());
       total.add_((m + s.log() - picked).sum());              // logsumexp - logit[target]
@@ -103,12 +145,7 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
         // d loss / d logits = softmax - onehot(t), formed in fp32 and rounded to bf16 for both
         // products, as autograd does for bf16 logits taken to fp32.
         e.mul_(inv).scatter_add_(1, t, at::full({i1 - i0, 1}, -1.0, e.options()));
-        at::Tensor p = e.to(at::kBFloat16);
-        if (grad_hidden) {
-          at::Tensor out = dh_rows.slice(0, i0, i1);
-          at::mm_out(out, p, w);
-        }
-        if (grad_weight) add_product_t_fp32(dw, p, h, e);  // dW summed in fp32, not rounded chunk by chunk
+        bf16_products(e.to(at::kBFloat16), h, i0, i1, e);
         continue;
       }
       // d loss / d logits = e / s - onehot(t). The 1/s goes on the narrow side of each
@@ -152,6 +189,8 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
 };
 
 }  // namespace
+
+void detail::use_fused_bf16_softmax(bool fused) { fused_bf16_softmax = fused; }
 
 at::ScalarType loss_matmul_dtype(at::ScalarType compute_dtype) {
   return compute_dtype == at::kBFloat16 ? at::kBFloat16 : at::kFloat;

@@ -33,4 +33,10 @@ at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& 
                                     const at::Tensor& targets, int64_t chunk_rows = 1024,
                                     int64_t* correct = nullptr, at::ScalarType compute_dtype = at::kFloat);
 
+namespace detail {
+// Tests: false sends a bf16 loss on CUDA through an fp32 copy of each chunk's logits and the
+// fp32 softmax pass, the route whose bits the one-pass bf16 kernel must give.
+void use_fused_bf16_softmax(bool fused);
+}  // namespace detail
+
 }  // namespace memtune::models

@@ -7,6 +7,7 @@
 #include "models/layers/cpu_vec.h"
 #include "models/layers/cross_entropy.h"
 #include "runtime/cpu_budget_allocator.h"
+#include "runtime/memory.h"
 #include "test_util.h"
 
 namespace {
@@ -211,6 +212,92 @@ TEST(LinearCrossEntropy, Bf16OnCudaEqualsTheCpu_CUDA) {
     expect_close(hg.grad().cpu(), hidden.grad(), 1e-2, "grad hidden");
     expect_close(wg.grad().cpu(), weight.grad(), 1e-4, "grad weight");
   }
+}
+
+// On CUDA a bf16 loss forms the softmax and d loss / d logits in one kernel over the bf16
+// logits (models/layers/cuda/cross_entropy_cuda_kernels.h), where the route it replaces took
+// them to fp32 for the fp32 softmax pass and ATen's scaling and rounding. It must give that
+// route's bits: the loss, the count of right predictions and both gradients, with and
+// without gradients, over vocabularies read one element at a time (301, 4999) and four at a
+// time (304, 5000; past one pass of the CTA's threads), chunks that split the rows unevenly,
+// and the first of tied maxima. And it must hold no fp32 copy of the logits (the memory
+// estimate counts 2 bytes per logit on CUDA): the forward's peak is that much lower.
+TEST(LinearCrossEntropy, Bf16OnCudaTheOnePassKernelGivesTheFp32RoutesBits_CUDA) {
+  MEMTUNE_SKIP_WITHOUT_CUDA();
+  namespace mm = memtune::models;
+  const c10::Device cuda(c10::kCUDA, 0);
+  struct Restore {
+    ~Restore() { mm::detail::use_fused_bf16_softmax(true); }
+  } restore;
+  torch::manual_seed(13);
+  struct Result {
+    at::Tensor loss, dh, dw;
+    int64_t correct = 0;
+  };
+  auto run = [&](bool fused, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
+                 int64_t chunk, bool grad) {
+    mm::detail::use_fused_bf16_softmax(fused);
+    Result r;
+    at::Tensor h = hidden.detach().clone().requires_grad_(grad);
+    at::Tensor w = weight.detach().clone().requires_grad_(grad);
+    r.loss = linear_cross_entropy_sum(h, w, targets, chunk, &r.correct, at::kBFloat16);
+    if (grad) {
+      r.loss.backward();
+      r.dh = h.grad();
+      r.dw = w.grad();
+    }
+    return r;
+  };
+  for (int64_t v : {301, 304, 4999, 5000}) {
+    for (int64_t chunk : {7, 1024}) {
+      SCOPED_TRACE("vocab " + std::to_string(v) + " chunk " + std::to_string(chunk));
+      const int64_t n = 45, c = 32;
+      const at::Tensor hidden = at::randn({n, c}, cuda);
+      const at::Tensor weight = at::randn({v, c}, cuda).div_(2);
+      at::Tensor targets = at::randint(v, {n}, at::TensorOptions(cuda).dtype(at::kLong));
+      targets.index_put_({at::arange(0, n, 5, targets.options())}, -100);
+      const at::Tensor best = at::mm(hidden.to(at::kBFloat16), weight.to(at::kBFloat16).t()).argmax(1);
+      for (int64_t i = 1; i < n; i += 3)
+        if (targets[i].item<int64_t>() >= 0) targets[i] = best[i];
+      for (bool grad : {true, false}) {
+        SCOPED_TRACE(grad ? "with gradients" : "loss only");
+        const Result ref = run(false, hidden, weight, targets, chunk, grad);
+        const Result got = run(true, hidden, weight, targets, chunk, grad);
+        EXPECT_TRUE(at::equal(got.loss, ref.loss)) << got.loss.item<float>() << " against " << ref.loss.item<float>();
+        EXPECT_EQ(got.correct, ref.correct);
+        EXPECT_GT(ref.correct, 5);
+        if (!grad) continue;
+        EXPECT_TRUE(at::equal(got.dh, ref.dh)) << "d hidden: " << (got.dh - ref.dh).abs().max().item<float>();
+        EXPECT_TRUE(at::equal(got.dw, ref.dw)) << "d weight: " << (got.dw - ref.dw).abs().max().item<float>();
+      }
+    }
+  }
+  // Tied maxima (TiedMaximaCountTheFirstIndex's construction: small integers, exact in bf16).
+  for (int64_t v : {19, 20}) {
+    at::Tensor weight = at::randint(-1, 2, {v, 6}).to(at::kFloat);
+    weight[4] = 3;
+    weight[13] = 3;
+    const at::Tensor hidden = (at::randint(-1, 2, {9, 6}) + 4).to(at::kFloat).to(cuda);
+    for (int64_t target : {13, 4}) {
+      const Result r = run(true, hidden, weight.to(cuda), at::full({9}, target, at::kLong).to(cuda), 4, true);
+      EXPECT_EQ(r.correct, target == 4 ? 9 : 0) << "vocab " << v << ", every target " << target;
+    }
+  }
+  // One chunk of 64 rows of a 8192 vocabulary: its fp32 copy is 2 MiB.
+  memtune::MemoryBackend& memory = memtune::memory_backend(cuda);
+  const int64_t n = 64, v = 8192;
+  const at::Tensor hidden = at::randn({n, 32}, cuda), weight = at::randn({v, 32}, cuda);
+  const at::Tensor targets = at::randint(v, {n}, at::TensorOptions(cuda).dtype(at::kLong));
+  auto peak_of = [&](bool fused) {
+    torch::cuda::synchronize();
+    memory.reset_peak();
+    const int64_t before = memory.stats().allocated;
+    run(fused, hidden, weight, targets, n, true);
+    torch::cuda::synchronize();
+    return memory.stats().peak - before;
+  };
+  const int64_t unfused = peak_of(false), fused = peak_of(true);
+  EXPECT_GE(unfused - fused, n * v * 4 * 3 / 4) << "peak " << fused << " bytes against " << unfused;
 }
 
 TEST(LinearCrossEntropy, FrozenWeightGetsNoGradient) {
