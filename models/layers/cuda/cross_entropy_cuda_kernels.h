@@ -16,7 +16,8 @@ cudaError_t row_softmax_parts(float* e, int64_t n, int64_t V, float* m, float* s
 
 // For bf16 logits (n, V), contiguous: m, s and first_max as row_softmax_parts gives for the
 // same logits taken to fp32, bit for bit (the same sums in the same order), without that fp32
-// copy. With `targets` (n entries, each in [0, V)) the logits are then overwritten by
+// copy. Both read four elements at a time where V % 4 == 0 and the base is aligned to four
+// elements (fresh tensors are), else one at a time; the bits agree where both read alike. With `targets` (n entries, each in [0, V)) the logits are then overwritten by
 // d loss / d logits rounded to bf16, bit for bit what ATen's ops make of row_softmax_parts'
 // output: `e.mul_(s.reciprocal()).scatter_add_(1, t, -1).to(bf16)`. Four passes over the
 // bf16 logits (three reads and a write), where the copy to fp32, row_softmax_parts, the
