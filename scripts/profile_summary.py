@@ -7,7 +7,11 @@ An op's self time is its duration less that of the ops nested in it on the same 
 so the column sums to the traced time. A trace of a run on a GPU (Kineto's) also has the
 GPU's kernels, copies and fills: a second table gives their time by name, and how much of
 the span from the first to the last of them the GPU was busy (time covered by at least
-one), which says whether the host kept it fed. Standard library only.
+one), which says whether the host kept it fed. Where the trace links each kernel to its
+launch (Kineto's `correlation`), a third table gives the GPU's time by where it was
+launched: the innermost of memtune's scopes (`memtune::q_proj`, `memtune::attention`,
+`memtune::loss`, ...: RECORD_FUNCTION in the source) or autograd's backward node around the
+launch, and the op inside it that launched it. Standard library only.
 """
 import argparse
 import collections
@@ -26,6 +30,7 @@ def main():
     events = data if isinstance(data, list) else data.get("traceEvents", [])
     events = [e for e in events if e.get("ph") == "X"]
     gpu = [e for e in events if e.get("cat") in GPU_CATEGORIES]
+    launches = [e for e in events if e.get("cat") in LAUNCHES]
     events = [e for e in events if e.get("cat") in HOST_OPS]
     by_thread = collections.defaultdict(list)
     for e in events:
@@ -49,6 +54,7 @@ def main():
         print(f"{us / 1000:9.1f} {100 * us / traced:6.1f} {total_us[name] / 1000:9.1f} {calls[name]:6d}  {name}")
     if gpu:
         gpu_summary(gpu, a.top)
+        by_scope(gpu, events, launches, a.top)
 
 
 GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
@@ -56,6 +62,9 @@ GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
 # user_annotation. Left out: launches (cuda_runtime, cuda_driver: inside the ops that make
 # them), the span of the whole recording (Trace) and the profiler's own overhead.
 HOST_OPS = {None, "cpu_op", "user_annotation", "python_function"}
+LAUNCHES = {"cuda_runtime", "cuda_driver"}
+SCOPE = "memtune::"
+BACKWARD = "autograd::engine::evaluate_function: "
 
 
 def gpu_summary(events, top):
@@ -78,6 +87,71 @@ def gpu_summary(events, top):
     print(f"{'ms':>9} {'%':>6} {'calls':>6}  kernel")
     for name, t in us.most_common(top):
         print(f"{t / 1000:9.1f} {100 * t / total:6.1f} {calls[name]:6d}  {name}")
+
+
+def enclosing(events):
+    """For each event (by id), the names of the events around it on its thread, outermost first."""
+    by_thread = collections.defaultdict(list)
+    for e in events:
+        by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    around = {}
+    for evs in by_thread.values():
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack = []
+        for e in evs:
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
+                stack.pop()
+            around[id(e)] = [x["name"] for x in stack]
+            stack.append(e)
+    return around
+
+
+def scope_of(names):
+    """(scope, op) for a launch inside the ops `names` (outermost first): the innermost of
+    memtune's scopes or backward nodes, and the innermost op inside it (memtune's own kernel
+    where there is none). A scope inside a backward node is a checkpointed layer's rerun."""
+    for k in range(len(names) - 1, -1, -1):
+        name = names[k]
+        if name.startswith(SCOPE) or name.startswith(BACKWARD):
+            op = names[-1] if k + 1 < len(names) else "(its own kernels)"
+            if name.startswith(BACKWARD):
+                return "backward: " + name[len(BACKWARD):], op
+            rerun = any(n.startswith(BACKWARD) for n in names[:k])
+            return name + (" (rerun in backward)" if rerun else ""), op
+    return "(outside memtune's scopes)", names[-1] if names else "(no op)"
+
+
+def by_scope(gpu, ops, launches, top):
+    """The GPU's time by the scope and op that launched each kernel, copy and fill."""
+    around = enclosing(ops + launches)
+    launch_of = {}
+    for e in launches:
+        c = e.get("args", {}).get("correlation")
+        if c is not None:
+            launch_of[c] = e
+    us, calls, us_op = collections.Counter(), collections.Counter(), collections.Counter()
+    linked = 0
+    for e in gpu:
+        launch = launch_of.get(e.get("args", {}).get("correlation"))
+        if launch is None:
+            key = ("(no launch in the trace)", "-")
+        else:
+            linked += 1
+            key = scope_of(around[id(launch)])
+        us[key[0]] += e["dur"]
+        calls[key[0]] += 1
+        us_op[key] += e["dur"]
+    if not linked:
+        return
+    total = sum(us.values())
+    print(f"\nGPU time by where it was launched ({linked} of {len(gpu)} linked to their launch): memtune's "
+          f"scopes, autograd's backward nodes")
+    print(f"{'ms':>9} {'%':>6} {'calls':>6}  scope")
+    for name, t in us.most_common(top):
+        print(f"{t / 1000:9.1f} {100 * t / total:6.1f} {calls[name]:6d}  {name}")
+    print(f"\n{'ms':>9} {'%':>6}  scope / the op that launched it")
+    for (scope, op), t in us_op.most_common(top):
+        print(f"{t / 1000:9.1f} {100 * t / total:6.1f}  {scope} / {op}")
 
 
 if __name__ == "__main__":

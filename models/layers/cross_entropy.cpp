@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
+#include <ATen/record_function.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/graph_task.h>
 
@@ -199,6 +200,7 @@ at::ScalarType loss_matmul_dtype(at::ScalarType compute_dtype) {
 at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& weight,
                                     const at::Tensor& targets, int64_t chunk_rows, int64_t* correct,
                                     at::ScalarType compute_dtype) {
+  RECORD_FUNCTION("memtune::loss", std::vector<c10::IValue>());
   MEMTUNE_INTERNAL_ASSERT(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1),
               "linear_cross_entropy_sum: hidden (N,C), weight (V,C)");
   const bool grad = at::GradMode::is_enabled();

@@ -1,10 +1,13 @@
 #include "models/layers/linear.h"
 
+#include <algorithm>
 #include <cmath>
+#include <string>
 #include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <ATen/record_function.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "models/layers/linear4bit.h"
@@ -69,6 +72,23 @@ struct CastLinear : public torch::autograd::Function<CastLinear> {
   }
 };
 
+// "memtune::" and the name's last two parts that are not layer numbers, the same for every
+// layer's projection of a kind: "model.layers.3.self_attn.q_proj" -> "memtune::self_attn.q_proj".
+std::string profile_scope(const std::string& name) {
+  std::vector<std::string> parts;
+  size_t start = 0;
+  while (start <= name.size()) {
+    const size_t dot = std::min(name.find('.', start), name.size());
+    const std::string part = name.substr(start, dot - start);
+    if (!part.empty() && part.find_first_not_of("0123456789") != std::string::npos) parts.push_back(part);
+    start = dot + 1;
+  }
+  std::string scope = "memtune::";
+  const size_t first = parts.size() > 2 ? parts.size() - 2 : 0;
+  for (size_t k = first; k < parts.size(); ++k) scope += (k > first ? "." : "") + parts[k];
+  return scope;
+}
+
 }  // namespace
 
 double LoraOptions::scaling() const {
@@ -82,9 +102,11 @@ Linear::Linear(std::string name, int64_t in_features, int64_t out_features, bool
       out_(out_features),
       fan_in_fan_out_(fan_in_fan_out),
       has_bias_(has_bias),
-      dropout_site_(dropout_site(name_)) {}
+      dropout_site_(dropout_site(name_)),
+      profile_scope_(profile_scope(name_)) {}
 
 at::Tensor Linear::forward(const at::Tensor& x, bool training) const {
+  RECORD_FUNCTION(profile_scope_.c_str(), std::vector<c10::IValue>());  // scripts/profile_summary.py's scopes
   // Under autocast an fp32 adapter multiplies in a 16-bit compute dtype (lora_linear's
   // `autocast`: through 16-bit copies of A and B, its gradients summed in fp32).
   const bool cast_adapter =

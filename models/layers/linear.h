@@ -76,6 +76,7 @@ class Linear {
   bool fan_in_fan_out_;
   bool has_bias_;
   uint64_t dropout_site_;  // keyed dropout's salt for the adapter input, from the name
+  std::string profile_scope_;  // forward's row in MEMTUNE_PROFILE's trace: "memtune::self_attn.q_proj"
   std::shared_ptr<const NF4Tensor> qweight_;
 };
 

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "models/layers/cpu_vec.h"
@@ -314,6 +315,7 @@ struct GeluTanhFunction : public torch::autograd::Function<GeluTanhFunction> {
 }  // namespace
 
 at::Tensor gelu_tanh(const at::Tensor& x, bool as_written) {
+  RECORD_FUNCTION("memtune::gelu", std::vector<c10::IValue>());
   if (x.device().is_cpu() && x.scalar_type() == at::kFloat) return GeluTanhFunction::apply(x);
   if (!as_written || x.scalar_type() == at::kFloat) return at::gelu(x, "tanh");
   // transformers' NewGELUActivation op by op, each rounded to x's dtype as it rounds them; one
@@ -331,9 +333,13 @@ at::Tensor gelu_tanh(const at::Tensor& x, bool as_written) {
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  RECORD_FUNCTION("memtune::rms_norm", std::vector<c10::IValue>());
   return RmsNormFunction::apply(x, weight, eps);
 }
 
-at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) { return SwigluFunction::apply(gate, up); }
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
+  RECORD_FUNCTION("memtune::swiglu", std::vector<c10::IValue>());
+  return SwigluFunction::apply(gate, up);
+}
 
 }  // namespace memtune::models
