@@ -32,22 +32,13 @@ def main():
     gpu = [e for e in events if e.get("cat") in GPU_CATEGORIES]
     launches = [e for e in events if e.get("cat") in LAUNCHES]
     events = [e for e in events if e.get("cat") in HOST_OPS]
-    by_thread = collections.defaultdict(list)
-    for e in events:
-        by_thread[e.get("tid")].append(e)
     self_us, total_us, calls = collections.Counter(), collections.Counter(), collections.Counter()
-    for evs in by_thread.values():
-        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
-        stack = []
-        for e in evs:
-            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
-                stack.pop()
-            if stack:
-                self_us[stack[-1]["name"]] -= e["dur"]
-            self_us[e["name"]] += e["dur"]
-            total_us[e["name"]] += e["dur"]
-            calls[e["name"]] += 1
-            stack.append(e)
+    for e, around in nested(events):
+        if around:
+            self_us[around[-1]["name"]] -= e["dur"]
+        self_us[e["name"]] += e["dur"]
+        total_us[e["name"]] += e["dur"]
+        calls[e["name"]] += 1
     traced = sum(self_us.values())
     print(f"{'self ms':>9} {'%':>6} {'total ms':>9} {'calls':>6}  op   (traced {traced / 1000:.1f} ms)")
     for name, us in self_us.most_common(a.top):
@@ -81,29 +72,33 @@ def gpu_summary(events, top):
             busy += t1 - max(t0, end)
             end = t1
     span = max(end - spans[0][0], 1e-3)
+    print(f"\nGPU: {len(events)} kernels, copies and fills, {sum(us.values()) / 1000:.1f} ms in all; busy "
+          f"{busy / 1000:.1f} ms of the {span / 1000:.1f} ms from the first to the last ({100 * busy / span:.0f} %)")
+    print_times(us, calls, top, "kernel")
+
+
+def print_times(us, calls, top, what):
+    """The `top` largest of the times `us` (microseconds by name): ms, share of all, calls."""
     total = sum(us.values())
-    print(f"\nGPU: {len(events)} kernels, copies and fills, {total / 1000:.1f} ms in all; busy {busy / 1000:.1f} ms "
-          f"of the {span / 1000:.1f} ms from the first to the last ({100 * busy / span:.0f} %)")
-    print(f"{'ms':>9} {'%':>6} {'calls':>6}  kernel")
+    print(f"{'ms':>9} {'%':>6} {'calls':>6}  {what}")
     for name, t in us.most_common(top):
         print(f"{t / 1000:9.1f} {100 * t / total:6.1f} {calls[name]:6d}  {name}")
 
 
-def enclosing(events):
-    """For each event (by id), the names of the events around it on its thread, outermost first."""
+def nested(events):
+    """Each event with the events around it on its thread (outermost first; the list is the
+    walk's own, copy it to keep it), thread by thread in order of start."""
     by_thread = collections.defaultdict(list)
     for e in events:
         by_thread[(e.get("pid"), e.get("tid"))].append(e)
-    around = {}
     for evs in by_thread.values():
         evs.sort(key=lambda e: (e["ts"], -e["dur"]))
         stack = []
         for e in evs:
             while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
                 stack.pop()
-            around[id(e)] = [x["name"] for x in stack]
+            yield e, stack
             stack.append(e)
-    return around
 
 
 def scope_of(names):
@@ -123,35 +118,33 @@ def scope_of(names):
 
 def by_scope(gpu, ops, launches, top):
     """The GPU's time by the scope and op that launched each kernel, copy and fill."""
-    around = enclosing(ops + launches)
+    around = {id(e): [x["name"] for x in stack] for e, stack in nested(ops + launches)}
     launch_of = {}
     for e in launches:
         c = e.get("args", {}).get("correlation")
         if c is not None:
             launch_of[c] = e
-    us, calls, us_op = collections.Counter(), collections.Counter(), collections.Counter()
+    us, calls = collections.Counter(), collections.Counter()
+    us_op, calls_op = collections.Counter(), collections.Counter()
     linked = 0
     for e in gpu:
         launch = launch_of.get(e.get("args", {}).get("correlation"))
         if launch is None:
-            key = ("(no launch in the trace)", "-")
+            scope, op = "(no launch in the trace)", "-"
         else:
             linked += 1
-            key = scope_of(around[id(launch)])
-        us[key[0]] += e["dur"]
-        calls[key[0]] += 1
-        us_op[key] += e["dur"]
+            scope, op = scope_of(around[id(launch)])
+        us[scope] += e["dur"]
+        calls[scope] += 1
+        us_op[f"{scope} / {op}"] += e["dur"]
+        calls_op[f"{scope} / {op}"] += 1
     if not linked:
         return
-    total = sum(us.values())
     print(f"\nGPU time by where it was launched ({linked} of {len(gpu)} linked to their launch): memtune's "
           f"scopes, autograd's backward nodes")
-    print(f"{'ms':>9} {'%':>6} {'calls':>6}  scope")
-    for name, t in us.most_common(top):
-        print(f"{t / 1000:9.1f} {100 * t / total:6.1f} {calls[name]:6d}  {name}")
-    print(f"\n{'ms':>9} {'%':>6}  scope / the op that launched it")
-    for (scope, op), t in us_op.most_common(top):
-        print(f"{t / 1000:9.1f} {100 * t / total:6.1f}  {scope} / {op}")
+    print_times(us, calls, top, "scope")
+    print()
+    print_times(us_op, calls_op, top, "scope / the op that launched it")
 
 
 if __name__ == "__main__":

@@ -153,11 +153,11 @@ TEST(StepProfiler, SummaryOfAGpuTraceGivesTheTimeOfEachScope) {
                            "      2.0   17.4      1  memtune::q_proj (rerun in backward)\n",
                            "      1.0    8.7      1  (no launch in the trace)\n",
                            "      0.5    4.3      1  memtune::layer\n",
-                           "      4.0   34.8  memtune::q_proj / aten::mm\n",
-                           "      1.0    8.7  memtune::q_proj / (its own kernels)\n",
-                           "      0.5    4.3  memtune::layer / aten::add\n",
-                           "      3.0   26.1  backward: LoraLinearFunctionBackward / aten::mm\n",
-                           "      2.0   17.4  memtune::q_proj (rerun in backward) / aten::mm\n"})
+                           "      4.0   34.8      1  memtune::q_proj / aten::mm\n",
+                           "      1.0    8.7      1  memtune::q_proj / (its own kernels)\n",
+                           "      0.5    4.3      1  memtune::layer / aten::add\n",
+                           "      3.0   26.1      1  backward: LoraLinearFunctionBackward / aten::mm\n",
+                           "      2.0   17.4      1  memtune::q_proj (rerun in backward) / aten::mm\n"})
     EXPECT_NE(r.output.find(line), std::string::npos) << line << " in\n" << r.output;
 }
 
