@@ -3,7 +3,6 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
-#include <ATen/record_function.h>
 
 #include <algorithm>
 #include <optional>
@@ -21,6 +20,7 @@
 #include "runtime/keyed_dropout.h"
 #include "runtime/nf4.h"
 #include "runtime/offload.h"
+#include "runtime/step_profiler.h"
 
 namespace memtune::models {
 
@@ -346,7 +346,7 @@ ForwardOutput CausalLM::forward(const data::Batch& batch, const ForwardOptions& 
 
   const data::Batch& first = batch_on(placement_.embeddings);
   at::Tensor x = [&] {
-    RECORD_FUNCTION("memtune::embed", std::vector<c10::IValue>());
+    MEMTUNE_PROFILE_SCOPE("memtune::embed");
     return embed(first.input_ids, first.position_ids);  // (B,T,C)
   }();
   for (int i = 0; i < spec_.num_layers; ++i) {
@@ -357,7 +357,7 @@ ForwardOutput CausalLM::forward(const data::Batch& batch, const ForwardOptions& 
                       (i < static_cast<int>(options.checkpoint_layers.size()) && options.checkpoint_layers[i]);
     // The context is captured by value: a checkpointed layer reruns during backward.
     BlockFn fn = [this, i, ctx = context_on(device), off, shard, device](const at::Tensor& h) {
-      RECORD_FUNCTION("memtune::layer", std::vector<c10::IValue>());  // scripts/profile_summary.py's scopes
+      MEMTUNE_PROFILE_SCOPE("memtune::layer");
       if (shard) {
         LayerGathered gathered(*layer_source_, i);
         return layer(i, h, ctx);

@@ -8,6 +8,15 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
+
+#include <ATen/record_function.h>
+
+// A named scope in the trace until the end of the enclosing block: the host's ops inside it
+// are its children, and scripts/profile_summary.py counts the GPU's kernels launched inside
+// it under the innermost such scope whose name starts "memtune::" (a const char* that
+// outlives the scope). When nothing records, a check of a flag, as for every ATen op.
+#define MEMTUNE_PROFILE_SCOPE(name) RECORD_FUNCTION(name, std::vector<c10::IValue>())
 
 namespace memtune {
 

@@ -14,7 +14,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
-#include <ATen/record_function.h>
 #include <spdlog/spdlog.h>
 
 #include "data/batch.h"
@@ -839,14 +838,14 @@ StepRecord Trainer::step() {
     mem_->reset_peak();
     injector_->at(step_, "optimizer");
     {
-      RECORD_FUNCTION("memtune::check_gradients", std::vector<c10::IValue>());  // scripts/profile_summary.py's scopes
+      MEMTUNE_PROFILE_SCOPE("memtune::check_gradients");
       std::tie(r.skipped, r.grad_norm) = sharding_->check_gradients(*scaler_, params_);  // unscaled, inf/nan, norm
     }
     optimizer_->reserve_workspaces();  // what the update allocates, while running out of memory can be retried
     note_peak(2);
   };
   stages.apply = [&] {
-    RECORD_FUNCTION("memtune::optimizer_step", std::vector<c10::IValue>());
+    MEMTUNE_PROFILE_SCOPE("memtune::optimizer_step");
     if (r.skipped) {
       scaler_->update(true);
       spdlog::warn("step {}: gradients hold inf/nan at loss scale {}; update skipped, scale -> {}", step_,

@@ -6,12 +6,12 @@
 #include <map>
 
 #include <ATen/ATen.h>
-#include <ATen/record_function.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "models/layers/attention_cpu.h"
 #include "runtime/compat.h"
 #include "runtime/error.h"
+#include "runtime/step_profiler.h"
 
 namespace memtune::models {
 
@@ -361,7 +361,7 @@ bool uses_fused_cpu_attention(const at::Tensor& q, const at::Tensor& k, const at
 at::Tensor causal_segment_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     const at::Tensor& segment_ids, double scale, int64_t sliding_window,
                                     const AttentionOptions& options) {
-  RECORD_FUNCTION("memtune::attention", std::vector<c10::IValue>());
+  MEMTUNE_PROFILE_SCOPE("memtune::attention");
   MEMTUNE_INTERNAL_ASSERT(q.dim() == 5 && k.dim() == 4 && v.dim() == 4, "attention: q (B,Hkv,G,T,D), k/v (B,Hkv,T,D)");
   MEMTUNE_INTERNAL_ASSERT(q.size(3) == k.size(2) && k.sizes() == v.sizes(), "attention: q, k, v lengths differ");
   MEMTUNE_INTERNAL_ASSERT(segment_ids.dim() == 2 && segment_ids.size(0) == q.size(0) && segment_ids.size(1) == q.size(3),

@@ -6,11 +6,11 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/record_function.h>
 
 #include "models/layers/cpu_vec.h"
 #include "runtime/cpu_features.h"
 #include "runtime/error.h"
+#include "runtime/step_profiler.h"
 
 #ifdef MEMTUNE_X86
 #include <immintrin.h>
@@ -188,7 +188,7 @@ at::Tensor narrow_mm(const at::Tensor& a, const at::Tensor& b, double alpha, at:
   // Column-major out (a transposed view of an N x M matrix, as a LoRA A's gradient [r, in] is
   // to the [in, r] product h^T gha): each block of rows is formed in a buffer and stored across.
   const bool across = !row_major;
-  RECORD_FUNCTION("memtune::narrow_mm", std::vector<c10::IValue>());  // a row in MEMTUNE_PROFILE's trace
+  MEMTUNE_PROFILE_SCOPE("memtune::narrow_mm");
   if (M == 0 || N == 0) return out;
   if (K == 0) return accumulate ? out : out.zero_();
   at::Tensor packed = at::empty({panel_floats(K, N)}, a.options());

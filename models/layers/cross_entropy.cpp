@@ -6,13 +6,13 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
-#include <ATen/record_function.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/graph_task.h>
 
 #include "models/layers/cpu_vec.h"
 #include "models/layers/product_fp32.h"
 #include "runtime/error.h"
+#include "runtime/step_profiler.h"
 
 #ifdef MEMTUNE_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -75,30 +75,29 @@ void row_softmax_parts(at::Tensor& e, at::Tensor* m, at::Tensor* s, at::Tensor* 
 
 bool fused_bf16_softmax = true;
 
-// For a chunk's bf16 logits e (n,V) and targets t (n,1) on CUDA: the row max m, sum s and
-// first argmax (each (n,1)) and the chunk's loss added to `total` without an fp32 copy of the
-// logits, and where `grad`, e overwritten by d loss / d logits in bf16: the bits the fp32
-// route below gives (models/layers/cuda/cross_entropy_cuda_kernels.h). False where it does
-// not apply (not CUDA, not contiguous), leaving e as it was.
+// For a chunk's bf16 logits e (n,V) and targets t (n,1) on CUDA: the row max m, sum s, first
+// argmax and the targets' logits (each (n,1)) without an fp32 copy of the logits, and where
+// `grad`, e overwritten by d loss / d logits in bf16: the bits the fp32 route below gives
+// (models/layers/cuda/cross_entropy_cuda_kernels.h). False where it does not apply (not
+// CUDA, not contiguous), leaving e as it was.
 bool bf16_softmax_grad_in_place(at::Tensor& e, const at::Tensor& t, bool grad, at::Tensor* m, at::Tensor* s,
-                                at::Tensor* first_max, at::Tensor* total) {
+                                at::Tensor* first_max, at::Tensor* picked) {
 #ifdef MEMTUNE_CUDA
   if (fused_bf16_softmax && e.is_cuda() && e.scalar_type() == at::kBFloat16 && e.is_contiguous() &&
       t.is_contiguous()) {
     const c10::cuda::CUDAGuard guard(e.device());
     const int64_t n = e.size(0), V = e.size(1);
-    const at::Tensor picked = e.gather(1, t).to(at::kFloat);  // before e is overwritten
+    *picked = e.gather(1, t).to(at::kFloat);  // before e is overwritten
     *m = at::empty({n, 1}, e.options().dtype(at::kFloat));
     *s = at::empty({n, 1}, e.options().dtype(at::kFloat));
     *first_max = at::empty({n, 1}, e.options().dtype(at::kLong));
     C10_CUDA_CHECK(cross_entropy_cuda::bf16_softmax_grad(
         e.data_ptr(), n, V, grad ? t.data_ptr<int64_t>() : nullptr, m->data_ptr<float>(), s->data_ptr<float>(),
         first_max->data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream(e.device().index()).stream()));
-    total->add_((*m + s->log() - picked).sum());  // logsumexp - logit[target]
     return true;
   }
 #endif
-  (void)e, (void)t, (void)grad, (void)m, (void)s, (void)first_max, (void)total;
+  (void)e, (void)t, (void)grad, (void)m, (void)s, (void)first_max, (void)picked;
   return false;
 }
 
@@ -129,18 +128,21 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
       at::Tensor h = h_all.slice(0, i0, i1).to(mm_dtype);   // (n,C)
       at::Tensor t = t_all.slice(0, i0, i1).unsqueeze(1);    // (n,1)
       at::Tensor e = at::matmul(h, w.t());                   // (n,V) logits
-      at::Tensor m, s, first_max;
-      if (bf16 && bf16_softmax_grad_in_place(e, t, grad_hidden || grad_weight, &m, &s, &first_max, &total)) {
-        if (correct) n_correct.add_((first_max == t).sum());
-        if (grad_hidden || grad_weight) bf16_products(e, h, i0, i1, {});
-        continue;
+      at::Tensor m, s, first_max, picked;
+      const bool fused =  // on CUDA one pass over the bf16 logits, which become d loss / d logits
+          bf16 && bf16_softmax_grad_in_place(e, t, grad_hidden || grad_weight, &m, &s, &first_max, &picked);
+      if (!fused) {
+        if (bf16) e = e.to(at::kFloat);                      // rounded to bf16, then fp32 as the loss takes them
+        picked = e.gather(1, t);
+        row_softmax_parts(e, &m, &s, &first_max);            // e = exp(logits - max), in place
       }
-      if (bf16) e = e.to(at::kFloat);                        // rounded to bf16, then fp32 as the loss takes them
-      at::Tensor picked = e.gather(1, t);
-      row_softmax_parts(e, &m, &s, &first_max);              // e = exp(logits - max), in place
       if (correct) n_correct.add_((first_max == t).sum());
       total.add_((m + s.log() - picked).sum());              // logsumexp - logit[target]
       if (!grad_hidden && !grad_weight) continue;
+      if (fused) {
+        bf16_products(e, h, i0, i1, {});
+        continue;
+      }
       at::Tensor inv = s.reciprocal_();
       if (bf16) {
         // d loss / d logits = softmax - onehot(t), formed in fp32 and rounded to bf16 for both
@@ -200,7 +202,7 @@ at::ScalarType loss_matmul_dtype(at::ScalarType compute_dtype) {
 at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& weight,
                                     const at::Tensor& targets, int64_t chunk_rows, int64_t* correct,
                                     at::ScalarType compute_dtype) {
-  RECORD_FUNCTION("memtune::loss", std::vector<c10::IValue>());
+  MEMTUNE_PROFILE_SCOPE("memtune::loss");
   MEMTUNE_INTERNAL_ASSERT(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1),
               "linear_cross_entropy_sum: hidden (N,C), weight (V,C)");
   const bool grad = at::GradMode::is_enabled();

@@ -7,7 +7,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
-#include <ATen/record_function.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "models/layers/linear4bit.h"
@@ -15,6 +14,7 @@
 #include "runtime/error.h"
 #include "runtime/keyed_dropout.h"
 #include "runtime/nf4.h"
+#include "runtime/step_profiler.h"
 
 namespace memtune::models {
 
@@ -106,7 +106,7 @@ Linear::Linear(std::string name, int64_t in_features, int64_t out_features, bool
       profile_scope_(profile_scope(name_)) {}
 
 at::Tensor Linear::forward(const at::Tensor& x, bool training) const {
-  RECORD_FUNCTION(profile_scope_.c_str(), std::vector<c10::IValue>());  // scripts/profile_summary.py's scopes
+  MEMTUNE_PROFILE_SCOPE(profile_scope_.c_str());
   // Under autocast an fp32 adapter multiplies in a 16-bit compute dtype (lora_linear's
   // `autocast`: through 16-bit copies of A and B, its gradients summed in fp32).
   const bool cast_adapter =

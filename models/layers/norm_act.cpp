@@ -5,10 +5,10 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/record_function.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "models/layers/cpu_vec.h"
+#include "runtime/step_profiler.h"
 
 #ifdef MEMTUNE_CUDA
 #include <c10/cuda/CUDAException.h>
@@ -315,7 +315,7 @@ struct GeluTanhFunction : public torch::autograd::Function<GeluTanhFunction> {
 }  // namespace
 
 at::Tensor gelu_tanh(const at::Tensor& x, bool as_written) {
-  RECORD_FUNCTION("memtune::gelu", std::vector<c10::IValue>());
+  MEMTUNE_PROFILE_SCOPE("memtune::gelu");
   if (x.device().is_cpu() && x.scalar_type() == at::kFloat) return GeluTanhFunction::apply(x);
   if (!as_written || x.scalar_type() == at::kFloat) return at::gelu(x, "tanh");
   // transformers' NewGELUActivation op by op, each rounded to x's dtype as it rounds them; one
@@ -333,12 +333,12 @@ at::Tensor gelu_tanh(const at::Tensor& x, bool as_written) {
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  RECORD_FUNCTION("memtune::rms_norm", std::vector<c10::IValue>());
+  MEMTUNE_PROFILE_SCOPE("memtune::rms_norm");
   return RmsNormFunction::apply(x, weight, eps);
 }
 
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
-  RECORD_FUNCTION("memtune::swiglu", std::vector<c10::IValue>());
+  MEMTUNE_PROFILE_SCOPE("memtune::swiglu");
   return SwigluFunction::apply(gate, up);
 }
 

@@ -2,10 +2,10 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/record_function.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "runtime/error.h"
+#include "runtime/step_profiler.h"
 
 #ifdef MEMTUNE_CUDA
 #include <c10/cuda/CUDAException.h>
@@ -115,7 +115,7 @@ struct RotaryFunction : public torch::autograd::Function<RotaryFunction> {
 }  // namespace
 
 at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  RECORD_FUNCTION("memtune::rotary", std::vector<c10::IValue>());
+  MEMTUNE_PROFILE_SCOPE("memtune::rotary");
   MEMTUNE_INTERNAL_ASSERT(x.dim() == 4 && x.size(3) % 2 == 0, "rotary: x (B,T,H,D) with D even, got ", x.sizes());
   MEMTUNE_INTERNAL_ASSERT(cos.numel() == x.size(0) * x.size(1) * x.size(3) && sin.sizes() == cos.sizes(),
               "rotary: cos/sin ", cos.sizes(), " do not match x ", x.sizes());
