@@ -35,11 +35,12 @@ if [ -d "$root/.deps/usr" ]; then
 fi
 
 note() { echo "$*" | tee -a "$summary"; }
-# step NAME NEEDS_S COMMAND...: runs COMMAND when NEEDS_S seconds are left, under a timeout
-# of what is left; logs to OUT/NAME.log.
+# step NAME[:PART] NEEDS_S COMMAND...: runs COMMAND when step NAME is asked for and NEEDS_S
+# seconds are left, under a timeout of what is left; logs to OUT/NAME[-PART].log.
 step() {
   local name=$1 needs=$2; shift 2
-  case " $steps " in *" $name "*) ;; *) return 0 ;; esac
+  case " $steps " in *" ${name%%:*} "*) ;; *) return 0 ;; esac
+  name=${name/:/-}
   local left=$((budget - (SECONDS - start)))
   if [ "$left" -lt "$needs" ]; then
     note "$name: not started ($left s left, it needs about $needs s)"
@@ -68,10 +69,18 @@ step bench 60 bash -c "'$build/bench/bench_layer_kernels' --cuda > '$out/layer_k
 # shellcheck disable=SC2086
 step vs-hf 240 python3 "$root/bench/gpu_vs_hf.py" --memtune "$build/memtune" --work /tmp/memtune-gpu-vs-hf \
   --json "$out/gpu_vs_hf.json" ${VS_HF_ARGS:---models 1b --ckpt none,all}
-# Where a memtune LoRA step's GPU time goes: one traced step of the 1B run vs-hf configured
-# (kernels by name, the GPU's busy share; the trace itself stays on the machine).
-step profile 40 bash -c "cfg=/tmp/memtune-gpu-vs-hf/run-1b-lora-none.yaml; test -f \$cfg || exit 3
-  sed 's/run-1b-lora-none\"/run-1b-lora-none-profile\"/; s/\"max_steps\": [0-9]*/\"max_steps\": 5/' \$cfg > /tmp/profile-1b.yaml
-  MEMTUNE_PROFILE=4:/tmp/trace-1b-lora.json '$build/memtune' train /tmp/profile-1b.yaml &&
-  python3 '$root/scripts/profile_summary.py' /tmp/trace-1b-lora.json --top 40 > '$out/profile-1b-lora.txt'"
+# Where a memtune LoRA step's GPU time goes: one traced step of each model's LoRA run that
+# vs-hf configured without checkpointing (the GPU's time by kernel, by memtune's scope and op,
+# its busy share; the traces themselves stay on the machine).
+for m in 1b 8b; do
+  cfg=/tmp/memtune-gpu-vs-hf/run-$m-lora-none.yaml
+  if [ ! -f "$cfg" ]; then
+    case " $steps " in *" profile "*) note "profile-$m: not started (vs-hf wrote no $cfg)" ;; esac
+    continue
+  fi
+  step "profile:$m" $([ $m = 1b ] && echo 40 || echo 90) bash -c "
+    sed 's/run-$m-lora-none\"/run-$m-lora-none-profile\"/; s/\"max_steps\": [0-9]*/\"max_steps\": 5/' '$cfg' > /tmp/profile-$m.yaml
+    MEMTUNE_PROFILE=4:/tmp/trace-$m-lora.json '$build/memtune' train /tmp/profile-$m.yaml &&
+    python3 '$root/scripts/profile_summary.py' /tmp/trace-$m-lora.json --top 40 > '$out/profile-$m-lora.txt'"
+done
 note "device_session: $((SECONDS - start)) s in all"
