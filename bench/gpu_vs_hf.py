@@ -284,7 +284,12 @@ def main():
                     row["peer"] = {"error": str(e)[-500:]}
                     log(f"{name} ckpt={ckpt} peer failed: {str(e)[-300:]}")
             for mode in ("lora", "qlora"):
-                r = memtune_run(args, name, m, mode, ckpt, model_dir, tokens, device)
+                try:
+                    r = memtune_run(args, name, m, mode, ckpt, model_dir, tokens, device)
+                except SystemExit as e:  # a failed run is its row's cell; the other runs still go
+                    row[mode] = {"error": str(e)[-2000:]}
+                    log(f"{name} ckpt={ckpt} memtune {mode} failed: {str(e)[-1500:]}")
+                    continue
                 if peak:
                     r["mfu"] = r["tokens_per_s"] * flops_per_token(m) / (peak["bf16_tflops"] * 1e12)
                 row[mode] = r
@@ -296,11 +301,15 @@ def main():
         if (name == "8b" or args.smoke) and "all" in args.ckpt.split(","):
             # The seeds' consumer card: QLoRA inside 24 GiB, every layer checkpointed.
             limit = "24GiB" if name == "8b" else "64MiB"
-            r = memtune_run(args, name, m, "qlora", "all", model_dir, tokens, device,
-                            extra={"tag": "limit", "memory": {"device_limit": limit}})
+            try:
+                r = memtune_run(args, name, m, "qlora", "all", model_dir, tokens, device,
+                                extra={"tag": "limit", "memory": {"device_limit": limit}})
+                log(f"{name} QLoRA under {limit}: {r['tokens_per_s']:.0f} tok/s, {r['peak_gib']:.2f} GiB, "
+                    f"micro-batch {r['micro_batch']}")
+            except SystemExit as e:
+                r = {"error": str(e)[-2000:]}
+                log(f"{name} QLoRA under {limit} failed: {str(e)[-1500:]}")
             r["device_limit"] = limit
-            log(f"{name} QLoRA under {limit}: {r['tokens_per_s']:.0f} tok/s, {r['peak_gib']:.2f} GiB, "
-                f"micro-batch {r['micro_batch']}")
             rows.append({"model": name, "checkpointing": "all", "limited": r})
             keep()
 
@@ -312,8 +321,9 @@ def main():
     for row in rows:
         if "limited" in row:
             r = row["limited"]
-            print(f"| {row['model']} | all | QLoRA under {r['device_limit']}: {r['tokens_per_s']:.0f} tok/s, "
-                  f"{r['peak_gib']:.2f} GiB, micro-batch {r['micro_batch']} | | | | | | |")
+            got = (f"{r['tokens_per_s']:.0f} tok/s, {r['peak_gib']:.2f} GiB, micro-batch {r['micro_batch']}"
+                   if "error" not in r else "failed (the JSON has its log's tail)")
+            print(f"| {row['model']} | all | QLoRA under {r['device_limit']}: {got} | | | | | | |")
             continue
         peer = row.get("peer", {})
         pt = peer.get("tokens_per_s")
@@ -324,13 +334,18 @@ def main():
         def mfu(r):
             return f"{100 * r['mfu']:.0f} %" if "mfu" in r else "-"
 
+        def speed(r):
+            return f"{r['tokens_per_s']:.0f}{ratio(r['tokens_per_s'])}" if "tokens_per_s" in r else "failed"
+
+        def gib(r, of_peer=False):
+            if "peak_gib" not in r:
+                return "-"
+            return f"{r['peak_gib']:.2f}" + (f" ({r['peak_gib'] / peer['peak_gib']:.2f}x)"
+                                             if of_peer and "peak_gib" in peer else "")
+
         lo, ql = row["lora"], row["qlora"]
-        mem = f" ({ql['peak_gib'] / peer['peak_gib']:.2f}x)" if "peak_gib" in peer else ""
-        pg = f"{peer['peak_gib']:.2f}" if "peak_gib" in peer else "-"
-        print(f"| {row['model']} | {row['checkpointing']} | {f'{pt:.0f}' if pt else '-'} | {pg} | "
-              f"{lo['tokens_per_s']:.0f}{ratio(lo['tokens_per_s'])} | {lo['peak_gib']:.2f} | "
-              f"{ql['tokens_per_s']:.0f}{ratio(ql['tokens_per_s'])} | {ql['peak_gib']:.2f}{mem} | "
-              f"{mfu(peer)} / {mfu(lo)} / {mfu(ql)} |")
+        print(f"| {row['model']} | {row['checkpointing']} | {f'{pt:.0f}' if pt else '-'} | {gib(peer)} | "
+              f"{speed(lo)} | {gib(lo)} | {speed(ql)} | {gib(ql, True)} | {mfu(peer)} / {mfu(lo)} / {mfu(ql)} |")
     keep()
     print(json.dumps(result))
 
