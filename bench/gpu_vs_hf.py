@@ -20,7 +20,10 @@ linear layer, bf16, with gradient checkpointing off and on:
 tokens/s (median of the steps after warm-up), peak GPU memory (memtune: its budget's peak;
 the peer: torch.cuda.max_memory_allocated) and MFU against the bf16 matmul peak measured by
 this run. Then the 8B-shaped QLoRA under memory.device_limit=24GiB. The table and the
-issue's ratios print at the end; --json keeps everything.
+issue's ratios print at the end, then each memtune run's estimated peak (train.log's
+`memory plan:` line, the memory model's) beside the peak it measured; --json keeps
+everything. A memtune run that fails is its row's cell (its log's tail in the JSON): the
+other runs still go.
 
 `--smoke` runs the memtune half on a tiny model on the CPU (no GPU, no peer): how this
 script is checked on a machine without a GPU. On a lent GPU machine, whose calls end after
@@ -32,6 +35,7 @@ import datetime
 import json
 import os
 import random
+import re
 import shutil
 import statistics
 import struct
@@ -144,9 +148,19 @@ def memtune_run(args, name, m, mode, ckpt, model_dir, tokens, device, extra=None
     return {
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
         "peak_gib": max(r["memory"][key]["peak"] for r in rows) / 2**30,
+        "estimate_gib": estimated_peak_gib(os.path.join(out, "train.log")),
         "micro_batch": rows[-1]["micro_batch"], "first_loss": rows[0]["loss"], "final_loss": rows[-1]["loss"],
         "events": [e for r in rows for e in r["events"]], "wall_s": time.time() - start,
     }
+
+
+def estimated_peak_gib(train_log):
+    """The memory model's peak for the run's first plan, from train.log's `memory plan:` line
+    (None where the log has none)."""
+    units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+    with open(train_log) as f:
+        m = re.search(r"memory plan: estimated peak ([0-9.]+) (B|KiB|MiB|GiB|TiB) at", f.read())
+    return float(m.group(1)) * units[m.group(2)] / 2**30 if m else None
 
 
 def peer_main(a):
@@ -346,6 +360,19 @@ def main():
         lo, ql = row["lora"], row["qlora"]
         print(f"| {row['model']} | {row['checkpointing']} | {f'{pt:.0f}' if pt else '-'} | {gib(peer)} | "
               f"{speed(lo)} | {gib(lo)} | {speed(ql)} | {gib(ql, True)} | {mfu(peer)} / {mfu(lo)} / {mfu(ql)} |")
+    # The memory model against the run: train.log's estimated peak for the first plan beside
+    # the peak the run measured (the CUDA caching allocator's, on a GPU).
+    print()
+    print("| model | ckpt | run | estimated peak GiB | measured peak GiB | estimate / measured |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        runs = [("QLoRA under " + row["limited"]["device_limit"], row["limited"])] if "limited" in row else \
+            [("LoRA", row["lora"]), ("QLoRA", row["qlora"])]
+        for label, r in runs:
+            est, got = r.get("estimate_gib"), r.get("peak_gib")
+            if est is None or not got:
+                continue
+            print(f"| {row['model']} | {row['checkpointing']} | {label} | {est:.2f} | {got:.2f} | {est / got:.3f} |")
     keep()
     print(json.dumps(result))
 
