@@ -2,8 +2,9 @@
 # What a session lent a GPU machine runs first (issue 24), as one call of the device tool:
 # the build against the machine's PyTorch wheel, the GPU tests and runs (scripts/gpu_check.sh),
 # the kernels' figures against ATen's (bench_layer_kernels, bench_nf4_bench), then memtune
-# against transformers + PEFT (bench/gpu_vs_hf.py), then one traced memtune step
-# (MEMTUNE_PROFILE), in that order, each step started only while the time left allows it.
+# against transformers + PEFT (bench/gpu_vs_hf.py), then one traced LoRA step of each model
+# vs-hf ran (MEMTUNE_PROFILE), in that order, each step started only while the time left
+# allows it.
 # Every log and JSON goes under OUT (the device tool's $OUT), with summary.txt saying what
 # ran, how long it took and how it ended.
 #
