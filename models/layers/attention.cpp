@@ -153,19 +153,32 @@ struct SegmentAttention : public torch::autograd::Function<SegmentAttention> {
 
 
 #if MEMTUNE_HAS_SDPA
+#if MEMTUNE_SDPA_HAS_GQA
+// Whether SDPA runs grouped key/value heads (enable_gqa) on a fused kernel for this causal
+// call, by PyTorch's own choice for the same arguments. Flash takes them (CUDA, 16-bit, sm80
+// and newer); the memory-efficient kernel and the CPU's flash do not, and SDPA would take the
+// grouped heads to its math kernel instead: (B, H, T, T) scores formed and kept for backward,
+// where heads repeated to H run fused in linear memory.
+bool sdpa_fuses_grouped_heads(const at::Tensor& qh, const at::Tensor& k, const at::Tensor& v, double scale) {
+  constexpr int64_t kMath = 0;  // sdp::SDPBackend::math, the same value in every LibTorch 2.x
+  return at::_fused_sdp_choice(qh, k, v, c10::nullopt, 0.0, /*is_causal=*/true, scale, /*enable_gqa=*/true) != kMath;
+}
+#endif
+
 // q (B,Hkv,G,T,D) through at::scaled_dot_product_attention: heads flattened to H = Hkv*G,
 // k and v repeated to H (HF's repeat_kv), a boolean mask only where causal masking is not
 // enough. Causal masking alone on LibTorch 2.5 or later takes k and v at their Hkv heads
-// (enable_gqa), as transformers' sdpa_attention_forward does without a mask: no copies
-// repeated to H heads made, nor kept for backward (with a mask transformers repeats them, and
-// so does this: SDPA's fused kernels would not take the mask with grouped heads).
+// (enable_gqa) where a fused kernel runs them so, as transformers' sdpa_attention_forward does
+// without a mask on a GPU: no copies repeated to H heads made, nor kept for backward (with a
+// mask transformers repeats them, and so does this: SDPA's fused kernels would not take the
+// mask with grouped heads).
 at::Tensor sdpa_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& seg,
                           double scale, int64_t window, bool one_segment_per_row) {
   const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), T = q.size(3), D = q.size(4);
   at::Tensor qh = q.reshape({B, Hkv * G, T, D});
   const bool causal_only = one_segment_per_row && window <= 0;
 #if MEMTUNE_SDPA_HAS_GQA
-  if (causal_only && G > 1)
+  if (causal_only && G > 1 && sdpa_fuses_grouped_heads(qh, k, v, scale))
     return at::scaled_dot_product_attention(qh, k, v, c10::nullopt, 0.0, true, scale, /*enable_gqa=*/true)
         .view({B, Hkv, G, T, D});
 #endif

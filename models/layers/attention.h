@@ -31,7 +31,9 @@ namespace memtune::models {
 //   a document cannot change it under causal masking); `sdpa` forces it, by documents where
 //   the runs are known, else with an explicit (B,1,T,T)
 //   boolean mask (quadratic memory); grouped key/value heads repeated to the query heads,
-//   except under causal masking alone on LibTorch >= 2.5 (SDPA's enable_gqa, as transformers);
+//   except under causal masking alone on LibTorch >= 2.5 where SDPA's flash kernel takes them
+//   as they are (enable_gqa, as transformers; CUDA, 16-bit: elsewhere SDPA would take grouped
+//   heads to its quadratic math kernel);
 // - the blocked one written with ATen ops ("eager"): anything else (packed documents on a
 //   GPU, fp16/bf16, arbitrary segment ids), linear memory.
 struct DocumentBuckets;  // below

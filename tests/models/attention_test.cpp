@@ -14,7 +14,11 @@
 #include "models/layers/attention.h"
 #include "models/layers/attention_cpu.h"
 #include "models/layers/cpu_vec.h"
+#include "runtime/compat.h"
+#include "runtime/cpu_budget_allocator.h"
+#include "runtime/cuda_info.h"
 #include "runtime/error.h"
+#include "runtime/memory.h"
 #include "test_util.h"
 
 namespace {
@@ -180,6 +184,82 @@ TEST(Attention, SdpaOnCudaWithGroupedHeadsMatchesTheTextbookAttention_CUDA) {
     expect_close(grads[0].cpu().to(at::kFloat), qr.grad(), tol, "grad q", 1.0);
     expect_close(grads[1].cpu().to(at::kFloat), kr.grad(), tol, "grad k", 1.0);
     expect_close(grads[2].cpu().to(at::kFloat), vr.grad(), tol, "grad v", 1.0);
+  }
+}
+
+// Grouped key/value heads under causal masking alone through SDPA: the bytes a forward keeps
+// and the peak of forward and backward together, over what was allocated before, with q, k
+// and v (B,Hkv,G,T,D) and (B,Hkv,T,D) needing gradients.
+struct SdpaBytes {
+  int64_t kept = 0, peak = 0;
+};
+SdpaBytes sdpa_bytes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  AttentionOptions options;
+  options.kernel = AttentionOptions::Kernel::kSdpa;
+  options.one_segment_per_row = true;
+  const at::Tensor seg = at::zeros({q.size(0), q.size(3)}, at::TensorOptions(at::kLong).device(q.device()));
+  memtune::MemoryBackend& memory = memtune::memory_backend(q.device());
+  auto wait = [&] {
+    if (q.is_cuda()) torch::cuda::synchronize();
+  };
+  at::Tensor qa = q.clone().requires_grad_(true), ka = k.clone().requires_grad_(true),
+             va = v.clone().requires_grad_(true);
+  const at::Tensor g = at::randn_like(q);
+  auto forward = [&] { return causal_segment_attention(qa, ka, va, seg, 0.125, 0, options); };
+  torch::autograd::grad({forward()}, {qa, ka, va}, {g});  // workspaces and the like, before measuring
+  wait();
+  SdpaBytes bytes;
+  memory.reset_peak();
+  const int64_t before = memory.stats().allocated;
+  {
+    const at::Tensor out = forward();
+    wait();
+    bytes.kept = memory.stats().allocated - before;
+    torch::autograd::grad({out}, {qa, ka, va}, {g});
+    wait();
+  }
+  bytes.peak = memory.stats().peak - before;
+  return bytes;
+}
+
+// SDPA never takes grouped heads to its math kernel, which forms (B,H,T,T) scores and keeps
+// their softmax for backward (128 MiB each here): where the fused kernel would not take
+// grouped heads (the CPU's flash; on LibTorch >= 2.5 enable_gqa would pick the math kernel)
+// they are repeated to the query heads first, and the CPU's flash runs them in memory linear
+// in T (repeated k and v and the output kept, 4 MiB each).
+TEST(Attention, SdpaWithGroupedHeadsNeverFormsTheScoresOnTheCpu) {
+  if (!memtune::models::sdpa_available()) GTEST_SKIP() << "at::scaled_dot_product_attention needs LibTorch 2.0";
+  memtune::install_cpu_budget_allocator();
+  torch::manual_seed(31);
+  const int64_t B = 1, Hkv = 2, G = 4, T = 2048, D = 64;
+  const int64_t scores = B * Hkv * G * T * T * 4;  // 128 MiB of fp32
+  const SdpaBytes bytes = sdpa_bytes(at::randn({B, Hkv, G, T, D}), at::randn({B, Hkv, T, D}), at::randn({B, Hkv, T, D}));
+  EXPECT_LT(bytes.kept, scores / 4) << "kept " << bytes.kept << " bytes";
+  EXPECT_LT(bytes.peak, scores / 2) << "peak " << bytes.peak << " bytes";
+}
+
+// On a GPU: fp32 never reaches the math kernel either (the memory-efficient kernel, which does
+// not take grouped heads, runs them repeated); in bf16 on sm80 and newer flash takes k and v
+// at their own heads (enable_gqa), so the forward keeps no copies repeated to the query heads:
+// the output and its row sums, not the output and two repeated copies as large as it.
+TEST(Attention, SdpaWithGroupedHeadsOnCudaNeverFormsTheScoresAndInBf16KeepsNoRepeatedHeads_CUDA) {
+  MEMTUNE_SKIP_WITHOUT_CUDA();
+  torch::manual_seed(37);
+  const int64_t B = 2, Hkv = 2, G = 4, T = 2048, D = 64;
+  const int64_t scores = B * Hkv * G * T * T * 4;  // 256 MiB of fp32
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const auto cuda = at::TensorOptions(dtype).device(at::kCUDA, 0);
+    const SdpaBytes bytes = sdpa_bytes(at::randn({B, Hkv, G, T, D}, cuda), at::randn({B, Hkv, T, D}, cuda),
+                                       at::randn({B, Hkv, T, D}, cuda));
+    EXPECT_LT(bytes.kept, scores / 4) << "kept " << bytes.kept << " bytes";
+    EXPECT_LT(bytes.peak, scores / 2) << "peak " << bytes.peak << " bytes";
+#if MEMTUNE_SDPA_HAS_GQA
+    const int64_t out = B * Hkv * G * T * D * static_cast<int64_t>(at::elementSize(dtype));
+    if (dtype == at::kBFloat16 && memtune::cuda_compute_capability(0) >= 80) {
+      EXPECT_LT(bytes.kept, 2 * out) << "kept " << bytes.kept << " bytes, the output " << out;
+    }
+#endif
   }
 }
 
