@@ -235,6 +235,18 @@ def peer_run(args, m, ckpt, model_dir, tokens):
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def attempt(what, run_it, describe):
+    """run_it() (a peer or memtune run); a run that fails (out of memory, a crash) becomes
+    {"error": its output's tail} so that its row says so and the other runs still go."""
+    try:
+        r = run_it()
+    except SystemExit as e:
+        log(f"{what} failed: {str(e)[-1500:]}")
+        return {"error": str(e)[-2000:]}
+    log(f"{what}: {describe(r)}")
+    return r
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="1b,8b")
@@ -290,24 +302,15 @@ def main():
             row = {"model": name, "checkpointing": ckpt, "seq": m["seq"], "micro_batch": m["micro_batch"],
                    "accum": m["accum"]}
             if not args.smoke:
-                try:
-                    row["peer"] = peer_run(args, m, ckpt, model_dir, tokens)
-                    log(f"{name} ckpt={ckpt} peer: {row['peer']['tokens_per_s']:.0f} tok/s, "
-                        f"{row['peer']['peak_gib']:.1f} GiB")
-                except SystemExit as e:  # out of memory, say: the row says so
-                    row["peer"] = {"error": str(e)[-500:]}
-                    log(f"{name} ckpt={ckpt} peer failed: {str(e)[-300:]}")
+                row["peer"] = attempt(f"{name} ckpt={ckpt} peer", lambda: peer_run(args, m, ckpt, model_dir, tokens),
+                                      lambda r: f"{r['tokens_per_s']:.0f} tok/s, {r['peak_gib']:.1f} GiB")
             for mode in ("lora", "qlora"):
-                try:
-                    r = memtune_run(args, name, m, mode, ckpt, model_dir, tokens, device)
-                except SystemExit as e:  # a failed run is its row's cell; the other runs still go
-                    row[mode] = {"error": str(e)[-2000:]}
-                    log(f"{name} ckpt={ckpt} memtune {mode} failed: {str(e)[-1500:]}")
-                    continue
-                if peak:
+                r = attempt(f"{name} ckpt={ckpt} memtune {mode}",
+                            lambda: memtune_run(args, name, m, mode, ckpt, model_dir, tokens, device),
+                            lambda r: f"{r['tokens_per_s']:.0f} tok/s, {r['peak_gib']:.2f} GiB")
+                if peak and "error" not in r:
                     r["mfu"] = r["tokens_per_s"] * flops_per_token(m) / (peak["bf16_tflops"] * 1e12)
                 row[mode] = r
-                log(f"{name} ckpt={ckpt} memtune {mode}: {r['tokens_per_s']:.0f} tok/s, {r['peak_gib']:.2f} GiB")
             if peak and "tokens_per_s" in row.get("peer", {}):
                 row["peer"]["mfu"] = row["peer"]["tokens_per_s"] * flops_per_token(m) / (peak["bf16_tflops"] * 1e12)
             rows.append(row)
@@ -315,14 +318,11 @@ def main():
         if (name == "8b" or args.smoke) and "all" in args.ckpt.split(","):
             # The seeds' consumer card: QLoRA inside 24 GiB, every layer checkpointed.
             limit = "24GiB" if name == "8b" else "64MiB"
-            try:
-                r = memtune_run(args, name, m, "qlora", "all", model_dir, tokens, device,
-                                extra={"tag": "limit", "memory": {"device_limit": limit}})
-                log(f"{name} QLoRA under {limit}: {r['tokens_per_s']:.0f} tok/s, {r['peak_gib']:.2f} GiB, "
-                    f"micro-batch {r['micro_batch']}")
-            except SystemExit as e:
-                r = {"error": str(e)[-2000:]}
-                log(f"{name} QLoRA under {limit} failed: {str(e)[-1500:]}")
+            r = attempt(f"{name} QLoRA under {limit}",
+                        lambda: memtune_run(args, name, m, "qlora", "all", model_dir, tokens, device,
+                                            extra={"tag": "limit", "memory": {"device_limit": limit}}),
+                        lambda r: f"{r['tokens_per_s']:.0f} tok/s, {r['peak_gib']:.2f} GiB, "
+                                  f"micro-batch {r['micro_batch']}")
             r["device_limit"] = limit
             rows.append({"model": name, "checkpointing": "all", "limited": r})
             keep()

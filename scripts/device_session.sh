@@ -36,11 +36,12 @@ if [ -d "$root/.deps/usr" ]; then
 fi
 
 note() { echo "$*" | tee -a "$summary"; }
+asked() { case " $steps " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }  # asked STEP: STEPS names it
 # step NAME[:PART] NEEDS_S COMMAND...: runs COMMAND when step NAME is asked for and NEEDS_S
 # seconds are left, under a timeout of what is left; logs to OUT/NAME[-PART].log.
 step() {
   local name=$1 needs=$2; shift 2
-  case " $steps " in *" ${name%%:*} "*) ;; *) return 0 ;; esac
+  asked "${name%%:*}" || return 0
   name=${name/:/-}
   local left=$((budget - (SECONDS - start)))
   if [ "$left" -lt "$needs" ]; then
@@ -76,10 +77,12 @@ step vs-hf 240 python3 "$root/bench/gpu_vs_hf.py" --memtune "$build/memtune" --w
 for m in 1b 8b; do
   cfg=/tmp/memtune-gpu-vs-hf/run-$m-lora-none.yaml
   if [ ! -f "$cfg" ]; then
-    case " $steps " in *" profile "*) note "profile-$m: not started (vs-hf wrote no $cfg)" ;; esac
+    asked profile && note "profile-$m: not started (vs-hf wrote no $cfg)"
     continue
   fi
-  step "profile:$m" $([ $m = 1b ] && echo 40 || echo 90) bash -c "
+  needs=40
+  [ $m = 8b ] && needs=90  # a 16 GB model to load
+  step "profile:$m" $needs bash -c "
     sed 's/run-$m-lora-none\"/run-$m-lora-none-profile\"/; s/\"max_steps\": [0-9]*/\"max_steps\": 5/' '$cfg' > /tmp/profile-$m.yaml
     MEMTUNE_PROFILE=4:/tmp/trace-$m-lora.json '$build/memtune' train /tmp/profile-$m.yaml &&
     python3 '$root/scripts/profile_summary.py' /tmp/trace-$m-lora.json --top 40 > '$out/profile-$m-lora.txt'"
