@@ -204,7 +204,7 @@ void Supervisor::run_step(int64_t step, const StepStages& stages) {
       std::string tried;
       for (const auto& h : history_) tried += "  " + h + "\n";
       throw MemoryExhausted(str_cat("out of memory at micro-batch ", micro_,
-                                    " with every saving enabled (step ", step, ").\nWhat was tried:\n", tried,
+                                    " with every saving enabled that memory.on_oom.ladder allows (step ", step, ").\nWhat was tried:\n", tried,
                                     report_ ? report_() : ""));
     }
   }
@@ -254,10 +254,13 @@ nlohmann::json Supervisor::state() const {
 void Supervisor::load_state(const nlohmann::json& s) {
   constexpr int64_t kMax = int64_t{1} << 40;
   const int64_t per_step = options_.samples_per_step;
-  micro_ = json_int(s, "micro_batch", 1, per_step, "supervisor");
+  // The configured micro-batch is the ceiling, as in a fresh run (a resume may lower it to
+  // fit a smaller device; growing back never passes it).
+  micro_ = std::min(json_int(s, "micro_batch", 1, per_step, "supervisor"), std::min(per_step, options_.micro_batch));
   good_steps_ = json_int(s, "good_steps", 0, kMax, "supervisor");
   grow_wait_ = json_int(s, "grow_wait", 1, kMax, "supervisor");
   grown_from_ = json_int(s, "grown_from", 0, per_step, "supervisor");
+  if (grown_from_ >= micro_) grown_from_ = 0;  // the ceiling undid that growth
   taken_.clear();
   undone_ = -1;
   if (s.contains("taken")) {  // absent from checkpoints of earlier versions

@@ -232,6 +232,25 @@ TEST(Supervisor, GrowBackUndoesRungsInReverseThenGrowsTheMicroBatch) {
   EXPECT_EQ(t.state(), s.state());
 }
 
+// A resumed run whose config asks for a smaller micro-batch (to fit a smaller device) runs
+// at it: the checkpoint's micro-batch is at most the configured one, as in a fresh run, and
+// a growth the checkpoint had pending is undone with it.
+TEST(Supervisor, AResumeRunsAtMostTheConfiguredMicroBatch) {
+  nlohmann::json saved = Supervisor(options(8, 8)).state();
+  EXPECT_EQ(saved["micro_batch"], 8);
+  saved["grown_from"] = 4;  // grown 4 -> 8 after the last step
+  Supervisor smaller(options(8, 2));
+  smaller.load_state(saved);
+  EXPECT_EQ(smaller.micro_batch(), 2);
+  EXPECT_EQ(smaller.accumulation(), 4);
+  EXPECT_EQ(smaller.state()["grown_from"], 0);
+  Supervisor same(options(8, 8));  // a shrunk micro-batch stays shrunk
+  saved["micro_batch"] = 2;
+  saved["grown_from"] = 0;
+  same.load_state(saved);
+  EXPECT_EQ(same.micro_batch(), 2);
+}
+
 // With a memory model, one out-of-memory error climbs as many rungs as it says are needed
 // (here three: two of the first, one of the second), instead of one per failed attempt.
 TEST(Supervisor, TheMemoryModelChoosesHowFarToClimb) {
