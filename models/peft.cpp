@@ -36,6 +36,14 @@ json peft_target_modules(const LoraTargets& t, const std::vector<std::string>& a
   return json(adapted);
 }
 
+// exclude_modules the same way: PEFT matches a str in full as a regex, and the entries of a
+// list exactly or as a dotted suffix (a regex in a list would exclude nothing).
+json peft_exclude_modules(const std::vector<std::string>& names) {
+  if (names.empty()) return nullptr;
+  if (names.size() == 1 && !is_plain_module_name(names[0])) return json(names[0]);
+  return json(names);
+}
+
 }  // namespace
 
 void save_adapter(const CausalLM& model, const AdapterConfig& config, const fs::path& dir) {
@@ -60,7 +68,7 @@ void save_adapter(const CausalLM& model, const AdapterConfig& config, const fs::
             {"lora_alpha", o.alpha},
             {"lora_dropout", o.dropout},
             {"target_modules", target_modules},
-            {"exclude_modules", config.targets.exclude_modules.empty() ? json(nullptr) : json(config.targets.exclude_modules)},
+            {"exclude_modules", peft_exclude_modules(config.targets.exclude_modules)},
             {"layers_to_transform", config.targets.layers_to_transform.empty() ? json(nullptr) : json(config.targets.layers_to_transform)},
             {"bias", "none"},
             {"use_rslora", o.use_rslora},

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <regex>
 #include <set>
 
 #include "models/hf_model.h"
@@ -319,6 +320,51 @@ TEST(PeftAdapter, TargetModulesKeepPeftsMeaning) {
   LoraTargets one;
   one.target_modules = {"q_proj"};
   EXPECT_EQ(saved_target_modules(one), json::array({"q_proj"}));
+}
+
+// PEFT's check_target_module_exists (peft/tuners/tuners_utils.py), restated: an excluded
+// module first (a str exclude_modules matched in full as a regex, a list's entries exactly or
+// as a dotted suffix), then target_modules the same way.
+bool peft_adapts(const json& config, const std::string& key) {
+  auto matches = [&](const json& v) {
+    if (v.is_null()) return false;
+    if (v.is_string()) return std::regex_match(key, std::regex(v.get<std::string>()));
+    for (const auto& e : v) {
+      const std::string name = e.get<std::string>();
+      if (key == name || (key.size() > name.size() && key.compare(key.size() - name.size(), name.size(), name) == 0 &&
+                          key[key.size() - name.size() - 1] == '.'))
+        return true;
+    }
+    return false;
+  };
+  if (matches(config["exclude_modules"])) return false;
+  return config["target_modules"] == "all-linear" ? key.find("lm_head") == std::string::npos
+                                                   : matches(config["target_modules"]);
+}
+
+// Written exclude_modules mean to PEFT what they meant to memtune: reading the config, PEFT
+// adapts exactly the modules whose tensors the file holds. A regex is written as a str (in a
+// list PEFT would compare it with module names, excluding nothing).
+TEST(PeftAdapter, ExcludeModulesKeepPeftsMeaning) {
+  for (const auto& exclude : {std::vector<std::string>{".*mlp.*"}, std::vector<std::string>{"down_proj"},
+                              std::vector<std::string>{"down_proj", "q_proj"},
+                              std::vector<std::string>{"model.layers.0.self_attn.k_proj"}}) {
+    SCOPED_TRACE(exclude[0]);
+    LoraTargets t;
+    t.target_modules = {"all-linear"};
+    t.exclude_modules = exclude;
+    fs::path dir;
+    saved_target_modules(t, &dir);
+    const json config = json::parse(memtune::testing::read_file(dir / "adapter_config.json"));
+    EXPECT_EQ(config["exclude_modules"].is_string(), exclude[0] == ".*mlp.*") << config["exclude_modules"].dump();
+    const std::set<std::string> in_file = modules_in_file(dir);
+    auto model = tiny_llama();
+    std::set<std::string> by_peft;
+    for (Linear* l : model->linears())
+      if (peft_adapts(config, l->name())) by_peft.insert(l->name());
+    EXPECT_EQ(by_peft, in_file);
+    EXPECT_LT(in_file.size(), model->linears().size());  // something was excluded
+  }
 }
 
 }  // namespace
