@@ -1,5 +1,6 @@
 #include "data/sampler.h"
 
+#include <algorithm>
 #include <numeric>
 
 #include <nlohmann/json.hpp>
@@ -66,25 +67,23 @@ void Sampler::ensure_permutation() {
 }
 
 std::vector<int64_t> Sampler::next(int64_t count) {
-  std::vector<int64_t> out;
-  out.reserve(count);
   const int64_t used = per_rank_ * world_;  // entries of the permutation in use per epoch
-  while (static_cast<int64_t>(out.size()) < count) {
-    if (state_.offset >= used) {
-      ++state_.epoch;
-      state_.offset = 0;
-    }
-    ensure_permutation();
-    out.push_back(order_[state_.offset + rank_]);
-    state_.offset += world_;
+  if (state_.offset >= used) {
+    ++state_.epoch;
+    state_.offset = 0;
   }
+  ensure_permutation();
+  const int64_t n = std::min(count, (used - state_.offset) / world_);
+  std::vector<int64_t> out;
+  out.reserve(n);
+  for (int64_t i = 0; i < n; ++i, state_.offset += world_) out.push_back(order_[state_.offset + rank_]);
   return out;
 }
 
 int64_t Sampler::steps_per_epoch(int64_t global_batch) const {
   MEMTUNE_CHECK(global_batch > 0 && global_batch % world_ == 0, "sampler: a global batch of ", global_batch,
                 " samples is not a positive multiple of the ", world_, " ranks");
-  return std::max<int64_t>(1, per_rank_ * world_ / global_batch);
+  return (per_rank_ * world_ + global_batch - 1) / global_batch;
 }
 
 void Sampler::restore(const SamplerState& state) {

@@ -3,6 +3,11 @@
 // epoch) with splitmix64 and Fisher-Yates (our own PRNG, so the order is the same under
 // every LibTorch version), sharded by rank, and an exact position for resuming.
 //
+// Epochs, as Hugging Face's Trainer makes them: each epoch is one pass over the samples, and
+// a step never reaches into the next one. An epoch of n samples per rank at s samples per
+// step is ceil(n / s) steps, the last of them on the n mod s that remain (the Trainer's last,
+// shorter accumulation of an epoch: transformers' set_initial_training_values and _run_epoch).
+//
 // Sharding: each epoch's permutation is cut to floor(N / W) * W entries (the tail of up to
 // W-1 samples is dropped, a different tail each epoch when shuffling); rank r takes the
 // entries r, r+W, r+2W, ... so the ranks' shards are disjoint and equally long.
@@ -29,13 +34,14 @@ class Sampler {
   // Throws UserError when the dataset is smaller than the world size.
   Sampler(int64_t dataset_size, uint64_t seed, bool shuffle = true, int rank = 0, int world_size = 1);
 
-  // This rank's next `count` dataset indices, continuing into the next epoch(s) as needed.
+  // This rank's next `count` dataset indices, or fewer: those left in the epoch. A call at
+  // an epoch's end starts the next epoch.
   std::vector<int64_t> next(int64_t count);
 
   int64_t epoch() const { return state_.epoch; }
   int64_t per_rank() const { return per_rank_; }  // samples per rank per epoch
-  // Whole steps in an epoch for `global_batch` samples per step over all ranks
-  // (a multiple of the world size); at least 1.
+  // Steps in an epoch for `global_batch` samples per step over all ranks (a multiple of the
+  // world size), the last one shorter where the epoch does not divide: ceil.
   int64_t steps_per_epoch(int64_t global_batch) const;
 
   SamplerState state() const { return state_; }

@@ -41,11 +41,13 @@ DropoutKeysScope::DropoutKeysScope(DropoutKeys keys) : previous_(std::exchange(t
 
 DropoutKeysScope::~DropoutKeysScope() { t_keys = std::move(previous_); }
 
-uint64_t dropout_row_key(uint64_t seed, int64_t step, int64_t sample_index, int64_t occurrence) {
+uint64_t dropout_row_key(uint64_t seed, int64_t step, int64_t sample_index) {
   uint64_t h = mix(seed ^ 0x6D656D74756E65ull);
   h = mix(h ^ static_cast<uint64_t>(step));
   h = mix(h ^ static_cast<uint64_t>(sample_index));
-  return mix(h ^ static_cast<uint64_t>(occurrence));
+  // Once more, as when a fourth term was mixed in (0 unless a sample came twice in a step):
+  // the same keys, so earlier runs' checkpoints resume with the same masks.
+  return mix(h);
 }
 
 uint64_t dropout_site(const std::string& name) {

@@ -39,9 +39,9 @@ class DropoutKeysScope {
 };
 
 // A row's key: the same sample at the same optimizer step of the same run always gets the
-// same one, whatever micro-batch or rank computes it. `occurrence` tells apart the copies of
-// a sample that appears twice in one step (a step that wraps around a small dataset).
-uint64_t dropout_row_key(uint64_t seed, int64_t step, int64_t sample_index, int64_t occurrence = 0);
+// same one, whatever micro-batch or rank computes it (a step holds a sample once: it never
+// reaches past its epoch, data/sampler.h).
+uint64_t dropout_row_key(uint64_t seed, int64_t step, int64_t sample_index);
 
 // A site's salt from its name (FNV-1a: stable across builds and platforms).
 uint64_t dropout_site(const std::string& name);

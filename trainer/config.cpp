@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <fstream>
 #include <sstream>
 
@@ -98,7 +99,8 @@ void ModelConfig::fields(F&& f) {
   f("tokenizer", tokenizer, "tokenizer file or directory; empty: name_or_path's own");
   f("torch_dtype", torch_dtype,
     "dtype the dense weights (embeddings, norms, unquantized projections, head) and so the activations are kept "
-    "in, as from_pretrained's; auto: config.json's. bfloat16 / float16 need the same compute dtype (training.bf16 "
+    "in, as from_pretrained's dtype; auto: config.json's. The default is transformers 4's (float32; transformers 5 "
+    "reads auto when from_pretrained is given none). bfloat16 / float16 need the same compute dtype (training.bf16 "
     "/ fp16) and a LoRA run (trained tensors stay float32); float32 with training.bf16 is mixed precision",
     kDtype);
   f("quantization_config", quantization_config, "bitsandbytes' BitsAndBytesConfig");
@@ -156,12 +158,16 @@ void TrainingConfig::fields(F&& f) {
     "bf16 autocast, as the Trainer's: LoRA adapters keep fp32 weights and multiply in bf16, as PEFT's under "
     "autocast (bnb_4bit_compute_dtype alone: the base only)");
   f("learning_rate", learning_rate, "peak learning rate");
-  f("num_train_epochs", num_train_epochs, "passes over the training data (may be fractional)");
+  f("num_train_epochs", num_train_epochs,
+    "passes over the training data (may be fractional); as the Trainer's, each epoch is a whole pass, its last "
+    "step on the samples it has left");
   f("max_steps", max_steps, "optimizer steps; > 0 overrides num_train_epochs, -1: from the epochs");
   f("lr_scheduler_type", lr_scheduler_type, "learning-rate schedule (Hugging Face's)",
     {"constant", "constant_with_warmup", "linear", "cosine"});
-  f("warmup_ratio", warmup_ratio, "share of the steps spent warming up, in [0, 1]");
-  f("warmup_steps", warmup_steps, "warm-up steps; > 0 overrides warmup_ratio");
+  f("warmup_ratio", warmup_ratio,
+    "share of the steps spent warming up, in [0, 1] (transformers 5 deprecates it: warmup_steps below 1)");
+  f("warmup_steps", warmup_steps,
+    "warm-up steps, or in (0, 1) their share of the steps, rounded up (transformers 5); set it or warmup_ratio");
   f("weight_decay", weight_decay, "decoupled weight decay");
   f("adam_beta1", adam_beta1, "AdamW beta1, in [0, 1)");
   f("adam_beta2", adam_beta2, "AdamW beta2, in [0, 1)");
@@ -176,10 +182,12 @@ void TrainingConfig::fields(F&& f) {
      "paged_adamw_32bit", "adafactor", "sgd"});
   f("momentum", momentum, "SGD momentum, in [0, 1); at 0 SGD keeps no state (as torch.optim.SGD); optim: sgd only");
   f("max_grad_norm", max_grad_norm, "clip the global gradient norm to this; <= 0: no clipping");
-  f("logging_steps", logging_steps, "log metrics every this many steps");
-  f("save_steps", save_steps, "checkpoint every this many steps; 0: only at the end");
+  f("logging_steps", logging_steps, "log metrics every this many steps, or in (0, 1) that share of the steps");
+  f("save_steps", save_steps,
+    "checkpoint every this many steps, or in (0, 1) that share of the steps; 0: only at the end");
   f("save_total_limit", save_total_limit, "checkpoints kept; 0: all");
-  f("eval_steps", eval_steps, "evaluate every this many steps; 0: no periodic evaluation");
+  f("eval_steps", eval_steps,
+    "evaluate every this many steps, or in (0, 1) that share of the steps; 0: no periodic evaluation");
   f("eval_accuracy_rows", eval_accuracy_rows,
     "> 0: before and after training, greedy exact-match accuracy on this many records of the "
     "instruction eval file");
@@ -539,7 +547,16 @@ void validate(const TrainingConfig& t, const std::string& p, const Checker& c) {
           "must be > 0 unless max_steps is set");
   c.check(t.max_steps == -1 || t.max_steps >= 1, p + ".max_steps", t.max_steps, "must be -1 (use epochs) or >= 1");
   c.check(t.warmup_ratio >= 0 && t.warmup_ratio <= 1, p + ".warmup_ratio", t.warmup_ratio, "must be in [0, 1]");
-  c.check(t.warmup_steps >= 0, p + ".warmup_steps", t.warmup_steps, "must be >= 0");
+  // transformers' *_steps: a whole number of steps, or a share of them below 1.
+  auto steps_key = [&](const char* key, double v, double least, const char* zero) {
+    c.check(v >= least && (v < 1 || v == std::floor(v)), p + "." + key, v,
+            str_cat(least > 0 ? "must be > 0" : "must be >= 0", zero, ": a whole number of steps, or in (0, 1) a share "
+                    "of the run's steps (transformers' form: 0.1 is every tenth of the run)"));
+  };
+  steps_key("warmup_steps", t.warmup_steps, 0, "");
+  c.check(t.warmup_steps == 0 || t.warmup_ratio == 0, p + ".warmup_ratio", t.warmup_ratio,
+          "is set beside warmup_steps: transformers 5 would take warmup_ratio (and deprecates it), transformers 4 "
+          "warmup_steps. Set one of them (warmup_steps below 1 is a share of the steps)");
   c.check(t.weight_decay >= 0, p + ".weight_decay", t.weight_decay, "must be >= 0");
   c.check(t.adam_beta1 >= 0 && t.adam_beta1 < 1, p + ".adam_beta1", t.adam_beta1, "must be in [0, 1)");
   c.check(t.adam_beta2 >= 0 && t.adam_beta2 < 1, p + ".adam_beta2", t.adam_beta2, "must be in [0, 1)");
@@ -547,10 +564,10 @@ void validate(const TrainingConfig& t, const std::string& p, const Checker& c) {
   c.check(t.momentum >= 0 && t.momentum < 1, p + ".momentum", t.momentum, "must be in [0, 1)");
   c.check(t.momentum == 0 || t.optim == "sgd", p + ".momentum", t.momentum,
           "only optim: sgd has a momentum, and optim is " + t.optim + "; drop the key or train with sgd");
-  c.check(t.logging_steps >= 1, p + ".logging_steps", t.logging_steps, "must be at least 1");
-  c.check(t.save_steps >= 0, p + ".save_steps", t.save_steps, "must be >= 0 (0: only at the end)");
+  steps_key("logging_steps", t.logging_steps, std::nextafter(0.0, 1.0), "");
+  steps_key("save_steps", t.save_steps, 0, " (0: only at the end)");
   c.check(t.save_total_limit >= 0, p + ".save_total_limit", t.save_total_limit, "must be >= 0 (0: keep all)");
-  c.check(t.eval_steps >= 0, p + ".eval_steps", t.eval_steps, "must be >= 0 (0: no periodic evaluation)");
+  steps_key("eval_steps", t.eval_steps, 0, " (0: no periodic evaluation)");
   c.check(t.eval_accuracy_rows >= 0, p + ".eval_accuracy_rows", t.eval_accuracy_rows, "must be >= 0");
   c.check(t.fp16_init_scale > 0, p + ".fp16_init_scale", t.fp16_init_scale, "must be > 0");
   c.check(t.fp16_growth_interval >= 1, p + ".fp16_growth_interval", t.fp16_growth_interval, "must be at least 1");
@@ -783,6 +800,11 @@ std::vector<std::string> compatibility_notes(const Config& config) {
                     "' matches modules whose name ends with it or that it matches in full as a regex "
                     "(PEFT reads a single string as a regex)");
   return notes;
+}
+
+int64_t steps_of(double value, int64_t total_steps) {
+  if (value > 0 && value < 1) return static_cast<int64_t>(std::ceil(value * static_cast<double>(total_steps)));
+  return static_cast<int64_t>(value);
 }
 
 bool operator==(const Config& a, const Config& b) { return reflect::equal_fields(a, b); }

@@ -101,8 +101,10 @@ struct TrainingConfig {
   double num_train_epochs = 3;
   int64_t max_steps = -1;                     // > 0 overrides num_train_epochs
   std::string lr_scheduler_type = "linear";   // constant|constant_with_warmup|linear|cosine
-  double warmup_ratio = 0;
-  int64_t warmup_steps = 0;                   // > 0 overrides warmup_ratio
+  double warmup_ratio = 0;                    // (deprecated in transformers 5 for a warmup_steps below 1)
+  // warmup_steps and the *_steps intervals below: a whole number of steps, or in (0, 1) that
+  // share of the run's steps, as transformers 5 reads them (steps_of).
+  double warmup_steps = 0;
   double weight_decay = 0;
   double adam_beta1 = 0.9;
   double adam_beta2 = 0.999;
@@ -110,10 +112,10 @@ struct TrainingConfig {
   std::string optim = "adamw_torch";          // Hugging Face's names (config.cpp lists them)
   double momentum = 0;                        // sgd only
   double max_grad_norm = 1.0;                 // <= 0: no clipping
-  int64_t logging_steps = 1;
-  int64_t save_steps = 0;                     // 0: only at the end
+  double logging_steps = 1;
+  double save_steps = 0;                      // 0: only at the end
   int save_total_limit = 0;                   // 0: keep all checkpoints
-  int64_t eval_steps = 0;                     // 0: no periodic evaluation
+  double eval_steps = 0;                      // 0: no periodic evaluation
   int64_t eval_accuracy_rows = 0;             // > 0: exact-match accuracy on this many eval records (instruction data)
   uint64_t seed = 42;
   std::string resume_from_checkpoint;         // empty | latest | path to checkpoints/step-N
@@ -238,6 +240,11 @@ std::map<std::string, std::string> flatten(const Config& config);
 std::string config_help();
 // Lines to log once: keys accepted for compatibility that change nothing in this run.
 std::vector<std::string> compatibility_notes(const Config& config);
+
+// A *_steps key in steps for a run of `total_steps`: a value in (0, 1) is that share of them,
+// rounded up (transformers' TrainerState.compute_steps and TrainingArguments.get_warmup_steps),
+// any other the value itself.
+int64_t steps_of(double value, int64_t total_steps);
 
 // Every key compared (not `source`).
 bool operator==(const Config& a, const Config& b);

@@ -113,6 +113,7 @@ struct StepRecord {
   double grad_norm = NAN;  // before clipping; NaN when the update was skipped
   bool skipped = false;    // fp16 overflow: no update, the loss scale halved
   int64_t tokens = 0;      // target tokens of the step, over every rank
+  int64_t samples = 0;     // this rank's samples (an epoch's last step may have fewer)
   double seconds = 0;
   int64_t allocated = 0;   // device memory after the step
   int64_t peak = 0;        // device peak over the step
@@ -183,6 +184,7 @@ class Trainer {
   int64_t samples_per_step_ = 1;
   int64_t steps_per_epoch_ = 1;
   int64_t total_steps_ = 1;
+  int64_t log_every_ = 1, save_every_ = 0, eval_every_ = 0;  // logging/save/eval_steps in steps (steps_of)
   std::unique_ptr<data::Sampler> sampler_;
 
   Schedule schedule_;
@@ -383,12 +385,15 @@ void Trainer::load_data() {
                      ? c_.training.max_steps
                      : std::max<int64_t>(1, static_cast<int64_t>(std::ceil(c_.training.num_train_epochs *
                                                                            static_cast<double>(steps_per_epoch_))));
+  log_every_ = std::max<int64_t>(1, steps_of(c_.training.logging_steps, total_steps_));
+  save_every_ = steps_of(c_.training.save_steps, total_steps_);
+  eval_every_ = steps_of(c_.training.eval_steps, total_steps_);
 }
 
 void Trainer::build_update() {
   const TrainingConfig& t = c_.training;
   schedule_ = Schedule{t.lr_scheduler_type, t.learning_rate,
-                       t.warmup_steps > 0 ? t.warmup_steps
+                       t.warmup_steps > 0 ? steps_of(t.warmup_steps, total_steps_)
                                           : static_cast<int64_t>(std::ceil(t.warmup_ratio * total_steps_)),
                        total_steps_};
   OptimizerOptions oo;
@@ -733,8 +738,12 @@ TrainResult Trainer::run() {
   dist_extra_ = at::zeros({2}, at::kDouble);
   mem_->release_cached();  // what loading freed is not what training will ask for
   tty_ = isatty(STDERR_FILENO);
-  spdlog::info("training: {} steps ({} per epoch), {} samples per step, micro-batch {} x {}, checkpointing {}/{} layers{}",
-               total_steps_, steps_per_epoch_, samples_per_step_, supervisor_->micro_batch(),
+  const int64_t last = sampler_->per_rank() - (steps_per_epoch_ - 1) * samples_per_step_;  // an epoch's last step
+  spdlog::info("training: {} steps ({} per epoch{}), {} samples per step, micro-batch {} x {}, checkpointing {}/{} "
+               "layers{}",
+               total_steps_, steps_per_epoch_,
+               last < samples_per_step_ ? fmt::format(", the last on the epoch's remaining {}", last) : std::string(),
+               samples_per_step_, supervisor_->micro_batch(),
                supervisor_->accumulation(), std::count(ckpt_layers_.begin(), ckpt_layers_.end(), true),
                ckpt_layers_.size(), offload_activations_ ? ", their inputs offloaded to host memory" : "");
 
@@ -751,8 +760,8 @@ TrainResult Trainer::run() {
   while (step_ < total_steps_) {
     const StepRecord r = step();
     log_step(r);
-    if (c_.training.eval_steps > 0 && step_ % c_.training.eval_steps == 0) evaluate_loss("periodic");
-    if (c_.training.save_steps > 0 && step_ % c_.training.save_steps == 0 && step_ < total_steps_) save_checkpoint();
+    if (eval_every_ > 0 && step_ % eval_every_ == 0) evaluate_loss("periodic");
+    if (save_every_ > 0 && step_ % save_every_ == 0 && step_ < total_steps_) save_checkpoint();
     if (int sig = stop_signal()) return stop(sig);
   }
   return finish();
@@ -769,15 +778,16 @@ void Trainer::note_peak(int phase) {
 // with the same dropout draws, so the update is the one an unconstrained run makes.
 StepRecord Trainer::step() {
   StepRecord r;
-  r.epoch = sampler_->epoch();
   std::vector<data::Sample> samples;
   std::vector<uint64_t> dropout_keys;  // per sample: its masks, whatever micro-batch runs it
-  std::map<int64_t, int64_t> seen;
+  // The epoch's last step takes what is left of it, as the Trainer's (data/sampler.h).
   for (int64_t i : sampler_->next(samples_per_step_)) {
     samples.push_back(train_set_->sample(i));
     r.tokens += samples.back().target_tokens();
-    dropout_keys.push_back(dropout_row_key(c_.training.seed, step_, i, seen[i]++));
+    dropout_keys.push_back(dropout_row_key(c_.training.seed, step_, i));
   }
+  r.epoch = sampler_->epoch();
+  r.samples = static_cast<int64_t>(samples.size());
   // distributed: every micro-batch's loss is scaled by the target tokens of the GLOBAL step.
   if (pg_) r.tokens = pg_->allreduce(std::vector<int64_t>{r.tokens}, ReduceOp::sum)[0];
   if (pg_) seed_cpu_rng(c_.training.seed, step_, dist_.rank);
@@ -904,7 +914,7 @@ StepRecord Trainer::step() {
 // metrics.jsonl every logging_steps, at the last step and whenever something happened; the
 // progress line on a terminal (redrawn) or in the log.
 void Trainer::log_step(const StepRecord& r) {
-  if (r.step % std::max<int64_t>(1, c_.training.logging_steps) != 0 && r.step != total_steps_ && r.events.empty())
+  if (r.step % log_every_ != 0 && r.step != total_steps_ && r.events.empty())
     return;
   const double tok_s = static_cast<double>(r.tokens) / std::max(1e-9, r.seconds);
   json events = json::array();
@@ -915,6 +925,7 @@ void Trainer::log_step(const StepRecord& r) {
               {"lr", r.lr},
               {"grad_norm", std::isfinite(r.grad_norm) ? json(r.grad_norm) : json(nullptr)},
               {"tokens", r.tokens},
+              {"samples", r.samples},
               {"tokens_per_s", tok_s},
               {"loss_scale", scaler_->scale()},
               {"micro_batch", supervisor_->micro_batch()},

@@ -42,10 +42,44 @@ TEST(Sampler, EpochsAreDifferentPermutations) {
   for (int64_t i = 0; i < 50; ++i) EXPECT_EQ(sorted[i], i);
 }
 
-TEST(Sampler, CrossesEpochsWithoutShuffle) {
+TEST(Sampler, AStepEndsWithItsEpochAndTheNextStartsTheNextEpoch) {
   Sampler s(5, 0, /*shuffle=*/false);
-  EXPECT_EQ(s.next(7), (std::vector<int64_t>{0, 1, 2, 3, 4, 0, 1}));
+  EXPECT_EQ(s.next(3), (std::vector<int64_t>{0, 1, 2}));
+  EXPECT_EQ(s.next(3), (std::vector<int64_t>{3, 4}));  // the epoch's rest, not 0 of the next
+  EXPECT_EQ(s.epoch(), 0);
+  EXPECT_EQ(s.next(3), (std::vector<int64_t>{0, 1, 2}));
   EXPECT_EQ(s.epoch(), 1);
+}
+
+// transformers' Trainer (5.12: set_initial_training_values, _run_epoch), written out: an
+// epoch is len(dataloader) = ceil(N / batch) micro-batches (the last one short, no
+// drop_last), cut into optimizer steps of gradient_accumulation_steps micro-batches, the
+// last one of the epoch with the remainder; max_steps = ceil(num_train_epochs x steps).
+TEST(Sampler, StepsAndTheirSamplesAreTheTrainersPerEpoch) {
+  for (int64_t n : {1, 7, 10, 16, 23, 64}) {
+    for (auto [batch, accumulation] : {std::pair<int64_t, int64_t>{1, 1}, {2, 4}, {3, 2}, {8, 1}, {4, 5}}) {
+      const int64_t len_dataloader = (n + batch - 1) / batch;
+      const int64_t hf_steps = std::max<int64_t>(
+          len_dataloader / accumulation + (len_dataloader % accumulation > 0 ? 1 : 0), 1);
+      Sampler s(n, 3);
+      const int64_t per_step = batch * accumulation;
+      ASSERT_EQ(s.steps_per_epoch(per_step), hf_steps) << n << " samples, " << batch << " x " << accumulation;
+      for (int64_t epoch = 0; epoch < 2; ++epoch) {
+        std::vector<int64_t> seen;
+        int64_t first_micro_batch = 0;  // the Trainer's micro-batches of this epoch, in order
+        for (int64_t step = 0; step < hf_steps; ++step) {
+          const int64_t micro_batches = std::min(accumulation, len_dataloader - first_micro_batch);
+          const int64_t rows = std::min(n, (first_micro_batch + micro_batches) * batch) - first_micro_batch * batch;
+          first_micro_batch += micro_batches;
+          const auto got = s.next(per_step);
+          EXPECT_EQ(static_cast<int64_t>(got.size()), rows) << "step " << step << " of epoch " << epoch;
+          EXPECT_EQ(s.epoch(), epoch);
+          seen.insert(seen.end(), got.begin(), got.end());
+        }
+        EXPECT_EQ(seen, Sampler::permutation(n, 3, epoch)) << n << " samples: each once, in the epoch's order";
+      }
+    }
+  }
 }
 
 TEST(Sampler, SaveRestoreLosesAndRepeatsNothing) {
@@ -56,17 +90,20 @@ TEST(Sampler, SaveRestoreLosesAndRepeatsNothing) {
   const nlohmann::json saved = a.state();
   Sampler b(n, /*seed ignored on restore=*/12345);
   b.restore(saved.get<SamplerState>());
-  const auto rest = b.next(n - 9 + 5);  // the rest of epoch 0 and 5 of epoch 1
-  seen.insert(seen.end(), rest.begin(), rest.begin() + (n - 9));
-  std::set<int64_t> unique(seen.begin(), seen.end());
-  EXPECT_EQ(unique.size(), static_cast<size_t>(n));  // each sample of epoch 0 exactly once
-  EXPECT_EQ(seen, Sampler::permutation(n, 99, 0));
-  // The resumed run continues exactly as the uninterrupted one.
-  const auto uninterrupted = a.next(n - 9 + 5);
-  EXPECT_EQ(rest, uninterrupted);
-  const auto epoch1 = Sampler::permutation(n, 99, 1);
-  EXPECT_EQ(std::vector<int64_t>(rest.end() - 5, rest.end()), std::vector<int64_t>(epoch1.begin(), epoch1.begin() + 5));
+  const auto rest = b.next(n);  // the rest of epoch 0
+  seen.insert(seen.end(), rest.begin(), rest.end());
+  EXPECT_EQ(seen, Sampler::permutation(n, 99, 0));  // each sample of epoch 0 exactly once
+  const auto epoch1 = b.next(5);
+  const auto order1 = Sampler::permutation(n, 99, 1);
+  EXPECT_EQ(epoch1, std::vector<int64_t>(order1.begin(), order1.begin() + 5));
   EXPECT_EQ(b.epoch(), 1);
+  // The resumed run continues exactly as the uninterrupted one.
+  EXPECT_EQ(a.next(n), rest);
+  EXPECT_EQ(a.next(5), epoch1);
+  // A checkpoint at an epoch's end (offset = all of it) resumes into the next epoch.
+  Sampler c(n, 99);
+  c.restore(SamplerState{0, n, 99});
+  EXPECT_EQ(c.next(5), epoch1);
 }
 
 TEST(Sampler, TwoRankShardsAreDisjointAndCoverTheEpoch) {
@@ -92,7 +129,8 @@ TEST(Sampler, TwoRankShardsAreDisjointAndCoverTheEpoch) {
 
 TEST(Sampler, StepsPerEpoch) {
   Sampler s(100, 0, true, 1, 2);  // 50 per rank
-  EXPECT_EQ(s.steps_per_epoch(8), 12);   // 100 / 8
+  EXPECT_EQ(s.steps_per_epoch(8), 13);   // 100 / 8: 12 and a last step on the other 4
+  EXPECT_EQ(s.steps_per_epoch(10), 10);
   EXPECT_EQ(s.steps_per_epoch(200), 1);
   EXPECT_THROW(s.steps_per_epoch(3), memtune::UserError);  // not a multiple of 2 ranks
 }

@@ -592,6 +592,34 @@ TEST(ConfigErrors, WarmupRatioNegative) {
   expect_invalid(yaml, "warmup_ratio", "-0.1", "training.warmup_ratio", "-0.1", "[0, 1]");
 }
 
+// transformers 5 reads warmup_steps, logging_steps, eval_steps and save_steps below 1 as a
+// share of the run: TrainingArguments.get_warmup_steps and TrainerState.compute_steps take
+// math.ceil(max_steps * value); 1 and above are steps (a fraction above 1 it refuses).
+TEST(ConfigSteps, BelowOneIsAShareOfTheRunRoundedUpAsTransformers) {
+  const Config c = parse_config("training:\n  warmup_steps: 0.1\n  logging_steps: 0.05\n  save_steps: 0.5\n", "t");
+  EXPECT_DOUBLE_EQ(c.training.warmup_steps, 0.1);
+  for (int64_t total : {1, 7, 25, 100, 333}) {
+    for (double v : {0.01, 0.05, 0.1, 0.25, 0.5, 0.99}) {
+      const double exact = v * static_cast<double>(total);
+      const int64_t want = static_cast<int64_t>(exact) + (exact > static_cast<double>(static_cast<int64_t>(exact)));
+      EXPECT_EQ(memtune::trainer::steps_of(v, total), want) << v << " of " << total;
+    }
+    EXPECT_EQ(memtune::trainer::steps_of(10, total), 10);
+    EXPECT_EQ(memtune::trainer::steps_of(0, total), 0);
+  }
+}
+
+TEST(ConfigSteps, AFractionAboveOneOrBothWarmupKeysAreRefused) {
+  expect_invalid("training:\n  warmup_steps: 10.5\n", "warmup_steps", "10.5", "training.warmup_steps", "10.5",
+                 "a whole number of steps, or in (0, 1) a share");
+  expect_invalid("training:\n  save_steps: 2.5\n", "save_steps", "2.5", "training.save_steps", "2.5",
+                 "a whole number of steps");
+  expect_invalid("training:\n  logging_steps: 0\n", "logging_steps", "0", "training.logging_steps", "0",
+                 "must be > 0");
+  expect_invalid("training:\n  warmup_ratio: 0.1\n  warmup_steps: 5\n", "warmup_ratio", "0.1",
+                 "training.warmup_ratio", "0.1", "Set one of them");
+}
+
 TEST(ConfigErrors, MaxSeqLengthBelowEight) {
   const std::string yaml = "data:\n  max_seq_length: 4\n";
   expect_invalid(yaml, "max_seq_length", "4", "data.max_seq_length", "4", "at least 8");
@@ -758,8 +786,7 @@ Config every_field_changed() {
   t.num_train_epochs = 2.5;
   t.max_steps = 100;
   t.lr_scheduler_type = "cosine";
-  t.warmup_ratio = 0.1;
-  t.warmup_steps = 10;
+  t.warmup_steps = 10;  // (warmup_ratio: every_field_changed_b, as the two may not be set together)
   t.weight_decay = 0.01;
   t.adam_beta1 = 0.85;
   t.adam_beta2 = 0.95;
@@ -826,6 +853,9 @@ Config every_field_changed_b() {
   c.training.gradient_checkpointing.policy = "layers";
   c.training.gradient_checkpointing.n = memtune::trainer::CheckpointingConfig{}.n;  // only every_n reads n
   c.training.gradient_checkpointing.layers = {1, 3};
+  c.training.warmup_steps = 0;
+  c.training.warmup_ratio = 0.1;
+  c.training.logging_steps = 0.25;  // a share of the steps, as transformers 5 reads one below 1
   c.model.device_map = {};
   c.model.device_map.single = "cuda:1";
   return c;
