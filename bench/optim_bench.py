@@ -16,6 +16,7 @@ side is printed.
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -35,6 +36,7 @@ def estimate(config, optim):
 
 
 def train(config, optim, steps, out_dir, extra=()):
+    shutil.rmtree(out_dir, ignore_errors=True)  # each seed's run from scratch (memtune refuses another run's checkpoints)
     subprocess.run([MEMTUNE, "train", config, "training.optim=" + optim, "training.max_steps=%d" % steps,
                     "training.logging_steps=1", "training.output_dir=" + out_dir, *extra], cwd=ROOT,
                    capture_output=True, text=True, check=True)

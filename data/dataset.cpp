@@ -347,7 +347,10 @@ void Dataset::load(const fs::path& path, const Tokenizer* tokenizer) {
         try {
           j = json::parse(line);
         } catch (const json::parse_error& e) {
-          throw Invalid{str_cat("malformed JSON (", e.what(), ") near: ", excerpt(line, e.byte ? e.byte - 1 : 0))};
+          throw Invalid{str_cat("malformed JSON (", e.what(), ") near: ", excerpt(line, e.byte ? e.byte - 1 : 0),
+                                format_ == "text" ? " (data.format text reads JSON lines, {\"text\": ...}; a file of plain "
+                                                    "text is data.format plain, or auto)"
+                                                  : "")};
         }
         if (!j.is_object()) throw Invalid{str_cat("a JSON ", json_type(j), ", not an object, near: ", excerpt(line, 0))};
         if (format_ == "text") {

@@ -7,10 +7,14 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 bash "$root/scripts/build.sh" --target memtune
 cd "$root"
 memtune="${BUILD_DIR:-$root/build}/memtune"
-# Stage 1: a tiny base model learns the bundled English corpus (full training, dense).
-[ -f runs/quickstart-base/model/config.json ] || "$memtune" train configs/quickstart-base.yaml
+# Stage 1: a tiny base model learns the bundled English corpus (full training, dense); an
+# interrupted stage 1 continues from its last checkpoint.
+[ -f runs/quickstart-base/model/config.json ] ||
+  "$memtune" train configs/quickstart-base.yaml training.resume_from_checkpoint=latest
 # Stage 2: QLoRA of that base on the bundled instruction tasks; it prints the exact-match
-# accuracy on held-out tasks before and after.
+# accuracy on held-out tasks before and after. A rerun starts it over (memtune refuses to
+# start a run among another run's checkpoints).
+rm -rf runs/quickstart
 "$memtune" train configs/quickstart.yaml "$@"
 # One held-out prompt (the eval split's first parity task, never trained on), answered by the
 # base alone and with the adapter, in the template the tasks were trained in.

@@ -142,8 +142,8 @@ void TrainingConfig::fields(F&& f) {
     "micro-batch rows per device, or auto (the largest that the estimate says fits)",
     Field::integer_or_auto());
   f("per_device_eval_batch_size", per_device_eval_batch_size,
-    "rows per evaluation batch, at most the training micro-batch in effect (evaluation has no out-of-memory "
-    "retry; its loss is a sum over tokens, which the batch does not change)");
+    "rows per evaluation batch, at most the training micro-batch in effect (halved after an out-of-memory error "
+    "under the supervisor; its loss is a sum over tokens, which the batch changes only in the last bits)");
   f("gradient_accumulation_steps", gradient_accumulation_steps, "micro-batches per optimizer step");
   f("gradient_checkpointing", gradient_checkpointing,
     "true|false, or {policy: none|all|every_n|layers, n: 2, layers: [1, 3]}");

@@ -19,14 +19,21 @@ void keep_metrics_through(const fs::path& file, int64_t step) {
   int64_t dropped = 0;
   while (std::getline(in, line)) {
     const json row = json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (row.is_object() && !(row.contains("step") && row["step"].is_number() && row["step"].get<int64_t>() > step))
+    if (!row.is_object()) {
+      ++dropped;
+      continue;
+    }
+    const int64_t at = row.contains("step") && row["step"].is_number() ? row["step"].get<int64_t>() : -1;
+    const std::string when = row.contains("when") && row["when"].is_string() ? row["when"].get<std::string>() : "";
+    if (at <= step && !(at == step && (when == "final" || when == "after training")))
       kept += line + "\n";
     else
       ++dropped;
   }
   if (dropped == 0) return;
   write_file_atomic(file, kept);
-  spdlog::info("metrics.jsonl: {} rows after step {} dropped (those steps run again)", dropped, step);
+  spdlog::info("metrics.jsonl: {} rows after step {} or of its final evaluations dropped (they run again)", dropped,
+               step);
 }
 
 MetricsLog::MetricsLog(const fs::path& file, int64_t step, bool writer) {

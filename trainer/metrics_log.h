@@ -13,8 +13,10 @@ class MetricsLog {
  public:
   // A run from step 0 starts the file afresh. A run resumed at `step` keeps the rows of
   // steps up to it (the steps after it run again and write their rows anew, so a plot never
-  // shows a step twice) and drops a line a kill cut short. `writer` false (a rank other than
-  // 0) opens nothing and writes nothing.
+  // shows a step twice), but not the final evaluations' at `step` (when: final, after
+  // training: they come after its checkpoint, and run again when the resumed run finishes),
+  // and drops a line a kill cut short. `writer` false (a rank other than 0) opens nothing and
+  // writes nothing.
   MetricsLog(const std::filesystem::path& file, int64_t step, bool writer);
 
   void write(const nlohmann::json& row);

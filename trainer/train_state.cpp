@@ -50,7 +50,9 @@ void prune(const fs::path& dir) {
   remove_tree(doomed);
 }
 
-// Keys a resumed run may change (prefixes); every other key shapes what a step computes.
+// Keys a resumed run may change (prefixes): where a step runs, how it is split and with which
+// kernels (its math the same; its last bits may differ: an attention kernel, a device), how
+// often it logs and saves. Every other key shapes what a step computes.
 bool free_to_change_on_resume(const std::string& key) {
   static const std::vector<std::string> free = {
       "memory.", "runtime.", "distributed.", "model.device_map", "model.max_memory", "model.low_cpu_mem_usage",
@@ -110,7 +112,8 @@ nlohmann::json TrainState::to_json() const {
                       {"checkpoint_layers", checkpoint_layers},
                       {"activation_offload", activation_offload},
                       {"optimizer_offload", optimizer_offload},
-                      {"world_size", world_size}};
+                      {"world_size", world_size},
+                      {"eval_due", eval_due}};
   if (data_samples > 0) j["data"] = {{"samples", data_samples}, {"target_tokens", data_target_tokens}};
   return j;
 }
@@ -137,7 +140,8 @@ TrainState TrainState::from_json(const nlohmann::json& j, const std::string& ori
     s.data_samples = json_int(d, "samples", 1, int64_t{1} << 50, where);
     s.data_target_tokens = json_int(d, "target_tokens", 0, int64_t{1} << 60, where);
   }
-  for (auto [key, dst] : {std::pair{"activation_offload", &s.activation_offload}, {"optimizer_offload", &s.optimizer_offload}})
+  for (auto [key, dst] : {std::pair{"activation_offload", &s.activation_offload}, {"optimizer_offload", &s.optimizer_offload},
+                          {"eval_due", &s.eval_due}})
     if (j.contains(key)) {  // absent from checkpoints of earlier versions
       MEMTUNE_CHECK(j[key].is_boolean(), origin, ".", key, " is ", j[key].dump(), "; expected true or false");
       *dst = j[key].get<bool>();
@@ -233,6 +237,13 @@ TrainingCheckpoint load_training_checkpoint(const fs::path& dir,
   ss << cy.rdbuf();
   c.config_yaml = ss.str();
   return c;
+}
+
+std::vector<fs::path> checkpoints_after(const fs::path& output_dir, int64_t step) {
+  std::vector<fs::path> out;
+  for (const auto& [s, path] : list_checkpoints(output_dir))
+    if (s > step) out.push_back(path);
+  return out;
 }
 
 fs::path latest_checkpoint(const fs::path& output_dir) {

@@ -38,6 +38,7 @@ struct TrainState {
   bool activation_offload = false;      // the ladder's (or the config's) activation offload; false in old ones
   bool optimizer_offload = false;       // the optimizer's state in host memory (ladder or config)
   int64_t world_size = 0;               // ranks of the run that wrote it; 0 in old checkpoints (unknown)
+  bool eval_due = false;                // a stop cut short the periodic evaluation at `step`: a resume runs it
   // What data.train_file made for the run that wrote it: the sampler's order is a permutation
   // of that many samples, so a resume on data that makes another count of samples or target
   // tokens would not continue it. 0 in old checkpoints (unknown; state.json then has no "data").
@@ -90,6 +91,8 @@ int remove_incomplete_checkpoints(const std::filesystem::path& output_dir);
 
 // The complete checkpoint with the highest step under output_dir/checkpoints, or empty.
 std::filesystem::path latest_checkpoint(const std::filesystem::path& output_dir);
+// The complete checkpoints under output_dir/checkpoints past `step`, by step.
+std::vector<std::filesystem::path> checkpoints_after(const std::filesystem::path& output_dir, int64_t step);
 
 // Resuming compares the checkpoint's config (`then`) with this run's (`now`), key by key,
 // and refuses a change that alters what a step computes, naming the key and both values.

@@ -114,6 +114,7 @@ struct StepRecord {
   bool skipped = false;    // fp16 overflow: no update, the loss scale halved
   int64_t tokens = 0;      // target tokens of the step, over every rank
   int64_t samples = 0;     // this rank's samples (an epoch's last step may have fewer)
+  int64_t micro_batch = 0, accumulation = 0;  // as the step ran (the supervisor may since have changed them)
   double seconds = 0;
   int64_t allocated = 0;   // device memory after the step
   int64_t peak = 0;        // device peak over the step
@@ -146,6 +147,7 @@ class Trainer {
   bool fits_with_optimizer_on_device() const;
   EstimateInput plan_now() const;  // plan_ with the supervisor's micro-batch and the rungs in effect
   void resume();          // training.resume_from_checkpoint
+  void refuse_another_runs_checkpoints() const;
   // Runs `fn` with the model's trainable tensors whole on rank 0 (distributed.sharding: full
   // gathers the layers' into host memory; LayerShards::with_trainable_whole). Every rank calls it.
   void with_trainable_whole(const std::function<void()>& fn);
@@ -153,7 +155,7 @@ class Trainer {
   StepRecord step();
   void log_step(const StepRecord& r);
   void save_checkpoint();
-  void evaluate_loss(const char* when);
+  bool evaluate_loss(const char* when);  // false: a signal stopped it before its row was written
   void evaluate_accuracy(const char* when);
   int stop_signal() const;  // 0, or the signal to stop for (distributed: agreed in the step)
   // Whether an evaluation stops (or does not start) for a signal. Under sharded layers every
@@ -185,6 +187,8 @@ class Trainer {
   int64_t steps_per_epoch_ = 1;
   int64_t total_steps_ = 1;
   int64_t log_every_ = 1, save_every_ = 0, eval_every_ = 0;  // logging/save/eval_steps in steps (steps_of)
+  int64_t saved_at_ = -1;  // the step of the last checkpoint written or resumed from
+  bool eval_due_ = false;  // the periodic evaluation at step_ was stopped before its row was written
   std::unique_ptr<data::Sampler> sampler_;
 
   Schedule schedule_;
@@ -226,6 +230,10 @@ Trainer::Trainer(const Config& c)
   build_update();
   build_supervisor();
   resume();
+  refuse_another_runs_checkpoints();
+  // Only now: a run refused while setting up (a resume whose config changed the math, say)
+  // leaves the config of the run that wrote output_dir's checkpoints.
+  if (writer_) write_file_atomic(out_dir_ / "config.yaml", config_yaml_);
   // A rung taken before the first step is the run's first ladder event (a resumed run's
   // supervisor state has it already).
   if (!offloaded_at_start_.empty() && step_ == 0)
@@ -244,8 +252,7 @@ void Trainer::join_and_plan() {
   spdlog::info("memtune train: {}", c_.source);
   spdlog::info("{}", configure_threads(c_.runtime.num_threads));
   if (const std::string hint = blas_core_hint(); !hint.empty()) spdlog::info("{}", hint);
-  config_yaml_ = to_yaml(c_);
-  if (writer_) write_file_atomic(out_dir_ / "config.yaml", config_yaml_);
+  config_yaml_ = to_yaml(c_);  // written once the run is set up (the constructor's end)
   spdlog::debug("effective config:\n{}", config_yaml_);
   for (const auto& note : compatibility_notes(c_)) log_once(note, note);
 
@@ -650,6 +657,22 @@ void Trainer::build_supervisor() {
   });
 }
 
+// Checkpoints in output_dir past the step this run starts at are another run's (a run
+// started afresh in its directory, or resumed from an earlier checkpoint of it): this run
+// would write its own among them, save_total_limit would prune by step number across both
+// (its own newest first), and resume_from_checkpoint=latest would continue the other run.
+void Trainer::refuse_another_runs_checkpoints() const {
+  const std::vector<fs::path> later = checkpoints_after(out_dir_, step_);
+  if (later.empty()) return;
+  std::string names;
+  for (const auto& p : later) names += (names.empty() ? "" : ", ") + p.filename().string();
+  fail("training.output_dir ", out_dir_.string(), " holds checkpoints past step ", step_, ", where this run starts (",
+       names, "): another run's. This run would write its own among them, save_total_limit would prune by step "
+       "number across both, and resume_from_checkpoint=latest would continue the other run. Hint: ",
+       step_ == 0 ? "to continue that run, set training.resume_from_checkpoint=latest; " : "",
+       "to start over here, move those checkpoints away, or use a new training.output_dir");
+}
+
 void Trainer::resume() {
   if (writer_) remove_incomplete_checkpoints(out_dir_);
   const std::string& resume = c_.training.resume_from_checkpoint;
@@ -721,6 +744,8 @@ void Trainer::resume() {
                 cpu_rng_state().numel());
   set_cpu_rng_state(ck.rng_state);
   step_ = ck.state.step;
+  saved_at_ = step_;
+  eval_due_ = ck.state.eval_due;
   if (!ck.state.checkpoint_layers.empty()) ckpt_layers_ = ck.state.checkpoint_layers;
   offload_activations_ = offload_activations_ || ck.state.activation_offload;
   if (ck.state.optimizer_offload)
@@ -756,11 +781,15 @@ TrainResult Trainer::run() {
       return result_;
     }
   }
+  if (eval_due_) {  // a stop cut short the periodic evaluation at the checkpoint's step
+    eval_due_ = !evaluate_loss("periodic");
+    if (int sig = stop_signal()) return stop(sig);
+  }
   start_ = std::chrono::steady_clock::now();
   while (step_ < total_steps_) {
     const StepRecord r = step();
     log_step(r);
-    if (eval_every_ > 0 && step_ % eval_every_ == 0) evaluate_loss("periodic");
+    if (eval_every_ > 0 && step_ % eval_every_ == 0) eval_due_ = !evaluate_loss("periodic");
     if (save_every_ > 0 && step_ % save_every_ == 0 && step_ < total_steps_) save_checkpoint();
     if (int sig = stop_signal()) return stop(sig);
   }
@@ -806,6 +835,8 @@ StepRecord Trainer::step() {
     step_peak_ = 0;
     std::fill(std::begin(attempt_peak_), std::end(attempt_peak_), 0);
     set_cpu_rng_state(rng);  // the same generator state on every attempt
+    r.micro_batch = micro;
+    r.accumulation = (static_cast<int64_t>(samples.size()) + micro - 1) / micro;
     optimizer_->zero_grad();
     loss_sum = 0;
     models::ForwardOptions fo;
@@ -928,8 +959,8 @@ void Trainer::log_step(const StepRecord& r) {
               {"samples", r.samples},
               {"tokens_per_s", tok_s},
               {"loss_scale", scaler_->scale()},
-              {"micro_batch", supervisor_->micro_batch()},
-              {"accumulation", supervisor_->accumulation()},
+              {"micro_batch", r.micro_batch},
+              {"accumulation", r.accumulation},
               {"memory", {{mem_->device(), {{"allocated", r.allocated}, {"peak", r.peak}, {"limit", limit_}}}}},
               {"events", events}};
   if (!r.sent_bytes.empty()) row["sent_bytes"] = r.sent_bytes;
@@ -940,8 +971,7 @@ void Trainer::log_step(const StepRecord& r) {
   const std::string line =
       fmt::format("step {}/{} {} eta {:.0f}s loss {:.4f} lr {:.2e} {:.0f} tok/s mem {} (peak {}) micro {}x{}", r.step,
                   total_steps_, progress_bar(r.step, total_steps_), eta, r.loss, r.lr, tok_s,
-                  format_bytes(r.allocated), format_bytes(r.peak), supervisor_->micro_batch(),
-                  supervisor_->accumulation());
+                  format_bytes(r.allocated), format_bytes(r.peak), r.micro_batch, r.accumulation);
   if (tty_) {
     std::fprintf(stderr, "\r%s\033[K", line.c_str());
     if (r.step == total_steps_) std::fprintf(stderr, "\n");
@@ -957,6 +987,7 @@ void Trainer::with_trainable_whole(const std::function<void()>& fn) {
 }
 
 void Trainer::save_checkpoint() {
+  saved_at_ = step_;  // on every rank: each decides alike whether a stop saves again
   // distributed.sharding: every rank writes its optimizer state's shard first.
   const int shards = sharding_->write_state_shard(out_dir_, step_, *optimizer_);
   // The trainable tensors whole on rank 0 (a sharded layer's gathered to its host memory).
@@ -978,6 +1009,7 @@ void Trainer::save_checkpoint() {
   state.activation_offload = offload_activations_;
   state.optimizer_offload = optimizer_offloaded();
   state.world_size = dist_.world_size;
+  state.eval_due = eval_due_;
   state.data_samples = train_set_->stats().samples;
   state.data_target_tokens = train_set_->stats().target_tokens;
   const auto whole_state = shards > 0 ? std::vector<std::pair<std::string, at::Tensor>>{} : optimizer_->state_tensors();
@@ -988,12 +1020,14 @@ void Trainer::save_checkpoint() {
   if (pg_) pg_->barrier();
 }
 
-void Trainer::evaluate_loss(const char* when) {
-  if (!eval_set_ || eval_stopped()) return;
+bool Trainer::evaluate_loss(const char* when) {
+  if (!eval_set_) return true;
+  if (eval_stopped()) return false;
   // Evaluation takes at most the micro-batch that training runs now (which fits with
   // gradients kept), and under the supervisor halves it after an out-of-memory error (before
   // the first step the supervisor has not settled yet), except with layers sharded over ranks,
-  // whose forwards are collectives. Its loss is a sum over tokens: the batch changes no figure.
+  // whose forwards are collectives. Its loss is a sum over tokens: the batch changes only the
+  // last bits (the padding, and so the kernels' order of summation).
   const int64_t batch = std::min<int64_t>(c_.training.per_device_eval_batch_size,
                                           supervisor_ ? std::max<int64_t>(1, supervisor_->micro_batch()) : 1);
   std::function<bool()> on_oom;
@@ -1007,15 +1041,17 @@ void Trainer::evaluate_loss(const char* when) {
                  batch, r.oom_retries, r.micro_batch);
   if (r.stopped) {
     spdlog::warn("eval ({}): stopped by signal {} after {} tokens; not recorded", when, g_stop_signal.load(), r.tokens);
-    return;
+    return false;
   }
   spdlog::info("eval ({}): loss {:.4f}, perplexity {:.2f}, token accuracy {:.1f}%, {} tokens", when, r.loss,
                r.perplexity, 100.0 * r.token_accuracy, r.tokens);
   metrics_->write({{"step", step_},
+                   {"when", when},
                    {"eval_loss", r.loss},
                    {"eval_perplexity", r.perplexity},
                    {"eval_token_accuracy", r.token_accuracy},
                    {"eval_tokens", r.tokens}});
+  return true;
 }
 
 void Trainer::evaluate_accuracy(const char* when) {
@@ -1033,7 +1069,7 @@ void Trainer::evaluate_accuracy(const char* when) {
     return;
   }
   spdlog::info("accuracy ({}): {}", when, a.describe());
-  metrics_->write({{"step", step_}, {"accuracy", a.share()}, {"accuracy_rows", a.total}});
+  metrics_->write({{"step", step_}, {"when", when}, {"accuracy", a.share()}, {"accuracy_rows", a.total}});
 }
 
 // distributed: a rank stops only when the ranks agreed in this step's reduction, all at
@@ -1046,7 +1082,7 @@ int Trainer::stop_signal() const {
 
 TrainResult Trainer::stop(int sig) {
   if (tty_) std::fprintf(stderr, "\n");
-  save_checkpoint();
+  if (saved_at_ != step_) save_checkpoint();  // (the periodic save may have just written this step's)
   spdlog::warn("stopped by signal {} at step {}; resume with training.resume_from_checkpoint=latest", sig, step_);
   result_.steps = step_;
   result_.exit_code = 128 + sig;

@@ -677,20 +677,22 @@ TEST(Supervisor, NothingFitsAtMicroBatchOneStopsWithAReportAndKeepsTheCheckpoint
   EXPECT_NE(r.output.find("What was tried: the estimate before loading the model"), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("training: "), std::string::npos) << "it started training:\n" << r.output;
   first_checkpoint_kept();
-  // 2. The supervisor's own stop: step 1 runs out of memory at micro-batch 1 on every try
-  // (injected), so it climbs every rung of the ladder (offloading the 4 layers one by
-  // one; checkpointing is already complete), then stops with what it tried.
+  // 2. The supervisor's own stop: the resumed run's step 2 runs out of memory at micro-batch
+  // 1 on every try (injected), so it climbs every rung of the ladder (offloading the 4 layers
+  // one by one; checkpointing is already complete), then stops with what it tried.
   std::string every_try;
-  for (int i = 0; i < 8; ++i) every_try += std::string(i ? "," : "") + "1:forward";
+  for (int i = 0; i < 8; ++i) every_try += std::string(i ? "," : "") + "2:forward";
   r = run(memtune_bin() + " train " + (d / "config.yaml.in").string() + " " + shape +
-          " training.max_steps=4 memory.inject_oom=" + every_try);
+          " training.max_steps=4 training.resume_from_checkpoint=latest memory.inject_oom=" + every_try);
   EXPECT_EQ(r.exit_code, 3) << r.output;
-  EXPECT_NE(r.output.find("out of memory at micro-batch 1 with every saving enabled that memory.on_oom.ladder allows (step 1)"), std::string::npos)
+  EXPECT_NE(r.output.find("out of memory at micro-batch 1 with every saving enabled that memory.on_oom.ladder allows "
+                          "(step 2)"),
+            std::string::npos)
       << r.output;
-  const size_t tried = r.output.find("What was tried:\n  step 1: oom:");
+  const size_t tried = r.output.find("What was tried:\n  step 2: oom:");
   EXPECT_NE(tried, std::string::npos) << r.output;
   for (int layer = 3; layer >= 0; --layer)
-    EXPECT_NE(r.output.find("step 1: ladder: offload layers: offloaded layer " + std::to_string(layer), tried),
+    EXPECT_NE(r.output.find("step 2: ladder: offload layers: offloaded layer " + std::to_string(layer), tried),
               std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("the estimate before loading the model"), std::string::npos) << r.output;
   // The errors were injected: the estimate of the plan reached says it fits the machine.

@@ -214,10 +214,12 @@ TEST(Train, ResumeRefusesABreakingConfigChange) {
   fs::path d = temp_dir();
   TrainRun first = train(d, "training.max_steps=2");
   ASSERT_EQ(first.exit_code, 0) << first.output;
+  const std::string written = read_file(first.dir / "config.yaml");
   auto r = run(memtune_bin() + " train " + (d / "config.yaml.in").string() +
                " training.max_steps=4 training.resume_from_checkpoint=latest lora.r=8");
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find("lora.r changed"), std::string::npos) << r.output;
+  EXPECT_EQ(read_file(first.dir / "config.yaml"), written) << "the refused run's config replaced the one that trained";
   // Every key that shapes a step is compared whole: the data file (never compared before)
   // and which layers carry LoRA (compared by count before, so [0, 1] -> [2, 3] passed).
   const fs::path other = d / "other.jsonl";
@@ -243,6 +245,36 @@ TEST(Train, ResumeRefusesABreakingConfigChange) {
                   "training.per_device_train_batch_size=2 training.gradient_accumulation_steps=2");
   EXPECT_EQ(fine.exit_code, 0) << fine.output;
   EXPECT_NE(fine.output.find("resumed from"), std::string::npos) << fine.output;
+}
+
+// A run started afresh in a directory holding another run's checkpoints, or resumed from an
+// earlier checkpoint than the newest, would write its checkpoints among the other run's:
+// save_total_limit, pruning by step number, would delete its own, and `latest` continue the
+// other run. Refused by name before anything is written; every checkpoint is still there.
+TEST(Train, ARunDoesNotStartAmongAnotherRunsCheckpoints) {
+  fs::path d = temp_dir();
+  TrainRun first = train(d, "training.max_steps=4 training.save_steps=2");
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  ASSERT_TRUE(fs::exists(first.dir / "checkpoints/step-2/state.json") &&
+              fs::exists(first.dir / "checkpoints/step-4/state.json"));
+  const std::string config = read_file(first.dir / "config.yaml");
+  auto fresh = run(memtune_bin() + " train " + (d / "config.yaml.in").string() +
+                   " training.max_steps=4 training.save_steps=2 training.save_total_limit=1");
+  EXPECT_EQ(fresh.exit_code, 2) << fresh.output;
+  EXPECT_NE(fresh.output.find("past step 0, where this run starts (step-2, step-4)"), std::string::npos) << fresh.output;
+  EXPECT_NE(fresh.output.find("set training.resume_from_checkpoint=latest"), std::string::npos) << fresh.output;
+  auto back = run(memtune_bin() + " train " + (d / "config.yaml.in").string() +
+                  " training.max_steps=4 training.save_steps=2 training.resume_from_checkpoint=" +
+                  (first.dir / "checkpoints/step-2").string());
+  EXPECT_EQ(back.exit_code, 2) << back.output;
+  EXPECT_NE(back.output.find("past step 2, where this run starts (step-4)"), std::string::npos) << back.output;
+  EXPECT_TRUE(fs::exists(first.dir / "checkpoints/step-2/state.json") &&
+              fs::exists(first.dir / "checkpoints/step-4/state.json"));
+  EXPECT_EQ(read_file(first.dir / "config.yaml"), config);
+  // The newest continues (here: a finished run, nothing left to train).
+  auto latest = run(memtune_bin() + " train " + (d / "config.yaml.in").string() +
+                    " training.max_steps=4 training.save_steps=2 training.resume_from_checkpoint=latest");
+  EXPECT_EQ(latest.exit_code, 0) << latest.output;
 }
 
 // The sampler's order is a permutation of the samples the data makes: a resume on data that
@@ -457,6 +489,45 @@ TEST(Train, SigtermDuringEvaluationsIsHonouredAtTheNextRow) {
   EXPECT_TRUE(fs::exists(d / "last/out/adapter/adapter_model.safetensors")) << log2;
   for (const auto& m : metrics(d / "last/out"))
     EXPECT_FALSE(m.contains("accuracy") && m["step"] == 2) << "an interrupted evaluation was recorded: " << m;
+  // Resumed, it runs the final evaluations again, and metrics.jsonl holds each of them once
+  // (the first run's final eval_loss row, written before the stop, is not kept twice).
+  // The same again on the finished run ("one command starts and restarts a run").
+  for (const char* pass : {"stopped", "finished"}) {
+    auto again = run(memtune_bin() + " train " + (d / "last/config.yaml.in").string() + " " + eval +
+                     " training.max_steps=2 training.resume_from_checkpoint=latest");
+    EXPECT_EQ(again.exit_code, 0) << pass << "\n" << again.output;
+    int losses = 0, accuracies = 0;
+    for (const auto& m : metrics(d / "last/out"))
+      if (m.value("step", -1) == 2) {
+        losses += m.contains("eval_loss");
+        accuracies += m.contains("accuracy");
+      }
+    EXPECT_EQ(losses, 1) << pass;
+    EXPECT_EQ(accuracies, 1) << pass;
+  }
+}
+
+// A stop in the periodic evaluation after step 1: the checkpoint of step 1 is written once
+// and says the evaluation is due; the resumed run evaluates step 1 before step 2, so
+// metrics.jsonl has every step's evaluation, as an uninterrupted run's.
+TEST(Train, AStopInAPeriodicEvaluationHasItRunOnResume) {
+  const fs::path d = temp_dir();
+  // The training file as evaluation data: a periodic evaluation of seconds, a step of less.
+  const std::string eval = "data.eval_file=" + (source_dir() / "examples/data/tasks_train.jsonl").string() +
+                           " training.eval_steps=1 training.max_steps=3 training.save_steps=1";
+  auto [code, log] = term_when(d, eval, [&] { return read_file(d / "log").find("step 1/3") != std::string::npos; });
+  EXPECT_EQ(code, 128 + SIGTERM) << log;
+  ASSERT_NE(log.find("eval (periodic): stopped by signal 15"), std::string::npos) << "the stop missed it:\n" << log;
+  size_t saves = 0;
+  for (size_t at = log.find("checkpoint: "); at != std::string::npos; at = log.find("checkpoint: ", at + 1)) ++saves;
+  EXPECT_EQ(saves, 1u) << log;
+  auto again = run(memtune_bin() + " train " + (d / "config.yaml.in").string() + " " + eval +
+                   " training.resume_from_checkpoint=latest");
+  EXPECT_EQ(again.exit_code, 0) << again.output;
+  std::map<int64_t, int> periodic;
+  for (const auto& m : metrics(d / "out"))
+    if (m.contains("eval_loss") && m.value("when", "") == "periodic") ++periodic[m["step"].get<int64_t>()];
+  EXPECT_EQ(periodic, (std::map<int64_t, int>{{1, 1}, {2, 1}, {3, 1}})) << again.output;
 }
 
 TEST(Train, KillDuringCheckpointWritesAndPruningLeavesALoadableCheckpoint) {
