@@ -549,9 +549,9 @@ void validate(const TrainingConfig& t, const std::string& p, const Checker& c) {
   c.check(t.warmup_ratio >= 0 && t.warmup_ratio <= 1, p + ".warmup_ratio", t.warmup_ratio, "must be in [0, 1]");
   // transformers' *_steps: a whole number of steps, or a share of them below 1.
   auto steps_key = [&](const char* key, double v, double least, const char* zero) {
-    c.check(v >= least && (v < 1 || v == std::floor(v)), p + "." + key, v,
-            str_cat(least > 0 ? "must be > 0" : "must be >= 0", zero, ": a whole number of steps, or in (0, 1) a share "
-                    "of the run's steps (transformers' form: 0.1 is every tenth of the run)"));
+    c.check(v >= least && (v < 1 || v == std::floor(v)) && v <= 0x1p53, p + "." + key, v,
+            str_cat(least > 0 ? "must be > 0" : "must be >= 0", zero, ": a whole number of steps (at most 2^53), or in "
+                    "(0, 1) a share of the run's steps (transformers' form: 0.1 is every tenth of the run)"));
   };
   steps_key("warmup_steps", t.warmup_steps, 0, "");
   c.check(t.warmup_steps == 0 || t.warmup_ratio == 0, p + ".warmup_ratio", t.warmup_ratio,

@@ -39,6 +39,7 @@ struct StepRow {
   int64_t step = 0;
   double epoch = NAN, loss = NAN, lr = NAN, grad_norm = NAN, tokens_per_s = NAN, loss_scale = NAN;
   int64_t micro_batch = 0, accumulation = 0;
+  int64_t samples = 0;  // 0: not logged (earlier versions)
   std::map<std::string, DeviceMemory> memory;  // device name ("cpu", "cuda:0") -> bytes
 };
 
@@ -108,6 +109,7 @@ StepRow parse_step(const Row& r, std::vector<EventRow>& events) {
   s.loss_scale = r.optional_number("loss_scale");
   s.micro_batch = r.optional_integer("micro_batch");
   s.accumulation = r.optional_integer("accumulation");
+  s.samples = r.optional_integer("samples");
   if (r.j.contains("memory")) {
     const json& m = r.j["memory"];
     MEMTUNE_CHECK(m.is_object(), r.where, ": 'memory' is ", m.dump(),
@@ -566,10 +568,21 @@ std::vector<std::pair<std::string, std::string>> summary(const RunMetrics& m) {
     std::sort(tps.begin(), tps.end());
     rows.push_back({"tokens/s (median of logged steps)", fmt::format("{:.0f}", tps[tps.size() / 2])});
   }
-  if (first.micro_batch > 0)
-    rows.push_back({"micro-batch x accumulation", fmt::format("{} x {} at the first logged step, {} x {} at the last",
-                                                              first.micro_batch, first.accumulation, last.micro_batch,
-                                                              last.accumulation)});
+  if (first.micro_batch > 0) {
+    // The last whole step: an epoch's last one may be shorter (fewer micro-batches).
+    int64_t most = 0;
+    for (const auto& s : m.steps) most = std::max(most, s.samples);
+    const StepRow* whole = &last;
+    for (auto it = m.steps.rbegin(); it != m.steps.rend(); ++it)
+      if (it->samples == most) {
+        whole = &*it;
+        break;
+      }
+    rows.push_back({"micro-batch x accumulation",
+                    fmt::format("{} x {} at the first logged step, {} x {} at the last{}", first.micro_batch,
+                                first.accumulation, whole->micro_batch, whole->accumulation,
+                                whole == &last ? "" : " whole one")});
+  }
   std::map<std::string, int> counts;
   for (const auto& e : m.events) ++counts[e.kind];
   std::string ev;

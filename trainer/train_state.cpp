@@ -113,7 +113,8 @@ nlohmann::json TrainState::to_json() const {
                       {"activation_offload", activation_offload},
                       {"optimizer_offload", optimizer_offload},
                       {"world_size", world_size},
-                      {"eval_due", eval_due}};
+                      {"eval_due", eval_due},
+                      {"total_steps", total_steps}};
   if (data_samples > 0) j["data"] = {{"samples", data_samples}, {"target_tokens", data_target_tokens}};
   return j;
 }
@@ -133,6 +134,7 @@ TrainState TrainState::from_json(const nlohmann::json& j, const std::string& ori
     s.checkpoint_layers = v.get<std::vector<bool>>();
   }
   if (j.contains("world_size")) s.world_size = json_int(j, "world_size", 1, int64_t{1} << 20, origin);
+  if (j.contains("total_steps")) s.total_steps = json_int(j, "total_steps", 0, int64_t{1} << 53, origin);
   if (j.contains("data")) {  // absent from checkpoints of earlier versions
     const auto& d = j["data"];
     const std::string where = std::string(origin) + ".data";
@@ -251,8 +253,12 @@ fs::path latest_checkpoint(const fs::path& output_dir) {
   return all.empty() ? fs::path() : all.back().second;
 }
 
-void check_resume_compatible(const Config& now, const Config& then, const fs::path& checkpoint, int64_t world_now,
-                             int64_t world_then) {
+void check_resume_compatible(const Config& now, const Config& then_written, const fs::path& checkpoint,
+                             int64_t world_now, int64_t world_then) {
+  // Earlier versions took warmup_steps over warmup_ratio where both were set (both are
+  // refused now): what that run trained by.
+  Config then = then_written;
+  if (then.training.warmup_steps > 0) then.training.warmup_ratio = 0;
   const auto a = flatten(now), b = flatten(then);
   for (const auto& [key, value] : a) {
     const auto it = b.find(key);

@@ -113,7 +113,7 @@ struct StepRecord {
   double grad_norm = NAN;  // before clipping; NaN when the update was skipped
   bool skipped = false;    // fp16 overflow: no update, the loss scale halved
   int64_t tokens = 0;      // target tokens of the step, over every rank
-  int64_t samples = 0;     // this rank's samples (an epoch's last step may have fewer)
+  int64_t samples = 0;     // samples of the step, over every rank (an epoch's last step may have fewer)
   int64_t micro_batch = 0, accumulation = 0;  // as the step ran (the supervisor may since have changed them)
   double seconds = 0;
   int64_t allocated = 0;   // device memory after the step
@@ -158,6 +158,7 @@ class Trainer {
   bool evaluate_loss(const char* when);  // false: a signal stopped it before its row was written
   void evaluate_accuracy(const char* when);
   int stop_signal() const;  // 0, or the signal to stop for (distributed: agreed in the step)
+  void agree_after_evaluation();
   // Whether an evaluation stops (or does not start) for a signal. Under sharded layers every
   // rank runs the same forwards (each gathers with the others): only the agreed stop counts.
   bool eval_stopped() const { return layer_shards_ ? stop_signal() != 0 : stop_requested(); }
@@ -661,9 +662,15 @@ void Trainer::build_supervisor() {
 // started afresh in its directory, or resumed from an earlier checkpoint of it): this run
 // would write its own among them, save_total_limit would prune by step number across both
 // (its own newest first), and resume_from_checkpoint=latest would continue the other run.
+// Rank 0's output_dir decides (the one that writes checkpoints), for every rank alike.
 void Trainer::refuse_another_runs_checkpoints() const {
-  const std::vector<fs::path> later = checkpoints_after(out_dir_, step_);
-  if (later.empty()) return;
+  const std::vector<fs::path> later = writer_ ? checkpoints_after(out_dir_, step_) : std::vector<fs::path>{};
+  const int64_t found =
+      pg_ ? pg_->allreduce(std::vector<int64_t>{static_cast<int64_t>(later.size())}, ReduceOp::max)[0]
+          : static_cast<int64_t>(later.size());
+  if (found == 0) return;
+  MEMTUNE_CHECK(writer_, "rank 0's training.output_dir holds another run's checkpoints past step ", step_,
+                " (rank 0's message names them)");
   std::string names;
   for (const auto& p : later) names += (names.empty() ? "" : ", ") + p.filename().string();
   fail("training.output_dir ", out_dir_.string(), " holds checkpoints past step ", step_, ", where this run starts (",
@@ -744,8 +751,16 @@ void Trainer::resume() {
                 cpu_rng_state().numel());
   set_cpu_rng_state(ck.rng_state);
   step_ = ck.state.step;
-  saved_at_ = step_;
+  std::error_code ec;  // a checkpoint of this output_dir: a stop before the next step need not write it again
+  if (fs::equivalent(dir.parent_path(), out_dir_ / "checkpoints", ec)) saved_at_ = step_;
   eval_due_ = ck.state.eval_due;
+  if (ck.state.total_steps > 0 && ck.state.total_steps != total_steps_)
+    spdlog::warn("resume: the run is {} steps long, where the checkpoint's run was {}: the learning-rate schedule "
+                 "after it follows the new length", total_steps_, ck.state.total_steps);
+  else if (ck.state.total_steps == 0 && c_.training.max_steps <= 0)
+    spdlog::info("resume: {} names no run length (an earlier memtune wrote it); epochs are now the Trainer's (a step "
+                 "never reaches into the next epoch), so num_train_epochs may make this run longer than the one it "
+                 "continues", dir.string());
   if (!ck.state.checkpoint_layers.empty()) ckpt_layers_ = ck.state.checkpoint_layers;
   offload_activations_ = offload_activations_ || ck.state.activation_offload;
   if (ck.state.optimizer_offload)
@@ -783,13 +798,17 @@ TrainResult Trainer::run() {
   }
   if (eval_due_) {  // a stop cut short the periodic evaluation at the checkpoint's step
     eval_due_ = !evaluate_loss("periodic");
+    agree_after_evaluation();
     if (int sig = stop_signal()) return stop(sig);
   }
   start_ = std::chrono::steady_clock::now();
   while (step_ < total_steps_) {
     const StepRecord r = step();
     log_step(r);
-    if (eval_every_ > 0 && step_ % eval_every_ == 0) eval_due_ = !evaluate_loss("periodic");
+    if (eval_every_ > 0 && step_ % eval_every_ == 0) {
+      eval_due_ = !evaluate_loss("periodic");
+      agree_after_evaluation();
+    }
     if (save_every_ > 0 && step_ % save_every_ == 0 && step_ < total_steps_) save_checkpoint();
     if (int sig = stop_signal()) return stop(sig);
   }
@@ -818,7 +837,11 @@ StepRecord Trainer::step() {
   r.epoch = sampler_->epoch();
   r.samples = static_cast<int64_t>(samples.size());
   // distributed: every micro-batch's loss is scaled by the target tokens of the GLOBAL step.
-  if (pg_) r.tokens = pg_->allreduce(std::vector<int64_t>{r.tokens}, ReduceOp::sum)[0];
+  if (pg_) {
+    const auto sums = pg_->allreduce(std::vector<int64_t>{r.tokens, r.samples}, ReduceOp::sum);
+    r.tokens = sums[0];
+    r.samples = sums[1];
+  }
   if (pg_) seed_cpu_rng(c_.training.seed, step_, dist_.rank);
   const at::Tensor rng = cpu_rng_state();
   const int64_t denominator = std::max<int64_t>(1, r.tokens);
@@ -1010,6 +1033,7 @@ void Trainer::save_checkpoint() {
   state.optimizer_offload = optimizer_offloaded();
   state.world_size = dist_.world_size;
   state.eval_due = eval_due_;
+  state.total_steps = total_steps_;
   state.data_samples = train_set_->stats().samples;
   state.data_target_tokens = train_set_->stats().target_tokens;
   const auto whole_state = shards > 0 ? std::vector<std::pair<std::string, at::Tensor>>{} : optimizer_->state_tensors();
@@ -1070,6 +1094,16 @@ void Trainer::evaluate_accuracy(const char* when) {
   }
   spdlog::info("accuracy ({}): {}", when, a.describe());
   metrics_->write({{"step", step_}, {"when", when}, {"accuracy", a.share()}, {"accuracy_rows", a.total}});
+}
+
+// distributed: after a periodic evaluation the ranks agree again, so that a signal that cut
+// one rank's evaluation short stops every rank at this step (not at the next step's
+// reduction), each with the evaluation due.
+void Trainer::agree_after_evaluation() {
+  if (!pg_) return;
+  const auto any = pg_->allreduce(std::vector<int64_t>{g_stop_signal.load() != 0, eval_due_}, ReduceOp::max);
+  dist_stop_ = dist_stop_ || any[0] > 0;
+  eval_due_ = any[1] > 0;
 }
 
 // distributed: a rank stops only when the ranks agreed in this step's reduction, all at

@@ -127,6 +127,28 @@ TEST(Sampler, TwoRankShardsAreDisjointAndCoverTheEpoch) {
   EXPECT_EQ(r1.next(1)[0], Sampler::permutation(n, 5, 1)[1]);
 }
 
+// Over ranks the epoch's last step is as short on each (every rank takes part in each
+// step's collectives): 11 samples over 2 ranks keep 10, 5 per rank; at 2 per rank and step
+// that is 2, 2 and 1 on both, disjoint, covering the 10.
+TEST(Sampler, OverRanksTheLastStepOfAnEpochIsAsShortOnEach) {
+  const int64_t n = 11;
+  Sampler r0(n, 9, true, 0, 2), r1(n, 9, true, 1, 2);
+  EXPECT_EQ(r0.steps_per_epoch(4), 3);
+  std::set<int64_t> seen;
+  for (int64_t want : {2, 2, 1}) {
+    const auto a = r0.next(2), b = r1.next(2);
+    EXPECT_EQ(static_cast<int64_t>(a.size()), want);
+    EXPECT_EQ(static_cast<int64_t>(b.size()), want);
+    seen.insert(a.begin(), a.end());
+    seen.insert(b.begin(), b.end());
+  }
+  const auto perm = Sampler::permutation(n, 9, 0);
+  EXPECT_EQ(seen, std::set<int64_t>(perm.begin(), perm.begin() + 10));
+  EXPECT_EQ(r0.epoch(), 0);
+  EXPECT_EQ(r0.next(2).size(), 2u);
+  EXPECT_EQ(r0.epoch(), 1);
+}
+
 TEST(Sampler, StepsPerEpoch) {
   Sampler s(100, 0, true, 1, 2);  // 50 per rank
   EXPECT_EQ(s.steps_per_epoch(8), 13);   // 100 / 8: 12 and a last step on the other 4

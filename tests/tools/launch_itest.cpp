@@ -273,5 +273,37 @@ TEST(Launch, SigtermCheckpointsEveryWorkerAndARelaunchResumes) {
   EXPECT_TRUE(fs::exists(d / "out/adapter/adapter_model.safetensors"));
 }
 
+// SIGTERM to rank 0 alone, in the periodic evaluation after step 2 (the training file as
+// evaluation data: seconds of it): the ranks agree to stop at step 2, not at step 3's
+// reduction, and the checkpoint says the evaluation is due; the relaunch runs it first, so
+// the evaluations are at steps 2, 4 and 6 as in an uninterrupted run.
+TEST(Launch, ASignalToOneRankInAnEvaluationStopsEveryRankAtItsStep) {
+  MEMTUNE_REQUIRE_GLOO();
+  fs::path d = temp_dir();
+  fs::path cfg = write_config(d);
+  const std::string eval = "training.max_steps=6 training.eval_steps=2 data.eval_file=" +
+                           (source_dir() / "examples/data/tasks_train.jsonl").string();
+  Background launcher(launch_cmd("--nproc-per-node 2", cfg, eval), d / "log");
+  ASSERT_TRUE(wait_for([&] { return read_file(d / "log").find("[rank 0]: ") != std::string::npos &&
+                                    read_file(d / "log").find("step 2/6") != std::string::npos; }, 120))
+      << read_file(d / "log");
+  const pid_t w0 = launcher.worker(0);
+  ASSERT_GT(w0, 0);
+  kill(w0, SIGTERM);
+  launcher.wait(60);
+  const std::string log = read_file(d / "log");
+  ASSERT_NE(log.find("[rank 0] eval (periodic): stopped by signal 15"), std::string::npos) << "missed it:\n" << log;
+  EXPECT_NE(log.find("[rank 1] stopped by signal 15 at step 2"), std::string::npos) << log;
+  const fs::path ck = trainer::latest_checkpoint(d / "out");
+  ASSERT_EQ(ck.filename(), "step-2") << log;
+  EXPECT_TRUE(trainer::load_training_checkpoint(ck).state.eval_due) << log;
+  auto r = run(launch_cmd("--nproc-per-node 2", cfg, eval + " training.resume_from_checkpoint=latest"), 300);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::vector<int64_t> periodic;
+  for (const auto& m : metrics(d / "out"))
+    if (m.contains("eval_loss") && m.value("when", "") == "periodic") periodic.push_back(m["step"].get<int64_t>());
+  EXPECT_EQ(periodic, (std::vector<int64_t>{2, 4, 6})) << r.output;
+}
+
 }  // namespace
 }  // namespace memtune::testing

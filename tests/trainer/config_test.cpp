@@ -611,7 +611,9 @@ TEST(ConfigSteps, BelowOneIsAShareOfTheRunRoundedUpAsTransformers) {
 
 TEST(ConfigSteps, AFractionAboveOneOrBothWarmupKeysAreRefused) {
   expect_invalid("training:\n  warmup_steps: 10.5\n", "warmup_steps", "10.5", "training.warmup_steps", "10.5",
-                 "a whole number of steps, or in (0, 1) a share");
+                 "a whole number of steps (at most 2^53), or in (0, 1) a share");
+  expect_invalid("training:\n  logging_steps: 1e20\n", "logging_steps", "1e20", "training.logging_steps", "1e20",
+                 "at most 2^53");  // a whole number, but past int64's steps
   expect_invalid("training:\n  save_steps: 2.5\n", "save_steps", "2.5", "training.save_steps", "2.5",
                  "a whole number of steps");
   expect_invalid("training:\n  logging_steps: 0\n", "logging_steps", "0", "training.logging_steps", "0",

@@ -292,6 +292,18 @@ TEST(ShardedCheckpoint, TheShardsOfASaveThatDiedAreRemovedAndThePreviousCheckpoi
   EXPECT_EQ(load_training_checkpoint(out / "checkpoints/step-2").optimizer.size(), 4u);
 }
 
+// Earlier versions took warmup_steps over warmup_ratio where a config set both (refused
+// now): such a checkpoint resumes under the same warm-up given as warmup_steps alone, and
+// not under another.
+TEST(ResumeCompatibility, AnEarlierConfigWithBothWarmupKeysTrainedByItsSteps) {
+  Config then = parse_config("model: {name_or_path: tiny-llama}\ntraining: {warmup_steps: 5}\n", "t");
+  then.training.warmup_ratio = 0.1;  // as an earlier version wrote it beside warmup_steps
+  const Config now = parse_config("model: {name_or_path: tiny-llama}\ntraining: {warmup_steps: 5}\n", "t");
+  EXPECT_NO_THROW(check_resume_compatible(now, then, "ck", 1, 1));
+  const Config ratio = parse_config("model: {name_or_path: tiny-llama}\ntraining: {warmup_ratio: 0.1}\n", "t");
+  EXPECT_THROW(check_resume_compatible(ratio, then, "ck", 1, 1), UserError);
+}
+
 TEST(ShardedCheckpoint, ResumeKeepsTheSamplesOfAStepOverAllRanks) {
   const Config c2 = parse_config("model: {name_or_path: tiny-llama}\ntraining: {per_device_train_batch_size: 3}\n", "t");
   const Config c3 = parse_config("model: {name_or_path: tiny-llama}\ntraining: {per_device_train_batch_size: 2}\n", "t");

@@ -247,6 +247,33 @@ TEST(Train, ResumeRefusesABreakingConfigChange) {
   EXPECT_NE(fine.output.find("resumed from"), std::string::npos) << fine.output;
 }
 
+// num_train_epochs as transformers' Trainer counts it (5.12: set_initial_training_values,
+// _run_epoch): 10 samples at 2 x 4 make an epoch of ceil(10 / 2) = 5 micro-batches, so 2
+// steps (4 micro-batches, then the 1 left: 8 samples, then 2), 6 steps for 3 epochs; the
+// linear schedule without warm-up gives step k (from 0) lr x (6 - k) / 6.
+TEST(Train, EpochsAreTheTrainersWithTheLastStepOfEachShorter) {
+  fs::path d = temp_dir();
+  std::string rows;
+  for (int i = 0; i < 10; ++i) rows += "{\"text\": \"sample number " + std::to_string(i) + " of ten\"}\n";
+  write_file(d / "ten.jsonl", rows);
+  TrainRun r = train(d, "training.max_steps=-1 training.num_train_epochs=3 training.per_device_train_batch_size=2 "
+                        "training.gradient_accumulation_steps=4 training.warmup_steps=0 data.format=text "
+                        "data.pack_sequences=false data.train_file=" + (d / "ten.jsonl").string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::vector<int64_t> samples, epochs;
+  std::vector<double> lrs;
+  for (const auto& m : metrics(r.dir))
+    if (m.contains("loss")) {
+      samples.push_back(m["samples"].get<int64_t>());
+      epochs.push_back(m["epoch"].get<int64_t>());
+      lrs.push_back(m["lr"].get<double>());
+    }
+  EXPECT_EQ(samples, (std::vector<int64_t>{8, 2, 8, 2, 8, 2}));
+  EXPECT_EQ(epochs, (std::vector<int64_t>{0, 0, 1, 1, 2, 2}));
+  ASSERT_EQ(lrs.size(), 6u);
+  for (int k = 0; k < 6; ++k) EXPECT_NEAR(lrs[k], 1e-3 * (6 - k) / 6.0, 1e-12) << "step " << k;
+}
+
 // A run started afresh in a directory holding another run's checkpoints, or resumed from an
 // earlier checkpoint than the newest, would write its checkpoints among the other run's:
 // save_total_limit, pruning by step number, would delete its own, and `latest` continue the
