@@ -204,8 +204,8 @@ void Supervisor::run_step(int64_t step, const StepStages& stages) {
       std::string tried;
       for (const auto& h : history_) tried += "  " + h + "\n";
       throw MemoryExhausted(str_cat("out of memory at micro-batch ", micro_,
-                                    " with every saving enabled that memory.on_oom.ladder allows (step ", step, ").\nWhat was tried:\n", tried,
-                                    report_ ? report_() : ""));
+                                    " with every saving enabled that memory.on_oom.ladder allows (step ", step,
+                                    ").\nWhat was tried:\n", tried, report_ ? report_() : ""));
     }
   }
 }

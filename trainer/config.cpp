@@ -548,12 +548,12 @@ void validate(const TrainingConfig& t, const std::string& p, const Checker& c) {
   c.check(t.max_steps == -1 || t.max_steps >= 1, p + ".max_steps", t.max_steps, "must be -1 (use epochs) or >= 1");
   c.check(t.warmup_ratio >= 0 && t.warmup_ratio <= 1, p + ".warmup_ratio", t.warmup_ratio, "must be in [0, 1]");
   // transformers' *_steps: a whole number of steps, or a share of them below 1.
-  auto steps_key = [&](const char* key, double v, double least, const char* zero) {
-    c.check(v >= least && (v < 1 || v == std::floor(v)) && v <= 0x1p53, p + "." + key, v,
-            str_cat(least > 0 ? "must be > 0" : "must be >= 0", zero, ": a whole number of steps (at most 2^53), or in "
-                    "(0, 1) a share of the run's steps (transformers' form: 0.1 is every tenth of the run)"));
+  auto steps_key = [&](const char* key, double v, bool zero_allowed, const char* zero) {
+    c.check((zero_allowed ? v >= 0 : v > 0) && (v < 1 || v == std::floor(v)) && v <= 0x1p53, p + "." + key, v,
+            str_cat(zero_allowed ? "must be >= 0" : "must be > 0", zero, ": a whole number of steps (at most 2^53), "
+                    "or in (0, 1) a share of the run's steps (transformers' form: 0.1 is every tenth of the run)"));
   };
-  steps_key("warmup_steps", t.warmup_steps, 0, "");
+  steps_key("warmup_steps", t.warmup_steps, true, "");
   c.check(t.warmup_steps == 0 || t.warmup_ratio == 0, p + ".warmup_ratio", t.warmup_ratio,
           "is set beside warmup_steps: transformers 5 would take warmup_ratio (and deprecates it), transformers 4 "
           "warmup_steps. Set one of them (warmup_steps below 1 is a share of the steps)");
@@ -564,10 +564,10 @@ void validate(const TrainingConfig& t, const std::string& p, const Checker& c) {
   c.check(t.momentum >= 0 && t.momentum < 1, p + ".momentum", t.momentum, "must be in [0, 1)");
   c.check(t.momentum == 0 || t.optim == "sgd", p + ".momentum", t.momentum,
           "only optim: sgd has a momentum, and optim is " + t.optim + "; drop the key or train with sgd");
-  steps_key("logging_steps", t.logging_steps, std::nextafter(0.0, 1.0), "");
-  steps_key("save_steps", t.save_steps, 0, " (0: only at the end)");
+  steps_key("logging_steps", t.logging_steps, false, "");
+  steps_key("save_steps", t.save_steps, true, " (0: only at the end)");
   c.check(t.save_total_limit >= 0, p + ".save_total_limit", t.save_total_limit, "must be >= 0 (0: keep all)");
-  steps_key("eval_steps", t.eval_steps, 0, " (0: no periodic evaluation)");
+  steps_key("eval_steps", t.eval_steps, true, " (0: no periodic evaluation)");
   c.check(t.eval_accuracy_rows >= 0, p + ".eval_accuracy_rows", t.eval_accuracy_rows, "must be >= 0");
   c.check(t.fp16_init_scale > 0, p + ".fp16_init_scale", t.fp16_init_scale, "must be > 0");
   c.check(t.fp16_growth_interval >= 1, p + ".fp16_growth_interval", t.fp16_growth_interval, "must be at least 1");

@@ -25,7 +25,7 @@ void keep_metrics_through(const fs::path& file, int64_t step) {
     }
     const int64_t at = row.contains("step") && row["step"].is_number() ? row["step"].get<int64_t>() : -1;
     const std::string when = row.contains("when") && row["when"].is_string() ? row["when"].get<std::string>() : "";
-    if (at <= step && !(at == step && (when == "final" || when == "after training")))
+    if (at <= step && !(at == step && (when == kFinalEval || when == kFinalAccuracy)))
       kept += line + "\n";
     else
       ++dropped;

@@ -9,6 +9,11 @@
 
 namespace memtune::trainer {
 
+// The `when` of the final evaluations' rows: written after a run's last checkpoint, so a
+// resume at that step drops them and its own finish writes them again.
+inline constexpr const char* kFinalEval = "final";
+inline constexpr const char* kFinalAccuracy = "after training";
+
 class MetricsLog {
  public:
   // A run from step 0 starts the file afresh. A run resumed at `step` keeps the rows of

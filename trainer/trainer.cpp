@@ -158,7 +158,7 @@ class Trainer {
   bool evaluate_loss(const char* when);  // false: a signal stopped it before its row was written
   void evaluate_accuracy(const char* when);
   int stop_signal() const;  // 0, or the signal to stop for (distributed: agreed in the step)
-  void agree_after_evaluation();
+  void evaluate_periodic();
   // Whether an evaluation stops (or does not start) for a signal. Under sharded layers every
   // rank runs the same forwards (each gathers with the others): only the agreed stop counts.
   bool eval_stopped() const { return layer_shards_ ? stop_signal() != 0 : stop_requested(); }
@@ -797,18 +797,14 @@ TrainResult Trainer::run() {
     }
   }
   if (eval_due_) {  // a stop cut short the periodic evaluation at the checkpoint's step
-    eval_due_ = !evaluate_loss("periodic");
-    agree_after_evaluation();
+    evaluate_periodic();
     if (int sig = stop_signal()) return stop(sig);
   }
   start_ = std::chrono::steady_clock::now();
   while (step_ < total_steps_) {
     const StepRecord r = step();
     log_step(r);
-    if (eval_every_ > 0 && step_ % eval_every_ == 0) {
-      eval_due_ = !evaluate_loss("periodic");
-      agree_after_evaluation();
-    }
+    if (eval_every_ > 0 && step_ % eval_every_ == 0) evaluate_periodic();
     if (save_every_ > 0 && step_ % save_every_ == 0 && step_ < total_steps_) save_checkpoint();
     if (int sig = stop_signal()) return stop(sig);
   }
@@ -1096,10 +1092,12 @@ void Trainer::evaluate_accuracy(const char* when) {
   metrics_->write({{"step", step_}, {"when", when}, {"accuracy", a.share()}, {"accuracy_rows", a.total}});
 }
 
-// distributed: after a periodic evaluation the ranks agree again, so that a signal that cut
-// one rank's evaluation short stops every rank at this step (not at the next step's
-// reduction), each with the evaluation due.
-void Trainer::agree_after_evaluation() {
+// The evaluation at step_; a stop that cuts it short leaves it due, for the checkpoint and the
+// resume. distributed: the ranks then agree again, so that a signal that cut one rank's
+// evaluation short stops every rank at this step (not at the next step's reduction), each
+// with the evaluation due.
+void Trainer::evaluate_periodic() {
+  eval_due_ = !evaluate_loss("periodic");
   if (!pg_) return;
   const auto any = pg_->allreduce(std::vector<int64_t>{g_stop_signal.load() != 0, eval_due_}, ReduceOp::max);
   dist_stop_ = dist_stop_ || any[0] > 0;
@@ -1126,8 +1124,8 @@ TrainResult Trainer::stop(int sig) {
 // The last checkpoint, the final evaluations, the adapter or model, the memory report.
 TrainResult Trainer::finish() {
   save_checkpoint();
-  evaluate_loss("final");
-  evaluate_accuracy("after training");
+  evaluate_loss(kFinalEval);
+  evaluate_accuracy(kFinalAccuracy);
   // Stopped during the final evaluations: the last checkpoint is saved; the adapter or
   // model is still written below (a moment's work), the remaining evaluation is skipped.
   if (int sig = g_stop_signal.load()) {
