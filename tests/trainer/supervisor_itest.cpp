@@ -124,6 +124,25 @@ TEST_P(InjectedOom, RunCompletesAndEqualsTheSmallerMicroBatchFromTheStart) {
 
 INSTANTIATE_TEST_SUITE_P(Phases, InjectedOom, ::testing::Values("forward", "backward", "optimizer"));
 
+// A step's row names the micro-batch it ran at, not the one the supervisor chose after it:
+// step 1 runs out of memory at 4 and completes at 2 x 4, then the supervisor grows back to 4
+// (one step with headroom under a roomy budget), and step 2 runs at 4 x 2.
+TEST(Supervisor, AStepsRowNamesTheMicroBatchItRanAt) {
+  fs::path d = temp_dir();
+  TrainRun r = train(d, "training.max_steps=2 memory.inject_oom=0:forward memory.device_limit=8GiB "
+                        "memory.grow_after_steps=1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto steps = rows(r.out);
+  ASSERT_EQ(steps.size(), 2u);
+  std::vector<std::string> kinds;
+  for (const auto& e : steps[0]["events"]) kinds.push_back(e["kind"].get<std::string>());
+  EXPECT_EQ(kinds, (std::vector<std::string>{"oom", "shrink", "grow"})) << r.output;
+  EXPECT_EQ(steps[0]["micro_batch"], 2);
+  EXPECT_EQ(steps[0]["accumulation"], 4);
+  EXPECT_EQ(steps[1]["micro_batch"], 4);
+  EXPECT_EQ(steps[1]["accumulation"], 2);
+}
+
 // The peaks a step reports (metrics.jsonl, the memory report) are those of the attempt that
 // completed: the failed micro-batch-4 attempt's forward does not count, so the OOM run's
 // peaks equal those of the run that used micro-batch 2 from the start.
