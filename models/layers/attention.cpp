@@ -50,14 +50,17 @@ at::Tensor block_mask(const at::Tensor& seg, int64_t t0, int64_t t1, int64_t k0,
 }
 
 // Scores of query rows [t0,t1) against keys [k0,t1): (B,Hkv,G,bt,tk) fp32, masked and scaled.
+// Scaled in q's dtype, then widened, as transformers' eager attention (`matmul(q, k^T) *
+// scaling`, then the softmax in fp32): in bf16 and fp16 the scaled scores are rounded once
+// more, unless the scale is a power of two (head_dim 16, 64, 256).
 at::Tensor block_scores(const at::Tensor& q, const at::Tensor& k, const at::Tensor& seg, int64_t t0,
                         int64_t t1, int64_t window, double scale) {
   const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), D = q.size(4), bt = t1 - t0;
   const int64_t k0 = first_key(t0, window);
   at::Tensor qb = q.slice(3, t0, t1).reshape({B, Hkv, G * bt, D});
   at::Tensor kb = k.slice(2, k0, t1);
-  at::Tensor s = at::matmul(qb, kb.transpose(-1, -2)).view({B, Hkv, G, bt, t1 - k0}).to(at::kFloat);
-  return s.mul_(scale).add_(block_mask(seg, t0, t1, k0, window));
+  at::Tensor s = at::matmul(qb, kb.transpose(-1, -2)).view({B, Hkv, G, bt, t1 - k0});
+  return s.mul_(scale).to(at::kFloat).add_(block_mask(seg, t0, t1, k0, window));
 }
 
 // Attention dropout's scaled mask Z (0 or 1/(1-p)) for query rows [t0,t1) against keys

@@ -239,8 +239,9 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(Case{"llama", "--arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 96 --vocab 256"},
                       Case{"llama_checkpointed",
                            "--arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 96 --vocab 256", true},
-                      Case{"llama_biases", "--arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 96 "
-                                           "--vocab 256 --attention-bias --mlp-bias"},
+                      // Heads of 32 (4 over a hidden of 64): an attention scale bf16 rounds.
+                      Case{"llama_biases_wide_heads", "--arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 2 --head-dim 32 "
+                                                      "--intermediate 96 --vocab 256 --attention-bias --mlp-bias"},
                       Case{"gpt2_conv1d", "--arch gpt2 --layers 2 --hidden 64 --heads 4 --vocab 256 --max-pos 64"}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
