@@ -71,6 +71,9 @@ put("hf_config", "mistral.json", json.dumps(dict(llama, architectures=["MistralF
                                                  sliding_window=32)))
 put("hf_config", "qwen2.json", json.dumps(dict(llama, architectures=["Qwen2ForCausalLM"], model_type="qwen2",
                                                attention_bias=True)))
+put("hf_config", "qwen3.json", json.dumps(dict(llama, architectures=["Qwen3ForCausalLM"], model_type="qwen3",
+                                               head_dim=32, use_sliding_window=False, sliding_window=None,
+                                               layer_types=["full_attention", "full_attention"])))
 put("hf_config", "gpt2.json", json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 64,
                                           "n_head": 4, "n_layer": 2, "n_positions": 128, "vocab_size": 256,
                                           "layer_norm_epsilon": 1e-5, "activation_function": "gelu_new"}))

@@ -129,12 +129,14 @@ ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
     if (s.architecture.rfind("GPT2", 0) == 0) s.model_type = "gpt2";
     else if (s.architecture.rfind("Mistral", 0) == 0) s.model_type = "mistral";
     else if (s.architecture.rfind("Qwen2", 0) == 0) s.model_type = "qwen2";
+    else if (s.architecture.rfind("Qwen3", 0) == 0) s.model_type = "qwen3";
     else s.model_type = "llama";
   }
   if (s.architecture.empty()) {
     static const std::map<std::string, std::string> by_type = {{"llama", "LlamaForCausalLM"},
                                                                {"mistral", "MistralForCausalLM"},
                                                                {"qwen2", "Qwen2ForCausalLM"},
+                                                               {"qwen3", "Qwen3ForCausalLM"},
                                                                {"gpt2", "GPT2LMHeadModel"}};
     auto it = by_type.find(s.model_type);
     if (it != by_type.end()) s.architecture = it->second;
@@ -144,7 +146,9 @@ ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
   s.num_layers = require_int(c, {"num_hidden_layers", "n_layer"}, where);
   s.num_heads = require_int(c, {"num_attention_heads", "n_head"}, where);
   s.num_kv_heads = get_or<int64_t>(c, "num_key_value_heads", s.num_heads, where);
-  s.head_dim = get_or<int64_t>(c, "head_dim", s.num_heads > 0 ? s.hidden_size / s.num_heads : 0, where);
+  // Qwen3Config's head_dim defaults to 128; the other families' to hidden_size / heads.
+  const bool qwen3 = s.model_type == "qwen3";
+  s.head_dim = get_or<int64_t>(c, "head_dim", qwen3 ? 128 : s.num_heads > 0 ? s.hidden_size / s.num_heads : 0, where);
   if (s.is_gpt2()) {
     s.intermediate_size = get_or<int64_t>(c, "n_inner", 4 * s.hidden_size, where);
     s.max_position_embeddings = require_int(c, {"n_positions", "max_position_embeddings"}, where);
@@ -162,20 +166,34 @@ ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
                   "supported");
   } else {
     s.intermediate_size = require_int(c, {"intermediate_size"}, where);
-    s.max_position_embeddings = get_or<int64_t>(c, "max_position_embeddings", 2048, where);
+    // Each family's config class default (LlamaConfig 2048, MistralConfig 4096 x 32, Qwen2Config
+    // and Qwen3Config 32768): it bounds dynamic rope scaling and is yarn's original length.
+    const int64_t max_positions = s.model_type == "mistral" ? 131072
+                                  : s.model_type == "qwen2" || qwen3 ? 32768
+                                                                     : 2048;
+    s.max_position_embeddings = get_or<int64_t>(c, "max_position_embeddings", max_positions, where);
     s.norm_eps = get_or<double>(c, "rms_norm_eps", 1e-6, where);
     s.tie_word_embeddings = get_or<bool>(c, "tie_word_embeddings", false, where);
     s.attention_bias = get_or<bool>(c, "attention_bias", s.model_type == "qwen2", where);
-    // transformers reads mlp_bias in LlamaMLP only; Mistral's and Qwen2's MLPs have no biases.
+    // transformers reads mlp_bias in LlamaMLP only; Mistral's, Qwen2's and Qwen3's MLPs have no biases.
     if (s.model_type == "llama") s.mlp_bias = get_or<bool>(c, "mlp_bias", false, where);
+    s.qk_norm = qwen3;
     if (s.model_type == "mistral" && c.contains("sliding_window") && !c["sliding_window"].is_null()) {
       s.sliding_window = get_or<int64_t>(c, "sliding_window", 0, where);
       MEMTUNE_CHECK(*s.sliding_window > 0, where, ": sliding_window ", *s.sliding_window,
                     " must be positive (or null for none)");
     }
     MEMTUNE_CHECK(!get_or<bool>(c, "use_sliding_window", false, where), where,
-                  ": use_sliding_window true (Qwen2's windowed layers) is not supported; set it to false "
+                  ": use_sliding_window true (Qwen2's and Qwen3's windowed layers) is not supported; set it to false "
                   "to train with full attention");
+    // With use_sliding_window false transformers sets sliding_window to None, and a layer that
+    // layer_types still names sliding then fails in its mask ("Could not find a sliding_window").
+    if ((s.model_type == "qwen2" || qwen3) && c.contains("layer_types") && c["layer_types"].is_array())
+      for (size_t i = 0; i < c["layer_types"].size(); ++i)
+        MEMTUNE_CHECK(c["layer_types"][i] != "sliding_attention", where, ": layer_types[", i,
+                      "] is sliding_attention, but use_sliding_window is false and transformers then has no "
+                      "window for it; memtune trains Qwen models with full attention only: make every entry "
+                      "full_attention (or drop layer_types)");
     std::string act = get_or<std::string>(c, "hidden_act", "silu", where);
     MEMTUNE_CHECK(act == "silu", where, ": hidden_act '", act, "' is not supported (silu)");
     for (const json* holder : {&c, c.contains("rope_parameters") ? &c["rope_parameters"] : nullptr})
@@ -345,6 +363,17 @@ ModelSpec llama_like(int64_t vocab, int64_t hidden, int64_t inter, int64_t layer
   return s;
 }
 
+ModelSpec qwen3_like(int64_t vocab, int64_t hidden, int64_t inter, int64_t layers, int64_t heads, int64_t kv,
+                     int64_t head_dim, bool tie) {
+  ModelSpec s = llama_like(vocab, hidden, inter, layers, heads, kv, 32768, 1000000.0, tie);
+  s.architecture = "Qwen3ForCausalLM";
+  s.model_type = "qwen3";
+  s.head_dim = head_dim;
+  s.norm_eps = 1e-6;
+  s.qk_norm = true;
+  return s;
+}
+
 // GPT-2 family: 4x MLP, tied head, learned positions.
 ModelSpec gpt2_like(int64_t vocab, int64_t hidden, int64_t layers, int64_t heads, int64_t max_pos) {
   ModelSpec s;
@@ -370,6 +399,14 @@ std::optional<ModelSpec> preset(const std::string& name) {
   if (name == "tiny-llama") {
     // GQA (2 kv heads for 4 heads) so the smallest model exercises every path.
     ModelSpec s = llama_like(1024, 128, 344, 4, 4, 2, 1024, 10000.0, false);
+    s.bos_token_id = 1019;  // examples/tiny-tokenizer: <|begin_of_text|>
+    s.eos_token_id = 1020;  // <|end_of_text|>
+    return s;
+  }
+  if (name == "tiny-qwen3") {
+    // Heads of 64 over a hidden of 128 (4 heads of 32 would fill it): q_proj widens, o_proj narrows.
+    ModelSpec s = qwen3_like(1024, 128, 344, 4, 4, 2, 64, true);
+    s.max_position_embeddings = 1024;
     s.bos_token_id = 1019;  // examples/tiny-tokenizer: <|begin_of_text|>
     s.eos_token_id = 1020;  // <|end_of_text|>
     return s;
@@ -419,6 +456,18 @@ std::optional<ModelSpec> preset(const std::string& name) {
     s.torch_dtype = "bfloat16";
     return s;
   }
+  if (name == "qwen3-0.6b" || name == "qwen3-8b") {
+    // Qwen3-0.6B-Base and Qwen3-8B-Base: heads of 128 wider than hidden_size / heads, per-head
+    // q and k norms.
+    ModelSpec s = name == "qwen3-8b" ? qwen3_like(151936, 4096, 12288, 36, 32, 8, 128, false)
+                                     : qwen3_like(151936, 1024, 3072, 28, 16, 8, 128, true);
+    s.max_position_embeddings = 32768;
+    s.rope_theta = 1000000.0;
+    s.bos_token_id = 151643;
+    s.eos_token_id = 151643;
+    s.torch_dtype = "bfloat16";
+    return s;
+  }
   if (name == "gpt2") {
     ModelSpec s = gpt2_like(50257, 768, 12, 12, 1024);
     s.bos_token_id = 50256;
@@ -429,7 +478,8 @@ std::optional<ModelSpec> preset(const std::string& name) {
 }
 
 std::vector<std::string> preset_names() {
-  return {"tiny-llama", "tiny-gpt2", "llama-3.2-1b", "llama-3-8b", "mistral-7b", "qwen2-0.5b", "gpt2"};
+  return {"tiny-llama", "tiny-gpt2",  "tiny-qwen3", "llama-3.2-1b", "llama-3-8b",
+          "mistral-7b", "qwen2-0.5b", "qwen3-0.6b", "qwen3-8b",     "gpt2"};
 }
 
 int64_t parameter_count(const ModelSpec& s) {
@@ -442,7 +492,7 @@ int64_t parameter_count(const ModelSpec& s) {
   }
   const int64_t q = s.q_dim(), kv = s.kv_dim();
   per_layer = 2 * C + C * q + 2 * C * kv + q * C + 3 * C * F + (s.attention_bias ? q + 2 * kv : 0) +
-              (s.attention_bias && s.model_type != "qwen2" ? C : 0) + (s.mlp_bias ? 2 * F + C : 0);
+              (s.o_proj_bias() ? C : 0) + (s.mlp_bias ? 2 * F + C : 0) + (s.qk_norm ? 2 * s.head_dim : 0);
   return V * C + s.num_layers * per_layer + C + (s.tie_word_embeddings ? 0 : V * C);
 }
 

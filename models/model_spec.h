@@ -1,6 +1,6 @@
 #pragma once
 // The shape of a model, as Hugging Face's config.json describes it, normalised across
-// families (Llama, Mistral, Qwen2, GPT-2). Presets are plain functions returning one.
+// families (Llama, Mistral, Qwen2, Qwen3, GPT-2). Presets are plain functions returning one.
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -24,7 +24,7 @@ struct RopeScaling {
 
 struct ModelSpec {
   std::string architecture = "LlamaForCausalLM";  // HF `architectures[0]`
-  std::string model_type = "llama";                // llama|mistral|qwen2|gpt2|<registered>
+  std::string model_type = "llama";                // llama|mistral|qwen2|qwen3|gpt2|<registered>
   int64_t vocab_size = 256;
   int64_t hidden_size = 64;
   int64_t intermediate_size = 172;
@@ -37,8 +37,11 @@ struct ModelSpec {
   double rope_theta = 10000.0;
   RopeScaling rope_scaling;
   bool tie_word_embeddings = false;
-  bool attention_bias = false;           // q,k,v biases (Qwen2); Llama's also o_proj
-  bool mlp_bias = false;                 // gate/up/down biases (Llama's mlp_bias; Mistral/Qwen2 have none)
+  bool attention_bias = false;           // q,k,v biases, and o_proj's but in Qwen2 (o_proj_bias())
+  bool mlp_bias = false;                 // gate/up/down biases (Llama's mlp_bias; Mistral/Qwen2/Qwen3 have none)
+  // Qwen3's q_norm and k_norm: an RMSNorm over each head's query and key (weights of
+  // head_dim), before the rotary embedding.
+  bool qk_norm = false;
   // Mistral's sliding_window: a query sees its W latest keys (itself included); none: all.
   // Read from config.json but kept in `extra`, which writes it back unchanged.
   std::optional<int64_t> sliding_window;
@@ -53,6 +56,8 @@ struct ModelSpec {
   int64_t q_dim() const { return num_heads * head_dim; }
   int64_t kv_dim() const { return num_kv_heads * head_dim; }
   bool is_gpt2() const { return model_type == "gpt2"; }
+  // Qwen2's attention has biases on q, k and v only; the others' attention_bias covers o_proj too.
+  bool o_proj_bias() const { return attention_bias && model_type != "qwen2"; }
 };
 
 // Reads a config.json object; `where` names the file in messages.
@@ -71,8 +76,8 @@ DropoutRates dropout_rates(const ModelSpec& spec);
 // Throws UserError when the shape is impossible (heads not dividing, ...).
 void validate_spec(const ModelSpec& spec, const std::string& where);
 
-// Presets: tiny-llama, tiny-gpt2 (tests and the quickstart) and the real sizes users
-// fine-tune: llama-3.2-1b, llama-3-8b, mistral-7b, qwen2-0.5b, gpt2.
+// Presets: tiny-llama, tiny-gpt2, tiny-qwen3 (tests and the quickstart) and the real sizes
+// users fine-tune: llama-3.2-1b, llama-3-8b, mistral-7b, qwen2-0.5b, qwen3-0.6b, qwen3-8b, gpt2.
 std::optional<ModelSpec> preset(const std::string& name);
 std::vector<std::string> preset_names();
 

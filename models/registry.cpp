@@ -12,8 +12,8 @@ namespace {
 std::map<std::string, ArchitectureBuilder>& table() {
   static std::map<std::string, ArchitectureBuilder> t = [] {
     std::map<std::string, ArchitectureBuilder> m;
-    for (const char* name : {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "llama",
-                             "mistral", "qwen2"})
+    for (const char* name : {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                             "llama", "mistral", "qwen2", "qwen3"})
       m[name] = make_llama;
     m["GPT2LMHeadModel"] = make_gpt2;
     m["gpt2"] = make_gpt2;

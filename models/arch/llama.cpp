@@ -1,7 +1,8 @@
-// Llama family (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM) with Hugging Face's
-// semantics: RMSNorm in fp32, rotary embeddings in the rotate_half layout (with linear,
-// llama3, yarn and, within max_position_embeddings, dynamic frequency scaling), grouped-query
-// attention, SwiGLU MLP, optional attention and MLP biases, optionally tied embeddings.
+// Llama family (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM) with
+// Hugging Face's semantics: RMSNorm in fp32, rotary embeddings in the rotate_half layout (with
+// linear, llama3, yarn and, within max_position_embeddings, dynamic frequency scaling),
+// grouped-query attention, SwiGLU MLP, optional attention and MLP biases, optionally tied
+// embeddings, and Qwen3's RMSNorm over each head's query and key before the rotary embedding.
 #include <algorithm>
 #include <cmath>
 
@@ -88,7 +89,11 @@ class LlamaModel : public CausalLM {
       L.k = lin("self_attn.k_proj", C, kv, spec.attention_bias);
       L.v = lin("self_attn.v_proj", C, kv, spec.attention_bias);
       // Llama's attention_bias covers o_proj too; Qwen2's biases are on q, k, v only.
-      L.o = lin("self_attn.o_proj", q, C, spec.attention_bias && spec.model_type != "qwen2");
+      L.o = lin("self_attn.o_proj", q, C, spec.o_proj_bias());
+      if (spec.qk_norm) {
+        add_tensor(p + "self_attn.q_norm.weight", {spec.head_dim}, TensorRole::kNorm, &L.q_norm, i);
+        add_tensor(p + "self_attn.k_norm.weight", {spec.head_dim}, TensorRole::kNorm, &L.k_norm, i);
+      }
       add_tensor(p + "post_attention_layernorm.weight", {C}, TensorRole::kNorm, &L.post_norm, i);
       L.gate = lin("mlp.gate_proj", C, F, spec.mlp_bias);
       L.up = lin("mlp.up_proj", C, F, spec.mlp_bias);
@@ -143,6 +148,10 @@ class LlamaModel : public CausalLM {
     at::Tensor q = L.q->forward(h, ctx.training).view({B, T, s.num_heads, D});
     at::Tensor k = L.k->forward(h, ctx.training).view({B, T, Hkv, D});
     at::Tensor v = L.v->forward(h, ctx.training).view({B, T, Hkv, D});
+    if (s.qk_norm) {  // over each head's D values, as Qwen3Attention's q_norm and k_norm
+      q = rms_norm(q, L.q_norm, s.norm_eps);
+      k = rms_norm(k, L.k_norm, s.norm_eps);
+    }
     q = apply_rotary(q, ctx.cos, ctx.sin);
     k = apply_rotary(k, ctx.cos, ctx.sin);
     // Query head j uses key/value head j / G (HF's repeat_kv).
@@ -184,6 +193,9 @@ class LlamaModel : public CausalLM {
     if (g_in) attn += rms_norm_kept(E, C, a);
     const bool qkv_trained = tq.trains() || tk.trains() || tv.trains();
     if (tq.keeps_input() || tk.keeps_input() || tv.keeps_input()) attn += E * C * a;  // h
+    // Qwen3's q_norm and k_norm keep the projections' outputs (the rotary embedding after them keeps nothing).
+    if (sp.qk_norm && (g_in || tq.trains())) attn += rms_norm_kept(E * sp.num_heads, sp.head_dim, a);
+    if (sp.qk_norm && (g_in || tk.trains())) attn += rms_norm_kept(E * sp.num_kv_heads, sp.head_dim, a);
     AttentionOptions dropped;  // the blocked kernel draws dropout's masks per block
     dropped.dropout.p = dropout_.attention;
     const AttentionMemory at = attention_memory(s.batch, sp.num_heads, sp.num_kv_heads, s.tokens, sp.head_dim, a,
@@ -234,6 +246,7 @@ class LlamaModel : public CausalLM {
  private:
   struct Layer {
     at::Tensor input_norm, post_norm;
+    at::Tensor q_norm, k_norm;  // Qwen3's per-head norms (spec.qk_norm)
     Linear *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr, *gate = nullptr, *up = nullptr,
            *down = nullptr;
     uint64_t attention_dropout_site = 0;

@@ -44,6 +44,10 @@ FAMILIES = {
     "llama-rope-dynamic": dict(BASE_LLAMA, rope_scaling={"rope_type": "dynamic", "factor": 4.0}),
     "mistral": dict(BASE_LLAMA, model_type="mistral", sliding_window=8),
     "qwen2": dict(BASE_LLAMA, model_type="qwen2", use_sliding_window=False, tie_word_embeddings=True),
+    # Qwen3: q and k norms per head, heads of 32 over a hidden of 64 (q_proj widens), biases on
+    # q, k, v and o.
+    "qwen3": dict(BASE_LLAMA, model_type="qwen3", head_dim=32, attention_bias=True, use_sliding_window=False,
+                  tie_word_embeddings=True),
     "gpt2": dict(model_type="gpt2", vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256,
                  bos_token_id=1019, eos_token_id=EOS),
 }
@@ -52,6 +56,7 @@ SAVES = {
     "llama": [("fp32", None), ("fp16", None), ("bf16", None), ("fp32", "100KB"), ("bf16", "100KB")],
     "gpt2": [("fp32", None), ("fp16", None), ("bf16", "100KB")],
     "qwen2": [("fp32", None), ("bf16", "100KB")],
+    "qwen3": [("fp32", None), ("bf16", "100KB")],
 }
 PROMPT = "The old lighthouse keeper"
 
@@ -446,6 +451,12 @@ class Check:
              "activation_function"),
             ("qwen2 use_sliding_window", dict(FAMILIES["qwen2"], use_sliding_window=True, sliding_window=8,
                                               max_window_layers=1), "use_sliding_window"),
+            ("qwen3 use_sliding_window", dict(FAMILIES["qwen3"], use_sliding_window=True, sliding_window=8,
+                                              max_window_layers=1), "use_sliding_window"),
+            # With the window off transformers has none to give the layers that layer_types
+            # names sliding, and its forward fails.
+            ("qwen3 layer_types sliding", dict(FAMILIES["qwen3"], layer_types=["full_attention", "sliding_attention"]),
+             "layer_types"),
             ("gpt2 scale_attn_by_inverse_layer_idx", dict(FAMILIES["gpt2"], scale_attn_by_inverse_layer_idx=True),
              "scale_attn_by_inverse_layer_idx"),
         ]
@@ -548,7 +559,7 @@ class Check:
                     if want("hf->mt") or (dtype, shard) == ("fp32", None):
                         self.hf_writes(family, dtype, shard)
         if want("bf16"):
-            for family in ("llama", "gpt2", "qwen2", "mistral"):
+            for family in ("llama", "gpt2", "qwen2", "qwen3", "mistral"):
                 self.bf16_models(family)
         if want("tokenizer"):
             self.tokenizer_check()
@@ -559,6 +570,7 @@ class Check:
             self.adapters("lora-gpt2", "gpt2", {"target_modules": "all-linear"})
             self.adapters("lora-qwen2-rslora", "qwen2", {"target_modules": ["q_proj", "v_proj", "down_proj"],
                                                          "use_rslora": True})
+            self.adapters("qlora-qwen3", "qwen3", {"target_modules": "all-linear"}, quantized=True)
             self.adapters("lora-llama-bias-layers", "llama-bias", {"target_modules": "all-linear",
                                                                    "layers_to_transform": [1]})
             self.adapters("qlora-mistral-regex", "mistral", {"target_modules": r".*\.(q|k|v|o)_proj"},

@@ -1,7 +1,9 @@
-// memtune's Llama / Mistral / Qwen2 / GPT-2 against an independent reference of Hugging Face's
+// memtune's Llama / Mistral / Qwen2 / Qwen3 / GPT-2 against an independent reference of Hugging Face's
 // modeling semantics (tests/reference/hf_reference.py on Debian's python3-torch): logits,
 // loss and every parameter gradient on random tiny models with packed, padded batches.
 #include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
 
 #include <ATen/ATen.h>
 
@@ -109,6 +111,12 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"llama_attention_and_mlp_bias", "--arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 2 "
                                              "--intermediate 96 --vocab 256 --attention-bias --mlp-bias"},
         Case{"qwen2_tied", "--arch llama --qwen2 --tie --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 96 --vocab 256"},
+        // Qwen3: per-head q and k norms, heads of 32 over a hidden of 64 with 4 of them (q_proj
+        // widens to 128), biases on q, k, v and o; and checkpointed, tied.
+        Case{"qwen3_wide_heads_bias", "--arch llama --qwen3 --layers 2 --hidden 64 --heads 4 --kv-heads 2 --head-dim 32 "
+                                      "--intermediate 96 --vocab 256 --attention-bias"},
+        Case{"qwen3_tied_checkpointed", "--arch llama --qwen3 --tie --layers 2 --hidden 64 --heads 4 --kv-heads 1 "
+                                        "--head-dim 16 --intermediate 96 --vocab 256", true},
         Case{"mistral", "--arch llama --mistral --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 96 --vocab 256"},
         Case{"mistral_sliding_window", "--arch llama --mistral --sliding-window 5 --layers 2 --hidden 64 --heads 4 "
                                        "--kv-heads 2 --intermediate 96 --vocab 256"},
@@ -242,6 +250,9 @@ INSTANTIATE_TEST_SUITE_P(
                       // Heads of 32 (4 over a hidden of 64): an attention scale bf16 rounds.
                       Case{"llama_biases_wide_heads", "--arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 2 --head-dim 32 "
                                                       "--intermediate 96 --vocab 256 --attention-bias --mlp-bias"},
+                      // head_dim 32: a scale of 32^-0.5, which bf16 rounds (16's is a power of two).
+                      Case{"qwen3", "--arch llama --qwen3 --layers 2 --hidden 64 --heads 4 --kv-heads 2 --head-dim 32 "
+                                    "--intermediate 96 --vocab 256"},
                       Case{"gpt2_conv1d", "--arch gpt2 --layers 2 --hidden 64 --heads 4 --vocab 256 --max-pos 64"}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
@@ -271,6 +282,47 @@ TEST(HfReferenceInitModel, LlamaBiasesAreWrittenAndRead) {
   models::ForwardOutput out = model->forward(load_batch(dir / "batch.safetensors"), {});
   models::SafetensorsFile ref(dir / "ref.safetensors");
   EXPECT_NEAR(out.loss_sum.item<double>() / out.target_tokens, ref.load("loss").item<double>(), 1e-5);
+}
+
+// `memtune init-model --preset tiny-qwen3` writes the q and k norms under transformers' names
+// and a config the reference reads as Qwen3 (heads of 64 over a hidden of 128): it computes
+// memtune's loss. Its norms are given other weights than ones first, so a norm read from the
+// wrong tensor, or skipped, shows.
+TEST(HfReferenceInitModel, Qwen3PresetIsWrittenAndRead) {
+  if (!python_torch_available()) GTEST_SKIP() << "python3-torch not installed";
+  fs::path dir = temp_dir();
+  auto r = run(memtune_bin() + " init-model --preset tiny-qwen3 --out " + (dir / "init").string() + " --seed 3");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const nlohmann::json config = nlohmann::json::parse(read_file(dir / "init/config.json"));
+  EXPECT_EQ(config["model_type"], "qwen3");
+  EXPECT_EQ(config["head_dim"], 64);
+  models::SafetensorsFile written(dir / "init/model.safetensors");
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  int norms = 0;
+  for (const std::string& name : written.names()) {
+    at::Tensor t = written.load(name);
+    if (name.find("_norm.weight") != std::string::npos && name.find("self_attn.") != std::string::npos) {
+      EXPECT_EQ(t.sizes(), at::IntArrayRef({64})) << name;
+      t = at::linspace(0.5, 1.5, 64) + 0.1 * (norms++);
+    }
+    tensors.emplace_back(name, t);
+  }
+  EXPECT_EQ(norms, 2 * 4) << "a q_norm and a k_norm in each of the 4 layers";
+  fs::create_directories(dir / "model");
+  fs::copy_file(dir / "init/config.json", dir / "model/config.json");
+  models::save_safetensors(dir / "model/model.safetensors", tensors);
+  run_ref("make-batch --out " + (dir / "batch.safetensors").string() + " --vocab 1024 --rows 2 --seq 16 --seed 5");
+  run_ref("forward --model " + (dir / "model").string() + " --batch " + (dir / "batch.safetensors").string() +
+      " --out " + (dir / "ref.safetensors").string() + " --no-grad");
+  auto model = models::load_hf_model(dir / "model", {});
+  models::ForwardOutput out = model->forward(load_batch(dir / "batch.safetensors"), {});
+  models::SafetensorsFile ref(dir / "ref.safetensors");
+  EXPECT_NEAR(out.loss_sum.item<double>() / out.target_tokens, ref.load("loss").item<double>(), 1e-5);
+  auto plain = models::load_hf_model(dir / "init", {});
+  EXPECT_GT(std::abs(plain->forward(load_batch(dir / "batch.safetensors"), {}).loss_sum.item<double>() -
+                     out.loss_sum.item<double>()),
+            1e-4)
+      << "the norms' weights do not change the loss";
 }
 
 // dynamic past max_position_embeddings: transformers' frequencies then depend on the forwards

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <tuple>
 
 #include <nlohmann/json.hpp>
 
@@ -244,3 +245,78 @@ TEST(ModelSpecDropout, Gpt2RatesAreTransformersAndRoundTrip) {
 }
 
 }  // namespace
+
+// Qwen3 as transformers 5.12's Qwen3Config and Qwen3Attention read it: head_dim 128 when the
+// file omits it (not hidden_size / heads), no biases unless attention_bias (then on o_proj too,
+// unlike Qwen2's), 32768 positions, per-head q and k norms; and its windowed layers refused,
+// whichever key names them.
+TEST(ModelSpecQwen3, DefaultsAreQwen3Configs) {
+  json c = small("qwen3");
+  auto s = spec_from_hf_config(c, "dir/config.json");
+  EXPECT_EQ(s.architecture, "Qwen3ForCausalLM");
+  EXPECT_EQ(s.head_dim, 128);
+  EXPECT_EQ(s.q_dim(), 4 * 128);
+  EXPECT_EQ(s.max_position_embeddings, 32768);
+  EXPECT_DOUBLE_EQ(s.norm_eps, 1e-6);
+  EXPECT_TRUE(s.qk_norm);
+  EXPECT_FALSE(s.attention_bias);
+  EXPECT_FALSE(s.o_proj_bias());
+  c["attention_bias"] = true;
+  EXPECT_TRUE(spec_from_hf_config(c, "dir/config.json").o_proj_bias());
+  // The architecture alone names the family too.
+  json by_arch = small("");
+  by_arch.erase("model_type");
+  by_arch["architectures"] = {"Qwen3ForCausalLM"};
+  EXPECT_EQ(spec_from_hf_config(by_arch, "dir/config.json").model_type, "qwen3");
+  // Round trip: what memtune writes reads back as the same shape.
+  c["head_dim"] = 32;
+  s = spec_from_hf_config(c, "dir/config.json");
+  auto back = spec_from_hf_config(spec_to_hf_config(s), "dir/config.json");
+  EXPECT_EQ(back.model_type, "qwen3");
+  EXPECT_EQ(back.head_dim, 32);
+  EXPECT_TRUE(back.qk_norm && back.o_proj_bias());
+  // The other families keep no per-head norms, and Qwen2's biases stay off o_proj.
+  EXPECT_FALSE(spec_from_hf_config(small("llama"), "dir/config.json").qk_norm);
+  EXPECT_EQ(spec_from_hf_config(small("llama"), "dir/config.json").max_position_embeddings, 2048);
+  EXPECT_EQ(spec_from_hf_config(small("mistral"), "dir/config.json").max_position_embeddings, 131072);
+  auto qwen2 = spec_from_hf_config(small("qwen2"), "dir/config.json");
+  EXPECT_TRUE(qwen2.attention_bias && !qwen2.o_proj_bias() && !qwen2.qk_norm);
+  EXPECT_EQ(qwen2.head_dim, 16);
+}
+
+TEST(ModelSpecQwen3, WindowedLayersAreRefusedByName) {
+  json c = small("qwen3");
+  c["use_sliding_window"] = true;
+  std::string e = error_of(c);
+  EXPECT_NE(e.find("use_sliding_window true"), std::string::npos) << e;
+  for (const char* type : {"qwen3", "qwen2"}) {
+    c = small(type);
+    c["use_sliding_window"] = false;
+    c["layer_types"] = {"full_attention", "sliding_attention"};
+    e = error_of(c);
+    EXPECT_NE(e.find("dir/config.json"), std::string::npos) << e;
+    EXPECT_NE(e.find("layer_types[1] is sliding_attention"), std::string::npos) << e;
+    c["layer_types"] = {"full_attention", "full_attention"};
+    EXPECT_EQ(error_of(c), "") << type;
+  }
+}
+
+// The presets' sizes against the published counts: Llama 3.2 1B and Llama 3 8B exactly (their
+// safetensors' element counts), Qwen3 0.6B and 8B as their model cards round them (0.6B with
+// 0.44B outside the embedding; 8.2B with 6.95B).
+TEST(ModelSpecPresets, ParameterCountsArePublishedOnes) {
+  using memtune::models::parameter_count;
+  using memtune::models::preset;
+  EXPECT_EQ(parameter_count(*preset("llama-3.2-1b")), 1235814400);
+  EXPECT_EQ(parameter_count(*preset("llama-3-8b")), 8030261248);
+  auto billions = [](int64_t n) { return static_cast<double>(n) / 1e9; };
+  for (const auto& [name, total, inner] : {std::tuple<const char*, double, double>{"qwen3-0.6b", 0.6, 0.44},
+                                           {"qwen3-8b", 8.2, 6.95}}) {
+    const memtune::models::ModelSpec s = *preset(name);
+    const int64_t embedding = s.vocab_size * s.hidden_size * (s.tie_word_embeddings ? 1 : 2);
+    EXPECT_NEAR(billions(parameter_count(s)), total, 0.05) << name;
+    EXPECT_NEAR(billions(parameter_count(s) - embedding), inner, 0.005) << name;
+    EXPECT_TRUE(s.qk_norm) << name;
+    EXPECT_EQ(s.head_dim, 128) << name;
+  }
+}

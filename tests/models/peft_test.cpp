@@ -76,7 +76,7 @@ TEST(PeftDefaults, TargetModulesByModelTypeArePefts) {
   EXPECT_EQ(peft_default_targets("gpt2"), std::vector<std::string>{"c_attn"});
   EXPECT_TRUE(peft_default_targets("parallel_block").empty());  // PEFT asks for target_modules
   // On the presets every layer's q and v (Llama) or fused qkv (GPT-2) get an adapter, nothing else.
-  for (const char* name : {"tiny-llama", "tiny-gpt2"}) {
+  for (const char* name : {"tiny-llama", "tiny-gpt2", "tiny-qwen3"}) {
     std::unique_ptr<CausalLM> m = init_random_model(*preset(name), 1);
     LoraTargets t;
     t.target_modules = peft_default_targets(m->spec().model_type);

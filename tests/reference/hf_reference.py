@@ -1,14 +1,14 @@
 #!/usr/bin/python3
 """Independent reference of Hugging Face transformers' causal-LM semantics (Llama, Mistral, Qwen2,
-GPT-2) and PEFT LoRA, written from the algorithms with plain torch (no transformers, no safetensors
-package). memtune's C++ tests run it on Debian's /usr/bin/python3 (torch 1.13 + numpy) to make
-fixtures at test time and to get the values memtune must reproduce.
+Qwen3, GPT-2) and PEFT LoRA, written from the algorithms with plain torch (no transformers, no
+safetensors package). memtune's C++ tests run it on Debian's /usr/bin/python3 (torch 1.13 +
+numpy) to make fixtures at test time and to get the values memtune must reproduce.
 
 Usage (all files are safetensors unless .json):
   hf_reference.py init --arch llama|gpt2 --out DIR --seed N [--layers 2 --hidden 64 --heads 4
       --kv-heads 2 --intermediate 128 --vocab 256 --max-pos 128 --head-dim D --rope-theta 10000
       --rope-scaling JSON --rope-parameters --tie --attention-bias --mlp-bias --qwen2 --mistral
-      --sliding-window W --eps E --init-std S --save-dtype float32|bfloat16|float16]
+      --qwen3 --sliding-window W --eps E --init-std S --save-dtype float32|bfloat16|float16]
   hf_reference.py init-lora --model DIR --out ADAPTER_DIR --seed N [--r 4 --alpha 8
       --targets q_proj,v_proj --rslora]
   hf_reference.py make-batch --out BATCH --vocab V --seed N [--rows 2 --seq 16 --max-docs 3
@@ -31,6 +31,11 @@ forward writes: logits (B,T,V) f32, loss () f32 = mean cross-entropy over target
 only). Compute dtype is float64 by default. Kept exactly as HF: RoPE cos/sin tables are computed in
 fp32 (HF forces fp32 there) and then cast to the compute dtype; RMSNorm/softmax run in
 max(fp32, compute dtype).
+
+Qwen3 (transformers 5's Qwen3ForCausalLM) is Llama plus q_norm / k_norm: RMSNorms over head_dim
+(same eps and fp32 upcast) applied to each head's q_proj / k_proj output before RoPE;
+attention_bias puts a bias on q, k, v and o_proj; head_dim comes from the config (128 when
+absent); use_sliding_window is refused.
 """
 import argparse
 import json
@@ -131,11 +136,14 @@ class Cfg:
         archs = d.get("architectures") or []
         if mt is None and archs:
             mt = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                  "Qwen2ForCausalLM": "qwen2", "GPT2LMHeadModel": "gpt2"}.get(archs[0])
-        if mt not in ("llama", "mistral", "qwen2", "gpt2"):
+                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                  "GPT2LMHeadModel": "gpt2"}.get(archs[0])
+        if mt not in ("llama", "mistral", "qwen2", "qwen3", "gpt2"):
             raise ValueError(f"unsupported model_type {mt!r} (architectures {archs})")
         self.model_type = mt
         self.family = "gpt2" if mt == "gpt2" else "llama"
+        # Qwen3Attention: RMSNorm(head_dim) on each head of q_proj / k_proj output, before RoPE.
+        self.qk_norm = mt == "qwen3"
         if self.family == "gpt2":
             self.hidden = d["n_embd"]
             self.layers = d["n_layer"]
@@ -159,7 +167,12 @@ class Cfg:
         self.kv_heads = d.get("num_key_value_heads") or self.heads
         if self.heads % self.kv_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-        self.head_dim = d.get("head_dim") or self.hidden // self.heads
+        if mt == "qwen3":  # Qwen3Config: head_dim: int = 128 (not hidden / heads)
+            self.head_dim = d.get("head_dim", 128)
+            if not isinstance(self.head_dim, int) or self.head_dim <= 0:
+                raise ValueError(f"qwen3 head_dim must be a positive int, got {self.head_dim!r}")
+        else:
+            self.head_dim = d.get("head_dim") or self.hidden // self.heads
         self.inter = d["intermediate_size"]
         self.vocab = d["vocab_size"]
         self.max_pos = d.get("max_position_embeddings", 2048)
@@ -172,13 +185,22 @@ class Cfg:
             self.mlp_bias = bool(d.get("mlp_bias", False))
         elif mt == "qwen2":  # Qwen2Attention: q/k/v bias=True, o_proj bias=False (hard-coded)
             self.qkv_bias, self.o_bias, self.mlp_bias = True, False, False
+        elif mt == "qwen3":  # Qwen3Attention: attention_bias on q/k/v AND o_proj; Qwen3MLP no bias
+            self.qkv_bias = self.o_bias = bool(d.get("attention_bias", False))
+            self.mlp_bias = False
         else:  # Mistral: no biases
             self.qkv_bias = self.o_bias = self.mlp_bias = False
         self.sliding_window = None
         if mt == "mistral":
             self.sliding_window = d.get("sliding_window")
-        elif mt == "qwen2" and d.get("use_sliding_window", False):
-            raise ValueError("qwen2 use_sliding_window is not supported by the reference")
+        elif mt in ("qwen2", "qwen3") and d.get("use_sliding_window", False):
+            raise ValueError(f"{mt} use_sliding_window is not supported by the reference")
+        if mt == "qwen3" and "sliding_attention" in (d.get("layer_types") or []):
+            # use_sliding_window false makes Qwen3Config's sliding_window None; a layer_types
+            # entry "sliding_attention" then makes transformers' create_sliding_window_causal_mask
+            # raise (eager / sdpa), so such a config has no well-defined forward.
+            raise ValueError("qwen3 layer_types has sliding_attention while use_sliding_window "
+                             "is false (transformers cannot build that mask)")
         # RoPE: newer configs nest everything in rope_parameters; older ones use top-level
         # rope_theta + rope_scaling ("type" is the old spelling of "rope_type").
         rp = d.get("rope_parameters")
@@ -262,6 +284,9 @@ def param_shapes(cfg):
             s[p + f"self_attn.{name}.weight"] = [out, inp]
             if bias:
                 s[p + f"self_attn.{name}.bias"] = [out]
+        if cfg.qk_norm:  # 1-d: never a linear layer, so never a LoRA target
+            s[p + "self_attn.q_norm.weight"] = [d]
+            s[p + "self_attn.k_norm.weight"] = [d]
         for name, out, inp in (("gate_proj", I, H), ("up_proj", I, H), ("down_proj", H, I)):
             s[p + f"mlp.{name}.weight"] = [out, inp]
             if cfg.mlp_bias:
@@ -550,8 +575,12 @@ class Forward:
         for i in range(c.layers):
             pre = f"model.layers.{i}."
             x = rms_norm(h, p[pre + "input_layernorm.weight"], c.eps)
-            q = self.linear(pre + "self_attn.q_proj", x).view(B, T, nq, d).transpose(1, 2)
-            k = self.linear(pre + "self_attn.k_proj", x).view(B, T, nkv, d).transpose(1, 2)
+            q = self.linear(pre + "self_attn.q_proj", x).view(B, T, nq, d)
+            k = self.linear(pre + "self_attn.k_proj", x).view(B, T, nkv, d)
+            if c.qk_norm:  # Qwen3: per-head RMSNorm on the (B,T,H,D) view, before RoPE
+                q = rms_norm(q, p[pre + "self_attn.q_norm.weight"], c.eps)
+                k = rms_norm(k, p[pre + "self_attn.k_norm.weight"], c.eps)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
             v = self.linear(pre + "self_attn.v_proj", x).view(B, T, nkv, d).transpose(1, 2)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
@@ -722,10 +751,11 @@ def make_config(a):
     kv = a.kv_heads or (2 if heads % 2 == 0 else heads)
     head_dim = a.head_dim or a.hidden // heads
     scaling = json.loads(a.rope_scaling) if a.rope_scaling else None
-    kind = "qwen2" if a.qwen2 else "mistral" if a.mistral else "llama"
+    kind = "qwen2" if a.qwen2 else "mistral" if a.mistral else \
+        "qwen3" if getattr(a, "qwen3", False) else "llama"
     c = {
         "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                           "qwen2": "Qwen2ForCausalLM"}[kind]],
+                           "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[kind]],
         "attention_dropout": 0.0,
         "bos_token_id": 1,
         "eos_token_id": 2,
@@ -750,6 +780,11 @@ def make_config(a):
                   "pretraining_tp": 1, "head_dim": head_dim})
     elif kind == "mistral":
         c.update({"head_dim": head_dim, "sliding_window": a.sliding_window})
+    elif kind == "qwen3":
+        # head_dim always written: Qwen3Config's default is 128, not hidden / heads.
+        c.update({"attention_bias": bool(a.attention_bias), "head_dim": head_dim,
+                  "max_window_layers": a.layers, "sliding_window": a.sliding_window,
+                  "use_sliding_window": False, "transformers_version": "4.51.0"})
     else:
         c.update({"max_window_layers": a.layers, "sliding_window": a.sliding_window or 4096,
                   "use_sliding_window": False})
@@ -925,7 +960,7 @@ class _Args:
         d = dict(arch="llama", layers=2, hidden=32, heads=4, kv_heads=2, intermediate=48,
                  vocab=40, max_pos=64, head_dim=None, rope_theta=10000.0, rope_scaling=None,
                  rope_parameters=False, tie=False, attention_bias=False, mlp_bias=False,
-                 qwen2=False, mistral=False, sliding_window=None, eps=None,
+                 qwen2=False, mistral=False, qwen3=False, sliding_window=None, eps=None,
                  save_dtype="float32")
         d.update(kw)
         self.__dict__.update(d)
@@ -953,7 +988,7 @@ def _rand_lora(cfg, targets, r, alpha, rslora, seed, tmp):
     return Lora(tmp, cfg)
 
 
-def naive_numpy_forward(cfg, base, ids, pos, seg):
+def naive_numpy_forward(cfg, base, ids, pos, seg, qk_norm_after_rope=False):
     """A second, loop-per-token/head numpy implementation of one row (selftest only): written
     from the definitions, sharing nothing with Forward but inv_freq."""
     P = {k: v.double().numpy() for k, v in base.items()}
@@ -1013,14 +1048,22 @@ def naive_numpy_forward(cfg, base, ids, pos, seg):
         y = P[name + ".weight"] @ v
         return y + P[name + ".bias"] if name + ".bias" in P else y
 
+    def qk(name, v, t):  # one head's q or k: Qwen3's RMSNorm(head_dim) then RoPE
+        if cfg.qk_norm:
+            w = P[name.replace("_proj", "_norm") + ".weight"]
+            if qk_norm_after_rope:  # the wrong order (selftest's sensitivity check only)
+                return rms(rope(v, pos[t]), w)
+            v = rms(v, w)
+        return rope(v, pos[t])
+
     x = [P["model.embed_tokens.weight"][ids[t]] for t in range(T)]
     for i in range(cfg.layers):
         pre = f"model.layers.{i}.self_attn."
         hs = [rms(x[t], P[f"model.layers.{i}.input_layernorm.weight"]) for t in range(T)]
-        qs = [[rope(lin(pre + "q_proj", hs[t])[h * d:(h + 1) * d], pos[t]) for h in range(nq)]
-              for t in range(T)]
-        ks = [[rope(lin(pre + "k_proj", hs[t])[h * d:(h + 1) * d], pos[t]) for h in range(nkv)]
-              for t in range(T)]
+        qs = [[qk(pre + "q_proj", lin(pre + "q_proj", hs[t])[h * d:(h + 1) * d], t)
+               for h in range(nq)] for t in range(T)]
+        ks = [[qk(pre + "k_proj", lin(pre + "k_proj", hs[t])[h * d:(h + 1) * d], t)
+               for h in range(nkv)] for t in range(T)]
         vs = [[lin(pre + "v_proj", hs[t])[h * d:(h + 1) * d] for h in range(nkv)] for t in range(T)]
         rep = nq // nkv
         x = [x[t] + lin(pre + "o_proj", attn_row(qs, ks, vs, t, d ** -0.5, lambda h: h // rep))
@@ -1149,11 +1192,14 @@ def selftest():
     check("rope_parameters == rope_theta + rope_scaling",
           "rope_theta" not in new.raw and torch.equal(rope_inv_freq(old), rope_inv_freq(new)))
 
-    # 5. packed rows == each document run alone (llama GQA + bias + llama3, qwen2, gpt2).
+    # 5. packed rows == each document run alone (llama GQA + bias + llama3, qwen2, gpt2, qwen3).
+    q3 = dict(qwen3=True, head_dim=16, attention_bias=True, tie=True)  # head_dim 16 != 32 / 4
     variants = [("llama gqa bias llama3", dict(attention_bias=True, rope_scaling=sc)),
                 ("qwen2 tied", dict(qwen2=True, tie=True, kv_heads=1)),
                 ("mistral", dict(mistral=True, heads=2, kv_heads=2, head_dim=24)),
-                ("gpt2", dict(arch="gpt2", intermediate=None, kv_heads=None))]
+                ("gpt2", dict(arch="gpt2", intermediate=None, kv_heads=None)),
+                ("qwen3", dict(qwen3=True)),
+                ("qwen3 head_dim 16 bias tied llama3", dict(q3, rope_scaling=sc))]
     batch = make_batch(3, 20, 40, seed=1)
     for name, kw in variants:
         cfg, base = _model(1, **kw)
@@ -1187,6 +1233,58 @@ def selftest():
             real = batch["segment_ids"][r] >= 0
             worst = max(worst, close(logits[r][real], torch.from_numpy(want)[real], 1e-6)[0])
         check(f"Forward == naive numpy loops ({name})", worst < 1e-6, f"(max rel {worst:.1e})")
+
+    # 5c. Qwen3: the config as transformers reads it, and q_norm / k_norm are really used.
+    cfg, base = _model(14, **q3)
+    shapes = param_shapes(cfg)
+    check("qwen3 shapes: q/k norms (head_dim), bias on q/k/v/o, none in the MLP",
+          shapes["model.layers.1.self_attn.q_norm.weight"] == [16] and
+          shapes["model.layers.1.self_attn.k_norm.weight"] == [16] and
+          shapes["model.layers.0.self_attn.q_proj.weight"] == [64, 32] and
+          shapes["model.layers.0.self_attn.o_proj.weight"] == [32, 64] and
+          shapes["model.layers.0.self_attn.o_proj.bias"] == [32] and
+          shapes["model.layers.0.self_attn.k_proj.bias"] == [32] and
+          not any(k.startswith("model.layers.0.mlp.") and k.endswith(".bias") for k in shapes) and
+          all(not (0.99 < float(base[k].min()) and float(base[k].max()) < 1.01)
+              for k in shapes if k.endswith(("q_norm.weight", "k_norm.weight"))))
+    raw = dict(cfg.raw)
+    raw.pop("head_dim")
+    raw.pop("attention_bias")
+    c_def = Cfg(raw)
+    refused = []
+    for bad in (dict(cfg.raw, use_sliding_window=True),
+                dict(cfg.raw, layer_types=["full_attention", "sliding_attention"])):
+        try:
+            Cfg(bad)
+        except ValueError:
+            refused.append(True)
+    c_sw = Cfg(dict(cfg.raw, sliding_window=2, max_window_layers=0,
+                    layer_types=["full_attention", "full_attention"]))
+    check("qwen3 config: head_dim 128 and no bias when absent, use_sliding_window refused",
+          c_def.head_dim == 128 and not c_def.qkv_bias and not c_def.o_bias and
+          Cfg({"architectures": ["Qwen3ForCausalLM"], **{k: v for k, v in cfg.raw.items()
+                                                          if k != "model_type"}}).qk_norm and
+          len(refused) == 2 and c_sw.sliding_window is None)
+    f0 = Forward(cfg, {k: v.double() for k, v in base.items()})
+    l0 = f0(batch["input_ids"], batch["position_ids"], batch["segment_ids"])
+    for which in ("q_norm", "k_norm"):
+        pb = {k: v.double() for k, v in base.items()}
+        key = f"model.layers.0.self_attn.{which}.weight"
+        pb[key] = pb[key].clone()
+        pb[key][3] *= 1.5
+        l1 = Forward(cfg, pb)(batch["input_ids"], batch["position_ids"], batch["segment_ids"])
+        check(f"qwen3 {which} weight changes the logits", close(l1, l0, 1e-6)[0] > 1e-4,
+              f"({close(l1, l0, 1e-6)[0]:.1e})")
+    cfg_n = Cfg(dict(cfg.raw, model_type="llama", mlp_bias=False))  # same tensors, no q/k norm
+    ln = Forward(cfg_n, {k: v.double() for k, v in base.items()
+                         if not k.endswith(("q_norm.weight", "k_norm.weight"))})(
+        batch["input_ids"], batch["position_ids"], batch["segment_ids"])
+    check("qwen3 != the same weights without q/k norm (llama)", close(ln, l0, 1e-6)[0] > 1e-3)
+    r0 = batch["segment_ids"][0] >= 0
+    args0 = [batch[k][0].tolist() for k in ("input_ids", "position_ids", "segment_ids")]
+    wrong = naive_numpy_forward(cfg, base, *args0, qk_norm_after_rope=True)
+    check("qwen3 norm-before-RoPE order matters (numpy check is sensitive)",
+          close(l0[0][r0], torch.from_numpy(wrong)[r0], 1e-6)[0] > 1e-4)
 
     # 6. causality and padding: changing a later token / adding padding leaves earlier logits.
     cfg, base = _model(2)
@@ -1242,7 +1340,9 @@ def selftest():
     for name, kw, targets, rs in (
             ("llama", {}, ["q_proj", "v_proj", "down_proj", "lm_head"], False),
             ("llama rslora", {"tie": True}, "all-linear", True),
-            ("gpt2", dict(arch="gpt2", intermediate=None), ["c_attn", "c_fc", "c_proj"], False)):
+            ("gpt2", dict(arch="gpt2", intermediate=None), ["c_attn", "c_fc", "c_proj"], False),
+            ("qwen3", q3, ["q_proj", "k_proj", "o_proj", "gate_proj"], False),
+            ("qwen3 all-linear", dict(q3, tie=False), "all-linear", True)):
         cfg, base = _model(4, **kw)
         lora = _rand_lora(cfg, targets, 3, 6.0, rs, 5, os.path.join(tmp, name.replace(" ", "_")))
         want_scale = 6.0 / math.sqrt(3) if rs else 2.0
@@ -1263,16 +1363,25 @@ def selftest():
         err, _ = close(ll, lmg, 1e-10)
         check(f"LoRA == merged weights ({name}, {len(lora.modules)} modules)", err < 1e-10,
               f"({err:.1e})")
+        if cfg.qk_norm:
+            check(f"no q_norm / k_norm among the LoRA modules ({name})",
+                  not any("norm" in m for m in lora.modules) and
+                  not any("norm" in m for m in linear_modules(cfg)) and
+                  (targets != "all-linear" or len(lora.modules) == 7 * cfg.layers))
 
     # 9. autograd gradients == central finite differences (float64), base and LoRA params.
     small = make_batch(2, 9, 40, seed=6)
     for name, kw in (("llama", dict(attention_bias=True, rope_scaling=sc, layers=1)),
-                     ("gpt2", dict(arch="gpt2", intermediate=None, layers=1))):
+                     ("gpt2", dict(arch="gpt2", intermediate=None, layers=1)),
+                     ("qwen3", dict(q3, layers=1))):
         cfg, base = _model(7, **kw)
         _, _, grads = run_forward(cfg, base, small)
         gen = torch.Generator().manual_seed(8)
         worst = 0.0
-        for key in list(base)[::max(1, len(base) // 9)]:
+        keys = list(base)[::max(1, len(base) // 9)]
+        keys += [k for k in base if k.endswith(("q_norm.weight", "k_norm.weight", "o_proj.bias"))
+                 and k not in keys]
+        for key in keys:
             flat = base[key].double().reshape(-1)
             for _ in range(2):
                 j = int(torch.randint(0, flat.numel(), (1,), generator=gen))
@@ -1336,11 +1445,13 @@ def selftest():
           f"(max rel {max(errs):.1e})")
 
     # 13. files written by init / init-lora load back and run through the CLI paths.
-    for arch, extra in (("llama", ["--qwen2", "--tie"]), ("gpt2", [])):
-        mdir = os.path.join(tmp, "m_" + arch)
+    for label, arch, extra in (("llama", "llama", ["--qwen2", "--tie"]), ("gpt2", "gpt2", []),
+                               ("qwen3", "llama", ["--qwen3", "--tie", "--attention-bias",
+                                                   "--head-dim", "16"])):
+        mdir = os.path.join(tmp, "m_" + label)
         main(["init", "--arch", arch, "--out", mdir, "--seed", "3", "--hidden", "32",
               "--vocab", "64"] + extra)
-        adir = os.path.join(tmp, "a_" + arch)
+        adir = os.path.join(tmp, "a_" + label)
         main(["init-lora", "--model", mdir, "--out", adir, "--seed", "4",
               "--targets", "c_attn,c_proj" if arch == "gpt2" else "q_proj,v_proj"])
         bpath = os.path.join(tmp, "b.safetensors")
@@ -1350,7 +1461,16 @@ def selftest():
         o = load_safetensors(opath)
         with open(os.path.join(adir, "adapter_config.json")) as fh:
             ac = json.load(fh)
-        check(f"CLI init/init-lora/forward ({arch})",
+        if label == "qwen3":
+            with open(os.path.join(mdir, "config.json")) as fh:
+                mc = json.load(fh)
+            check("CLI init --qwen3 writes a Qwen3 config",
+                  mc["model_type"] == "qwen3" and mc["architectures"] == ["Qwen3ForCausalLM"] and
+                  mc["head_dim"] == 16 and mc["attention_bias"] is True and
+                  mc["use_sliding_window"] is False and
+                  "model.layers.0.self_attn.q_norm.weight" in load_safetensors(
+                      os.path.join(mdir, "model.safetensors")))
+        check(f"CLI init/init-lora/forward ({label})",
               o["logits"].dtype == torch.float32 and o["loss"].shape == () and
               all(k.endswith(".lora_A.weight.grad") or k.endswith(".lora_B.weight.grad")
                   for k in o if k not in ("logits", "loss")) and
@@ -1361,7 +1481,7 @@ def selftest():
               "--lr", "0.01", "--out", jpath, "--out-tensors", os.path.join(tmp, "t.safetensors")])
         with open(jpath) as fh:
             tj = json.load(fh)
-        check(f"CLI train lowers the loss ({arch})", tj["final_loss"] < tj["losses"][0],
+        check(f"CLI train lowers the loss ({label})", tj["final_loss"] < tj["losses"][0],
               f"({tj['losses'][0]:.4f} -> {tj['final_loss']:.4f})")
 
     import shutil
@@ -1399,6 +1519,9 @@ def main(argv=None):
     p.add_argument("--mlp-bias", action="store_true")
     p.add_argument("--qwen2", action="store_true")
     p.add_argument("--mistral", action="store_true")
+    p.add_argument("--qwen3", action="store_true",
+                   help="Qwen3ForCausalLM: q_norm/k_norm, --attention-bias on q/k/v/o, "
+                        "head_dim always written")
     p.add_argument("--sliding-window", type=int, default=None)
     p.add_argument("--eps", type=float, default=None, help="rms_norm_eps / layer_norm_epsilon")
     p.add_argument("--init-std", type=float, default=None,
@@ -1460,10 +1583,12 @@ def main(argv=None):
     a = ap.parse_args(argv)
     torch.set_num_threads(min(2, torch.get_num_threads()))
     if a.cmd == "init":
-        if a.arch == "gpt2" and (a.qwen2 or a.mistral or a.kv_heads):
-            ap.error("--qwen2/--mistral/--kv-heads are llama-family options")
-        if a.qwen2 and a.mistral:
-            ap.error("--qwen2 and --mistral exclude each other")
+        if a.arch == "gpt2" and (a.qwen2 or a.mistral or a.qwen3 or a.kv_heads):
+            ap.error("--qwen2/--mistral/--qwen3/--kv-heads are llama-family options")
+        if a.qwen2 + a.mistral + a.qwen3 > 1:
+            ap.error("--qwen2, --mistral and --qwen3 exclude each other")
+        if a.qwen3 and a.mlp_bias:
+            ap.error("--mlp-bias: Qwen3's MLP has no bias")
         return cmd_init(a)
     if a.cmd == "init-lora":
         return cmd_init_lora(a)

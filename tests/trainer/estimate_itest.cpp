@@ -216,6 +216,13 @@ INSTANTIATE_TEST_SUITE_P(
         Shape{"gpt2_fp4_qv_wpe_lnf", {"model.name_or_path=tiny-gpt2", "model.quantization_config.load_in_4bit=true",
                                       "lora.target_modules=[c_attn]", "lora.modules_to_save=[wpe,ln_f]",
                                       "data.max_seq_length=128"}},
+        // Qwen3: the per-head q and k norms keep the projections' outputs; heads wider than
+        // hidden_size / heads. QLoRA on every projection, and a full fine-tune in bf16.
+        Shape{"qwen3_nf4_lora_all", {"model.name_or_path=tiny-qwen3", "model.quantization_config.load_in_4bit=true",
+                                     "lora.target_modules=all-linear", "data.max_seq_length=256",
+                                     "training.per_device_train_batch_size=2"}},
+        Shape{"qwen3_full_bf16", {"model.name_or_path=tiny-qwen3", "training.finetune=full", "training.bf16=true",
+                                  "data.max_seq_length=128", "training.per_device_train_batch_size=2"}},
         Shape{"gpt2_full", {"model.name_or_path=tiny-gpt2", "training.finetune=full", "data.max_seq_length=128",
                             "training.per_device_train_batch_size=2"}},
         // Adafactor: per-row and per-column states, and its update's workspace (the largest tensor).

@@ -261,6 +261,11 @@ TEST(Estimator, LlamaBiasesByHand) {
   s.architecture = "Qwen2ForCausalLM";
   s.mlp_bias = false;
   EXPECT_EQ(estimate_memory(input(s)).weights_dense - without, 2 * 16 * 4);
+  // Qwen3's are on q, k, v and o, and each layer has a q and a k norm of head_dim.
+  s.model_type = "qwen3";
+  s.architecture = "Qwen3ForCausalLM";
+  s.qk_norm = true;
+  EXPECT_EQ(estimate_memory(input(s)).weights_dense - without, 2 * (24 + 2 * s.head_dim) * 4);
 }
 
 TEST(Estimator, Gpt2WeightsByHand) {
