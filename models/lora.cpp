@@ -73,7 +73,53 @@ std::string LoraSummary::describe() const {
          with_commas(total_parameters) + " || trainable%: " + pct;
 }
 
+namespace {
+
+std::string module_of(const std::string& tensor) { return tensor.substr(0, tensor.rfind('.')); }
+
+// PEFT matches target_modules against every module's name, not only the linear layers', and a
+// match it cannot adapt stops it ("Target module ... is not supported"); one it can that
+// memtune does not (an embedding, lm_head) would be adapted there. memtune adapts linear
+// layers alone, so a target that also selects any other module is refused by name rather
+// than dropped: a norm (Qwen3's q_norm under a pattern like .*q_.*), a block, the embeddings.
+void refuse_other_modules(const CausalLM& model, const LoraTargets& targets) {
+  if (targets.target_modules.size() == 1 && targets.target_modules[0] == "all-linear") return;
+  std::set<std::string> linears;
+  for (Linear* l : model.linears()) linears.insert(l->name());
+  // Every other module: those holding tensors (their role) and the blocks around them, each
+  // with its decoder layer when all it holds is in one (layers_to_transform reads it).
+  std::map<std::string, std::pair<int, std::string>> others;
+  auto note = [&](const std::string& name, int layer, const std::string& what) {
+    auto [it, fresh] = others.emplace(name, std::make_pair(layer, what));
+    if (!fresh && it->second.first != layer) it->second.first = -1;
+  };
+  for (const auto& s : model.tensors()) {
+    const std::string m = module_of(s.name);
+    if (!linears.count(m))
+      note(m, s.layer, s.role == TensorRole::kEmbedding ? "an embedding"
+                       : s.role == TensorRole::kNorm   ? "a norm"
+                       : s.role == TensorRole::kHead   ? "the output layer"
+                                                       : "a tensor that is not a linear layer's");
+    for (size_t dot = m.find('.'); dot != std::string::npos; dot = m.find('.', dot + 1))
+      note(m.substr(0, dot), s.layer, "a block of modules");
+  }
+  // transformers' causal LMs have an lm_head module even when it shares the embedding's weight.
+  note("lm_head", -1, "the output layer");
+  for (const auto& [name, at] : others) {
+    if (!lora_targets(targets, name, at.first)) continue;
+    std::string wanted;
+    for (const auto& n : targets.target_modules) wanted += (wanted.empty() ? "" : ", ") + n;
+    fail("lora.target_modules [", wanted, "] selects '", name, "', ", at.second,
+         "; memtune puts LoRA on linear layers only (PEFT refuses a norm or a block too, and would put LoRA on an "
+         "embedding or lm_head, which memtune does not: train those whole with lora.modules_to_save). Narrow the "
+         "names or the pattern to the projections, or exclude it with lora.exclude_modules");
+  }
+}
+
+}  // namespace
+
 LoraSummary apply_lora(CausalLM& model, const LoraOptions& options, const LoraTargets& targets) {
+  refuse_other_modules(model, targets);
   for (auto& s : model.tensors())
     if (s.tensor->defined()) s.tensor->set_requires_grad(false);
   LoraSummary summary;
@@ -103,8 +149,6 @@ namespace {
 bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
-
-std::string module_of(const std::string& tensor) { return tensor.substr(0, tensor.rfind('.')); }
 
 }  // namespace
 

@@ -367,6 +367,65 @@ TEST(PeftAdapter, ExcludeModulesKeepPeftsMeaning) {
   }
 }
 
+// transformers' Qwen3ForCausalLM's module names (model.named_modules(), the root aside) for
+// `layers` decoder layers, and whether each is an nn.Linear.
+std::vector<std::pair<std::string, bool>> qwen3_modules(int layers) {
+  std::vector<std::pair<std::string, bool>> m = {{"model", false}, {"model.embed_tokens", false}, {"model.layers", false}};
+  for (int i = 0; i < layers; ++i) {
+    const std::string p = "model.layers." + std::to_string(i);
+    for (const auto& [name, linear] : std::vector<std::pair<std::string, bool>>{
+             {"", false}, {".self_attn", false}, {".self_attn.q_proj", true}, {".self_attn.k_proj", true},
+             {".self_attn.v_proj", true}, {".self_attn.o_proj", true}, {".self_attn.q_norm", false},
+             {".self_attn.k_norm", false}, {".mlp", false}, {".mlp.gate_proj", true}, {".mlp.up_proj", true},
+             {".mlp.down_proj", true}, {".mlp.act_fn", false}, {".input_layernorm", false},
+             {".post_attention_layernorm", false}})
+      m.emplace_back(p + name, linear);
+  }
+  for (const char* name : {"model.norm", "model.rotary_emb"}) m.emplace_back(name, false);
+  m.emplace_back("lm_head", true);  // a Linear PEFT would adapt; memtune does not
+  return m;
+}
+
+// Targets that select any module but a decoder layer's projection stop apply_lora, by the
+// module's name, where PEFT stops too (a norm, a block: "Target module ... is not supported")
+// or would adapt what memtune does not (the embedding, lm_head); targets PEFT would apply to
+// projections alone are taken. Whether PEFT selects something else is PEFT's own check over
+// transformers' module names, restated above.
+TEST(LoraTargets, AnythingButAProjectionIsRefusedWherePeftWouldNotAdaptTheSame) {
+  const ModelSpec spec = *preset("tiny-qwen3");
+  const auto hf_modules = qwen3_modules(static_cast<int>(spec.num_layers));
+  const std::vector<std::pair<json, json>> cases = {
+      {".*q_.*", nullptr},               {".*\\.(q|k|v|o)_proj", nullptr}, {json::array({"q_proj", "norm"}), nullptr},
+      {json::array({"q_proj", "self_attn"}), nullptr},                      {json::array({"q_proj", "lm_head"}), nullptr},
+      {json::array({"embed_tokens", "v_proj"}), nullptr},                   {json::array({"q_proj", "k_norm"}), nullptr},
+      {".*q_.*", ".*norm"},              {json::array({"q_proj", "v_proj", "down_proj"}), nullptr}};
+  int refused = 0;
+  for (const auto& [target, exclude] : cases) {
+    SCOPED_TRACE(target.dump() + " excluding " + exclude.dump());
+    const json config = {{"target_modules", target}, {"exclude_modules", exclude}};
+    std::string other;  // the first module PEFT selects that is not a decoder layer's projection
+    for (const auto& [name, linear] : hf_modules)
+      if (peft_adapts(config, name) && (!linear || name == "lm_head") && other.empty()) other = name;
+    LoraTargets t;
+    t.target_modules = target.is_string() ? std::vector<std::string>{target.get<std::string>()}
+                                          : target.get<std::vector<std::string>>();
+    if (!exclude.is_null()) t.exclude_modules = {exclude.get<std::string>()};
+    LoraOptions o;
+    o.r = kRank;
+    std::unique_ptr<CausalLM> model = init_random_model(spec, 1);
+    try {
+      const LoraSummary s = apply_lora(*model, o, t);
+      EXPECT_EQ(other, "") << "applied, where PEFT selects " << other;
+      for (const std::string& module : s.modules) EXPECT_TRUE(peft_adapts(config, module)) << module;
+    } catch (const UserError& e) {
+      ++refused;
+      EXPECT_NE(other, "") << "refused what PEFT adapts as memtune would: " << e.what();
+      EXPECT_NE(std::string(e.what()).find("lora.target_modules"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(refused, 6);
+}
+
 }  // namespace
 }  // namespace memtune::models
 
