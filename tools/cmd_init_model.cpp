@@ -2,6 +2,7 @@
 // any config.json.
 #include <filesystem>
 #include <iostream>
+#include <map>
 #include <optional>
 
 #include <CLI/CLI.hpp>
@@ -16,6 +17,22 @@ namespace memtune::cli {
 
 namespace fs = std::filesystem;
 
+namespace {
+
+// The families memtune builds in, under the names --arch may give them. A family's semantics
+// come from its model_type (Qwen3's per-head norms, Qwen2's biases), so --arch picks a preset of
+// that family rather than relabelling another's.
+std::optional<std::string> builtin_family(const std::string& arch) {
+  static const std::map<std::string, std::string> families = {
+      {"llama", "llama"},   {"LlamaForCausalLM", "llama"},     {"mistral", "mistral"}, {"MistralForCausalLM", "mistral"},
+      {"qwen2", "qwen2"},   {"Qwen2ForCausalLM", "qwen2"},     {"qwen3", "qwen3"},     {"Qwen3ForCausalLM", "qwen3"},
+      {"gpt2", "gpt2"},     {"GPT2LMHeadModel", "gpt2"}};
+  const auto it = families.find(arch);
+  return it == families.end() ? std::nullopt : std::optional<std::string>(it->second);
+}
+
+}  // namespace
+
 void add_init_model_command(CLI::App& app) {
   auto* cmd = app.add_subcommand("init-model", "write a randomly initialised model in Hugging Face format");
   struct A {
@@ -23,25 +40,41 @@ void add_init_model_command(CLI::App& app) {
     uint64_t seed = 0;
   };
   auto a = std::make_shared<A>();
-  cmd->add_option("--arch", a->arch, "llama, gpt2, or a registered architecture name")->capture_default_str();
+  auto* arch = cmd->add_option("--arch", a->arch,
+                                "the family of the tiny preset (llama, gpt2, qwen3), or a registered architecture "
+                                "name to build from the preset's shape")
+                   ->capture_default_str();
   auto* preset = cmd->add_option("--preset", a->preset, "tiny, or a preset name (tiny-llama, llama-3.2-1b, gpt2, ...)")
                      ->capture_default_str();
   auto* config = cmd->add_option("--config", a->config,
                                  "a Hugging Face config.json (or its directory) to build instead of a preset")
-                     ->excludes(preset);
+                     ->excludes(preset)
+                     ->excludes(arch);
   cmd->add_option("--out", a->out, "output directory")->required();
   cmd->add_option("--seed", a->seed, "random seed")->capture_default_str();
   cmd->add_option("--tokenizer", a->tokenizer, "tokenizer directory or file to copy in");
-  cmd->callback([a, config] {
+  cmd->callback([a, config, arch] {
     std::optional<models::ModelSpec> spec;
     if (config->count() > 0) {
       spec = models::read_hf_config(a->config);
     } else {
-      std::string name = a->preset == "tiny" ? (a->arch == "gpt2" ? "tiny-gpt2" : "tiny-llama") : a->preset;
+      const std::optional<std::string> family = builtin_family(a->arch);
+      std::string name = a->preset;
+      if (name == "tiny") {
+        const std::string f = family.value_or("llama");
+        MEMTUNE_CHECK(f == "llama" || f == "gpt2" || f == "qwen3", "--arch ", a->arch, ": there is no tiny ", f,
+                      " preset (tiny-llama, tiny-gpt2, tiny-qwen3); write its config.json and pass --config");
+        name = "tiny-" + f;
+      }
       spec = models::preset(name);
       MEMTUNE_CHECK(spec.has_value(), "--preset '", a->preset, "' is not a preset");
-      if (a->arch != "llama" && a->arch != "gpt2") spec->architecture = a->arch;
-      MEMTUNE_CHECK(!(a->arch == "gpt2" && !spec->is_gpt2()), "--arch gpt2 with a non-GPT-2 preset '", name, "'");
+      if (!family) {
+        spec->architecture = a->arch;  // a registered architecture, built from the preset's shape
+      } else {
+        MEMTUNE_CHECK(arch->count() == 0 || spec->model_type == *family, "--arch ", a->arch, " with --preset '",
+                      name, "', a ", spec->model_type, " model: a preset keeps its own family; drop --arch, or "
+                      "write a ", *family, " config.json and pass --config");
+      }
     }
     // Checked before anything is written, so a bad --tokenizer leaves no model behind.
     MEMTUNE_CHECK(a->tokenizer.empty() || fs::exists(a->tokenizer), "--tokenizer '", a->tokenizer,

@@ -56,6 +56,33 @@ TEST(InitModelFromConfig, BadInputIsRefusedAndWritesNothing) {
   EXPECT_FALSE(fs::exists(dir / "c"));
 }
 
+// --arch names the family of the tiny preset: Qwen3's comes with its per-head norms (the
+// family's semantics, not only its label). A preset of another family, a family without a
+// tiny preset and --arch beside --config are refused by name, and write nothing.
+TEST(InitModelArch, AFamilyIsBuiltWithItsOwnSemanticsOrRefused) {
+  const fs::path dir = temp_dir();
+  auto r = run(memtune_bin() + " init-model --arch qwen3 --out " + (dir / "q").string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::ifstream in(dir / "q/config.json");
+  const json written = json::parse(in);
+  EXPECT_EQ(written["model_type"], "qwen3");
+  EXPECT_EQ(written["architectures"][0], "Qwen3ForCausalLM");
+  const std::string tensors = read_file(dir / "q/model.safetensors");
+  EXPECT_NE(tensors.find("model.layers.0.self_attn.q_norm.weight"), std::string::npos);
+  EXPECT_NE(tensors.find("model.layers.0.self_attn.k_norm.weight"), std::string::npos);
+  for (const auto& [args, words] : std::vector<std::pair<std::string, std::vector<std::string>>>{
+           {"--arch Qwen3ForCausalLM --preset tiny-llama", {"--arch Qwen3ForCausalLM", "tiny-llama", "--config"}},
+           {"--arch mistral", {"no tiny mistral preset", "--config"}},
+           {"--arch gpt2 --preset llama-3.2-1b", {"--arch gpt2", "llama"}},
+           {"--arch qwen3 --config " + (dir / "q/config.json").string(), {"excludes"}}}) {
+    const fs::path out = dir / ("refused-" + std::to_string(args.size()));
+    r = run(memtune_bin() + " init-model " + args + " --out " + out.string());
+    EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.output;
+    for (const std::string& w : words) EXPECT_NE(r.output.find(w), std::string::npos) << args << ": " << w << "\n" << r.output;
+    EXPECT_FALSE(fs::exists(out)) << args;
+  }
+}
+
 }  // namespace
 }  // namespace memtune::testing
 
