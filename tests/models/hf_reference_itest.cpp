@@ -256,6 +256,18 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"gpt2_conv1d", "--arch gpt2 --layers 2 --hidden 64 --heads 4 --vocab 256 --max-pos 64"}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
+// memtune's loss and the reference's (no gradients) for the model in dir/model, on a batch of
+// two rows it writes to dir/batch.safetensors.
+std::pair<double, double> losses_on_a_batch(const fs::path& dir, int64_t vocab) {
+  run_ref("make-batch --out " + (dir / "batch.safetensors").string() + " --vocab " + std::to_string(vocab) +
+          " --rows 2 --seq 16 --seed 5");
+  run_ref("forward --model " + (dir / "model").string() + " --batch " + (dir / "batch.safetensors").string() +
+      " --out " + (dir / "ref.safetensors").string() + " --no-grad");
+  models::ForwardOutput out = models::load_hf_model(dir / "model", {})->forward(load_batch(dir / "batch.safetensors"), {});
+  return {out.loss_sum.item<double>() / out.target_tokens,
+          models::SafetensorsFile(dir / "ref.safetensors").load("loss").item<double>()};
+}
+
 // `memtune init-model` of a Llama config with attention_bias and mlp_bias writes every bias
 // tensor transformers expects (zero, as transformers initialises them): the reference, which
 // refuses missing or unexpected tensors, loads the model and computes memtune's loss.
@@ -275,13 +287,8 @@ TEST(HfReferenceInitModel, LlamaBiasesAreWrittenAndRead) {
   for (const char* name : {"model.layers.1.mlp.gate_proj.bias", "model.layers.1.mlp.up_proj.bias",
                            "model.layers.1.mlp.down_proj.bias", "model.layers.1.self_attn.o_proj.bias"})
     EXPECT_TRUE(written.contains(name)) << name;
-  run_ref("make-batch --out " + (dir / "batch.safetensors").string() + " --vocab 256 --rows 2 --seq 16 --seed 5");
-  run_ref("forward --model " + (dir / "model").string() + " --batch " + (dir / "batch.safetensors").string() +
-      " --out " + (dir / "ref.safetensors").string() + " --no-grad");
-  auto model = models::load_hf_model(dir / "model", {});
-  models::ForwardOutput out = model->forward(load_batch(dir / "batch.safetensors"), {});
-  models::SafetensorsFile ref(dir / "ref.safetensors");
-  EXPECT_NEAR(out.loss_sum.item<double>() / out.target_tokens, ref.load("loss").item<double>(), 1e-5);
+  const auto [loss, ref] = losses_on_a_batch(dir, 256);
+  EXPECT_NEAR(loss, ref, 1e-5);
 }
 
 // `memtune init-model --preset tiny-qwen3` writes the q and k norms under transformers' names
@@ -311,17 +318,11 @@ TEST(HfReferenceInitModel, Qwen3PresetIsWrittenAndRead) {
   fs::create_directories(dir / "model");
   fs::copy_file(dir / "init/config.json", dir / "model/config.json");
   models::save_safetensors(dir / "model/model.safetensors", tensors);
-  run_ref("make-batch --out " + (dir / "batch.safetensors").string() + " --vocab 1024 --rows 2 --seq 16 --seed 5");
-  run_ref("forward --model " + (dir / "model").string() + " --batch " + (dir / "batch.safetensors").string() +
-      " --out " + (dir / "ref.safetensors").string() + " --no-grad");
-  auto model = models::load_hf_model(dir / "model", {});
-  models::ForwardOutput out = model->forward(load_batch(dir / "batch.safetensors"), {});
-  models::SafetensorsFile ref(dir / "ref.safetensors");
-  EXPECT_NEAR(out.loss_sum.item<double>() / out.target_tokens, ref.load("loss").item<double>(), 1e-5);
-  auto plain = models::load_hf_model(dir / "init", {});
-  EXPECT_GT(std::abs(plain->forward(load_batch(dir / "batch.safetensors"), {}).loss_sum.item<double>() -
-                     out.loss_sum.item<double>()),
-            1e-4)
+  const auto [loss, ref] = losses_on_a_batch(dir, 1024);
+  EXPECT_NEAR(loss, ref, 1e-5);
+  models::ForwardOutput plain =
+      models::load_hf_model(dir / "init", {})->forward(load_batch(dir / "batch.safetensors"), {});
+  EXPECT_GT(std::abs(plain.loss_sum.item<double>() / plain.target_tokens - loss), 1e-4)
       << "the norms' weights do not change the loss";
 }
 
