@@ -83,7 +83,6 @@ std::string module_of(const std::string& tensor) { return tensor.substr(0, tenso
 // layers alone, so a target that also selects any other module is refused by name rather
 // than dropped: a norm (Qwen3's q_norm under a pattern like .*q_.*), a block, the embeddings.
 void refuse_other_modules(const CausalLM& model, const LoraTargets& targets) {
-  if (targets.target_modules.size() == 1 && targets.target_modules[0] == "all-linear") return;
   std::set<std::string> linears;
   for (Linear* l : model.linears()) linears.insert(l->name());
   // Every other module: those holding tensors (their role) and the blocks around them, each
@@ -118,8 +117,25 @@ void refuse_other_modules(const CausalLM& model, const LoraTargets& targets) {
 
 }  // namespace
 
+void check_lora_targets(const CausalLM& model, const LoraTargets& targets) {
+  bool any = false;
+  for (const auto& slot : model.tensors())
+    any = any || (slot.role == TensorRole::kLinearWeight && lora_targets(targets, slot.linear->name(), slot.layer));
+  if (!any) {
+    std::set<std::string> short_names;
+    for (Linear* l : model.linears()) short_names.insert(l->name().substr(l->name().rfind('.') + 1));
+    std::string names, wanted;
+    for (const auto& n : short_names) names += (names.empty() ? "" : ", ") + n;
+    for (const auto& n : targets.target_modules) wanted += (wanted.empty() ? "" : ", ") + n;
+    fail("lora.target_modules [", wanted, "] matches no module of this model; its projections are: ",
+         names, " (or use all-linear)");
+  }
+  if (!(targets.target_modules.size() == 1 && targets.target_modules[0] == "all-linear"))
+    refuse_other_modules(model, targets);
+}
+
 LoraSummary apply_lora(CausalLM& model, const LoraOptions& options, const LoraTargets& targets) {
-  refuse_other_modules(model, targets);
+  check_lora_targets(model, targets);
   for (auto& s : model.tensors())
     if (s.tensor->defined()) s.tensor->set_requires_grad(false);
   LoraSummary summary;
@@ -130,15 +146,6 @@ LoraSummary apply_lora(CausalLM& model, const LoraOptions& options, const LoraTa
     l->add_lora(options);
     summary.modules.push_back(l->name());
     summary.trainable_parameters += l->lora->A.numel() + l->lora->B.numel();
-  }
-  if (summary.modules.empty()) {
-    std::set<std::string> short_names;
-    for (Linear* l : model.linears()) short_names.insert(l->name().substr(l->name().rfind('.') + 1));
-    std::string names, wanted;
-    for (const auto& n : short_names) names += (names.empty() ? "" : ", ") + n;
-    for (const auto& n : targets.target_modules) wanted += (wanted.empty() ? "" : ", ") + n;
-    fail("lora.target_modules [", wanted, "] matches no module of this model; its projections are: ",
-         names, " (or use all-linear)");
   }
   summary.total_parameters = model.base_parameter_count() + summary.trainable_parameters;
   return summary;

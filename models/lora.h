@@ -40,8 +40,13 @@ struct LoraSummary {
   std::string describe() const;      // "trainable params: 1,024 || all params: ... || trainable%: 0.05"
 };
 
-// Freezes the base and adds adapters (fp32, A random, B zero) to the targeted projections.
-// Throws UserError listing the model's module names when nothing matches.
+// Throws UserError when `targets` select no projection of `model` (listing its projections'
+// names), or select any other module (a norm, a block, the embedding, lm_head): PEFT refuses
+// the first kinds and would adapt the others, which memtune does not.
+void check_lora_targets(const CausalLM& model, const LoraTargets& targets);
+
+// Freezes the base and adds adapters (fp32, A random, B zero) to the targeted projections,
+// once check_lora_targets accepts them.
 LoraSummary apply_lora(CausalLM& model, const LoraOptions& options, const LoraTargets& targets);
 
 // PEFT's modules_to_save: whole modules trained beside the adapters and saved in the adapter

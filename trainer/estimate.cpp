@@ -78,6 +78,7 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
   if (in.finetune == "lora") {
     // The model's own projections, matched as PEFT does, and the tensors trained whole.
     const models::LoraTargets targets = lora_targets(c.lora, s.model_type);
+    models::check_lora_targets(*structure, targets);  // what train would refuse
     const std::vector<const models::TensorSlot*> whole =
         models::modules_to_save_tensors(*structure, c.lora.modules_to_save, "lora.modules_to_save");
     for (const models::TensorSlot& t : structure->tensors()) {

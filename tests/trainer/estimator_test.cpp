@@ -11,6 +11,7 @@
 
 #include "models/model_spec.h"
 #include "models/registry.h"
+#include "runtime/error.h"
 #include "runtime/nf4.h"
 #include "trainer/config.h"
 #include "trainer/estimate.h"
@@ -99,6 +100,26 @@ TEST(Estimator, AdaptersAreCountedWhereTheTargetsMatch) {
   const Estimate e = estimate_memory(
       input(small_llama(), {"lora.target_modules=model\\.layers\\.(0\\.self_attn\\.q_proj|1\\.self_attn\\.v_proj)"}));
   EXPECT_EQ(e.trainable_parameters, 2 * (8 + 8) + 2 * (8 + 4));  // q (8 -> 8), v (8 -> 4), r = 2
+}
+
+// The estimate refuses the targets training refuses (models::check_lora_targets): one that
+// selects no projection, and one that also selects Qwen3's per-head norms.
+TEST(Estimator, TargetsTrainingRefusesAreRefused) {
+  models::ModelSpec s = small_llama();
+  s.model_type = "qwen3";
+  s.architecture = "Qwen3ForCausalLM";
+  s.qk_norm = true;
+  EXPECT_GT(estimate_memory(input(s, {"lora.target_modules=.*\\.(q|v)_proj"})).trainable_parameters, 0);
+  for (const auto& [target, words] : std::vector<std::pair<std::string, std::string>>{
+           {"lora.target_modules=.*q_.*", "selects 'model.layers.0.self_attn.q_norm', a norm"},
+           {"lora.target_modules=[gate]", "matches no module"}}) {
+    try {
+      estimate_memory(input(s, {target}));
+      ADD_FAILURE() << target << " was estimated";
+    } catch (const memtune::UserError& e) {
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+  }
 }
 
 TEST(Estimator, Nf4BytesByHand) {
