@@ -155,6 +155,10 @@ class CausalLM {
   // transformers does; training refuses a nonzero rate for an architecture that does not,
   // rather than train without it.
   virtual bool applies_dropout() const { return false; }
+  // The modules transformers' model of this architecture has that hold no tensor (its
+  // activations, dropouts, rotary embedding), each with its decoder layer (-1 outside the
+  // stack): a LoRA target that selects one is refused, as PEFT refuses it.
+  virtual std::vector<std::pair<std::string, int>> modules_without_tensors() const { return {}; }
 
   // Memory accounting (models/memory.h): what layer `index` keeps and holds in a step of
   // these shapes under `plan`, and what the forward holds beside the layers. An

@@ -1,5 +1,6 @@
 #include "models/lora.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <map>
 #include <regex>
@@ -56,12 +57,13 @@ std::vector<std::string> peft_default_targets(const std::string& model_type) {
 }
 
 bool lora_targets(const LoraTargets& t, const std::string& module, int layer) {
-  if (!t.layers_to_transform.empty()) {
-    bool in = false;
-    for (int l : t.layers_to_transform) in = in || l == layer;
-    if (!in) return false;
-  }
   if (!t.exclude_modules.empty() && name_matches(t.exclude_modules, module)) return false;
+  // A module named in full is a target whatever layers_to_transform says (PEFT's exact-key
+  // branch of check_target_module_exists); the layers filter suffixes, patterns, all-linear.
+  if (std::find(t.target_modules.begin(), t.target_modules.end(), module) != t.target_modules.end()) return true;
+  if (!t.layers_to_transform.empty() &&
+      std::find(t.layers_to_transform.begin(), t.layers_to_transform.end(), layer) == t.layers_to_transform.end())
+    return false;
   if (t.target_modules.size() == 1 && t.target_modules[0] == "all-linear") return true;
   return name_matches(t.target_modules, module);
 }
@@ -77,16 +79,36 @@ namespace {
 
 std::string module_of(const std::string& tensor) { return tensor.substr(0, tensor.rfind('.')); }
 
+std::string joined(const std::vector<std::string>& names) {
+  std::string s;
+  for (const auto& n : names) s += (s.empty() ? "" : ", ") + n;
+  return s;
+}
+
+// Whether `module` is, or is inside, a module lora.modules_to_save names: PEFT's
+// `re.match(rf"(^|.*\.){m}($|\..*)", key)`, which keeps its targets out of those.
+bool inside_modules_to_save(const LoraTargets& t, const std::string& module) {
+  for (const std::string& m : t.modules_to_save) {
+    const std::string dotted = "." + m;
+    if (module == m || module.rfind(m + ".", 0) == 0 || module.find(dotted + ".") != std::string::npos ||
+        (module.size() > dotted.size() && module.compare(module.size() - dotted.size(), dotted.size(), dotted) == 0))
+      return true;
+  }
+  return false;
+}
+
 // PEFT matches target_modules against every module's name, not only the linear layers', and a
 // match it cannot adapt stops it ("Target module ... is not supported"); one it can that
-// memtune does not (an embedding, lm_head) would be adapted there. memtune adapts linear
-// layers alone, so a target that also selects any other module is refused by name rather
-// than dropped: a norm (Qwen3's q_norm under a pattern like .*q_.*), a block, the embeddings.
+// memtune does not (an embedding, lm_head) would be adapted there. memtune adapts the decoder
+// layers' projections alone, so a target that also selects any other module is refused by
+// name rather than dropped: a norm (Qwen3's q_norm under a pattern like .*q_.*), a block, an
+// activation, the embeddings, lm_head.
 void refuse_other_modules(const CausalLM& model, const LoraTargets& targets) {
   std::set<std::string> linears;
   for (Linear* l : model.linears()) linears.insert(l->name());
-  // Every other module: those holding tensors (their role) and the blocks around them, each
-  // with its decoder layer when all it holds is in one (layers_to_transform reads it).
+  // Every other module: those holding tensors (their role), the blocks around them and the
+  // architecture's modules without tensors, each with its decoder layer when all it holds is
+  // in one (layers_to_transform reads it).
   std::map<std::string, std::pair<int, std::string>> others;
   auto note = [&](const std::string& name, int layer, const std::string& what) {
     auto [it, fresh] = others.emplace(name, std::make_pair(layer, what));
@@ -95,43 +117,45 @@ void refuse_other_modules(const CausalLM& model, const LoraTargets& targets) {
   for (const auto& s : model.tensors()) {
     const std::string m = module_of(s.name);
     if (!linears.count(m))
-      note(m, s.layer, s.role == TensorRole::kEmbedding ? "an embedding"
-                       : s.role == TensorRole::kNorm   ? "a norm"
-                       : s.role == TensorRole::kHead   ? "the output layer"
-                                                       : "a tensor that is not a linear layer's");
+      note(m, s.layer, s.role == TensorRole::kEmbedding           ? "an embedding"
+                       : s.role == TensorRole::kPositionEmbedding ? "the position embedding"
+                       : s.role == TensorRole::kNorm              ? "a norm"
+                       : s.role == TensorRole::kHead              ? "the output layer (lm_head)"
+                                                                  : "a module that is not a projection");
     for (size_t dot = m.find('.'); dot != std::string::npos; dot = m.find('.', dot + 1))
       note(m.substr(0, dot), s.layer, "a block of modules");
   }
+  for (const auto& [name, layer] : model.modules_without_tensors()) note(name, layer, "a module without weights");
   // transformers' causal LMs have an lm_head module even when it shares the embedding's weight.
-  note("lm_head", -1, "the output layer");
+  note("lm_head", -1, "the output layer (lm_head)");
+  const bool tied = model.spec().tie_word_embeddings;
   for (const auto& [name, at] : others) {
-    if (!lora_targets(targets, name, at.first)) continue;
-    std::string wanted;
-    for (const auto& n : targets.target_modules) wanted += (wanted.empty() ? "" : ", ") + n;
-    fail("lora.target_modules [", wanted, "] selects '", name, "', ", at.second,
-         "; memtune puts LoRA on linear layers only (PEFT refuses a norm or a block too, and would put LoRA on an "
-         "embedding or lm_head, which memtune does not: train those whole with lora.modules_to_save). Narrow the "
-         "names or the pattern to the projections, or exclude it with lora.exclude_modules");
+    if (inside_modules_to_save(targets, name) || !lora_targets(targets, name, at.first)) continue;
+    fail("lora.target_modules [", joined(targets.target_modules), "] selects '", name, "', ", at.second,
+         "; memtune puts LoRA on the decoder layers' projections only (PEFT refuses a norm, a block or an "
+         "activation too, and would put LoRA on an embedding or lm_head, which memtune does not",
+         tied ? ")" : "; train those whole with lora.modules_to_save instead)",
+         ". Narrow the names or the pattern to the projections, or exclude it with lora.exclude_modules");
   }
 }
 
 }  // namespace
 
 void check_lora_targets(const CausalLM& model, const LoraTargets& targets) {
+  if (!(targets.target_modules.size() == 1 && targets.target_modules[0] == "all-linear"))
+    refuse_other_modules(model, targets);
   bool any = false;
   for (const auto& slot : model.tensors())
     any = any || (slot.role == TensorRole::kLinearWeight && lora_targets(targets, slot.linear->name(), slot.layer));
   if (!any) {
     std::set<std::string> short_names;
     for (Linear* l : model.linears()) short_names.insert(l->name().substr(l->name().rfind('.') + 1));
-    std::string names, wanted;
-    for (const auto& n : short_names) names += (names.empty() ? "" : ", ") + n;
-    for (const auto& n : targets.target_modules) wanted += (wanted.empty() ? "" : ", ") + n;
-    fail("lora.target_modules [", wanted, "] matches no module of this model; its projections are: ",
-         names, " (or use all-linear)");
+    const std::vector<std::string> names(short_names.begin(), short_names.end());
+    const bool filtered = !targets.layers_to_transform.empty() || !targets.exclude_modules.empty();
+    fail("lora.target_modules [", joined(targets.target_modules), "] selects no projection of this model",
+         filtered ? " once lora.layers_to_transform and lora.exclude_modules have filtered them" : "",
+         "; its projections are: ", joined(names), " (or use all-linear)");
   }
-  if (!(targets.target_modules.size() == 1 && targets.target_modules[0] == "all-linear"))
-    refuse_other_modules(model, targets);
 }
 
 LoraSummary apply_lora(CausalLM& model, const LoraOptions& options, const LoraTargets& targets) {

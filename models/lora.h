@@ -15,7 +15,9 @@ struct LoraTargets {
   // matched against the whole module name; "all-linear" is every projection (never the head).
   std::vector<std::string> target_modules = {"all-linear"};
   std::vector<std::string> exclude_modules;
-  std::vector<int> layers_to_transform;  // empty: every layer
+  std::vector<int> layers_to_transform;  // empty: every layer (a target named in full ignores it, as in PEFT)
+  // lora.modules_to_save: PEFT matches no target inside these modules (they train whole).
+  std::vector<std::string> modules_to_save;
 };
 
 // PEFT's default target_modules for a model type (its TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING

@@ -120,7 +120,8 @@ void LoraConfig::fields(F&& f) {
   f("lora_dropout", lora_dropout, "dropout on the adapter's input, in [0, 1)");
   f("target_modules", target_modules,
     "all-linear, a list of module names, or one string (a regex over full module names, as PEFT); absent: PEFT's "
-    "default for the model type (q_proj, v_proj for the Llama family; c_attn for GPT-2)");
+    "default for the model type (q_proj, v_proj for the Llama family; c_attn for GPT-2). A target that also "
+    "selects a module other than a decoder layer's projection (a norm, a block, an embedding, lm_head) is refused");
   f("exclude_modules", exclude_modules, "module names never adapted");
   f("layers_to_transform", layers_to_transform, "layer indices to adapt; empty: every layer");
   f("use_rslora", use_rslora, "rank-stabilised scaling lora_alpha / sqrt(r)");

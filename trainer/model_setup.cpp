@@ -193,6 +193,7 @@ models::LoraTargets lora_targets(const LoraConfig& l, const std::string& model_t
                 model_type, "'; name the projections to adapt (e.g. [q_proj, v_proj]) or all-linear");
   t.exclude_modules = l.exclude_modules;
   t.layers_to_transform = l.layers_to_transform;
+  t.modules_to_save = l.modules_to_save;
   return t;
 }
 

@@ -95,6 +95,14 @@ class Gpt2Model : public CausalLM {
 
   bool applies_dropout() const override { return true; }
 
+  std::vector<std::pair<std::string, int>> modules_without_tensors() const override {
+    std::vector<std::pair<std::string, int>> m = {{"transformer.drop", -1}};
+    for (int i = 0; i < spec_.num_layers; ++i)
+      for (const char* name : {"attn.attn_dropout", "attn.resid_dropout", "mlp.act", "mlp.dropout"})
+        m.emplace_back("transformer.h." + std::to_string(i) + "." + name, i);
+    return m;
+  }
+
   // layer()'s memory, op by op (see LlamaModel::layer_memory): LayerNorms keep x and fp32
   // mean and rstd, GELU keeps its input, q, k and v are views of one (B,T,3C) projection.
   LayerMemory layer_memory(int i, const StepShape& s, const LayerPlan& plan) const override {

@@ -172,6 +172,12 @@ class LlamaModel : public CausalLM {
 
   bool applies_dropout() const override { return true; }
 
+  std::vector<std::pair<std::string, int>> modules_without_tensors() const override {
+    std::vector<std::pair<std::string, int>> m = {{"model.rotary_emb", -1}};
+    for (int i = 0; i < spec_.num_layers; ++i) m.emplace_back(layer_prefix(i) + "mlp.act_fn", i);
+    return m;
+  }
+
   // layer()'s memory, op by op. A tensor is kept only by an op that needs it for a wanted
   // gradient: a trained weight or an adapter without dropout keeps its projection's input
   // (h is shared by q, k and v, and by gate and up), a frozen weight keeps nothing of it.

@@ -322,9 +322,11 @@ TEST(PeftAdapter, TargetModulesKeepPeftsMeaning) {
   EXPECT_EQ(saved_target_modules(one), json::array({"q_proj"}));
 }
 
-// PEFT's check_target_module_exists (peft/tuners/tuners_utils.py), restated: an excluded
-// module first (a str exclude_modules matched in full as a regex, a list's entries exactly or
-// as a dotted suffix), then target_modules the same way.
+// PEFT's check_target_module_exists (peft/tuners/tuners_utils.py, 0.16 and later), restated:
+// an excluded module first (a str exclude_modules matched in full as a regex, a list's entries
+// exactly or as a dotted suffix), then anything in or under a modules_to_save module, then
+// target_modules the same way, where layers_to_transform filters the suffix matches alone (a
+// module named in full is taken in any layer) by the index after a dotted name.
 bool peft_adapts(const json& config, const std::string& key) {
   auto matches = [&](const json& v) {
     if (v.is_null()) return false;
@@ -338,8 +340,19 @@ bool peft_adapts(const json& config, const std::string& key) {
     return false;
   };
   if (matches(config["exclude_modules"])) return false;
-  return config["target_modules"] == "all-linear" ? key.find("lm_head") == std::string::npos
-                                                   : matches(config["target_modules"]);
+  if (config.contains("modules_to_save") && !config["modules_to_save"].is_null())
+    for (const auto& m : config["modules_to_save"])
+      if (std::regex_match(key, std::regex("(^|.*\\.)" + m.get<std::string>() + "($|\\..*)"))) return false;
+  const json& target = config["target_modules"];
+  if (target.is_array() && std::find(target.begin(), target.end(), key) != target.end()) return true;
+  const bool found = target == "all-linear" ? key.find("lm_head") == std::string::npos : matches(target);
+  if (!found || !config.contains("layers_to_transform") || config["layers_to_transform"].is_null()) return found;
+  std::smatch index;
+  if (!std::regex_search(key, index, std::regex("^.*\\.[^.]*\\.(\\d+)\\."))) return false;
+  const int layer = std::stoi(index[1]);
+  for (const auto& l : config["layers_to_transform"])
+    if (l.get<int>() == layer) return true;
+  return false;
 }
 
 // Written exclude_modules mean to PEFT what they meant to memtune: reading the config, PEFT
@@ -394,36 +407,56 @@ std::vector<std::pair<std::string, bool>> qwen3_modules(int layers) {
 TEST(LoraTargets, AnythingButAProjectionIsRefusedWherePeftWouldNotAdaptTheSame) {
   const ModelSpec spec = *preset("tiny-qwen3");
   const auto hf_modules = qwen3_modules(static_cast<int>(spec.num_layers));
+  // target_modules, and the other keys of the config (exclude_modules, modules_to_save,
+  // layers_to_transform).
   const std::vector<std::pair<json, json>> cases = {
-      {".*q_.*", nullptr},               {".*\\.(q|k|v|o)_proj", nullptr}, {json::array({"q_proj", "norm"}), nullptr},
-      {json::array({"q_proj", "self_attn"}), nullptr},                      {json::array({"q_proj", "lm_head"}), nullptr},
-      {json::array({"embed_tokens", "v_proj"}), nullptr},                   {json::array({"q_proj", "k_norm"}), nullptr},
-      {".*q_.*", ".*norm"},              {json::array({"q_proj", "v_proj", "down_proj"}), nullptr}};
+      {".*q_.*", {}},
+      {".*\\.(q|k|v|o)_proj", {}},
+      {json::array({"q_proj", "norm"}), {}},
+      {json::array({"q_proj", "self_attn"}), {}},
+      {json::array({"q_proj", "lm_head"}), {}},
+      {json::array({"embed_tokens", "v_proj"}), {}},
+      {json::array({"q_proj", "k_norm"}), {}},
+      {".*mlp\\..*", {}},  // the activation (act_fn) holds no weights
+      {".*q_.*", {{"exclude_modules", ".*norm"}}},
+      {json::array({"q_proj", "v_proj", "down_proj"}), {}},
+      // modules_to_save keeps PEFT's targets out of its modules.
+      {json::array({"v_proj", "embed_tokens"}), {{"modules_to_save", {"embed_tokens"}}}},
+      // layers_to_transform filters suffix matches; a module named in full is taken anyway.
+      {json::array({"q_proj", "lm_head"}), {{"layers_to_transform", {0}}}},
+      {json::array({"model.layers.1.self_attn.q_proj", "v_proj"}), {{"layers_to_transform", {0}}}}};
   int refused = 0;
-  for (const auto& [target, exclude] : cases) {
-    SCOPED_TRACE(target.dump() + " excluding " + exclude.dump());
-    const json config = {{"target_modules", target}, {"exclude_modules", exclude}};
+  for (const auto& [target, rest] : cases) {
+    SCOPED_TRACE(target.dump() + " with " + rest.dump());
+    json config = rest;
+    config["target_modules"] = target;
+    if (!config.contains("exclude_modules")) config["exclude_modules"] = nullptr;
     std::string other;  // the first module PEFT selects that is not a decoder layer's projection
     for (const auto& [name, linear] : hf_modules)
       if (peft_adapts(config, name) && (!linear || name == "lm_head") && other.empty()) other = name;
     LoraTargets t;
     t.target_modules = target.is_string() ? std::vector<std::string>{target.get<std::string>()}
                                           : target.get<std::vector<std::string>>();
-    if (!exclude.is_null()) t.exclude_modules = {exclude.get<std::string>()};
+    if (rest.contains("exclude_modules")) t.exclude_modules = {rest["exclude_modules"].get<std::string>()};
+    if (rest.contains("modules_to_save")) t.modules_to_save = rest["modules_to_save"].get<std::vector<std::string>>();
+    if (rest.contains("layers_to_transform")) t.layers_to_transform = rest["layers_to_transform"].get<std::vector<int>>();
     LoraOptions o;
     o.r = kRank;
     std::unique_ptr<CausalLM> model = init_random_model(spec, 1);
     try {
       const LoraSummary s = apply_lora(*model, o, t);
       EXPECT_EQ(other, "") << "applied, where PEFT selects " << other;
-      for (const std::string& module : s.modules) EXPECT_TRUE(peft_adapts(config, module)) << module;
+      std::set<std::string> by_peft;
+      for (const auto& [name, linear] : hf_modules)
+        if (linear && peft_adapts(config, name)) by_peft.insert(name);
+      EXPECT_EQ(std::set<std::string>(s.modules.begin(), s.modules.end()), by_peft);
     } catch (const UserError& e) {
       ++refused;
       EXPECT_NE(other, "") << "refused what PEFT adapts as memtune would: " << e.what();
       EXPECT_NE(std::string(e.what()).find("lora.target_modules"), std::string::npos) << e.what();
     }
   }
-  EXPECT_EQ(refused, 6);
+  EXPECT_EQ(refused, 8);
 }
 
 }  // namespace

@@ -112,7 +112,7 @@ TEST(Estimator, TargetsTrainingRefusesAreRefused) {
   EXPECT_GT(estimate_memory(input(s, {"lora.target_modules=.*\\.(q|v)_proj"})).trainable_parameters, 0);
   for (const auto& [target, words] : std::vector<std::pair<std::string, std::string>>{
            {"lora.target_modules=.*q_.*", "selects 'model.layers.0.self_attn.q_norm', a norm"},
-           {"lora.target_modules=[gate]", "matches no module"}}) {
+           {"lora.target_modules=[gate]", "selects no projection"}}) {
     try {
       estimate_memory(input(s, {target}));
       ADD_FAILURE() << target << " was estimated";
