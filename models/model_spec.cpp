@@ -145,7 +145,12 @@ ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
   s.hidden_size = require_int(c, {"hidden_size", "n_embd"}, where);
   s.num_layers = require_int(c, {"num_hidden_layers", "n_layer"}, where);
   s.num_heads = require_int(c, {"num_attention_heads", "n_head"}, where);
-  s.num_kv_heads = get_or<int64_t>(c, "num_key_value_heads", s.num_heads, where);
+  // Absent, MistralConfig says 8 and Qwen2Config and Qwen3Config 32; the others, as many as
+  // the query heads.
+  const int64_t kv_heads = s.model_type == "mistral"                            ? 8
+                           : s.model_type == "qwen2" || s.model_type == "qwen3" ? 32
+                                                                                : s.num_heads;
+  s.num_kv_heads = get_or<int64_t>(c, "num_key_value_heads", kv_heads, where);
   // Qwen3Config's head_dim defaults to 128; the other families' to hidden_size / heads.
   const bool qwen3 = s.model_type == "qwen3";
   s.head_dim = get_or<int64_t>(c, "head_dim", qwen3 ? 128 : s.num_heads > 0 ? s.hidden_size / s.num_heads : 0, where);

@@ -246,6 +246,8 @@ TEST(ModelSpecDropout, Gpt2RatesAreTransformersAndRoundTrip) {
 
 }  // namespace
 
+namespace {
+
 // Qwen3 as transformers 5.12's Qwen3Config and Qwen3Attention read it: head_dim 128 when the
 // file omits it (not hidden_size / heads), no biases unless attention_bias (then on o_proj too,
 // unlike Qwen2's), 32768 positions, per-head q and k norms; and its windowed layers refused,
@@ -282,6 +284,15 @@ TEST(ModelSpecQwen3, DefaultsAreQwen3Configs) {
   auto qwen2 = spec_from_hf_config(small("qwen2"), "dir/config.json");
   EXPECT_TRUE(qwen2.attention_bias && !qwen2.o_proj_bias() && !qwen2.qk_norm);
   EXPECT_EQ(qwen2.head_dim, 16);
+  // num_key_value_heads absent: each config class's default (Llama: the query heads').
+  for (const auto& [type, heads, kv] : {std::tuple<const char*, int64_t, int64_t>{"llama", 16, 16},
+                                        {"mistral", 16, 8}, {"qwen2", 64, 32}, {"qwen3", 64, 32}}) {
+    json no_kv = small(type);
+    no_kv.erase("num_key_value_heads");
+    no_kv["hidden_size"] = 128;
+    no_kv["num_attention_heads"] = heads;
+    EXPECT_EQ(spec_from_hf_config(no_kv, "dir/config.json").num_kv_heads, kv) << type;
+  }
 }
 
 TEST(ModelSpecQwen3, WindowedLayersAreRefusedByName) {
@@ -320,3 +331,5 @@ TEST(ModelSpecPresets, ParameterCountsArePublishedOnes) {
     EXPECT_EQ(s.head_dim, 128) << name;
   }
 }
+
+}  // namespace

@@ -175,7 +175,8 @@ class Cfg:
             self.head_dim = d.get("head_dim") or self.hidden // self.heads
         self.inter = d["intermediate_size"]
         self.vocab = d["vocab_size"]
-        self.max_pos = d.get("max_position_embeddings", 2048)
+        # Each config class's default (LlamaConfig 2048, MistralConfig 4096 * 32, Qwen2/Qwen3Config 32768).
+        self.max_pos = d.get("max_position_embeddings", {"mistral": 131072, "qwen2": 32768, "qwen3": 32768}.get(mt, 2048))
         self.eps = d.get("rms_norm_eps", 1e-6)
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {d.get('hidden_act')!r}")
