@@ -63,7 +63,8 @@ void add_init_model_command(CLI::App& app) {
       if (name == "tiny") {
         const std::string f = family.value_or("llama");
         MEMTUNE_CHECK(f == "llama" || f == "gpt2" || f == "qwen3", "--arch ", a->arch, ": there is no tiny ", f,
-                      " preset (tiny-llama, tiny-gpt2, tiny-qwen3); write its config.json and pass --config");
+                      " preset (tiny-llama, tiny-gpt2, tiny-qwen3); name a ", f, " preset (",
+                      f == "mistral" ? "mistral-7b" : "qwen2-0.5b", ") or write its config.json and pass --config");
         name = "tiny-" + f;
       }
       spec = models::preset(name);

@@ -70,12 +70,14 @@ TEST(InitModelArch, AFamilyIsBuiltWithItsOwnSemanticsOrRefused) {
   const std::string tensors = read_file(dir / "q/model.safetensors");
   EXPECT_NE(tensors.find("model.layers.0.self_attn.q_norm.weight"), std::string::npos);
   EXPECT_NE(tensors.find("model.layers.0.self_attn.k_norm.weight"), std::string::npos);
-  for (const auto& [args, words] : std::vector<std::pair<std::string, std::vector<std::string>>>{
-           {"--arch Qwen3ForCausalLM --preset tiny-llama", {"--arch Qwen3ForCausalLM", "tiny-llama", "--config"}},
-           {"--arch mistral", {"no tiny mistral preset", "--config"}},
-           {"--arch gpt2 --preset llama-3.2-1b", {"--arch gpt2", "llama"}},
-           {"--arch qwen3 --config " + (dir / "q/config.json").string(), {"excludes"}}}) {
-    const fs::path out = dir / ("refused-" + std::to_string(args.size()));
+  const std::vector<std::pair<std::string, std::vector<std::string>>> refused = {
+      {"--arch Qwen3ForCausalLM --preset tiny-llama", {"--arch Qwen3ForCausalLM", "tiny-llama", "--config"}},
+      {"--arch mistral", {"no tiny mistral preset", "mistral-7b", "--config"}},
+      {"--arch gpt2 --preset llama-3.2-1b", {"--arch gpt2", "llama"}},
+      {"--arch qwen3 --config " + (dir / "q/config.json").string(), {"excludes"}}};
+  for (size_t i = 0; i < refused.size(); ++i) {
+    const auto& [args, words] = refused[i];
+    const fs::path out = dir / ("refused-" + std::to_string(i));
     r = run(memtune_bin() + " init-model " + args + " --out " + out.string());
     EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.output;
     for (const std::string& w : words) EXPECT_NE(r.output.find(w), std::string::npos) << args << ": " << w << "\n" << r.output;
