@@ -118,8 +118,10 @@ def peft_matches(name, target, layers, layer_of):
         ok = name not in ("lm_head",)
     elif isinstance(target, str):
         ok = re.fullmatch(target, name) is not None
+    elif name in target:  # named in full: a target in any layer
+        return True
     else:
-        ok = name in target or any(name.endswith("." + t) for t in target)
+        ok = any(name.endswith("." + t) for t in target)
     if ok and layers is not None:
         ok = layer_of(name) in (layers if isinstance(layers, list) else [layers])
     return ok
