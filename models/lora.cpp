@@ -27,6 +27,12 @@ std::regex target_regex(const std::string& pattern, const std::string& where) {
 
 namespace {
 
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+bool all_linear(const LoraTargets& t) { return t.target_modules.size() == 1 && t.target_modules[0] == "all-linear"; }
+
 bool name_matches(const std::vector<std::string>& names, const std::string& module) {
   if (names.size() == 1 && !is_plain_module_name(names[0])) return std::regex_match(module, target_regex(names[0], "lora"));
   for (const auto& n : names) {
@@ -64,7 +70,7 @@ bool lora_targets(const LoraTargets& t, const std::string& module, int layer) {
   if (!t.layers_to_transform.empty() &&
       std::find(t.layers_to_transform.begin(), t.layers_to_transform.end(), layer) == t.layers_to_transform.end())
     return false;
-  if (t.target_modules.size() == 1 && t.target_modules[0] == "all-linear") return true;
+  if (all_linear(t)) return true;
   return name_matches(t.target_modules, module);
 }
 
@@ -88,12 +94,10 @@ std::string joined(const std::vector<std::string>& names) {
 // Whether `module` is, or is inside, a module lora.modules_to_save names: PEFT's
 // `re.match(rf"(^|.*\.){m}($|\..*)", key)`, which keeps its targets out of those.
 bool inside_modules_to_save(const LoraTargets& t, const std::string& module) {
-  for (const std::string& m : t.modules_to_save) {
-    const std::string dotted = "." + m;
-    if (module == m || module.rfind(m + ".", 0) == 0 || module.find(dotted + ".") != std::string::npos ||
-        (module.size() > dotted.size() && module.compare(module.size() - dotted.size(), dotted.size(), dotted) == 0))
+  for (const std::string& m : t.modules_to_save)
+    if (module == m || module.rfind(m + ".", 0) == 0 || module.find("." + m + ".") != std::string::npos ||
+        ends_with(module, "." + m))
       return true;
-  }
   return false;
 }
 
@@ -142,8 +146,7 @@ void refuse_other_modules(const CausalLM& model, const LoraTargets& targets) {
 }  // namespace
 
 void check_lora_targets(const CausalLM& model, const LoraTargets& targets) {
-  if (!(targets.target_modules.size() == 1 && targets.target_modules[0] == "all-linear"))
-    refuse_other_modules(model, targets);
+  if (!all_linear(targets)) refuse_other_modules(model, targets);
   bool any = false;
   for (const auto& slot : model.tensors())
     any = any || (slot.role == TensorRole::kLinearWeight && lora_targets(targets, slot.linear->name(), slot.layer));
@@ -174,14 +177,6 @@ LoraSummary apply_lora(CausalLM& model, const LoraOptions& options, const LoraTa
   summary.total_parameters = model.base_parameter_count() + summary.trainable_parameters;
   return summary;
 }
-
-namespace {
-
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
-}  // namespace
 
 std::vector<const TensorSlot*> modules_to_save_tensors(const CausalLM& model, const std::vector<std::string>& names,
                                                        const std::string& where) {

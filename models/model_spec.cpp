@@ -118,6 +118,21 @@ const std::set<std::string>& modelled_keys() {
 
 }  // namespace
 
+const std::vector<Family>& builtin_families() {
+  static const std::vector<Family> families = {{"llama", "LlamaForCausalLM"},
+                                               {"mistral", "MistralForCausalLM"},
+                                               {"qwen2", "Qwen2ForCausalLM"},
+                                               {"qwen3", "Qwen3ForCausalLM"},
+                                               {"gpt2", "GPT2LMHeadModel"}};
+  return families;
+}
+
+std::optional<std::string> builtin_family(const std::string& name) {
+  for (const Family& f : builtin_families())
+    if (name == f.model_type || name == f.architecture) return std::string(f.model_type);
+  return std::nullopt;
+}
+
 ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
   MEMTUNE_CHECK(c.is_object(), where, ": config.json must be a JSON object");
   ModelSpec s;
@@ -132,15 +147,9 @@ ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
     else if (s.architecture.rfind("Qwen3", 0) == 0) s.model_type = "qwen3";
     else s.model_type = "llama";
   }
-  if (s.architecture.empty()) {
-    static const std::map<std::string, std::string> by_type = {{"llama", "LlamaForCausalLM"},
-                                                               {"mistral", "MistralForCausalLM"},
-                                                               {"qwen2", "Qwen2ForCausalLM"},
-                                                               {"qwen3", "Qwen3ForCausalLM"},
-                                                               {"gpt2", "GPT2LMHeadModel"}};
-    auto it = by_type.find(s.model_type);
-    if (it != by_type.end()) s.architecture = it->second;
-  }
+  if (s.architecture.empty())
+    for (const Family& f : builtin_families())
+      if (s.model_type == f.model_type) s.architecture = f.architecture;
   s.vocab_size = require_int(c, {"vocab_size"}, where);
   s.hidden_size = require_int(c, {"hidden_size", "n_embd"}, where);
   s.num_layers = require_int(c, {"num_hidden_layers", "n_layer"}, where);
@@ -466,8 +475,6 @@ std::optional<ModelSpec> preset(const std::string& name) {
     // q and k norms.
     ModelSpec s = name == "qwen3-8b" ? qwen3_like(151936, 4096, 12288, 36, 32, 8, 128, false)
                                      : qwen3_like(151936, 1024, 3072, 28, 16, 8, 128, true);
-    s.max_position_embeddings = 32768;
-    s.rope_theta = 1000000.0;
     s.bos_token_id = 151643;
     s.eos_token_id = 151643;
     s.torch_dtype = "bfloat16";

@@ -60,6 +60,16 @@ struct ModelSpec {
   bool o_proj_bias() const { return attention_bias && model_type != "qwen2"; }
 };
 
+// The families memtune builds in: their model_type and transformers' class.
+struct Family {
+  const char* model_type;
+  const char* architecture;
+};
+const std::vector<Family>& builtin_families();
+// The model_type of the built-in family `name` names (its model_type or its class); nullopt
+// for any other name.
+std::optional<std::string> builtin_family(const std::string& name);
+
 // Reads a config.json object; `where` names the file in messages.
 ModelSpec spec_from_hf_config(const nlohmann::json& config, const std::string& where);
 // The config.json HF writes for this spec (round-trips through spec_from_hf_config).

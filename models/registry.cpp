@@ -12,11 +12,11 @@ namespace {
 std::map<std::string, ArchitectureBuilder>& table() {
   static std::map<std::string, ArchitectureBuilder> t = [] {
     std::map<std::string, ArchitectureBuilder> m;
-    for (const char* name : {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                             "llama", "mistral", "qwen2", "qwen3"})
-      m[name] = make_llama;
-    m["GPT2LMHeadModel"] = make_gpt2;
-    m["gpt2"] = make_gpt2;
+    for (const Family& f : builtin_families()) {
+      const ArchitectureBuilder build = std::string(f.model_type) == "gpt2" ? make_gpt2 : make_llama;
+      m[f.model_type] = build;
+      m[f.architecture] = build;
+    }
     return m;
   }();
   return t;

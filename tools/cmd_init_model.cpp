@@ -2,7 +2,6 @@
 // any config.json.
 #include <filesystem>
 #include <iostream>
-#include <map>
 #include <optional>
 
 #include <CLI/CLI.hpp>
@@ -16,22 +15,6 @@
 namespace memtune::cli {
 
 namespace fs = std::filesystem;
-
-namespace {
-
-// The families memtune builds in, under the names --arch may give them. A family's semantics
-// come from its model_type (Qwen3's per-head norms, Qwen2's biases), so --arch picks a preset of
-// that family rather than relabelling another's.
-std::optional<std::string> builtin_family(const std::string& arch) {
-  static const std::map<std::string, std::string> families = {
-      {"llama", "llama"},   {"LlamaForCausalLM", "llama"},     {"mistral", "mistral"}, {"MistralForCausalLM", "mistral"},
-      {"qwen2", "qwen2"},   {"Qwen2ForCausalLM", "qwen2"},     {"qwen3", "qwen3"},     {"Qwen3ForCausalLM", "qwen3"},
-      {"gpt2", "gpt2"},     {"GPT2LMHeadModel", "gpt2"}};
-  const auto it = families.find(arch);
-  return it == families.end() ? std::nullopt : std::optional<std::string>(it->second);
-}
-
-}  // namespace
 
 void add_init_model_command(CLI::App& app) {
   auto* cmd = app.add_subcommand("init-model", "write a randomly initialised model in Hugging Face format");
@@ -58,7 +41,9 @@ void add_init_model_command(CLI::App& app) {
     if (config->count() > 0) {
       spec = models::read_hf_config(a->config);
     } else {
-      const std::optional<std::string> family = builtin_family(a->arch);
+      // A built-in family's semantics come from its model_type (Qwen3's per-head norms, Qwen2's
+      // biases), so --arch picks a preset of that family rather than relabelling another's.
+      const std::optional<std::string> family = models::builtin_family(a->arch);
       std::string name = a->preset;
       if (name == "tiny") {
         const std::string f = family.value_or("llama");
