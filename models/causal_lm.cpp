@@ -134,7 +134,7 @@ void CausalLM::set_dense_dtype(at::ScalarType dtype) {
   at::NoGradGuard no_grad;
   for (auto& s : slots_) {
     at::Tensor& t = *s.tensor;
-    if (!t.defined() || t.scalar_type() == dtype) continue;
+    if (!t.defined() || t.scalar_type() == dtype || !t.is_floating_point()) continue;  // not 8-bit codes
     MEMTUNE_CHECK(!t.requires_grad(), "set_dense_dtype: ", s.name, " is trainable; cast before training is set up");
     t = t.to(dtype);
   }
@@ -247,6 +247,8 @@ void CausalLM::place(const Placement& placement) {
       move(s.linear->lora->A, d);
       move(s.linear->lora->B, d);
     }
+    // An 8-bit weight's row absmax (4 bytes a row) stays on its layer's device, offloaded or not.
+    if (s.role == TensorRole::kLinearWeight && s.linear->int8()) move(s.linear->weight_absmax, d);
     if (s.layer >= 0 && offloaded(s.layer)) continue;  // fetched to its layer's device when it runs
     if (s.role == TensorRole::kLinearWeight && s.linear->quantized()) {
       if (s.linear->qweight()->packed.device() != d)
@@ -290,6 +292,7 @@ int64_t CausalLM::layer_weight_bytes(int layer) const {
     if (s.layer != layer) continue;
     if (s.role == TensorRole::kLinearWeight && s.linear->quantized()) bytes += s.linear->qweight()->storage_bytes();
     else if (s.tensor->defined()) bytes += s.tensor->numel() * static_cast<int64_t>(s.tensor->element_size());
+    if (s.role == TensorRole::kLinearWeight && s.linear->int8()) bytes += 4 * s.linear->out_features();  // absmax
   }
   return bytes;
 }

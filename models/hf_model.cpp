@@ -62,10 +62,44 @@ std::unique_ptr<CausalLM> load_hf_model(const fs::path& dir, const LoadOptions& 
   at::NoGradGuard no_grad;
   const std::vector<bool> skip = options.skip ? options.skip(*model) : std::vector<bool>();
   bool loaded_nf4 = false;  // a projection read from bitsandbytes' 4-bit tensors
+  bool loaded_int8 = false;  // or from its 8-bit ones
+  // A checkpoint's own quantization_config names the threshold its 8-bit layers were saved
+  // for (transformers takes it over the one passed).
+  double stored_threshold = options.int8_threshold;
+  if (spec.extra.contains("quantization_config") && spec.extra["quantization_config"].is_object()) {
+    const json& q = spec.extra["quantization_config"];
+    if (q.contains("llm_int8_threshold") && q["llm_int8_threshold"].is_number())
+      stored_threshold = q["llm_int8_threshold"].get<double>();
+  }
   for (TensorSlot& slot : model->tensors()) {
     const bool skipped = !skip.empty() && skip[static_cast<size_t>(&slot - model->tensors().data())];
     const bool projection = slot.role == TensorRole::kLinearWeight;
-    if (projection && is_bnb_4bit(keys, slot.name)) {
+    const std::string module = projection ? slot.name.substr(0, slot.name.size() - 6) : "";  // "...q_proj."
+    if (projection && ckpt.contains(module + "SCB")) {
+      // bitsandbytes' 8-bit state dict: weight int8 [out, in], SCB fp32 [out], weight_format
+      // (a uint8 0: row-major, the only layout it still writes).
+      const std::string where = ckpt.file_of(slot.name).string();
+      at::Tensor codes = ckpt.load(slot.name), absmax = ckpt.load(module + "SCB");
+      MEMTUNE_CHECK(codes.scalar_type() == at::kChar, where, ": '", slot.name, "' is ", codes.scalar_type(),
+                    " beside '", module, "SCB', which marks bitsandbytes' 8-bit weights (int8)");
+      if (ckpt.contains(module + "weight_format")) {
+        const at::Tensor f = ckpt.load(module + "weight_format");
+        MEMTUNE_CHECK(f.numel() == 1, where, ": '", module, "weight_format' holds ", f.numel(),
+                      " values; bitsandbytes writes one (0: row-major)");
+        const int64_t format = f.to(at::kLong).item<int64_t>();
+        static const char* const kFormats[] = {"row", "col32", "col_turing", "col_ampere"};
+        MEMTUNE_CHECK(format == 0, where, ": '", module, "weight_format' is ", format,
+                      format > 0 && format < 4 ? str_cat(" (", kFormats[format], ")") : std::string(),
+                      ", not 0 (row-major): a layout of older bitsandbytes releases (col32 / col_turing / col_ampere) "
+                      "memtune does not read. Hint: save the model again with a recent bitsandbytes, or use its "
+                      "dense weights");
+        used.insert(module + "weight_format");
+      }
+      slot.linear->set_int8(codes.contiguous(), absmax.to(at::kFloat).contiguous(), stored_threshold);
+      loaded_int8 = true;
+      used.insert(slot.name);
+      used.insert(module + "SCB");
+    } else if (projection && is_bnb_4bit(keys, slot.name)) {
       auto get = [&](const std::string& key) { return ckpt.contains(key) ? ckpt.load(key) : at::Tensor(); };
       slot.linear->set_quantized(std::make_shared<NF4Tensor>(nf4_from_bnb(get, slot.name)));
       loaded_nf4 = true;
@@ -81,6 +115,9 @@ std::unique_ptr<CausalLM> load_hf_model(const fs::path& dir, const LoadOptions& 
       MEMTUNE_CHECK(info.shape == slot.shape, ckpt.file_of(stored).string(), ": tensor '", stored,
                     "' has shape ", at::IntArrayRef(info.shape), ", expected ", at::IntArrayRef(slot.shape),
                     " from config.json");
+      MEMTUNE_CHECK(!(skipped && projection && options.load_in_8bit),
+                    "load: 8-bit quantization needs every weight read (each row's absmax), and '", slot.name,
+                    "' was to be skipped (distributed.sharding: full)");
       if (skipped) {  // checked, not read
         const bool floating =
             info.dtype == at::kFloat || info.dtype == at::kHalf || info.dtype == at::kBFloat16;
@@ -109,6 +146,10 @@ std::unique_ptr<CausalLM> load_hf_model(const fs::path& dir, const LoadOptions& 
         at::Tensor out_in = slot.linear->fan_in_fan_out() ? w.t().contiguous() : w;
         slot.linear->set_quantized(std::make_shared<NF4Tensor>(
             nf4_quantize(out_in, options.blocksize, options.double_quant, slot.name, options.quant_type)));
+      } else if (projection && options.load_in_8bit) {
+        // transformers casts to torch_dtype, then bitsandbytes to float16 and quantizes.
+        *slot.tensor = view.to(options.dense_dtype);
+        slot.linear->quantize_int8(options.int8_threshold);
       } else {
         *slot.tensor = view.to(options.dense_dtype, /*non_blocking=*/false, /*copy=*/true);
       }
@@ -119,7 +160,7 @@ std::unique_ptr<CausalLM> load_hf_model(const fs::path& dir, const LoadOptions& 
   }
   // config.json's quantization_config describes the stored tensors: over dense projections
   // transformers would quantize on load (bitsandbytes) or expect another format's tensors.
-  if (spec.extra.contains("quantization_config") && !loaded_nf4) {
+  if (spec.extra.contains("quantization_config") && !loaded_nf4 && !loaded_int8) {
     const json& q = spec.extra["quantization_config"];
     const std::string method = q.is_object() && q.contains("quant_method") && q["quant_method"].is_string()
                                    ? q["quant_method"].get<std::string>()
@@ -148,6 +189,9 @@ void save_hf_model(const CausalLM& model, const fs::path& dir, const SaveOptions
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   const NF4Tensor* any_nf4 = nullptr;
   for (const TensorSlot& slot : model.tensors()) {
+    MEMTUNE_CHECK(!(slot.role == TensorRole::kLinearWeight && slot.linear->int8()), "save: ", slot.name,
+                  " is 8-bit (load_in_8bit); memtune writes 4-bit or dense models. Hint: merge the adapter "
+                  "(memtune merge writes dense weights), or quantize with load_in_4bit");
     if (slot.role == TensorRole::kLinearWeight && slot.linear->quantized()) {
       if (options.keep_4bit) {
         any_nf4 = slot.linear->qweight().get();

@@ -16,6 +16,8 @@ namespace memtune::models {
 
 struct LoadOptions {
   bool load_in_4bit = false;       // quantize the projections to 4 bits as they arrive
+  bool load_in_8bit = false;       // or to LLM.int8's 8 bits (runtime/int8.h)
+  double int8_threshold = 6.0;     // llm_int8_threshold of the 8-bit projections
   QuantType quant_type = QuantType::kNF4;
   int64_t blocksize = 64;
   bool double_quant = true;
@@ -35,7 +37,7 @@ ModelSpec read_hf_config(const std::filesystem::path& dir);
 // Builds the architecture and fills every tensor from the checkpoint, one tensor at a time:
 // a projection is quantized straight from the memory-mapped file when load_in_4bit, so the
 // peak host memory stays near the 4-bit size plus the largest single tensor. A checkpoint
-// already in bitsandbytes' NF4 form is read as is, without re-quantizing. Missing tensors
+// already in bitsandbytes' NF4 or 8-bit form is read as is, without re-quantizing. Missing tensors
 // and shape mismatches are errors naming the tensor and the file.
 std::unique_ptr<CausalLM> load_hf_model(const std::filesystem::path& dir, const LoadOptions& options);
 

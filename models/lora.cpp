@@ -244,6 +244,9 @@ int64_t make_all_trainable(CausalLM& model) {
   for (auto& s : model.tensors()) {
     MEMTUNE_CHECK(!(s.linear && s.linear->quantized()), "training.finetune: full needs dense weights, but ",
                   s.name, " is 4-bit; set model.quantization_config.load_in_4bit: false");
+    MEMTUNE_CHECK(!(s.linear && s.linear->int8() && s.tensor == &s.linear->weight),
+                  "training.finetune: full needs dense weights, but ", s.name,
+                  " is 8-bit; set model.quantization_config.load_in_8bit: false");
     if (!s.tensor->defined()) continue;
     if (s.tensor->scalar_type() != at::kFloat) *s.tensor = s.tensor->to(at::kFloat);
     s.tensor->set_requires_grad(true);

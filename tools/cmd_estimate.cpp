@@ -250,7 +250,7 @@ void add_estimate_command(CLI::App& app) {
                           {"sharding", in.sharding}};
       for (const auto& l : levels)
         j["sharding_levels"].push_back({{"level", l.name},
-                                        {"weights", l.e.weights_nf4 + l.e.weights_dense},
+                                        {"weights", l.e.weights_quantized + l.e.weights_dense},
                                         {"layers_sharded_from", l.e.layers_sharded_from},
                                         {"gathered_layer", l.e.gathered_layer},
                                         {"optimizer_states", l.e.optimizer_states},
@@ -289,7 +289,7 @@ void add_estimate_command(CLI::App& app) {
                   "in the update", "predicted peak");
       for (const auto& l : levels)
         std::printf("  %-10s %16s %16s %16s %16s %16s%s\n", l.name.c_str(),
-                    format_bytes(l.e.weights_nf4 + l.e.weights_dense + l.e.gathered_layer).c_str(),
+                    format_bytes(l.e.weights_quantized + l.e.weights_dense + l.e.gathered_layer).c_str(),
                     format_bytes(l.e.optimizer_states).c_str(), format_bytes(l.e.gradients).c_str(),
                     format_bytes(l.e.gradients_after_reduce).c_str(), format_bytes(l.e.peak_bytes).c_str(),
                     l.name == in.sharding ? "  (configured)" : "");

@@ -75,7 +75,16 @@ const Field kCheckpointRef = checkpoint_ref_field();
 template <class F>
 void QuantizationConfig::fields(F&& f) {
   f("load_in_4bit", load_in_4bit, "4-bit base weights for the linear layers (bitsandbytes' format)");
-  f("load_in_8bit", load_in_8bit, "bitsandbytes 8-bit weights: accepted key, refused when true");
+  f("load_in_8bit", load_in_8bit,
+    "LLM.int8 base weights for the linear layers (bitsandbytes' Linear8bitLt: int8 rows and their absmax, "
+    "about 8 bits per parameter); the products run in the model's dtype (training.bf16 / fp16's under autocast), "
+    "bnb_4bit_* keys do not apply. LoRA only");
+  f("llm_int8_threshold", llm_int8_threshold,
+    "LLM.int8's outlier threshold: input columns holding a value of at least this magnitude multiply in 16 bits, "
+    "the rest in int8 (on a GPU, and on a CPU outside training; a CPU in training multiplies by the dequantized "
+    "weight, as bitsandbytes); 0: every column in int8");
+  f("llm_int8_has_fp16_weight", llm_int8_has_fp16_weight,
+    "false only: 16-bit master weights trained beside the 8-bit ones are not supported");
   f("bnb_4bit_compute_dtype", bnb_4bit_compute_dtype,
     "dtype of the matmuls (torch.float16, fp16, half, bf16, fp32 accepted; float32 when absent, as bitsandbytes); "
     "auto: bfloat16 on GPUs with it "
@@ -468,8 +477,27 @@ using reflect::parse_int64;
 bool power_of_two(int64_t v) { return v > 0 && (v & (v - 1)) == 0; }
 
 void validate(const QuantizationConfig& q, const std::string& p, const Checker& c) {
-  c.check(!q.load_in_8bit, p + ".load_in_8bit", q.load_in_8bit,
-          "8-bit weights are not supported (use load_in_4bit: true)");
+  c.check(!(q.load_in_8bit && q.load_in_4bit), p + ".load_in_8bit", q.load_in_8bit,
+          "load_in_4bit is true too; set one of them (bitsandbytes' config refuses both)");
+  c.check(q.llm_int8_threshold >= 0 && std::isfinite(q.llm_int8_threshold), p + ".llm_int8_threshold",
+          format_double(q.llm_int8_threshold), "must be a finite number >= 0 (6.0, LLM.int8's, when absent)");
+  c.check(!q.llm_int8_has_fp16_weight, p + ".llm_int8_has_fp16_weight", q.llm_int8_has_fp16_weight,
+          "16-bit master weights beside the 8-bit ones (trained and re-quantized each step) are not supported; "
+          "memtune's 8-bit base stays frozen under LoRA. Remove the key or set false");
+  if (q.load_in_8bit) {
+    // bitsandbytes' 8-bit layers read none of the 4-bit keys: a value set there would change nothing.
+    const QuantizationConfig d;
+    c.check(q.bnb_4bit_compute_dtype == d.bnb_4bit_compute_dtype, p + ".bnb_4bit_compute_dtype",
+            q.bnb_4bit_compute_dtype,
+            "applies to load_in_4bit; 8-bit layers multiply in the model's dtype (model.torch_dtype, or "
+            "training.bf16 / fp16 under autocast). Remove the key");
+    c.check(q.bnb_4bit_quant_type == d.bnb_4bit_quant_type, p + ".bnb_4bit_quant_type", q.bnb_4bit_quant_type,
+            "applies to load_in_4bit, not to load_in_8bit. Remove the key");
+    c.check(q.bnb_4bit_use_double_quant == d.bnb_4bit_use_double_quant, p + ".bnb_4bit_use_double_quant",
+            q.bnb_4bit_use_double_quant, "applies to load_in_4bit, not to load_in_8bit. Remove the key");
+    c.check(q.blocksize == d.blocksize, p + ".blocksize", q.blocksize,
+            "applies to load_in_4bit; LLM.int8 keeps one absmax per row. Remove the key");
+  }
   c.check(power_of_two(q.blocksize) && q.blocksize >= 32 && q.blocksize <= 4096, p + ".blocksize", q.blocksize,
           "must be a power of two in 32..4096 (bitsandbytes uses 64)");
 }
@@ -668,6 +696,13 @@ void validate(const Config& config, const Checker& c) {
   c.check(eval_data || config.training.eval_accuracy_rows == 0, "training.eval_accuracy_rows",
           config.training.eval_accuracy_rows,
           "the accuracy is measured on data.eval_file's rows, and none is set; name the file, or drop the key");
+  const bool int8 = config.model.quantization_config.load_in_8bit;
+  c.check(!int8 || config.training.finetune != "full", "model.quantization_config.load_in_8bit", int8,
+          "training.finetune: full trains every weight, and 8-bit weights stay frozen (transformers refuses to "
+          "train a purely quantized model). Hint: finetune: lora, or a dense model");
+  c.check(!int8 || config.distributed.sharding != "full", "model.quantization_config.load_in_8bit", int8,
+          "distributed.sharding: full keeps 1/W of each frozen weight per rank and reads no other, and LLM.int8's "
+          "quantization needs each weight whole. Hint: sharding: gradients, or load_in_4bit");
   // optimizer_8bit quantizes AdamW's fp32 state on the device: with another optimizer, or a
   // state in host memory from the start, it would do nothing.
   const std::string& optim = config.training.optim;

@@ -49,6 +49,7 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
 
   const auto& q = c.model.quantization_config;
   in.load_in_4bit = q.load_in_4bit;
+  in.load_in_8bit = q.load_in_8bit;
   in.quant_type = quant_type(q);
   in.double_quant = q.bnb_4bit_use_double_quant;
   in.blocksize = q.blocksize;
@@ -70,6 +71,10 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
                   "'; bitsandbytes' 4-bit codes are nf4 and fp4");
     in.quant_type = quant_type_from_name(type);
     in.double_quant = field("bnb_4bit_use_double_quant", false, &nlohmann::json::is_boolean).get<bool>();
+  } else if (stored.is_object() && stored.value("quant_method", nlohmann::json()) == "bitsandbytes" &&
+             field("load_in_8bit", false, &nlohmann::json::is_boolean).get<bool>()) {
+    in.load_in_4bit = false;
+    in.load_in_8bit = true;
   }
 
   in.finetune = c.training.finetune;

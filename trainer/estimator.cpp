@@ -8,6 +8,7 @@
 #include "models/layers/cross_entropy.h"
 #include "runtime/compat.h"
 #include "runtime/error.h"
+#include "runtime/int8.h"
 #include "runtime/nf4.h"
 #include "runtime/units.h"
 #include "trainer/adamw8bit_kernels.h"
@@ -71,6 +72,7 @@ class Planner {
         lt.lora_r = adapted ? m_.lora_r : 0;
         lt.lora_dropout = adapted ? m_.lora_dropout : 0.0;
         lt.nf4 = m_.load_in_4bit && !full_;
+        lt.int8 = m_.load_in_8bit && !full_;
         // fp32 activations with 16-bit adapter products: the fp32 model under autocast.
         lt.lora_casts_input = adapted && m_.dense_bytes == kF32 && m_.adapter_bytes != kF32;
         training_[t.linear] = lt;
@@ -121,7 +123,7 @@ class Planner {
     const models::CausalLM& model = *m_.model;
     const int64_t C = model.spec().hidden_size, V = model.spec().vocab_size, E = E_;
     const int64_t wb = full_ ? kF32 : m_.dense_bytes;
-    const bool nf4 = m_.load_in_4bit && !full_;
+    const bool nf4 = m_.load_in_4bit && !full_, int8 = m_.load_in_8bit && !full_;
 
     // Weights, tensor by tensor.
     int64_t layers_nf4 = 0, layers_dense = 0, largest = 0;
@@ -129,13 +131,16 @@ class Planner {
     for (const TensorSlot& t : model.tensors()) {
       const int64_t n = numel(t);
       largest = std::max(largest, n);
-      const int64_t bytes = nf4 && t.role == TensorRole::kLinearWeight ? nf4_storage_bytes(n, m_.blocksize, m_.double_quant) : n * wb;
+      const bool quantized = (nf4 || int8) && t.role == TensorRole::kLinearWeight;
+      const int64_t bytes = !quantized ? n * wb
+                            : nf4      ? nf4_storage_bytes(n, m_.blocksize, m_.double_quant)
+                                       : int8_storage_bytes(t.linear->out_features(), t.linear->in_features());
       if (offloaded(t.layer)) {
         offloaded_bytes[t.layer] += bytes;
         continue;
       }
-      (nf4 && t.role == TensorRole::kLinearWeight ? e.weights_nf4 : e.weights_dense) += bytes;
-      if (t.layer >= 0) (nf4 && t.role == TensorRole::kLinearWeight ? layers_nf4 : layers_dense) += bytes;
+      (quantized ? e.weights_quantized : e.weights_dense) += bytes;
+      if (t.layer >= 0) (quantized ? layers_nf4 : layers_dense) += bytes;
     }
     e.weights_layers = layers_nf4 + layers_dense;
     for (int64_t b : offloaded_bytes) {
@@ -148,7 +153,7 @@ class Planner {
     if (shard_layers()) {
       const int64_t W = m_.world_size;
       e.layers_sharded_from = e.weights_layers;
-      e.weights_nf4 = (layers_nf4 + W - 1) / W + (e.weights_nf4 - layers_nf4);
+      e.weights_quantized = (layers_nf4 + W - 1) / W + (e.weights_quantized - layers_nf4);
       e.weights_dense = (layers_dense + W - 1) / W + (e.weights_dense - layers_dense);
       e.gathered_layer = (e.weights_layers + L_ - 1) / L_;
       gathered = e.gathered_layer * gathered_copies();
@@ -224,7 +229,7 @@ class Planner {
     // Unsharded gradients are all-reduced through flat buffers as large as they are, kept from
     // the first step on (ProcessGroup::allreduce_sum); in host memory when they are.
     e.allreduce_buffers = W > 1 && !shard_grads && !grads_off ? e.gradients : 0;
-    const int64_t persistent = e.weights_nf4 + e.weights_dense + e.lora_parameters + e.optimizer_states +
+    const int64_t persistent = e.weights_quantized + e.weights_dense + e.lora_parameters + e.optimizer_states +
                                e.optimizer_workspace + e.sharding_buffer + e.allreduce_buffers;
 
     // Activations kept for backward.
@@ -365,8 +370,10 @@ class Planner {
     auto add = [&](std::string name, int64_t bytes, std::string note) {
       e.components.push_back({std::move(name), bytes, std::move(note)});
     };
-    if (e.weights_nf4)
-      add(str_cat("weights: ", quant_type_label(m_.quant_type)), e.weights_nf4,
+    if (e.weights_quantized && m_.load_in_8bit)
+      add("weights: LLM.int8", e.weights_quantized, "projections: int8 codes and an fp32 absmax per row");
+    else if (e.weights_quantized)
+      add(str_cat("weights: ", quant_type_label(m_.quant_type)), e.weights_quantized,
           str_cat("projections, blocksize ", m_.blocksize, m_.double_quant ? ", double quant" : ""));
     add("weights: dense", e.weights_dense, str_cat(wb, " bytes per element"));
     if (e.fetched_layer)

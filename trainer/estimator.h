@@ -30,6 +30,7 @@ struct EstimateInput {
 
   // Storage of the base weights.
   bool load_in_4bit = false;        // 4-bit projections (embeddings, norms, head stay dense)
+  bool load_in_8bit = false;        // LLM.int8 projections: int8 codes and an fp32 absmax per row
   QuantType quant_type = QuantType::kNF4;  // names the component; NF4 and FP4 take the same bytes
   bool double_quant = true;         // absmax as uint8 codes + fp32 per 256 blocks
   int64_t blocksize = 64;           // 4-bit elements per absmax block
@@ -113,7 +114,7 @@ struct EstimateComponent {
 struct Estimate {
   std::vector<EstimateComponent> components;  // the breakdown, in order
   // Persistent across the step.
-  int64_t weights_nf4 = 0;        // packed codes + absmax (+ nested absmax and map)
+  int64_t weights_quantized = 0;  // 4-bit: packed codes + absmax (+ nested absmax and map); 8-bit: codes + row absmax
   int64_t weights_dense = 0;      // embeddings, norms, head, biases, dense projections
   int64_t weights_layers = 0;     // of the two above, the decoder layers' (what layer offload can move)
   int64_t layers_sharded_from = 0; // sharding full: every layer's weights, of which this rank keeps 1/W

@@ -10,6 +10,7 @@
 #include "models/registry.h"
 #include "runtime/cuda_info.h"
 #include "runtime/error.h"
+#include "runtime/int8.h"
 #include "runtime/memory.h"
 #include "runtime/nf4.h"
 #include "runtime/units.h"
@@ -161,6 +162,8 @@ std::unique_ptr<models::CausalLM> load_base_model(const ModelConfig& m, at::Scal
     models::LoadOptions o;
     o.dense_dtype = dense_dtype;
     o.load_in_4bit = q.load_in_4bit;
+    o.load_in_8bit = q.load_in_8bit;
+    o.int8_threshold = q.llm_int8_threshold;
     o.quant_type = quant_type(q);
     o.blocksize = q.blocksize;
     o.double_quant = q.bnb_4bit_use_double_quant;
@@ -171,6 +174,8 @@ std::unique_ptr<models::CausalLM> load_base_model(const ModelConfig& m, at::Scal
   model->set_dense_dtype(dense_dtype);
   if (q.load_in_4bit)
     for (models::Linear* l : model->linears()) l->quantize(q.blocksize, q.bnb_4bit_use_double_quant, quant_type(q));
+  if (q.load_in_8bit)
+    for (models::Linear* l : model->linears()) l->quantize_int8(q.llm_int8_threshold);
   return model;
 }
 
@@ -297,6 +302,21 @@ ModelBundle setup_model(const Config& c, const fs::path& adapter_dir, const Skip
     b.notes.push_back(str_cat(code, " base: ", nf4, " parameters in ", format_bytes(nf4_bytes), " (",
                               static_cast<double>(nf4_bytes) * 8.0 / static_cast<double>(nf4),
                               " bits per parameter)"));
+  int64_t int8 = 0, int8_bytes = 0;
+  double threshold = 0;
+  for (models::Linear* l : model.linears())
+    if (l->int8()) {
+      int8 += l->in_features() * l->out_features();
+      int8_bytes += int8_storage_bytes(l->out_features(), l->in_features());
+      threshold = l->int8_threshold;
+    }
+  if (int8 > 0)
+    b.notes.push_back(str_cat("LLM.int8 base: ", int8, " parameters in ", format_bytes(int8_bytes), " (",
+                              static_cast<double>(int8_bytes) * 8.0 / static_cast<double>(int8),
+                              " bits per parameter), outlier threshold ", threshold, "; the products ",
+                              b.device.is_cpu() ? "in training multiply by the dequantized weight (bitsandbytes' "
+                                                  "on a CPU), in evaluation by LLM.int8's int8 product"
+                                                : "run LLM.int8's int8 product with outlier columns in 16 bits"));
   b.notes.push_back("base weights: " + format_bytes(model.base_storage_bytes()));
 
   b.tokenizer = load_tokenizer(c.model, &b.tokenizer_path);

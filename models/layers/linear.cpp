@@ -10,8 +10,10 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "models/layers/linear4bit.h"
+#include "models/layers/linear8bit.h"
 #include "models/layers/lora_linear.h"
 #include "runtime/error.h"
+#include "runtime/int8.h"
 #include "runtime/keyed_dropout.h"
 #include "runtime/nf4.h"
 #include "runtime/step_profiler.h"
@@ -123,7 +125,7 @@ at::Tensor Linear::forward(const at::Tensor& x, bool training) const {
   // that dtype or in fp32 (a bf16 or fp16 model): one node (models/layers/lora_linear.h).
   // Otherwise: the base, then the adapter added.
   const bool frozen_base = qweight_ || !weight.requires_grad();
-  if (lora && frozen_base && x.scalar_type() == compute_dtype &&
+  if (lora && frozen_base && !int8() && x.scalar_type() == compute_dtype &&
       (lora->A.scalar_type() == compute_dtype || lora->A.scalar_type() == at::kFloat) &&
       (!bias.defined() || bias.scalar_type() == compute_dtype) &&
       (qweight_ || weight.scalar_type() == compute_dtype)) {
@@ -131,11 +133,17 @@ at::Tensor Linear::forward(const at::Tensor& x, bool training) const {
     FrozenWeight w{qweight_ ? at::Tensor() : (fan_in_fan_out_ ? weight.t() : weight), qweight_};
     return lora_linear(x, h, w, bias, lora->A, lora->B, lora->scaling, Nf4MatmulPath::kAuto, cast_adapter);
   }
-  at::Tensor xc = x.to(compute_dtype);
   at::Tensor y;
-  if (qweight_) {
+  if (int8()) {
+    // Linear8bitLt multiplies in the input's dtype (an autocast region's for F.linear and
+    // addmm), whatever bnb_4bit_compute_dtype says.
+    y = linear8bit(x, Int8Weight{weight, weight_absmax, int8_threshold}, bias, training,
+                   autocast && compute_dtype != x.scalar_type() ? compute_dtype : at::ScalarType::Undefined);
+  } else if (qweight_) {
+    const at::Tensor xc = x.to(compute_dtype);
     y = linear4bit(xc, qweight_, bias.defined() ? bias.to(compute_dtype) : bias, compute_dtype);
   } else {
+    const at::Tensor xc = x.to(compute_dtype);
     at::Tensor b = bias.defined() ? bias.to(compute_dtype) : bias;
     if (weight.scalar_type() != compute_dtype && at::GradMode::is_enabled()) {
       c10::optional<at::Tensor> b_opt;
@@ -170,6 +178,27 @@ void Linear::quantize(int64_t blocksize, bool double_quant, QuantType quant_type
   weight = at::Tensor();
 }
 
+void Linear::quantize_int8(double threshold) {
+  if (int8()) return;
+  MEMTUNE_CHECK(!qweight_, name_, ": already 4-bit; 8-bit quantization reads a dense weight");
+  const at::Tensor w = fan_in_fan_out_ ? weight.t().contiguous() : weight;  // bitsandbytes stores [out, in]
+  Int8Rows q = int8_quantize_rows(w.detach(), name_);
+  set_int8(std::move(q.codes), std::move(q.absmax), threshold);
+}
+
+void Linear::set_int8(at::Tensor codes, at::Tensor absmax, double threshold) {
+  MEMTUNE_CHECK(codes.dim() == 2 && codes.size(0) == out_ && codes.size(1) == in_ && codes.scalar_type() == at::kChar,
+                name_, ": 8-bit weight is ", codes.scalar_type(), " ", codes.sizes(), ", expected int8 [", out_, ", ",
+                in_, "]");
+  MEMTUNE_CHECK(absmax.dim() == 1 && absmax.size(0) == out_ && absmax.scalar_type() == at::kFloat, name_,
+                ": the 8-bit weight's row absmax (SCB) is ", absmax.scalar_type(), " ", absmax.sizes(),
+                ", expected float32 [", out_, "]");
+  MEMTUNE_CHECK(threshold >= 0, name_, ": llm_int8_threshold is ", threshold, ", not >= 0");
+  weight = std::move(codes);
+  weight_absmax = std::move(absmax);
+  int8_threshold = threshold;
+}
+
 void Linear::set_quantized(std::shared_ptr<const NF4Tensor> q) {
   MEMTUNE_CHECK(q->shape.size() == 2 && q->shape[0] == out_ && q->shape[1] == in_, name_,
                 ": 4-bit weight has shape [", q->shape[0], ", ", q->shape.size() > 1 ? q->shape[1] : 0,
@@ -180,6 +209,7 @@ void Linear::set_quantized(std::shared_ptr<const NF4Tensor> q) {
 
 at::Tensor Linear::dense_weight() const {
   if (qweight_) return nf4_dequantize(*qweight_, at::kFloat);
+  if (int8()) return int8_dequantize(weight, weight_absmax, at::kFloat);
   at::Tensor w = weight.detach().to(at::kFloat);
   return fan_in_fan_out_ ? w.t().contiguous() : w.clone();
 }
@@ -211,6 +241,10 @@ void Linear::merge_lora() {
     weight = nf4_dequantize(*qweight_, at::kFloat) + delta;
     if (fan_in_fan_out_) weight = weight.t().contiguous();
     qweight_.reset();
+  } else if (int8()) {
+    weight = int8_dequantize(weight, weight_absmax, at::kFloat) + delta;
+    if (fan_in_fan_out_) weight = weight.t().contiguous();
+    weight_absmax = at::Tensor();
   } else {
     at::Tensor d = fan_in_fan_out_ ? delta.t() : delta;
     weight = (weight.to(at::kFloat) + d).to(weight.scalar_type());
@@ -221,6 +255,7 @@ void Linear::merge_lora() {
 int64_t Linear::base_storage_bytes() const {
   int64_t b = bias.defined() ? bias.numel() * static_cast<int64_t>(bias.element_size()) : 0;
   if (qweight_) return b + qweight_->storage_bytes();
+  if (int8()) return b + int8_storage_bytes(out_, in_);
   return b + (weight.defined() ? weight.numel() * static_cast<int64_t>(weight.element_size()) : 0);
 }
 

@@ -1,6 +1,6 @@
 #pragma once
-// A linear projection of a transformer block: a dense or NF4 base weight, an optional bias,
-// and optional LoRA adapters. y = base(x) + B(A(dropout(x))) * scaling.
+// A linear projection of a transformer block: a dense, NF4 or LLM.int8 base weight, an
+// optional bias, and optional LoRA adapters. y = base(x) + B(A(dropout(x))) * scaling.
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -40,12 +40,17 @@ class Linear {
   int64_t out_features() const { return out_; }
   // The checkpoint stores the weight [in, out] (GPT-2's Conv1D) instead of [out, in].
   bool fan_in_fan_out() const { return fan_in_fan_out_; }
-  bool quantized() const { return qweight_ != nullptr; }
+  bool quantized() const { return qweight_ != nullptr; }  // 4-bit (NF4 / FP4)
+  // LLM.int8 (load_in_8bit): `weight` holds the int8 codes [out, in] (bitsandbytes' CB) and
+  // weight_absmax their fp32 row absmax (SCB), runtime/int8.h.
+  bool int8() const { return weight.defined() && weight.scalar_type() == at::kChar; }
   bool has_bias() const { return has_bias_; }
 
   // Tensors stay undefined until loaded or initialised (a model is built without memory).
   at::Tensor weight;  // dense weight as stored: [out, in], or [in, out] when fan_in_fan_out
   at::Tensor bias;    // [out] when has_bias()
+  at::Tensor weight_absmax;    // [out] fp32 when int8()
+  double int8_threshold = 6.0;  // llm_int8_threshold when int8()
   std::unique_ptr<LoraAdapter> lora;
   at::ScalarType compute_dtype = at::kFloat;  // dtype of the base matmul
   // The Trainer's fp16 / bf16 autocast (training.fp16 / bf16): an fp32 adapter's products run
@@ -60,13 +65,17 @@ class Linear {
   // Replaces the dense weight by its 4-bit form ([out, in] as bitsandbytes stores it).
   void quantize(int64_t blocksize, bool double_quant, QuantType quant_type);
   void set_quantized(std::shared_ptr<const NF4Tensor> q);
+  // Replaces the dense weight by LLM.int8's 8-bit form (the weight cast to float16, then
+  // quantized row by row), or sets one read from a checkpoint (codes [out, in], absmax [out]).
+  void quantize_int8(double threshold);
+  void set_int8(at::Tensor codes, at::Tensor absmax, double threshold);
   const std::shared_ptr<const NF4Tensor>& qweight() const { return qweight_; }
 
   // The base weight as fp32 [out, in], dequantized when needed (a new tensor).
   at::Tensor dense_weight() const;
   // Adds zero-initialised-B adapters (A drawn from the default generator).
   void add_lora(const LoraOptions& options);
-  // Folds the adapter into the base; an NF4 base becomes dense fp32. The adapter is removed.
+  // Folds the adapter into the base; an NF4 or 8-bit base becomes dense fp32. The adapter is removed.
   void merge_lora();
   int64_t base_storage_bytes() const;
 

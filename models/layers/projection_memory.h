@@ -1,7 +1,7 @@
 #pragma once
 // What a layer's projections add to its memory (models/memory.h), for an architecture's
 // CausalLM::layer_memory: each adapter's kept tensors, the widest adapter's rank (its x A^T
-// sits beside a product) and the largest transient: a dequantized NF4 panel, a dense weight
+// sits beside a product) and the largest transient: a dequantized NF4 panel or 8-bit weight, a dense weight
 // cast to the compute dtype, or an fp32 adapter's copies on a 16-bit model.
 #include <algorithm>
 #include <cstdint>
@@ -23,6 +23,14 @@ struct ProjectionTally {
       // A GPU dequantizes all of W for each product (models/layers/linear4bit.cpp).
       panel = std::max(panel, s.cuda_kernels ? l.out_features() * l.in_features() * s.compute_bytes
                                              : nf4_panel_bytes(l.out_features(), l.in_features(), s.compute_bytes));
+    } else if (t.int8) {
+      // models/layers/linear8bit.h: on a CPU in training the weight dequantized in the
+      // product's dtype, and in backward in the input's, on every device; a GPU's mixed
+      // product holds the input's fp16 and fp32 copies, its codes and masks (about 12 bytes an
+      // input element) and its int32, fp32 and fp16 outputs (14 bytes an output element).
+      const int64_t deq = l.out_features() * l.in_features() * std::max(s.compute_bytes, s.act_bytes);
+      panel = std::max(panel, s.cuda_kernels ? std::max(deq, s.rows() * (12 * l.in_features() + 14 * l.out_features()))
+                                             : deq);
     } else if (s.compute_bytes != s.act_bytes) {
       // A dense weight computing in another dtype: its cast, made for each product and not
       // kept (models/layers/linear.cpp, CastLinear).

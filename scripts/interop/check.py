@@ -520,7 +520,8 @@ class Check:
                      "bf16", "gradient_checkpointing", "per_device_train_batch_size", "per_device_eval_batch_size",
                      "gradient_accumulation_steps", "optim", "save_total_limit"],
         "quantization_config": ["load_in_8bit", "bnb_4bit_quant_type", "bnb_4bit_compute_dtype",
-                                "bnb_4bit_use_double_quant", "bnb_4bit_quant_storage"],
+                                "bnb_4bit_use_double_quant", "bnb_4bit_quant_storage", "llm_int8_threshold",
+                                "llm_int8_has_fp16_weight"],
     }
     SAME_SETTING = {("adamw_torch", "adamw_torch_fused"),  # one update; transformers 5 defaults to fused
                     ("0.0", "None")}                       # save_total_limit: keep every checkpoint

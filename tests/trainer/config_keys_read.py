@@ -17,7 +17,7 @@ import sys
 
 # member -> what config.cpp does with it (its only effect).
 ONLY_IN_CONFIG = {
-    "load_in_8bit": "refused when true",
+    "llm_int8_has_fp16_weight": "false only (the 8-bit weights stay frozen)",
     "bnb_4bit_quant_storage": "uint8 only",
     "low_cpu_mem_usage": "true only (loads always stream from the mmapped safetensors)",
     "bias": "none only",

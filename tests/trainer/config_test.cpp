@@ -404,10 +404,38 @@ TEST(Config, QuantTypeNf4OrFp4) {
                   .model.quantization_config.bnb_4bit_quant_type, t);
 }
 
-TEST(ConfigErrors, LoadIn8bitRefused) {
-  const std::string yaml = "model:\n  quantization_config:\n    load_in_8bit: true\n";
-  expect_invalid(yaml, "load_in_8bit", "true", "model.quantization_config.load_in_8bit", "true",
-                 "8-bit weights are not supported");
+// load_in_8bit: LLM.int8, with its threshold; what bitsandbytes' 8-bit layers do not read, and
+// what they cannot do, refused by name.
+TEST(Config, LoadIn8bitWithItsThreshold) {
+  const auto q = parse("model:\n  quantization_config:\n    load_in_8bit: true\n    llm_int8_threshold: 4.5\n")
+                     .model.quantization_config;
+  EXPECT_TRUE(q.load_in_8bit);
+  EXPECT_EQ(q.llm_int8_threshold, 4.5);
+  EXPECT_EQ(parse("model:\n  quantization_config:\n    load_in_8bit: true\n").model.quantization_config.llm_int8_threshold,
+            6.0);  // BitsAndBytesConfig's default
+}
+
+TEST(ConfigErrors, LoadIn8bitRefusesWhatItCannotDo) {
+  const std::string q = "model:\n  quantization_config:\n    load_in_8bit: true\n";
+  expect_invalid(q + "    load_in_4bit: true\n", "load_in_8bit", "true", "model.quantization_config.load_in_8bit",
+                 "true", "load_in_4bit is true too");
+  expect_invalid(q + "    bnb_4bit_compute_dtype: bfloat16\n", "bnb_4bit_compute_dtype", "bfloat16",
+                 "model.quantization_config.bnb_4bit_compute_dtype", "bfloat16", "applies to load_in_4bit");
+  expect_invalid(q + "    bnb_4bit_quant_type: nf4\n", "bnb_4bit_quant_type", "nf4",
+                 "model.quantization_config.bnb_4bit_quant_type", "nf4", "applies to load_in_4bit");
+  expect_invalid(q + "    bnb_4bit_use_double_quant: true\n", "bnb_4bit_use_double_quant", "true",
+                 "model.quantization_config.bnb_4bit_use_double_quant", "true", "applies to load_in_4bit");
+  expect_invalid(q + "    llm_int8_threshold: -1\n", "llm_int8_threshold", "-1",
+                 "model.quantization_config.llm_int8_threshold", "-1", "finite number >= 0");
+  expect_invalid(q + "    llm_int8_has_fp16_weight: true\n", "llm_int8_has_fp16_weight", "true",
+                 "model.quantization_config.llm_int8_has_fp16_weight", "true", "not supported");
+  expect_invalid(q + "training:\n  finetune: full\n", "load_in_8bit", "true",
+                 "model.quantization_config.load_in_8bit", "true", "8-bit weights stay frozen");
+  expect_invalid(q + "distributed:\n  sharding: full\n", "load_in_8bit", "true",
+                 "model.quantization_config.load_in_8bit", "true", "needs each weight whole");
+  // Without load_in_8bit the 4-bit keys are the 4-bit run's.
+  EXPECT_EQ(parse("model:\n  quantization_config:\n    bnb_4bit_quant_type: nf4\n")
+                .model.quantization_config.bnb_4bit_quant_type, "nf4");
 }
 
 // Keys Hugging Face / PEFT users write whose meaning memtune does not implement: refused by
@@ -758,6 +786,7 @@ Config every_field_changed() {
   m.quantization_config.bnb_4bit_compute_dtype = "float16";
   m.quantization_config.bnb_4bit_use_double_quant = true;
   m.quantization_config.blocksize = 128;
+  m.quantization_config.llm_int8_threshold = 4.0;
   m.device_map.entries = {{"model.layers.0-15", "cuda:0"}, {"model.layers.16-31", "cpu"}, {"lm_head", "offload"}};
   m.max_memory["cuda:0"] = memtune::parse_size("20GiB");
   m.max_memory["cpu"] = memtune::parse_size("0.75");
@@ -886,9 +915,11 @@ std::map<std::string, std::string> leaves(const std::string& yaml) {
 }
 
 // Keys with one valid value: they cannot differ from the default in a valid config (each is
-// refused otherwise: ConfigErrors.*Refused*).
+// refused otherwise: ConfigErrors.*Refused*). load_in_8bit excludes every_field_changed's
+// load_in_4bit (ConfigErrors.LoadIn8bitRefusesWhatItCannotDo).
 const std::set<std::string> kSingleValued = {
-    "model.quantization_config.load_in_8bit", "model.quantization_config.bnb_4bit_quant_type",
+    "model.quantization_config.load_in_8bit", "model.quantization_config.llm_int8_has_fp16_weight",
+    "model.quantization_config.bnb_4bit_quant_type",
     "model.quantization_config.bnb_4bit_quant_storage", "lora.bias", "lora.task_type",
     "model.low_cpu_mem_usage", "training.group_by_length", "training.report_to", "data.eval_split"};
 
@@ -896,7 +927,7 @@ TEST(ConfigRoundTrip, EveryFieldChangedIsComplete) {
   auto defaults = leaves(to_yaml(Config()));
   auto a = leaves(to_yaml(every_field_changed()));
   auto b = leaves(to_yaml(every_field_changed_b()));
-  EXPECT_EQ(defaults.size(), 99u);  // the leaves config.h declares: a new key belongs in every_field_changed()
+  EXPECT_EQ(defaults.size(), 101u);  // the leaves config.h declares: a new key belongs in every_field_changed()
   for (const auto& [path, value] : defaults) {
     if (kSingleValued.count(path)) continue;
     EXPECT_TRUE(a.at(path) != value || b.at(path) != value) << path << " is never changed from " << value;

@@ -75,7 +75,7 @@ struct Measured {
   int64_t kept_after_forward = 0;  // allocated after forward minus before it
   int64_t step_peak = 0;           // over forward, backward, norm and update
   int64_t optimizer_peak = 0;      // over the norm and the update
-  int64_t nf4_bytes = 0;           // of the loaded projections
+  int64_t nf4_bytes = 0;           // of the loaded projections (4-bit or 8-bit)
 };
 
 // One trainer-like step on the model the trainer builds for `c` (trainer::setup_model: the
@@ -85,8 +85,10 @@ Measured measure(const trainer::Config& c, const models::ModelSpec& spec) {
   Measured m;
   trainer::ModelBundle bundle = trainer::setup_model(c);
   models::CausalLM* model = bundle.model.get();
-  for (models::Linear* l : model->linears())
+  for (models::Linear* l : model->linears()) {
     if (l->quantized()) m.nf4_bytes += l->qweight()->storage_bytes();
+    if (l->int8()) m.nf4_bytes += l->weight.numel() + 4 * l->weight_absmax.numel();
+  }
   trainer::OptimizerOptions oo;
   trainer::set_optimizer_kind(c.training.optim, oo);
   trainer::Optimizer optimizer(model->trainable_parameters(), oo);
@@ -144,7 +146,7 @@ TEST_P(EstimateVsModel, KeptActivationsAndPeakAgreeWithTheAllocator) {
   // The update's own peak (a full fine-tune's highest point: weights, gradients, states).
   EXPECT_NEAR(rel(e.optimizer_peak, m.optimizer_peak), 0.0, 0.10)
       << "optimizer peak: estimated " << e.optimizer_peak << ", measured " << m.optimizer_peak;
-  EXPECT_EQ(e.weights_nf4, m.nf4_bytes);
+  EXPECT_EQ(e.weights_quantized, m.nf4_bytes);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -223,6 +225,17 @@ INSTANTIATE_TEST_SUITE_P(
                                      "training.per_device_train_batch_size=2"}},
         Shape{"qwen3_full_bf16", {"model.name_or_path=tiny-qwen3", "training.finetune=full", "training.bf16=true",
                                   "data.max_seq_length=128", "training.per_device_train_batch_size=2"}},
+        // LLM.int8 (load_in_8bit): on a CPU in training each product dequantizes its weight
+        // (in the product's dtype, and in backward in the input's).
+        Shape{"llama_int8_lora_all", {"model.name_or_path=tiny-llama", "model.quantization_config.load_in_8bit=true",
+                                      "lora.target_modules=all-linear", "data.max_seq_length=256",
+                                      "training.per_device_train_batch_size=2"}},
+        Shape{"llama_int8_lora_bf16", {"model.name_or_path=tiny-llama", "model.quantization_config.load_in_8bit=true",
+                                       "training.bf16=true", "data.max_seq_length=128",
+                                       "training.per_device_train_batch_size=2"}},
+        Shape{"gpt2_bf16_model_int8_qv", {"model.name_or_path=tiny-gpt2", "model.torch_dtype=bfloat16",
+                                          "model.quantization_config.load_in_8bit=true", "training.bf16=true",
+                                          "lora.target_modules=[c_attn]", "data.max_seq_length=128"}},
         Shape{"gpt2_full", {"model.name_or_path=tiny-gpt2", "training.finetune=full", "data.max_seq_length=128",
                             "training.per_device_train_batch_size=2"}},
         // Adafactor: per-row and per-column states, and its update's workspace (the largest tensor).

@@ -152,7 +152,7 @@ TEST(Estimator, WeightsLoraGradientsAndOptimizerByHand) {
   // Dense: embed 32*8 + head 32*8 + norms (2 per layer + final) 5*8 = 552; projections per
   // layer q 64 + k 32 + v 32 + o 64 + gate 128 + up 128 + down 128 = 576, x2 layers.
   EXPECT_EQ(e.weights_dense, (552 + 2 * 576) * 4);
-  EXPECT_EQ(e.weights_nf4, 0);
+  EXPECT_EQ(e.weights_quantized, 0);
   // LoRA r=2: q 2*(8+8) + v 2*(8+4) = 56 per layer.
   EXPECT_EQ(e.trainable_parameters, 112);
   EXPECT_EQ(e.lora_parameters, 112 * 4);
@@ -173,7 +173,7 @@ TEST(Estimator, WeightsLoraGradientsAndOptimizerByHand) {
     for (int64_t n : {64, 32, 32, 64, 128, 128, 128}) b += n / 2 + (n + 31) / 32 * 4;
     return 2 * b;
   }();
-  EXPECT_EQ(e.weights_nf4, nf4_bytes);
+  EXPECT_EQ(e.weights_quantized, nf4_bytes);
   EXPECT_EQ(e.weights_dense, 552 * 4);
   // What layer offload can move: the layers' NF4 projections and norms.
   EXPECT_EQ(e.weights_layers, nf4_bytes + 4 * 8 * 4);
