@@ -189,11 +189,8 @@ void save_hf_model(const CausalLM& model, const fs::path& dir, const SaveOptions
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   const NF4Tensor* any_nf4 = nullptr;
   for (const TensorSlot& slot : model.tensors()) {
-    MEMTUNE_CHECK(!(slot.role == TensorRole::kLinearWeight && slot.linear->int8()), "save: ", slot.name,
-                  " is 8-bit (load_in_8bit); memtune writes 4-bit or dense models. Hint: merge the adapter "
-                  "(memtune merge writes dense weights), or quantize with load_in_4bit");
-    if (slot.role == TensorRole::kLinearWeight && slot.linear->quantized()) {
-      if (options.keep_4bit) {
+    if (slot.role == TensorRole::kLinearWeight && (slot.linear->quantized() || slot.linear->int8())) {
+      if (options.keep_4bit && slot.linear->quantized()) {
         any_nf4 = slot.linear->qweight().get();
         for (auto& kv : nf4_to_bnb(slot.name, *slot.linear->qweight())) tensors.push_back(std::move(kv));
       } else {

@@ -47,6 +47,7 @@ std::unique_ptr<CausalLM> init_random_model(const ModelSpec& spec, uint64_t seed
 struct SaveOptions {
   at::ScalarType dtype = at::kFloat;  // dense tensors' dtype on disk
   bool keep_4bit = true;              // NF4 projections in bitsandbytes' form; else dequantized
+                                      // (8-bit projections are always written dequantized)
   uint64_t max_shard_bytes = 5'000'000'000;
 };
 

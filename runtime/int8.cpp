@@ -16,13 +16,14 @@ constexpr int64_t kSliceElements = int64_t{1} << 24;
 // Elements of k per fp32 product in int8_matmul_i32: 127 * 127 * 1024 < 2^24.
 constexpr int64_t kExactK = 1024;
 
-// round(x * scale) half to even, as int8, with scale = 127 / absmax as the CUDA kernel divides
-// (IEEE here; its __fdividef is within 2 ulp, which moves no code but at an exact tie), or,
-// `reciprocal`, as the default ops' `127.0 / row_stats` evaluates (torch's __rtruediv__:
-// reciprocal(absmax) * 127). A row whose absmax is 0 (or, in the CUDA kernel, holds only
+// round(x * scale) half to even, as int8, with scale = reciprocal(absmax) * 127: the default
+// ops' `127.0 / row_stats` (torch's __rtruediv__ multiplies by the reciprocal), and the CUDA
+// kernel's __fdividef(127, absmax), PTX's div.approx.f32, "computed as a * (1/b)" with an
+// approximate reciprocal, taken here as correctly rounded (one a GPU rounds otherwise moves a
+// code only at an exact tie). A row whose absmax is 0 (or, in the CUDA kernel, holds only
 // outliers) gets zeros, as __float2int_rn gives 0 for the NaN of 0 * inf.
-at::Tensor row_codes(const at::Tensor& x32, const at::Tensor& absmax, bool reciprocal = false) {
-  const at::Tensor scale = reciprocal ? at::reciprocal(absmax) * 127.0f : at::full({}, 127.0f, absmax.options()) / absmax;
+at::Tensor row_codes(const at::Tensor& x32, const at::Tensor& absmax) {
+  const at::Tensor scale = at::reciprocal(absmax) * 127.0f;
   at::Tensor q = at::round(x32 * scale.unsqueeze(1));
   q = at::where(at::isfinite(q), q, at::zeros({}, q.options()));
   return q.to(at::kChar);
@@ -121,7 +122,7 @@ at::Tensor int8_mixed_matmul(const at::Tensor& a, const at::Tensor& codes, const
     // The default op zeroes the outliers, then quantizes every row as a weight row.
     const at::Tensor zeroed = threshold > 0 ? a32.masked_fill(mag >= t16, 0.0f) : a32;
     sca = zeroed.abs().amax(1);
-    ca = row_codes(zeroed, sca, /*reciprocal=*/true);
+    ca = row_codes(zeroed, sca);
   }
   if (rows > 1 && cols.numel() > 0) ca.index_fill_(1, cols, 0);
 

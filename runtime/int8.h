@@ -5,10 +5,10 @@
 // default and CUDA ops; tests/reference/int8_reference.py is the independent reference.
 //
 // A weight W [out, in] is cast to float16 and quantized row by row:
-//   SCB[r] = max_j |W16[r, j]| (fp32), CB[r, j] = round(W16[r, j] * (127 / SCB[r])) (int8),
-// round half to even, a zero row all zeros: the CUDA kernel's codes, where users quantize.
-// (bitsandbytes' CPU ops scale by reciprocal(SCB) * 127, which gives another code only where
-// W16 * 127 / SCB is exactly n + 1/2.) Dequantized: CB * (SCB * (1 / 127)), one rounding
+//   SCB[r] = max_j |W16[r, j]| (fp32), CB[r, j] = round(W16[r, j] * (reciprocal(SCB[r]) * 127))
+// (int8), round half to even, a zero row all zeros. The scale is the default ops'
+// `127.0 / SCB` as torch evaluates it and the CUDA kernel's __fdividef (a * (1/b)) with its
+// reciprocal correctly rounded. Dequantized: CB * (SCB * (1 / 127)), one rounding
 // to the dtype asked for from the fp32 product.
 //
 // The products with an input A [rows, in] of dtype D:

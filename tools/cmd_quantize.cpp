@@ -6,6 +6,7 @@
 #include <CLI/CLI.hpp>
 
 #include "models/hf_model.h"
+#include "runtime/error.h"
 #include "runtime/nf4.h"
 #include "runtime/units.h"
 #include "tools/commands.h"
@@ -38,6 +39,9 @@ void add_quantize_command(CLI::App& app) {
     lo.double_quant = !a->no_double_quant;
     lo.on_tensor = [](const std::string&, int64_t d, int64_t t) { progress("quantize", d, t); };
     auto model = models::load_hf_model(a->model, lo);
+    for (const models::Linear* l : model->linears())
+      MEMTUNE_CHECK(!l->int8(), a->model, ": ", l->name(), " is stored in bitsandbytes' 8-bit form (LLM.int8); "
+                    "quantize reads dense or 4-bit models. Hint: quantize the model's dense checkpoint");
     models::save_hf_model(*model, a->out, {});
     copy_tokenizer_files(a->model, a->out);
     int64_t n = 0, bytes = 0;

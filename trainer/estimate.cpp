@@ -310,9 +310,10 @@ std::string what_would_fit(const EstimateInput& best, int64_t budget) {
   if (!best.load_in_4bit && best.finetune == "lora") {
     EstimateInput q = best;
     q.load_in_4bit = true;
+    q.load_in_8bit = false;
     const int64_t p = estimate_peak(q);
-    would += str_cat("; model.quantization_config.load_in_4bit: true (estimated ", format_bytes(p),
-                     p <= budget ? ", fits" : ", still too large", ")");
+    would += str_cat("; model.quantization_config.load_in_4bit: true", best.load_in_8bit ? " (load_in_8bit: false)" : "",
+                     " (estimated ", format_bytes(p), p <= budget ? ", fits" : ", still too large", ")");
   }
   // An fp32 model computing in 16 bits, training only adapters: the model in that dtype, as
   // transformers + PEFT would hold it (half the dense weights and activations).

@@ -310,13 +310,20 @@ ModelBundle setup_model(const Config& c, const fs::path& adapter_dir, const Skip
       int8_bytes += int8_storage_bytes(l->out_features(), l->in_features());
       threshold = l->int8_threshold;
     }
+  if (int8 > 0 && !c.model.quantization_config.load_in_8bit)
+    b.notes.push_back("the model's projections are stored in bitsandbytes' 8-bit form and read as they are "
+                      "(transformers, too, takes a pre-quantized model's own quantization_config)");
   if (int8 > 0)
     b.notes.push_back(str_cat("LLM.int8 base: ", int8, " parameters in ", format_bytes(int8_bytes), " (",
                               static_cast<double>(int8_bytes) * 8.0 / static_cast<double>(int8),
                               " bits per parameter), outlier threshold ", threshold, "; the products ",
                               b.device.is_cpu() ? "in training multiply by the dequantized weight (bitsandbytes' "
                                                   "on a CPU), in evaluation by LLM.int8's int8 product"
-                                                : "run LLM.int8's int8 product with outlier columns in 16 bits"));
+                                                : "run LLM.int8's int8 product with outlier columns in 16 bits; "
+                                                  "the outlier columns are those of the whole micro-batch, so a "
+                                                  "micro-batch split after an out-of-memory error moves some "
+                                                  "columns between int8 and 16 bits, as bitsandbytes at that "
+                                                  "micro-batch would (llm_int8_threshold: 0 takes none out)"));
   b.notes.push_back("base weights: " + format_bytes(model.base_storage_bytes()));
 
   b.tokenizer = load_tokenizer(c.model, &b.tokenizer_path);

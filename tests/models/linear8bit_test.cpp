@@ -205,6 +205,39 @@ TEST(Linear8bit, LoraOnAnInt8BaseIsLoraOnTheDequantizedWeight) {
   EXPECT_TRUE(at::allclose(int8.weight, merged, 0, 1e-7));
 }
 
+// On a GPU the layer takes the CUDA kernels' flavour, in training too: the steps are tensor
+// ops, so their bits are the CPU's running that flavour (the outlier columns' addmm is cuBLAS's
+// against OpenBLAS's: to rounding), and the input's gradient g @ deq(W) likewise.
+TEST(Linear8bit, OnCudaTheMixedProductIsTheCpusCudaFlavour_CUDA) {
+  MEMTUNE_SKIP_WITHOUT_CUDA();
+  at::manual_seed(9);
+  const at::Tensor w = at::randn({96, 256}) * 0.05;
+  const memtune::Int8Rows q = memtune::int8_quantize_rows(w, "w");
+  const memtune::Int8Rows qc = memtune::int8_quantize_rows(w.cuda(), "w");  // quantized on the GPU: the same bytes
+  EXPECT_TRUE(mt::same_bits(qc.codes.cpu(), q.codes));
+  EXPECT_TRUE(mt::same_bits(qc.absmax.cpu(), q.absmax));
+  for (auto dt : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    SCOPED_TRACE(c10::toString(dt));
+    at::Tensor x = at::randn({2, 8, 256});
+    x.select(2, 5).fill_(9.0);
+    x = x.to(dt);
+    const at::Tensor bias = (at::randn({96}) * 0.1).to(dt);
+    memtune::Int8MixedParts cpu;
+    const at::Tensor want =
+        memtune::int8_mixed_matmul(x.reshape({16, 256}), q.codes, q.absmax, bias, 6.0, Int8Flavour::kCuda,
+                                   at::ScalarType::Undefined, &cpu);
+    const Int8Weight w8{q.codes.cuda(), q.absmax.cuda(), 6.0};
+    at::Tensor xc = x.cuda().requires_grad_(true);
+    const at::Tensor y = memtune::models::linear8bit(xc, w8, bias.cuda(), /*training=*/true);
+    mt::expect_close(y.reshape({16, 96}).cpu().to(at::kDouble), want.to(at::kDouble), dt == at::kFloat ? 1e-6 : 1e-2,
+                     "y");
+    const at::Tensor g = at::randn({2, 8, 96}).to(dt);
+    y.backward(g.cuda());
+    const at::Tensor gx = at::matmul(g.to(at::kFloat), memtune::int8_dequantize(q.codes, q.absmax, dt).to(at::kFloat));
+    mt::expect_close(xc.grad().cpu().to(at::kDouble), gx.to(at::kDouble), dt == at::kFloat ? 1e-6 : 1e-2, "grad_x");
+  }
+}
+
 TEST(Linear8bit, RefusesAnInputOnAnotherDeviceOrOfAnotherWidth) {
   const memtune::Int8Rows q = memtune::int8_quantize_rows(at::randn({8, 16}), "w");
   const Int8Weight w8{q.codes, q.absmax, 6.0};
@@ -303,6 +336,15 @@ TEST_P(Int8Model, LoadedAsTheDequantizedDenseModelAndReadBackFromBitsandbytesLay
     EXPECT_EQ(b->int8_threshold, 5.0);
   }
   EXPECT_EQ(loss(*read, spec, false), e8);
+  // Saved (memtune merge's writer), 8-bit projections are written dequantized, without a
+  // quantization_config.
+  models::save_hf_model(*read, dir / "saved", {});
+  EXPECT_EQ(nlohmann::json::parse(mt::read_file(dir / "saved" / "config.json")).count("quantization_config"), 0u);
+  auto back = models::load_hf_model(dir / "saved", {});
+  for (size_t k = 0; k < back->linears().size(); ++k) {
+    EXPECT_FALSE(back->linears()[k]->int8());
+    EXPECT_TRUE(mt::same_bits(back->linears()[k]->dense_weight(), read->linears()[k]->dense_weight()));
+  }
   for (auto& [name, t] : tensors)
     if (name.size() > 14 && name.compare(name.size() - 14, 14, ".weight_format") == 0) t = at::ones({}, at::kByte);
   write(dir / "col32");

@@ -13,20 +13,34 @@ D(.) = one round-to-nearest-even cast from fp32 to that dtype; D in {float32, bf
 1. Weight quantization (Int8Params._quantize: B.to(float16), then int8_vectorwise_quant with
    threshold 0). W [out, in] in dtype D -> W16 = fp16(W); SCB[r] = max_j |W16[r, j]| (exact, as
    fp32). CB[r, j] = rint(f32(W16[r, j] * scale[r])) as int8 (rint: half to even), with
-     CUDA kernel kInt8VectorQuant:  scale = __fdividef(127.0f, absmax)  (taken here as the IEEE
-                                    fp32 quotient; __fdividef is an approximate division, 2 ulp)
-     default backend:               `127.0 / row_stats` is Tensor.__rtruediv__, which torch defines
-                                    as `self.reciprocal() * other`: scale = f32(f32(1/absmax) * 127)
-   The two differ only where a*127/absmax is exactly n + 1/2 (see avoid_exact_ties: a = +-absmax/2,
-   or an absmax whose significand is a multiple of 127); the generators move such entries
-   off the tie, both scales are computed for every weight case, and fixtures are refused if the
-   codes differ. A row of zeros: 127/0 = inf, 0 * inf = NaN; CUDA's
+     scale = f32(f32(1/absmax) * 127)      (rcp_scale; the same for both flavours)
+   CUDA kernel kInt8VectorQuant: `scale = __fdividef(127.0f, absmax)`. __fdividef compiles to PTX
+   div.approx.f32, which the PTX ISA documents as computed as d = a * (1/b) with an approximate
+   reciprocal; it is taken here with 1/b correctly rounded: 127 * f32(1/absmax), rounded once.
+   Default backend: `127.0 / row_stats` is Tensor.__rtruediv__, which torch defines as
+   `self.reciprocal() * other`: the same f32(f32(1/absmax) * 127). So the CUDA and default codes
+   agree everywhere, exact ties included. The IEEE quotient f32(127/absmax) (div_scale, what a
+   plain `127.0f / absmax` in C++ gives) differs from it in the last bit for some absmax, which
+   moves a code only at an exact tie: a*127/absmax = n + 1/2 exactly, i.e. 254*a/absmax an odd
+   integer (a = +-absmax/2 always, more values when absmax's significand is a multiple of 127;
+   see exact_ties). The weight generators keep such ties (only the LLM.int8 inputs outside the
+   `ties` cases are moved off them, avoid_exact_ties); the weight fixtures hold 18 codes, in the
+   1536-column cases (SCB 0.062286377, 0.065917969, 0.071777344, 0.061737061), where the IEEE
+   quotient gives a code one further from zero, so an implementation dividing fails the byte
+   comparison (the selftest counts them). On a GPU: a previous measurement on an H200 found the
+   approximate reciprocal (rcp.approx) one fp32 step off for 13 % of absmax values in
+   bitsandbytes' 4-bit kernel; where that happens here, the scale moves by a step and a code can
+   change only at an exact tie (or where a*127/absmax lies within one step of the scale's
+   rounding of n + 1/2, which fp16 values do not reach off exact ties: they keep
+   |a*127/absmax - (n + 1/2)| >= 1.9e-6 relative), so the fixtures' codes at exact ties hold on a
+   GPU only if rcp.approx is correctly rounded for those absmax. A row of zeros: 1/0 = inf,
+   127 * inf = inf, 0 * inf = NaN; CUDA's
    __float2int_rn(NaN) is 0 (torch 1.13's NaN -> int8 on x86 also gives 0; C++ leaves it
    undefined), so the row's codes are 0 and SCB is +0.0 (fmaxf(-0.0, +0.0): sign taken as +).
    The tie row [127, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5, -3.5, 125.5, -126.5, 0...] has scale
    exactly 1 (IEEE 127/127, and 127 * f32(1/127) rounds to 1.0), so its codes are
    [127, 0, 2, 2, 0, -2, -2, 4, -4, 126, -126, 0...]; on a GPU that holds only if
-   __fdividef(127, 127) is exactly 1.
+   __fdividef(127, 127) is exactly 1 (127 * rcp.approx(127) rounds to 1).
 
 2. Dequantization (MatMul8bitFp.forward / MatMul8bitLt.backward:
    `CB.to(T, copy=True).mul_(SCB.unsqueeze(1).mul(1.0 / 127.0))`):
@@ -47,12 +61,20 @@ D(.) = one round-to-nearest-even cast from fp32 to that dtype; D in {float32, bf
       cuda: absmax over the row's |a| < fp16(t) (all values when t == 0), starting from
             T(-FLT_MIN) with T = half, which is -0.0: a row whose values are all outliers has
             SCA = -0.0 (not -FLT_MIN) and scale = -inf; its codes are 0. SCA = absmax (exact fp32
-            of a half); scale = f32(127 / absmax) (IEEE, see 1.); CA = |a| < f32(t) ?
+            of a half); scale = f32(f32(1/absmax) * 127) (__fdividef, see 1.); CA = |a| < f32(t) ?
             rint(f32(a * scale)) : 0 (t == 0: every value). Then, if rows > 1, the columns in
             outlier_cols are set to 0.
       default: outliers set to 0 in A16 first; SCA = max |A16| over the row (as fp32);
             CA = rint(f32(A16 * f32(f32(1 / SCA) * 127))); outlier columns zeroed when rows > 1.
             (An all-outlier row gives SCA 0 and NaN codes: no default case has one.)
+      Both flavours use the same scale (1.), so their codes agree, exact ties included. The
+      `ties` cases keep 8 exact ties (TIE_INPUTS), where the IEEE quotient 127/absmax would give
+      another code (e.g. a = 0.36816406 in a row of absmax 3.2246094: 15 with 127/absmax, 14 with
+      127 * f32(1/absmax), the fixtures' code). On a GPU the cuda codes there hold only if
+      rcp.approx is correctly rounded for those absmax values (3.2246094, 2.7285156, 3.7207031,
+      2.1015625, 2.1855469).
+      A row of zeros (cuda): absmax +0.0 (fmaxf(-0.0, +0.0): sign taken as +), scale inf, 0 * inf
+      = NaN, codes 0.
    c. I32 = CA @ CB^T, exact (int64, checked to fit int32). cuBLASLt (CUDA, in % 4 == 0) and
       torch._int_mm (CPU, torch >= 2.6 with AVX-512) are exact; the fallbacks, CUDA for
       in % 4 != 0 and the default backend otherwise, compute `torch.matmul(A.float(),
@@ -63,7 +85,8 @@ D(.) = one round-to-nearest-even cast from fp32 to that dtype; D in {float32, bf
             to fp32): v = f32(f32(f32(I32) * SCA[i]) * SCB[j]); out16 = fp16(fmaf(v, C, b)) with
             b = fp32(bias[j]) when the bias is float16 (fused), else b = 0; a bias of another dtype
             is then added by `out.add_(bias)` on the fp16 tensor: out16 = fp16(f32(out16 + bias)).
-            base = D(out16).
+            base = D(out16). Zeros: with no bias b = +0.0 and fmaf(+-0, C, +0.0) = +0.0, so an
+            all-outlier row (SCA -0.0, I32 0: v = -0.0) and a zero row give base +0.0, not -0.0.
       default (int8_mm_dequant): out = f32(f32(f32(I32) * f32(SCA[i] * SCB[j])) * C') with
             C' = fp32(6.200124e-05) (sic: not 1/127^2 = 6.2000124e-05; the Python float cast to
             fp32); with a bias out = f32(out + fp32(bias)); base = D(out).
@@ -77,9 +100,15 @@ D(.) = one round-to-nearest-even cast from fp32 to that dtype; D in {float32, bf
 
 Cases (seeded by names, deterministic): weights [48, 1536], [40, 64], [7, 33] in each of float32,
 bfloat16, float16: N(0, 0.02), four entries of magnitude 0.2-0.6, row 3 all zeros, row 5 the tie
-row. Inputs N(0, 1) clipped to +-3.9, with planted outliers (6.0, -9.5, 23.0, and for float32
+row; the exact ties the random values fall on are kept (18 of them where 127/absmax and
+127 * (1/absmax) give different codes, all in the [48, 1536] cases). Inputs N(0, 1) clipped to +-3.9, with planted outliers (6.0, -9.5, 23.0, and for float32
 5.999) and non-outliers (5.99, or 5.96875 in bfloat16, and 5.5 in an outlier column); for the
-cuda flavour also a row made only of outliers. LT_CASES and FP_CASES below list the rest.
+cuda flavour also a row made only of outliers. Input kinds (make_x): clean, outliers,
+alloutlier (last row all outliers), alloutlier_zero (6 rows: also row 4 all zeros; the cases
+cuda_{f32,bf16}_64_t6_r6_zerorows have no bias, so .base rows 4 and 5 are +0.0 bytes), ties
+(make_tie_x: 6 rows of fp16 values, the same for every D, no outliers, with 8 exact ties planted
+in rows 0, 1, 2, 4, 5; the cases cuda_f32_64_t6_r6_ties and default_f16_64_t6_r6_ties hold the
+same A16 and the same .ca, which the IEEE quotient 127/absmax would change at those 8 entries). LT_CASES and FP_CASES below list the rest.
 
 Fixtures (raw little-endian C-order bytes, no headers; bfloat16 as its 16-bit pattern):
   per weight case W: W.w (D [out, in]), W.cb (int8 [out, in]), W.scb (fp32 [out]),
@@ -196,25 +225,26 @@ def rint_codes(vals, scale, mask):
     return r.astype(np.int8)
 
 
-def cuda_scale(absmax):
-    with np.errstate(divide="ignore"):
-        return (F32(127.0) / absmax.astype(F32)).astype(F32)
-
-
-def default_scale(absmax):
+def rcp_scale(absmax):
+    """f32(f32(1/absmax) * 127): CUDA's __fdividef(127.0f, absmax) (div.approx.f32 = a * (1/b),
+    the reciprocal taken correctly rounded) and the default backend's `127.0 / row_stats`
+    (torch: reciprocal() * 127). Used by both flavours."""
     with np.errstate(divide="ignore", over="ignore"):
         return ((F32(1.0) / absmax.astype(F32)).astype(F32) * F32(127.0)).astype(F32)
 
 
-def quantize_weight(w):
-    """w: fp32 array holding dtype-D values. Returns CB (int8), SCB (fp32), W16, and the
-    default-backend codes (for the equality check)."""
+def div_scale(absmax):
+    """The IEEE quotient f32(127/absmax): what neither bitsandbytes path computes (selftest only)."""
+    with np.errstate(divide="ignore"):
+        return (F32(127.0) / absmax.astype(F32)).astype(F32)
+
+
+def quantize_weight(w, scale_fn=rcp_scale):
+    """w: fp32 array holding dtype-D values. Returns CB (int8), SCB (fp32) and W16."""
     w16 = fp16(w)
     scb = np.max(np.abs(w16), axis=1).astype(F32) + F32(0.0)  # +0.0 for a zero row
-    allmask = np.ones(w16.shape, dtype=bool)
-    cb_cuda = rint_codes(w16, cuda_scale(scb), allmask)
-    cb_default = rint_codes(w16, default_scale(scb), allmask)
-    return cb_cuda, scb, w16, cb_default
+    cb = rint_codes(w16, scale_fn(scb), np.ones(w16.shape, dtype=bool))
+    return cb, scb, w16
 
 
 def dequantize(cb, scb, tname):
@@ -228,8 +258,9 @@ def outlier_mask(a16, t):
     return np.abs(a16) >= fp16(np.array([t], F32))[0]
 
 
-def quantize_rows(a16, t, flavour):
-    """int8_vectorwise_quant(A16, threshold=t). Returns CA, SCA, outlier_cols."""
+def quantize_rows(a16, t, flavour, scale_fn=rcp_scale):
+    """int8_vectorwise_quant(A16, threshold=t). Returns CA, SCA, outlier_cols. (scale_fn:
+    rcp_scale for bitsandbytes, div_scale only for the selftest's comparison.)"""
     rows = a16.shape[0]
     absv = np.abs(a16).astype(F32)
     out_m = outlier_mask(a16, t)
@@ -247,13 +278,13 @@ def quantize_rows(a16, t, flavour):
                 sca[i] = F32(-0.0)       # half(-FLT_MIN) == -0.0, never raised
             else:
                 sca[i] = F32(v.max()) + F32(0.0)
-        ca = rint_codes(a16, cuda_scale(sca), keep_q)
+        ca = rint_codes(a16, scale_fn(sca), keep_q)
     else:
         az = np.where(out_m, F32(0), a16).astype(F32)
         sca = np.max(np.abs(az), axis=1).astype(F32) + F32(0.0)
         if np.any(sca == 0):
             raise ValueError("default flavour: a row with no non-outlier value gives NaN codes")
-        ca = rint_codes(az, default_scale(sca), np.ones(a16.shape, dtype=bool))
+        ca = rint_codes(az, scale_fn(sca), np.ones(a16.shape, dtype=bool))
     if rows > 1 and cols.size:
         ca[:, cols] = 0
     return ca, sca, cols
@@ -330,27 +361,36 @@ def rng_for(key):
     return np.random.default_rng(zlib.crc32(key.encode()))
 
 
-def avoid_exact_ties(v, D, thresholds, skip_rows=()):
+def exact_ties(v, thresholds):
+    """Entries of v (fp32 values; their fp16 is quantized) on an exact tie: 254*|a|/absmax an odd
+    integer, with absmax over all values (threshold 0) or over those under a threshold t > 0."""
+    a = np.abs(fp16(v)).astype(F64)
+    hit = np.zeros(v.shape, dtype=bool)
+    for t in thresholds:
+        m = (np.where(a < t, a, 0.0) if t > 0 else a).max(axis=1, keepdims=True)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            q = np.where(m > 0, 254.0 * a / np.where(m > 0, m, 1.0), 0.5)
+        odd = (q == np.rint(q)) & (np.fmod(np.rint(q), 2) == 1)
+        hit |= odd & (a < (t if t > 0 else np.inf))
+    return hit
+
+
+def avoid_exact_ties(v, D, thresholds, keep=None):
     """Exact ties: with fp16 values a and absmax, a*127/absmax is exactly n + 1/2 when
     254*a/absmax is an odd integer: at a = +-absmax/2 always, and at more values when absmax's
     significand is a multiple of 127 (e.g. 3.2246094 = 13*127/2^9). There the code depends on
-    the last bit of the scale: CUDA's 127/absmax (__fdividef) and the default backend's
-    127 * (1/absmax) round differently (e.g. 15 against 14). Away from exact ties fp16 inputs keep
-    |a*127/absmax - (n + 1/2)| >= 1.9e-6 relative, so a scale a few ulps off gives the same
-    codes. Entries on an exact tie (absmax over all values and over those under each threshold)
-    are scaled by 0.97, so that every fixture's codes are unambiguous. (The tie row of the
-    weights is kept: its absmax is 127 and both scales are exactly 1.)"""
+    the last bit of the scale: the IEEE quotient 127/absmax and 127 * (1/absmax) (both
+    flavours) can round differently (e.g. 15 against 14), and so can a GPU whose rcp.approx is a
+    step off. Away from exact ties fp16 inputs keep |a*127/absmax - (n + 1/2)| >= 1.9e-6
+    relative, so a scale a few ulps off gives the same codes. Used for the LLM.int8 inputs only
+    (the weights keep their ties): entries on an exact tie (absmax over all values and over those
+    under each threshold) are scaled by 0.97, except the entries in `keep` (the ties planted on
+    purpose by make_tie_x)."""
     v = v.copy()
     for _ in range(20):
-        a = np.abs(fp16(v)).astype(F64)
-        hit = np.zeros(v.shape, dtype=bool)
-        for t in thresholds:
-            m = (np.where(a < t, a, 0.0) if t > 0 else a).max(axis=1, keepdims=True)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                q = np.where(m > 0, 254.0 * a / np.where(m > 0, m, 1.0), 0.5)
-            odd = (q == np.rint(q)) & (np.fmod(np.rint(q), 2) == 1)
-            hit |= odd & (a < (t if t > 0 else np.inf))
-        hit[list(skip_rows)] = False
+        hit = exact_ties(v, thresholds)
+        if keep is not None:
+            hit &= ~keep
         if not hit.any():
             return v
         v[hit] = to_dtype(v[hit] * F32(0.97), D)
@@ -368,7 +408,7 @@ def make_weight(out_f, in_f, D):
     w[ZERO_ROW] = 0
     w[TIE_ROW_INDEX] = 0
     w[TIE_ROW_INDEX, :len(TIE_ROW)] = TIE_ROW
-    return avoid_exact_ties(to_dtype(w, D), D, (0.0,), skip_rows=(TIE_ROW_INDEX,))
+    return to_dtype(w, D)   # exact ties kept (see 1. in the docstring)
 
 
 def below_six(D):
@@ -376,11 +416,49 @@ def below_six(D):
     return 5.96875 if D == "bfloat16" else 5.99
 
 
+# Exact input ties kept on purpose (make_tie_x): per row, the absmax m (a value of the row; its
+# sign is the planted value's) and values a with 254*|a|/|m| odd, where the IEEE quotient
+# f32(127/|m|) and the scale of both flavours f32(f32(1/|m|) * 127) give codes one apart
+# (IEEE 127/|m|, the fixtures' code):
+#   3.2246094 = 1651/512 = 13*127/2^9: 0.36816406 (15, 14), -1.3330078 (-53, -52)
+#   2.7285156 = 1397/512 = 11*127/2^9: 0.50488281 (24, 23), -1.9658203 (-92, -91)
+#   3.7207031 = 1905/512 = 15*127/2^9: -0.42480469 (-15, -14), 1.5966797 (55, 54)
+#   2.1015625: 1.0507812 = m/2 (64, 63);  2.1855469: -1.0927734 = -m/2 (-63, -64)
+TIE_INPUTS = {0: (3.224609375, (0.3681640625, -1.3330078125)),
+              1: (-2.728515625, (0.5048828125, -1.9658203125)),
+              2: (3.720703125, (-0.4248046875, 1.5966796875)),
+              4: (2.1015625, (-1.05078125,)),
+              5: (-2.185546875, (-1.0927734375,))}
+ZERO_X_ROW = 4   # alloutlier_zero inputs (rows 6): row 4 all zeros, row 5 all outliers
+
+
+def make_tie_x(rows, in_f, D):
+    """Inputs with planted exact ties (TIE_INPUTS, rows >= 6), no outliers. The values are fp16
+    and do not depend on D, so a float16 and a float32 case hold the same A16. Every other entry
+    is moved off exact ties; row 3 has none."""
+    rng = rng_for(f"x-ties-{rows}x{in_f}")
+    x = fp16(np.clip(rng.standard_normal((rows, in_f)), -3.9, 3.9).astype(F32))
+    planted = np.zeros(x.shape, dtype=bool)
+    for r, (m, vals) in TIE_INPUTS.items():
+        lim = abs(m) * 0.9
+        x[r] = fp16(np.clip(x[r], -lim, lim))
+        c = rng.choice(in_f, 1 + len(vals), replace=False)
+        x[r, c[0]] = m
+        x[r, c[1:]] = vals
+        planted[r, c[1:]] = True
+    x = avoid_exact_ties(x, "float16", (0.0, 6.0), keep=planted)
+    assert np.array_equal(exact_ties(x, (0.0, 6.0)), planted), "planted ties moved"
+    return to_dtype(x, D)
+
+
 def make_x(rows, in_f, D, kind):
     """kind: clean (|x| < 4), outliers (planted columns), alloutlier (outliers + one row of
-    |x| in [6, 12]). Outlier plants: 6.0 exactly (an outlier: the test is >=), 5.99 (not one),
+    |x| in [6, 12]), alloutlier_zero (alloutlier, rows >= 6, and row ZERO_X_ROW all zeros),
+    ties (make_tie_x). Outlier plants: 6.0 exactly (an outlier: the test is >=), 5.99 (not one),
     -9.5 and 23.0, 5.5 in an outlier column of another row (not an outlier, but in that row's
     absmax), and for float32 5.999 (under 6, but fp16 rounds it to 6.0: an outlier)."""
+    if kind == "ties":
+        return make_tie_x(rows, in_f, D)
     rng = rng_for(f"x-{rows}x{in_f}-{D}-{kind}")
     x = np.clip(rng.standard_normal((rows, in_f)), -3.9, 3.9).astype(F32)
     if kind != "clean":
@@ -394,9 +472,12 @@ def make_x(rows, in_f, D, kind):
             x[last, c[0]] = 5.5
         if D == "float32":
             x[min(3, last), c[4]] = 5.999
-    if kind == "alloutlier":
+    if kind.startswith("alloutlier"):
         r = rows - 1
         x[r] = (rng.choice([-1.0, 1.0], in_f) * rng.uniform(6.0, 12.0, in_f)).astype(F32)
+    if kind == "alloutlier_zero":
+        assert rows > ZERO_X_ROW + 1
+        x[ZERO_X_ROW] = 0
     return avoid_exact_ties(to_dtype(x, D), D, (0.0, 6.0))
 
 
@@ -422,6 +503,9 @@ LT_CASES = [
     ("cuda_f16_64_t0_r5_clean", "w40x64_float16", "cuda", "float16", 0.0, 5, "float16", "clean", 0),
     ("cuda_f32_64_t6_r5_clean_autocast", "w40x64_float32", "cuda", "float32", 6.0, 5, "none", "clean", 1),
     ("cuda_bf16_1536_t0_r16_clean", "w48x1536_bfloat16", "cuda", "bfloat16", 0.0, 16, "bfloat16", "clean", 0),
+    ("cuda_f32_64_t6_r6_ties", "w40x64_float32", "cuda", "float32", 6.0, 6, "none", "ties", 0),
+    ("cuda_f32_64_t6_r6_zerorows", "w40x64_float32", "cuda", "float32", 6.0, 6, "none", "alloutlier_zero", 0),
+    ("cuda_bf16_64_t6_r6_zerorows", "w40x64_bfloat16", "cuda", "bfloat16", 6.0, 6, "none", "alloutlier_zero", 0),
     ("default_f32_1536_t6_r16_bias", "w48x1536_float32", "default", "float32", 6.0, 16, "float32", "outliers", 0),
     ("default_f16_1536_t6_r16_bias", "w48x1536_float16", "default", "float16", 6.0, 16, "float16", "outliers", 0),
     ("default_bf16_64_t6_r5_bias", "w40x64_bfloat16", "default", "bfloat16", 6.0, 5, "bfloat16", "outliers", 0),
@@ -430,6 +514,7 @@ LT_CASES = [
     ("default_f16_64_t0_r16_outliers", "w40x64_float16", "default", "float16", 0.0, 16, "float16", "outliers", 0),
     ("default_f16_64_t6_r5_clean", "w40x64_float16", "default", "float16", 6.0, 5, "float16", "clean", 0),
     ("default_bf16_33_t0_r5_clean", "w7x33_bfloat16", "default", "bfloat16", 0.0, 5, "none", "clean", 0),
+    ("default_f16_64_t6_r6_ties", "w40x64_float16", "default", "float16", 6.0, 6, "float16", "ties", 0),
 ]
 
 # name, weight, D, rows, bias
@@ -445,9 +530,7 @@ def build_weights():
         for D in DTYPES:
             name = f"w{o}x{i}_{D}"
             w = make_weight(o, i, D)
-            cb, scb, w16, cb_default = quantize_weight(w)
-            if not np.array_equal(cb, cb_default):
-                raise RuntimeError(f"{name}: CUDA and default weight codes differ; change the seed")
+            cb, scb, w16 = quantize_weight(w)
             ws[name] = {"D": D, "w": w, "w16": w16, "cb": cb, "scb": scb,
                         "deq": {T: dequantize(cb, scb, T) for T in DTYPES}}
     return ws
@@ -636,9 +719,25 @@ def selftest():
     ok(same_bits([MM_DEQUANT_CONST], [F32(6.200012e-05)]) and float(MM_DEQUANT_CONST) != float(DEFAULT_DEQUANT_CONST),
        "constants", f"CUDA {float(MM_DEQUANT_CONST)!r}, default {float(DEFAULT_DEQUANT_CONST)!r}, "
        f"1/127^2 = {1 / 127 ** 2!r}")
-    ws = build_weights()  # raises if CUDA and default weight codes differ
-    ok(True, "weight codes identical with the CUDA (127/absmax) and default (127*(1/absmax)) scales",
-       f"{len(ws)} weight cases")
+    ws = build_weights()
+    # both flavours quantize the weights with 127 * f32(1/absmax); the IEEE quotient 127/absmax
+    # moves codes at some of the exact ties the weights keep, so a division fails on .cb
+    wdiv, wdiv_ok, nw_div, nw_ties = [], True, 0, 0
+    for name, W in ws.items():
+        cb_div = quantize_weight(W["w"], div_scale)[0]
+        diff = cb_div != W["cb"]
+        ties = exact_ties(W["w16"], (0.0,))
+        ties[TIE_ROW_INDEX] = False   # the tie row: scale exactly 1 either way
+        wdiv_ok &= (not (diff & ~ties).any()
+                    and bool(np.all(np.abs(cb_div.astype(np.int64) - W["cb"]) <= 1)))
+        nw_div += int(diff.sum())
+        nw_ties += int(ties.sum())
+        if diff.any():
+            wdiv.append(f"{name} {int(diff.sum())}/{int(ties.sum())}")
+    ok(wdiv_ok and nw_div > 0,
+       "weights: IEEE 127/absmax instead of 127 * f32(1/absmax) changes codes, only at exact ties",
+       f"{nw_div} codes change, at {nw_ties} exact ties kept outside the tie rows; "
+       f"changed/ties per fixture: {', '.join(wdiv)}")
 
     # torch literal transcriptions vs the NumPy emulation
     bad = []
@@ -667,36 +766,38 @@ def selftest():
        "dequantized weight within SCB/254 of fp16(W), plus half an ulp of T",
        "worst err/bound " + ", ".join(f"{T} {v:.4f}" for T, v in worst.items()))
 
-    # codes do not depend on the last bits of the scale (CUDA's __fdividef is 2 ulp), except at
-    # exact ties, which the generators avoid; an exact tie shows the hazard
+    # codes do not depend on the last bits of the scale (a GPU's rcp.approx may be a step off),
+    # except at exact ties (kept in the weights and planted in the ties inputs); an exact tie
+    # shows the hazard
     def nudged(scale, k):
         for _ in range(abs(k)):
             scale = np.nextafter(scale, F32(np.inf) if k > 0 else F32(-np.inf)).astype(F32)
         return scale
     stable = []
     for name, W in ws.items():
-        keep = np.arange(W["cb"].shape[0]) != TIE_ROW_INDEX
-        w16 = W["w16"][keep]
+        off_tie = ~exact_ties(W["w16"], (0.0,))
         for k in (-3, 3):
-            stable.append(np.array_equal(rint_codes(w16, nudged(cuda_scale(W["scb"][keep]), k),
-                                                    np.ones(w16.shape, bool)), W["cb"][keep]))
+            c = rint_codes(W["w16"], nudged(rcp_scale(W["scb"]), k), np.ones(W["w16"].shape, bool))
+            stable.append(np.array_equal(c[off_tie], W["cb"][off_tie]))
     for case in LT_CASES:
         name, wname, flavour, D, t, rows, bdt, kind, ac = case
         x = make_x(rows, ws[wname]["cb"].shape[1], D, kind)
         a16 = fp16(x)
         ca, sca, cols = quantize_rows(a16, t, "cuda")
         keep_q = np.abs(a16) < F32(t) if t > 0 else np.ones(a16.shape, bool)
+        off_tie = ~exact_ties(a16, (t,))   # the ties cases' planted ties only
         for k in (-3, 3):
-            c = rint_codes(a16, nudged(cuda_scale(sca), k), keep_q)
+            c = rint_codes(a16, nudged(rcp_scale(sca), k), keep_q)
             if rows > 1 and cols.size:
                 c[:, cols] = 0
-            stable.append(np.array_equal(c, ca))
+            stable.append(np.array_equal(c[off_tie], ca[off_tie]))
     m = fp16(np.array([3.2246094], F32))   # significand 1651 = 13 * 127
     a = fp16(np.array([[0.36816406, float(m[0])]], F32))
-    tie = (rint_codes(a, cuda_scale(m), np.ones(a.shape, bool))[0, 0],
-           rint_codes(a, default_scale(m), np.ones(a.shape, bool))[0, 0])
+    tie = (rint_codes(a, div_scale(m), np.ones(a.shape, bool))[0, 0],
+           rint_codes(a, rcp_scale(m), np.ones(a.shape, bool))[0, 0])
     ok(all(stable) and tie[0] != tie[1],
-       "codes unchanged with the scale 3 ulps off (weights, every LLM.int8 input), but not at an exact tie",
+       "codes unchanged with the scale 3 ulps off (weights and LLM.int8 inputs off exact ties), "
+       "but not at an exact tie",
        f"a = 0.36816406, absmax = 3.2246094: a*127/absmax = 14.5 exactly, code {tie[0]} with 127/absmax, "
        f"{tie[1]} with 127*(1/absmax)")
 
@@ -738,6 +839,65 @@ def selftest():
     ok(not bad_default, "default flavour equals torch running bitsandbytes' default ops bitwise",
        ", ".join(bad_default) or f"{sum(c[2] == 'default' for c in LT_CASES)} cases")
 
+    # planted exact ties (TIE_INPUTS): (a) the cuda and default flavours give the same codes there;
+    # (b) the IEEE quotient 127/absmax changes them there and only there
+    tn = [c for c in LT_CASES if c[7] == "ties"]
+    same_ok = len(tn) == 2 and {c[2] for c in tn} == {"cuda", "default"}
+    div_ok = same_ok
+    divd, torch_ok = [], True
+    for case in tn:
+        name, wname, flavour, D, t, rows, bdt, kind, ac = case
+        r = results[name]
+        planted = exact_ties(r["a16"], (0.0, t))
+        other = llm_int8(r["x"], D, ws[wname]["cb"], ws[wname]["scb"], t, None, "none",
+                         "default" if flavour == "cuda" else "cuda", 0)
+        same_ok &= (np.array_equal(r["ca"], other["ca"]) and same_bits(r["sca"], other["sca"])
+                    and r["cols"].size == 0 and other["cols"].size == 0)
+        torch_ok &= np.array_equal(torch_default_quant(r["a16"], t)[0], r["ca"])
+        ca_div = quantize_rows(r["a16"], t, flavour, div_scale)[0]
+        diff = ca_div != r["ca"]
+        div_ok &= (np.array_equal(diff, planted) and int(planted.sum()) == 8
+                   and all(diff[i].any() for i in TIE_INPUTS) and not np.delete(diff, list(TIE_INPUTS), 0).any()
+                   and bool(np.all(np.abs(ca_div.astype(np.int64) - r["ca"]) <= 1)))
+        divd.append(f"{name} {int(diff.sum())}/{int(planted.sum())}")
+    rc_, rd_ = (results[n] for n in ("cuda_f32_64_t6_r6_ties", "default_f16_64_t6_r6_ties"))
+    same_ok &= (np.array_equal(rc_["a16"], rd_["a16"]) and np.array_equal(rc_["ca"], rd_["ca"])
+                and same_bits(rc_["sca"], rd_["sca"]) and torch_ok)
+    ok(same_ok, "exact input ties: cuda and default flavours give identical codes",
+       f"cuda_f32_64_t6_r6_ties and default_f16_64_t6_r6_ties: same A16, .ca identical ({rc_['ca'].size} codes, "
+       f"{int(exact_ties(rc_['a16'], (0.0, 6.0)).sum())} at planted exact ties in rows {sorted(TIE_INPUTS)}), "
+       "equal to torch's 127.0 / row_stats (reciprocal * 127)")
+    ca_div = quantize_rows(rc_["a16"], 6.0, "cuda", div_scale)[0]
+    ok(div_ok, "exact input ties: IEEE 127/absmax instead of 127 * f32(1/absmax) changes the codes at the planted "
+       "ties, and only there",
+       f"codes changed / planted ties: {', '.join(divd)}, at "
+       f"{[(int(i), int(j), int(rc_['ca'][i, j]), int(ca_div[i, j])) for i, j in np.argwhere(ca_div != rc_['ca'])]} "
+       "(row, col, fixture, IEEE)")
+
+    # +0.0 in cuda's base for the all-outlier row (SCA -0.0) and the zero row (no bias)
+    zr = []
+    detail = []
+    for name in ("cuda_f32_64_t6_r6_zerorows", "cuda_bf16_64_t6_r6_zerorows"):
+        case = next(c for c in LT_CASES if c[0] == name)
+        wname, D, rows = case[1], case[3], case[5]
+        r = results[name]
+        W = ws[wname]
+        ao, zro = rows - 1, ZERO_X_ROW
+        v = ((r["i32"].astype(F32) * r["sca"][:, None]).astype(F32) * W["scb"][None, :]).astype(F32)
+        neg_v = int(np.signbit(v[ao]).sum())
+        plain = to_dtype(fp16((v * MM_DEQUANT_CONST).astype(F32)), D)   # v * C without the fma's + 0.0
+        plain_neg = int(np.signbit(plain[ao]).sum())
+        nbytes = len(raw_bytes(r["base"][[zro, ao]], D))
+        base_zero = not any(raw_bytes(r["base"][[zro, ao]], D))
+        zr.append(case[2] == "cuda" and case[6] == "none" and r["bias"] is None and base_zero
+                  and not r["x"][zro].any() and bits(r["sca"])[zro] == 0 and bits(r["sca"])[ao] == 0x80000000
+                  and not r["i32"][[zro, ao]].any() and neg_v == v.shape[1] and plain_neg == v.shape[1])
+        detail.append(f"{name}: .base rows {zro} (zeros) and {ao} (all outliers) are {nbytes} bytes, all 0x00 "
+                      f"({D}); v = -0.0 in {neg_v}/{v.shape[1]} columns of row {ao}, where v * C without the "
+                      f"fma would give -0.0 in {plain_neg}")
+    ok(all(zr) and len(zr) == 2, "cuda dequantization without bias: +0.0 in the zero row and the all-outlier row",
+       "; ".join(detail))
+
     # out.add_(bias) on an fp16 tensor (CUDA's unfused bias): computed in fp32, rounded to fp16
     rng = np.random.default_rng(7)
     o16 = fp16(rng.standard_normal(4000).astype(F32) * 3)
@@ -773,14 +933,14 @@ def selftest():
     ao = []
     for case in LT_CASES:
         name, wname, flavour, D, t, rows, bdt, kind, ac = case
-        if kind != "alloutlier":
+        if not kind.startswith("alloutlier"):
             continue
         r = results[name]
         last = rows - 1
         want = to_dtype(fp16(r["bias"]), D) if r["bias"] is not None else np.zeros(r["base"].shape[1], F32)
         ao.append(bits(r["sca"])[last] == 0x80000000 and not r["ca"][last].any()
                   and same_bits(r["base"][last], want) and r["cols"].size == r["x"].shape[1])
-    ok(all(ao) and len(ao) == 2, "all-outlier row: SCA -0.0, codes 0, base = bias, every column an outlier")
+    ok(all(ao) and len(ao) == 4, "all-outlier row: SCA -0.0, codes 0, base = bias, every column an outlier")
 
     # threshold 0 == threshold above max|x|
     th = []
