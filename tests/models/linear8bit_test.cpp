@@ -157,8 +157,7 @@ TEST(Linear8bit, GradientOfTheInputIsGTimesTheDequantizedWeight) {
 }
 
 // An 8-bit Linear with LoRA computes, in training on a CPU, what a Linear holding deq(W)
-// densely computes: the output and the gradient of x bit for bit, those of A and B to the
-// order of their sums; merged, the weight is deq(W) + s B A.
+// densely computes, to the order of its sums; merged, the weight is deq(W) + s B A.
 TEST(Linear8bit, LoraOnAnInt8BaseIsLoraOnTheDequantizedWeight) {
   at::manual_seed(7);
   memtune::models::Linear dense("model.layers.0.self_attn.q_proj", 64, 48, true);
@@ -185,14 +184,14 @@ TEST(Linear8bit, LoraOnAnInt8BaseIsLoraOnTheDequantizedWeight) {
   }
   at::Tensor x1 = at::randn({3, 5, 64}).requires_grad_(true);
   at::Tensor x2 = x1.detach().clone().requires_grad_(true);
+  // The dense Linear's adapter runs in lora_linear's one node, the 8-bit one's beside the base:
+  // the same products, their sums formed in another order (LibTorch 2.6 rounds them apart).
   const at::Tensor y1 = dense.forward(x1, true), y2 = int8.forward(x2, true);
-  EXPECT_TRUE(mt::same_bits(y1.detach(), y2.detach()));
+  mt::expect_close(y2.detach(), y1.detach(), 1e-6, "y");
   const at::Tensor g = at::randn_like(y1);
   y1.backward(g);
   y2.backward(g);
-  EXPECT_TRUE(mt::same_bits(x1.grad(), x2.grad()));
-  // The dense Linear's adapter runs in lora_linear's one node, the 8-bit one's beside the base:
-  // the same products, summed in another order.
+  mt::expect_close(x2.grad(), x1.grad(), 1e-6, "grad x");
   mt::expect_close(int8.lora->A.grad(), dense.lora->A.grad(), 1e-6, "grad A");
   mt::expect_close(int8.lora->B.grad(), dense.lora->B.grad(), 1e-6, "grad B");
   // In evaluation the mixed product: near, not equal.

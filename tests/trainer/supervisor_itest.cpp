@@ -388,6 +388,38 @@ TEST(Supervisor, LadderReachesActivationAndOptimizerOffloadAndKeepsTheMath) {
   EXPECT_TRUE(state.optimizer_offload);
 }
 
+// An LLM.int8 base (load_in_8bit) on a CPU, in training the product of each dequantized
+// weight and so independent of the batch: a shrink, the ladder up to optimizer offload, and
+// layer offload (the 8-bit codes moved to host memory, their row absmax left on the device)
+// each equal the run configured with them from the start.
+TEST(Supervisor, OnAnInt8BaseTheLadderAndLayerOffloadKeepTheMath) {
+  fs::path d = temp_dir();
+  const std::string shape = "model.quantization_config.load_in_4bit=false model.quantization_config.load_in_8bit=true "
+                            "training.per_device_train_batch_size=2 training.max_steps=3 lora.lora_dropout=0.1 ";
+  TrainRun ref = train(d / "ref", shape + "training.per_device_train_batch_size=1 training.gradient_accumulation_steps=4 "
+                                          "training.gradient_checkpointing=true training.activation_offload=checkpoints "
+                                          "memory.optimizer_offload=cpu");
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  EXPECT_NE(ref.output.find("LLM.int8 base"), std::string::npos) << ref.output;
+  std::string seven;
+  for (int i = 0; i < 7; ++i) seven += std::string(i ? "," : "") + "0:forward";
+  TrainRun ladder = train(d / "ladder", shape + "memory.grow_after_steps=1000 memory.inject_oom=" + seven);
+  ASSERT_EQ(ladder.exit_code, 0) << ladder.output;
+  ASSERT_EQ(ladder_events(ladder.out).size(), 6u) << ladder.output;
+  expect_same_run(ladder.out, ref.out, 1e-6);
+
+  const std::string one = shape + "training.per_device_train_batch_size=1 training.gradient_accumulation_steps=2 ";
+  TrainRun layers = train(d / "layers", one + "'model.device_map={model.layers.0-2: cpu, model.layers.3: offload}'");
+  ASSERT_EQ(layers.exit_code, 0) << layers.output;
+  TrainRun rung = train(d / "rung", one + "memory.grow_after_steps=1000 \"memory.on_oom.ladder=[layer_offload]\" "
+                                          "memory.inject_oom=1:backward");
+  ASSERT_EQ(rung.exit_code, 0) << rung.output;
+  const std::vector<std::string> taken = ladder_events(rung.out);
+  ASSERT_EQ(taken.size(), 1u) << rung.output;
+  EXPECT_NE(taken[0].find("offloaded layer 3"), std::string::npos) << taken[0];
+  expect_same_run(rung.out, layers.out, 1e-6);
+}
+
 // Each rung that keeps the math, taken after an out-of-memory error in each phase of step 1
 // (the micro-batch already 1, the ladder that rung alone): the run equals one configured with
 // the rung from the start, and the rung is in metrics.jsonl's events and the report's timeline.
