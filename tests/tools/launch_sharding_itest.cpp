@@ -235,6 +235,11 @@ INSTANTIATE_TEST_SUITE_P(
                            "model.quantization_config.load_in_4bit=false model.torch_dtype=bfloat16 training.bf16=true",
                            "_bf16_model"},
                       Case{"full", 3, "adamw", "lora", 1e-5, "distributed.prefetch=false", "_no_prefetch"},
+                      // An LLM.int8 base (load_in_8bit), each rank quantizing its own copy.
+                      Case{"gradients", 2, "adamw", "lora", 1e-5,
+                           "model.quantization_config.load_in_4bit=false model.quantization_config.load_in_8bit=true "
+                           "model.quantization_config.bnb_4bit_compute_dtype=float32",
+                           "_int8"},
                       Case{"full", 3, "adamw", "lora", 1e-5,
                            "model.name_or_path=tiny-gpt2 data.eval_file=" +
                                (source_dir() / "examples/data/tasks_eval.jsonl").string() +
