@@ -106,6 +106,13 @@ void expect_same_run(const fs::path& a, const fs::path& b, double tol, double we
   }
 }
 
+// memory.inject_oom's value for `n` out-of-memory errors in step 0's forward, one per attempt.
+std::string ooms_in_step0_forward(int n) {
+  std::string points;
+  for (int i = 0; i < n; ++i) points += std::string(i ? "," : "") + "0:forward";
+  return points;
+}
+
 class InjectedOom : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(InjectedOom, RunCompletesAndEqualsTheSmallerMicroBatchFromTheStart) {
@@ -371,9 +378,7 @@ TEST(Supervisor, LadderReachesActivationAndOptimizerOffloadAndKeepsTheMath) {
                                           "training.gradient_checkpointing=true training.activation_offload=checkpoints "
                                           "memory.optimizer_offload=cpu");
   ASSERT_EQ(ref.exit_code, 0) << ref.output;
-  std::string seven;
-  for (int i = 0; i < 7; ++i) seven += std::string(i ? "," : "") + "0:forward";
-  TrainRun ladder = train(d / "ladder", shape + "memory.grow_after_steps=1000 memory.inject_oom=" + seven);
+  TrainRun ladder = train(d / "ladder", shape + "memory.grow_after_steps=1000 memory.inject_oom=" + ooms_in_step0_forward(7));
   ASSERT_EQ(ladder.exit_code, 0) << ladder.output;
   const std::vector<std::string> rungs = ladder_events(ladder.out);
   ASSERT_EQ(rungs.size(), 6u) << ladder.output;
@@ -401,9 +406,7 @@ TEST(Supervisor, OnAnInt8BaseTheLadderAndLayerOffloadKeepTheMath) {
                                           "memory.optimizer_offload=cpu");
   ASSERT_EQ(ref.exit_code, 0) << ref.output;
   EXPECT_NE(ref.output.find("LLM.int8 base"), std::string::npos) << ref.output;
-  std::string seven;
-  for (int i = 0; i < 7; ++i) seven += std::string(i ? "," : "") + "0:forward";
-  TrainRun ladder = train(d / "ladder", shape + "memory.grow_after_steps=1000 memory.inject_oom=" + seven);
+  TrainRun ladder = train(d / "ladder", shape + "memory.grow_after_steps=1000 memory.inject_oom=" + ooms_in_step0_forward(7));
   ASSERT_EQ(ladder.exit_code, 0) << ladder.output;
   ASSERT_EQ(ladder_events(ladder.out).size(), 6u) << ladder.output;
   expect_same_run(ladder.out, ref.out, 1e-6);
@@ -543,9 +546,7 @@ TEST(Supervisor, GrowBackUndoesTheLadderInReverseAndKeepsTheMath) {
                             "memory.device_limit=8GiB ";
   TrainRun plain = train(d / "plain", shape);
   ASSERT_EQ(plain.exit_code, 0) << plain.output;
-  std::string seven;
-  for (int i = 0; i < 7; ++i) seven += std::string(i ? "," : "") + "0:forward";
-  TrainRun back = train(d / "back", shape + "memory.grow_after_steps=2 memory.inject_oom=" + seven);
+  TrainRun back = train(d / "back", shape + "memory.grow_after_steps=2 memory.inject_oom=" + ooms_in_step0_forward(7));
   ASSERT_EQ(back.exit_code, 0) << back.output;
   std::vector<std::string> grows;
   for (const auto& r : rows(back.out))
