@@ -1,7 +1,9 @@
 // NF4 figures, each beside its yardstick measured in the same run (2 intra-op threads):
 //  - dequantize throughput (GB/s of fp32 output) vs memcpy bandwidth of the same bytes, and
 //    FP4's beside it;
-//  - Linear4bit forward+backward(grad_x) vs a dense fp32 Linear, 512 tokens.
+//  - Linear4bit forward+backward(grad_x) vs a dense fp32 Linear, 512 tokens; beside them the
+//    LLM.int8 layer (load_in_8bit): its CPU training product (the dequantized weight's) and
+//    its mixed int8 product (a CPU's evaluation, a GPU's every product).
 // With --cuda (a CUDA build on a GPU): the CUDA kernels' dequantize bandwidth (bytes read and
 // written) against the same GPU's device-to-device copy, and quantize, instead.
 #include <ATen/ATen.h>
@@ -17,6 +19,8 @@
 #include <vector>
 
 #include "models/layers/linear4bit.h"
+#include "models/layers/linear8bit.h"
+#include "runtime/int8.h"
 #include "runtime/nf4.h"
 #include "runtime/threads.h"
 
@@ -93,14 +97,26 @@ void bench_linear(int64_t out, int64_t in, int64_t tokens) {
       memtune::models::linear4bit(x, q, at::Tensor(), at::kFloat, path).backward(gy);
     };
   };
-  // Rounds interleave the three so that load from other processes on a shared machine
-  // falls on all of them alike; medians of wall time and of this process's CPU time.
+  const memtune::Int8Rows rows8 = memtune::int8_quantize_rows(w, "w");
+  const memtune::models::Int8Weight w8{rows8.codes, rows8.absmax, 6.0};
+  auto int8 = [&](memtune::models::Int8Product product) {
+    return [&, product] {
+      x.mutable_grad() = at::Tensor();
+      memtune::models::linear8bit(x, w8, at::Tensor(), true, at::ScalarType::Undefined, product).backward(gy);
+    };
+  };
+  // Rounds interleave them so that load from other processes on a shared machine falls on
+  // all of them alike; medians of wall time and of this process's CPU time.
   std::vector<std::function<void()>> fns = {dense, nf4(Nf4MatmulPath::kDequantizeThenMatmul),
-                                            nf4(Nf4MatmulPath::kPanels)};
+                                            nf4(Nf4MatmulPath::kPanels),
+                                            int8(memtune::models::Int8Product::kDequantize),
+                                            int8(memtune::models::Int8Product::kMixed)};
   const char* names[] = {"dense fp32 Linear           ", "Linear4bit dequantize+matmul",
-                         "Linear4bit panels           "};
+                         "Linear4bit panels           ", "LLM.int8 training (panels)  ",
+                         "LLM.int8 mixed int8 product "};
+  const size_t kinds = fns.size();
   const int rounds = 7;
-  std::vector<std::vector<double>> wall(3), cpu(3);
+  std::vector<std::vector<double>> wall(kinds), cpu(kinds);
   for (auto& f : fns) f();  // warm-up
   auto cpu_now = [] {
     timespec ts;
@@ -108,7 +124,7 @@ void bench_linear(int64_t out, int64_t in, int64_t tokens) {
     return ts.tv_sec + 1e-9 * ts.tv_nsec;
   };
   for (int r = 0; r < rounds; ++r) {
-    for (int k = 0; k < 3; ++k) {
+    for (size_t k = 0; k < kinds; ++k) {
       auto a = std::chrono::steady_clock::now();
       double c = cpu_now();
       fns[k]();
@@ -122,7 +138,7 @@ void bench_linear(int64_t out, int64_t in, int64_t tokens) {
   };
   std::printf("linear %lld tokens x [%lld -> %lld], forward + backward(grad_x), median of %d rounds\n",
               (long long)tokens, (long long)in, (long long)out, rounds);
-  for (int k = 0; k < 3; ++k) {
+  for (size_t k = 0; k < kinds; ++k) {
     std::printf("  %s  wall %8.1f ms (%.2fx dense)   cpu %8.1f ms (%.2fx dense)\n", names[k],
                 1e3 * median(wall[k]), median(wall[k]) / median(wall[0]), 1e3 * median(cpu[k]),
                 median(cpu[k]) / median(cpu[0]));

@@ -1,6 +1,7 @@
 #include "runtime/int8.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
@@ -70,9 +71,50 @@ Int8Rows int8_quantize_rows(const at::Tensor& w, const std::string& name) {
   return r;
 }
 
+namespace {
+
+template <typename T>
+void dequantize_rows(const int8_t* codes, const float* absmax, int64_t r0, int64_t n, int64_t in, T* out) {
+  at::parallel_for(0, n, std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(in, 1)), [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) {
+      // SCB * (1/127) rounded to fp32 as the tensor op rounds it, then one product per element.
+      const float s = absmax[r0 + r] * static_cast<float>(1.0 / 127.0);
+      const int8_t* c = codes + (r0 + r) * in;
+      T* o = out + r * in;
+      for (int64_t j = 0; j < in; ++j) o[j] = static_cast<T>(static_cast<float>(c[j]) * s);
+    }
+  });
+}
+
+}  // namespace
+
+void int8_dequantize_rows_into(const at::Tensor& codes, const at::Tensor& absmax, int64_t r0, int64_t n,
+                               at::Tensor& out) {
+  MEMTUNE_CHECK(codes.is_cpu() && codes.is_contiguous() && codes.scalar_type() == at::kChar && codes.dim() == 2 &&
+                    absmax.is_cpu() && absmax.scalar_type() == at::kFloat && absmax.is_contiguous(),
+                "int8_dequantize_rows_into: needs contiguous CPU int8 codes and fp32 absmax");
+  const int64_t in = codes.size(1);
+  MEMTUNE_CHECK(r0 >= 0 && n >= 0 && r0 + n <= codes.size(0) && out.is_cpu() && out.is_contiguous() &&
+                    out.numel() == n * in,
+                "int8_dequantize_rows_into: rows [", r0, ", ", r0 + n, ") of ", codes.sizes(), " into ", out.sizes());
+  const int8_t* c = codes.data_ptr<int8_t>();
+  const float* a = absmax.data_ptr<float>();
+  switch (out.scalar_type()) {
+    case at::kFloat: return dequantize_rows(c, a, r0, n, in, out.data_ptr<float>());
+    case at::kBFloat16: return dequantize_rows(c, a, r0, n, in, out.data_ptr<c10::BFloat16>());
+    case at::kHalf: return dequantize_rows(c, a, r0, n, in, out.data_ptr<c10::Half>());
+    default: fail("int8_dequantize_rows_into: output dtype ", out.scalar_type(), " (float32, bfloat16, float16)");
+  }
+}
+
 at::Tensor int8_dequantize(const at::Tensor& codes, const at::Tensor& absmax, at::ScalarType dtype) {
   // CB.to(dtype).mul_(SCB.unsqueeze(1).mul(1.0 / 127.0)): the scale in fp32, the product in
   // fp32 (the int8 code is exact in any dtype), one rounding to dtype.
+  if (codes.is_cpu() && (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf)) {
+    at::Tensor out = at::empty(codes.sizes(), codes.options().dtype(dtype));
+    int8_dequantize_rows_into(codes.contiguous(), absmax.contiguous(), 0, codes.size(0), out);
+    return out;
+  }
   const at::Tensor scale = absmax.to(at::kFloat) * static_cast<float>(1.0 / 127.0);
   return (codes.to(at::kFloat) * scale.unsqueeze(1)).to(dtype);
 }

@@ -46,6 +46,12 @@ Int8Rows int8_quantize_rows(const at::Tensor& w, const std::string& name);
 // CB * (SCB * (1/127)) in `dtype` [out, in], as MatMul8bitFp and MatMul8bitLt's backward form it.
 at::Tensor int8_dequantize(const at::Tensor& codes, const at::Tensor& absmax, at::ScalarType dtype);
 
+// Rows [r0, r0 + n) of the dequantized weight into `out` (a contiguous CPU tensor of n * in
+// elements, float32 / bfloat16 / float16): int8_dequantize's values, by a parallel loop over
+// the rows (for fused use: a panel of rows at a time).
+void int8_dequantize_rows_into(const at::Tensor& codes, const at::Tensor& absmax, int64_t r0, int64_t n,
+                               at::Tensor& out);
+
 // The int32 product a [m, k] @ b [n, k]^T of two int8 matrices, exact on any device: fp32
 // products over slices of k short enough (1024) that every partial sum is an integer below
 // 2^24, summed in int32. (cuBLAS's fp32 GEMM must not use TF32, LibTorch's default.)

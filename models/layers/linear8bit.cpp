@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "runtime/error.h"
@@ -21,6 +22,54 @@ at::ScalarType wide(const at::Tensor& on, at::ScalarType dtype) {
   return on.device().is_cpu() && dtype == at::kHalf ? at::kFloat : dtype;
 }
 
+// Bytes of the panel of dequantized rows the CPU products hold (as Linear4bit's panels): the
+// whole dequantized W would be a fresh allocation of out x in elements per product.
+constexpr int64_t kPanelBytes = int64_t{16} << 20;
+
+int64_t panel_rows(int64_t in, at::ScalarType dt) {
+  return std::max<int64_t>(1, kPanelBytes / (in * static_cast<int64_t>(c10::elementSize(dt))));
+}
+
+// On a CPU in fp32 or bf16: y [M, out] = x [M, in] @ deq(W)^T (+ bias), each panel of W's rows
+// dequantized into one buffer and multiplied into its columns of y (each output element the
+// same sum as one GEMM's).
+bool cpu_panels(const at::Tensor& x, at::ScalarType dt) {
+  return x.device().is_cpu() && (dt == at::kFloat || dt == at::kBFloat16);
+}
+
+at::Tensor matmul_wt_panels(const at::Tensor& x, const Int8Weight& w, const at::Tensor& bias) {
+  const int64_t out = w.codes.size(0), in = w.codes.size(1), rows = panel_rows(in, x.scalar_type());
+  at::Tensor y = at::empty({x.size(0), out}, x.options());
+  at::Tensor buf = at::empty({std::min(rows, out) * in}, x.options());
+  for (int64_t r0 = 0; r0 < out; r0 += rows) {
+    const int64_t r = std::min(rows, out - r0);
+    at::Tensor panel = buf.narrow(0, 0, r * in);
+    memtune::int8_dequantize_rows_into(w.codes, w.absmax, r0, r, panel);
+    at::Tensor y_cols = y.narrow(1, r0, r);  // strided (ld = out): BLAS writes it in place
+    if (bias.defined())
+      at::addmm_out(y_cols, bias.narrow(0, r0, r), x, panel.view({r, in}).t());
+    else
+      at::mm_out(y_cols, x, panel.view({r, in}).t());
+  }
+  return y;
+}
+
+// gx [M, in] = g [M, out] @ deq(W) in fp32 on a CPU, summed over panels of W's rows (a 16-bit
+// gx would be rounded once per panel: those take one GEMM over the whole dequantized W).
+at::Tensor matmul_w_panels(const at::Tensor& g, const at::Tensor& codes, const at::Tensor& absmax) {
+  const int64_t out = codes.size(0), in = codes.size(1), rows = panel_rows(in, at::kFloat);
+  at::Tensor gx = at::empty({g.size(0), in}, g.options());
+  at::Tensor buf = at::empty({std::min(rows, out) * in}, g.options());
+  for (int64_t r0 = 0; r0 < out; r0 += rows) {
+    const int64_t r = std::min(rows, out - r0);
+    at::Tensor panel = buf.narrow(0, 0, r * in);
+    memtune::int8_dequantize_rows_into(codes, absmax, r0, r, panel);
+    if (r0 == 0) at::mm_out(gx, g.narrow(1, r0, r), panel.view({r, in}));
+    else gx.addmm_(g.narrow(1, r0, r), panel.view({r, in}));
+  }
+  return gx;
+}
+
 class Linear8bitFunction : public torch::autograd::Function<Linear8bitFunction> {
  public:
   // x (..., in); bias as an optional (LibTorch 1.13's Function::apply rejects undefined
@@ -36,9 +85,12 @@ class Linear8bitFunction : public torch::autograd::Function<Linear8bitFunction> 
       // dequantized in x's dtype and then cast is the weight dequantized in that dtype).
       const at::ScalarType pt = autocast != at::ScalarType::Undefined ? autocast : x.scalar_type();
       const at::ScalarType mt = wide(x, pt);
-      y = at::linear(x2.to(pt).to(mt), memtune::int8_dequantize(w->codes, w->absmax, pt).to(mt),
-                     bias.defined() ? bias.to(pt).to(mt) : bias)
-              .to(pt);
+      if (cpu_panels(x, pt))
+        y = matmul_wt_panels(x2.to(pt).contiguous(), *w, bias.defined() ? bias.to(pt) : bias);
+      else
+        y = at::linear(x2.to(pt).to(mt), memtune::int8_dequantize(w->codes, w->absmax, pt).to(mt),
+                       bias.defined() ? bias.to(pt).to(mt) : bias)
+                .to(pt);
     } else {
       y = memtune::int8_mixed_matmul(x2, w->codes, w->absmax, bias, w->threshold,
                                      x.device().is_cuda() ? Int8Flavour::kCuda : Int8Flavour::kDefault, autocast);
@@ -63,8 +115,10 @@ class Linear8bitFunction : public torch::autograd::Function<Linear8bitFunction> 
     // MatMul8bitLt / MatMul8bitFp: grad_output.to(A's dtype) @ CB.to(A's dtype) * SCB / 127.
     if (ctx->needs_input_grad(0)) {
       const at::ScalarType mt = wide(g, dtype);
-      grad_x = at::mm(g.to(dtype).to(mt), memtune::int8_dequantize(codes, s["absmax"].toTensor(), dtype).to(mt))
-                   .to(dtype)
+      const at::Tensor absmax = s["absmax"].toTensor();
+      grad_x = (g.device().is_cpu() && dtype == at::kFloat
+                    ? matmul_w_panels(g.to(dtype).contiguous(), codes, absmax)
+                    : at::mm(g.to(dtype).to(mt), memtune::int8_dequantize(codes, absmax, dtype).to(mt)).to(dtype))
                    .view(s["x_sizes"].toIntVector());
     }
     if (s["has_bias"].toBool() && ctx->needs_input_grad(1)) grad_b = g.sum(0);

@@ -237,6 +237,29 @@ TEST(Linear8bit, OnCudaTheMixedProductIsTheCpusCudaFlavour_CUDA) {
   }
 }
 
+// A CPU's training product dequantizes W in panels of rows (16 MiB each) into one buffer:
+// with W wider than a panel, the output equals one GEMM over the whole dequantized W (each
+// element the same sum), and the input's gradient, summed over the panels in fp32, equals it
+// to rounding; bf16 takes one GEMM in backward.
+TEST(Linear8bit, PanelsOfRowsEqualOneProductOverTheWholeWeight) {
+  at::manual_seed(10);
+  const int64_t out = 2600, in = 4096;  // 1024 fp32 rows a panel: three panels, the last partial
+  const memtune::Int8Rows q = memtune::int8_quantize_rows(at::randn({out, in}) * 0.02, "w");
+  const Int8Weight w8{q.codes, q.absmax, 6.0};
+  for (auto dt : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dt));
+    const at::Tensor bias = (at::randn({out}) * 0.1).to(dt);
+    at::Tensor x = at::randn({6, in}).to(dt).requires_grad_(true);
+    const at::Tensor y = memtune::models::linear8bit(x, w8, bias, true, at::ScalarType::Undefined, Int8Product::kDequantize);
+    const at::Tensor deq = memtune::int8_dequantize(q.codes, q.absmax, dt);
+    EXPECT_TRUE(mt::same_bits(y.detach(), at::linear(x.detach(), deq, bias)));
+    const at::Tensor g = at::randn({6, out}).to(dt);
+    y.backward(g);
+    mt::expect_close(x.grad().to(at::kDouble), at::matmul(g, deq).to(at::kDouble), dt == at::kFloat ? 1e-6 : 0,
+                     "grad_x");
+  }
+}
+
 TEST(Linear8bit, RefusesAnInputOnAnotherDeviceOrOfAnotherWidth) {
   const memtune::Int8Rows q = memtune::int8_quantize_rows(at::randn({8, 16}), "w");
   const Int8Weight w8{q.codes, q.absmax, 6.0};
