@@ -128,6 +128,14 @@ class Linear8bitFunction : public torch::autograd::Function<Linear8bitFunction> 
 
 }  // namespace
 
+int64_t int8_panel_bytes(int64_t out, int64_t in, int64_t compute_bytes, int64_t input_bytes) {
+  auto panel = [&](int64_t bytes) { return std::min(std::max<int64_t>(1, kPanelBytes / (in * bytes)), out) * in * bytes; };
+  // float16 on a CPU: the whole W in float16, and its fp32 copy for the product.
+  const int64_t forward = compute_bytes == 4 || compute_bytes == 2 ? panel(compute_bytes) : out * in * compute_bytes;
+  const int64_t backward = input_bytes == 4 ? panel(4) : out * in * input_bytes;
+  return std::max(forward, backward);
+}
+
 Int8Product int8_product(const c10::Device& device, bool training) {
   return device.is_cpu() && training ? Int8Product::kDequantize : Int8Product::kMixed;
 }

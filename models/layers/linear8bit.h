@@ -27,6 +27,11 @@ enum class Int8Product {
 at::Tensor linear8bit(const at::Tensor& x, const Int8Weight& w, const at::Tensor& bias, bool training,
                       at::ScalarType autocast = at::ScalarType::Undefined, Int8Product product = Int8Product::kAuto);
 
+// Bytes of dequantized weight a CPU's training product holds while it runs, for W [out, in]:
+// forward a panel of rows in the product's dtype (`compute_bytes`; float16 takes the whole
+// W), backward a panel in fp32 or the whole W in a 16-bit input dtype (`input_bytes`).
+int64_t int8_panel_bytes(int64_t out, int64_t in, int64_t compute_bytes, int64_t input_bytes);
+
 // The product kAuto picks for a weight on `device`.
 Int8Product int8_product(const c10::Device& device, bool training);
 

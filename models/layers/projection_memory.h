@@ -8,6 +8,7 @@
 
 #include "models/layers/linear.h"
 #include "models/layers/linear4bit.h"
+#include "models/layers/linear8bit.h"
 #include "models/layers/lora_linear.h"
 #include "models/memory.h"
 
@@ -24,13 +25,13 @@ struct ProjectionTally {
       panel = std::max(panel, s.cuda_kernels ? l.out_features() * l.in_features() * s.compute_bytes
                                              : nf4_panel_bytes(l.out_features(), l.in_features(), s.compute_bytes));
     } else if (t.int8) {
-      // models/layers/linear8bit.h: on a CPU in training the weight dequantized in the
-      // product's dtype, and in backward in the input's, on every device; a GPU's mixed
-      // product holds the input's fp16 and fp32 copies, its codes and masks (about 12 bytes an
-      // input element) and its int32, fp32 and fp16 outputs (14 bytes an output element).
-      const int64_t deq = l.out_features() * l.in_features() * std::max(s.compute_bytes, s.act_bytes);
-      panel = std::max(panel, s.cuda_kernels ? std::max(deq, s.rows() * (12 * l.in_features() + 14 * l.out_features()))
-                                             : deq);
+      // models/layers/linear8bit.h: on a CPU in training panels of the dequantized weight
+      // (int8_panel_bytes); on a GPU the whole weight dequantized in backward, and the mixed
+      // product's copies of the input, its codes and masks (about 12 bytes an input element)
+      // and its int32, fp32 and fp16 outputs (14 bytes an output element).
+      const int64_t out = l.out_features(), in = l.in_features();
+      panel = std::max(panel, s.cuda_kernels ? std::max(out * in * s.act_bytes, s.rows() * (12 * in + 14 * out))
+                                             : int8_panel_bytes(out, in, s.compute_bytes, s.act_bytes));
     } else if (s.compute_bytes != s.act_bytes) {
       // A dense weight computing in another dtype: its cast, made for each product and not
       // kept (models/layers/linear.cpp, CastLinear).
