@@ -246,7 +246,8 @@ int64_t make_all_trainable(CausalLM& model) {
                   s.name, " is 4-bit; set model.quantization_config.load_in_4bit: false");
     MEMTUNE_CHECK(!(s.linear && s.linear->int8() && s.tensor == &s.linear->weight),
                   "training.finetune: full needs dense weights, but ", s.name,
-                  " is 8-bit; set model.quantization_config.load_in_8bit: false");
+                  " is 8-bit (LLM.int8: load_in_8bit, or a model stored in bitsandbytes' 8-bit form). Hint: "
+                  "finetune: lora, or the model's dense checkpoint without load_in_8bit");
     if (!s.tensor->defined()) continue;
     if (s.tensor->scalar_type() != at::kFloat) *s.tensor = s.tensor->to(at::kFloat);
     s.tensor->set_requires_grad(true);

@@ -175,22 +175,29 @@ at::Tensor int8_mixed_matmul(const at::Tensor& a, const at::Tensor& codes, const
     // bias fused when float16 (an fp64 sum then one rounding to fp32 stands for fmaf: a
     // double rounding can differ from it only at a tie, in 1 of about 2^29 values), else
     // added to the float16 result; then a's dtype.
-    const at::Tensor v = (i32.to(at::kFloat) * sca.unsqueeze(1)) * absmax.unsqueeze(0);
+    // In place, one rounding an op as the kernel's (its memory: the int32 result and one fp32
+    // or fp64 copy beside it).
+    at::Tensor v = i32.to(at::kFloat);
+    v.mul_(sca.unsqueeze(1)).mul_(absmax.unsqueeze(0));
     constexpr float kConst = 6.200012e-05f;
     at::Tensor out16;
     if (bias.defined() && bias.scalar_type() == at::kHalf) {
-      out16 = (v.to(at::kDouble) * static_cast<double>(kConst) + bias.to(at::kDouble).unsqueeze(0))
-                  .to(at::kFloat)
-                  .to(at::kHalf);
+      at::Tensor fused = v.to(at::kDouble);
+      v = at::Tensor();
+      fused.mul_(static_cast<double>(kConst)).add_(bias.to(at::kDouble).unsqueeze(0));
+      out16 = fused.to(at::kFloat).to(at::kHalf);
     } else {
-      out16 = (v * kConst + 0.0f).to(at::kHalf);  // + 0.0: fmaf's sum with b = +0 (a -0 becomes +0)
+      v.mul_(kConst).add_(0.0f);  // + 0.0: fmaf's sum with b = +0 (a -0 becomes +0)
+      out16 = v.to(at::kHalf);
+      v = at::Tensor();
       if (bias.defined()) out16 = (out16.to(at::kFloat) + bias.to(at::kFloat).unsqueeze(0)).to(at::kHalf);
     }
     base = out16.to(D);
   } else {
     // int8_mm_dequant's default: A * (row_stats * col_stats) * 6.200124e-05, + bias, in fp32.
-    at::Tensor out = i32.to(at::kFloat) * (sca.unsqueeze(1) * absmax.unsqueeze(0)) * 6.200124e-05f;
-    if (bias.defined()) out = out + bias.to(at::kFloat).unsqueeze(0);
+    at::Tensor out = i32.to(at::kFloat);
+    out.mul_(sca.unsqueeze(1) * absmax.unsqueeze(0)).mul_(6.200124e-05f);
+    if (bias.defined()) out.add_(bias.to(at::kFloat).unsqueeze(0));
     base = out.to(D);
   }
   at::Tensor y = base;

@@ -50,7 +50,8 @@ void add_eval_command(CLI::App& app) {
     o.pack_sequences = true;
     o.train_on_prompt = true;
     data::Dataset ds(a->data, tok.get(), o);
-    // Out of memory at --batch: half as many rows at a time, the same rows, the same figures.
+    // Out of memory at --batch: half as many rows at a time, the same rows, the same figures
+    // (to the last bits; over an LLM.int8 base to its choice of outlier columns per batch).
     trainer::EvalResult r = trainer::evaluate(*model, ds, a->batch, a->max_rows, {}, [] { return true; });
     if (r.oom_retries > 0)
       std::fprintf(stderr, "eval: out of memory at --batch %lld; finished at %lld rows at a time\n",

@@ -153,7 +153,8 @@ void TrainingConfig::fields(F&& f) {
     Field::integer_or_auto());
   f("per_device_eval_batch_size", per_device_eval_batch_size,
     "rows per evaluation batch, at most the training micro-batch in effect (halved after an out-of-memory error "
-    "under the supervisor; its loss is a sum over tokens, which the batch changes only in the last bits)");
+    "under the supervisor; its loss is a sum over tokens, which the batch changes only in the last bits, and over "
+    "an 8-bit base by LLM.int8's choice of outlier columns)");
   f("gradient_accumulation_steps", gradient_accumulation_steps, "micro-batches per optimizer step");
   f("gradient_checkpointing", gradient_checkpointing,
     "true|false, or {policy: none|all|every_n|layers, n: 2, layers: [1, 3]}");
@@ -481,6 +482,10 @@ void validate(const QuantizationConfig& q, const std::string& p, const Checker& 
           "load_in_4bit is true too; set one of them (bitsandbytes' config refuses both)");
   c.check(q.llm_int8_threshold >= 0 && std::isfinite(q.llm_int8_threshold), p + ".llm_int8_threshold",
           format_double(q.llm_int8_threshold), "must be a finite number >= 0 (6.0, LLM.int8's, when absent)");
+  c.check(q.load_in_8bit || q.llm_int8_threshold == QuantizationConfig{}.llm_int8_threshold,
+          p + ".llm_int8_threshold", format_double(q.llm_int8_threshold),
+          "applies to load_in_8bit's layers, and load_in_8bit is false (a model stored in 8 bits keeps the "
+          "threshold of its config.json). Set load_in_8bit: true, or remove the key");
   c.check(!q.llm_int8_has_fp16_weight, p + ".llm_int8_has_fp16_weight", q.llm_int8_has_fp16_weight,
           "16-bit master weights beside the 8-bit ones (trained and re-quantized each step) are not supported; "
           "memtune's 8-bit base stays frozen under LoRA. Remove the key or set false");

@@ -66,6 +66,7 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
   if (stored.is_object() && stored.value("quant_method", nlohmann::json()) == "bitsandbytes" &&
       field("load_in_4bit", false, &nlohmann::json::is_boolean).get<bool>()) {
     in.load_in_4bit = true;
+    in.load_in_8bit = false;
     const std::string type = field("bnb_4bit_quant_type", "fp4", &nlohmann::json::is_string).get<std::string>();
     MEMTUNE_CHECK(type == "nf4" || type == "fp4", "config.json: quantization_config.bnb_4bit_quant_type is '", type,
                   "'; bitsandbytes' 4-bit codes are nf4 and fp4");

@@ -310,7 +310,15 @@ ModelBundle setup_model(const Config& c, const fs::path& adapter_dir, const Skip
       int8_bytes += int8_storage_bytes(l->out_features(), l->in_features());
       threshold = l->int8_threshold;
     }
-  if (int8 > 0 && !c.model.quantization_config.load_in_8bit)
+  const auto& q = c.model.quantization_config;
+  MEMTUNE_CHECK(int8 == 0 || q.bnb_4bit_compute_dtype == QuantizationConfig{}.bnb_4bit_compute_dtype,
+                "model.quantization_config.bnb_4bit_compute_dtype: ", q.bnb_4bit_compute_dtype, " applies to 4-bit "
+                "layers, and ", c.model.name_or_path, " is stored in bitsandbytes' 8-bit form, whose layers multiply in "
+                "the model's dtype (model.torch_dtype, or training.bf16 / fp16 under autocast). Remove the key");
+  MEMTUNE_CHECK(int8 == 0 || c.distributed.sharding != "full", "distributed.sharding: full keeps 1/W of each "
+                "frozen weight per rank, and ", c.model.name_or_path, " is stored in bitsandbytes' 8-bit form, whose "
+                "layers memtune does not shard. Hint: sharding: gradients");
+  if (int8 > 0 && !q.load_in_8bit)
     b.notes.push_back("the model's projections are stored in bitsandbytes' 8-bit form and read as they are "
                       "(transformers, too, takes a pre-quantized model's own quantization_config)");
   if (int8 > 0)

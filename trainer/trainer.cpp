@@ -1047,7 +1047,8 @@ bool Trainer::evaluate_loss(const char* when) {
   // gradients kept), and under the supervisor halves it after an out-of-memory error (before
   // the first step the supervisor has not settled yet), except with layers sharded over ranks,
   // whose forwards are collectives. Its loss is a sum over tokens: the batch changes only the
-  // last bits (the padding, and so the kernels' order of summation).
+  // last bits (the padding, and so the kernels' order of summation), except over an LLM.int8
+  // base, whose outlier columns are chosen over the rows of each batch (docs/quantization.md).
   const int64_t batch = std::min<int64_t>(c_.training.per_device_eval_batch_size,
                                           supervisor_ ? std::max<int64_t>(1, supervisor_->micro_batch()) : 1);
   std::function<bool()> on_oom;

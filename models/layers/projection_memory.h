@@ -27,10 +27,13 @@ struct ProjectionTally {
     } else if (t.int8) {
       // models/layers/linear8bit.h: on a CPU in training panels of the dequantized weight
       // (int8_panel_bytes); on a GPU the whole weight dequantized in backward, and the mixed
-      // product's copies of the input, its codes and masks (about 12 bytes an input element)
-      // and its int32, fp32 and fp16 outputs (14 bytes an output element).
+      // product's tensor ops: the input's copies, codes and masks, and its int32, fp32 (fp64
+      // for a fused float16 bias) and 16-bit outputs. Their peak, measured with the CPU budget
+      // allocator on the same ops (rows 8192; in x out 1024 x 4096 and 4096 x 512; every dtype,
+      // bias or none; 2026-11-28): 456-648 MiB and 640 MiB, which 20 bytes an input element
+      // plus 16 an output element bound (672 and 704 MiB).
       const int64_t out = l.out_features(), in = l.in_features();
-      panel = std::max(panel, s.cuda_kernels ? std::max(out * in * s.act_bytes, s.rows() * (12 * in + 14 * out))
+      panel = std::max(panel, s.cuda_kernels ? std::max(out * in * s.act_bytes, s.rows() * (20 * in + 16 * out))
                                              : int8_panel_bytes(out, in, s.compute_bytes, s.act_bytes));
     } else if (s.compute_bytes != s.act_bytes) {
       // A dense weight computing in another dtype: its cast, made for each product and not

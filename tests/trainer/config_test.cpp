@@ -427,6 +427,8 @@ TEST(ConfigErrors, LoadIn8bitRefusesWhatItCannotDo) {
                  "model.quantization_config.bnb_4bit_use_double_quant", "true", "applies to load_in_4bit");
   expect_invalid(q + "    llm_int8_threshold: -1\n", "llm_int8_threshold", "-1",
                  "model.quantization_config.llm_int8_threshold", "-1", "finite number >= 0");
+  expect_invalid("model:\n  quantization_config:\n    llm_int8_threshold: 4.0\n", "llm_int8_threshold", "4.0",
+                 "model.quantization_config.llm_int8_threshold", "4.0", "load_in_8bit is false");
   expect_invalid(q + "    llm_int8_has_fp16_weight: true\n", "llm_int8_has_fp16_weight", "true",
                  "model.quantization_config.llm_int8_has_fp16_weight", "true", "not supported");
   expect_invalid(q + "training:\n  finetune: full\n", "load_in_8bit", "true",
@@ -786,7 +788,6 @@ Config every_field_changed() {
   m.quantization_config.bnb_4bit_compute_dtype = "float16";
   m.quantization_config.bnb_4bit_use_double_quant = true;
   m.quantization_config.blocksize = 128;
-  m.quantization_config.llm_int8_threshold = 4.0;
   m.device_map.entries = {{"model.layers.0-15", "cuda:0"}, {"model.layers.16-31", "cpu"}, {"lm_head", "offload"}};
   m.max_memory["cuda:0"] = memtune::parse_size("20GiB");
   m.max_memory["cpu"] = memtune::parse_size("0.75");
@@ -916,9 +917,10 @@ std::map<std::string, std::string> leaves(const std::string& yaml) {
 
 // Keys with one valid value: they cannot differ from the default in a valid config (each is
 // refused otherwise: ConfigErrors.*Refused*). load_in_8bit excludes every_field_changed's
-// load_in_4bit (ConfigErrors.LoadIn8bitRefusesWhatItCannotDo).
+// load_in_4bit, and llm_int8_threshold needs load_in_8bit (ConfigErrors.LoadIn8bitRefusesWhatItCannotDo).
 const std::set<std::string> kSingleValued = {
     "model.quantization_config.load_in_8bit", "model.quantization_config.llm_int8_has_fp16_weight",
+    "model.quantization_config.llm_int8_threshold",
     "model.quantization_config.bnb_4bit_quant_type",
     "model.quantization_config.bnb_4bit_quant_storage", "lora.bias", "lora.task_type",
     "model.low_cpu_mem_usage", "training.group_by_length", "training.report_to", "data.eval_split"};
