@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <string>
 
+#include "models/layers/panel_product.h"
 #include "runtime/error.h"
 
 namespace memtune::models {
@@ -44,20 +45,10 @@ at::Tensor nf4_matmul_wt(const at::Tensor& x, const NF4Tensor& q, at::ScalarType
   if (!use_panels(q, path))
     return bias.defined() ? at::addmm(bias, x, memtune::nf4_dequantize(q, ct).t())
                           : at::mm(x, memtune::nf4_dequantize(q, ct).t());
-  const int64_t out = q.shape[0], in = q.shape[1], rows = panel_rows(q, ct);
-  at::Tensor y = at::empty({x.size(0), out}, x.options());
-  at::Tensor buf = at::empty({std::min(rows, out) * in}, x.options());
-  for (int64_t r0 = 0; r0 < out; r0 += rows) {
-    const int64_t r = std::min(rows, out - r0);
-    at::Tensor panel = buf.narrow(0, 0, r * in);
+  const int64_t out = q.shape[0], in = q.shape[1];
+  return panel_matmul_wt(x, out, in, panel_rows(q, ct), bias, [&](int64_t r0, int64_t r, at::Tensor& panel) {
     memtune::nf4_dequantize_range_into(q, r0 * in, r * in, panel);
-    at::Tensor y_cols = y.narrow(1, r0, r);  // strided (ld = out): BLAS writes it in place
-    if (bias.defined())
-      at::addmm_out(y_cols, bias.narrow(0, r0, r), x, panel.view({r, in}).t());
-    else
-      at::mm_out(y_cols, x, panel.view({r, in}).t());
-  }
-  return y;
+  });
 }
 
 // gx [M, in] = g [M, out] @ deq(W)
@@ -65,17 +56,10 @@ at::Tensor nf4_matmul_w(const at::Tensor& g, const NF4Tensor& q, at::ScalarType 
   // Summed over panels, a 16-bit gx would be rounded once per panel; one GEMM sums in fp32 and
   // rounds once, as bitsandbytes' product of the dequantized weight does.
   if (!use_panels(q, path) || ct != at::kFloat) return at::mm(g, memtune::nf4_dequantize(q, ct));
-  const int64_t out = q.shape[0], in = q.shape[1], rows = panel_rows(q, ct);
-  at::Tensor gx = at::empty({g.size(0), in}, g.options());
-  at::Tensor buf = at::empty({std::min(rows, out) * in}, g.options());
-  for (int64_t r0 = 0; r0 < out; r0 += rows) {
-    const int64_t r = std::min(rows, out - r0);
-    at::Tensor panel = buf.narrow(0, 0, r * in);
+  const int64_t out = q.shape[0], in = q.shape[1];
+  return panel_matmul_w(g, out, in, panel_rows(q, ct), [&](int64_t r0, int64_t r, at::Tensor& panel) {
     memtune::nf4_dequantize_range_into(q, r0 * in, r * in, panel);
-    if (r0 == 0) at::mm_out(gx, g.narrow(1, r0, r), panel.view({r, in}));  // the first panel writes
-    else gx.addmm_(g.narrow(1, r0, r), panel.view({r, in}));             // the others accumulate
-  }
-  return gx;
+  });
 }
 
 // The quantized state travels through saved_data as IValues (tensors share storage): every

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "models/layers/panel_product.h"
 #include "runtime/error.h"
 #include "runtime/int8.h"
 
@@ -38,36 +39,20 @@ bool cpu_panels(const at::Tensor& x, at::ScalarType dt) {
 }
 
 at::Tensor matmul_wt_panels(const at::Tensor& x, const Int8Weight& w, const at::Tensor& bias) {
-  const int64_t out = w.codes.size(0), in = w.codes.size(1), rows = panel_rows(in, x.scalar_type());
-  at::Tensor y = at::empty({x.size(0), out}, x.options());
-  at::Tensor buf = at::empty({std::min(rows, out) * in}, x.options());
-  for (int64_t r0 = 0; r0 < out; r0 += rows) {
-    const int64_t r = std::min(rows, out - r0);
-    at::Tensor panel = buf.narrow(0, 0, r * in);
-    memtune::int8_dequantize_rows_into(w.codes, w.absmax, r0, r, panel);
-    at::Tensor y_cols = y.narrow(1, r0, r);  // strided (ld = out): BLAS writes it in place
-    if (bias.defined())
-      at::addmm_out(y_cols, bias.narrow(0, r0, r), x, panel.view({r, in}).t());
-    else
-      at::mm_out(y_cols, x, panel.view({r, in}).t());
-  }
-  return y;
+  const int64_t out = w.codes.size(0), in = w.codes.size(1);
+  return panel_matmul_wt(x, out, in, panel_rows(in, x.scalar_type()), bias,
+                         [&](int64_t r0, int64_t r, at::Tensor& panel) {
+                           memtune::int8_dequantize_rows_into(w.codes, w.absmax, r0, r, panel);
+                         });
 }
 
 // gx [M, in] = g [M, out] @ deq(W) in fp32 on a CPU, summed over panels of W's rows (a 16-bit
 // gx would be rounded once per panel: those take one GEMM over the whole dequantized W).
 at::Tensor matmul_w_panels(const at::Tensor& g, const at::Tensor& codes, const at::Tensor& absmax) {
-  const int64_t out = codes.size(0), in = codes.size(1), rows = panel_rows(in, at::kFloat);
-  at::Tensor gx = at::empty({g.size(0), in}, g.options());
-  at::Tensor buf = at::empty({std::min(rows, out) * in}, g.options());
-  for (int64_t r0 = 0; r0 < out; r0 += rows) {
-    const int64_t r = std::min(rows, out - r0);
-    at::Tensor panel = buf.narrow(0, 0, r * in);
+  const int64_t out = codes.size(0), in = codes.size(1);
+  return panel_matmul_w(g, out, in, panel_rows(in, at::kFloat), [&](int64_t r0, int64_t r, at::Tensor& panel) {
     memtune::int8_dequantize_rows_into(codes, absmax, r0, r, panel);
-    if (r0 == 0) at::mm_out(gx, g.narrow(1, r0, r), panel.view({r, in}));
-    else gx.addmm_(g.narrow(1, r0, r), panel.view({r, in}));
-  }
-  return gx;
+  });
 }
 
 class Linear8bitFunction : public torch::autograd::Function<Linear8bitFunction> {
