@@ -15,16 +15,8 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Bytes of one dequantized panel of W, the only dense piece of W alive at any time. Each
-// panel's GEMM packs x again, so panels must be large: on the 2-core machine of
-// bench/nf4_bench.cpp (2026-11-22) 16 MiB panels ran at 1.14x/1.25x a dense Linear
-// (4096x4096 / 11008x4096, 512 tokens), 4 MiB at 1.50x/1.34x, and dequantizing all of W
-// then one GEMM at 1.2x-1.4x.
-constexpr int64_t kPanelBytes = int64_t{16} << 20;
-
-int64_t panel_rows(int64_t in, int64_t elem_bytes) { return std::max<int64_t>(1, kPanelBytes / (in * elem_bytes)); }
 int64_t panel_rows(const NF4Tensor& q, at::ScalarType dt) {
-  return panel_rows(q.shape[1], static_cast<int64_t>(c10::elementSize(dt)));
+  return models::panel_rows(q.shape[1], static_cast<int64_t>(c10::elementSize(dt)));
 }
 
 bool use_panels(const NF4Tensor& q, Nf4MatmulPath path) {
@@ -36,7 +28,7 @@ bool use_panels(const NF4Tensor& q, Nf4MatmulPath path) {
 
 int64_t nf4_panel_bytes(int64_t out, int64_t in, int64_t elem_bytes) {
   if (elem_bytes != 4) return out * in * elem_bytes;  // nf4_matmul_w's one GEMM (the forward's panels are smaller)
-  return std::min(panel_rows(in, elem_bytes), out) * in * elem_bytes;
+  return std::min(models::panel_rows(in, elem_bytes), out) * in * elem_bytes;
 }
 
 // y [M, out] = x [M, in] @ deq(W)^T

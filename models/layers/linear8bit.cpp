@@ -23,12 +23,8 @@ at::ScalarType wide(const at::Tensor& on, at::ScalarType dtype) {
   return on.device().is_cpu() && dtype == at::kHalf ? at::kFloat : dtype;
 }
 
-// Bytes of the panel of dequantized rows the CPU products hold (as Linear4bit's panels): the
-// whole dequantized W would be a fresh allocation of out x in elements per product.
-constexpr int64_t kPanelBytes = int64_t{16} << 20;
-
 int64_t panel_rows(int64_t in, at::ScalarType dt) {
-  return std::max<int64_t>(1, kPanelBytes / (in * static_cast<int64_t>(c10::elementSize(dt))));
+  return models::panel_rows(in, static_cast<int64_t>(c10::elementSize(dt)));
 }
 
 // On a CPU in fp32 or bf16: y [M, out] = x [M, in] @ deq(W)^T (+ bias), each panel of W's rows
@@ -114,7 +110,7 @@ class Linear8bitFunction : public torch::autograd::Function<Linear8bitFunction> 
 }  // namespace
 
 int64_t int8_panel_bytes(int64_t out, int64_t in, int64_t compute_bytes, int64_t input_bytes) {
-  auto panel = [&](int64_t bytes) { return std::min(std::max<int64_t>(1, kPanelBytes / (in * bytes)), out) * in * bytes; };
+  auto panel = [&](int64_t bytes) { return std::min(models::panel_rows(in, bytes), out) * in * bytes; };
   // float16 on a CPU: the whole W in float16, and its fp32 copy for the product.
   const int64_t forward = compute_bytes == 4 || compute_bytes == 2 ? panel(compute_bytes) : out * in * compute_bytes;
   const int64_t backward = input_bytes == 4 ? panel(4) : out * in * input_bytes;
