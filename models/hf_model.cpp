@@ -1,5 +1,6 @@
 #include "models/hf_model.h"
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 #include <set>
@@ -51,6 +52,27 @@ std::string find_name(const CheckpointReader& ckpt, const std::string& name) {
 
 }  // namespace
 
+bool bnb_quantized(const ModelSpec& spec) {
+  const auto q = spec.extra.find("quantization_config");
+  return q != spec.extra.end() && q->is_object() && q->value("quant_method", json()) == "bitsandbytes";
+}
+
+SkipModules stored_skip_modules(const ModelSpec& spec, const std::string& config_file) {
+  if (!bnb_quantized(spec)) return std::nullopt;
+  const json& q = spec.extra.at("quantization_config");
+  if (!q.contains("llm_int8_skip_modules") || q["llm_int8_skip_modules"].is_null()) return std::nullopt;
+  const json& list = q["llm_int8_skip_modules"];
+  MEMTUNE_CHECK(list.is_array(), config_file, ": quantization_config.llm_int8_skip_modules is ", list.dump(),
+                "; bitsandbytes reads a list of module names, or null");
+  std::vector<std::string> names;
+  for (const json& e : list) {
+    MEMTUNE_CHECK(e.is_string(), config_file, ": quantization_config.llm_int8_skip_modules holds ", e.dump(),
+                  "; bitsandbytes reads a list of module names");
+    names.push_back(e.get<std::string>());
+  }
+  return names;
+}
+
 std::unique_ptr<CausalLM> load_hf_model(const fs::path& dir, const LoadOptions& options) {
   ModelSpec spec = read_hf_config(dir);
   std::unique_ptr<CausalLM> model = build_model(spec);
@@ -71,10 +93,33 @@ std::unique_ptr<CausalLM> load_hf_model(const fs::path& dir, const LoadOptions& 
     if (q.contains("llm_int8_threshold") && q["llm_int8_threshold"].is_number())
       stored_threshold = q["llm_int8_threshold"].get<double>();
   }
+  // A checkpoint bitsandbytes quantized keeps the projections its own llm_int8_skip_modules
+  // names dense, and stores every other one quantized (transformers reads it so, whatever
+  // the caller asked).
+  const std::string config_file = (dir / "config.json").string();
+  const bool pre_quantized = bnb_quantized(spec);
+  const SkipModules stored_skip = stored_skip_modules(spec, config_file);
+  const SkipMatcher stored_dense(stored_skip, config_file + ": quantization_config.llm_int8_skip_modules");
+  const SkipMatcher asked_dense(options.skip_modules, "model.quantization_config.llm_int8_skip_modules");
+  std::vector<std::string> dense_unlisted;  // stored dense in a quantized checkpoint, not in its list
   for (TensorSlot& slot : model->tensors()) {
     const bool skipped = !skip.empty() && skip[static_cast<size_t>(&slot - model->tensors().data())];
     const bool projection = slot.role == TensorRole::kLinearWeight;
     const std::string module = projection ? slot.name.substr(0, slot.name.size() - 6) : "";  // "...q_proj."
+    const bool stored_quantized = projection && (ckpt.contains(module + "SCB") || is_bnb_4bit(keys, slot.name));
+    if (stored_quantized && pre_quantized) {
+      const int entry = stored_dense.match(slot.linear->name());
+      MEMTUNE_CHECK(entry < 0, config_file, ": quantization_config.llm_int8_skip_modules keeps '",
+                    slot.linear->name(), "' dense (entry '", stored_dense.patterns()[static_cast<size_t>(std::max(entry, 0))],
+                    "'), and the checkpoint stores it quantized. transformers would read its quantized tensors as "
+                    "a dense weight. Hint: remove the entry from config.json");
+    }
+    // A dense projection quantized here: not in a checkpoint already quantized, nor in the list.
+    const bool quantize_here =
+        projection && !stored_quantized && !pre_quantized && !asked_dense.keeps_dense(slot.linear->name());
+    if (projection && !stored_quantized && pre_quantized && !stored_dense.keeps_dense(slot.linear->name()))
+      dense_unlisted.push_back(slot.linear->name());
+    const bool to_4bit = quantize_here && options.load_in_4bit, to_8bit = quantize_here && options.load_in_8bit;
     if (projection && ckpt.contains(module + "SCB")) {
       // bitsandbytes' 8-bit state dict: weight int8 [out, in], SCB fp32 [out], weight_format
       // (a uint8 0: row-major, the only layout it still writes).
@@ -99,7 +144,7 @@ std::unique_ptr<CausalLM> load_hf_model(const fs::path& dir, const LoadOptions& 
       loaded_int8 = true;
       used.insert(slot.name);
       used.insert(module + "SCB");
-    } else if (projection && is_bnb_4bit(keys, slot.name)) {
+    } else if (stored_quantized) {
       auto get = [&](const std::string& key) { return ckpt.contains(key) ? ckpt.load(key) : at::Tensor(); };
       slot.linear->set_quantized(std::make_shared<NF4Tensor>(nf4_from_bnb(get, slot.name)));
       loaded_nf4 = true;
@@ -115,13 +160,13 @@ std::unique_ptr<CausalLM> load_hf_model(const fs::path& dir, const LoadOptions& 
       MEMTUNE_CHECK(info.shape == slot.shape, ckpt.file_of(stored).string(), ": tensor '", stored,
                     "' has shape ", at::IntArrayRef(info.shape), ", expected ", at::IntArrayRef(slot.shape),
                     " from config.json");
-      MEMTUNE_CHECK(!(skipped && projection && options.load_in_8bit),
+      MEMTUNE_CHECK(!(skipped && to_8bit),
                     "load: 8-bit quantization needs every weight read (each row's absmax), and '", slot.name,
                     "' was to be skipped (distributed.sharding: full)");
       if (skipped) {  // checked, not read
         const bool floating =
             info.dtype == at::kFloat || info.dtype == at::kHalf || info.dtype == at::kBFloat16;
-        if (projection && options.load_in_4bit) {
+        if (to_4bit) {
           std::vector<int64_t> out_in = info.shape;
           if (slot.linear->fan_in_fan_out()) std::swap(out_in[0], out_in[1]);
           slot.linear->set_quantized(std::make_shared<NF4Tensor>(
@@ -135,7 +180,7 @@ std::unique_ptr<CausalLM> load_hf_model(const fs::path& dir, const LoadOptions& 
         continue;
       }
       at::Tensor view = ckpt.view(stored);  // zero-copy over the mapping
-      if (projection && options.load_in_4bit) {
+      if (to_4bit) {
         // From the stored floating dtype (exactly its fp32 value), or from the 16-bit dense
         // dtype asked for: transformers casts to torch_dtype before bitsandbytes quantizes.
         at::Tensor w = options.dense_dtype != at::kFloat ? view.to(options.dense_dtype)
@@ -146,7 +191,7 @@ std::unique_ptr<CausalLM> load_hf_model(const fs::path& dir, const LoadOptions& 
         at::Tensor out_in = slot.linear->fan_in_fan_out() ? w.t().contiguous() : w;
         slot.linear->set_quantized(std::make_shared<NF4Tensor>(
             nf4_quantize(out_in, options.blocksize, options.double_quant, slot.name, options.quant_type)));
-      } else if (projection && options.load_in_8bit) {
+      } else if (to_8bit) {
         // transformers casts to torch_dtype, then bitsandbytes to float16 and quantizes.
         *slot.tensor = view.to(options.dense_dtype);
         slot.linear->quantize_int8(options.int8_threshold);
@@ -169,6 +214,20 @@ std::unique_ptr<CausalLM> load_hf_model(const fs::path& dir, const LoadOptions& 
          ") describes quantized weights, and the checkpoint's projections are dense. Hint: remove "
          "quantization_config from config.json; to quantize on load, set model.quantization_config.load_in_4bit");
   }
+  if (!dense_unlisted.empty()) {
+    std::string list = "unset: transformers' default, the output layer";
+    if (stored_skip) {
+      list.clear();
+      for (const std::string& p : *stored_skip) list += str_cat(list.empty() ? "" : ", ", "'", p, "'");
+      list = "[" + list + "]";
+    }
+    fail(config_file, ": quantization_config (bitsandbytes) describes quantized projections, and ",
+         dense_unlisted.size(), " projection", dense_unlisted.size() > 1 ? "s are" : " is", " stored dense though "
+         "its llm_int8_skip_modules (", list, ") does not keep ", dense_unlisted.size() > 1 ? "them" : "it",
+         " dense: '", dense_unlisted.front(), "'", dense_unlisted.size() > 1 ? str_cat(" and ", dense_unlisted.size() - 1, " more") : "",
+         ". transformers would look for quantized tensors there. Hint: name the dense projections in config.json's "
+         "quantization_config.llm_int8_skip_modules, or write the model again with memtune quantize");
+  }
   for (const auto& k : keys)
     MEMTUNE_CHECK(used.count(k) || ignorable(k) ||
                       (spec.tie_word_embeddings && k == "lm_head.weight"),
@@ -188,7 +247,11 @@ void save_hf_model(const CausalLM& model, const fs::path& dir, const SaveOptions
   json config = spec_to_hf_config(model.spec());
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   const NF4Tensor* any_nf4 = nullptr;
+  // The projections written dense beside 4-bit ones: the list transformers reads them by.
+  nlohmann::json dense = nlohmann::json::array({kOutputModule});
   for (const TensorSlot& slot : model.tensors()) {
+    if (slot.role == TensorRole::kLinearWeight && !(options.keep_4bit && slot.linear->quantized()))
+      dense.push_back(slot.linear->name());
     if (slot.role == TensorRole::kLinearWeight && (slot.linear->quantized() || slot.linear->int8())) {
       if (options.keep_4bit && slot.linear->quantized()) {
         any_nf4 = slot.linear->qweight().get();
@@ -220,7 +283,7 @@ void save_hf_model(const CausalLM& model, const fs::path& dir, const SaveOptions
         {"bnb_4bit_use_double_quant", any_nf4->double_quant},
         {"bnb_4bit_compute_dtype", "float32"},
         {"bnb_4bit_quant_storage", "uint8"},
-        {"llm_int8_skip_modules", nullptr},
+        {"llm_int8_skip_modules", dense.size() > 1 ? dense : nlohmann::json()},
         {"llm_int8_threshold", 6.0},
         {"llm_int8_has_fp16_weight", false},
         {"llm_int8_enable_fp32_cpu_offload", false}};

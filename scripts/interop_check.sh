@@ -15,7 +15,7 @@
 # Environment:
 #   MEMTUNE_INTEROP_ROOT  the root (default /var/cache/memtune/sid-transformers)
 #   BUILD_DIR             memtune's build tree (default build)
-#   INTEROP_ONLY          check groups to run (space separated: mt->hf hf->mt bf16 adapter full refusal tokenizer)
+#   INTEROP_ONLY          check groups to run (space separated: defaults mt->hf hf->mt bf16 skip adapter full refusal tokenizer)
 #   INTEROP_KEEP          1: keep the work directory (kept anyway when a check fails)
 set -euo pipefail
 

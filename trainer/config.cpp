@@ -83,6 +83,13 @@ void QuantizationConfig::fields(F&& f) {
     "LLM.int8's outlier threshold: input columns holding a value of at least this magnitude multiply in 16 bits, "
     "the rest in int8 (on a GPU, and on a CPU outside training; a CPU in training multiplies by the dequantized "
     "weight, as bitsandbytes); 0: every column in int8");
+  f("llm_int8_skip_modules", llm_int8_skip_modules,
+    "modules left dense under load_in_4bit / load_in_8bit, matched as transformers 5 matches them: an entry "
+    "matching the start of a module's name as a regex (model.layers.1.mlp: that block's projections; "
+    "model.layers.1 and model.layers.1. also reach layers 10-19: a dot matches any character), or its end "
+    "(down_proj). null: transformers' default, the output "
+    "layer. A list replaces that default, so it must name lm_head (memtune's output layer is always dense). A "
+    "model stored quantized keeps its config.json's list");
   f("llm_int8_has_fp16_weight", llm_int8_has_fp16_weight,
     "false only: 16-bit master weights trained beside the 8-bit ones are not supported");
   f("bnb_4bit_compute_dtype", bnb_4bit_compute_dtype,
@@ -350,6 +357,21 @@ std::string type_name(const SizeSpec&, const Field&) { return "size"; }
 std::string type_name(const std::map<std::string, SizeSpec>&, const Field&) { return "map of device to size"; }
 std::string type_name(const CheckpointingConfig&, const Field&) { return "bool or {policy, n, layers}"; }
 std::string type_name(const DeviceMapConfig&, const Field&) { return "device or map of module prefix to device"; }
+std::string type_name(const std::optional<std::vector<std::string>>&, const Field&) {
+  return "list of strings, or null";
+}
+
+// null: unset; a list, even an empty one: set. A single string is refused: Python code that
+// takes the list would iterate the string's characters.
+void read_value(const Item& it, std::optional<std::vector<std::string>>& v, Ctx& ctx, const Field& f) {
+  v.reset();
+  if (it.node.IsNull()) return;
+  if (it.node.IsScalar())
+    fail(ctx.at(it.mark), ": ", it.path, ": expected ", type_name(v, f), ", got the string '", it.node.Scalar(),
+         "' (transformers would read its characters as the entries). Hint: [", it.node.Scalar(), "]");
+  v.emplace();
+  read_value(it, *v, ctx, f);
+}
 
 // null or empty: not set.
 void read_value(const Item& it, SizeSpec& v, Ctx& ctx, const Field& f) {
@@ -450,6 +472,17 @@ void write(YAML::Emitter& e, const DeviceMapConfig& v, const Field&) {
   e << YAML::EndMap;
 }
 
+void write(YAML::Emitter& e, const std::optional<std::vector<std::string>>& v, const Field& f) {
+  if (v)
+    write(e, *v, f);
+  else
+    e << YAML::Null;
+}
+
+bool same(const std::optional<std::vector<std::string>>& a, const std::optional<std::vector<std::string>>& b,
+          const Field&) {
+  return a == b;
+}
 bool same(const SizeSpec& a, const SizeSpec& b, const Field&) { return a.bytes == b.bytes && a.fraction == b.fraction; }
 bool same(const CheckpointingConfig& a, const CheckpointingConfig& b, const Field&) {
   return a.policy == b.policy && a.n == b.n && a.layers == b.layers;
@@ -486,6 +519,10 @@ void validate(const QuantizationConfig& q, const std::string& p, const Checker& 
           p + ".llm_int8_threshold", format_double(q.llm_int8_threshold),
           "applies to load_in_8bit's layers, and load_in_8bit is false (a model stored in 8 bits keeps the "
           "threshold of its config.json). Set load_in_8bit: true, or remove the key");
+  c.check(!q.llm_int8_skip_modules || q.load_in_4bit || q.load_in_8bit, p + ".llm_int8_skip_modules",
+          q.llm_int8_skip_modules,
+          "is set while neither load_in_4bit nor load_in_8bit is (a model stored quantized keeps the list of its "
+          "config.json). Set one of them, or remove the key");
   c.check(!q.llm_int8_has_fp16_weight, p + ".llm_int8_has_fp16_weight", q.llm_int8_has_fp16_weight,
           "16-bit master weights beside the 8-bit ones (trained and re-quantized each step) are not supported; "
           "memtune's 8-bit base stays frozen under LoRA. Remove the key or set false");

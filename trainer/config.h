@@ -28,6 +28,9 @@ struct QuantizationConfig {
   bool load_in_8bit = false;                  // LLM.int8 base weights for the linear layers
   double llm_int8_threshold = 6.0;            // outlier threshold of LLM.int8's mixed product
   bool llm_int8_has_fp16_weight = false;      // false only: the 8-bit weights stay frozen
+  // Modules kept dense (transformers' should_convert_module); unset: transformers' default,
+  // the output layer (models/skip_modules.h).
+  std::optional<std::vector<std::string>> llm_int8_skip_modules;
   std::string bnb_4bit_compute_dtype = "float32";  // auto|float32|float16|bfloat16: base matmul dtype
   std::string bnb_4bit_quant_type = "fp4";    // nf4 | fp4 (bitsandbytes' default)
   bool bnb_4bit_use_double_quant = false;     // quantize the absmax values too (~4.127 bits/param)

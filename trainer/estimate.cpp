@@ -78,6 +78,16 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
     in.load_in_8bit = true;
   }
 
+  // Projections kept dense: a stored model's own llm_int8_skip_modules, or the config's.
+  if (models::bnb_quantized(s)) {
+    in.dense_projections = models::dense_projections(*structure, models::stored_skip_modules(s, "config.json"),
+                                                     "config.json: quantization_config.llm_int8_skip_modules");
+  } else if (q.llm_int8_skip_modules) {
+    const std::string where = "model.quantization_config.llm_int8_skip_modules";
+    models::check_skip_modules(*structure, *q.llm_int8_skip_modules, where);  // what train would refuse
+    in.dense_projections = models::dense_projections(*structure, q.llm_int8_skip_modules, where);
+  }
+
   in.finetune = c.training.finetune;
   in.lora_r = c.lora.r;
   in.lora_dropout = c.lora.lora_dropout;

@@ -71,8 +71,9 @@ class Planner {
         lt.full = full_;
         lt.lora_r = adapted ? m_.lora_r : 0;
         lt.lora_dropout = adapted ? m_.lora_dropout : 0.0;
-        lt.nf4 = m_.load_in_4bit && !full_;
-        lt.int8 = m_.load_in_8bit && !full_;
+        const bool dense = flag(m_.dense_projections, k, "dense projection");
+        lt.nf4 = m_.load_in_4bit && !full_ && !dense;
+        lt.int8 = m_.load_in_8bit && !full_ && !dense;
         // fp32 activations with 16-bit adapter products: the fp32 model under autocast.
         lt.lora_casts_input = adapted && m_.dense_bytes == kF32 && m_.adapter_bytes != kF32;
         training_[t.linear] = lt;
@@ -97,6 +98,10 @@ class Planner {
   }
 
   bool tied() const { return m_.model->spec().tie_word_embeddings; }
+  bool dense_projection(const TensorSlot& t) const {
+    const size_t k = static_cast<size_t>(&t - m_.model->tensors().data());
+    return k < m_.dense_projections.size() && m_.dense_projections[k];
+  }
   bool checkpointed(int layer) const {
     return shard_layers() || offloaded(layer) ||
            (layer < static_cast<int>(m_.checkpoint_layers.size()) && m_.checkpoint_layers[layer]);
@@ -131,7 +136,7 @@ class Planner {
     for (const TensorSlot& t : model.tensors()) {
       const int64_t n = numel(t);
       largest = std::max(largest, n);
-      const bool quantized = (nf4 || int8) && t.role == TensorRole::kLinearWeight;
+      const bool quantized = (nf4 || int8) && t.role == TensorRole::kLinearWeight && !dense_projection(t);
       const int64_t bytes = !quantized ? n * wb
                             : nf4      ? nf4_storage_bytes(n, m_.blocksize, m_.double_quant)
                                        : int8_storage_bytes(t.linear->out_features(), t.linear->in_features());

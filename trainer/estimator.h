@@ -35,6 +35,9 @@ struct EstimateInput {
   bool double_quant = true;         // absmax as uint8 codes + fp32 per 256 blocks
   int64_t blocksize = 64;           // 4-bit elements per absmax block
   int64_t dense_bytes = 4;          // bytes per element of dense base tensors
+  // Per model->tensors() (empty: none): a projection weight llm_int8_skip_modules keeps dense
+  // under load_in_4bit / load_in_8bit.
+  std::vector<bool> dense_projections;
 
   // Fine-tuning.
   std::string finetune = "lora";    // lora | full (every base tensor trainable, fp32)

@@ -8,6 +8,7 @@
 #include "data/tokenizer.h"
 #include "models/hf_model.h"
 #include "models/registry.h"
+#include "models/skip_modules.h"
 #include "runtime/cuda_info.h"
 #include "runtime/error.h"
 #include "runtime/int8.h"
@@ -167,15 +168,18 @@ std::unique_ptr<models::CausalLM> load_base_model(const ModelConfig& m, at::Scal
     o.quant_type = quant_type(q);
     o.blocksize = q.blocksize;
     o.double_quant = q.bnb_4bit_use_double_quant;
+    o.skip_modules = q.llm_int8_skip_modules;
     o.skip = skip;
     return models::load_hf_model(dir, o);
   }
   auto model = models::init_random_model(model_spec(m), m.init_seed);
   model->set_dense_dtype(dense_dtype);
-  if (q.load_in_4bit)
-    for (models::Linear* l : model->linears()) l->quantize(q.blocksize, q.bnb_4bit_use_double_quant, quant_type(q));
-  if (q.load_in_8bit)
-    for (models::Linear* l : model->linears()) l->quantize_int8(q.llm_int8_threshold);
+  const models::SkipMatcher dense(q.llm_int8_skip_modules, "model.quantization_config.llm_int8_skip_modules");
+  for (models::Linear* l : model->linears()) {
+    if (dense.keeps_dense(l->name())) continue;
+    if (q.load_in_4bit) l->quantize(q.blocksize, q.bnb_4bit_use_double_quant, quant_type(q));
+    if (q.load_in_8bit) l->quantize_int8(q.llm_int8_threshold);
+  }
   return model;
 }
 
@@ -209,6 +213,12 @@ ModelBundle setup_model(const Config& c, const fs::path& adapter_dir, const Skip
   b.compute_dtype = resolve_compute_dtype(c, b.device, &note);
   b.notes.push_back(note);
 
+  // llm_int8_skip_modules is checked on the model's structure before the weights are read.
+  std::vector<std::string> skip_unused;
+  if (c.model.quantization_config.llm_int8_skip_modules)
+    skip_unused = models::check_skip_modules(*models::build_model(model_spec(c.model)),
+                                             *c.model.quantization_config.llm_int8_skip_modules,
+                                             "model.quantization_config.llm_int8_skip_modules");
   b.model = load_base_model(c.model, resolve_dense_dtype(c, model_spec(c.model), b.compute_dtype, &note), skip);
   b.notes.push_back(note);
   models::CausalLM& model = *b.model;
@@ -332,6 +342,26 @@ ModelBundle setup_model(const Config& c, const fs::path& adapter_dir, const Skip
                                                   "micro-batch split after an out-of-memory error moves some "
                                                   "columns between int8 and 16 bits, as bitsandbytes at that "
                                                   "micro-batch would (llm_int8_threshold: 0 takes none out)"));
+  std::vector<std::string> dense;
+  for (const models::Linear* l : model.linears())
+    if (!l->quantized() && !l->int8()) dense.push_back(l->name());
+  const bool stored_quantized = spec.extra.contains("quantization_config");
+  if ((nf4 > 0 || int8 > 0) && !dense.empty()) {
+    std::string names;
+    for (size_t i = 0; i < dense.size() && i < 4; ++i) names += (i ? ", " : "") + dense[i];
+    if (dense.size() > 4) names += str_cat(" and ", dense.size() - 4, " more");
+    b.notes.push_back(str_cat(dense.size(), " projection", dense.size() > 1 ? "s" : "", " kept dense (",
+                              stored_quantized ? "config.json's" : "model.quantization_config's",
+                              " llm_int8_skip_modules): ", names));
+  }
+  if (stored_quantized && q.llm_int8_skip_modules)
+    b.notes.push_back("the model is stored quantized: its config.json's llm_int8_skip_modules decides which "
+                      "projections are dense, not model.quantization_config.llm_int8_skip_modules (transformers, "
+                      "too, takes a pre-quantized model's own quantization_config)");
+  else
+    for (const std::string& p : skip_unused)
+      b.notes.push_back(str_cat("model.quantization_config.llm_int8_skip_modules: '", p,
+                                "' keeps no projection of this model dense"));
   b.notes.push_back("base weights: " + format_bytes(model.base_storage_bytes()));
 
   b.tokenizer = load_tokenizer(c.model, &b.tokenizer_path);

@@ -59,6 +59,29 @@ SAVES = {
     "qwen3": [("fp32", None), ("bf16", "100KB")],
 }
 PROMPT = "The old lighthouse keeper"
+# llm_int8_skip_modules: module names and pattern lists whose matching transformers' own
+# should_convert_module decides; the answers are the table memtune's unit test reads
+# (tests/models/skip_modules_test.cpp). INTEROP_WRITE_SKIP_TABLE=1 rewrites it.
+SKIP_TABLE = os.path.join("tests", "reference", "transformers_skip_modules.json")
+SKIP_NAMES = ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.o_proj", "model.layers.1.mlp.down_proj",
+              "model.layers.10.mlp.down_proj", "model.layers.11.mlp.gate_proj", "model.layers.2.mlp.up_proj",
+              "transformer.h.0.attn.c_attn", "transformer.h.1.mlp.c_proj", "transformer.h.10.attn.c_proj",
+              "lm_head"]
+SKIP_PATTERNS = [["lm_head"], ["mlp"], ["down_proj"], ["proj"], ["model.layers.1"], ["model.layers.1."],
+                 ["model.layers.1.mlp"], [r"model\.layers\.1\."], ["layers.1"], ["self_attn"], [".*attn.*"],
+                 [r".*\.mlp\..*"], ["model.layers.[0-2].mlp"], ["^model.layers.2"], [""], ["transformer.h.1"],
+                 ["h.1.mlp.c_proj"], ["c_proj"], ["attn.c_attn"], ["lm_head", "down_proj", "model.layers.0"],
+                 ["q_proj$"], ["model.layers.1[01]"], [r"(model|transformer)\.(layers|h)\.0\."],
+                 ["model.layers.1.mlp.down_proj"], ["LM_HEAD"], ["head"], [], ["model.layers.1|transformer"]]
+# Per family (12 layers, so "model.layers.1" also reaches layers 10 and 11): the lists `memtune
+# quantize --llm-int8-skip-modules` is judged with (None: the key unset).
+SKIP_RUNS = {
+    "llama": [None, ["lm_head", "mlp"], ["lm_head", "down_proj"], ["lm_head", "model.layers.1"],
+              ["lm_head", "model.layers.1."], ["lm_head", ".*self_attn.*"],
+              ["lm_head", "model.layers.0.mlp", "model.layers.11.self_attn.q_proj"]],
+    "gpt2": [None, ["lm_head", "c_attn"], ["lm_head", "transformer.h.1"], ["lm_head", "transformer.h.0.mlp"]],
+    "qwen3": [None, ["lm_head", "o_proj", "model.layers.2"]],
+}
 
 
 class Report:
@@ -276,6 +299,77 @@ class Check:
                             f"transformers bf16 eager vs sdpa: rel {rel(he['loss'], h['loss']):.1e}; memtune bf16 vs "
                             f"eager {rel(m16, he['loss']):.1e}")
         self.guarded(group, label, run)
+
+    # 2c. llm_int8_skip_modules: the modules transformers' bitsandbytes integration leaves dense.
+    def skip_modules(self):
+        group = "skip"
+
+        def table():
+            h = self.judge("should_convert", names=SKIP_NAMES, patterns=SKIP_PATTERNS)
+            if not h["ok"]:
+                raise RuntimeError(h["error"])
+            v = self.judge("versions")
+            fresh = {"source": f"transformers {v['transformers']}: quantizers_utils.should_convert_module "
+                               "(scripts/interop/check.py, group skip)",
+                     "names": SKIP_NAMES,
+                     "cases": [{"patterns": p, "dense": [not c for c in conv]}
+                               for p, conv in zip(SKIP_PATTERNS, h["convert"])]}
+            path = os.path.join(self.src, SKIP_TABLE)
+            if os.environ.get("INTEROP_WRITE_SKIP_TABLE") == "1":
+                with open(path, "w") as f:
+                    json.dump(fresh, f, indent=1)
+                    f.write("\n")
+            committed = json.load(open(path))
+            differ = [c["patterns"] for c, f in zip(committed["cases"], fresh["cases"]) if c != f]
+            same = committed["names"] == fresh["names"] and len(committed["cases"]) == len(fresh["cases"]) and not differ
+            n = len(SKIP_NAMES) * len(SKIP_PATTERNS)
+            self.report.add(group, "should_convert_module: the unit test's table", f"{n} answers committed",
+                            f"{n} answers", same, f"lists that differ: {differ}" if differ else SKIP_TABLE)
+        self.guarded(group, "table", table)
+
+        for family, lists in SKIP_RUNS.items():
+            cfg = dict(FAMILIES[family], **({"n_layer": 12} if family == "gpt2" else {"num_hidden_layers": 12}))
+            base = f"skip-{family}"
+            r = self.judge("make_model", config=cfg, out=base, dtype="fp32", shard=None, seed=5)
+            if not r["ok"]:
+                self.report.add(group, f"{family}: model", "-", "error", False, r["error"][:300])
+                continue
+            for k, skip in enumerate(lists):
+                label = f"{family} {json.dumps(skip)}"
+
+                def run(skip=skip, out=f"{base}-q{k}"):
+                    args = ["quantize", "--model", base, "--out", out]
+                    if skip is not None:
+                        args += ["--llm-int8-skip-modules", ",".join(skip)]
+                    self.mt.run(*args)
+                    names = safetensors_names(self.path(os.path.join(out, "model.safetensors")))
+                    suffix = ".weight.quant_state.bitsandbytes__nf4"
+                    mt = sorted(n[:-len(suffix)] for n in names if n.endswith(suffix))
+                    h = self.judge("bnb_targets", config=cfg, skip=skip)
+                    if not h["ok"]:
+                        raise RuntimeError(h["error"])
+                    written = json.load(open(self.path(os.path.join(out, "config.json"))))["quantization_config"]
+                    again = self.judge("bnb_targets", config=cfg, skip=written["llm_int8_skip_modules"])
+                    dense = len(h["converted"]) - len(mt) if set(mt) <= set(h["converted"]) else "?"
+                    self.report.add(group, f"{label}: projections quantized", f"{len(mt)}", f"{len(h['converted'])}",
+                                    mt == h["converted"] and again.get("converted") == mt,
+                                    f"config.json's list reads back the same: {again.get('converted') == mt}"
+                                    if mt == h["converted"] else
+                                    f"memtune only: {sorted(set(mt) - set(h['converted']))}; transformers only: "
+                                    f"{sorted(set(h['converted']) - set(mt))}")
+                self.guarded(group, label, run)
+
+        def refusal():
+            skip = ["mlp"]
+            out = self.mt.run("quantize", "--model", "skip-llama", "--out", "skip-llama-refused",
+                              "--llm-int8-skip-modules", ",".join(skip), check=False)
+            h = self.judge("bnb_targets", config=dict(FAMILIES["llama"], num_hidden_layers=12), skip=skip)
+            quantizes_head = h.get("ok") and "lm_head" in h["converted"]
+            self.report.add(group, "a list without lm_head: refused", f"exit {out.returncode}",
+                            "quantizes lm_head" if quantizes_head else "keeps lm_head dense",
+                            out.returncode == 2 and quantizes_head and not os.path.exists(self.path("skip-llama-refused")),
+                            out.stderr.strip().splitlines()[-1][:200] if out.stderr.strip() else "")
+        self.guarded(group, "refusal", refusal)
 
     # 3. Adapters memtune trains, merged by memtune, judged by transformers.
     def adapters(self, name, family, lora, quantized=False, extra=()):
@@ -564,6 +658,8 @@ class Check:
                 self.bf16_models(family)
         if want("tokenizer"):
             self.tokenizer_check()
+        if want("skip"):
+            self.skip_modules()
         if want("adapter") or want("refusal"):
             self.adapters("lora-llama", "llama", {"target_modules": "all-linear"})
         if want("adapter"):
@@ -594,6 +690,13 @@ class Check:
         return fails
 
 
+def safetensors_names(file):
+    """The tensor names in a safetensors file's header."""
+    with open(file, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        return [k for k in json.loads(f.read(n)) if k != "__metadata__"]
+
+
 def add_tensor(file, name, shape):
     """Adds one fp32 tensor of zeros to a safetensors file (a stand-in for what PEFT writes)."""
     with open(file, "rb") as f:
@@ -620,7 +723,7 @@ def main():
     p.add_argument("--work-in-root", required=True, help="the same directory as the root sees it")
     p.add_argument("--judge-in-root", required=True, help="judge.py as the root sees it")
     p.add_argument("--only", nargs="*", default=[],
-                   help="groups: defaults mt->hf hf->mt bf16 adapter full refusal tokenizer")
+                   help="groups: defaults mt->hf hf->mt bf16 skip adapter full refusal tokenizer")
     args = p.parse_args()
     sys.exit(1 if Check(args).run(set(args.only)) else 0)
 

@@ -18,6 +18,10 @@ Requests ({"op": ..., ...}):
   dynamic_state   model, short, long   a short row's loss before and after a long forward
   adapter_config  adapter, model           which adapter_config.json target_modules PEFT's
                                            matching rules select in the model
+  should_convert  names, patterns          transformers' should_convert_module for each pattern list
+                                           and name: {"convert": [[bool per name] per list]}
+  bnb_targets     config, skip             the projections transformers' bitsandbytes integration
+                                           quantizes under llm_int8_skip_modules `skip`
   defaults        keys                     TrainingArguments() and BitsAndBytesConfig(load_in_4bit=True):
                                            {"training": {key: value}, "quantization_config": {...}}
                                            (enums and dtypes as their names; a key absent: null)
@@ -234,6 +238,30 @@ def op_dynamic_state(r):
         model(input_ids=torch.tensor([r["long"]]))
         after = model(input_ids=short, labels=short).loss.item()
     return {"before": before, "after": after}
+
+
+def op_should_convert(r):
+    """transformers' own should_convert_module (quantizers_utils) over names x pattern lists."""
+    from transformers.quantizers.quantizers_utils import should_convert_module
+    return {"convert": [[should_convert_module(n, p) for n in r["names"]] for p in r["patterns"]]}
+
+
+def op_bnb_targets(r):
+    """The modules transformers' bitsandbytes integration replaces with Linear4bit for a model of
+    `config` under llm_int8_skip_modules `skip`: replace_with_bnb_linear's selection over the
+    quantizer's modules_to_not_convert (bitsandbytes itself is not needed to compute it)."""
+    from transformers.pytorch_utils import Conv1D
+    from transformers.quantizers.base import HfQuantizer
+    from transformers.quantizers.quantizers_utils import should_convert_module
+    config = AutoConfig.for_model(**r["config"])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    q = transformers.BitsAndBytesConfig(load_in_4bit=True, llm_int8_skip_modules=r["skip"])
+    keep = HfQuantizer.get_modules_to_not_convert(model, q.llm_int8_skip_modules, model._keep_in_fp32_modules)
+    return {"converted": sorted(name for name, m in model.named_modules()
+                                if should_convert_module(name, keep)
+                                and (isinstance(m, Conv1D) or type(m) is torch.nn.Linear)),
+            "not_converted": sorted(keep)}
 
 
 OPS = {k[3:]: v for k, v in globals().items() if k.startswith("op_")}

@@ -415,6 +415,31 @@ TEST(Config, LoadIn8bitWithItsThreshold) {
             6.0);  // BitsAndBytesConfig's default
 }
 
+// llm_int8_skip_modules: null (transformers' default) and a list, even an empty one, differ;
+// a bare string is refused (transformers would take its characters as the entries), and so
+// is a list with nothing quantized for it to apply to.
+TEST(Config, LlmInt8SkipModulesIsNullOrAList) {
+  const std::string q = "model:\n  quantization_config:\n    load_in_4bit: true\n";
+  EXPECT_FALSE(parse(q).model.quantization_config.llm_int8_skip_modules.has_value());
+  EXPECT_FALSE(parse(q + "    llm_int8_skip_modules: null\n").model.quantization_config.llm_int8_skip_modules);
+  EXPECT_EQ(parse(q + "    llm_int8_skip_modules: [lm_head, model.layers.1.mlp]\n")
+                .model.quantization_config.llm_int8_skip_modules,
+            (std::vector<std::string>{"lm_head", "model.layers.1.mlp"}));
+  EXPECT_EQ(parse(q + "    llm_int8_skip_modules: []\n").model.quantization_config.llm_int8_skip_modules,
+            std::vector<std::string>{});
+  EXPECT_EQ(parse_config(q, "x", {"model.quantization_config.llm_int8_skip_modules=[lm_head, down_proj]"})
+                .model.quantization_config.llm_int8_skip_modules,
+            (std::vector<std::string>{"lm_head", "down_proj"}));
+  EXPECT_HAS(error_of(q + "    llm_int8_skip_modules: lm_head\n"),
+             "model.quantization_config.llm_int8_skip_modules: expected list of strings, or null, got the string "
+             "'lm_head' (transformers would read its characters as the entries). Hint: [lm_head]");
+  expect_invalid("model:\n  quantization_config:\n    llm_int8_skip_modules: [lm_head]\n", "llm_int8_skip_modules",
+                 "[lm_head]", "model.quantization_config.llm_int8_skip_modules", "[lm_head]",
+                 "neither load_in_4bit nor load_in_8bit");
+  EXPECT_TRUE(parse("model:\n  quantization_config:\n    load_in_8bit: true\n    llm_int8_skip_modules: [lm_head]\n")
+                  .model.quantization_config.llm_int8_skip_modules);
+}
+
 TEST(ConfigErrors, LoadIn8bitRefusesWhatItCannotDo) {
   const std::string q = "model:\n  quantization_config:\n    load_in_8bit: true\n";
   expect_invalid(q + "    load_in_4bit: true\n", "load_in_8bit", "true", "model.quantization_config.load_in_8bit",
@@ -788,6 +813,7 @@ Config every_field_changed() {
   m.quantization_config.bnb_4bit_compute_dtype = "float16";
   m.quantization_config.bnb_4bit_use_double_quant = true;
   m.quantization_config.blocksize = 128;
+  m.quantization_config.llm_int8_skip_modules = std::vector<std::string>{"lm_head", "model.layers.1.mlp"};
   m.device_map.entries = {{"model.layers.0-15", "cuda:0"}, {"model.layers.16-31", "cpu"}, {"lm_head", "offload"}};
   m.max_memory["cuda:0"] = memtune::parse_size("20GiB");
   m.max_memory["cpu"] = memtune::parse_size("0.75");
@@ -929,7 +955,7 @@ TEST(ConfigRoundTrip, EveryFieldChangedIsComplete) {
   auto defaults = leaves(to_yaml(Config()));
   auto a = leaves(to_yaml(every_field_changed()));
   auto b = leaves(to_yaml(every_field_changed_b()));
-  EXPECT_EQ(defaults.size(), 101u);  // the leaves config.h declares: a new key belongs in every_field_changed()
+  EXPECT_EQ(defaults.size(), 102u);  // the leaves config.h declares: a new key belongs in every_field_changed()
   for (const auto& [path, value] : defaults) {
     if (kSingleValued.count(path)) continue;
     EXPECT_TRUE(a.at(path) != value || b.at(path) != value) << path << " is never changed from " << value;
@@ -961,7 +987,8 @@ TEST(ConfigRoundTrip, EqualityComparesEveryKey) {
           {"training.activation_offload", "training.gradient_checkpointing=true"},
           {"training.eval_steps", "data.eval_file=data/eval.jsonl"},
           {"training.eval_accuracy_rows", "data.eval_file=data/eval.jsonl"},
-          {"training.momentum", "training.optim=sgd"}};
+          {"training.momentum", "training.optim=sgd"},
+          {"model.quantization_config.llm_int8_skip_modules", "model.quantization_config.load_in_4bit=true"}};
       const std::vector<std::string> base_overrides =
           needs.count(path) ? std::vector<std::string>{needs.at(path)} : std::vector<std::string>{};
       std::vector<std::string> overrides = base_overrides;

@@ -218,6 +218,17 @@ INSTANTIATE_TEST_SUITE_P(
         Shape{"gpt2_fp4_qv_wpe_lnf", {"model.name_or_path=tiny-gpt2", "model.quantization_config.load_in_4bit=true",
                                       "lora.target_modules=[c_attn]", "lora.modules_to_save=[wpe,ln_f]",
                                       "data.max_seq_length=128"}},
+        // llm_int8_skip_modules: the listed projections stay dense (their fp32 weights, and a
+        // dense product's transients), the rest 4-bit or 8-bit.
+        Shape{"llama_nf4_skip_down_and_layer0", {"model.name_or_path=tiny-llama",
+                                                 "model.quantization_config.load_in_4bit=true",
+                                                 "model.quantization_config.llm_int8_skip_modules=[lm_head, down_proj, "
+                                                 "model.layers.0.self_attn]",
+                                                 "lora.target_modules=all-linear", "data.max_seq_length=128",
+                                                 "training.per_device_train_batch_size=2"}},
+        Shape{"gpt2_int8_skip_c_attn", {"model.name_or_path=tiny-gpt2", "model.quantization_config.load_in_8bit=true",
+                                        "model.quantization_config.llm_int8_skip_modules=[lm_head, c_attn]",
+                                        "data.max_seq_length=128"}},
         // Qwen3: the per-head q and k norms keep the projections' outputs; heads wider than
         // hidden_size / heads. QLoRA on every projection, and a full fine-tune in bf16.
         Shape{"qwen3_nf4_lora_all", {"model.name_or_path=tiny-qwen3", "model.quantization_config.load_in_4bit=true",
@@ -390,6 +401,56 @@ TEST(EstimateCommand, AModelStoredIn4BitIsEstimatedAsStored) {
     EXPECT_EQ(r.exit_code, 2) << r.output;
     EXPECT_NE(r.output.find("config.json: quantization_config." + message), std::string::npos) << r.output;
   }
+}
+
+// llm_int8_skip_modules through the real commands: quantize keeps the listed projections
+// dense and lists them in config.json; estimate and train read that model as stored (the
+// estimate's 4-bit bytes those of the stored 4-bit tensors), train says which projections it
+// kept dense, and a list without lm_head is refused before anything is read or written.
+TEST(EstimateCommand, ProjectionsKeptDenseByQuantizeAreEstimatedAndTrainedAsStored) {
+  const fs::path d = temp_dir();
+  ASSERT_EQ(run(memtune_bin() + " init-model --preset tiny-llama --seed 1 --out " + (d / "dense").string()).exit_code, 0);
+  auto q = run(memtune_bin() + " quantize --model " + (d / "dense").string() + " --out " + (d / "mixed").string() +
+               " --quant-type nf4 --llm-int8-skip-modules lm_head,down_proj");
+  ASSERT_EQ(q.exit_code, 0) << q.output;
+  const json config = json::parse(read_file(d / "mixed/config.json"));
+  const json list = config["quantization_config"]["llm_int8_skip_modules"];
+  ASSERT_EQ(list.size(), 1u + config["num_hidden_layers"].get<size_t>()) << list.dump();  // lm_head + a down_proj a layer
+  EXPECT_EQ(list[0], "lm_head");
+  EXPECT_EQ(list[1], "model.layers.0.mlp.down_proj");
+  // The stored 4-bit projections' bytes, as a model holds them: packed codes, absmax codes,
+  // nested absmax and the nested map (quant_map and the JSON state are not loaded as such).
+  const std::map<std::string, at::Tensor> stored = load_all_tensors(d / "mixed/model.safetensors");
+  int64_t nf4_bytes = 0, nf4_projections = 0;
+  const std::string state = ".weight.quant_state.bitsandbytes__nf4";
+  for (const auto& [name, t] : stored) {
+    if (name.size() < state.size() || name.compare(name.size() - state.size(), state.size(), state) != 0) continue;
+    const std::string module = name.substr(0, name.size() - state.size());
+    EXPECT_EQ(module.find("down_proj"), std::string::npos) << module << ": a kept projection is stored in 4 bits";
+    ++nf4_projections;
+    for (const char* part : {".weight", ".weight.absmax", ".weight.nested_absmax", ".weight.nested_quant_map"})
+      nf4_bytes += stored.at(module + part).numel() * stored.at(module + part).element_size();
+  }
+  EXPECT_EQ(nf4_projections, 6 * config["num_hidden_layers"].get<int64_t>());
+  write_file(d / "c.yaml", config_yaml(d / "out", (d / "mixed").string(), /*nf4=*/false));
+  const json j = estimate_json(d / "c.yaml", "--no-data");
+  int64_t estimated = -1;
+  for (const auto& k : j["components"])
+    if (k["name"] == "weights: NF4") estimated = k["bytes"].get<int64_t>();
+  EXPECT_EQ(estimated, nf4_bytes) << j.dump();
+  auto train = run(memtune_bin() + " train " + (d / "c.yaml").string() + " training.max_steps=1", 300);
+  ASSERT_EQ(train.exit_code, 0) << train.output;
+  EXPECT_NE(train.output.find(std::to_string(list.size() - 1) + " projections kept dense (config.json's "
+                              "llm_int8_skip_modules): model.layers.0.mlp.down_proj, model.layers.1.mlp.down_proj"),
+            std::string::npos) << train.output;
+
+  auto refused = run(memtune_bin() + " train " + (d / "c.yaml").string() + " training.output_dir=" +
+                     (d / "refused").string() + " model.name_or_path=" + (d / "dense").string() +
+                     " model.quantization_config.load_in_4bit=true model.quantization_config.llm_int8_skip_modules=[mlp]");
+  EXPECT_EQ(refused.exit_code, 2) << refused.output;
+  EXPECT_NE(refused.output.find("model.quantization_config.llm_int8_skip_modules: ['mlp'] does not name lm_head"),
+            std::string::npos) << refused.output;
+  EXPECT_FALSE(fs::exists(d / "refused" / "adapter"));
 }
 
 TEST(EstimateCommand, JsonHasThePeakTheBreakdownAndWhatFits) {

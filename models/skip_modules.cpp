@@ -1,0 +1,60 @@
+#include "models/skip_modules.h"
+
+#include "models/causal_lm.h"
+#include "runtime/error.h"
+
+namespace memtune::models {
+
+SkipMatcher::SkipMatcher(const SkipModules& skip, const std::string& where) : set_(skip.has_value()) {
+  if (!skip) return;
+  patterns_ = *skip;
+  regexes_.reserve(patterns_.size());
+  for (const std::string& p : patterns_) {
+    try {
+      regexes_.emplace_back(p);
+    } catch (const std::regex_error& e) {
+      fail(where, ": '", p, "' is not a valid regular expression (", e.what(),
+           "); transformers matches each entry as a regex at the start of a module's name, or as the end of the "
+           "name. Hint: a module's name as written (model.layers.1.mlp), or escape the special characters");
+    }
+  }
+}
+
+int SkipMatcher::match(const std::string& module) const {
+  for (size_t i = 0; i < patterns_.size(); ++i) {
+    const std::string& p = patterns_[i];
+    const bool suffix = module.size() >= p.size() && module.compare(module.size() - p.size(), p.size(), p) == 0;
+    if (suffix || std::regex_search(module, regexes_[i], std::regex_constants::match_continuous))
+      return static_cast<int>(i);
+  }
+  return -1;
+}
+
+std::vector<bool> dense_projections(const CausalLM& model, const SkipModules& skip, const std::string& where) {
+  const SkipMatcher matcher(skip, where);
+  std::vector<bool> dense;
+  dense.reserve(model.tensors().size());
+  for (const TensorSlot& t : model.tensors())
+    dense.push_back(t.role == TensorRole::kLinearWeight && matcher.keeps_dense(t.linear->name()));
+  return dense;
+}
+
+std::vector<std::string> check_skip_modules(const CausalLM& model, const std::vector<std::string>& patterns,
+                                            const std::string& where) {
+  std::string list;
+  for (const std::string& p : patterns) list += str_cat(list.empty() ? "" : ", ", "'", p, "'");
+  MEMTUNE_CHECK(SkipMatcher(patterns, where).keeps_dense(kOutputModule), where, ": [", list, "] does not name ",
+                kOutputModule, ". A list replaces transformers' default (the output layer), so transformers would "
+                "quantize ", kOutputModule, " too, and memtune keeps the output layer dense. Hint: add '",
+                kOutputModule, "' to the list");
+  std::vector<std::string> unused;
+  for (const std::string& p : patterns) {
+    const SkipMatcher one(std::vector<std::string>{p}, where);
+    bool any = one.keeps_dense(kOutputModule);
+    for (const Linear* l : model.linears()) any = any || one.keeps_dense(l->name());
+    if (!any) unused.push_back(p);
+  }
+  return unused;
+}
+
+}  // namespace memtune::models
