@@ -615,10 +615,11 @@ class Check:
                      "gradient_accumulation_steps", "optim", "save_total_limit"],
         "quantization_config": ["load_in_8bit", "bnb_4bit_quant_type", "bnb_4bit_compute_dtype",
                                 "bnb_4bit_use_double_quant", "bnb_4bit_quant_storage", "llm_int8_threshold",
-                                "llm_int8_has_fp16_weight"],
+                                "llm_int8_has_fp16_weight", "llm_int8_skip_modules"],
     }
     SAME_SETTING = {("adamw_torch", "adamw_torch_fused"),  # one update; transformers 5 defaults to fused
-                    ("0.0", "None")}                       # save_total_limit: keep every checkpoint
+                    ("0.0", "None"),                       # save_total_limit: keep every checkpoint
+                    ("null", "None")}                      # llm_int8_skip_modules: unset
 
     def defaults(self):
         def run():
