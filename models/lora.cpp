@@ -25,6 +25,14 @@ std::regex target_regex(const std::string& pattern, const std::string& where) {
   }
 }
 
+bool inside_modules_to_save(const std::vector<std::string>& modules_to_save, const std::string& module) {
+  for (const std::string& m : modules_to_save)
+    if (module == m || module.rfind(m + ".", 0) == 0 || module.find("." + m + ".") != std::string::npos ||
+        (module.size() > m.size() && module.compare(module.size() - m.size() - 1, m.size() + 1, "." + m) == 0))
+      return true;
+  return false;
+}
+
 namespace {
 
 bool ends_with(const std::string& s, const std::string& suffix) {
@@ -91,15 +99,6 @@ std::string joined(const std::vector<std::string>& names) {
   return s;
 }
 
-// Whether `module` is, or is inside, a module lora.modules_to_save names: PEFT's
-// `re.match(rf"(^|.*\.){m}($|\..*)", key)`, which keeps its targets out of those.
-bool inside_modules_to_save(const LoraTargets& t, const std::string& module) {
-  for (const std::string& m : t.modules_to_save)
-    if (module == m || module.rfind(m + ".", 0) == 0 || module.find("." + m + ".") != std::string::npos ||
-        ends_with(module, "." + m))
-      return true;
-  return false;
-}
 
 // PEFT matches target_modules against every module's name, not only the linear layers', and a
 // match it cannot adapt stops it ("Target module ... is not supported"); one it can that
@@ -134,7 +133,7 @@ void refuse_other_modules(const CausalLM& model, const LoraTargets& targets) {
   note("lm_head", -1, "the output layer (lm_head)");
   const bool tied = model.spec().tie_word_embeddings;
   for (const auto& [name, at] : others) {
-    if (inside_modules_to_save(targets, name) || !lora_targets(targets, name, at.first)) continue;
+    if (inside_modules_to_save(targets.modules_to_save, name) || !lora_targets(targets, name, at.first)) continue;
     fail("lora.target_modules [", joined(targets.target_modules), "] selects '", name, "', ", at.second,
          "; memtune puts LoRA on the decoder layers' projections only (PEFT refuses a norm, a block or an "
          "activation too, and would put LoRA on an embedding or lm_head, which memtune does not",

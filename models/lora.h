@@ -32,6 +32,10 @@ std::regex target_regex(const std::string& pattern, const std::string& where);
 // True when `s` is a module name rather than a regex (letters, digits, _ . -).
 bool is_plain_module_name(const std::string& s);
 
+// Whether `module` is, or is inside, a module modules_to_save names: PEFT's
+// `re.match(rf"(^|.*\.){m}($|\..*)", key)`, which keeps its targets out of those.
+bool inside_modules_to_save(const std::vector<std::string>& modules_to_save, const std::string& module);
+
 // True when `module` (a full module name) is targeted, following PEFT.
 bool lora_targets(const LoraTargets& targets, const std::string& module, int layer);
 

@@ -96,20 +96,23 @@ bool set(const json& c, const char* key) {
 // PEFT gives them lora_embedding_A/B, which memtune does not implement.
 constexpr const char* kEmbeddings[] = {"model.embed_tokens", "transformer.wte", "transformer.wpe"};
 
-bool targets_an_embedding(const json& t) {
+// PEFT keeps its targets out of the modules modules_to_save names (they train whole).
+bool targets_an_embedding(const json& t, const std::vector<std::string>& modules_to_save) {
   if (t.is_string()) {
     const std::string s = t.get<std::string>();
     if (s == "all-linear") return false;
     for (const char* e : kEmbeddings)
-      if (std::regex_match(e, target_regex(s, "adapter_config.json"))) return true;  // PEFT: re.fullmatch
+      if (!inside_modules_to_save(modules_to_save, e) && std::regex_match(e, target_regex(s, "adapter_config.json")))
+        return true;  // PEFT: re.fullmatch
     return false;
   }
   for (const auto& entry : t) {
     if (!entry.is_string()) continue;
     const std::string n = entry.get<std::string>();
     for (std::string e : kEmbeddings)
-      if (e == n || (e.size() > n.size() && e.compare(e.size() - n.size(), n.size(), n) == 0 &&
-                     e[e.size() - n.size() - 1] == '.'))
+      if (!inside_modules_to_save(modules_to_save, e) &&
+          (e == n || (e.size() > n.size() && e.compare(e.size() - n.size(), n.size(), n) == 0 &&
+                      e[e.size() - n.size() - 1] == '.')))
         return true;
   }
   return false;
@@ -144,7 +147,11 @@ void refuse_unsupported_fields(const json& c, const std::string& where) {
     MEMTUNE_CHECK(!set(c, f.key), where, ": ", f.key, " = ", c[f.key].dump(), " (", f.what,
                   ") is not supported by memtune, which would compute a different model without it; "
                   "use an adapter saved without ", f.key);
-  if (c.contains("target_modules") && targets_an_embedding(c["target_modules"]))
+  std::vector<std::string> modules_to_save;
+  if (c.contains("modules_to_save") && c["modules_to_save"].is_array())
+    for (const json& m : c["modules_to_save"])
+      if (m.is_string()) modules_to_save.push_back(m.get<std::string>());
+  if (c.contains("target_modules") && targets_an_embedding(c["target_modules"], modules_to_save))
     fail(where, ": target_modules = ", c["target_modules"].dump(),
          " puts LoRA on an embedding (embed_tokens / wte / wpe), which memtune does not support; "
          "use an adapter on the linear projections only");

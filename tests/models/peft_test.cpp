@@ -214,6 +214,15 @@ TEST(PeftAdapter, RefusesLoraOnEmbeddings) {
   expect_refused(write_adapter(c, tensors), {"embed_tokens"});
   // The target list alone names it, even where the tensors were stripped.
   expect_refused(write_adapter(c, q_proj_tensors(*model)), {"target_modules", "embed_tokens"});
+  // Unless modules_to_save names it: PEFT keeps its targets out of those (the embedding then
+  // trains whole and is saved whole), and the adapter loads.
+  c["modules_to_save"] = {"embed_tokens"};
+  tensors = q_proj_tensors(*model);
+  const at::Tensor embedding = at::randn({1024, 128});
+  tensors.emplace_back("base_model.model.model.embed_tokens.weight", embedding);
+  auto fresh = tiny_llama();
+  load_adapter(*fresh, write_adapter(c, tensors));
+  EXPECT_TRUE(at::equal(*fresh->find_tensor("model.embed_tokens.weight")->tensor, embedding));
 }
 
 TEST(PeftAdapter, RefusesLoraBias) {
