@@ -162,6 +162,12 @@ ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
   s.num_kv_heads = get_or<int64_t>(c, "num_key_value_heads", kv_heads, where);
   // Qwen3Config's head_dim defaults to 128; the other families' to hidden_size / heads.
   const bool qwen3 = s.model_type == "qwen3";
+  // Qwen3Config keeps a null head_dim as None, and transformers' Qwen3 attention then cannot
+  // be built (it takes config.head_dim as it is); the other families read null as absent.
+  MEMTUNE_CHECK(!(qwen3 && c.contains("head_dim") && c["head_dim"].is_null()), where,
+                ": head_dim is null, which transformers' Qwen3 cannot build a model from (Qwen3Config keeps it as "
+                "None). Hint: write the number: 128 is Qwen3Config's default, hidden_size / num_attention_heads is ",
+                s.num_heads > 0 ? s.hidden_size / s.num_heads : 0);
   s.head_dim = get_or<int64_t>(c, "head_dim", qwen3 ? 128 : s.num_heads > 0 ? s.hidden_size / s.num_heads : 0, where);
   if (s.is_gpt2()) {
     s.intermediate_size = get_or<int64_t>(c, "n_inner", 4 * s.hidden_size, where);

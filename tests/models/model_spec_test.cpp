@@ -270,6 +270,14 @@ TEST(ModelSpecQwen3, DefaultsAreQwen3Configs) {
   by_arch.erase("model_type");
   by_arch["architectures"] = {"Qwen3ForCausalLM"};
   EXPECT_EQ(spec_from_hf_config(by_arch, "dir/config.json").model_type, "qwen3");
+  // A null head_dim: transformers 5.12 refuses it for Qwen3 (Qwen3Config's head_dim is an
+  // int: "Field 'head_dim' expected int, got NoneType"), and reads it as hidden_size / heads
+  // for Llama.
+  c["head_dim"] = nullptr;
+  EXPECT_NE(error_of(c).find("dir/config.json: head_dim is null"), std::string::npos) << error_of(c);
+  json llama_null = small("llama");
+  llama_null["head_dim"] = nullptr;
+  EXPECT_EQ(spec_from_hf_config(llama_null, "dir/config.json").head_dim, 16);
   // Round trip: what memtune writes reads back as the same shape.
   c["head_dim"] = 32;
   s = spec_from_hf_config(c, "dir/config.json");
