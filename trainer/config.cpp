@@ -90,6 +90,12 @@ void QuantizationConfig::fields(F&& f) {
     "(down_proj). null: transformers' default, the output "
     "layer. A list replaces that default, so it must name lm_head (memtune's output layer is always dense). A "
     "model stored quantized keeps its config.json's list");
+  f("llm_int8_enable_fp32_cpu_offload", llm_int8_enable_fp32_cpu_offload,
+    "false only: projections model.device_map places on cpu or offload keep their 4-bit / 8-bit form there (a "
+    "CPU multiplies them as they are; offloaded layers are fetched quantized), not an fp32 copy. To keep modules "
+    "dense, name them in llm_int8_skip_modules");
+  f("quant_method", quant_method, "bitsandbytes only: the tag transformers writes in BitsAndBytesConfig's dict",
+    Field::one_of({"bitsandbytes"}, "memtune quantizes in bitsandbytes' formats only"));
   f("llm_int8_has_fp16_weight", llm_int8_has_fp16_weight,
     "false only: 16-bit master weights trained beside the 8-bit ones are not supported");
   f("bnb_4bit_compute_dtype", bnb_4bit_compute_dtype,
@@ -523,6 +529,12 @@ void validate(const QuantizationConfig& q, const std::string& p, const Checker& 
           q.llm_int8_skip_modules,
           "is set while neither load_in_4bit nor load_in_8bit is (a model stored quantized keeps the list of its "
           "config.json). Set one of them, or remove the key");
+  c.check(!q.llm_int8_enable_fp32_cpu_offload, p + ".llm_int8_enable_fp32_cpu_offload",
+          q.llm_int8_enable_fp32_cpu_offload,
+          "fp32 copies of the projections model.device_map places on cpu or offload are not supported: memtune keeps "
+          "them quantized there (a CPU multiplies 4-bit and 8-bit weights as they are, and offloaded layers are "
+          "fetched quantized), which transformers refuses without this key. To keep modules dense, name them in "
+          "llm_int8_skip_modules; or remove the key");
   c.check(!q.llm_int8_has_fp16_weight, p + ".llm_int8_has_fp16_weight", q.llm_int8_has_fp16_weight,
           "16-bit master weights beside the 8-bit ones (trained and re-quantized each step) are not supported; "
           "memtune's 8-bit base stays frozen under LoRA. Remove the key or set false");

@@ -28,6 +28,8 @@ struct QuantizationConfig {
   bool load_in_8bit = false;                  // LLM.int8 base weights for the linear layers
   double llm_int8_threshold = 6.0;            // outlier threshold of LLM.int8's mixed product
   bool llm_int8_has_fp16_weight = false;      // false only: the 8-bit weights stay frozen
+  bool llm_int8_enable_fp32_cpu_offload = false;  // false only: offloaded projections stay quantized
+  std::string quant_method = "bitsandbytes";  // bitsandbytes only (a BitsAndBytesConfig's own tag)
   // Modules kept dense (transformers' should_convert_module); unset: transformers' default,
   // the output layer (models/skip_modules.h).
   std::optional<std::vector<std::string>> llm_int8_skip_modules;

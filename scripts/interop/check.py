@@ -519,7 +519,9 @@ class Check:
                               ("training.group_by_length=true", "group_by_length"),
                               ("data.eval_split=0.1", "eval_split"),
                               ("model.torch_dtype=bfloat16", "torch_dtype"),
-                              ("model.low_cpu_mem_usage=false", "low_cpu_mem_usage")]:
+                              ("model.low_cpu_mem_usage=false", "low_cpu_mem_usage"),
+                              ("model.quantization_config.llm_int8_enable_fp32_cpu_offload=true",
+                               "llm_int8_enable_fp32_cpu_offload")]:
             self.refused(f"config {override}", ["train", "refuse.yaml", override], key)
 
     def tied_refusal(self):
@@ -615,7 +617,8 @@ class Check:
                      "gradient_accumulation_steps", "optim", "save_total_limit"],
         "quantization_config": ["load_in_8bit", "bnb_4bit_quant_type", "bnb_4bit_compute_dtype",
                                 "bnb_4bit_use_double_quant", "bnb_4bit_quant_storage", "llm_int8_threshold",
-                                "llm_int8_has_fp16_weight", "llm_int8_skip_modules"],
+                                "llm_int8_has_fp16_weight", "llm_int8_skip_modules",
+                                "llm_int8_enable_fp32_cpu_offload", "quant_method"],
     }
     SAME_SETTING = {("adamw_torch", "adamw_torch_fused"),  # one update; transformers 5 defaults to fused
                     ("0.0", "None"),                       # save_total_limit: keep every checkpoint

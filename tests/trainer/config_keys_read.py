@@ -19,6 +19,8 @@ import sys
 ONLY_IN_CONFIG = {
     "llm_int8_has_fp16_weight": "false only (the 8-bit weights stay frozen)",
     "bnb_4bit_quant_storage": "uint8 only",
+    "llm_int8_enable_fp32_cpu_offload": "false only (offloaded projections stay quantized)",
+    "quant_method": "bitsandbytes only",
     "low_cpu_mem_usage": "true only (loads always stream from the mmapped safetensors)",
     "bias": "none only",
     "task_type": "CAUSAL_LM only",

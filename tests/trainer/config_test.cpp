@@ -440,6 +440,22 @@ TEST(Config, LlmInt8SkipModulesIsNullOrAList) {
                   .model.quantization_config.llm_int8_skip_modules);
 }
 
+// BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+// bnb_4bit_compute_dtype=torch.bfloat16).to_dict() as transformers 5.12 writes it, less its
+// private _load_in_4bit / _load_in_8bit mirrors: every public key reads, at the value written.
+TEST(Config, ABitsAndBytesConfigDictReads) {
+  const auto q = parse(R"(model:
+  quantization_config: {"quant_method": "bitsandbytes", "llm_int8_threshold": 6.0, "llm_int8_skip_modules": null,
+    "llm_int8_enable_fp32_cpu_offload": false, "llm_int8_has_fp16_weight": false, "bnb_4bit_quant_type": "nf4",
+    "bnb_4bit_use_double_quant": true, "bnb_4bit_compute_dtype": "bfloat16", "bnb_4bit_quant_storage": "uint8",
+    "load_in_4bit": true, "load_in_8bit": false}
+)").model.quantization_config;
+  EXPECT_TRUE(q.load_in_4bit && !q.load_in_8bit && q.bnb_4bit_use_double_quant && !q.llm_int8_skip_modules);
+  EXPECT_EQ(q.bnb_4bit_quant_type, "nf4");
+  EXPECT_EQ(q.bnb_4bit_compute_dtype, "bfloat16");
+  EXPECT_EQ(q.quant_method, "bitsandbytes");
+}
+
 TEST(ConfigErrors, LoadIn8bitRefusesWhatItCannotDo) {
   const std::string q = "model:\n  quantization_config:\n    load_in_8bit: true\n";
   expect_invalid(q + "    load_in_4bit: true\n", "load_in_8bit", "true", "model.quantization_config.load_in_8bit",
@@ -456,6 +472,9 @@ TEST(ConfigErrors, LoadIn8bitRefusesWhatItCannotDo) {
                  "model.quantization_config.llm_int8_threshold", "4.0", "load_in_8bit is false");
   expect_invalid(q + "    llm_int8_has_fp16_weight: true\n", "llm_int8_has_fp16_weight", "true",
                  "model.quantization_config.llm_int8_has_fp16_weight", "true", "not supported");
+  expect_invalid(q + "    llm_int8_enable_fp32_cpu_offload: true\n", "llm_int8_enable_fp32_cpu_offload", "true",
+                 "model.quantization_config.llm_int8_enable_fp32_cpu_offload", "true", "keeps them quantized there");
+  EXPECT_HAS(error_of(q + "    quant_method: gptq\n"), "memtune quantizes in bitsandbytes' formats only");
   expect_invalid(q + "training:\n  finetune: full\n", "load_in_8bit", "true",
                  "model.quantization_config.load_in_8bit", "true", "8-bit weights stay frozen");
   expect_invalid(q + "distributed:\n  sharding: full\n", "load_in_8bit", "true",
@@ -947,6 +966,7 @@ std::map<std::string, std::string> leaves(const std::string& yaml) {
 const std::set<std::string> kSingleValued = {
     "model.quantization_config.load_in_8bit", "model.quantization_config.llm_int8_has_fp16_weight",
     "model.quantization_config.llm_int8_threshold",
+    "model.quantization_config.llm_int8_enable_fp32_cpu_offload", "model.quantization_config.quant_method",
     "model.quantization_config.bnb_4bit_quant_type",
     "model.quantization_config.bnb_4bit_quant_storage", "lora.bias", "lora.task_type",
     "model.low_cpu_mem_usage", "training.group_by_length", "training.report_to", "data.eval_split"};
@@ -955,7 +975,7 @@ TEST(ConfigRoundTrip, EveryFieldChangedIsComplete) {
   auto defaults = leaves(to_yaml(Config()));
   auto a = leaves(to_yaml(every_field_changed()));
   auto b = leaves(to_yaml(every_field_changed_b()));
-  EXPECT_EQ(defaults.size(), 102u);  // the leaves config.h declares: a new key belongs in every_field_changed()
+  EXPECT_EQ(defaults.size(), 104u);  // the leaves config.h declares: a new key belongs in every_field_changed()
   for (const auto& [path, value] : defaults) {
     if (kSingleValued.count(path)) continue;
     EXPECT_TRUE(a.at(path) != value || b.at(path) != value) << path << " is never changed from " << value;
