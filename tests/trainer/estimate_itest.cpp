@@ -451,6 +451,20 @@ TEST(EstimateCommand, ProjectionsKeptDenseByQuantizeAreEstimatedAndTrainedAsStor
   EXPECT_NE(refused.output.find("model.quantization_config.llm_int8_skip_modules: ['mlp'] does not name lm_head"),
             std::string::npos) << refused.output;
   EXPECT_FALSE(fs::exists(d / "refused" / "adapter"));
+  // Quantized on load from the dense model: the list's projections stay dense, and an entry
+  // that reaches none is named.
+  auto on_load = run(memtune_bin() + " train " + (d / "c.yaml").string() + " training.max_steps=1 training.output_dir=" +
+                     (d / "on-load").string() + " model.name_or_path=" + (d / "dense").string() +
+                     " model.quantization_config.load_in_4bit=true "
+                     "model.quantization_config.llm_int8_skip_modules=[lm_head,vision_tower,model.layers.0.self_attn]",
+                     300);
+  ASSERT_EQ(on_load.exit_code, 0) << on_load.output;
+  EXPECT_NE(on_load.output.find("4 projections kept dense (model.quantization_config's llm_int8_skip_modules): "
+                                "model.layers.0.self_attn.q_proj, model.layers.0.self_attn.k_proj"),
+            std::string::npos) << on_load.output;
+  EXPECT_NE(on_load.output.find("model.quantization_config.llm_int8_skip_modules: 'vision_tower' keeps no projection "
+                                "of this model dense"),
+            std::string::npos) << on_load.output;
 }
 
 TEST(EstimateCommand, JsonHasThePeakTheBreakdownAndWhatFits) {
