@@ -107,18 +107,20 @@ std::unique_ptr<CausalLM> load_hf_model(const fs::path& dir, const LoadOptions& 
     const bool projection = slot.role == TensorRole::kLinearWeight;
     const std::string module = projection ? slot.name.substr(0, slot.name.size() - 6) : "";  // "...q_proj."
     const bool stored_quantized = projection && (ckpt.contains(module + "SCB") || is_bnb_4bit(keys, slot.name));
-    if (stored_quantized && pre_quantized) {
+    // A checkpoint already quantized: its list and its tensors agree. Any other: a dense
+    // projection is quantized here unless the caller's list keeps it dense.
+    bool quantize_here = false;
+    if (projection && pre_quantized) {
       const int entry = stored_dense.match(slot.linear->name());
-      MEMTUNE_CHECK(entry < 0, config_file, ": quantization_config.llm_int8_skip_modules keeps '",
-                    slot.linear->name(), "' dense (entry '", stored_dense.patterns()[static_cast<size_t>(std::max(entry, 0))],
-                    "'), and the checkpoint stores it quantized. transformers would read its quantized tensors as "
-                    "a dense weight. Hint: remove the entry from config.json");
+      MEMTUNE_CHECK(!(stored_quantized && entry >= 0), config_file, ": quantization_config.llm_int8_skip_modules "
+                    "keeps '", slot.linear->name(), "' dense (entry '",
+                    stored_dense.patterns()[static_cast<size_t>(std::max(entry, 0))], "'), and the checkpoint stores "
+                    "it quantized. transformers would read its quantized tensors as a dense weight. Hint: remove the "
+                    "entry from config.json");
+      if (!stored_quantized && entry < 0) dense_unlisted.push_back(slot.linear->name());
+    } else if (projection) {
+      quantize_here = !stored_quantized && !asked_dense.keeps_dense(slot.linear->name());
     }
-    // A dense projection quantized here: not in a checkpoint already quantized, nor in the list.
-    const bool quantize_here =
-        projection && !stored_quantized && !pre_quantized && !asked_dense.keeps_dense(slot.linear->name());
-    if (projection && !stored_quantized && pre_quantized && !stored_dense.keeps_dense(slot.linear->name()))
-      dense_unlisted.push_back(slot.linear->name());
     const bool to_4bit = quantize_here && options.load_in_4bit, to_8bit = quantize_here && options.load_in_8bit;
     if (projection && ckpt.contains(module + "SCB")) {
       // bitsandbytes' 8-bit state dict: weight int8 [out, in], SCB fp32 [out], weight_format
@@ -215,12 +217,7 @@ std::unique_ptr<CausalLM> load_hf_model(const fs::path& dir, const LoadOptions& 
          "quantization_config from config.json; to quantize on load, set model.quantization_config.load_in_4bit");
   }
   if (!dense_unlisted.empty()) {
-    std::string list = "unset: transformers' default, the output layer";
-    if (stored_skip) {
-      list.clear();
-      for (const std::string& p : *stored_skip) list += str_cat(list.empty() ? "" : ", ", "'", p, "'");
-      list = "[" + list + "]";
-    }
+    const std::string list = stored_skip ? quoted_list(*stored_skip) : "unset: transformers' default, the output layer";
     fail(config_file, ": quantization_config (bitsandbytes) describes quantized projections, and ",
          dense_unlisted.size(), " projection", dense_unlisted.size() > 1 ? "s are" : " is", " stored dense though "
          "its llm_int8_skip_modules (", list, ") does not keep ", dense_unlisted.size() > 1 ? "them" : "it",

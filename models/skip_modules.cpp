@@ -5,7 +5,7 @@
 
 namespace memtune::models {
 
-SkipMatcher::SkipMatcher(const SkipModules& skip, const std::string& where) : set_(skip.has_value()) {
+SkipMatcher::SkipMatcher(const SkipModules& skip, const std::string& where) {
   if (!skip) return;
   patterns_ = *skip;
   regexes_.reserve(patterns_.size());
@@ -30,6 +30,12 @@ int SkipMatcher::match(const std::string& module) const {
   return -1;
 }
 
+std::string quoted_list(const std::vector<std::string>& patterns) {
+  std::string list;
+  for (const std::string& p : patterns) list += str_cat(list.empty() ? "" : ", ", "'", p, "'");
+  return "[" + list + "]";
+}
+
 std::vector<bool> dense_projections(const CausalLM& model, const SkipModules& skip, const std::string& where) {
   const SkipMatcher matcher(skip, where);
   std::vector<bool> dense;
@@ -41,19 +47,20 @@ std::vector<bool> dense_projections(const CausalLM& model, const SkipModules& sk
 
 std::vector<std::string> check_skip_modules(const CausalLM& model, const std::vector<std::string>& patterns,
                                             const std::string& where) {
-  std::string list;
-  for (const std::string& p : patterns) list += str_cat(list.empty() ? "" : ", ", "'", p, "'");
-  MEMTUNE_CHECK(SkipMatcher(patterns, where).keeps_dense(kOutputModule), where, ": [", list, "] does not name ",
-                kOutputModule, ". A list replaces transformers' default (the output layer), so transformers would "
-                "quantize ", kOutputModule, " too, and memtune keeps the output layer dense. Hint: add '",
-                kOutputModule, "' to the list");
+  bool names_head = false;
   std::vector<std::string> unused;
   for (const std::string& p : patterns) {
     const SkipMatcher one(std::vector<std::string>{p}, where);
-    bool any = one.keeps_dense(kOutputModule);
+    const bool head = one.keeps_dense(kOutputModule);
+    bool any = head;
     for (const Linear* l : model.linears()) any = any || one.keeps_dense(l->name());
+    names_head = names_head || head;
     if (!any) unused.push_back(p);
   }
+  MEMTUNE_CHECK(names_head, where, ": ", quoted_list(patterns), " does not name ", kOutputModule,
+                ". A list replaces transformers' default (the output layer), so transformers would quantize ",
+                kOutputModule, " too, and memtune keeps the output layer dense. Hint: add '", kOutputModule,
+                "' to the list");
   return unused;
 }
 

@@ -31,14 +31,15 @@ class SkipMatcher {
   int match(const std::string& module) const;
   bool keeps_dense(const std::string& module) const { return match(module) >= 0; }
 
-  bool set() const { return set_; }
   const std::vector<std::string>& patterns() const { return patterns_; }
 
  private:
-  bool set_ = false;
   std::vector<std::string> patterns_;
   std::vector<std::regex> regexes_;
 };
+
+// The list as errors quote it: ['lm_head', 'model.layers.1.mlp'].
+std::string quoted_list(const std::vector<std::string>& patterns);
 
 // Per model.tensors(): true for each projection weight that `skip` keeps dense.
 std::vector<bool> dense_projections(const CausalLM& model, const SkipModules& skip, const std::string& where);

@@ -98,10 +98,6 @@ class Planner {
   }
 
   bool tied() const { return m_.model->spec().tie_word_embeddings; }
-  bool dense_projection(const TensorSlot& t) const {
-    const size_t k = static_cast<size_t>(&t - m_.model->tensors().data());
-    return k < m_.dense_projections.size() && m_.dense_projections[k];
-  }
   bool checkpointed(int layer) const {
     return shard_layers() || offloaded(layer) ||
            (layer < static_cast<int>(m_.checkpoint_layers.size()) && m_.checkpoint_layers[layer]);
@@ -128,7 +124,7 @@ class Planner {
     const models::CausalLM& model = *m_.model;
     const int64_t C = model.spec().hidden_size, V = model.spec().vocab_size, E = E_;
     const int64_t wb = full_ ? kF32 : m_.dense_bytes;
-    const bool nf4 = m_.load_in_4bit && !full_, int8 = m_.load_in_8bit && !full_;
+    const bool nf4 = m_.load_in_4bit && !full_;
 
     // Weights, tensor by tensor.
     int64_t layers_nf4 = 0, layers_dense = 0, largest = 0;
@@ -136,7 +132,8 @@ class Planner {
     for (const TensorSlot& t : model.tensors()) {
       const int64_t n = numel(t);
       largest = std::max(largest, n);
-      const bool quantized = (nf4 || int8) && t.role == TensorRole::kLinearWeight && !dense_projection(t);
+      const bool quantized =
+          t.role == TensorRole::kLinearWeight && (training_.at(t.linear).nf4 || training_.at(t.linear).int8);
       const int64_t bytes = !quantized ? n * wb
                             : nf4      ? nf4_storage_bytes(n, m_.blocksize, m_.double_quant)
                                        : int8_storage_bytes(t.linear->out_features(), t.linear->in_features());

@@ -345,7 +345,7 @@ ModelBundle setup_model(const Config& c, const fs::path& adapter_dir, const Skip
   std::vector<std::string> dense;
   for (const models::Linear* l : model.linears())
     if (!l->quantized() && !l->int8()) dense.push_back(l->name());
-  const bool stored_quantized = spec.extra.contains("quantization_config");
+  const bool stored_quantized = models::bnb_quantized(spec);
   if ((nf4 > 0 || int8 > 0) && !dense.empty()) {
     std::string names;
     for (size_t i = 0; i < dense.size() && i < 4; ++i) names += (i ? ", " : "") + dense[i];

@@ -179,7 +179,9 @@ TEST(SkipModulesLoad, EightBitAndShardedLoadsKeepTheListedProjectionsDense) {
     const models::Linear* l = m8->linears()[k];
     const bool attn = l->name().size() > 6 && l->name().compare(l->name().size() - 6, 6, "c_attn") == 0;
     EXPECT_EQ(l->int8(), !attn) << l->name();
-    if (attn) EXPECT_TRUE(same_bits(l->weight, dense->linears()[k]->weight)) << l->name();
+    if (attn) {
+      EXPECT_TRUE(same_bits(l->weight, dense->linears()[k]->weight)) << l->name();
+    }
   }
   // distributed.sharding full: tensors of other ranks are checked, not read; a listed
   // projection becomes a dense meta tensor, the others 4-bit ones.
@@ -191,7 +193,9 @@ TEST(SkipModulesLoad, EightBitAndShardedLoadsKeepTheListedProjectionsDense) {
   for (const models::Linear* l : shard->linears()) {
     const bool attn = l->name().compare(l->name().size() - 6, 6, "c_attn") == 0;
     EXPECT_EQ(l->quantized(), !attn) << l->name();
-    if (attn) EXPECT_TRUE(l->weight.is_meta()) << l->name();
+    if (attn) {
+      EXPECT_TRUE(l->weight.is_meta()) << l->name();
+    }
   }
   remove_tree(d);
 }
