@@ -169,13 +169,13 @@ def median_of(runs):
     return out
 
 
-def peer_run(m, ckpt):
+def peer_run(m, ckpt, env=None):
     cmd = ["/usr/bin/python3", PEER, "--layers", m["layers"], "--hidden", m["hidden"], "--heads", m["heads"],
            "--intermediate", m["intermediate"], "--vocab", m["vocab"], "--seq", m["seq"], "--micro-batch",
            m["micro_batch"], "--accum", m["accum"], "--steps", m["steps"], "--warmup", m["warmup"],
            "--checkpointing", ckpt, "--threads", os.cpu_count() or 1, "--lora-r", LORA_R,
            "--lora-alpha", LORA_ALPHA]
-    out = json.loads(run([str(c) for c in cmd]).stdout.strip().splitlines()[-1])
+    out = json.loads(run([str(c) for c in cmd], env=env).stdout.strip().splitlines()[-1])
     return {"tokens_per_s": out["tokens_per_s"], "peak_rss_mib": out["peak_rss_mib"],
             "first_loss": out["first_loss"], "final_loss": out["final_loss"]}
 
@@ -262,6 +262,12 @@ def main():
     log(f"fp32 matmul peak: {peak['peak_gflops']} GFLOP/s ({peak['threads']} threads; ATen kernels "
         f"{peak.get('aten_cpu_capability')}, OpenBLAS core {peak.get('blas_core')}, memtune's "
         f"{peak.get('memtune_kernels')})")
+    # The peer multiplies with the OpenBLAS kernels memtune runs: memtune sets OPENBLAS_CORETYPE
+    # where OpenBLAS falls back to kernels narrower than the CPU's (runtime/threads.h
+    # blas_core_for_cpu), and the peer's PyTorch loads the same OpenBLAS.
+    peer_env = None
+    if "OPENBLAS_CORETYPE" not in os.environ and peak.get("blas_core") not in (None, "not OpenBLAS"):
+        peer_env = dict(os.environ, OPENBLAS_CORETYPE=peak["blas_core"])
     rows = []
     wanted = args.models.split(",")
     for name, m in MODELS.items():
@@ -279,7 +285,7 @@ def main():
             peers, runs = [], {mode: [] for mode in modes}
             for rep in range(args.repeat):
                 if have_peer:
-                    peers.append(peer_run(m, ckpt))
+                    peers.append(peer_run(m, ckpt, peer_env))
                     log(f"{name} peer ckpt={ckpt}: {peers[-1]['tokens_per_s']:.0f} tok/s, "
                         f"{peers[-1]['peak_rss_mib']:.0f} MiB")
                 for mode in modes:

@@ -15,6 +15,19 @@
 
 namespace memtune {
 
+namespace {
+
+// What the log says when the re-exec chose OpenBLAS's core (reexec_with_passive_omp_wait).
+std::string blas_core_note() {
+  const char* picked = std::getenv("MEMTUNE_OPENBLAS_PICKED");
+  const char* core = std::getenv("OPENBLAS_CORETYPE");
+  if (picked == nullptr || core == nullptr) return "";
+  return str_cat(", OPENBLAS_CORETYPE=", core, " (set by memtune: OpenBLAS picked its ", picked,
+                 " kernels, which lack the AVX2 this CPU has)");
+}
+
+}  // namespace
+
 void reexec_with_passive_omp_wait(char** argv) {
   if (std::getenv("MEMTUNE_NO_REEXEC") != nullptr) return;
   bool changed = false;
@@ -28,6 +41,13 @@ void reexec_with_passive_omp_wait(char** argv) {
   if (std::getenv("OPENBLAS_THREAD_TIMEOUT") == nullptr) {
     setenv("OPENBLAS_THREAD_TIMEOUT", "4", 1);
     changed = true;
+  }
+  if (std::getenv("OPENBLAS_CORETYPE") == nullptr) {
+    if (const std::string core = blas_core_for_cpu(); !core.empty()) {
+      setenv("MEMTUNE_OPENBLAS_PICKED", blas_core().c_str(), 1);  // for the log line
+      setenv("OPENBLAS_CORETYPE", core.c_str(), 1);
+      changed = true;
+    }
   }
   if (!changed) return;
   execv("/proc/self/exe", argv);
@@ -64,9 +84,8 @@ std::string configure_threads(int requested) {
   const char* blas_timeout = std::getenv("OPENBLAS_THREAD_TIMEOUT");
   return str_cat("threads: ", n, " intra-op (from ", source, "), OpenMP wait policy ",
                  wait ? wait : "default (spin)", ", OpenBLAS thread timeout 2^",
-                 blas_timeout ? blas_timeout : "28 (default)", " cycles; kernels: ATen ", aten_cpu_capability(),
-                 ", OpenBLAS ", blas_core(),
-                 ", memtune ", cpu_kernels_in_use());
+                 blas_timeout ? blas_timeout : "28 (default)", " cycles", blas_core_note(), "; kernels: ATen ",
+                 aten_cpu_capability(), ", OpenBLAS ", blas_core(), ", memtune ", cpu_kernels_in_use());
 }
 
 std::string aten_cpu_capability() {
@@ -97,6 +116,22 @@ std::string blas_core_hint() {
                  " (AVX2) kernels on this CPU, which has AVX-512; on some such CPUs its SkylakeX kernels multiply "
                  "fp32 matrices up to 1.9x as fast, on others no faster: bench/bench_matmul_peak with and without "
                  "the variable tells for this one. Unset it, or set OPENBLAS_CORETYPE=SkylakeX, to use them");
+}
+
+std::string blas_core_for(const std::string& picked, bool avx512, bool avx2_fma) {
+  if (picked == "not OpenBLAS") return "";
+  for (const char* wide : {"haswell", "zen", "skylakex", "cooperlake", "sapphirerapids"})
+    if (strcasecmp(picked.c_str(), wide) == 0) return "";
+  if (avx512) return "SkylakeX";
+  if (avx2_fma) return "Haswell";
+  return "";
+}
+
+std::string blas_core_for_cpu() {
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+                      __builtin_cpu_supports("avx512cd");
+  return blas_core_for(blas_core(), avx512, __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"));
 }
 
 std::string blas_core() {

@@ -10,8 +10,9 @@ namespace memtune {
 // OPENBLAS_THREAD_TIMEOUT the same way: its threads yield-spin for 2^28 cycles after each
 // product unless told otherwise (10-15 % of a LoRA step measured on 2 cores). When either
 // variable is unset, this sets it (passive, 4) and re-executes the program (argv
-// unchanged); when both are set (by the user or by the re-exec), it returns. Call first
-// thing in main().
+// unchanged); when both are set (by the user or by the re-exec), it returns. It also sets
+// OPENBLAS_CORETYPE, when unset, to blas_core_for_cpu()'s core where that is not empty. Call
+// first thing in main().
 void reexec_with_passive_omp_wait(char** argv);
 
 // Sets LibTorch's intra-op threads: `requested` when > 0, else OMP_NUM_THREADS when set,
@@ -28,6 +29,17 @@ int affinity_cpu_count();
 // (or OPENBLAS_CORETYPE / ATEN_CPU_CAPABILITY say so).
 std::string aten_cpu_capability();
 std::string blas_core();
+
+// OpenBLAS picks its kernels by the CPU's family and model, and OpenBLAS 0.3.21 (Debian 12)
+// knows only the CPUs before its release: on a newer one it falls back to its Prescott (SSE3)
+// kernels. Measured on a 2-vCPU Intel Xeon of family 6 model 207 (2026-11-29), fp32 products
+// ran at 74 GFLOP/s with them against 343 with SkylakeX's (bench_matmul_peak). When OpenBLAS
+// picked a core without AVX2 on a CPU that has it, this names the core of the widest
+// instructions the CPU has (SkylakeX: AVX-512 F, BW, DQ, VL and CD; else Haswell: AVX2 and
+// FMA); otherwise (OpenBLAS's pick stands, or another BLAS) it is empty.
+std::string blas_core_for_cpu();
+// The same for OpenBLAS's pick `picked` (blas_core()'s spelling) on a CPU with these instructions.
+std::string blas_core_for(const std::string& picked, bool avx512, bool avx2_fma);
 
 // A line for the log when OpenBLAS runs AVX2 kernels on a CPU with AVX-512 because
 // OPENBLAS_CORETYPE says so (the user's setting stands; its AVX-512 kernels multiply fp32

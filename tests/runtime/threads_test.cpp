@@ -42,6 +42,36 @@ TEST(Threads, TheLogNamesTheKernelsTheLibrariesChose) {
   EXPECT_NE(line.find("kernels: ATen " + aten + ", OpenBLAS " + core + ", memtune "), std::string::npos) << line;
 }
 
+// OpenBLAS's fallback for a CPU it does not know is replaced by the core of the widest
+// instructions the CPU has; a core with AVX2 or wider kernels, and another BLAS, stand.
+TEST(Threads, OpenBlasFallbackKernelsAreReplacedByTheCpusWidest) {
+  using memtune::blas_core_for;
+  EXPECT_EQ(blas_core_for("Prescott", true, true), "SkylakeX");
+  EXPECT_EQ(blas_core_for("Prescott", false, true), "Haswell");
+  EXPECT_EQ(blas_core_for("Prescott", false, false), "");
+  EXPECT_EQ(blas_core_for("Nehalem", true, true), "SkylakeX");
+  EXPECT_EQ(blas_core_for("Sandybridge", false, true), "Haswell");
+  for (const char* stands : {"Haswell", "Zen", "SkylakeX", "Cooperlake", "SapphireRapids", "not OpenBLAS"})
+    EXPECT_EQ(blas_core_for(stands, true, true), "") << stands;
+}
+
+// This process went through reexec_with_passive_omp_wait (tests/test_main.cpp): unless the
+// environment chose the core, OpenBLAS runs kernels as wide as this CPU's instructions allow,
+// whatever it picked by itself, and the log line says when memtune chose them.
+TEST(Threads, OpenBlasRunsKernelsAsWideAsThisCpusInstructions) {
+  const std::string core = memtune::blas_core();
+  if (core == "not OpenBLAS") GTEST_SKIP() << "another BLAS";
+  const char* picked = std::getenv("MEMTUNE_OPENBLAS_PICKED");
+  if (!picked && std::getenv("OPENBLAS_CORETYPE")) GTEST_SKIP() << "OPENBLAS_CORETYPE set outside memtune";
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    EXPECT_EQ(memtune::blas_core_for_cpu(), "") << "OpenBLAS runs " << core;
+  const std::string line = memtune::configure_threads(0);
+  if (picked)
+    EXPECT_NE(line.find(std::string("set by memtune: OpenBLAS picked its ") + picked), std::string::npos) << line;
+  else
+    EXPECT_EQ(line.find("set by memtune"), std::string::npos) << line;
+}
+
 // ATEN_CPU_CAPABILITY's values as ATen 1.13 and 2.x compare them (strcmp, lower case); unset
 // or empty is no cap. ATen ignores anything else with a warning; memtune refuses it by name.
 TEST(Threads, AtenCpuCapabilityCapsMemtunesKernelsAndAnUnknownValueIsRefused) {
