@@ -297,6 +297,12 @@ int64_t CausalLM::layer_weight_bytes(int layer) const {
   return bytes;
 }
 
+at::Tensor layer_attention(const LayerContext& ctx, int layer, const at::Tensor& q, const at::Tensor& k,
+                           const at::Tensor& v, double scale, int64_t sliding_window, const AttentionOptions& options) {
+  if (ctx.kv_cache) return ctx.kv_cache->attend(layer, q, k, v, ctx.segment_ids, scale, sliding_window, options);
+  return causal_segment_attention(q, k, v, ctx.segment_ids, scale, sliding_window, options);
+}
+
 ForwardOutput CausalLM::forward(const data::Batch& batch, const ForwardOptions& options) {
   // Keyed dropout: each row's masks follow the sample, whatever batch it is in.
   std::optional<DropoutKeysScope> dropout_keys;
@@ -337,6 +343,7 @@ ForwardOutput CausalLM::forward(const data::Batch& batch, const ForwardOptions& 
     if (it != contexts.end()) return it->second;
     LayerContext ctx = layer_context(batch_on(d));
     ctx.training = options.training;
+    ctx.kv_cache = options.kv_cache;
     ctx.attention.kernel = attention_kernel_;
     ctx.attention.one_segment_per_row = one_segment_per_row;
     if (!d.is_cpu() && !one_segment_per_row && seg.numel() > 0) {
@@ -347,6 +354,9 @@ ForwardOutput CausalLM::forward(const data::Batch& batch, const ForwardOptions& 
     return contexts.emplace(d, std::move(ctx)).first->second;
   };
 
+  if (options.kv_cache)
+    MEMTUNE_CHECK(!at::GradMode::is_enabled() && !options.training && one_segment_per_row,
+                  "forward: a key/value cache serves generation: without grad, not training, one document per row");
   const data::Batch& first = batch_on(placement_.embeddings);
   at::Tensor x = [&] {
     MEMTUNE_PROFILE_SCOPE("memtune::embed");
@@ -378,16 +388,19 @@ ForwardOutput CausalLM::forward(const data::Batch& batch, const ForwardOptions& 
   ForwardOutput out;
   const int64_t C = x.size(-1);
   const at::Tensor head = options.head_weight_tap ? options.head_weight_tap(head_weight()) : head_weight();
+  const at::ScalarType mm = loss_matmul_dtype(compute_dtype_);
+  if (options.last_logits_only) {
+    out.loss_sum = at::zeros({}, x.options().dtype(at::kFloat));
+    out.logits = at::matmul(x.narrow(1, x.size(1) - 1, 1).to(mm), head.to(mm).t()).to(at::kFloat);
+    return out;
+  }
   out.loss_sum = linear_cross_entropy_sum(x.reshape({-1, C}), head, last.targets.reshape({-1}),
                                           options.loss_chunk_rows > 0 ? options.loss_chunk_rows
                                                                       : loss_chunk_rows(spec().vocab_size),
                                           &out.correct_tokens, compute_dtype_);
   out.target_tokens = (batch.targets != data::kIgnoreIndex).sum().item<int64_t>();
   // The logits as the loss forms them: in bf16 products in a bf16 run, as transformers' lm_head.
-  if (options.return_logits) {
-    const at::ScalarType mm = loss_matmul_dtype(compute_dtype_);
-    out.logits = at::matmul(x.to(mm), head.to(mm).t()).to(at::kFloat);
-  }
+  if (options.return_logits) out.logits = at::matmul(x.to(mm), head.to(mm).t()).to(at::kFloat);
   return out;
 }
 

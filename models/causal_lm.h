@@ -12,6 +12,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "models/layers/attention.h"
+#include "models/layers/kv_cache.h"
 #include "models/layers/linear.h"
 #include "models/memory.h"
 #include "models/model_spec.h"
@@ -43,7 +44,16 @@ struct LayerContext {
   at::Tensor segment_ids;       // (B,T) int64
   bool training = false;
   AttentionOptions attention;   // the model's attention kernel, and whether rows are one document
+  KVCache* kv_cache = nullptr;  // generation: the positions read before this forward (ForwardOptions)
 };
+
+// Layer `layer`'s causal self-attention over q (B,Hkv,G,T,D), k, v (B,Hkv,T,D):
+// causal_segment_attention over the batch's documents, or, when the forward reads a key/value
+// cache (generation), over the positions the cache holds and these (KVCache::attend). An
+// architecture whose layers attend through this gets the cache; one that calls
+// causal_segment_attention itself still generates, running the whole prefix at every token.
+at::Tensor layer_attention(const LayerContext& ctx, int layer, const at::Tensor& q, const at::Tensor& k,
+                           const at::Tensor& v, double scale, int64_t sliding_window, const AttentionOptions& options);
 
 // Layers whose frozen weights are not all on this process (distributed.sharding: full,
 // trainer/layer_shards.h): gather() makes layer `i`'s tensors whole until release(). The
@@ -63,6 +73,12 @@ struct ForwardOptions {
   std::vector<bool> checkpoint_layers;  // per layer: recompute in backward
   bool offload_activations = false;     // checkpointed layers' inputs wait in host memory (activation offload)
   bool return_logits = false;           // also the full (B,T,V) logits (tests, generation)
+  // Generation. `kv_cache`: the batch's tokens follow the positions the cache holds (its
+  // position_ids say where) and their keys and values join it; without grad, one document per
+  // row. `last_logits_only`: no loss (loss_sum 0, nothing counted), and the logits of each
+  // row's last position only, (B,1,V).
+  KVCache* kv_cache = nullptr;
+  bool last_logits_only = false;
   int64_t loss_chunk_rows = 0;  // 0: by vocabulary size, models/layers/cross_entropy.h loss_chunk_rows()
   // Applied to the head's (V,C) weight before the loss (and the logits) use it; it returns the
   // same values. The caller's hold on the head's gradient as the loss's backward produces it,

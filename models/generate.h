@@ -15,6 +15,11 @@ struct GenerateOptions {
   double top_p = 1.0;            // nucleus: sample from the smallest set reaching this mass
   uint64_t seed = 0;
   std::optional<int32_t> eos_id;  // stop after generating it
+  // Keep each layer's keys and values (models/layers/kv_cache.h), so that each new token's
+  // forward reads one position, as transformers' generate with use_cache. False, or an
+  // architecture whose layers do not attend through layer_attention: every token's forward
+  // runs the whole sequence again. The tokens are the same up to rounding.
+  bool use_cache = true;
 };
 
 // The new tokens only (eos included when it stopped there).

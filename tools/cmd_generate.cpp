@@ -15,7 +15,7 @@ void add_generate_command(CLI::App& app) {
   struct A {
     std::string model, adapter, prompt, tokenizer, device = "cpu", dtype = "fp32";
     int64_t max_new_tokens = 64;
-    bool greedy = false;
+    bool greedy = false, no_cache = false;
     double temperature = 1.0, top_p = 1.0;
     uint64_t seed = 0;
   };
@@ -29,6 +29,9 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--temperature", a->temperature)->capture_default_str();
   cmd->add_option("--top-p", a->top_p)->capture_default_str();
   cmd->add_option("--seed", a->seed)->capture_default_str();
+  cmd->add_flag("--no-cache", a->no_cache,
+                "run the whole sequence again for every new token instead of keeping each layer's keys and values "
+                "(transformers' use_cache=False): slower, the same tokens up to rounding");
   cmd->add_option("--device", a->device, "cpu, cuda, cuda:N or auto")->capture_default_str();
   cmd->add_option("--dtype", a->dtype,
                   "fp32, bf16 or fp16 (GPUs): the dtype the model's weights are kept and its products run in, "
@@ -44,6 +47,7 @@ void add_generate_command(CLI::App& app) {
     o.temperature = a->temperature;
     o.top_p = a->top_p;
     o.seed = a->seed;
+    o.use_cache = !a->no_cache;
     o.eos_id = tok->eos_id;
     std::vector<int32_t> generated = models::generate(*model, tok->encode(a->prompt, true), o);
     std::cout << a->prompt << tok->decode(generated, true) << "\n";

@@ -2,9 +2,9 @@
 // and the MLP side by side on one normalised input (GPT-J / PaLM style):
 //   x = x + attn(norm(x)) + mlp(norm(x))
 // It reuses memtune's building blocks (Linear with NF4 and LoRA, the segment-aware causal
-// attention, RMSNorm, the checkpointed forward of CausalLM) and registers itself by name, so config.json
-// files with "architectures": ["ParallelBlockForCausalLM"] load with it, and
-// `memtune-custom init-model --arch ParallelBlockForCausalLM` makes one.
+// attention with generation's key/value cache, RMSNorm, the checkpointed forward of CausalLM)
+// and registers itself by name, so config.json files with "architectures":
+// ["ParallelBlockForCausalLM"] load with it, and `memtune-custom init-model --arch ParallelBlockForCausalLM` makes one.
 #include <algorithm>
 #include <cmath>
 
@@ -58,8 +58,9 @@ class ParallelBlockModel : public CausalLM {
     at::Tensor q = qkv[0].view({B, T, Hn, 1, D}).permute({0, 2, 3, 1, 4});
     at::Tensor k = qkv[1].view({B, T, Hn, D}).permute({0, 2, 1, 3});
     at::Tensor v = qkv[2].view({B, T, Hn, D}).permute({0, 2, 1, 3});
-    at::Tensor a =
-        causal_segment_attention(q, k, v, ctx.segment_ids, 1.0 / std::sqrt(static_cast<double>(D)), 0, ctx.attention);
+    // Through layer_attention, generation reads earlier positions' keys and values from its
+    // cache instead of running the prefix again.
+    at::Tensor a = layer_attention(ctx, i, q, k, v, 1.0 / std::sqrt(static_cast<double>(D)), 0, ctx.attention);
     a = a.permute({0, 3, 1, 2, 4}).reshape({B, T, Hn * D});
     at::Tensor m = L.down->forward(at::gelu(L.up->forward(h, ctx.training)), ctx.training);
     return x + L.o->forward(a, ctx.training) + m;

@@ -77,8 +77,8 @@ class Gpt2Model : public CausalLM {
     at::Tensor q = parts[0].view({B, T, H, 1, D}).permute({0, 2, 3, 1, 4});  // (B,H,1,T,D)
     at::Tensor k = parts[1].view({B, T, H, D}).permute({0, 2, 1, 3});
     at::Tensor v = parts[2].view({B, T, H, D}).permute({0, 2, 1, 3});
-    at::Tensor a = causal_segment_attention(
-        q, k, v, ctx.segment_ids, 1.0 / std::sqrt(static_cast<double>(D)), 0,
+    at::Tensor a = layer_attention(
+        ctx, i, q, k, v, 1.0 / std::sqrt(static_cast<double>(D)), 0,
         with_dropout(ctx.attention, ctx.training, dropout_.attention, L.attn_site, B, x.device()));
     a = a.permute({0, 3, 1, 2, 4}).reshape({B, T, C});
     at::Tensor y = x + drop(L.c_proj->forward(a, ctx.training), dropout_.residual, L.attn_resid_site);

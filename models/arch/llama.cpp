@@ -157,8 +157,8 @@ class LlamaModel : public CausalLM {
     // Query head j uses key/value head j / G (HF's repeat_kv).
     at::Tensor q5 = q.view({B, T, Hkv, G, D}).permute({0, 2, 3, 1, 4});  // (B,Hkv,G,T,D)
     // attention_dropout on the probabilities in training, as transformers' eager attention.
-    at::Tensor a = causal_segment_attention(
-        q5, k.permute({0, 2, 1, 3}), v.permute({0, 2, 1, 3}), ctx.segment_ids, 1.0 / std::sqrt(static_cast<double>(D)),
+    at::Tensor a = layer_attention(
+        ctx, i, q5, k.permute({0, 2, 1, 3}), v.permute({0, 2, 1, 3}), 1.0 / std::sqrt(static_cast<double>(D)),
         s.sliding_window.value_or(0),
         with_dropout(ctx.attention, ctx.training, dropout_.attention, L.attention_dropout_site, B, x.device()));
     a = a.permute({0, 3, 1, 2, 4}).reshape({B, T, s.q_dim()});
