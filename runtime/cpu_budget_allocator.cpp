@@ -47,11 +47,11 @@ std::atomic<int64_t> g_cached{0};
 std::atomic<int64_t> g_maps{0};  // large blocks mapped anew
 
 // Large blocks. A training step allocates the same sizes as the step before, so a freed
-// block is kept and handed out again for a request of the same page-rounded size: no page
-// faults, no zeroing by the kernel, and none of the fragmentation that makes glibc's heap
-// grow well past the live peak. What is mapped (live + cached) stays under the highest
-// live use plus a quarter (at least 32 MiB): a miss evicts cached blocks first, and a
-// freed block that would cross the line is unmapped.
+// block is kept and handed out again for a request of the same size class (mapped_size): no
+// page faults, no zeroing by the kernel, and none of the fragmentation that makes glibc's
+// heap grow well past the live peak. What is mapped (live + cached) stays under the highest
+// live use plus a quarter (at least 32 MiB): a miss evicts cached blocks first, those freed
+// longest ago first, and a freed block that would cross the line is unmapped.
 // - With an eighth, the S benchmark's step (live peak ~110 MiB, 8 MiB logit chunks) missed
 //   9000 pages a step, ~14 % of its time in page faults on this VM; with a quarter, 680.
 // - The floor is for small runs whose loss chunks are large next to their live peak: S
@@ -59,22 +59,30 @@ std::atomic<int64_t> g_maps{0};  // large blocks mapped anew
 //   7,900 pages; under 32 MiB, 13 to 25 (2026-11-27). A floor of four times the largest
 //   block also fixed it, but would let a streaming load of a model with a 2 GiB embedding
 //   keep 8 GiB of freed blocks.
+// - Blocks of a sequence that grows by a token at a time (generation without a key/value
+//   cache, batches padded to their longest row) change size at every forward: with exact
+//   page sizes they never met a cached block, filled the cache, and with the largest
+//   evicted first the blocks every forward does reuse (a projection's dequantized weight)
+//   were the ones unmapped. GPT-2's shape in NF4 generating 64 tokens after 512 without the
+//   cache mapped 4,765 blocks in one call (37 s); with size classes and the oldest evicted
+//   first, none (30 s; docs/performance.md, 2026-11-29).
 class BlockCache {
  public:
-  // A mapping of `mapped` bytes (a multiple of the page size), or nullptr.
+  // A mapping of `mapped` bytes (a size class: mapped_size()), or nullptr.
   void* take(std::size_t mapped, int64_t live) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = free_.find(mapped);
     if (it != free_.end()) {
-      void* base = it->second.back();
+      void* base = it->second.back().base;  // the most recently freed of its class
       it->second.pop_back();
       if (it->second.empty()) free_.erase(it);
       g_cached.fetch_sub(static_cast<int64_t>(mapped), std::memory_order_relaxed);
       return base;
     }
-    // A miss maps new pages: make room under the line by unmapping cached blocks, largest first.
+    // A miss maps new pages: make room under the line by unmapping cached blocks, those
+    // freed longest ago first (a size the run no longer asks for goes before one it does).
     const auto need = live + static_cast<int64_t>(mapped);
-    while (!free_.empty() && need + g_cached.load(std::memory_order_relaxed) > line()) pop_largest();
+    while (!free_.empty() && need + g_cached.load(std::memory_order_relaxed) > line()) pop_oldest();
     void* base = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (base == MAP_FAILED) return nullptr;
     g_maps.fetch_add(1, std::memory_order_relaxed);
@@ -87,30 +95,38 @@ class BlockCache {
       munmap(base, mapped);
       return;
     }
-    free_[mapped].push_back(base);
+    free_[mapped].push_back({base, ++clock_});
     g_cached.fetch_add(static_cast<int64_t>(mapped), std::memory_order_relaxed);
   }
 
   void release() {
     std::lock_guard<std::mutex> lock(mu_);
-    while (!free_.empty()) pop_largest();
+    while (!free_.empty()) pop_oldest();
   }
 
  private:
+  struct Cached {
+    void* base;
+    uint64_t freed;  // when it was given back, in gives
+  };
   static int64_t line() {
     const int64_t hw = g_high_water.load(std::memory_order_relaxed);
     return hw + std::max<int64_t>(hw / 4, kCacheFloor);
   }
-  void pop_largest() {
-    auto it = std::prev(free_.end());
-    munmap(it->second.back(), it->first);
-    g_cached.fetch_sub(static_cast<int64_t>(it->first), std::memory_order_relaxed);
-    it->second.pop_back();
-    if (it->second.empty()) free_.erase(it);
+  // Each class's blocks are in the order they were freed: the oldest is the first of one.
+  void pop_oldest() {
+    auto oldest = free_.begin();
+    for (auto it = free_.begin(); it != free_.end(); ++it)
+      if (it->second.front().freed < oldest->second.front().freed) oldest = it;
+    munmap(oldest->second.front().base, oldest->first);
+    g_cached.fetch_sub(static_cast<int64_t>(oldest->first), std::memory_order_relaxed);
+    oldest->second.erase(oldest->second.begin());
+    if (oldest->second.empty()) free_.erase(oldest);
   }
 
   std::mutex mu_;
-  std::map<std::size_t, std::vector<void*>> free_;  // mapped size -> cached mappings
+  std::map<std::size_t, std::vector<Cached>> free_;  // size class -> cached mappings, oldest first
+  uint64_t clock_ = 0;
 };
 
 // Never destroyed: blocks may be freed during static destruction.
@@ -122,6 +138,18 @@ BlockCache& block_cache() {
 std::size_t page_rounded(std::size_t bytes) {
   static const auto page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
   return (bytes + page - 1) / page * page;
+}
+
+// The mapping for a large block of `bytes`: whole pages, rounded up to an eighth of the
+// largest power of two not above them, so that sizes within 12.5 % of each other share a
+// class and its cached blocks. The pages past the request are never touched by it and so
+// take no memory (a mapping's pages are backed when first written).
+std::size_t mapped_size(std::size_t bytes) {
+  const std::size_t pages = page_rounded(bytes);
+  std::size_t power = 1;
+  while (power <= pages / 2) power *= 2;
+  const std::size_t step = std::max(page_rounded(1), power / 8);
+  return (pages + step - 1) / step * step;
 }
 
 void raise_to(std::atomic<int64_t>& a, int64_t value) {
@@ -195,7 +223,7 @@ c10::DataPtr budget_allocate(std::size_t nbytes) {
   void* base = nullptr;
   uint64_t mapped = 0;
   if (nbytes >= kMappedMin) {
-    mapped = page_rounded(nbytes + kHeader);
+    mapped = mapped_size(nbytes + kHeader);
     base = block_cache().take(mapped, cur);
   } else if (posix_memalign(&base, kAlignment, nbytes + kHeader) != 0) {
     base = nullptr;

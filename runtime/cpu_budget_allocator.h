@@ -10,8 +10,9 @@
 // aligned. Zero-byte requests get a null pointer and are not counted.
 //
 // Blocks of 256 KiB and more are pages mapped for them alone and, once freed, cached and
-// handed out again for a request of the same page-rounded size (a training step repeats
-// the sizes of the one before): a step then costs no page faults, and the process holds
+// handed out again for a request of the same size class (whole pages, within 12.5 %: a
+// training step repeats the sizes of the one before, a growing sequence nearly does): a
+// step then costs no page faults, and the process holds
 // at most the highest live use plus a quarter (at least 32 MiB), where glibc's heap
 // fragments to far more.
 // Cached blocks are not counted as allocated (they are free to reuse, as in CUDA's

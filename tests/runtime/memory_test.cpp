@@ -490,8 +490,8 @@ TEST_F(CpuBudget, AStepThatRepeatsItsSizesMapsNothingNew) {
   release_cpu_cached_blocks();
 }
 
-// Large blocks: a freed block is handed out again for the same size (the same pages, no
-// new mapping), cached bytes are not counted as allocated, and release unmaps them.
+// Large blocks: a freed block is handed out again for a size of its class (the same pages,
+// no new mapping), cached bytes are not counted as allocated, and release unmaps them.
 TEST_F(CpuBudget, LargeBlocksAreReusedAndReleased) {
   release_cpu_cached_blocks();
   const auto base = cpu_allocator_counters();
@@ -504,17 +504,79 @@ TEST_F(CpuBudget, LargeBlocksAreReusedAndReleased) {
   }
   const auto freed = cpu_allocator_counters();
   EXPECT_EQ(freed.allocated, base.allocated);
-  EXPECT_GE(freed.cached, kMiB);  // the page-rounded block with its header
-  EXPECT_LE(freed.cached, kMiB + 4096 + 64);
+  // The block with its header, in whole pages rounded up to its class: an eighth of 1 MiB.
+  EXPECT_EQ(freed.cached, kMiB + kMiB / 8);
   {
-    at::Tensor again = at::empty({kMiB - 16}, at::kByte);  // same page-rounded size
+    at::Tensor again = at::empty({kMiB - 16}, at::kByte);  // a smaller size of the class
     EXPECT_EQ(again.data_ptr(), first);
     EXPECT_EQ(cpu_allocator_counters().cached, 0);
     again.fill_(7);
     EXPECT_EQ(again.sum().item<int64_t>(), 7 * (kMiB - 16));
   }
+  {
+    at::Tensor larger = at::empty({kMiB + kMiB / 10}, at::kByte);  // 10 % larger: the same class
+    EXPECT_EQ(larger.data_ptr(), first);
+    larger.fill_(1);
+    EXPECT_EQ(larger.sum().item<int64_t>(), kMiB + kMiB / 10);
+  }
+  const int64_t maps = cpu_allocator_counters().maps;
+  {
+    at::Tensor next = at::empty({kMiB + kMiB / 8}, at::kByte);  // with its header, past the class
+    EXPECT_NE(next.data_ptr(), first);
+    EXPECT_EQ(cpu_allocator_counters().maps, maps + 1);
+  }
   release_cpu_cached_blocks();
   EXPECT_EQ(cpu_allocator_counters().cached, 0);
+}
+
+// A sequence that grows a little at each forward (generation without a key/value cache,
+// batches padded to their longest row) asks for a slightly larger block every time: sizes
+// within an eighth share a class, so it maps a block per class it crosses, not one per step.
+TEST_F(CpuBudget, AGrowingSizeMapsABlockPerClassNotPerStep) {
+  release_cpu_cached_blocks();
+  const int64_t maps = cpu_allocator_counters().maps;
+  at::Tensor weight = bytes(6 * kMiB);  // a size every step also asks for, live throughout
+  for (int64_t step = 0; step < 64; ++step) {
+    at::Tensor activation = bytes(2 * kMiB + step * 8192);  // 2 MiB growing to 2.5 MiB
+    at::Tensor dequantized = bytes(3 * kMiB);
+  }
+  // 2 MiB + header to 2.5 MiB crosses three classes of 256 KiB; the 3 MiB block maps once.
+  EXPECT_LE(cpu_allocator_counters().maps - maps, 1 + 3 + 1);
+  weight = at::Tensor();
+  release_cpu_cached_blocks();
+}
+
+// When a miss must make room under the line, the blocks freed longest ago go first: blocks of
+// sizes the run no longer asks for, not the ones it takes again at every step. Evicting the
+// largest first, two sizes taken in turn each evicted the other: a mapping every time.
+TEST_F(CpuBudget, AMissEvictsTheBlocksFreedLongestAgo) {
+  release_cpu_cached_blocks();
+  const auto line = [](const CpuAllocatorCounters& c) {
+    return c.high_water + std::max<int64_t>(c.high_water / 4, 32 * kMiB);
+  };
+  // 40 MiB of blocks of a phase that is over, live together, then freed into the cache.
+  {
+    std::vector<at::Tensor> stale;
+    for (int i = 0; i < 16; ++i) stale.push_back(bytes(2 * kMiB + i * 64 * 1024 + kMiB / 2));
+  }
+  auto c = cpu_allocator_counters();
+  const int64_t room = line(c) - c.allocated - c.cached;
+  ASSERT_GT(c.cached, 36 * kMiB);
+  ASSERT_LT(room, 48 * kMiB) << "an earlier test raised the high water past this scenario: run it alone";
+  // The live rest of the step leaves 16 MiB: room for either block of the step, not both.
+  at::Tensor rest = bytes(room - 16 * kMiB);
+  const auto step = [&] {
+    { at::Tensor a = bytes(10 * kMiB); }
+    { at::Tensor b = bytes(9 * kMiB); }
+  };
+  step();
+  const int64_t warm = cpu_allocator_counters().maps;
+  for (int i = 0; i < 8; ++i) step();
+  EXPECT_EQ(cpu_allocator_counters().maps, warm);
+  c = cpu_allocator_counters();
+  EXPECT_LE(c.allocated + c.cached, line(c));
+  rest = at::Tensor();
+  release_cpu_cached_blocks();
 }
 
 // What the process holds (live + cached) stays under the live high-water mark plus a
