@@ -10,6 +10,7 @@
 //
 //   bench_generate_bench [--preset qwen2-0.5b] [--prompts 16,128,512] [--new 64] [--repeats 3] [--dense]
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include <cstdio>
 #include <cstdlib>

@@ -388,6 +388,7 @@ ForwardOutput CausalLM::forward(const data::Batch& batch, const ForwardOptions& 
   ForwardOutput out;
   const int64_t C = x.size(-1);
   const at::Tensor head = options.head_weight_tap ? options.head_weight_tap(head_weight()) : head_weight();
+  // The logits as the loss forms them: in bf16 products in a bf16 run, as transformers' lm_head.
   const at::ScalarType mm = loss_matmul_dtype(compute_dtype_);
   if (options.last_logits_only) {
     out.loss_sum = at::zeros({}, x.options().dtype(at::kFloat));
@@ -399,7 +400,6 @@ ForwardOutput CausalLM::forward(const data::Batch& batch, const ForwardOptions& 
                                                                       : loss_chunk_rows(spec().vocab_size),
                                           &out.correct_tokens, compute_dtype_);
   out.target_tokens = (batch.targets != data::kIgnoreIndex).sum().item<int64_t>();
-  // The logits as the loss forms them: in bf16 products in a bf16 run, as transformers' lm_head.
   if (options.return_logits) out.logits = at::matmul(x.to(mm), head.to(mm).t()).to(at::kFloat);
   return out;
 }
