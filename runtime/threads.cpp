@@ -26,6 +26,20 @@ std::string blas_core_note() {
                  " kernels, which lack the AVX2 this CPU has)");
 }
 
+// What OpenBLAS's SkylakeX kernels need: AVX-512 F, BW, DQ, VL and CD.
+bool cpu_runs_avx512_blas() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512cd");
+}
+
+// OpenBLAS's cores with AVX-512 kernels (blas_core()'s spelling, any case).
+bool blas_core_is_avx512(const std::string& core) {
+  for (const char* wide : {"skylakex", "cooperlake", "sapphirerapids"})
+    if (strcasecmp(core.c_str(), wide) == 0) return true;
+  return false;
+}
+
 }  // namespace
 
 void reexec_with_passive_omp_wait(char** argv) {
@@ -100,13 +114,8 @@ std::string aten_cpu_capability() {
 std::string blas_core_hint() {
   const char* forced = std::getenv("OPENBLAS_CORETYPE");
   if (forced == nullptr || *forced == '\0') return "";
-  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-                      __builtin_cpu_supports("avx512cd");
   const std::string core = blas_core();
-  if (!avx512 || core == "not OpenBLAS") return "";
-  for (const char* wide : {"skylakex", "cooperlake", "sapphirerapids"})
-    if (strcasecmp(core.c_str(), wide) == 0) return "";
+  if (!cpu_runs_avx512_blas() || core == "not OpenBLAS" || blas_core_is_avx512(core)) return "";
   // How much the AVX-512 kernels gain depends on the core: 1.9x on one thread of the AVX-512
   // machine of 2026-11-24, 1.83x on two threads of a Zen 5 (family 26 model 2) of 2026-11-26
   // (381 against 207 GFLOP/s; memtune's training 1.3-1.6x), nothing on a Zen 4 (family 25
@@ -119,19 +128,17 @@ std::string blas_core_hint() {
 }
 
 std::string blas_core_for(const std::string& picked, bool avx512, bool avx2_fma) {
-  if (picked == "not OpenBLAS") return "";
-  for (const char* wide : {"haswell", "zen", "skylakex", "cooperlake", "sapphirerapids"})
-    if (strcasecmp(picked.c_str(), wide) == 0) return "";
+  if (picked == "not OpenBLAS" || blas_core_is_avx512(picked) || strcasecmp(picked.c_str(), "haswell") == 0 ||
+      strcasecmp(picked.c_str(), "zen") == 0)
+    return "";
   if (avx512) return "SkylakeX";
   if (avx2_fma) return "Haswell";
   return "";
 }
 
 std::string blas_core_for_cpu() {
-  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-                      __builtin_cpu_supports("avx512cd");
-  return blas_core_for(blas_core(), avx512, __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"));
+  return blas_core_for(blas_core(), cpu_runs_avx512_blas(),
+                       __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"));
 }
 
 std::string blas_core() {

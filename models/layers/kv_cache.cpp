@@ -84,18 +84,16 @@ at::Tensor attention_after_prefix(const at::Tensor& q, const at::Tensor& k, cons
   // Keys before the first query's window take no part.
   const int64_t k0 = sliding_window > 0 ? std::max<int64_t>(0, L - T - sliding_window + 1) : 0;
   at::Tensor kb = k.narrow(2, k0, L - k0), vb = v.narrow(2, k0, L - k0);
-  at::Tensor s = matmul_rounded_once(q.reshape({B, Hkv, G * T, D}), kb.transpose(-1, -2)).view({B, Hkv, G, T, L - k0});
-  s = s.mul_(scale).to(at::kFloat);
+  at::Tensor s = matmul_rounded_once(q.reshape({B, Hkv, G * T, D}), kb.transpose(-1, -2));
+  s = s.view({B, Hkv, G, T, L - k0}).mul_(scale).to(at::kFloat);
   if (T > 1 || sliding_window > 0) {
-    at::Tensor qpos = at::arange(L - T, L, at::TensorOptions().dtype(at::kLong).device(q.device())).unsqueeze(1);
-    at::Tensor kpos = at::arange(k0, L, at::TensorOptions().dtype(at::kLong).device(q.device())).unsqueeze(0);
+    const auto positions = at::TensorOptions().dtype(at::kLong).device(q.device());
+    at::Tensor qpos = at::arange(L - T, L, positions).unsqueeze(1), kpos = at::arange(k0, L, positions).unsqueeze(0);
     at::Tensor allowed = kpos <= qpos;
     if (sliding_window > 0) allowed = allowed.logical_and(qpos - kpos < sliding_window);
     s.masked_fill_(allowed.logical_not(), -std::numeric_limits<float>::infinity());
   }
-  at::Tensor m = std::get<0>(s.max(-1, true));
-  at::Tensor p = (s - m).exp_();
-  p.div_(p.sum(-1, true));
+  at::Tensor p = at::softmax(s, -1);
   return matmul_rounded_once(p.to(q.scalar_type()).view({B, Hkv, G * T, L - k0}), vb).view({B, Hkv, G, T, D});
 }
 
