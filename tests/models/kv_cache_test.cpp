@@ -212,24 +212,39 @@ TEST(KVCache, AForwardThatRecordsGradientsRefusesTheCache) {
   EXPECT_EQ(cache.length(0), 0);
 }
 
-// A model whose layers attend without the cache, as a custom architecture that calls
-// causal_segment_attention itself: the layers of `inner`, each given a context without it.
-class LayersWithoutCache : public models::CausalLM {
+// The layers of `inner`, each given the forward's context, or (`use_cache` false) a context
+// without the cache, as a custom architecture that calls causal_segment_attention itself;
+// the length of every forward's input is recorded.
+class Wrapped : public models::CausalLM {
  public:
-  explicit LayersWithoutCache(models::CausalLM& inner) : CausalLM(inner.spec()), inner_(inner) {}
-  at::Tensor embed(const at::Tensor& ids, const at::Tensor& positions) override { return inner_.embed(ids, positions); }
+  Wrapped(models::CausalLM& inner, bool use_cache) : CausalLM(inner.spec()), inner_(inner), use_cache_(use_cache) {}
+  at::Tensor embed(const at::Tensor& ids, const at::Tensor& positions) override {
+    lengths.push_back(ids.size(1));
+    return inner_.embed(ids, positions);
+  }
   models::LayerContext layer_context(const data::Batch& b) override { return inner_.layer_context(b); }
   at::Tensor layer(int i, const at::Tensor& x, const models::LayerContext& ctx) override {
     models::LayerContext own = ctx;
-    own.kv_cache = nullptr;
+    if (!use_cache_) own.kv_cache = nullptr;
     return inner_.layer(i, x, own);
   }
   at::Tensor final_norm(const at::Tensor& x) override { return inner_.final_norm(x); }
   const at::Tensor& head_weight() const override { return inner_.head_weight(); }
 
+  std::vector<int64_t> lengths;
+
  private:
   models::CausalLM& inner_;
+  bool use_cache_;
 };
+
+// Forward lengths of a prompt of `prompt` tokens and `n` new ones: each new token read alone
+// (the cache), or the whole sequence every time.
+std::vector<int64_t> forward_lengths(int64_t prompt, int64_t n, bool cached) {
+  std::vector<int64_t> l;
+  for (int64_t i = 0; i < n; ++i) l.push_back(i == 0 ? prompt : cached ? 1 : prompt + i);
+  return l;
+}
 
 // Greedy tokens of two runs: equal, or apart only where the first run's top two logits were
 // within rounding of each other (a tie the two ways of adding up may break differently).
@@ -259,15 +274,31 @@ TEST(KVCache, GenerateWithTheCacheEqualsGenerateWithoutIt) {
   }
 }
 
+TEST(KVCache, GenerateReadsOnePositionPerNewTokenUnlessTold) {
+  auto inner = model_with_lora(*models::preset("tiny-llama"), false);
+  Wrapped model(*inner, true);
+  models::GenerateOptions cached, uncached;
+  cached.max_new_tokens = uncached.max_new_tokens = 12;
+  uncached.use_cache = false;
+  const auto prompt = random_ids(6, model.spec().vocab_size, 4);
+  models::generate(model, prompt, cached);
+  EXPECT_EQ(model.lengths, forward_lengths(6, 12, true));
+  model.lengths.clear();
+  models::generate(model, prompt, uncached);
+  EXPECT_EQ(model.lengths, forward_lengths(6, 12, false));
+}
+
 TEST(KVCache, LayersThatAttendWithoutTheCacheGenerateUncached) {
   auto inner = model_with_lora(*models::preset("tiny-llama"), false);
-  LayersWithoutCache model(*inner);
+  Wrapped model(*inner, false);
   models::GenerateOptions cached, uncached;
   cached.max_new_tokens = uncached.max_new_tokens = 30;
   uncached.use_cache = false;
   const auto prompt = random_ids(6, model.spec().vocab_size, 4);
   // The same computation both ways: every forward runs the whole sequence.
-  EXPECT_EQ(models::generate(model, prompt, cached), models::generate(model, prompt, uncached));
+  const auto with_cache = models::generate(model, prompt, cached);
+  EXPECT_EQ(model.lengths, forward_lengths(6, 30, false));
+  EXPECT_EQ(with_cache, models::generate(model, prompt, uncached));
   EXPECT_EQ(models::generate(model, prompt, uncached), models::generate(*inner, prompt, uncached));
 }
 
