@@ -73,6 +73,7 @@ std::vector<std::pair<std::string, at::Tensor>> CausalLM::trainable_parameters()
     if (l->lora) {
       out.emplace_back(l->name() + ".lora_A.weight", l->lora->A);
       out.emplace_back(l->name() + ".lora_B.weight", l->lora->B);
+      if (l->lora->dora()) out.emplace_back(l->name() + ".lora_magnitude_vector", l->lora->magnitude);
     }
   return out;
 }
@@ -85,6 +86,7 @@ std::vector<at::Tensor> CausalLM::layer_trainable(int layer) const {
     if (s.role == TensorRole::kLinearWeight && s.linear->lora) {
       out.push_back(s.linear->lora->A);
       out.push_back(s.linear->lora->B);
+      if (s.linear->lora->dora()) out.push_back(s.linear->lora->magnitude);
     }
   }
   return out;
@@ -246,6 +248,7 @@ void CausalLM::place(const Placement& placement) {
     if (s.role == TensorRole::kLinearWeight && s.linear->lora) {
       move(s.linear->lora->A, d);
       move(s.linear->lora->B, d);
+      if (s.linear->lora->dora()) move(s.linear->lora->magnitude, d);
     }
     // An 8-bit weight's row absmax (4 bytes a row) stays on its layer's device, offloaded or not.
     if (s.role == TensorRole::kLinearWeight && s.linear->int8()) move(s.linear->weight_absmax, d);

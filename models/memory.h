@@ -39,6 +39,7 @@ struct LinearTraining {
   bool full = false;     // its weight (and bias) trained
   int64_t lora_r = 0;    // > 0: an adapter of this rank
   double lora_dropout = 0;
+  bool dora = false;     // the adapter is DoRA's (models/layers/dora.h)
   bool nf4 = false;      // a frozen NF4 base: its products hold a dequantized panel
   bool int8 = false;     // a frozen LLM.int8 base (models/layers/linear8bit.h)
   // Under autocast in an fp32 model the adapter's products take a 16-bit copy of the input.

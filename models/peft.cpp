@@ -23,6 +23,10 @@ std::string peft_key(const std::string& module, const char* which) {
   return "base_model.model." + module + "." + which + ".weight";
 }
 
+std::string peft_magnitude_key(const std::string& module) {
+  return "base_model.model." + module + ".lora_magnitude_vector";
+}
+
 namespace {
 
 // target_modules as PEFT reads it back: a str is a regex matched in full (or all-linear), a
@@ -50,11 +54,16 @@ void save_adapter(const CausalLM& model, const AdapterConfig& config, const fs::
   create_output_directory(dir, "saving the adapter");
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   std::vector<std::string> adapted;
+  bool dora = false;
   for (Linear* l : model.linears()) {
     if (!l->lora) continue;
     adapted.push_back(l->name());
     tensors.emplace_back(peft_key(l->name(), "lora_A"), l->lora->A.detach().to(at::kFloat).contiguous());
     tensors.emplace_back(peft_key(l->name(), "lora_B"), l->lora->B.detach().to(at::kFloat).contiguous());
+    if (l->lora->dora())
+      tensors.emplace_back(peft_magnitude_key(l->name()), l->lora->magnitude.detach().to(at::kFloat).contiguous());
+    MEMTUNE_INTERNAL_ASSERT(adapted.size() == 1 || l->lora->dora() == dora, "save_adapter: DoRA on some adapters only");
+    dora = l->lora->dora();
   }
   MEMTUNE_CHECK(!tensors.empty(), "save_adapter: the model has no LoRA layers");
   // PEFT's get_peft_model_state_dict keeps "<module>.<param>" for modules_to_save.
@@ -72,7 +81,7 @@ void save_adapter(const CausalLM& model, const AdapterConfig& config, const fs::
             {"layers_to_transform", config.targets.layers_to_transform.empty() ? json(nullptr) : json(config.targets.layers_to_transform)},
             {"bias", "none"},
             {"use_rslora", o.use_rslora},
-            {"use_dora", false},
+            {"use_dora", dora},
             {"fan_in_fan_out", config.fan_in_fan_out},
             {"init_lora_weights", o.init == "gaussian" ? json("gaussian") : json(true)},
             {"base_model_name_or_path", config.base_model_name_or_path},
@@ -133,7 +142,6 @@ void refuse_unsupported_fields(const json& c, const std::string& where) {
     const char* what;
   };
   static const Field fields[] = {
-      {"use_dora", "DoRA (weight-decomposed LoRA)"},
       {"lora_bias", "a trained bias on lora_B"},
       {"rank_pattern", "per-module ranks"},
       {"alpha_pattern", "per-module lora_alpha"},
@@ -175,6 +183,7 @@ AdapterConfig read_adapter_config(const fs::path& dir) {
     a.lora.alpha = c.value("lora_alpha", 8.0);
     a.lora.dropout = c.value("lora_dropout", 0.0);
     a.lora.use_rslora = c.value("use_rslora", false);
+    a.lora.use_dora = c.contains("use_dora") && !c["use_dora"].is_null() && c["use_dora"].get<bool>();
     a.fan_in_fan_out = c.value("fan_in_fan_out", false);
     a.base_model_name_or_path = c.contains("base_model_name_or_path") && c["base_model_name_or_path"].is_string()
                                     ? c["base_model_name_or_path"].get<std::string>() : "";
@@ -212,7 +221,10 @@ LoraSummary load_adapter(CausalLM& model, const fs::path& dir) {
   for (const TensorSlot* s : modules_to_save_tensors(model, config.modules_to_save,
                                                      (dir / "adapter_config.json").string() + ": modules_to_save"))
     saved[s->name] = s;
-  std::map<std::string, std::pair<std::string, std::string>> modules;  // module -> (A key, B key)
+  struct Keys {
+    std::string A, B, magnitude;
+  };
+  std::map<std::string, Keys> modules;  // module -> its tensors' keys
   std::map<std::string, std::string> full;                             // tensor name -> key
   for (const auto& key : file.names()) {
     const std::string prefix = "base_model.model.";
@@ -224,10 +236,18 @@ LoraSummary load_adapter(CausalLM& model, const fs::path& dir) {
       for (const std::string& tail : {std::string(".") + which + ".weight", std::string(".") + which + ".default.weight"})
         if (!matched && rest.size() > tail.size() && rest.compare(rest.size() - tail.size(), tail.size(), tail) == 0) {
           std::string module = rest.substr(0, rest.size() - tail.size());
-          (which[5] == 'A' ? modules[module].first : modules[module].second) = key;
+          (which[5] == 'A' ? modules[module].A : modules[module].B) = key;
           matched = true;
         }
     if (matched) continue;
+    // DoRA's magnitude: PEFT saves lora_magnitude_vector.default.weight as "<module>.lora_magnitude_vector".
+    const std::string magnitude = ".lora_magnitude_vector";
+    if (rest.size() > magnitude.size() && rest.compare(rest.size() - magnitude.size(), magnitude.size(), magnitude) == 0) {
+      MEMTUNE_CHECK(config.lora.use_dora, where, ": tensor '", key, "' is a DoRA magnitude, but adapter_config.json ",
+                    "does not set use_dora: true; PEFT would not load it (a config from another adapter?)");
+      modules[rest.substr(0, rest.size() - magnitude.size())].magnitude = key;
+      continue;
+    }
     if (saved.count(rest)) {
       full[rest] = key;
       continue;
@@ -258,21 +278,35 @@ LoraSummary load_adapter(CausalLM& model, const fs::path& dir) {
     Linear* l = model.find_linear(module);
     MEMTUNE_CHECK(l != nullptr, file.path().string(), ": the adapter targets '", module,
                   "', which this model does not have (adapter for another architecture?)");
-    MEMTUNE_CHECK(!keys.first.empty() && !keys.second.empty(), file.path().string(), ": '", module,
+    MEMTUNE_CHECK(!keys.A.empty() && !keys.B.empty(), file.path().string(), ": '", module,
                   "' lacks its lora_A or lora_B tensor");
-    at::Tensor A = file.load(keys.first).to(at::kFloat);
-    at::Tensor B = file.load(keys.second).to(at::kFloat);
+    MEMTUNE_CHECK(!config.lora.use_dora || !keys.magnitude.empty(), where, ": '", module,
+                  "' lacks its DoRA magnitude '", peft_magnitude_key(module), "' (adapter_config.json sets use_dora: true)");
+    at::Tensor A = file.load(keys.A).to(at::kFloat);
+    at::Tensor B = file.load(keys.B).to(at::kFloat);
     MEMTUNE_CHECK(A.dim() == 2 && B.dim() == 2 && A.size(0) == config.lora.r && B.size(1) == config.lora.r &&
                       A.size(1) == l->in_features() && B.size(0) == l->out_features(),
                   file.path().string(), ": '", module, "' has lora_A ", A.sizes(), " and lora_B ", B.sizes(),
                   ", expected [", config.lora.r, ", ", l->in_features(), "] and [", l->out_features(), ", ",
                   config.lora.r, "]");
-    l->add_lora(config.lora);
+    LoraOptions options = config.lora;
+    options.use_dora = false;  // the magnitude is the file's, not the base's norms
+    l->add_lora(options);
     l->lora->A.copy_(A);
     l->lora->B.copy_(B);
+    int64_t n = A.numel() + B.numel();
+    if (config.lora.use_dora) {
+      MEMTUNE_CHECK(!l->int8(), where, ": '", module, "' is an 8-bit (load_in_8bit) weight, and memtune does not ",
+                    "support DoRA (use_dora) on one; load the base in 4 bits or dense");
+      at::Tensor m = file.load(keys.magnitude).to(at::kFloat);
+      MEMTUNE_CHECK(m.dim() == 1 && m.size(0) == l->out_features(), where, ": '", keys.magnitude, "' has shape ",
+                    m.sizes(), ", expected [", l->out_features(), "]");
+      l->lora->magnitude = m.contiguous().set_requires_grad(true);
+      n += m.numel();
+    }
     summary.modules.push_back(module);
-    summary.trainable_parameters += A.numel() + B.numel();
-    lora_parameters += A.numel() + B.numel();
+    summary.trainable_parameters += n;
+    lora_parameters += n;
   }
   for (const auto& [name, key] : full) {
     const TensorSlot& s = *saved.at(name);

@@ -21,6 +21,8 @@ struct AdapterConfig {
 };
 
 std::string peft_key(const std::string& module, const char* which);  // which: "lora_A" | "lora_B"
+// DoRA's magnitude as PEFT saves it: "base_model.model.<module>.lora_magnitude_vector" ([out]).
+std::string peft_magnitude_key(const std::string& module);
 
 // Writes adapter_config.json and adapter_model.safetensors (fp32) into `dir`, atomically:
 // the LoRA tensors and, for config.modules_to_save, the whole modules' tensors.
@@ -28,7 +30,7 @@ void save_adapter(const CausalLM& model, const AdapterConfig& config, const std:
 
 // Reads adapter_config.json (throws UserError naming the file and key on bad input, and
 // naming every field that changes PEFT's math and that memtune does not implement:
-// use_dora, lora_bias, rank/alpha patterns, LoRA on embeddings, ...).
+// lora_bias, rank/alpha patterns, LoRA on embeddings, ...). use_dora is read.
 // fan_in_fan_out is read but PEFT itself sets it from the module type (Conv1D or Linear),
 // as memtune does.
 AdapterConfig read_adapter_config(const std::filesystem::path& dir);

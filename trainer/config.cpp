@@ -147,6 +147,9 @@ void LoraConfig::fields(F&& f) {
   f("exclude_modules", exclude_modules, "module names never adapted");
   f("layers_to_transform", layers_to_transform, "layer indices to adapt; empty: every layer");
   f("use_rslora", use_rslora, "rank-stabilised scaling lora_alpha / sqrt(r)");
+  f("use_dora", use_dora,
+    "DoRA (PEFT's): a trained magnitude per output row rescales W + s B A to it, its norm detached; the "
+    "magnitude starts at the base's row norms. Not with load_in_8bit or distributed.sharding: full");
   f("init_lora_weights", init_lora_weights, "true: kaiming-uniform A, zero B; gaussian: normal A, zero B",
     {"true", "gaussian"});
   f("bias", bias, "trained biases", Field::one_of({"none"}, "trained biases are not supported"));
@@ -754,6 +757,13 @@ void validate(const Config& config, const Checker& c) {
   c.check(!int8 || config.training.finetune != "full", "model.quantization_config.load_in_8bit", int8,
           "training.finetune: full trains every weight, and 8-bit weights stay frozen (transformers refuses to "
           "train a purely quantized model). Hint: finetune: lora, or a dense model");
+  const bool dora = config.lora.use_dora && config.training.finetune != "full";
+  c.check(!dora || !int8, "lora.use_dora", dora,
+          "DoRA on LLM.int8 (load_in_8bit) weights is not supported by memtune. Hint: load_in_4bit, or a dense "
+          "base");
+  c.check(!dora || config.distributed.sharding != "full", "lora.use_dora", dora,
+          "distributed.sharding: full keeps 1/W of each frozen weight per rank, and DoRA's magnitude starts at "
+          "the row norms of the whole weight, which rank 0 does not read. Hint: sharding: gradients");
   c.check(!int8 || config.distributed.sharding != "full", "model.quantization_config.load_in_8bit", int8,
           "distributed.sharding: full keeps 1/W of each frozen weight per rank and reads no other, and LLM.int8's "
           "quantization needs each weight whole. Hint: sharding: gradients, or load_in_4bit");

@@ -85,6 +85,7 @@ struct LoraConfig {
   std::vector<std::string> exclude_modules;
   std::vector<int> layers_to_transform;  // empty: every layer
   bool use_rslora = false;
+  bool use_dora = false;                   // DoRA: a trained magnitude per output row (models/layers/dora.h)
   std::string init_lora_weights = "true";  // true (kaiming-uniform A, zero B) | gaussian
   std::string bias = "none";               // none only
   std::vector<std::string> modules_to_save;  // modules trained in full (PEFT suffix match; models/lora.h)

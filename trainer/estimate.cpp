@@ -91,6 +91,7 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
   in.finetune = c.training.finetune;
   in.lora_r = c.lora.r;
   in.lora_dropout = c.lora.lora_dropout;
+  in.lora_dora = c.lora.use_dora;
   if (in.finetune == "lora") {
     // The model's own projections, matched as PEFT does, and the tensors trained whole.
     const models::LoraTargets targets = lora_targets(c.lora, s.model_type);

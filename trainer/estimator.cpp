@@ -71,6 +71,7 @@ class Planner {
         lt.full = full_;
         lt.lora_r = adapted ? m_.lora_r : 0;
         lt.lora_dropout = adapted ? m_.lora_dropout : 0.0;
+        lt.dora = adapted && m_.lora_dora;
         const bool dense = flag(m_.dense_projections, k, "dense projection");
         lt.nf4 = m_.load_in_4bit && !full_ && !dense;
         lt.int8 = m_.load_in_8bit && !full_ && !dense;
@@ -193,6 +194,7 @@ class Planner {
       if (t.lora_r == 0) continue;
       train({t.lora_r, s.linear->in_features()}, s.layer, false);   // A
       train({s.linear->out_features(), t.lora_r}, s.layer, false);  // B
+      if (t.dora) train({s.linear->out_features()}, s.layer, false);  // DoRA's magnitude
     }
     e.lora_parameters = trainable * kF32;
     if (shard_layers()) {  // the layers' adapters sharded with their layers, gathered with them

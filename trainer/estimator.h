@@ -43,6 +43,7 @@ struct EstimateInput {
   std::string finetune = "lora";    // lora | full (every base tensor trainable, fp32)
   int64_t lora_r = 8;
   double lora_dropout = 0.0;        // > 0: each adapter keeps its dropped input and mask
+  bool lora_dora = false;           // lora.use_dora: a magnitude per output row (models/layers/dora.h)
   // Per model->tensors() (empty: none): an adapter on that projection weight (lora), and the
   // tensors trained whole beside the adapters (lora.modules_to_save).
   std::vector<bool> adapted;

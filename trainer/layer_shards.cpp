@@ -168,6 +168,7 @@ LayerShards::LayerShards(models::CausalLM& model, ProcessGroup& pg)
     if (s.role == models::TensorRole::kLinearWeight && s.linear->lora) {
       members.push_back({s.layer, &s.linear->lora->A, true});
       members.push_back({s.layer, &s.linear->lora->B, true});
+      if (s.linear->lora->dora()) members.push_back({s.layer, &s.linear->lora->magnitude, true});
     }
   }
   const auto trainable = model_.trainable_parameters();

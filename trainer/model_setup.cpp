@@ -191,6 +191,7 @@ models::LoraOptions lora_options(const LoraConfig& l) {
   o.alpha = l.lora_alpha;
   o.dropout = l.lora_dropout;
   o.use_rslora = l.use_rslora;
+  o.use_dora = l.use_dora;
   o.init = l.init_lora_weights;
   return o;
 }

@@ -90,6 +90,8 @@ void set_optimizer_kind(const std::string& optim, OptimizerOptions& o) {
 }
 
 bool decays(const std::string& name, const at::Tensor& t) {
+  // DoRA's magnitude: the Trainer decays every parameter but biases and norms' weights.
+  if (name.size() >= 21 && name.compare(name.size() - 21, 21, "lora_magnitude_vector") == 0) return true;
   if (t.dim() < 2) return false;  // biases and norm weights
   return name.find("norm") == std::string::npos && name.find("ln_") == std::string::npos;
 }

@@ -9,6 +9,7 @@
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "models/layers/dora.h"
 #include "models/layers/linear4bit.h"
 #include "models/layers/linear8bit.h"
 #include "models/layers/lora_linear.h"
@@ -109,6 +110,7 @@ Linear::Linear(std::string name, int64_t in_features, int64_t out_features, bool
 
 at::Tensor Linear::forward(const at::Tensor& x, bool training) const {
   MEMTUNE_PROFILE_SCOPE(profile_scope_.c_str());
+  if (lora && lora->dora()) return forward_dora(x, training);
   // Under autocast an fp32 adapter multiplies in a 16-bit compute dtype (lora_linear's
   // `autocast`: through 16-bit copies of A and B, its gradients summed in fp32).
   const bool cast_adapter =
@@ -133,28 +135,7 @@ at::Tensor Linear::forward(const at::Tensor& x, bool training) const {
     FrozenWeight w{qweight_ ? at::Tensor() : (fan_in_fan_out_ ? weight.t() : weight), qweight_};
     return lora_linear(x, h, w, bias, lora->A, lora->B, lora->scaling, Nf4MatmulPath::kAuto, cast_adapter);
   }
-  at::Tensor y;
-  if (int8()) {
-    // Linear8bitLt multiplies in the input's dtype (an autocast region's for F.linear and
-    // addmm), whatever bnb_4bit_compute_dtype says.
-    y = linear8bit(x, Int8Weight{weight, weight_absmax, int8_threshold}, bias, training,
-                   autocast && compute_dtype != x.scalar_type() ? compute_dtype : at::ScalarType::Undefined);
-  } else if (qweight_) {
-    const at::Tensor xc = x.to(compute_dtype);
-    y = linear4bit(xc, qweight_, bias.defined() ? bias.to(compute_dtype) : bias, compute_dtype);
-  } else {
-    const at::Tensor xc = x.to(compute_dtype);
-    at::Tensor b = bias.defined() ? bias.to(compute_dtype) : bias;
-    if (weight.scalar_type() != compute_dtype && at::GradMode::is_enabled()) {
-      c10::optional<at::Tensor> b_opt;
-      if (b.defined()) b_opt = b;
-      y = CastLinear::apply(xc, b_opt, weight, fan_in_fan_out_);
-    } else if (fan_in_fan_out_) {
-      y = conv1d(xc, weight.to(compute_dtype), b);
-    } else {
-      y = at::linear(xc, weight.to(compute_dtype), b);
-    }
-  }
+  at::Tensor y = base_product(x, training);
   if (!lora) return y.to(x.scalar_type());
   // Under autocast the adapter alone as lora_linear's node, in compute_dtype, and its sum
   // with the base's output there too (PEFT's `result + lora_B(lora_A(x)) * scaling` under
@@ -169,6 +150,95 @@ at::Tensor Linear::forward(const at::Tensor& x, bool training) const {
   at::Tensor delta = at::linear(at::linear(adapter_input(), lora->A), lora->B) * lora->scaling;
   y = y.to(x.scalar_type());
   return y + delta.to(y.scalar_type());
+}
+
+at::Tensor Linear::base_product(const at::Tensor& x, bool training) const {
+  if (int8()) {
+    // Linear8bitLt multiplies in the input's dtype (an autocast region's for F.linear and
+    // addmm), whatever bnb_4bit_compute_dtype says.
+    return linear8bit(x, Int8Weight{weight, weight_absmax, int8_threshold}, bias, training,
+                      autocast && compute_dtype != x.scalar_type() ? compute_dtype : at::ScalarType::Undefined);
+  }
+  const at::Tensor xc = x.to(compute_dtype);
+  const at::Tensor b = bias.defined() ? bias.to(compute_dtype) : bias;
+  if (qweight_) return linear4bit(xc, qweight_, b, compute_dtype);
+  if (weight.scalar_type() != compute_dtype && at::GradMode::is_enabled()) {
+    c10::optional<at::Tensor> b_opt;
+    if (b.defined()) b_opt = b;
+    return CastLinear::apply(xc, b_opt, weight, fan_in_fan_out_);
+  }
+  const at::Tensor w = weight.to(compute_dtype);
+  return fan_in_fan_out_ ? conv1d(xc, w, b) : at::linear(xc, w, b);
+}
+
+at::Tensor Linear::weight_rows_fp32(int64_t r0, int64_t n) const {
+  if (qweight_) {
+    // PEFT's dequantize_module_weight: bitsandbytes' dequantize_4bit, in the dtype the weight
+    // was quantized from (quant_state.dtype), then taken to the adapter input's fp32.
+    if (qweight_->device().is_cpu()) {
+      at::Tensor out = at::empty({n * in_}, at::TensorOptions().dtype(qweight_->dtype));
+      nf4_dequantize_range_into(*qweight_, r0 * in_, n * in_, out);
+      return out.view({n, in_}).to(at::kFloat);
+    }
+    return nf4_dequantize(*qweight_, qweight_->dtype).narrow(0, r0, n).to(at::kFloat);
+  }
+  MEMTUNE_INTERNAL_ASSERT(!int8(), name_, ": DoRA on an 8-bit weight");
+  const at::Tensor w = fan_in_fan_out_ ? weight.detach().t() : weight.detach();
+  return w.narrow(0, r0, n).to(at::kFloat);
+}
+
+at::Tensor Linear::dora_weight_norm() const {
+  MEMTUNE_INTERNAL_ASSERT(lora && lora->dora(), name_, ": dora_weight_norm without a DoRA adapter");
+  // Autocast forms B A from 16-bit copies, as its F.linear would (PEFT's lora_B(lora_A(eye))).
+  const bool cast = autocast && compute_dtype != at::kFloat && lora->A.scalar_type() == at::kFloat;
+  at::Tensor whole;  // a 4-bit weight on a GPU: dequantized once for every block
+  auto rows = [&](int64_t r0, int64_t n) {
+    if (qweight_ && !qweight_->device().is_cpu()) {
+      if (!whole.defined()) whole = weight_rows_fp32(0, out_);
+      return whole.narrow(0, r0, n);
+    }
+    return weight_rows_fp32(r0, n);
+  };
+  return models::dora_weight_norm(rows, out_, lora->A, lora->B, lora->scaling, cast ? compute_dtype : lora->A.scalar_type());
+}
+
+at::Tensor Linear::forward_dora(const at::Tensor& x, bool training) const {
+  const LoraAdapter& a = *lora;
+  // Under autocast every product of the adapter runs on 16-bit copies of its operands.
+  const bool cast = autocast && compute_dtype != at::kFloat && a.A.scalar_type() == at::kFloat;
+  const at::ScalarType pd = cast ? compute_dtype : a.A.scalar_type();
+  const bool dropped = training && a.dropout > 0;
+  const at::Tensor scale = (a.magnitude / dora_weight_norm()).view({1, -1});  // m / n, n detached
+  // In fp32 without dropout, PEFT's result + (m/n - 1) x W^T + (m/n) s (x A^T) B^T is
+  // m/n (x W^T + s (x A^T) B^T) + b: LoRA's one node (models/layers/lora_linear.h) and one
+  // scaling, equal to fp32 rounding, keeping one [rows, out] tensor where the sum keeps two.
+  const bool fp32 = x.scalar_type() == at::kFloat && compute_dtype == at::kFloat && a.A.scalar_type() == at::kFloat &&
+                    !int8() && (qweight_ || weight.scalar_type() == at::kFloat) &&
+                    (!bias.defined() || bias.scalar_type() == at::kFloat);
+  if (fp32 && !dropped) {
+    const FrozenWeight w{qweight_ ? at::Tensor() : (fan_in_fan_out_ ? weight.t() : weight), qweight_};
+    const at::Tensor z = lora_linear(x, at::Tensor(), w, at::Tensor(), a.A, a.B, a.scaling) * scale;
+    return bias.defined() ? z + bias : z;
+  }
+  const at::Tensor y = base_product(x, training);
+  // PEFT's `result`: the base layer's output, in x's dtype (bitsandbytes' layers give it so,
+  // and every layer outside autocast) or, for a dense layer under autocast, in autocast's.
+  const at::Tensor result = qweight_ || !cast ? y.to(x.scalar_type()) : y;
+  // The adapter's input in its own dtype, dropped in training (PEFT: _cast_input_dtype, then
+  // dropout), in the products' dtype: x itself when it has that dtype and nothing drops it
+  // (the casts there and back change no value), so that no copy of it is kept.
+  const at::Tensor h = dropped ? keyed_dropout(x.to(a.A.scalar_type()), a.dropout, dropout_site_).to(pd) : x.to(pd);
+  const at::Tensor lora_result = at::linear(at::linear(h, a.A.to(pd)), a.B.to(pd));
+  at::Tensor base_result;  // x W^T without the bias
+  if (!dropped) {
+    base_result = bias.defined() ? result - bias : result;
+  } else if (qweight_) {  // the dropped input times W: PEFT's F.linear with the dequantized weight
+    base_result = linear4bit(h, qweight_, at::Tensor(), pd);
+  } else {
+    base_result = at::linear(h, (fan_in_fan_out_ ? weight.t() : weight).to(pd));
+  }
+  const at::Tensor correction = (scale - 1) * base_result + scale * lora_result * a.scaling;
+  return (result + correction).to(result.scalar_type()).to(x.scalar_type());
 }
 
 void Linear::quantize(int64_t blocksize, bool double_quant, QuantType quant_type) {
@@ -231,23 +301,36 @@ void Linear::add_lora(const LoraOptions& o) {
   adapter->scaling = o.scaling();
   adapter->dropout = o.dropout;
   lora = std::move(adapter);
+  if (o.use_dora) {
+    // PEFT's DoraLinearLayer.update_layer: m = ||W + s B A||, B being zero here (the base's row norms).
+    MEMTUNE_CHECK(!int8(), name_, ": DoRA (use_dora) on an 8-bit (load_in_8bit) weight is not supported; "
+                  "use load_in_4bit or a dense base");
+    lora->magnitude = at::ones({out_}, at::kFloat);  // dora_weight_norm reads dora() off a defined magnitude
+    lora->magnitude = dora_weight_norm();
+    lora->magnitude.set_requires_grad(true);
+  }
 }
 
 void Linear::merge_lora() {
   if (!lora) return;
   at::NoGradGuard no_grad;
-  at::Tensor delta = at::matmul(lora->B.to(at::kFloat), lora->A.to(at::kFloat)) * lora->scaling;  // [out, in]
-  if (qweight_) {
-    weight = nf4_dequantize(*qweight_, at::kFloat) + delta;
+  const at::Tensor delta = at::matmul(lora->B.to(at::kFloat), lora->A.to(at::kFloat)) * lora->scaling;  // [out, in]
+  // The merged weight [out, in] in fp32: W + delta, or DoRA's (m / ||W + delta||) (W + delta)
+  // with the norm over each row (PEFT's DoraLinearVariant.merge).
+  auto merged = [&](const at::Tensor& w) {
+    at::Tensor sum = w + delta;
+    if (!lora->dora()) return sum;
+    const at::Tensor norm = at::linalg_vector_norm(sum, 2, at::IntArrayRef{1}, false, c10::nullopt);
+    return sum * (lora->magnitude.detach().to(at::kFloat) / norm).view({-1, 1});
+  };
+  if (qweight_ || int8()) {  // a quantized base becomes dense fp32
+    weight = merged(dense_weight().to(delta.device()));
     if (fan_in_fan_out_) weight = weight.t().contiguous();
     qweight_.reset();
-  } else if (int8()) {
-    weight = int8_dequantize(weight, weight_absmax, at::kFloat) + delta;
-    if (fan_in_fan_out_) weight = weight.t().contiguous();
     weight_absmax = at::Tensor();
   } else {
-    at::Tensor d = fan_in_fan_out_ ? delta.t() : delta;
-    weight = (weight.to(at::kFloat) + d).to(weight.scalar_type());
+    const at::Tensor w = weight.to(at::kFloat);
+    weight = (fan_in_fan_out_ ? merged(w.t()).t() : merged(w)).contiguous().to(weight.scalar_type());
   }
   lora.reset();
 }

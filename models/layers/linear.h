@@ -20,14 +20,20 @@ struct LoraOptions {
   double dropout = 0.0;
   bool use_rslora = false;            // scaling = alpha / sqrt(r) instead of alpha / r
   std::string init = "true";          // true: kaiming-uniform A (a = sqrt(5)), zero B; gaussian: N(0, 1/r) A
+  // DoRA (PEFT's use_dora, models/layers/dora.h): a trained magnitude per output row rescales
+  // W + s B A to it.
+  bool use_dora = false;
   double scaling() const;
 };
 
 struct LoraAdapter {
   at::Tensor A;  // [r, in] fp32, trainable
   at::Tensor B;  // [out, r] fp32, trainable
+  // DoRA's magnitude m [out] fp32, trainable (PEFT's lora_magnitude_vector); undefined for plain LoRA.
+  at::Tensor magnitude;
   double scaling = 1.0;
   double dropout = 0.0;
+  bool dora() const { return magnitude.defined(); }
 };
 
 class Linear {
@@ -73,13 +79,25 @@ class Linear {
 
   // The base weight as fp32 [out, in], dequantized when needed (a new tensor).
   at::Tensor dense_weight() const;
-  // Adds zero-initialised-B adapters (A drawn from the default generator).
+  // Adds zero-initialised-B adapters (A drawn from the default generator); with use_dora, the
+  // magnitude starts at ||W + s B A|| row by row, as PEFT's (so that the layer starts as the base).
   void add_lora(const LoraOptions& options);
-  // Folds the adapter into the base; an NF4 or 8-bit base becomes dense fp32. The adapter is removed.
+  // Folds the adapter into the base; an NF4 or 8-bit base becomes dense fp32. The adapter is
+  // removed. DoRA's: W' = m / ||W + s B A|| * (W + s B A), row by row (PEFT's merge).
   void merge_lora();
+  // ||W + s B A|| row by row for this projection's DoRA adapter: fp32 [out], no gradient.
+  at::Tensor dora_weight_norm() const;
   int64_t base_storage_bytes() const;
 
  private:
+  // DoRA's forward (models/layers/dora.h).
+  at::Tensor forward_dora(const at::Tensor& x, bool training) const;
+  // The base alone, x W^T + b, in compute_dtype (an 8-bit weight: its product's dtype).
+  at::Tensor base_product(const at::Tensor& x, bool training) const;
+  // Rows [r0, r0 + n) of W as [out, in] rows in fp32, as PEFT reads the weight for DoRA: a 4-bit
+  // weight dequantized to the dtype it was quantized from, then widened.
+  at::Tensor weight_rows_fp32(int64_t r0, int64_t n) const;
+
   std::string name_;
   int64_t in_, out_;
   bool fan_in_fan_out_;

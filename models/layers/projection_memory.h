@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "models/layers/dora.h"
 #include "models/layers/linear.h"
 #include "models/layers/linear4bit.h"
 #include "models/layers/linear8bit.h"
@@ -57,8 +58,29 @@ struct ProjectionTally {
         panel = std::max(panel, lora_autocast_dropout_transient(s.rows(), l.in_features(), s.act_bytes));
     }
     // LoRA dropout drops the adapter's fp32 input: keyed_dropout keeps a mask for it on a GPU only.
-    return lora_kept(s.rows(), l.in_features(), l.out_features(), t.lora_r, t.lora_own_input(),
-                     t.lora_dropout > 0 && s.cuda_kernels, s.adapter_bytes);
+    int64_t kept = lora_kept(s.rows(), l.in_features(), l.out_features(), t.lora_r, t.lora_own_input(),
+                             t.lora_dropout > 0 && s.cuda_kernels, s.adapter_bytes);
+    if (t.lora_r > 0 && t.dora) {
+      const int64_t out = l.out_features(), in = l.in_features();
+      // Linear::forward_dora keeps x W^T without the bias and the adapter's output, in the
+      // adapter's product dtype (adapter_bytes). x W^T is the base's output in x's dtype (a
+      // 4-bit base, or outside autocast), or autocast's product, widened to fp32 by an fp32
+      // bias; with LoRA dropout it is the dropped input's product with W in the adapter's
+      // dtype, which keeps W's cast to that dtype when a dense W is in another.
+      const bool dropped = t.lora_dropout > 0;
+      const bool autocast_product = !t.nf4 && s.adapter_bytes != 4;
+      // In fp32 without dropout: LoRA's node, then its output scaled, which keeps that output.
+      const bool fused = !dropped && s.act_bytes == 4 && s.compute_bytes == 4 && s.adapter_bytes == 4;
+      const int64_t base_bytes = dropped ? s.adapter_bytes
+                                 : !autocast_product ? s.act_bytes
+                                 : l.has_bias() ? std::max(s.act_bytes, s.compute_bytes) : s.compute_bytes;
+      kept += fused ? s.rows() * out * 4 : dora_kept(s.rows(), out, base_bytes, s.adapter_bytes);
+      if (dropped && !t.nf4 && s.act_bytes != s.adapter_bytes) kept += out * in * s.adapter_bytes;
+      panel = std::max(panel, dora_transient(s.rows(), in, out));
+      // A 4-bit weight on a GPU is dequantized whole for the norm, in its dtype and in fp32.
+      if (t.nf4 && s.cuda_kernels) panel = std::max(panel, out * in * 8);
+    }
+    return kept;
   }
 };
 

@@ -129,11 +129,13 @@ class HfReferenceLora : public ::testing::TestWithParam<Case> {};
 
 // The reference's model, adapter (q, v and down, or GPT-2's c_attn and c_fc) and batch in
 // `dir`, and its forward of them (`forward_args`: more of its options) in dir/ref.safetensors.
-void make_lora_case(const Case& c, const fs::path& dir, const std::string& forward_args) {
+// `lora_args`: more options of init-lora (--dora).
+void make_lora_case(const Case& c, const fs::path& dir, const std::string& forward_args,
+                    const std::string& lora_args = "") {
   run_ref("init " + c.init_args + " --out " + (dir / "model").string() + " --seed 4");
   const bool gpt2 = c.init_args.find("gpt2") != std::string::npos;
   run_ref("init-lora --model " + (dir / "model").string() + " --out " + (dir / "adapter").string() +
-      " --r 4 --alpha 8 --seed 6 --targets " + (gpt2 ? "c_attn,c_fc" : "q_proj,v_proj,down_proj"));
+      " --r 4 --alpha 8 --seed 6 --targets " + (gpt2 ? "c_attn,c_fc" : "q_proj,v_proj,down_proj") + " " + lora_args);
   run_ref("make-batch --out " + (dir / "batch.safetensors").string() + " --vocab 256 --rows 2 --seq 20 --seed 7");
   run_ref("forward " + forward_args + " --model " + (dir / "model").string() + " --batch " +
       (dir / "batch.safetensors").string() + " --lora " + (dir / "adapter").string() + " --out " +
@@ -192,11 +194,13 @@ Bf16Errors bf16_errors(const Case& c, const fs::path& dir, at::ScalarType dense,
   for (models::Linear* l : model->linears()) {
     if (!l->lora) continue;
     EXPECT_EQ(l->lora->A.grad().scalar_type(), at::kFloat);
-    for (const char* which : {"lora_A", "lora_B"}) {
-      const at::Tensor ref = r.load(models::peft_key(l->name(), which) + ".grad").to(at::kDouble);
-      const at::Tensor g = (which[5] == 'A' ? l->lora->A : l->lora->B).grad();
+    auto compare = [&](const at::Tensor& g, const std::string& key) {
+      const at::Tensor ref = r.load(key + ".grad").to(at::kDouble);
       e.grad = std::max(e.grad, ((g.to(at::kDouble) - ref).norm() / ref.norm()).item<double>());
-    }
+    };
+    compare(l->lora->A.grad(), models::peft_key(l->name(), "lora_A"));
+    compare(l->lora->B.grad(), models::peft_key(l->name(), "lora_B"));
+    if (l->lora->dora()) compare(l->lora->magnitude.grad(), models::peft_magnitude_key(l->name()));
     checked += 2;
   }
   EXPECT_GE(checked, 4);
@@ -240,6 +244,56 @@ TEST_P(HfReferenceLora, AdapterGradientsMatchUnderBf16Autocast) {
   EXPECT_LT(on.loss, 1e-6);
   EXPECT_GT(off.loss, 1e-5) << "the test does not tell autocast's adapters from fp32 ones";
   EXPECT_LT(on.grad, 2e-2);
+}
+
+// DoRA (use_dora): the loss, logits and the gradients of A, B and the magnitude against the
+// reference's DoRA (the adapted weight rescaled row by row to the magnitude, its norms constant;
+// its selftest checks it against the merged weights). The adapter's magnitudes sit 20 % off the
+// norms, so that the rescaling is not the identity.
+TEST_P(HfReferenceLora, DoraMatches) {
+  if (!python_torch_available()) GTEST_SKIP() << "python3-torch not installed";
+  const Case& c = GetParam();
+  fs::path dir = temp_dir();
+  make_lora_case(c, dir, "", "--dora");
+  auto model = models::load_hf_model(dir / "model", {});
+  models::load_adapter(*model, dir / "adapter");
+  data::Batch batch = load_batch(dir / "batch.safetensors");
+  models::ForwardOptions fo;
+  fo.training = true;
+  fo.return_logits = true;
+  fo.checkpoint_layers.assign(model->num_layers(), c.checkpoint);
+  models::ForwardOutput out = model->forward(batch, fo);
+  (out.loss_sum / static_cast<double>(out.target_tokens)).backward();
+  models::SafetensorsFile r(dir / "ref.safetensors");
+  const at::Tensor valid = batch.segment_ids.ge(0);
+  EXPECT_LT(rel_err(out.logits.index({valid}), r.load("logits").index({valid})), 1e-5);
+  EXPECT_NEAR(out.loss_sum.item<double>() / out.target_tokens, r.load("loss").item<double>(), 1e-5);
+  int magnitudes = 0;
+  for (models::Linear* l : model->linears()) {
+    if (!l->lora) continue;
+    ASSERT_TRUE(l->lora->dora()) << l->name();
+    EXPECT_LT(rel_err(l->lora->A.grad(), r.load(models::peft_key(l->name(), "lora_A") + ".grad")), 1e-4) << l->name();
+    EXPECT_LT(rel_err(l->lora->B.grad(), r.load(models::peft_key(l->name(), "lora_B") + ".grad")), 1e-4) << l->name();
+    EXPECT_LT(rel_err(l->lora->magnitude.grad(), r.load(models::peft_magnitude_key(l->name()) + ".grad")), 1e-4)
+        << l->name();
+    ++magnitudes;
+  }
+  EXPECT_GE(magnitudes, 2);
+}
+
+// DoRA on a bf16 model (fp32 adapters and magnitudes) and under bf16 autocast, against the
+// reference run the same way.
+TEST_P(HfReferenceLora, DoraMatchesInBf16) {
+  if (!python_torch_available()) GTEST_SKIP() << "python3-torch not installed";
+  const Case& c = GetParam();
+  for (bool autocast : {false, true}) {
+    fs::path dir = temp_dir();
+    make_lora_case(c, dir, autocast ? "--dtype bfloat16 --autocast" : "--dtype bfloat16", "--dora");
+    const Bf16Errors e = bf16_errors(c, dir, at::kBFloat16, autocast);
+    std::cout << (autocast ? "autocast" : "bf16 model") << ": loss " << e.loss << ", gradients " << e.grad << "\n";
+    EXPECT_LT(e.loss, 1e-6) << (autocast ? "autocast" : "bf16 model");
+    EXPECT_LT(e.grad, 3e-2) << (autocast ? "autocast" : "bf16 model");
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(

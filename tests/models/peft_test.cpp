@@ -240,7 +240,6 @@ TEST(PeftAdapter, RefusesLoraBias) {
 TEST(PeftAdapter, RefusesEveryFieldThatChangesTheMath) {
   auto model = tiny_llama();
   const std::vector<std::pair<std::string, json>> fields = {
-      {"use_dora", true},
       {"bias", "all"},
       {"rank_pattern", {{"q_proj", 8}}},
       {"alpha_pattern", {{"q_proj", 32}}},
@@ -263,8 +262,8 @@ TEST(PeftAdapter, RefusesEveryFieldThatChangesTheMath) {
 TEST(PeftAdapter, RefusesUnknownTensors) {
   auto model = tiny_llama();
   auto tensors = q_proj_tensors(*model);
-  tensors.emplace_back("base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector", at::randn({128}));
-  expect_refused(write_adapter(base_config(), tensors), {"lora_magnitude_vector"});
+  tensors.emplace_back("base_model.model.model.layers.0.self_attn.q_proj.hada_w1_a", at::randn({128}));
+  expect_refused(write_adapter(base_config(), tensors), {"hada_w1_a"});
 }
 
 // ---- writing: target_modules as PEFT will read it back ----

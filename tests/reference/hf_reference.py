@@ -10,7 +10,7 @@ Usage (all files are safetensors unless .json):
       --rope-scaling JSON --rope-parameters --tie --attention-bias --mlp-bias --qwen2 --mistral
       --qwen3 --sliding-window W --eps E --init-std S --save-dtype float32|bfloat16|float16]
   hf_reference.py init-lora --model DIR --out ADAPTER_DIR --seed N [--r 4 --alpha 8
-      --targets q_proj,v_proj --rslora]
+      --targets q_proj,v_proj --rslora --dora]
   hf_reference.py make-batch --out BATCH --vocab V --seed N [--rows 2 --seq 16 --max-docs 3
       --min-doc 2 --ignore-frac 0.1 --pad]
   hf_reference.py forward --model DIR --batch BATCH --out OUT [--lora ADAPTER_DIR]
@@ -346,6 +346,7 @@ class Lora:
         if c.get("bias", "none") != "none":
             raise ValueError("LoRA bias other than 'none' is not supported by the reference")
         self.r = int(c["r"])
+        self.dora = bool(c.get("use_dora"))
         alpha = float(c["lora_alpha"])
         self.scaling = alpha / math.sqrt(self.r) if c.get("use_rslora") else alpha / self.r
         raw = load_safetensors(os.path.join(adapter_dir, "adapter_model.safetensors"))
@@ -365,7 +366,7 @@ class Lora:
             k = k.replace(".lora_A.default.weight", ".lora_A.weight") \
                  .replace(".lora_B.default.weight", ".lora_B.weight")
             self.tensors[k] = v
-        self.modules = {}  # module name -> (A key, B key)
+        self.modules = {}  # module name -> (A key, B key, DoRA magnitude key or None)
         lin = linear_modules(cfg)
         targets = c["target_modules"]
         for name, (fin, fout, _) in lin.items():
@@ -380,8 +381,13 @@ class Lora:
                 raise ValueError(f"{name}: lora_A {list(self.tensors[a].shape)} lora_B "
                                  f"{list(self.tensors[b].shape)}, want [{self.r},{fin}] "
                                  f"[{fout},{self.r}]")
-            self.modules[name] = (a, b)
-        used = {k for ab in self.modules.values() for k in ab}
+            m = None
+            if self.dora:  # PEFT saves the magnitude as "<module>.lora_magnitude_vector" ([out])
+                m = f"base_model.model.{name}.lora_magnitude_vector"
+                if m not in self.tensors or list(self.tensors[m].shape) != [fout]:
+                    raise ValueError(f"use_dora: adapter lacks {m} of shape [{fout}]")
+            self.modules[name] = (a, b, m)
+        used = {k for ab in self.modules.values() for k in ab if k is not None}
         extra = [k for k in self.tensors if k not in used]
         if extra:
             raise ValueError(f"adapter tensors match no target module: {extra[:8]}")
@@ -546,8 +552,10 @@ class Forward:
             if b is not None:
                 y = y + b
         if self.lora is not None and name in self.lora.modules:
-            a_key, b_key = self.lora.modules[name]
+            a_key, b_key, m_key = self.lora.modules[name]
             A, B = self.lp[a_key], self.lp[b_key]
+            if m_key is not None:
+                return self.dora(y, x, w.t() if conv1d else w, b, A, B, self.lp[m_key])
             # PEFT: the adapter takes x in its own dtype (fp32 adapters on a 16-bit model,
             # autocast_adapter_dtype), the sum is formed in the wider dtype and rounded back.
             xa = x.to(A.dtype)
@@ -559,6 +567,26 @@ class Forward:
             else:
                 y = (y + torch.matmul(torch.matmul(xa, A.t()), B.t()) * self.lora.scaling).to(y.dtype)
         return y
+
+    def dora(self, y, x, w, b, A, B, m):
+        """DoRA (Liu et al. 2024, as PEFT's use_dora): the adapted weight W + s B A rescaled row
+        by row to the magnitude m, its row norms n treated as constants:
+        y' = m/n * (x W^T + s x A^T B^T) + b, formed from the base output y as PEFT forms it,
+        y + (m/n - 1) (y - b) + (m/n) s (x A^T B^T), in the adapter's dtype and rounded to y's."""
+        s = self.lora.scaling
+        xa = x.to(A.dtype)
+        cast = self.lora.autocast and x.dtype in (torch.bfloat16, torch.float16)
+        # B A in the products' dtype (16 bits under autocast), taken to the adapter's.
+        BA = (B.to(x.dtype) @ A.to(x.dtype)).to(A.dtype) if cast else B @ A
+        n = torch.linalg.norm(w.to(A.dtype) + s * BA, dim=1).detach()
+        scale = (m / n).view(1, -1)
+        if cast:
+            with torch.autocast("cpu", dtype=x.dtype):
+                ab = F.linear(F.linear(xa, A), B)
+        else:
+            ab = torch.matmul(torch.matmul(xa, A.t()), B.t())
+        base = y - b if b is not None else y
+        return (y + ((scale - 1) * base + scale * ab * s)).to(y.dtype)
 
     def __call__(self, input_ids, position_ids, segment_ids):
         if self.cfg.family == "gpt2":
@@ -833,6 +861,20 @@ def cmd_init_lora(a):
         B = 0.25 * torch.randn(fout, a.r, generator=g, dtype=torch.float64) / math.sqrt(a.r)
         tensors[f"base_model.model.{n}.lora_A.weight"] = A.float()
         tensors[f"base_model.model.{n}.lora_B.weight"] = B.float()
+    if a.dora:
+        # DoRA's magnitude: PEFT starts it at ||W + s B A|| per row; here it is moved off that by
+        # 20 % so that m / n - 1 matters.
+        _, base = load_model(a.model)
+        scaling = a.alpha / math.sqrt(a.r) if a.rslora else a.alpha / a.r
+        for n in names:
+            w = base[n + ".weight"].double()
+            if lin[n][2]:  # Conv1D: [in, out]
+                w = w.t()
+            BA = tensors[f"base_model.model.{n}.lora_B.weight"].double() @ \
+                tensors[f"base_model.model.{n}.lora_A.weight"].double()
+            norm = torch.linalg.norm(w + scaling * BA, dim=1)
+            tensors[f"base_model.model.{n}.lora_magnitude_vector"] = (
+                norm * (1 + 0.2 * torch.randn(norm.shape, generator=g, dtype=torch.float64))).float()
     mts = a.modules_to_save.split(",") if a.modules_to_save else None
     if mts:
         _, base = load_model(a.model)
@@ -848,7 +890,7 @@ def cmd_init_lora(a):
         "init_lora_weights": True, "layers_pattern": None, "layers_to_transform": None,
         "lora_alpha": int(a.alpha) if float(a.alpha).is_integer() else a.alpha, "lora_dropout": 0.0, "modules_to_save": mts,
         "peft_type": "LORA", "r": a.r, "rank_pattern": {}, "revision": None,
-        "target_modules": targets, "task_type": "CAUSAL_LM", "use_dora": False,
+        "target_modules": targets, "task_type": "CAUSAL_LM", "use_dora": bool(a.dora),
         "use_rslora": bool(a.rslora),
     }
     os.makedirs(a.out, exist_ok=True)
@@ -972,7 +1014,7 @@ def _model(seed=0, **kw):
     return cfg, init_params(cfg, seed)
 
 
-def _rand_lora(cfg, targets, r, alpha, rslora, seed, tmp):
+def _rand_lora(cfg, targets, r, alpha, rslora, seed, tmp, dora=False):
     lin = linear_modules(cfg)
     g = _gen(seed)
     t = {}
@@ -981,9 +1023,11 @@ def _rand_lora(cfg, targets, r, alpha, rslora, seed, tmp):
             fin, fout, _ = lin[n]
             t[f"base_model.model.{n}.lora_A.weight"] = torch.randn(r, fin, generator=g) / fin ** .5
             t[f"base_model.model.{n}.lora_B.weight"] = 0.3 * torch.randn(fout, r, generator=g)
+            if dora:
+                t[f"base_model.model.{n}.lora_magnitude_vector"] = 0.5 + torch.rand(fout, generator=g)
     os.makedirs(tmp, exist_ok=True)
     write_json(os.path.join(tmp, "adapter_config.json"),
-               {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "use_rslora": rslora,
+               {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "use_rslora": rslora, "use_dora": dora,
                 "target_modules": targets, "bias": "none"})
     save_safetensors(os.path.join(tmp, "adapter_model.safetensors"), t)
     return Lora(tmp, cfg)
@@ -1350,7 +1394,7 @@ def selftest():
         ll, _, _ = run_forward(cfg, base, batch, lora, lora.tensors, want_grad=False)
         merged = {k: v.double() for k, v in base.items()}
         lin = linear_modules(cfg)
-        for mod, (ak, bk) in lora.modules.items():
+        for mod, (ak, bk, _) in lora.modules.items():
             delta = want_scale * lora.tensors[bk].double() @ lora.tensors[ak].double()
             key = mod + ".weight"
             if mod == "lm_head" and cfg.tie:  # untie to merge into the head only
@@ -1369,6 +1413,27 @@ def selftest():
                   not any("norm" in m for m in lora.modules) and
                   not any("norm" in m for m in linear_modules(cfg)) and
                   (targets != "all-linear" or len(lora.modules) == 7 * cfg.layers))
+
+    # 8b. DoRA == merged weights m / ||W + s B A|| * (W + s B A), row by row (Conv1D: transposed).
+    for name, kw, targets in (
+            ("llama dora", {"attention_bias": True}, ["q_proj", "v_proj", "down_proj"]),
+            ("gpt2 dora", dict(arch="gpt2", intermediate=None), ["c_attn", "c_fc"])):
+        cfg, base = _model(4, **kw)
+        lora = _rand_lora(cfg, targets, 3, 6.0, False, 5, os.path.join(tmp, name.replace(" ", "_")), dora=True)
+        ll, _, _ = run_forward(cfg, base, batch, lora, lora.tensors, want_grad=False)
+        plain, _, _ = run_forward(cfg, base, batch, None, want_grad=False)
+        merged = {k: v.double() for k, v in base.items()}
+        lin = linear_modules(cfg)
+        for mod, (ak, bk, mk) in lora.modules.items():
+            conv = lin[mod][2]
+            w = merged[mod + ".weight"].t() if conv else merged[mod + ".weight"]
+            v = w + 2.0 * lora.tensors[bk].double() @ lora.tensors[ak].double()
+            v = lora.tensors[mk].double()[:, None] * v / v.norm(dim=1, keepdim=True)
+            merged[mod + ".weight"] = v.t() if conv else v
+        lmg = Forward(cfg, merged)(batch["input_ids"], batch["position_ids"], batch["segment_ids"])
+        err, _ = close(ll, lmg, 1e-10)
+        check(f"DoRA == merged weights ({name}, {len(lora.modules)} modules)", err < 1e-10, f"({err:.1e})")
+        check(f"DoRA changes the model ({name})", close(ll, plain, 1e-6)[0] > 1e-3)
 
     # 9. autograd gradients == central finite differences (float64), base and LoRA params.
     small = make_batch(2, 9, 40, seed=6)
@@ -1538,6 +1603,8 @@ def main(argv=None):
                    help="comma list, 'all-linear', or a regex (PEFT target_modules)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rslora", action="store_true")
+    p.add_argument("--dora", action="store_true",
+                   help="use_dora: magnitudes saved as lora_magnitude_vector, 20 %% off the norms PEFT starts them at")
     p.add_argument("--modules-to-save", default=None,
                    help="comma list (PEFT modules_to_save): saved as perturbed copies of the base's")
 

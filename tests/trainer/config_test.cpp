@@ -479,6 +479,12 @@ TEST(ConfigErrors, LoadIn8bitRefusesWhatItCannotDo) {
                  "model.quantization_config.load_in_8bit", "true", "8-bit weights stay frozen");
   expect_invalid(q + "distributed:\n  sharding: full\n", "load_in_8bit", "true",
                  "model.quantization_config.load_in_8bit", "true", "needs each weight whole");
+  // DoRA needs each weight whole: not on 8-bit weights, not under sharding: full.
+  const std::string dora = "lora: {use_dora: true}\n";
+  expect_invalid(q + dora, "use_dora", "true", "lora.use_dora", "true", "DoRA on LLM.int8 (load_in_8bit) weights");
+  expect_invalid(dora + "distributed:\n  sharding: full\n", "use_dora", "true", "lora.use_dora", "true",
+                 "which rank 0 does not read");
+  EXPECT_TRUE(parse(dora + "distributed:\n  sharding: gradients\n").lora.use_dora);
   // Without load_in_8bit the 4-bit keys are the 4-bit run's.
   EXPECT_EQ(parse("model:\n  quantization_config:\n    bnb_4bit_quant_type: nf4\n")
                 .model.quantization_config.bnb_4bit_quant_type, "nf4");
@@ -847,6 +853,7 @@ Config every_field_changed() {
   l.modules_to_save = {"lm_head", "embed_tokens"};
   l.layers_to_transform = {0, 2};
   l.use_rslora = true;
+  l.use_dora = true;
   l.init_lora_weights = "gaussian";
   l.fan_in_fan_out = true;
   auto& t = c.training;
@@ -975,7 +982,7 @@ TEST(ConfigRoundTrip, EveryFieldChangedIsComplete) {
   auto defaults = leaves(to_yaml(Config()));
   auto a = leaves(to_yaml(every_field_changed()));
   auto b = leaves(to_yaml(every_field_changed_b()));
-  EXPECT_EQ(defaults.size(), 104u);  // the leaves config.h declares: a new key belongs in every_field_changed()
+  EXPECT_EQ(defaults.size(), 105u);  // the leaves config.h declares: a new key belongs in every_field_changed()
   for (const auto& [path, value] : defaults) {
     if (kSingleValued.count(path)) continue;
     EXPECT_TRUE(a.at(path) != value || b.at(path) != value) << path << " is never changed from " << value;

@@ -249,6 +249,21 @@ INSTANTIATE_TEST_SUITE_P(
                                           "lora.target_modules=[c_attn]", "data.max_seq_length=128"}},
         Shape{"gpt2_full", {"model.name_or_path=tiny-gpt2", "training.finetune=full", "data.max_seq_length=128",
                             "training.per_device_train_batch_size=2"}},
+        // DoRA (lora.use_dora): each adapter also keeps the base's output and its own (the
+        // magnitude's gradient multiplies them), and its norm's blocks of W in fp32; in fp32 on
+        // NF4, under bf16 autocast with LoRA dropout (the dropped input's product with W), and
+        // on a bf16 model.
+        Shape{"llama_nf4_dora_all", {"model.name_or_path=tiny-llama", "model.quantization_config.load_in_4bit=true",
+                                     "lora.use_dora=true", "lora.target_modules=all-linear",
+                                     "data.max_seq_length=256", "training.per_device_train_batch_size=2"}},
+        Shape{"gpt2_dense_dora_dropout_bf16", {"model.name_or_path=tiny-gpt2", "lora.use_dora=true",
+                                               "lora.lora_dropout=0.1", "lora.target_modules=all-linear",
+                                               "training.bf16=true", "data.max_seq_length=256",
+                                               "training.per_device_train_batch_size=2"}},
+        Shape{"llama_bf16_model_qdora", {"model.name_or_path=tiny-llama", "model.torch_dtype=bfloat16",
+                                         "model.quantization_config.load_in_4bit=true", "lora.use_dora=true",
+                                         "training.bf16=true", "data.max_seq_length=128",
+                                         "training.per_device_train_batch_size=2"}},
         // Adafactor: per-row and per-column states, and its update's workspace (the largest tensor).
         Shape{"llama_full_adafactor", {"model.name_or_path=tiny-llama", "training.finetune=full",
                                        "training.optim=adafactor", "data.max_seq_length=128",

@@ -147,5 +147,55 @@ TEST(OptimizerReference, ModulesToSaveTrainAsPeftAndSaveAsPeft) {
   EXPECT_NEAR(mine, theirs, 1e-5 * std::abs(theirs));
 }
 
+// DoRA (use_dora): A, B and the magnitudes trained with AdamW against the reference's DoRA under
+// PyTorch's AdamW, weight decay on the magnitudes too (Hugging Face's Trainer decays every
+// parameter but biases and norms); the adapter memtune saves gives the reference the same loss.
+TEST(OptimizerReference, DoraTrainsAsPeftWithDecayOnTheMagnitudes) {
+  if (!python_torch_available()) GTEST_SKIP() << "python3-torch not installed";
+  fs::path d = temp_dir();
+  const std::string m = (d / "model").string(), a = (d / "adapter").string(), b = (d / "batch.safetensors").string();
+  py("init --arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 96 --vocab 256 --seed 8 --out " + m);
+  py("init-lora --model " + m + " --out " + a + " --r 4 --alpha 8 --seed 9 --targets q_proj,v_proj,down_proj --dora");
+  py("make-batch --out " + b + " --vocab 256 --rows 2 --seq 24 --seed 10");
+  const int steps = 10;
+  py("train --model " + m + " --batch " + b + " --lora " + a + " --steps " + std::to_string(steps) +
+     " --lr 3e-3 --weight-decay 0.5 --betas 0.9,0.95 --eps 1e-8 --max-grad-norm 0.5 --dtype float32 --out " +
+     (d / "ref.json").string() + " --out-tensors " + (d / "ref.safetensors").string());
+
+  auto model = models::load_hf_model(m, {});
+  models::load_adapter(*model, a);
+  const data::Batch batch = load_batch(b);
+  ASSERT_NO_FATAL_FAILURE(train_and_compare_losses(*model, batch, steps, 3e-3, 0.5, 0.5, d / "ref.json"));
+  models::SafetensorsFile rt(d / "ref.safetensors"), start(fs::path(a) / "adapter_model.safetensors");
+  int magnitudes = 0;
+  for (models::Linear* l : model->linears()) {
+    if (!l->lora) continue;
+    ASSERT_TRUE(l->lora->dora()) << l->name();
+    const std::string key = models::peft_magnitude_key(l->name());
+    const at::Tensor theirs = rt.load(key), mine = l->lora->magnitude.detach();
+    EXPECT_LE((mine - theirs).abs().max().item<double>(), 2e-5 * std::max(1.0, theirs.abs().max().item<double>()))
+        << key;
+    EXPECT_GT((mine - start.load(key)).abs().max().item<double>(), 1e-3) << key << " did not train";
+    for (const char* which : {"lora_A", "lora_B"}) {
+      const at::Tensor t = rt.load(models::peft_key(l->name(), which));
+      EXPECT_LE(((which[5] == 'A' ? l->lora->A : l->lora->B).detach() - t).abs().max().item<double>(),
+                2e-5 * std::max(1.0, t.abs().max().item<double>()))
+          << l->name() << " " << which;
+    }
+    ++magnitudes;
+  }
+  EXPECT_EQ(magnitudes, 6);
+
+  const fs::path saved = d / "saved";
+  models::save_adapter(*model, models::read_adapter_config(a), saved);
+  EXPECT_TRUE(nlohmann::json::parse(read_file(saved / "adapter_config.json"))["use_dora"].get<bool>());
+  py("forward --model " + m + " --batch " + b + " --lora " + saved.string() + " --dtype float32 --no-grad --out " +
+     (d / "fwd.safetensors").string());
+  const auto out = model->forward(batch, models::ForwardOptions{});
+  const double mine = (out.loss_sum / static_cast<double>(out.target_tokens)).item<double>();
+  const double theirs = models::SafetensorsFile(d / "fwd.safetensors").load("loss").item<double>();
+  EXPECT_NEAR(mine, theirs, 1e-5 * std::abs(theirs));
+}
+
 }  // namespace
 }  // namespace memtune::testing

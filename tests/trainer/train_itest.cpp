@@ -191,6 +191,27 @@ TEST(Train, ResumeWithModulesToSaveEqualsUninterruptedRun) {
   expect_resume_equals_straight(temp_dir(), "lora.modules_to_save=[embed_tokens,model.norm,lm_head]");
 }
 
+// DoRA (lora.use_dora) with LoRA dropout: the magnitudes and their AdamW states are in the
+// checkpoint (a resume equals the straight run), the micro-batches the supervisor splits a
+// batch into give the unsplit batch's losses and adapter, and the adapter holds a magnitude per
+// adapted projection.
+TEST(Train, DoraResumesExactlyAndItsMicroBatchesEqualTheBatch) {
+  const fs::path d = temp_dir();
+  const std::string dora = "lora.use_dora=true lora.lora_dropout=0.1 ";
+  expect_resume_equals_straight(d / "resume", dora);
+  TrainRun big = train(d / "big", dora + "training.per_device_train_batch_size=4 training.gradient_accumulation_steps=1");
+  TrainRun split = train(d / "split", dora + "training.per_device_train_batch_size=1 training.gradient_accumulation_steps=4");
+  ASSERT_EQ(big.exit_code, 0) << big.output;
+  ASSERT_EQ(split.exit_code, 0) << split.output;
+  expect_same_losses(step_losses(big.dir), step_losses(split.dir), 1e-6);
+  expect_same_tensors(big.dir / "adapter/adapter_model.safetensors", split.dir / "adapter/adapter_model.safetensors", 1e-6);
+  const auto adapter = load_all_tensors(big.dir / "adapter/adapter_model.safetensors");
+  int magnitudes = 0;
+  for (const auto& [name, t] : adapter) magnitudes += name.find(".lora_magnitude_vector") != std::string::npos;
+  EXPECT_EQ(3 * magnitudes, static_cast<int>(adapter.size()));
+  EXPECT_TRUE(json::parse(read_file(big.dir / "adapter/adapter_config.json"))["use_dora"].get<bool>());
+}
+
 // A bf16 model (model.torch_dtype: bfloat16, PEFT's fp32 adapters): a resume, and a batch
 // split into micro-batches (what the supervisor does after an out-of-memory error), give the
 // straight run's losses and adapter.
