@@ -15,8 +15,13 @@
 # Environment:
 #   MEMTUNE_INTEROP_ROOT  the root (default /var/cache/memtune/sid-transformers)
 #   BUILD_DIR             memtune's build tree (default build)
-#   INTEROP_ONLY          check groups to run (space separated: defaults mt->hf hf->mt bf16 skip adapter full refusal tokenizer)
+#   INTEROP_ONLY          check groups to run (space separated: defaults mt->hf hf->mt bf16 skip adapter peft full refusal tokenizer)
 #   INTEROP_KEEP          1: keep the work directory (kept anyway when a check fails)
+#   MEMTUNE_PEFT_SRC      PEFT's source for group peft: a directory holding peft/ (a checkout's src)
+#   MEMTUNE_PEFT_GIT      or a git directory of huggingface/peft (default: the tool library's
+#                         mirror, /work/.mirror/huggingface+peft/repo): its HEAD's src/peft is
+#                         unpacked once beside the root. Debian packages no PEFT, and PyPI may be
+#                         out of reach; without either, group peft's checks are SKIPs.
 set -euo pipefail
 
 src=$(cd "$(dirname "$0")/.." && pwd)
@@ -29,7 +34,7 @@ if [ "${INTEROP_BUILT:-}" != 1 ]; then
   export INTEROP_BUILT=1
 fi
 if [ "$(id -u)" != 0 ]; then
-  exec sudo --preserve-env=MEMTUNE_INTEROP_ROOT,MEMTUNE_DEBIAN_MIRROR,BUILD_DIR,INTEROP_BUILT,INTEROP_ONLY,INTEROP_KEEP \
+  exec sudo --preserve-env=MEMTUNE_INTEROP_ROOT,MEMTUNE_DEBIAN_MIRROR,BUILD_DIR,INTEROP_BUILT,INTEROP_ONLY,INTEROP_KEEP,MEMTUNE_PEFT_SRC,MEMTUNE_PEFT_GIT \
     bash "$0" "$@"
 fi
 
@@ -43,12 +48,32 @@ source "$src/scripts/debian_root.sh"
 
 work=$(mktemp -d /tmp/memtune-interop.XXXXXX)
 
+# PEFT's source for the judge (group peft), or nothing.
+peft_source() {
+  if [ -n "${MEMTUNE_PEFT_SRC:-}" ]; then
+    [ -d "$MEMTUNE_PEFT_SRC/peft" ] || { echo "interop_check: MEMTUNE_PEFT_SRC=$MEMTUNE_PEFT_SRC holds no peft/" >&2; exit 1; }
+    echo "$MEMTUNE_PEFT_SRC"
+    return
+  fi
+  local git=${MEMTUNE_PEFT_GIT:-/work/.mirror/huggingface+peft/repo} dest=$ROOT.peft rev
+  rev=$(git --git-dir="$git" rev-parse HEAD 2>/dev/null) || return 0
+  if [ "$(cat "$dest/REVISION" 2>/dev/null)" != "$rev" ]; then
+    rm -rf "$dest" && mkdir -p "$dest"
+    git --git-dir="$git" archive HEAD src/peft | tar -x -C "$dest" --strip-components=1
+    echo "$rev" >"$dest/REVISION"
+  fi
+  echo "$dest"
+}
+
 main() {
   bind /proc /proc
   bind /dev /dev
   bind /sys /sys
   bind "$src/scripts/interop" /interop/judge ro
   bind "$work" /interop/work
+  local peft
+  peft=$(peft_source)
+  [ -n "$peft" ] && bind "$peft" /interop/peft ro
   local python=python3
   [ -x /usr/bin/python3 ] && python=/usr/bin/python3
   echo "interop_check: $(date -u '+%Y-%m-%d %H:%M UTC'), $(grep -m1 'model name' /proc/cpuinfo | sed 's/.*: //')"

@@ -89,7 +89,8 @@ class Report:
         self.rows = []
 
     def add(self, group, name, memtune, hf, ok, note=""):
-        self.rows.append((group, name, str(memtune), str(hf), "PASS" if ok else "FAIL", note))
+        """ok: True PASS, False FAIL, None SKIP (a judge this machine lacks; not a failure)."""
+        self.rows.append((group, name, str(memtune), str(hf), "SKIP" if ok is None else "PASS" if ok else "FAIL", note))
         g, n, _, _, v, _ = self.rows[-1]
         print(f"  {v} {g}: {n}", flush=True)  # progress; the table follows at the end
 
@@ -100,7 +101,9 @@ class Report:
         line = lambda r: "  ".join(r[i].ljust(w[i]) for i in range(5)) + (f"  {r[5]}" if len(r) > 5 and r[5] else "")
         out = [line(head), "  ".join("-" * x for x in w)] + [line(r) for r in self.rows]
         fails = sum(r[4] == "FAIL" for r in self.rows)
-        out.append(f"\n{len(self.rows)} checks, {len(self.rows) - fails} PASS, {fails} FAIL")
+        skips = sum(r[4] == "SKIP" for r in self.rows)
+        out.append(f"\n{len(self.rows)} checks, {len(self.rows) - fails - skips} PASS, {fails} FAIL"
+                   + (f", {skips} SKIP" if skips else ""))
         return "\n".join(out), fails
 
 
@@ -371,6 +374,22 @@ class Check:
                             out.stderr.strip().splitlines()[-1][:200] if out.stderr.strip() else "")
         self.guarded(group, "refusal", refusal)
 
+    def train_adapter(self, name, base, lora, quantized=False, extra=()):
+        """memtune trains an adapter (r 4, 6 steps) on `base`; returns its directory."""
+        out = f"run-{name}"
+        cfg = {
+            "model": {"name_or_path": base, "quantization_config": {"load_in_4bit": quantized}},
+            "lora": dict({"r": 4, "lora_alpha": 8}, **lora),
+            "training": {"output_dir": out, "max_steps": 6, "learning_rate": 2e-2,
+                         "per_device_train_batch_size": 2, "logging_steps": 6, "warmup_steps": 0,
+                         "lr_scheduler_type": "constant", "max_grad_norm": 0},
+            "data": {"train_file": "rows.bin", "format": "tokens", "max_seq_length": SEQ},
+        }
+        with open(self.path(f"{name}.yaml"), "w") as f:
+            json.dump(cfg, f, indent=1)  # JSON is YAML
+        self.mt.run("train", f"{name}.yaml", *extra)
+        return f"{out}/adapter"
+
     # 3. Adapters memtune trains, merged by memtune, judged by transformers.
     def adapters(self, name, family, lora, quantized=False, extra=()):
         group = "adapter"
@@ -378,18 +397,7 @@ class Check:
         out = f"run-{name}"
 
         def run():
-            cfg = {
-                "model": {"name_or_path": base, "quantization_config": {"load_in_4bit": quantized}},
-                "lora": dict({"r": 4, "lora_alpha": 8}, **lora),
-                "training": {"output_dir": out, "max_steps": 6, "learning_rate": 2e-2,
-                             "per_device_train_batch_size": 2, "logging_steps": 6, "warmup_steps": 0,
-                             "lr_scheduler_type": "constant", "max_grad_norm": 0},
-                "data": {"train_file": "rows.bin", "format": "tokens", "max_seq_length": SEQ},
-            }
-            with open(self.path(f"{name}.yaml"), "w") as f:
-                json.dump(cfg, f, indent=1)  # JSON is YAML
-            self.mt.run("train", f"{name}.yaml", *extra)
-            adapter = f"{out}/adapter"
+            adapter = self.train_adapter(name, base, lora, quantized, extra)
             conf = json.load(open(self.path(f"{adapter}/adapter_config.json")))
             sel = self.judge("adapter_config", adapter=adapter, model=base)
             names = sorted(self._adapter_modules(adapter))
@@ -463,6 +471,74 @@ class Check:
                 mods.add(m.group(1))
         return mods
 
+    # 3c. PEFT itself: adapters PEFT makes, read by memtune; adapters memtune trains, read by PEFT.
+    def peft(self):
+        group = "peft"
+        v = self.judge("peft_version")
+        if not v["ok"]:
+            self.report.add(group, "PEFT itself", "-", "absent", None,
+                            "no PEFT source: set MEMTUNE_PEFT_SRC (a directory holding peft/) or MEMTUNE_PEFT_GIT")
+            return
+        print(f"judge: peft {v['version']}", flush=True)
+
+        def compare(label, base, adapter):
+            """memtune eval --adapter and memtune merge against PEFT's forward and PEFT's merge."""
+            m = self.mt.eval(base, adapter)
+            h = self.judge("peft_loss", model=base, adapter=adapter, rows=self.rows)
+            if not h["ok"]:
+                raise RuntimeError(h["error"])
+            loaded = not h["unloaded"] and not h["differ"]
+            self.report.add(group, f"{label}: PEFT loads every tensor", f"{h['tensors']} tensors",
+                            "all loaded" if loaded else "not all", loaded,
+                            f"not in PEFT's state: {h['unloaded']}; other values: {h['differ']}" if not loaded else "")
+            d = rel(m["loss"], h["loss"])
+            self.report.add(group, f"{label}: eval --adapter vs PEFT's forward", f"{m['loss']:.9f}",
+                            f"{h['loss']:.9f}", d < LOSS_RTOL and m["tokens"] == h["tokens"], f"rel {d:.1e}")
+            merged = f"{adapter}-merged"
+            shutil.rmtree(self.path(merged), ignore_errors=True)
+            self.mt.run("merge", "--model", base, "--adapter", adapter, "--out", merged)
+            mm = self.judge("loss", model=merged, rows=self.rows)
+            d = rel(mm["loss"], h["merged_loss"]) if mm["ok"] else float("inf")
+            self.report.add(group, f"{label}: memtune merge vs PEFT's merge_and_unload", f"{mm.get('loss', 0):.9f}",
+                            f"{h['merged_loss']:.9f}", d < LOSS_RTOL, f"rel {d:.1e} (both read by transformers)")
+            b = self.mt.eval(base)
+            self.report.add(group, f"{label}: the adapter changes the loss", f"{b['loss']:.6f} -> {m['loss']:.6f}",
+                            "-", abs(b["loss"] - m["loss"]) > 1e-3, "base vs base+adapter")
+
+        # PEFT makes the adapter (B drawn, DoRA's magnitudes off their start); memtune reads it.
+        made = [
+            ("llama LoRA all-linear", "llama", {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}),
+            ("llama DoRA", "llama", {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"],
+                                     "use_dora": True}),
+            ("llama-bias DoRA all-linear", "llama-bias", {"r": 4, "lora_alpha": 16, "target_modules": "all-linear",
+                                                          "use_dora": True}),
+            ("gpt2 DoRA rslora", "gpt2", {"r": 8, "lora_alpha": 8, "target_modules": ["c_attn", "c_fc"],
+                                          "fan_in_fan_out": True, "use_dora": True, "use_rslora": True}),
+            ("qwen3 DoRA all-linear", "qwen3", {"r": 4, "lora_alpha": 8, "target_modules": "all-linear",
+                                                "use_dora": True}),
+        ]
+        for k, (label, family, config) in enumerate(made):
+            def run(label=label, family=family, config=config, seed=k):
+                base, d = f"hf-{family}-fp32", "peft-made-" + re.sub(r"\W+", "-", label)
+                shutil.rmtree(self.path(d), ignore_errors=True)
+                r = self.judge("peft_make", model=base, config=config, seed=100 + seed, out=d)
+                if not r["ok"]:
+                    raise RuntimeError(r["error"])
+                compare(f"PEFT made {label}", base, d)
+            self.guarded(group, f"PEFT made {label}", run)
+        # memtune trains the adapter; PEFT reads it.
+        trained = [
+            ("dora-llama", "llama", {"target_modules": "all-linear", "use_dora": True}, False),
+            ("qdora-qwen3", "qwen3", {"target_modules": "all-linear", "use_dora": True}, True),
+            ("dora-gpt2-dropout", "gpt2", {"target_modules": "all-linear", "use_dora": True, "lora_dropout": 0.1}, False),
+            ("lora-mistral", "mistral", {"target_modules": ["q_proj", "v_proj"]}, False),
+        ]
+        for name, family, lora, quantized in trained:
+            def run(name=name, family=family, lora=lora, quantized=quantized):
+                base = f"hf-{family}-fp32"
+                compare(f"memtune trained {name}", base, self.train_adapter(f"peft-{name}", base, lora, quantized))
+            self.guarded(group, f"memtune trained {name}", run)
+
     # 4. What memtune refuses: by name, exit status 2, never silently dropped.
     def refused(self, name, args, must_name, group="refusal"):
         r = self.mt.run(*args, check=False)
@@ -501,7 +577,7 @@ class Check:
             ("lora_bias: true", {"lora_bias": True}, None, "lora_bias"),
             ("a lora_B.bias tensor", None, ("base_model.model.model.layers.0.self_attn.q_proj.lora_B.bias", [64]),
              "lora_B"),
-            ("use_dora: true", {"use_dora": True}, None, "use_dora"),
+            ("use_dora: true without magnitudes", {"use_dora": True}, None, "lora_magnitude_vector"),
             ("rank_pattern", {"rank_pattern": {"q_proj": 8}}, None, "rank_pattern"),
         ]
         for label, edit, tensor, key in cases:
@@ -652,7 +728,8 @@ class Check:
         if want("mt->hf"):
             for family in FAMILIES:
                 self.memtune_writes(family)
-        if want("hf->mt") or want("adapter") or want("refusal") or want("tokenizer") or want("full") or want("bf16"):
+        if want("hf->mt") or want("adapter") or want("refusal") or want("tokenizer") or want("full") or want("bf16") \
+                or want("peft"):
             for family in FAMILIES:
                 for dtype, shard in SAVES.get(family, [("fp32", None)]):
                     if want("hf->mt") or (dtype, shard) == ("fp32", None):
@@ -680,6 +757,8 @@ class Check:
                 "target_modules": ["q_proj", "v_proj"], "modules_to_save": ["embed_tokens", "model.norm", "lm_head"]})
             self.adapters("qlora-gpt2-modules_to_save", "gpt2", {
                 "target_modules": "all-linear", "modules_to_save": ["wpe", "ln_f"]}, quantized=True)
+        if want("peft"):
+            self.peft()
         if want("full"):
             self.full_finetune("full-llama-bias", "llama-bias")
             self.full_finetune("full-gpt2", "gpt2")
@@ -727,7 +806,7 @@ def main():
     p.add_argument("--work-in-root", required=True, help="the same directory as the root sees it")
     p.add_argument("--judge-in-root", required=True, help="judge.py as the root sees it")
     p.add_argument("--only", nargs="*", default=[],
-                   help="groups: defaults mt->hf hf->mt bf16 skip adapter full refusal tokenizer")
+                   help="groups: defaults mt->hf hf->mt bf16 skip adapter peft full refusal tokenizer")
     args = p.parse_args()
     sys.exit(1 if Check(args).run(set(args.only)) else 0)
 

@@ -22,6 +22,10 @@ Requests ({"op": ..., ...}):
                                            and name: {"convert": [[bool per name] per list]}
   bnb_targets     config, skip             the projections transformers' bitsandbytes integration
                                            quantizes under llm_int8_skip_modules `skip`
+  peft_version                             PEFT's version (group peft: PEFT's source bound at /interop/peft)
+  peft_make   model, config, seed, out     an adapter PEFT makes (LoraConfig(**config)) and saves
+  peft_loss   model, adapter, rows         the loss of the adapter as PEFT loads and runs it, and of
+                                           PEFT's merge of it; file tensors PEFT did not load
   defaults        keys                     TrainingArguments() and BitsAndBytesConfig(load_in_4bit=True):
                                            {"training": {key: value}, "quantization_config": {...}}
                                            (enums and dtypes as their names; a key absent: null)
@@ -179,14 +183,73 @@ def merge_adapter(model, adapter_dir):
     return merged
 
 
+def mean_row_loss(model, rows):
+    """transformers' own causal-LM loss (labels shifted inside), per row, then the rows' mean."""
+    rows = torch.tensor(rows, dtype=torch.long)
+    with torch.no_grad():
+        losses = [model(input_ids=row[None], labels=row[None]).loss.item() for row in rows]
+    return sum(losses) / len(losses), rows.numel() - len(rows)
+
+
 def op_loss(r):
     model, info = load_model(r["model"], r.get("dtype", "fp32"), r.get("attn"))
     merged = merge_adapter(model, r["adapter"]) if r.get("adapter") else []
-    rows = torch.tensor(r["rows"], dtype=torch.long)
-    with torch.no_grad():  # transformers' own causal-LM loss (labels shifted inside), per row
-        losses = [model(input_ids=row[None], labels=row[None]).loss.item() for row in rows]
-    return {"loss": sum(losses) / len(losses), "tokens": rows.numel() - len(rows), "merged": len(merged),
+    loss, tokens = mean_row_loss(model, r["rows"])
+    return {"loss": loss, "tokens": tokens, "merged": len(merged),
             "missing": len(info["missing_keys"]), "unexpected": len(info["unexpected_keys"])}
+
+
+# PEFT itself (group peft): its source (a directory holding peft/), bound here by
+# interop_check.sh when it has one. Debian packages no PEFT; it is pure Python over the
+# torch, transformers and accelerate this root has.
+PEFT_DIR = "/interop/peft"
+
+
+def import_peft():
+    if os.path.isdir(os.path.join(PEFT_DIR, "peft")) and PEFT_DIR not in sys.path:
+        sys.path.insert(0, PEFT_DIR)
+    import peft
+    return peft
+
+
+def op_peft_version(r):
+    return {"version": import_peft().__version__}
+
+
+def op_peft_make(r):
+    """An adapter made by PEFT: get_peft_model(model, LoraConfig(**config)), its lora_B (zero at
+    PEFT's init) drawn and DoRA's magnitudes moved 20 % off the norms PEFT starts them at, by a
+    seeded generator, then save_pretrained."""
+    peft = import_peft()
+    model, _ = load_model(r["model"])
+    pm = peft.get_peft_model(model, peft.LoraConfig(task_type="CAUSAL_LM", **r["config"]))
+    g = torch.Generator().manual_seed(r["seed"])
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+            elif ".lora_magnitude_vector." in name:
+                p.mul_(0.8 + 0.4 * torch.rand(p.shape, generator=g))
+    pm.save_pretrained(path(r["out"]))
+    return {"files": sorted(os.listdir(path(r["out"]))), "trainable": pm.get_nb_trainable_parameters()[0]}
+
+
+def op_peft_loss(r):
+    """The adapter as PEFT loads it (PeftModel.from_pretrained) on transformers' model: the loss of
+    PEFT's own forward, then of its merge (merge_and_unload). `unloaded` / `differ`: file tensors
+    PEFT's state dict does not hold or holds with other values (none left at their init)."""
+    peft = import_peft()
+    model, _ = load_model(r["model"])
+    pm = peft.PeftModel.from_pretrained(model, path(r["adapter"]))
+    pm.eval()
+    file = safetensors.torch.load_file(os.path.join(path(r["adapter"]), "adapter_model.safetensors"))
+    state = peft.get_peft_model_state_dict(pm)
+    unloaded = sorted(set(file) ^ set(state))
+    differ = sorted(k for k in file if k in state and not torch.equal(file[k].to(state[k].dtype), state[k].cpu()))
+    loss, tokens = mean_row_loss(pm, r["rows"])
+    merged, _ = mean_row_loss(pm.merge_and_unload(), r["rows"])
+    return {"loss": loss, "merged_loss": merged, "tokens": tokens, "tensors": len(file),
+            "unloaded": unloaded[:6], "differ": differ[:6]}
 
 
 def op_generate(r):
