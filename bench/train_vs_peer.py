@@ -24,7 +24,9 @@ llm.c's CPU trainer (train_gpt2.c) run in the same session: with --llmc DIR (a c
 ../shared/bench/README.md says) memtune trains llm.c's own weights (llmc_to_hf.py) on its
 token file with its settings (AdamW lr 1e-4 constant, no weight decay), the two runs
 alternating; without it, memtune's figure alone. LoRA r 16, alpha 32 on
-q,k,v,o,gate,up,down.
+q,k,v,o,gate,up,down. With --dora, memtune's DoRA (lora.use_dora) on a dense and on an NF4
+base too, rows dora and qdora: the peer has no DoRA, so their ratio is to memtune's own LoRA
+(lora and qlora) in the same repeat, the price of the magnitudes.
 """
 import argparse
 import datetime
@@ -139,8 +141,9 @@ def memtune_run(name, m, mode, ckpt, args, model_dir, tokens, training=None):
     }
     cfg["training"].update(training or {})
     if mode != "full":
-        cfg["lora"] = {"r": LORA_R, "lora_alpha": LORA_ALPHA, "target_modules": TARGETS}
-    if mode == "qlora":
+        cfg["lora"] = {"r": LORA_R, "lora_alpha": LORA_ALPHA, "target_modules": TARGETS,
+                       "use_dora": mode in ("dora", "qdora")}
+    if mode in ("qlora", "qdora"):
         cfg["model"]["quantization_config"] = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
                                                "bnb_4bit_use_double_quant": True,
                                                "bnb_4bit_compute_dtype": "float32"}
@@ -250,6 +253,7 @@ def main():
     p.add_argument("--repeat", type=int, default=1, help="alternating runs per figure (median)")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--llmc", help="llm.c checkout with train_gpt2 built and its inputs made (the gpt2 yardstick)")
+    p.add_argument("--dora", action="store_true", help="also DoRA on the dense and the NF4 base (rows dora, qdora)")
     args = p.parse_args()
     args.memtune, peak_bin = built(args.build, "memtune", "bench/bench_matmul_peak")
     have_peer = os.path.exists(PEER) and subprocess.run(["/usr/bin/python3", "-c", "import torch"],
@@ -280,7 +284,7 @@ def main():
              "--out", model_dir, "--seed", "1"])
         tokens = os.path.join(args.work, f"tokens-{name}.bin")
         write_tokens(tokens, m["vocab"], m["seq"] * m["micro_batch"] * m["accum"] * (m["steps"] + 2) + 1, 7)
-        modes = ["lora", "qlora"] + (["full"] if name == "S" else [])
+        modes = ["lora", "qlora"] + (["full"] if name == "S" else []) + (["dora", "qdora"] if args.dora else [])
         for ckpt in ("none", "all"):
             peers, runs = [], {mode: [] for mode in modes}
             for rep in range(args.repeat):
@@ -297,7 +301,11 @@ def main():
                 r = median_of(runs[mode])
                 r.update(model=name, mode=mode, checkpointing=ckpt, runs=len(runs[mode]),
                          mfu=r["tokens_per_s"] * flops_per_token(m, mode) / (peak["peak_gflops"] * 1e9))
-                if peer:
+                if mode in ("dora", "qdora"):  # against memtune's LoRA on the same base, repeat by repeat
+                    plain = runs["lora" if mode == "dora" else "qlora"]
+                    r["speed_vs_lora_pairs"] = [d["tokens_per_s"] / p["tokens_per_s"] for d, p in zip(runs[mode], plain)]
+                    r["speed_vs_lora"] = statistics.median(r["speed_vs_lora_pairs"])
+                elif peer:
                     r["peer"] = peer
                     # The speed ratio of each repeat's adjacent pair (peer, then memtune), then
                     # their median: neighbours in time share the machine's phase, which drifts.
@@ -340,10 +348,12 @@ def print_table(res):
         elif "llm_c" in r:
             ref, ratio = f"{r['llm_c']['tokens_per_s']:.1f}", f"{r['speed_vs_llm_c']:.2f}"
             prss, rratio = f"{r['llm_c']['peak_rss_mib']:.0f}", f"{r['rss_vs_llm_c']:.2f}"
+        elif "speed_vs_lora" in r:
+            ref, ratio, prss, rratio = "LoRA", f"{r['speed_vs_lora']:.2f}", "-", "-"
         else:
             ref = ratio = prss = rratio = "-"
         mfu = f"{100 * r['mfu']:.0f}%" if "mfu" in r else "-"
-        pairs = r.get("speed_vs_peer_pairs") or r.get("speed_vs_llm_c_pairs")
+        pairs = r.get("speed_vs_peer_pairs") or r.get("speed_vs_llm_c_pairs") or r.get("speed_vs_lora_pairs")
         spread = f"{min(pairs):.2f}-{max(pairs):.2f}" if pairs else "-"
         print(f"{r['model']:<10}{r['mode']:<7}{r['checkpointing']:<6}{r['tokens_per_s']:>8.0f}{ref:>8}{ratio:>7}"
               f"{spread:>12}{mfu:>6}{r['budget_peak_mib']:>11.0f}{r['peak_rss_mib']:>9.0f}{prss:>9}{rratio:>10}")
