@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -210,6 +211,29 @@ TEST(Train, DoraResumesExactlyAndItsMicroBatchesEqualTheBatch) {
   for (const auto& [name, t] : adapter) magnitudes += name.find(".lora_magnitude_vector") != std::string::npos;
   EXPECT_EQ(3 * magnitudes, static_cast<int>(adapter.size()));
   EXPECT_TRUE(json::parse(read_file(big.dir / "adapter/adapter_config.json"))["use_dora"].get<bool>());
+}
+
+// DoRA on a GPU: fp32 QDoRA trains as on the CPU (its norms from the weight dequantized on the
+// device), with dropout too; under bf16 autocast it trains (PEFT's op-by-op form on the device).
+TEST(Train, OnTheGpuDoraTrainsAsOnTheCpu_CUDA) {
+  MEMTUNE_SKIP_WITHOUT_CUDA();
+  const fs::path d = temp_dir();
+  for (const std::string dropout : {"0.0", "0.1"}) {
+    const std::string dora = "lora.use_dora=true lora.lora_dropout=" + dropout +
+                             " model.quantization_config.bnb_4bit_compute_dtype=float32 ";
+    TrainRun cpu = train(d / ("cpu" + dropout), dora);
+    TrainRun gpu = train(d / ("gpu" + dropout), dora + "runtime.device=cuda:0");
+    ASSERT_EQ(cpu.exit_code, 0) << cpu.output;
+    ASSERT_EQ(gpu.exit_code, 0) << gpu.output;
+    expect_same_losses(step_losses(cpu.dir), step_losses(gpu.dir), 1e-4);
+    expect_same_tensors(cpu.dir / "adapter/adapter_model.safetensors", gpu.dir / "adapter/adapter_model.safetensors",
+                        1e-3);
+  }
+  TrainRun bf16 = train(d / "bf16", "lora.use_dora=true training.bf16=true runtime.device=cuda:0");
+  ASSERT_EQ(bf16.exit_code, 0) << bf16.output;
+  const auto losses = step_losses(bf16.dir);
+  ASSERT_FALSE(losses.empty());
+  for (double l : losses) EXPECT_TRUE(std::isfinite(l));
 }
 
 // A bf16 model (model.torch_dtype: bfloat16, PEFT's fp32 adapters): a resume, and a batch
