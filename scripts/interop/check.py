@@ -239,6 +239,18 @@ class Check:
                         f"margin {g['min_margin']:.1e}", ok, note)
         return m, h
 
+    def same_loss(self, group, label, mine, judged, note=""):
+        """A check that memtune's loss equals the judge's reply's (fp32)."""
+        d = rel(mine, judged["loss"]) if judged["ok"] else float("inf")
+        self.report.add(group, label, f"{mine:.9f}", f"{judged.get('loss', float('nan')):.9f}", d < LOSS_RTOL,
+                        f"rel {d:.1e}{note}" if judged["ok"] else judged["error"][:200])
+
+    def adapter_changes(self, group, label, base, loss):
+        """A check that the adapter moved memtune's loss off the base's (so the others can fail)."""
+        b = self.mt.eval(base)
+        self.report.add(group, f"{label}: the adapter changes the loss", f"{b['loss']:.6f} -> {loss:.6f}",
+                        "-", abs(b["loss"] - loss) > 1e-3, "base vs base+adapter")
+
     def hf_config(self, family):
         """config.json as transformers writes it (the judge makes a model; only its config is used)."""
         d = f"cfg-{family}"
@@ -420,20 +432,13 @@ class Check:
                             not bad, str(bad)[:200] if bad else "no missing keys")
             m = self.mt.eval(base, adapter)
             h = self.judge("loss", model=merged, rows=self.rows)
-            d = rel(m["loss"], h["loss"]) if h["ok"] else float("inf")
-            self.report.add(group, f"{name}: eval --adapter vs merged in HF", f"{m['loss']:.9f}",
-                            f"{h.get('loss', float('nan')):.9f}", d < LOSS_RTOL, f"rel {d:.1e}")
+            self.same_loss(group, f"{name}: eval --adapter vs merged in HF", m["loss"], h)
             # memtune writing a bf16 checkpoint: the merge in bf16, read by both.
             m16 = f"{out}/merged-bf16"
             self.mt.run("merge", "--model", base, "--adapter", adapter, "--out", m16, "--dtype", "bf16")
-            mb = self.mt.eval(m16)
-            hb = self.judge("loss", model=m16, rows=self.rows)
-            d = rel(mb["loss"], hb["loss"]) if hb["ok"] else float("inf")
-            self.report.add(group, f"{name}: merge --dtype bf16, eval vs HF", f"{mb['loss']:.9f}",
-                            f"{hb.get('loss', float('nan')):.9f}", d < LOSS_RTOL, f"rel {d:.1e}")
-            b = self.mt.eval(base)
-            self.report.add(group, f"{name}: the adapter changes the loss", f"{b['loss']:.6f} -> {m['loss']:.6f}",
-                            "-", abs(b["loss"] - m["loss"]) > 1e-3, "base vs base+adapter")
+            self.same_loss(group, f"{name}: merge --dtype bf16, eval vs HF", self.mt.eval(m16)["loss"],
+                           self.judge("loss", model=m16, rows=self.rows))
+            self.adapter_changes(group, name, base, m["loss"])
         self.guarded(group, name, run)
 
     # 3b. A full fine-tune: the model memtune writes, read by transformers.
@@ -498,12 +503,11 @@ class Check:
             shutil.rmtree(self.path(merged), ignore_errors=True)
             self.mt.run("merge", "--model", base, "--adapter", adapter, "--out", merged)
             mm = self.judge("loss", model=merged, rows=self.rows)
-            d = rel(mm["loss"], h["merged_loss"]) if mm["ok"] else float("inf")
-            self.report.add(group, f"{label}: memtune merge vs PEFT's merge_and_unload", f"{mm.get('loss', 0):.9f}",
-                            f"{h['merged_loss']:.9f}", d < LOSS_RTOL, f"rel {d:.1e} (both read by transformers)")
-            b = self.mt.eval(base)
-            self.report.add(group, f"{label}: the adapter changes the loss", f"{b['loss']:.6f} -> {m['loss']:.6f}",
-                            "-", abs(b["loss"] - m["loss"]) > 1e-3, "base vs base+adapter")
+            if not mm["ok"]:
+                raise RuntimeError(mm["error"])
+            self.same_loss(group, f"{label}: memtune merge vs PEFT's merge_and_unload", mm["loss"],
+                           {"ok": True, "loss": h["merged_loss"]}, " (both read by transformers)")
+            self.adapter_changes(group, label, base, m["loss"])
 
         # PEFT makes the adapter (B drawn, DoRA's magnitudes off their start); memtune reads it.
         made = [

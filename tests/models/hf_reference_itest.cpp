@@ -38,6 +38,16 @@ data::Batch load_batch(const fs::path& file) {
   return b;
 }
 
+// A training forward of `batch` (every layer checkpointed or none), with the logits when asked.
+models::ForwardOutput training_forward(models::CausalLM& model, const data::Batch& batch, bool checkpoint,
+                                       bool logits = false) {
+  models::ForwardOptions fo;
+  fo.training = true;
+  fo.return_logits = logits;
+  fo.checkpoint_layers.assign(model.num_layers(), checkpoint);
+  return model.forward(batch, fo);
+}
+
 // max |a - b| / max |b|: relative to the reference's scale.
 double rel_err(const at::Tensor& a, const at::Tensor& b) {
   double scale = b.abs().max().item<double>();
@@ -64,11 +74,7 @@ TEST_P(HfReference, LogitsLossAndGradientsMatch) {
   auto model = models::load_hf_model(dir / "model", {});
   models::make_all_trainable(*model);
   data::Batch batch = load_batch(dir / "batch.safetensors");
-  models::ForwardOptions fo;
-  fo.training = true;
-  fo.return_logits = true;
-  fo.checkpoint_layers.assign(model->num_layers(), c.checkpoint);
-  models::ForwardOutput out = model->forward(batch, fo);
+  models::ForwardOutput out = training_forward(*model, batch, c.checkpoint, true);
   at::Tensor loss = out.loss_sum / static_cast<double>(out.target_tokens);
   loss.backward();
 
@@ -151,10 +157,7 @@ TEST_P(HfReferenceLora, AdapterGradientsMatch) {
   auto model = models::load_hf_model(dir / "model", {});
   models::load_adapter(*model, dir / "adapter");
   data::Batch batch = load_batch(dir / "batch.safetensors");
-  models::ForwardOptions fo;
-  fo.training = true;
-  fo.checkpoint_layers.assign(model->num_layers(), c.checkpoint);
-  models::ForwardOutput out = model->forward(batch, fo);
+  models::ForwardOutput out = training_forward(*model, batch, c.checkpoint);
   (out.loss_sum / static_cast<double>(out.target_tokens)).backward();
   models::SafetensorsFile r(dir / "ref.safetensors");
   int checked = 0;
@@ -182,10 +185,7 @@ Bf16Errors bf16_errors(const Case& c, const fs::path& dir, at::ScalarType dense,
   auto model = models::load_hf_model(dir / "model", o);
   models::load_adapter(*model, dir / "adapter");
   model->set_compute_dtype(at::kBFloat16, autocast);
-  models::ForwardOptions fo;
-  fo.training = true;
-  fo.checkpoint_layers.assign(model->num_layers(), c.checkpoint);
-  models::ForwardOutput out = model->forward(batch, fo);
+  models::ForwardOutput out = training_forward(*model, batch, c.checkpoint);
   (out.loss_sum / static_cast<double>(out.target_tokens)).backward();
   Bf16Errors e;
   const double ref_loss = r.load("loss").item<double>();
@@ -258,11 +258,7 @@ TEST_P(HfReferenceLora, DoraMatches) {
   auto model = models::load_hf_model(dir / "model", {});
   models::load_adapter(*model, dir / "adapter");
   data::Batch batch = load_batch(dir / "batch.safetensors");
-  models::ForwardOptions fo;
-  fo.training = true;
-  fo.return_logits = true;
-  fo.checkpoint_layers.assign(model->num_layers(), c.checkpoint);
-  models::ForwardOutput out = model->forward(batch, fo);
+  models::ForwardOutput out = training_forward(*model, batch, c.checkpoint, true);
   (out.loss_sum / static_cast<double>(out.target_tokens)).backward();
   models::SafetensorsFile r(dir / "ref.safetensors");
   const at::Tensor valid = batch.segment_ids.ge(0);
