@@ -128,6 +128,24 @@ TEST(Launch, ThreeProcessesEqualOneProcessOnTheGlobalBatch) {
                       d / "three/out/adapter/adapter_model.safetensors", 1e-5);
 }
 
+// DoRA's magnitudes are trainable tensors like A and B: their gradients are reduced over the
+// ranks and, under sharding: gradients (ZeRO 2), their AdamW states and updates are split
+// between them; two ranks train the one-process run's losses and adapter.
+TEST(Launch, DoraWithShardedStatesTrainsAsOneProcess) {
+  MEMTUNE_REQUIRE_GLOO();
+  fs::path d = temp_dir();
+  fs::path one_cfg = write_config(d / "one"), two_cfg = write_config(d / "two");
+  const std::string dora = " lora.use_dora=true lora.target_modules=all-linear";
+  auto one = run(memtune_bin() + " train " + one_cfg.string() + " training.per_device_train_batch_size=4" + dora, 300);
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  auto two = run(launch_cmd("--nproc-per-node 2", two_cfg, "distributed.sharding=gradients" + dora), 300);
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  expect_same_losses(step_losses(d / "one/out"), step_losses(d / "two/out"), 1e-5);
+  expect_same_tensors(d / "one/out/adapter/adapter_model.safetensors", d / "two/out/adapter/adapter_model.safetensors",
+                      1e-5);
+  EXPECT_NE(read_file(d / "two/out/adapter/adapter_config.json").find("\"use_dora\": true"), std::string::npos);
+}
+
 // bitsandbytes' 8-bit AdamW state, on the device and paged, in a full fine-tune (every tensor
 // of 4096 elements or more is in 8 bits): each rank quantizes the same reduced gradients into
 // its own copy of the state, so the copies stay identical. A rank whose state (or weights)
