@@ -23,6 +23,62 @@ std::string peft_key(const std::string& module, const char* which) {
   return "base_model.model." + module + "." + which + ".weight";
 }
 
+namespace {
+
+// PEFT's get_pattern_key: the first pattern (in order) that matches `module` as (.*\.)?(pattern)$.
+template <class V>
+const V* pattern_value(const std::vector<std::pair<std::string, V>>& patterns, const std::string& module) {
+  for (const auto& [pattern, value] : patterns)
+    if (std::regex_match(module, std::regex("(.*\\.)?(" + pattern + ")"))) return &value;
+  return nullptr;
+}
+
+// rank_pattern / alpha_pattern as the file has them: patterns to values, in the file's order
+// (the first that matches a module decides). Patterns are checked as regexes here, values as
+// ranks (integers >= 1) or alphas (numbers > 0).
+template <class V>
+std::vector<std::pair<std::string, V>> read_patterns(const nlohmann::ordered_json& c, const char* key,
+                                                     const std::string& where) {
+  std::vector<std::pair<std::string, V>> out;
+  if (!c.contains(key) || c[key].is_null()) return out;
+  const auto& patterns = c[key];
+  MEMTUNE_CHECK(patterns.is_object(), where, ": ", key, " must map module name patterns to values, got ",
+                patterns.dump().substr(0, 200));
+  for (const auto& [pattern, value] : patterns.items()) {
+    try {
+      std::regex("(.*\\.)?(" + pattern + ")");
+    } catch (const std::regex_error& e) {
+      fail(where, ": ", key, " pattern '", pattern, "' is not a valid regular expression (", e.what(), ")");
+    }
+    if constexpr (std::is_integral_v<V>) {
+      MEMTUNE_CHECK(value.is_number_integer() && value.template get<int64_t>() >= 1 &&
+                        value.template get<int64_t>() < (int64_t{1} << 20),
+                    where, ": ", key, "['", pattern, "'] = ", value.dump(), ", not a rank (an integer >= 1)");
+    } else {
+      MEMTUNE_CHECK(value.is_number() && value.template get<double>() > 0, where, ": ", key, "['", pattern, "'] = ",
+                    value.dump(), ", not a lora_alpha (a number > 0)");
+    }
+    out.emplace_back(pattern, value.template get<V>());
+  }
+  return out;
+}
+
+template <class V>
+nlohmann::ordered_json patterns_json(const std::vector<std::pair<std::string, V>>& patterns) {
+  nlohmann::ordered_json o = nlohmann::ordered_json::object();
+  for (const auto& [pattern, value] : patterns) o[pattern] = value;
+  return o;
+}
+
+}  // namespace
+
+LoraOptions AdapterConfig::options_for(const std::string& module) const {
+  LoraOptions o = lora;
+  if (const int64_t* r = pattern_value(rank_pattern, module)) o.r = *r;
+  if (const double* alpha = pattern_value(alpha_pattern, module)) o.alpha = *alpha;
+  return o;
+}
+
 std::string peft_magnitude_key(const std::string& module) {
   return "base_model.model." + module + ".lora_magnitude_vector";
 }
@@ -58,6 +114,8 @@ void save_adapter(const CausalLM& model, const AdapterConfig& config, const fs::
   for (Linear* l : model.linears()) {
     if (!l->lora) continue;
     adapted.push_back(l->name());
+    MEMTUNE_INTERNAL_ASSERT(l->lora->A.size(0) == config.options_for(l->name()).r, "save_adapter: ", l->name(),
+                            " has rank ", l->lora->A.size(0), ", its config ", config.options_for(l->name()).r);
     tensors.emplace_back(peft_key(l->name(), "lora_A"), l->lora->A.detach().to(at::kFloat).contiguous());
     tensors.emplace_back(peft_key(l->name(), "lora_B"), l->lora->B.detach().to(at::kFloat).contiguous());
     if (l->lora->dora())
@@ -89,7 +147,12 @@ void save_adapter(const CausalLM& model, const AdapterConfig& config, const fs::
             {"inference_mode", true},
             {"revision", nullptr}};
   save_safetensors(dir / "adapter_model.safetensors", tensors, {{"format", "pt"}});
-  write_file_atomic(dir / "adapter_config.json", c.dump(2) + "\n");
+  // The keys in json's sorted order; the patterns keep theirs (the first that matches decides).
+  nlohmann::ordered_json out;
+  for (const auto& [key, value] : c.items()) out[key] = value;
+  out["rank_pattern"] = patterns_json(config.rank_pattern);
+  out["alpha_pattern"] = patterns_json(config.alpha_pattern);
+  write_file_atomic(dir / "adapter_config.json", out.dump(2) + "\n");
 }
 
 namespace {
@@ -143,8 +206,6 @@ void refuse_unsupported_fields(const json& c, const std::string& where) {
   };
   static const Field fields[] = {
       {"lora_bias", "a trained bias on lora_B"},
-      {"rank_pattern", "per-module ranks"},
-      {"alpha_pattern", "per-module lora_alpha"},
       {"layer_replication", "replicated layers"},
       {"trainable_token_indices", "trainable embedding rows"},
       {"use_qalora", "QA-LoRA's pooled adapter input"},
@@ -184,6 +245,9 @@ AdapterConfig read_adapter_config(const fs::path& dir) {
     a.lora.dropout = c.value("lora_dropout", 0.0);
     a.lora.use_rslora = c.value("use_rslora", false);
     a.lora.use_dora = c.contains("use_dora") && !c["use_dora"].is_null() && c["use_dora"].get<bool>();
+    const auto ordered = nlohmann::ordered_json::parse(text.str());
+    a.rank_pattern = read_patterns<int64_t>(ordered, "rank_pattern", where);
+    a.alpha_pattern = read_patterns<double>(ordered, "alpha_pattern", where);
     a.fan_in_fan_out = c.value("fan_in_fan_out", false);
     a.base_model_name_or_path = c.contains("base_model_name_or_path") && c["base_model_name_or_path"].is_string()
                                     ? c["base_model_name_or_path"].get<std::string>() : "";
@@ -284,12 +348,13 @@ LoraSummary load_adapter(CausalLM& model, const fs::path& dir) {
                   "' lacks its DoRA magnitude '", peft_magnitude_key(module), "' (adapter_config.json sets use_dora: true)");
     at::Tensor A = file.load(keys.A).to(at::kFloat);
     at::Tensor B = file.load(keys.B).to(at::kFloat);
-    MEMTUNE_CHECK(A.dim() == 2 && B.dim() == 2 && A.size(0) == config.lora.r && B.size(1) == config.lora.r &&
+    LoraOptions options = config.options_for(module);
+    const int64_t r = options.r;
+    MEMTUNE_CHECK(A.dim() == 2 && B.dim() == 2 && A.size(0) == r && B.size(1) == r &&
                       A.size(1) == l->in_features() && B.size(0) == l->out_features(),
                   file.path().string(), ": '", module, "' has lora_A ", A.sizes(), " and lora_B ", B.sizes(),
-                  ", expected [", config.lora.r, ", ", l->in_features(), "] and [", l->out_features(), ", ",
-                  config.lora.r, "]");
-    LoraOptions options = config.lora;
+                  ", expected [", r, ", ", l->in_features(), "] and [", l->out_features(), ", ", r, "]",
+                  r != config.lora.r ? " (its rank from rank_pattern)" : "");
     options.use_dora = false;  // the magnitude is the file's, not the base's norms
     l->add_lora(options);
     l->lora->A.copy_(A);

@@ -18,6 +18,14 @@ struct AdapterConfig {
   // PEFT's modules_to_save as written in the config (e.g. {"lm_head"}): modules trained in
   // full, saved as "base_model.model.<tensor name>" (models/lora.h modules_to_save_tensors).
   std::vector<std::string> modules_to_save;
+  // PEFT's rank_pattern and alpha_pattern, in the file's order: a module takes the rank (and
+  // lora_alpha) of the first pattern that matches its name as `(.*\.)?(pattern)$` (PEFT's
+  // get_pattern_key), else lora.r (lora.alpha). Read from adapters; memtune's training config
+  // has no such keys, so the adapters it trains have one rank.
+  std::vector<std::pair<std::string, int64_t>> rank_pattern;
+  std::vector<std::pair<std::string, double>> alpha_pattern;
+  // The adapter options of `module`: lora with its pattern's rank and alpha.
+  LoraOptions options_for(const std::string& module) const;
 };
 
 std::string peft_key(const std::string& module, const char* which);  // which: "lora_A" | "lora_B"
@@ -30,7 +38,7 @@ void save_adapter(const CausalLM& model, const AdapterConfig& config, const std:
 
 // Reads adapter_config.json (throws UserError naming the file and key on bad input, and
 // naming every field that changes PEFT's math and that memtune does not implement:
-// lora_bias, rank/alpha patterns, LoRA on embeddings, ...). use_dora is read.
+// lora_bias, LoRA on embeddings, ...). use_dora, rank_pattern and alpha_pattern are read.
 // fan_in_fan_out is read but PEFT itself sets it from the module type (Conv1D or Linear),
 // as memtune does.
 AdapterConfig read_adapter_config(const std::filesystem::path& dir);

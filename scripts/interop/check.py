@@ -520,6 +520,14 @@ class Check:
                                           "fan_in_fan_out": True, "use_dora": True, "use_rslora": True}),
             ("qwen3 DoRA all-linear", "qwen3", {"r": 4, "lora_alpha": 8, "target_modules": "all-linear",
                                                 "use_dora": True}),
+            # Per-module ranks and alphas; layer 1's v_proj named before the bare v_proj (order decides).
+            ("llama rank/alpha patterns", "llama", {
+                "r": 4, "lora_alpha": 8, "target_modules": "all-linear",
+                "rank_pattern": {"model.layers.1.self_attn.v_proj": 3, "v_proj": 2, "down_proj": 8},
+                "alpha_pattern": {"q_proj": 16, r"layers\.0\.mlp\..*": 4}}),
+            ("gpt2 DoRA rank pattern", "gpt2", {"r": 4, "lora_alpha": 8, "target_modules": ["c_attn", "c_fc"],
+                                                "fan_in_fan_out": True, "use_dora": True,
+                                                "rank_pattern": {"c_fc": 6}, "alpha_pattern": {"c_attn": 12}}),
         ]
         for k, (label, family, config) in enumerate(made):
             def run(label=label, family=family, config=config, seed=k):
@@ -582,7 +590,7 @@ class Check:
             ("a lora_B.bias tensor", None, ("base_model.model.model.layers.0.self_attn.q_proj.lora_B.bias", [64]),
              "lora_B"),
             ("use_dora: true without magnitudes", {"use_dora": True}, None, "lora_magnitude_vector"),
-            ("rank_pattern", {"rank_pattern": {"q_proj": 8}}, None, "rank_pattern"),
+            ("rank_pattern disagreeing with the tensors", {"rank_pattern": {"q_proj": 8}}, None, "rank_pattern"),
         ]
         for label, edit, tensor, key in cases:
             d = variant(re.sub(r"\W+", "-", label), edit, tensor)

@@ -3,6 +3,8 @@
 // loss and every parameter gradient on random tiny models with packed, padded batches.
 #include <gtest/gtest.h>
 
+#include <set>
+
 #include <nlohmann/json.hpp>
 
 #include <ATen/ATen.h>
@@ -275,6 +277,42 @@ TEST_P(HfReferenceLora, DoraMatches) {
     ++magnitudes;
   }
   EXPECT_GE(magnitudes, 2);
+}
+
+// PEFT's rank_pattern and alpha_pattern: each module's rank and lora_alpha from the first
+// pattern (in the file's order, which PEFT writes sorted) matching its name as (.*\.)?(pattern)$.
+// Layer 1's v_proj (c_fc) is named in full, sorting before the bare v_proj (c_fc), which
+// matches it too (so the order decides); down_proj gets its own rank,
+// q_proj (GPT-2: c_attn) its own alpha; plain LoRA and DoRA, whose norms take each module's
+// scaling. Loss and gradients against the reference's reading of the same file.
+TEST_P(HfReferenceLora, RankAndAlphaPatternsMatch) {
+  if (!python_torch_available()) GTEST_SKIP() << "python3-torch not installed";
+  const Case& c = GetParam();
+  const bool gpt2 = c.init_args.find("gpt2") != std::string::npos;
+  const std::string patterns =
+      gpt2 ? R"( --rank-pattern '{".*h\\.1\\.mlp\\.c_fc": 3, "c_fc": 6}' --alpha-pattern '{"c_attn": 2.5}')"
+           : R"( --rank-pattern '{"model\\.layers\\.1\\.self_attn\\.v_proj": 3, "v_proj": 2, "down_proj": 6}')"
+             R"( --alpha-pattern '{"q_proj": 3}')";
+  for (const std::string dora : {"", " --dora"}) {
+    fs::path dir = temp_dir();
+    make_lora_case(c, dir, "", patterns + dora);
+    auto model = models::load_hf_model(dir / "model", {});
+    models::load_adapter(*model, dir / "adapter");
+    std::set<int64_t> ranks;
+    for (models::Linear* l : model->linears())
+      if (l->lora) ranks.insert(l->lora->A.size(0));
+    EXPECT_EQ(ranks, (gpt2 ? std::set<int64_t>{3, 4, 6} : std::set<int64_t>{2, 3, 4, 6})) << dora;
+    data::Batch batch = load_batch(dir / "batch.safetensors");
+    models::ForwardOutput out = training_forward(*model, batch, c.checkpoint);
+    (out.loss_sum / static_cast<double>(out.target_tokens)).backward();
+    models::SafetensorsFile r(dir / "ref.safetensors");
+    EXPECT_NEAR(out.loss_sum.item<double>() / out.target_tokens, r.load("loss").item<double>(), 1e-5) << dora;
+    for (models::Linear* l : model->linears()) {
+      if (!l->lora) continue;
+      EXPECT_LT(rel_err(l->lora->A.grad(), r.load(models::peft_key(l->name(), "lora_A") + ".grad")), 1e-4) << l->name();
+      EXPECT_LT(rel_err(l->lora->B.grad(), r.load(models::peft_key(l->name(), "lora_B") + ".grad")), 1e-4) << l->name();
+    }
+  }
 }
 
 // DoRA on a bf16 model (fp32 adapters and magnitudes) and under bf16 autocast, against the

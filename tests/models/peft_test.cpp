@@ -241,8 +241,6 @@ TEST(PeftAdapter, RefusesEveryFieldThatChangesTheMath) {
   auto model = tiny_llama();
   const std::vector<std::pair<std::string, json>> fields = {
       {"bias", "all"},
-      {"rank_pattern", {{"q_proj", 8}}},
-      {"alpha_pattern", {{"q_proj", 32}}},
       {"layer_replication", {{0, 2}}},
       {"trainable_token_indices", {1, 2}},
       {"use_qalora", true},
@@ -255,6 +253,49 @@ TEST(PeftAdapter, RefusesEveryFieldThatChangesTheMath) {
     c[key] = value;
     SCOPED_TRACE(key);
     expect_refused(write_adapter(c, q_proj_tensors(*model)), {key});
+  }
+}
+
+// rank_pattern / alpha_pattern, as PEFT's get_pattern_key reads them: the first pattern in the
+// file's order that matches the module's name as (.*\.)?(pattern)$; a bare suffix that is not
+// a dotted part ("proj") matches nothing. Bad values and patterns are refused with the file.
+TEST(PeftAdapter, RankAndAlphaPatternsFollowTheFilesOrder) {
+  const fs::path root = temp_dir();
+  auto config_of = [&](const std::string& patterns) {
+    json c = base_config();
+    c.erase("rank_pattern");
+    c.erase("alpha_pattern");
+    std::string text = c.dump();
+    text = text.substr(0, text.size() - 1) + "," + patterns + "}";  // the patterns' order as written
+    const fs::path d = root / std::to_string(std::hash<std::string>{}(patterns));
+    fs::create_directories(d);
+    write_file(d / "adapter_config.json", text);
+    return d;
+  };
+  const auto c = read_adapter_config(config_of(
+      R"("rank_pattern": {"model.layers.0.self_attn.q_proj": 3, "q_proj": 5, "proj": 7}, "alpha_pattern": {"layers\\.1\\..*": 2.5})"));
+  EXPECT_EQ(c.options_for("model.layers.0.self_attn.q_proj").r, 3);
+  EXPECT_EQ(c.options_for("model.layers.1.self_attn.q_proj").r, 5);
+  EXPECT_EQ(c.options_for("model.layers.1.self_attn.v_proj").r, kRank);
+  EXPECT_EQ(c.options_for("model.layers.1.self_attn.v_proj").alpha, 2.5);
+  EXPECT_EQ(c.options_for("model.layers.0.self_attn.v_proj").alpha, 8);
+  // Written in the other order, the bare q_proj comes first and decides for layer 0 too.
+  EXPECT_EQ(read_adapter_config(config_of(R"("rank_pattern": {"q_proj": 5, "model.layers.0.self_attn.q_proj": 3})"))
+                .options_for("model.layers.0.self_attn.q_proj").r,
+            5);
+  for (const auto& [patterns, words] : std::vector<std::pair<std::string, std::vector<std::string>>>{
+           {R"("rank_pattern": {"q_proj": 0})", {"rank_pattern", "q_proj", "an integer >= 1"}},
+           {R"("rank_pattern": {"q_proj": 2.5})", {"rank_pattern", "2.5"}},
+           {R"("rank_pattern": {"q_(proj": 2})", {"rank_pattern", "q_(proj", "regular expression"}},
+           {R"("alpha_pattern": {"q_proj": -1})", {"alpha_pattern", "number > 0"}},
+           {R"("alpha_pattern": [1])", {"alpha_pattern", "must map"}}}) {
+    try {
+      read_adapter_config(config_of(patterns));
+      ADD_FAILURE() << patterns << " was read";
+    } catch (const UserError& e) {
+      for (const std::string& w : words) EXPECT_NE(std::string(e.what()).find(w), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("adapter_config.json"), std::string::npos) << e.what();
+    }
   }
 }
 

@@ -10,7 +10,7 @@ Usage (all files are safetensors unless .json):
       --rope-scaling JSON --rope-parameters --tie --attention-bias --mlp-bias --qwen2 --mistral
       --qwen3 --sliding-window W --eps E --init-std S --save-dtype float32|bfloat16|float16]
   hf_reference.py init-lora --model DIR --out ADAPTER_DIR --seed N [--r 4 --alpha 8
-      --targets q_proj,v_proj --rslora --dora]
+      --targets q_proj,v_proj --rslora --dora --rank-pattern JSON --alpha-pattern JSON]
   hf_reference.py make-batch --out BATCH --vocab V --seed N [--rows 2 --seq 16 --max-docs 3
       --min-doc 2 --ignore-frac 0.1 --pad]
   hf_reference.py forward --model DIR --batch BATCH --out OUT [--lora ADAPTER_DIR]
@@ -330,25 +330,41 @@ def peft_target_matches(name, targets):
     return name in targets or any(name.endswith("." + t) for t in targets)
 
 
+def pattern_value(patterns, name, default):
+    """PEFT's get_pattern_key: the value of the first key (in order) matching the module's name
+    as (.*\.)?(key)$, else the default."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", name):
+            return value
+    return default
+
+
 class Lora:
     autocast = False  # the adapters' linears under torch.autocast (forward --autocast)
+
+    def rank_and_alpha(self, name):
+        return int(pattern_value(self.rank_pattern, name, self.r)), \
+            float(pattern_value(self.alpha_pattern, name, self.alpha))
 
     def __init__(self, adapter_dir, cfg):
         with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
             self.config = c = json.load(f)
         if c.get("peft_type", "LORA") != "LORA":
             raise ValueError(f"peft_type {c.get('peft_type')} is not LORA")
-        for key in ("rank_pattern", "alpha_pattern"):
-            if c.get(key):
-                raise ValueError(f"{key} is not supported by the reference")
         if c.get("layers_to_transform") is not None:
             raise ValueError("layers_to_transform is not supported by the reference")
         if c.get("bias", "none") != "none":
             raise ValueError("LoRA bias other than 'none' is not supported by the reference")
         self.r = int(c["r"])
         self.dora = bool(c.get("use_dora"))
-        alpha = float(c["lora_alpha"])
-        self.scaling = alpha / math.sqrt(self.r) if c.get("use_rslora") else alpha / self.r
+        self.alpha = float(c["lora_alpha"])
+        self.rslora = bool(c.get("use_rslora"))
+        self.scaling = self.alpha / math.sqrt(self.r) if self.rslora else self.alpha / self.r
+        # PEFT's rank_pattern / alpha_pattern: the first key (in the file's order) that matches a
+        # module's name as (.*\.)?(key)$ gives its rank / alpha.
+        self.rank_pattern = c.get("rank_pattern") or {}
+        self.alpha_pattern = c.get("alpha_pattern") or {}
+        self.scalings = {}
         raw = load_safetensors(os.path.join(adapter_dir, "adapter_model.safetensors"))
         self.tensors = {}  # PEFT key -> tensor
         # modules_to_save (PEFT's ModulesToSaveWrapper): modules whose name ends with an entry
@@ -372,15 +388,17 @@ class Lora:
         for name, (fin, fout, _) in lin.items():
             if not peft_target_matches(name, targets):
                 continue
+            r, alpha = self.rank_and_alpha(name)
+            self.scalings[name] = alpha / math.sqrt(r) if self.rslora else alpha / r
             a = f"base_model.model.{name}.lora_A.weight"
             b = f"base_model.model.{name}.lora_B.weight"
             if a not in self.tensors or b not in self.tensors:
                 raise ValueError(f"adapter lacks {a} / {b}")
-            if list(self.tensors[a].shape) != [self.r, fin] or \
-                    list(self.tensors[b].shape) != [fout, self.r]:
+            if list(self.tensors[a].shape) != [r, fin] or \
+                    list(self.tensors[b].shape) != [fout, r]:
                 raise ValueError(f"{name}: lora_A {list(self.tensors[a].shape)} lora_B "
-                                 f"{list(self.tensors[b].shape)}, want [{self.r},{fin}] "
-                                 f"[{fout},{self.r}]")
+                                 f"{list(self.tensors[b].shape)}, want [{r},{fin}] "
+                                 f"[{fout},{r}]")
             m = None
             if self.dora:  # PEFT saves the magnitude as "<module>.lora_magnitude_vector" ([out])
                 m = f"base_model.model.{name}.lora_magnitude_vector"
@@ -555,7 +573,7 @@ class Forward:
             a_key, b_key, m_key = self.lora.modules[name]
             A, B = self.lp[a_key], self.lp[b_key]
             if m_key is not None:
-                return self.dora(y, x, w.t() if conv1d else w, b, A, B, self.lp[m_key])
+                return self.dora(y, x, w.t() if conv1d else w, b, A, B, self.lp[m_key], self.lora.scalings[name])
             # PEFT: the adapter takes x in its own dtype (fp32 adapters on a 16-bit model,
             # autocast_adapter_dtype), the sum is formed in the wider dtype and rounded back.
             xa = x.to(A.dtype)
@@ -563,17 +581,16 @@ class Forward:
                 # Under the Trainer's bf16 / fp16 autocast PyTorch's autocast casts x, A and B to
                 # 16 bits for each linear; the sum is then of two 16-bit tensors.
                 with torch.autocast("cpu", dtype=x.dtype):
-                    y = y + F.linear(F.linear(xa, A), B) * self.lora.scaling
+                    y = y + F.linear(F.linear(xa, A), B) * self.lora.scalings[name]
             else:
-                y = (y + torch.matmul(torch.matmul(xa, A.t()), B.t()) * self.lora.scaling).to(y.dtype)
+                y = (y + torch.matmul(torch.matmul(xa, A.t()), B.t()) * self.lora.scalings[name]).to(y.dtype)
         return y
 
-    def dora(self, y, x, w, b, A, B, m):
+    def dora(self, y, x, w, b, A, B, m, s):
         """DoRA (Liu et al. 2024, as PEFT's use_dora): the adapted weight W + s B A rescaled row
         by row to the magnitude m, its row norms n treated as constants:
         y' = m/n * (x W^T + s x A^T B^T) + b, formed from the base output y as PEFT forms it,
         y + (m/n - 1) (y - b) + (m/n) s (x A^T B^T), in the adapter's dtype and rounded to y's."""
-        s = self.lora.scaling
         xa = x.to(A.dtype)
         cast = self.lora.autocast and x.dtype in (torch.bfloat16, torch.float16)
         # B A in the products' dtype (16 bits under autocast), taken to the adapter's.
@@ -855,18 +872,25 @@ def cmd_init_lora(a):
         raise SystemExit(f"--targets {a.targets} match no layer of {a.model}")
     g = _gen(a.seed)
     tensors = {}
+    # In the order the file will hold them: PEFT writes adapter_config.json with sorted keys, and
+    # the first pattern in the file's order decides when PEFT (or memtune) reads it back.
+    rank_pattern = dict(sorted(json.loads(a.rank_pattern).items()))
+    alpha_pattern = dict(sorted(json.loads(a.alpha_pattern).items()))
     for n in names:
         fin, fout, _ = lin[n]
-        A = torch.randn(a.r, fin, generator=g, dtype=torch.float64) / math.sqrt(fin)
-        B = 0.25 * torch.randn(fout, a.r, generator=g, dtype=torch.float64) / math.sqrt(a.r)
+        r = int(pattern_value(rank_pattern, n, a.r))
+        A = torch.randn(r, fin, generator=g, dtype=torch.float64) / math.sqrt(fin)
+        B = 0.25 * torch.randn(fout, r, generator=g, dtype=torch.float64) / math.sqrt(r)
         tensors[f"base_model.model.{n}.lora_A.weight"] = A.float()
         tensors[f"base_model.model.{n}.lora_B.weight"] = B.float()
     if a.dora:
         # DoRA's magnitude: PEFT starts it at ||W + s B A|| per row; here it is moved off that by
         # 20 % so that m / n - 1 matters.
         _, base = load_model(a.model)
-        scaling = a.alpha / math.sqrt(a.r) if a.rslora else a.alpha / a.r
         for n in names:
+            r = int(pattern_value(rank_pattern, n, a.r))
+            alpha = float(pattern_value(alpha_pattern, n, a.alpha))
+            scaling = alpha / math.sqrt(r) if a.rslora else alpha / r
             w = base[n + ".weight"].double()
             if lin[n][2]:  # Conv1D: [in, out]
                 w = w.t()
@@ -884,12 +908,12 @@ def cmd_init_lora(a):
                     t.double() + 0.1 * t.double().std() * torch.randn(t.shape, generator=g, dtype=torch.float64)).float()
     conv = any(lin[n][2] for n in names)
     conf = {
-        "alpha_pattern": {}, "auto_mapping": None,
+        "alpha_pattern": alpha_pattern, "auto_mapping": None,
         "base_model_name_or_path": os.path.abspath(a.model),
         "bias": "none", "fan_in_fan_out": bool(conv), "inference_mode": False,
         "init_lora_weights": True, "layers_pattern": None, "layers_to_transform": None,
         "lora_alpha": int(a.alpha) if float(a.alpha).is_integer() else a.alpha, "lora_dropout": 0.0, "modules_to_save": mts,
-        "peft_type": "LORA", "r": a.r, "rank_pattern": {}, "revision": None,
+        "peft_type": "LORA", "r": a.r, "rank_pattern": rank_pattern, "revision": None,
         "target_modules": targets, "task_type": "CAUSAL_LM", "use_dora": bool(a.dora),
         "use_rslora": bool(a.rslora),
     }
@@ -1605,6 +1629,8 @@ def main(argv=None):
     p.add_argument("--rslora", action="store_true")
     p.add_argument("--dora", action="store_true",
                    help="use_dora: magnitudes saved as lora_magnitude_vector, 20 %% off the norms PEFT starts them at")
+    p.add_argument("--rank-pattern", default="{}", help="JSON object: PEFT's rank_pattern (pattern -> r)")
+    p.add_argument("--alpha-pattern", default="{}", help="JSON object: PEFT's alpha_pattern (pattern -> lora_alpha)")
     p.add_argument("--modules-to-save", default=None,
                    help="comma list (PEFT modules_to_save): saved as perturbed copies of the base's")
 
