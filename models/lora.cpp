@@ -171,8 +171,7 @@ LoraSummary apply_lora(CausalLM& model, const LoraOptions& options, const LoraTa
     if (!lora_targets(targets, l->name(), slot.layer)) continue;
     l->add_lora(options);
     summary.modules.push_back(l->name());
-    summary.trainable_parameters += l->lora->A.numel() + l->lora->B.numel() +
-                                    (l->lora->dora() ? l->lora->magnitude.numel() : 0);
+    summary.trainable_parameters += l->lora->parameters();
   }
   summary.total_parameters = model.base_parameter_count() + summary.trainable_parameters;
   return summary;

@@ -25,11 +25,15 @@ std::string peft_key(const std::string& module, const char* which) {
 
 namespace {
 
-// PEFT's get_pattern_key: the first pattern (in order) that matches `module` as (.*\.)?(pattern)$.
+// A rank_pattern / alpha_pattern key as PEFT's get_pattern_key matches it: (.*\.)?(pattern)$
+// over the whole module name.
+std::regex pattern_regex(const std::string& pattern) { return std::regex("(.*\\.)?(" + pattern + ")"); }
+
+// The value of the first pattern (in order) that matches `module`; none: nullptr.
 template <class V>
 const V* pattern_value(const std::vector<std::pair<std::string, V>>& patterns, const std::string& module) {
   for (const auto& [pattern, value] : patterns)
-    if (std::regex_match(module, std::regex("(.*\\.)?(" + pattern + ")"))) return &value;
+    if (std::regex_match(module, pattern_regex(pattern))) return &value;
   return nullptr;
 }
 
@@ -46,7 +50,7 @@ std::vector<std::pair<std::string, V>> read_patterns(const nlohmann::ordered_jso
                 patterns.dump().substr(0, 200));
   for (const auto& [pattern, value] : patterns.items()) {
     try {
-      std::regex("(.*\\.)?(" + pattern + ")");
+      pattern_regex(pattern);
     } catch (const std::regex_error& e) {
       fail(where, ": ", key, " pattern '", pattern, "' is not a valid regular expression (", e.what(), ")");
     }
@@ -359,7 +363,6 @@ LoraSummary load_adapter(CausalLM& model, const fs::path& dir) {
     l->add_lora(options);
     l->lora->A.copy_(A);
     l->lora->B.copy_(B);
-    int64_t n = A.numel() + B.numel();
     if (config.lora.use_dora) {
       MEMTUNE_CHECK(!l->int8(), where, ": '", module, "' is an 8-bit (load_in_8bit) weight, and memtune does not ",
                     "support DoRA (use_dora) on one; load the base in 4 bits or dense");
@@ -367,11 +370,10 @@ LoraSummary load_adapter(CausalLM& model, const fs::path& dir) {
       MEMTUNE_CHECK(m.dim() == 1 && m.size(0) == l->out_features(), where, ": '", keys.magnitude, "' has shape ",
                     m.sizes(), ", expected [", l->out_features(), "]");
       l->lora->magnitude = m.contiguous().set_requires_grad(true);
-      n += m.numel();
     }
     summary.modules.push_back(module);
-    summary.trainable_parameters += n;
-    lora_parameters += n;
+    summary.trainable_parameters += l->lora->parameters();
+    lora_parameters += l->lora->parameters();
   }
   for (const auto& [name, key] : full) {
     const TensorSlot& s = *saved.at(name);

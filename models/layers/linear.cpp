@@ -111,10 +111,7 @@ Linear::Linear(std::string name, int64_t in_features, int64_t out_features, bool
 at::Tensor Linear::forward(const at::Tensor& x, bool training) const {
   MEMTUNE_PROFILE_SCOPE(profile_scope_.c_str());
   if (lora && lora->dora()) return forward_dora(x, training);
-  // Under autocast an fp32 adapter multiplies in a 16-bit compute dtype (lora_linear's
-  // `autocast`: through 16-bit copies of A and B, its gradients summed in fp32).
-  const bool cast_adapter =
-      lora && autocast && compute_dtype != at::kFloat && lora->A.scalar_type() == at::kFloat;
+  const bool cast_adapter = adapter_autocasts();
   // PEFT drops the adapter's input after taking it to the adapter's (fp32) dtype; autocast
   // then casts the dropped input for the product.
   auto adapter_input = [&]() {
@@ -150,6 +147,10 @@ at::Tensor Linear::forward(const at::Tensor& x, bool training) const {
   at::Tensor delta = at::linear(at::linear(adapter_input(), lora->A), lora->B) * lora->scaling;
   y = y.to(x.scalar_type());
   return y + delta.to(y.scalar_type());
+}
+
+bool Linear::adapter_autocasts() const {
+  return lora && autocast && compute_dtype != at::kFloat && lora->A.scalar_type() == at::kFloat;
 }
 
 at::Tensor Linear::base_product(const at::Tensor& x, bool training) const {
@@ -188,9 +189,7 @@ at::Tensor Linear::weight_rows_fp32(int64_t r0, int64_t n) const {
 }
 
 at::Tensor Linear::dora_weight_norm() const {
-  MEMTUNE_INTERNAL_ASSERT(lora && lora->dora(), name_, ": dora_weight_norm without a DoRA adapter");
-  // Autocast forms B A from 16-bit copies, as its F.linear would (PEFT's lora_B(lora_A(eye))).
-  const bool cast = autocast && compute_dtype != at::kFloat && lora->A.scalar_type() == at::kFloat;
+  MEMTUNE_INTERNAL_ASSERT(lora, name_, ": dora_weight_norm without an adapter");
   at::Tensor whole;  // a 4-bit weight on a GPU: dequantized once for every block
   auto rows = [&](int64_t r0, int64_t n) {
     if (qweight_ && !qweight_->device().is_cpu()) {
@@ -199,13 +198,15 @@ at::Tensor Linear::dora_weight_norm() const {
     }
     return weight_rows_fp32(r0, n);
   };
-  return models::dora_weight_norm(rows, out_, lora->A, lora->B, lora->scaling, cast ? compute_dtype : lora->A.scalar_type());
+  // Autocast forms B A from 16-bit copies, as its F.linear would (PEFT's lora_B(lora_A(eye))).
+  return models::dora_weight_norm(rows, out_, lora->A, lora->B, lora->scaling,
+                                  adapter_autocasts() ? compute_dtype : lora->A.scalar_type());
 }
 
 at::Tensor Linear::forward_dora(const at::Tensor& x, bool training) const {
   const LoraAdapter& a = *lora;
   // Under autocast every product of the adapter runs on 16-bit copies of its operands.
-  const bool cast = autocast && compute_dtype != at::kFloat && a.A.scalar_type() == at::kFloat;
+  const bool cast = adapter_autocasts();
   const at::ScalarType pd = cast ? compute_dtype : a.A.scalar_type();
   const bool dropped = training && a.dropout > 0;
   const at::Tensor scale = (a.magnitude / dora_weight_norm()).view({1, -1});  // m / n, n detached
@@ -305,7 +306,6 @@ void Linear::add_lora(const LoraOptions& o) {
     // PEFT's DoraLinearLayer.update_layer: m = ||W + s B A||, B being zero here (the base's row norms).
     MEMTUNE_CHECK(!int8(), name_, ": DoRA (use_dora) on an 8-bit (load_in_8bit) weight is not supported; "
                   "use load_in_4bit or a dense base");
-    lora->magnitude = at::ones({out_}, at::kFloat);  // dora_weight_norm reads dora() off a defined magnitude
     lora->magnitude = dora_weight_norm();
     lora->magnitude.set_requires_grad(true);
   }

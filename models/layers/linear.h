@@ -34,6 +34,7 @@ struct LoraAdapter {
   double scaling = 1.0;
   double dropout = 0.0;
   bool dora() const { return magnitude.defined(); }
+  int64_t parameters() const { return A.numel() + B.numel() + (dora() ? magnitude.numel() : 0); }
 };
 
 class Linear {
@@ -85,11 +86,14 @@ class Linear {
   // Folds the adapter into the base; an NF4 or 8-bit base becomes dense fp32. The adapter is
   // removed. DoRA's: W' = m / ||W + s B A|| * (W + s B A), row by row (PEFT's merge).
   void merge_lora();
-  // ||W + s B A|| row by row for this projection's DoRA adapter: fp32 [out], no gradient.
+  // ||W + s B A|| row by row for this projection's adapter (DoRA's norm): fp32 [out], no gradient.
   at::Tensor dora_weight_norm() const;
   int64_t base_storage_bytes() const;
 
  private:
+  // An fp32 adapter under autocast with a 16-bit compute dtype: its products run on 16-bit
+  // copies of A and B (lora_linear's `autocast`), its gradients summed in fp32.
+  bool adapter_autocasts() const;
   // DoRA's forward (models/layers/dora.h).
   at::Tensor forward_dora(const at::Tensor& x, bool training) const;
   // The base alone, x W^T + b, in compute_dtype (an 8-bit weight: its product's dtype).

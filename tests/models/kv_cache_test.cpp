@@ -264,12 +264,18 @@ void expect_same_greedy(models::CausalLM& model, const std::vector<int32_t>& pro
   EXPECT_LT((top[0] - top[1]).item<float>(), 1e-4f) << what << ": the tokens part at " << same;
 }
 
+// Greedy generation of `n` new tokens with the key/value cache, and the same without it.
+std::pair<models::GenerateOptions, models::GenerateOptions> cached_and_uncached(int64_t n) {
+  models::GenerateOptions cached, uncached;
+  cached.max_new_tokens = uncached.max_new_tokens = n;
+  uncached.use_cache = false;
+  return {cached, uncached};
+}
+
 TEST(KVCache, GenerateWithTheCacheEqualsGenerateWithoutIt) {
   for (const char* name : {"tiny-llama", "tiny-gpt2", "tiny-qwen3"}) {
     auto model = model_with_lora(*models::preset(name), true);
-    models::GenerateOptions cached, uncached;
-    cached.max_new_tokens = uncached.max_new_tokens = 40;
-    uncached.use_cache = false;
+    const auto [cached, uncached] = cached_and_uncached(40);
     expect_same_greedy(*model, random_ids(9, model->spec().vocab_size, 3), cached, uncached, name);
   }
 }
@@ -277,9 +283,7 @@ TEST(KVCache, GenerateWithTheCacheEqualsGenerateWithoutIt) {
 TEST(KVCache, GenerateReadsOnePositionPerNewTokenUnlessTold) {
   auto inner = model_with_lora(*models::preset("tiny-llama"), false);
   Wrapped model(*inner, true);
-  models::GenerateOptions cached, uncached;
-  cached.max_new_tokens = uncached.max_new_tokens = 12;
-  uncached.use_cache = false;
+  const auto [cached, uncached] = cached_and_uncached(12);
   const auto prompt = random_ids(6, model.spec().vocab_size, 4);
   models::generate(model, prompt, cached);
   EXPECT_EQ(model.lengths, forward_lengths(6, 12, true));
@@ -291,9 +295,7 @@ TEST(KVCache, GenerateReadsOnePositionPerNewTokenUnlessTold) {
 TEST(KVCache, LayersThatAttendWithoutTheCacheGenerateUncached) {
   auto inner = model_with_lora(*models::preset("tiny-llama"), false);
   Wrapped model(*inner, false);
-  models::GenerateOptions cached, uncached;
-  cached.max_new_tokens = uncached.max_new_tokens = 30;
-  uncached.use_cache = false;
+  const auto [cached, uncached] = cached_and_uncached(30);
   const auto prompt = random_ids(6, model.spec().vocab_size, 4);
   // The same computation both ways: every forward runs the whole sequence.
   const auto with_cache = models::generate(model, prompt, cached);
