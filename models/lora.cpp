@@ -25,6 +25,34 @@ std::regex target_regex(const std::string& pattern, const std::string& where) {
   }
 }
 
+std::regex lora_pattern_regex(const std::string& pattern, const std::string& where) {
+  try {
+    return std::regex("(.*\\.)?(" + pattern + ")");
+  } catch (const std::regex_error& e) {
+    fail(where, ": pattern '", pattern, "' is not a valid regular expression (", e.what(),
+         "); PEFT matches it as (.*\\.)?(pattern)$ over full module names");
+  }
+}
+
+namespace {
+
+// The value of the first pattern (in order) that matches `module`; none: nullptr.
+template <class V>
+const V* pattern_value(const std::vector<std::pair<std::string, V>>& patterns, const std::string& module,
+                       const char* key) {
+  for (const auto& [pattern, value] : patterns)
+    if (std::regex_match(module, lora_pattern_regex(pattern, key))) return &value;
+  return nullptr;
+}
+
+}  // namespace
+
+LoraOptions LoraPatterns::options_for(LoraOptions base, const std::string& module) const {
+  if (const int64_t* r = pattern_value(rank, module, "rank_pattern")) base.r = *r;
+  if (const double* a = pattern_value(alpha, module, "alpha_pattern")) base.alpha = *a;
+  return base;
+}
+
 bool inside_modules_to_save(const std::vector<std::string>& modules_to_save, const std::string& module) {
   for (const std::string& m : modules_to_save)
     if (module == m || module.rfind(m + ".", 0) == 0 || module.find("." + m + ".") != std::string::npos ||
@@ -160,7 +188,53 @@ void check_lora_targets(const CausalLM& model, const LoraTargets& targets) {
   }
 }
 
-LoraSummary apply_lora(CausalLM& model, const LoraOptions& options, const LoraTargets& targets) {
+void check_lora_patterns(const CausalLM& model, const LoraTargets& targets, const LoraPatterns& patterns,
+                         const std::string& where) {
+  std::vector<std::string> adapted;
+  for (const auto& slot : model.tensors())
+    if (slot.role == TensorRole::kLinearWeight && lora_targets(targets, slot.linear->name(), slot.layer))
+      adapted.push_back(slot.linear->name());
+  auto check = [&](const auto& list, const char* key) {
+    const std::string at = where + "." + key;
+    std::vector<std::regex> res;
+    for (const auto& entry : list) res.push_back(lora_pattern_regex(entry.first, at));
+    // Each pattern must decide some module: match it, with no earlier pattern matching it.
+    std::vector<std::string> first_match(list.size());  // an adapted module it matches
+    std::vector<bool> decides(list.size(), false);
+    for (const std::string& m : adapted) {
+      bool decided = false;
+      for (size_t k = 0; k < list.size(); ++k) {
+        if (!std::regex_match(m, res[k])) continue;
+        if (first_match[k].empty()) first_match[k] = m;
+        if (!decided) decides[k] = true, decided = true;
+      }
+    }
+    for (size_t k = 0; k < list.size(); ++k) {
+      if (decides[k]) continue;
+      const std::string& pattern = list[k].first;
+      if (!first_match[k].empty()) {
+        std::string earlier;
+        for (size_t j = 0; j < k && earlier.empty(); ++j)
+          if (std::regex_match(first_match[k], res[j])) earlier = list[j].first;
+        fail(at, ": '", pattern, "' decides no module: every module it matches (e.g. ", first_match[k],
+             ") takes an earlier pattern ('", earlier, "'), as the first pattern in order that matches decides in ",
+             "PEFT. Hint: put the more specific pattern first");
+      }
+      std::set<std::string> short_names;
+      for (const std::string& m : adapted) short_names.insert(m.substr(m.rfind('.') + 1));
+      fail(at, ": '", pattern, "' matches none of the ", adapted.size(), " adapted modules (", where,
+           ".target_modules selects ", joined(std::vector<std::string>(short_names.begin(), short_names.end())),
+           adapted.empty() ? "" : "; e.g. " + adapted.front(),
+           "), so it would change nothing (PEFT ignores it). Hint: a pattern matches the end of a full module "
+           "name, as (.*\\.)?(pattern)$");
+    }
+  };
+  check(patterns.rank, "rank_pattern");
+  check(patterns.alpha, "alpha_pattern");
+}
+
+LoraSummary apply_lora(CausalLM& model, const LoraOptions& options, const LoraTargets& targets,
+                       const LoraPatterns& patterns) {
   check_lora_targets(model, targets);
   for (auto& s : model.tensors())
     if (s.tensor->defined()) s.tensor->set_requires_grad(false);
@@ -169,7 +243,7 @@ LoraSummary apply_lora(CausalLM& model, const LoraOptions& options, const LoraTa
     if (slot.role != TensorRole::kLinearWeight) continue;
     Linear* l = slot.linear;
     if (!lora_targets(targets, l->name(), slot.layer)) continue;
-    l->add_lora(options);
+    l->add_lora(patterns.options_for(options, l->name()));
     summary.modules.push_back(l->name());
     summary.trainable_parameters += l->lora->parameters();
   }
@@ -227,15 +301,52 @@ std::vector<const TensorSlot*> modules_to_save_tensors(const CausalLM& model, co
   return out;
 }
 
-int64_t apply_modules_to_save(CausalLM& model, const std::vector<std::string>& names, const std::string& where) {
+namespace {
+
+// The tensors become trainable fp32 master weights, with their own optimizer state.
+int64_t make_trainable_fp32(const std::vector<const TensorSlot*>& slots) {
   int64_t n = 0;
-  for (const TensorSlot* s : modules_to_save_tensors(model, names, where)) {
+  for (const TensorSlot* s : slots) {
     at::Tensor& t = *s->tensor;
     if (t.scalar_type() != at::kFloat) t = t.to(at::kFloat);
     t.set_requires_grad(true);
     n += t.numel();
   }
   return n;
+}
+
+}  // namespace
+
+int64_t apply_modules_to_save(CausalLM& model, const std::vector<std::string>& names, const std::string& where) {
+  return make_trainable_fp32(modules_to_save_tensors(model, names, where));
+}
+
+std::vector<const TensorSlot*> lora_bias_tensors(const CausalLM& model, const std::string& bias,
+                                                 const std::function<bool(const Linear&)>& adapted) {
+  std::vector<const TensorSlot*> out;
+  if (bias == "none") return out;
+  MEMTUNE_INTERNAL_ASSERT(bias == "all" || bias == "lora_only", "lora_bias_tensors: bias '", bias, "'");
+  for (const TensorSlot& s : model.tensors()) {
+    // PEFT's "all": (n == "bias") or n.endswith(".bias") over the parameters' names.
+    if (!ends_with(s.name, ".bias") || !s.tensor->defined()) continue;
+    if (bias == "all" || (s.role == TensorRole::kLinearBias && adapted(*s.linear))) out.push_back(&s);
+  }
+  return out;
+}
+
+std::string peft_bias_key(const TensorSlot& bias, bool adapted) {
+  if (!adapted) return "base_model.model." + bias.name;
+  return "base_model.model." + bias.linear->name() + ".base_layer.bias";
+}
+
+int64_t apply_lora_bias(CausalLM& model, const std::string& bias, const std::string& where) {
+  const auto slots = lora_bias_tensors(model, bias, [](const Linear& l) { return l.lora != nullptr; });
+  MEMTUNE_CHECK(bias == "none" || !slots.empty(), where, ": '", bias, "' selects no bias: ",
+                bias == "all" ? "this model's projections and norms have none"
+                              : "the projections with an adapter have none",
+                ", so it would train nothing beside the adapters (PEFT would train nothing either). Hint: bias: none",
+                bias == "lora_only" ? ", or target projections with biases" : "");
+  return make_trainable_fp32(slots);
 }
 
 int64_t make_all_trainable(CausalLM& model) {

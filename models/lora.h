@@ -1,8 +1,10 @@
 #pragma once
 // Applying LoRA adapters to a model, with PEFT's targeting rules.
 #include <cstdint>
+#include <functional>
 #include <regex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "models/causal_lm.h"
@@ -39,6 +41,28 @@ bool inside_modules_to_save(const std::vector<std::string>& modules_to_save, con
 // True when `module` (a full module name) is targeted, following PEFT.
 bool lora_targets(const LoraTargets& targets, const std::string& module, int layer);
 
+// PEFT's rank_pattern and alpha_pattern (LoraConfig): a module takes the rank (lora_alpha) of
+// the first pattern, in order, that matches its full name as `(.*\.)?(pattern)$` (PEFT's
+// get_pattern_key), else the config's. The order is the user's (a YAML or JSON object's key
+// order), which PEFT keeps in training and memtune writes into adapter_config.json.
+struct LoraPatterns {
+  std::vector<std::pair<std::string, int64_t>> rank;
+  std::vector<std::pair<std::string, double>> alpha;
+  bool empty() const { return rank.empty() && alpha.empty(); }
+  // `base` with the rank and alpha of `module`'s patterns.
+  LoraOptions options_for(LoraOptions base, const std::string& module) const;
+};
+
+// A rank_pattern / alpha_pattern key as the regex PEFT matches it with. A pattern std::regex
+// cannot compile is a UserError naming `where` (the file or key holding it).
+std::regex lora_pattern_regex(const std::string& pattern, const std::string& where);
+
+// Throws UserError when a pattern cannot compile, or decides the rank (alpha) of none of the
+// modules `targets` adapt in `model`: it matches none (PEFT would ignore it), or an earlier
+// pattern matches each. Names `where` ("lora": lora.rank_pattern, ...).
+void check_lora_patterns(const CausalLM& model, const LoraTargets& targets, const LoraPatterns& patterns,
+                         const std::string& where);
+
 struct LoraSummary {
   std::vector<std::string> modules;  // the projections that received adapters
   int64_t trainable_parameters = 0;
@@ -52,8 +76,9 @@ struct LoraSummary {
 void check_lora_targets(const CausalLM& model, const LoraTargets& targets);
 
 // Freezes the base and adds adapters (fp32, A random, B zero) to the targeted projections,
-// once check_lora_targets accepts them.
-LoraSummary apply_lora(CausalLM& model, const LoraOptions& options, const LoraTargets& targets);
+// once check_lora_targets accepts them; each with `options`, its rank and alpha from `patterns`.
+LoraSummary apply_lora(CausalLM& model, const LoraOptions& options, const LoraTargets& targets,
+                       const LoraPatterns& patterns = {});
 
 // PEFT's modules_to_save: whole modules trained beside the adapters and saved in the adapter
 // as "base_model.model.<module>.<param>" (PEFT drops its "modules_to_save.default" part on
@@ -69,6 +94,23 @@ std::vector<const TensorSlot*> modules_to_save_tensors(const CausalLM& model, co
 // The tensors modules_to_save_tensors selects become trainable, in fp32 (master weights
 // with their own optimizer state). Returns their element count.
 int64_t apply_modules_to_save(CausalLM& model, const std::vector<std::string>& names, const std::string& where);
+
+// PEFT's bias: the base biases trained beside the adapters. "none"; "all": every tensor named
+// *.bias (the projections' and the norms'); "lora_only": the biases of the projections
+// `adapted` says have an adapter. In tensor-list order.
+std::vector<const TensorSlot*> lora_bias_tensors(const CausalLM& model, const std::string& bias,
+                                                 const std::function<bool(const Linear&)>& adapted);
+
+// A trained bias's key in PEFT's adapter_model.safetensors: an adapted projection's bias
+// lives on its base layer ("base_model.model.<module>.base_layer.bias"), any other under
+// its own name ("base_model.model.<tensor name>").
+std::string peft_bias_key(const TensorSlot& bias, bool adapted);
+
+// Makes lora_bias_tensors of the projections with adapters trainable, in fp32 (master
+// weights, as modules_to_save). Returns their element count; throws UserError naming
+// `where` when `bias` selects none (the model has no such bias, so the key would change
+// nothing).
+int64_t apply_lora_bias(CausalLM& model, const std::string& bias, const std::string& where);
 
 // Full fine-tuning: every dense base tensor becomes trainable (fp32). Refuses a 4-bit base.
 int64_t make_all_trainable(CausalLM& model);

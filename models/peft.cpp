@@ -25,18 +25,6 @@ std::string peft_key(const std::string& module, const char* which) {
 
 namespace {
 
-// A rank_pattern / alpha_pattern key as PEFT's get_pattern_key matches it: (.*\.)?(pattern)$
-// over the whole module name.
-std::regex pattern_regex(const std::string& pattern) { return std::regex("(.*\\.)?(" + pattern + ")"); }
-
-// The value of the first pattern (in order) that matches `module`; none: nullptr.
-template <class V>
-const V* pattern_value(const std::vector<std::pair<std::string, V>>& patterns, const std::string& module) {
-  for (const auto& [pattern, value] : patterns)
-    if (std::regex_match(module, pattern_regex(pattern))) return &value;
-  return nullptr;
-}
-
 // rank_pattern / alpha_pattern as the file has them: patterns to values, in the file's order
 // (the first that matches a module decides). Patterns are checked as regexes here, values as
 // ranks (integers >= 1) or alphas (numbers > 0).
@@ -49,11 +37,7 @@ std::vector<std::pair<std::string, V>> read_patterns(const nlohmann::ordered_jso
   MEMTUNE_CHECK(patterns.is_object(), where, ": ", key, " must map module name patterns to values, got ",
                 patterns.dump().substr(0, 200));
   for (const auto& [pattern, value] : patterns.items()) {
-    try {
-      pattern_regex(pattern);
-    } catch (const std::regex_error& e) {
-      fail(where, ": ", key, " pattern '", pattern, "' is not a valid regular expression (", e.what(), ")");
-    }
+    lora_pattern_regex(pattern, where + ": " + key);
     if constexpr (std::is_integral_v<V>) {
       MEMTUNE_CHECK(value.is_number_integer() && value.template get<int64_t>() >= 1 &&
                         value.template get<int64_t>() < (int64_t{1} << 20),
@@ -75,13 +59,6 @@ nlohmann::ordered_json patterns_json(const std::vector<std::pair<std::string, V>
 }
 
 }  // namespace
-
-LoraOptions AdapterConfig::options_for(const std::string& module) const {
-  LoraOptions o = lora;
-  if (const int64_t* r = pattern_value(rank_pattern, module)) o.r = *r;
-  if (const double* alpha = pattern_value(alpha_pattern, module)) o.alpha = *alpha;
-  return o;
-}
 
 std::string peft_magnitude_key(const std::string& module) {
   return "base_model.model." + module + ".lora_magnitude_vector";
@@ -131,6 +108,10 @@ void save_adapter(const CausalLM& model, const AdapterConfig& config, const fs::
   // PEFT's get_peft_model_state_dict keeps "<module>.<param>" for modules_to_save.
   for (const TensorSlot* s : modules_to_save_tensors(model, config.modules_to_save, "lora.modules_to_save"))
     tensors.emplace_back("base_model.model." + s->name, s->tensor->detach().to(at::kFloat).contiguous());
+  // And the biases of `bias`, an adapted projection's on its base layer.
+  for (const TensorSlot* s : lora_bias_tensors(model, config.bias, [](const Linear& l) { return l.lora != nullptr; }))
+    tensors.emplace_back(peft_bias_key(*s, s->linear && s->linear->lora),
+                         s->tensor->detach().to(at::kFloat).contiguous());
   const LoraOptions& o = config.lora;
   json target_modules = peft_target_modules(config.targets, adapted);
   json c = {{"peft_type", "LORA"},
@@ -141,7 +122,7 @@ void save_adapter(const CausalLM& model, const AdapterConfig& config, const fs::
             {"target_modules", target_modules},
             {"exclude_modules", peft_exclude_modules(config.targets.exclude_modules)},
             {"layers_to_transform", config.targets.layers_to_transform.empty() ? json(nullptr) : json(config.targets.layers_to_transform)},
-            {"bias", "none"},
+            {"bias", config.bias},
             {"use_rslora", o.use_rslora},
             {"use_dora", dora},
             {"fan_in_fan_out", config.fan_in_fan_out},
@@ -154,8 +135,8 @@ void save_adapter(const CausalLM& model, const AdapterConfig& config, const fs::
   // The keys in json's sorted order; the patterns keep theirs (the first that matches decides).
   nlohmann::ordered_json out;
   for (const auto& [key, value] : c.items()) out[key] = value;
-  out["rank_pattern"] = patterns_json(config.rank_pattern);
-  out["alpha_pattern"] = patterns_json(config.alpha_pattern);
+  out["rank_pattern"] = patterns_json(config.patterns.rank);
+  out["alpha_pattern"] = patterns_json(config.patterns.alpha);
   write_file_atomic(dir / "adapter_config.json", out.dump(2) + "\n");
 }
 
@@ -202,8 +183,8 @@ void refuse_unsupported_fields(const json& c, const std::string& where) {
   // PEFT's bias is "none" | "all" | "lora_only"; absent or null means none. Any other type is
   // not a setting PEFT wrote (a type error, reported with the file).
   const std::string bias = c.contains("bias") && !c["bias"].is_null() ? c["bias"].get<std::string>() : "none";
-  MEMTUNE_CHECK(bias == "none", where, ": bias '", bias,
-                "' is not supported: memtune's models train no base biases (bias: none only)");
+  MEMTUNE_CHECK(bias == "none" || bias == "all" || bias == "lora_only", where, ": bias '", bias,
+                "' is not one of PEFT's: none, all, lora_only");
   struct Field {
     const char* key;
     const char* what;
@@ -250,8 +231,9 @@ AdapterConfig read_adapter_config(const fs::path& dir) {
     a.lora.use_rslora = c.value("use_rslora", false);
     a.lora.use_dora = c.contains("use_dora") && !c["use_dora"].is_null() && c["use_dora"].get<bool>();
     const auto ordered = nlohmann::ordered_json::parse(text.str());
-    a.rank_pattern = read_patterns<int64_t>(ordered, "rank_pattern", where);
-    a.alpha_pattern = read_patterns<double>(ordered, "alpha_pattern", where);
+    a.patterns.rank = read_patterns<int64_t>(ordered, "rank_pattern", where);
+    a.patterns.alpha = read_patterns<double>(ordered, "alpha_pattern", where);
+    a.bias = c.contains("bias") && !c["bias"].is_null() ? c["bias"].get<std::string>() : "none";
     a.fan_in_fan_out = c.value("fan_in_fan_out", false);
     a.base_model_name_or_path = c.contains("base_model_name_or_path") && c["base_model_name_or_path"].is_string()
                                     ? c["base_model_name_or_path"].get<std::string>() : "";
@@ -294,6 +276,7 @@ LoraSummary load_adapter(CausalLM& model, const fs::path& dir) {
   };
   std::map<std::string, Keys> modules;  // module -> its tensors' keys
   std::map<std::string, std::string> full;                             // tensor name -> key
+  std::map<std::string, std::string> biases;                           // name in the file -> key
   for (const auto& key : file.names()) {
     const std::string prefix = "base_model.model.";
     MEMTUNE_CHECK(key.rfind(prefix, 0) == 0, where, ": key '", key,
@@ -320,13 +303,19 @@ LoraSummary load_adapter(CausalLM& model, const fs::path& dir) {
       full[rest] = key;
       continue;
     }
+    MEMTUNE_CHECK(rest.find(".lora_B.bias") == std::string::npos && rest.find(".lora_B.default.bias") == std::string::npos,
+                  where, ": tensor '", key, "' is a bias on lora_B (lora_bias), which memtune does not support");
+    // A trained bias (bias: all | lora_only): "<module>.base_layer.bias" on an adapted
+    // projection, "<tensor name>" elsewhere; matched with what `bias` selects below.
+    if (config.bias != "none" && rest.size() > 5 && rest.compare(rest.size() - 5, 5, ".bias") == 0) {
+      biases[rest] = key;
+      continue;
+    }
     MEMTUNE_CHECK(rest.find(".lora_embedding_") == std::string::npos, where, ": tensor '", key,
                   "' is LoRA on an embedding, which memtune does not support");
     MEMTUNE_CHECK(rest.find(".modules_to_save") == std::string::npos, where, ": tensor '", key,
                   "' is not how PEFT saves a module of modules_to_save (it writes base_model.model.<module>.<param>, "
                   "e.g. base_model.model.lm_head.weight, and could not load this name either)");
-    MEMTUNE_CHECK(rest.find(".lora_B.bias") == std::string::npos && rest.find(".lora_B.default.bias") == std::string::npos,
-                  where, ": tensor '", key, "' is a bias on lora_B (lora_bias), which memtune does not support");
     MEMTUNE_CHECK(model.find_tensor(rest) == nullptr, where, ": tensor '", key, "' is the model's ", rest,
                   " saved in full, but adapter_config.json's modules_to_save (",
                   json(config.modules_to_save).dump(), ") does not select it; PEFT would not load it either");
@@ -375,6 +364,23 @@ LoraSummary load_adapter(CausalLM& model, const fs::path& dir) {
     summary.trainable_parameters += l->lora->parameters();
     lora_parameters += l->lora->parameters();
   }
+  // The biases `bias` selects, each from its key; the file holds no other.
+  for (const TensorSlot* s : lora_bias_tensors(model, config.bias, [](const Linear& l) { return l.lora != nullptr; })) {
+    if (full.count(s->name)) continue;  // a modules_to_save tensor, saved under its name
+    const bool adapted = s->linear && s->linear->lora;
+    const std::string key = peft_bias_key(*s, adapted);
+    const auto it = biases.find(key.substr(std::string("base_model.model.").size()));
+    MEMTUNE_CHECK(it != biases.end(), where, ": adapter_config.json's bias '", config.bias, "' trains ", s->name,
+                  " but the file has no tensor '", key, "'");
+    full[s->name] = it->second;
+    saved[s->name] = s;
+    biases.erase(it);
+  }
+  for (const auto& [rest, key] : biases)
+    fail(where, ": tensor '", key, "' is a bias that adapter_config.json's bias '", config.bias, "' does not train ",
+         config.bias == "lora_only" ? "(lora_only: the adapted projections' biases, saved as <module>.base_layer.bias)"
+                                    : "(all: every bias, an adapted projection's saved as <module>.base_layer.bias)",
+         "; PEFT would not load it either");
   for (const auto& [name, key] : full) {
     const TensorSlot& s = *saved.at(name);
     at::Tensor t = file.load(key);

@@ -146,13 +146,22 @@ void LoraConfig::fields(F&& f) {
     "selects a module other than a decoder layer's projection (a norm, a block, an embedding, lm_head) is refused");
   f("exclude_modules", exclude_modules, "module names never adapted");
   f("layers_to_transform", layers_to_transform, "layer indices to adapt; empty: every layer");
+  f("rank_pattern", rank_pattern,
+    "ranks other than r: {pattern: rank}, a module taking the first pattern, in order, that matches its full "
+    "name as the regex (.*\\.)?(pattern)$ (PEFT's); e.g. {model.layers.0.mlp.down_proj: 4, q_proj: 16}. A pattern "
+    "that decides no adapted module (it matches none, or only ones an earlier pattern decides) is refused");
+  f("alpha_pattern", alpha_pattern, "lora_alpha other than lora_alpha, as rank_pattern: {pattern: alpha}");
   f("use_rslora", use_rslora, "rank-stabilised scaling lora_alpha / sqrt(r)");
   f("use_dora", use_dora,
     "DoRA (PEFT's): a trained magnitude per output row rescales W + s B A to it, its norm detached; the "
     "magnitude starts at the base's row norms. Not with load_in_8bit or distributed.sharding: full");
   f("init_lora_weights", init_lora_weights, "true: kaiming-uniform A, zero B; gaussian: normal A, zero B",
     {"true", "gaussian"});
-  f("bias", bias, "trained biases", Field::one_of({"none"}, "trained biases are not supported"));
+  f("bias", bias,
+    "base biases trained beside the adapters (PEFT's): none; all (every bias: the projections' and the norms'); "
+    "lora_only (the adapted projections' biases). Trained in fp32 (so not on a 16-bit model.torch_dtype, where PEFT "
+    "trains them in 16 bits) and saved in the adapter as PEFT saves them",
+    {"none", "all", "lora_only"});
   f("modules_to_save", modules_to_save,
     "modules trained in full beside the adapters and saved in the adapter (PEFT's): module names matched as a "
     "suffix (lm_head, embed_tokens, model.norm; GPT-2: wpe, ln_f), outside the decoder layers, not tied");
@@ -364,6 +373,10 @@ namespace reflect {
 
 std::string type_name(const SizeSpec&, const Field&) { return "size"; }
 std::string type_name(const std::map<std::string, SizeSpec>&, const Field&) { return "map of device to size"; }
+template <class V>
+std::string type_name(const std::vector<std::pair<std::string, V>>&, const Field&) {
+  return std::is_integral_v<V> ? "map of module pattern to rank" : "map of module pattern to number";
+}
 std::string type_name(const CheckpointingConfig&, const Field&) { return "bool or {policy, n, layers}"; }
 std::string type_name(const DeviceMapConfig&, const Field&) { return "device or map of module prefix to device"; }
 std::string type_name(const std::optional<std::vector<std::string>>&, const Field&) {
@@ -401,6 +414,23 @@ void read_value(const Item& it, std::map<std::string, SizeSpec>& v, Ctx& ctx, co
     Item value{kv.second, join(it.path, device), mark_of(kv.second, kv.first)};
     MEMTUNE_CHECK(!v.count(device), ctx.at(key.mark), ": ", value.path, ": duplicate key");
     read(value, v[device], ctx, Field{});
+  }
+}
+
+// rank_pattern / alpha_pattern: patterns to values, in the YAML's order.
+template <class V>
+void read_value(const Item& it, std::vector<std::pair<std::string, V>>& v, Ctx& ctx, const Field& f) {
+  v.clear();
+  if (it.node.IsNull()) return;
+  if (!it.node.IsMap()) wrong_type(ctx, it, type_name(v, f));
+  for (const auto& kv : it.node) {
+    Item key{kv.first, it.path, kv.first.Mark()};
+    std::string pattern = scalar(key, ctx, "module name pattern");
+    Item value{kv.second, join(it.path, pattern), mark_of(kv.second, kv.first)};
+    for (const auto& [p, x] : v) MEMTUNE_CHECK(p != pattern, ctx.at(key.mark), ": ", value.path, ": duplicate key");
+    V x{};
+    read(value, x, ctx, Field{});
+    v.emplace_back(std::move(pattern), x);
   }
 }
 
@@ -457,6 +487,15 @@ void write(YAML::Emitter& e, const std::map<std::string, SizeSpec>& v, const Fie
   for (const auto& [device, size] : v) {
     e << YAML::Key << device << YAML::Value;
     write(e, size, Field{});
+  }
+  e << YAML::EndMap;
+}
+template <class V>
+void write(YAML::Emitter& e, const std::vector<std::pair<std::string, V>>& v, const Field&) {
+  e << YAML::Flow << YAML::BeginMap;
+  for (const auto& [pattern, x] : v) {
+    e << YAML::Key << pattern << YAML::Value;
+    write(e, x, Field{});
   }
   e << YAML::EndMap;
 }
@@ -597,6 +636,15 @@ void validate(const LoraConfig& l, const std::string& p, const Checker& c) {
     c.check(layer >= 0, p + ".layers_to_transform", l.layers_to_transform, "layer indices are >= 0");
   for (const auto& name : l.modules_to_save)
     c.check(!name.empty(), p + ".modules_to_save", l.modules_to_save, "a module name must not be empty");
+  for (const auto& [pattern, r] : l.rank_pattern) {
+    c.check(!pattern.empty(), p + ".rank_pattern", l.rank_pattern, "a pattern must not be empty");
+    c.check(r >= 1 && r < (int64_t{1} << 20), p + ".rank_pattern." + pattern, r, "a rank is an integer >= 1");
+  }
+  for (const auto& [pattern, alpha] : l.alpha_pattern) {
+    c.check(!pattern.empty(), p + ".alpha_pattern", l.alpha_pattern, "a pattern must not be empty");
+    c.check(alpha > 0 && std::isfinite(alpha), p + ".alpha_pattern." + pattern, alpha,
+            "must be a finite number > 0 (scaling = lora_alpha / r)");
+  }
 }
 
 void validate(const CheckpointingConfig& g, const std::string& p, const Checker& c) {

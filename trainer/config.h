@@ -84,10 +84,14 @@ struct LoraConfig {
   std::vector<std::string> target_modules;
   std::vector<std::string> exclude_modules;
   std::vector<int> layers_to_transform;  // empty: every layer
+  // PEFT's rank_pattern / alpha_pattern: module name patterns to a rank / lora_alpha, in the
+  // YAML's order (the first that matches a module decides; models::LoraPatterns).
+  std::vector<std::pair<std::string, int64_t>> rank_pattern;
+  std::vector<std::pair<std::string, double>> alpha_pattern;
   bool use_rslora = false;
   bool use_dora = false;                   // DoRA: a trained magnitude per output row (models/layers/dora.h)
   std::string init_lora_weights = "true";  // true (kaiming-uniform A, zero B) | gaussian
-  std::string bias = "none";               // none only
+  std::string bias = "none";               // none | all | lora_only: base biases trained too (models/lora.h)
   std::vector<std::string> modules_to_save;  // modules trained in full (PEFT suffix match; models/lora.h)
   bool fan_in_fan_out = false;             // weights stored [in,out] (GPT-2 Conv1D); auto-set for gpt2
   std::string task_type = "CAUSAL_LM";

@@ -169,6 +169,23 @@ template <class T>
 struct IsStringMap : std::false_type {};
 template <class V>
 struct IsStringMap<std::map<std::string, V>> : std::true_type {};
+template <class V>
+struct IsStringMap<std::vector<std::pair<std::string, V>>> : std::true_type {};  // keys in order
+
+template <class V>
+void set_entry(std::map<std::string, V>& m, const std::string& key, V value) {
+  m[key] = std::move(value);
+}
+// An ordered map's entry keeps its place; a new key goes last.
+template <class V>
+void set_entry(std::vector<std::pair<std::string, V>>& m, const std::string& key, V value) {
+  for (auto& [k, v] : m)
+    if (k == key) {
+      v = std::move(value);
+      return;
+    }
+  m.emplace_back(key, std::move(value));
+}
 
 template <class S>
 void seek(S& s, const std::vector<std::string>& segments, size_t i, const std::string& prefix,
@@ -184,15 +201,16 @@ void seek(S& s, const std::vector<std::string>& segments, size_t i, const std::s
     if constexpr (HasFields<T>::value) {
       seek(member, segments, i + 1, path, value, ctx);
     } else if constexpr (IsStringMap<T>::value) {
-      // One entry of a map-valued key (model.max_memory.cuda:0=20GiB): the rest of the path,
-      // dots included, is the entry's key; the map's own reader checks and normalises it.
+      // One entry of a map-valued key (model.max_memory.cuda:0=20GiB, lora.rank_pattern.q_proj=16):
+      // the rest of the path, dots included, is the entry's key; the map's own reader checks
+      // and normalises it.
       std::string key = segments[i + 1];
       for (size_t k = i + 2; k < segments.size(); ++k) key += "." + segments[k];
       YAML::Node one(YAML::NodeType::Map);
       one[key] = value;
       T parsed;
       read(Item{one, path, none}, parsed, ctx, f);
-      for (auto& [k, v] : parsed) member[k] = std::move(v);
+      for (auto& [k, v] : parsed) set_entry(member, k, std::move(v));
     } else {
       fail(ctx.at(none), ": ", join(path, segments[i + 1]), ": unknown key (", path, " is a ", type_name(member, f),
            ", not a section)");
@@ -345,6 +363,10 @@ class Checker {
     std::string text = render(value, f);
     if (seen_ && seen_->count(path)) text = seen_->at(path).text;
     fail(at(path), ": ", path, ": invalid value '", text, "': ", reason);
+  }
+  // A literal as the value is text (a char array would otherwise be written as a bool).
+  void check(bool ok, const std::string& path, const char* value, const std::string& reason, const Field& f = {}) const {
+    check(ok, path, std::string(value), reason, f);
   }
 
   // `value` must be one of `choices`; the message lists them and the nearest one.

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <functional>
+#include <set>
 
 #include <ATen/Parallel.h>
 #include <c10/core/ScalarType.h>
@@ -96,11 +97,24 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
     // The model's own projections, matched as PEFT does, and the tensors trained whole.
     const models::LoraTargets targets = lora_targets(c.lora, s.model_type);
     models::check_lora_targets(*structure, targets);  // what train would refuse
-    const std::vector<const models::TensorSlot*> whole =
+    std::vector<const models::TensorSlot*> whole =
         models::modules_to_save_tensors(*structure, c.lora.modules_to_save, "lora.modules_to_save");
+    // lora.bias: the biases trained beside the adapters (of the targeted projections, for lora_only).
+    std::set<const models::Linear*> targeted;
+    for (const models::TensorSlot& t : structure->tensors())
+      if (t.role == models::TensorRole::kLinearWeight && models::lora_targets(targets, t.linear->name(), t.layer))
+        targeted.insert(t.linear);
+    for (const models::TensorSlot* t :
+         models::lora_bias_tensors(*structure, c.lora.bias, [&](const models::Linear& l) { return targeted.count(&l) > 0; }))
+      if (std::find(whole.begin(), whole.end(), t) == whole.end()) whole.push_back(t);
+    const models::LoraPatterns patterns = lora_patterns(c.lora);
+    models::check_lora_patterns(*structure, targets, patterns, "lora");  // what train would refuse
+    const models::LoraOptions options = lora_options(c.lora);
     for (const models::TensorSlot& t : structure->tensors()) {
-      in.adapted.push_back(t.role == models::TensorRole::kLinearWeight &&
-                           models::lora_targets(targets, t.linear->name(), t.layer));
+      const bool adapted =
+          t.role == models::TensorRole::kLinearWeight && models::lora_targets(targets, t.linear->name(), t.layer);
+      in.adapted.push_back(adapted);
+      in.lora_ranks.push_back(adapted ? patterns.options_for(options, t.linear->name()).r : 0);
       in.trained.push_back(std::find(whole.begin(), whole.end(), &t) != whole.end());
     }
   }

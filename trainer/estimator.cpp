@@ -1,6 +1,7 @@
 #include "trainer/estimator.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <unordered_map>
 
@@ -69,7 +70,9 @@ class Planner {
       if (t.role == TensorRole::kLinearWeight) {
         models::LinearTraining lt;
         lt.full = full_;
-        lt.lora_r = adapted ? m_.lora_r : 0;
+        MEMTUNE_INTERNAL_ASSERT(m_.lora_ranks.empty() || m_.lora_ranks.size() == slots.size(), "estimate: ",
+                                m_.lora_ranks.size(), " LoRA ranks for ", slots.size(), " tensors");
+        lt.lora_r = !adapted ? 0 : m_.lora_ranks.empty() ? m_.lora_r : m_.lora_ranks[k];
         lt.lora_dropout = adapted ? m_.lora_dropout : 0.0;
         lt.dora = adapted && m_.lora_dora;
         const bool dense = flag(m_.dense_projections, k, "dense projection");
@@ -388,7 +391,14 @@ class Planner {
       add("weights: gathered layer", e.gathered_layer,
           str_cat("one whole layer while it runs, in forward and in backward; the layers' weights above are 1/",
                   m_.world_size, " of ", format_bytes(e.layers_sharded_from), " (distributed.sharding: full)"));
-    if (e.lora_parameters) add("LoRA parameters", e.lora_parameters, str_cat("r=", m_.lora_r, ", fp32"));
+    if (e.lora_parameters) {
+      // The ranks rank_pattern gives, as a range.
+      int64_t lo = m_.lora_ranks.empty() ? m_.lora_r : INT64_MAX, hi = m_.lora_ranks.empty() ? m_.lora_r : 0;
+      for (int64_t r : m_.lora_ranks)
+        if (r > 0) lo = std::min(lo, r), hi = std::max(hi, r);
+      add("LoRA parameters", e.lora_parameters,
+          str_cat("r=", lo == hi ? std::to_string(lo) : str_cat(lo, "..", hi), ", fp32"));
+    }
     add("gradients", e.gradients,
         str_cat(trainable, " trainable parameters, fp32",
                 grads_off ? "; in host memory as backward produces them (memory.optimizer_offload: cpu)" : ""));

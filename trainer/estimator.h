@@ -48,6 +48,8 @@ struct EstimateInput {
   // tensors trained whole beside the adapters (lora.modules_to_save).
   std::vector<bool> adapted;
   std::vector<bool> trained;
+  // Per model->tensors() (empty: lora_r for every adapter): an adapter's rank (lora.rank_pattern).
+  std::vector<int64_t> lora_ranks;
 
   // Training shape.
   int64_t micro_batch = 1;          // B

@@ -120,6 +120,8 @@ at::ScalarType resolve_dense_dtype(const Config& c, const models::ModelSpec& spe
                 "smaller than its rounding, where memtune keeps trained weights in float32.", hint);
   MEMTUNE_CHECK(c.lora.modules_to_save.empty(), why, " is ", name, ", and lora.modules_to_save trains whole tensors, "
                 "which memtune keeps in float32 (PEFT would train its copies in ", name, ").", hint);
+  MEMTUNE_CHECK(c.lora.bias == "none", why, " is ", name, ", and lora.bias: ", c.lora.bias, " trains the base's biases, ",
+                "which memtune keeps in float32 (PEFT would train them in ", name, ").", hint);
   MEMTUNE_CHECK(compute_dtype == dtype, why, " is ", name, ": the dense weights and the activations are ", name,
                 ", and the products would run in ", nf4_dtype_name(compute_dtype),
                 " (training.bf16 / training.fp16 / quantization_config.bnb_4bit_compute_dtype, resolved for ",
@@ -196,6 +198,8 @@ models::LoraOptions lora_options(const LoraConfig& l) {
   return o;
 }
 
+models::LoraPatterns lora_patterns(const LoraConfig& l) { return {l.rank_pattern, l.alpha_pattern}; }
+
 models::LoraTargets lora_targets(const LoraConfig& l, const std::string& model_type) {
   models::LoraTargets t;
   t.target_modules = l.target_modules.empty() ? models::peft_default_targets(model_type) : l.target_modules;
@@ -259,9 +263,11 @@ ModelBundle setup_model(const Config& c, const fs::path& adapter_dir, const Skip
     b.adapter = models::read_adapter_config(adapter_dir);
     b.notes.push_back("adapter " + adapter_dir.string() + ": " + s.describe());
   } else if (c.training.finetune == "lora") {
-    models::LoraSummary s = models::apply_lora(model, lora_options(c.lora), lora_targets(c.lora, spec.model_type));
     b.adapter.lora = lora_options(c.lora);
     b.adapter.targets = lora_targets(c.lora, spec.model_type);
+    b.adapter.patterns = lora_patterns(c.lora);
+    models::check_lora_patterns(model, b.adapter.targets, b.adapter.patterns, "lora");
+    models::LoraSummary s = models::apply_lora(model, b.adapter.lora, b.adapter.targets, b.adapter.patterns);
     b.adapter.base_model_name_or_path = c.model.name_or_path;
     // PEFT takes fan_in_fan_out from the module: true for weights stored [in, out] (GPT-2's
     // Conv1D), false for Linear, warning when the config said otherwise.
@@ -279,6 +285,19 @@ ModelBundle setup_model(const Config& c, const fs::path& adapter_dir, const Skip
                         "] (all-linear adapts every projection)");
     }
     b.notes.push_back("LoRA on " + std::to_string(s.modules.size()) + " projections: " + s.describe());
+    if (c.lora.bias != "none") {
+      const auto adapted = [](const models::Linear& l) { return l.lora != nullptr; };
+      const auto whole = models::modules_to_save_tensors(model, c.lora.modules_to_save, "lora.modules_to_save");
+      const auto biases = models::lora_bias_tensors(model, c.lora.bias, adapted);
+      for (const models::TensorSlot* t : biases)
+        MEMTUNE_CHECK(std::find(whole.begin(), whole.end(), t) == whole.end(), "lora.bias: '", c.lora.bias,
+                      "' selects ", t->name, ", which lora.modules_to_save trains whole already (PEFT would keep ",
+                      "and save two copies of it). Hint: bias: lora_only, or leave that module out of modules_to_save");
+      const int64_t n = models::apply_lora_bias(model, c.lora.bias, "lora.bias");
+      b.adapter.bias = c.lora.bias;
+      b.notes.push_back(str_cat("lora.bias: ", c.lora.bias, ": ", biases.size(), " biases trained (", n,
+                                " parameters, fp32)"));
+    }
     if (!c.lora.modules_to_save.empty()) {
       const int64_t n = models::apply_modules_to_save(model, c.lora.modules_to_save, "lora.modules_to_save");
       b.adapter.modules_to_save = c.lora.modules_to_save;

@@ -96,6 +96,8 @@ std::vector<models::DeviceBudget> auto_budgets(const Config& config, const c10::
                                                bool distributed);
 
 models::LoraOptions lora_options(const LoraConfig& lora);
+// lora.rank_pattern and lora.alpha_pattern, in the config's order.
+models::LoraPatterns lora_patterns(const LoraConfig& lora);
 
 // The 4-bit code bnb_4bit_quant_type names (validated by the config's schema).
 QuantType quant_type(const QuantizationConfig& q);

@@ -71,7 +71,7 @@ class Gpt2Model : public CausalLM {
       return ctx.training && p > 0 ? keyed_dropout(t, p, site) : t;
     };
     const at::Tensor x = i == 0 ? drop(x_in, dropout_.embedding, embedding_site_) : x_in;
-    at::Tensor h = at::layer_norm(x, {C}, L.ln1_w, L.ln1_b, s.norm_eps);
+    at::Tensor h = layer_norm(x, L.ln1_w, L.ln1_b);
     at::Tensor qkv = L.c_attn->forward(h, ctx.training);  // (B,T,3C)
     auto parts = qkv.split(C, -1);
     at::Tensor q = parts[0].view({B, T, H, 1, D}).permute({0, 2, 3, 1, 4});  // (B,H,1,T,D)
@@ -82,13 +82,20 @@ class Gpt2Model : public CausalLM {
         with_dropout(ctx.attention, ctx.training, dropout_.attention, L.attn_site, B, x.device()));
     a = a.permute({0, 3, 1, 2, 4}).reshape({B, T, C});
     at::Tensor y = x + drop(L.c_proj->forward(a, ctx.training), dropout_.residual, L.attn_resid_site);
-    h = at::layer_norm(y, {C}, L.ln2_w, L.ln2_b, s.norm_eps);
+    h = layer_norm(y, L.ln2_w, L.ln2_b);
     at::Tensor m = gelu_tanh(L.fc->forward(h, ctx.training), s.activation == "gelu_new");
     return y + drop(L.proj->forward(m, ctx.training), dropout_.residual, L.mlp_resid_site);
   }
 
   at::Tensor final_norm(const at::Tensor& x) override {
-    return at::layer_norm(x, {spec_.hidden_size}, ln_f_w_, ln_f_b_, spec_.norm_eps);
+    return layer_norm(x, ln_f_w_, ln_f_b_);
+  }
+
+  // LayerNorm with its parameters in the input's dtype: a trained fp32 weight or bias of a
+  // 16-bit model (lora.bias, lora.modules_to_save) computes as the module's own would.
+  at::Tensor layer_norm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) const {
+    const auto in = [&](const at::Tensor& t) { return t.scalar_type() == x.scalar_type() ? t : t.to(x.scalar_type()); };
+    return at::layer_norm(x, {spec_.hidden_size}, in(w), in(b), spec_.norm_eps);
   }
 
   const at::Tensor& head_weight() const override { return spec_.tie_word_embeddings ? wte_ : lm_head_; }

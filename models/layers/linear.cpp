@@ -149,6 +149,12 @@ at::Tensor Linear::forward(const at::Tensor& x, bool training) const {
   return y + delta.to(y.scalar_type());
 }
 
+at::Tensor Linear::module_bias() const {
+  if (!bias.defined() || !bias.requires_grad() || int8()) return bias;
+  const at::ScalarType home = qweight_ ? qweight_->dtype : weight.scalar_type();
+  return bias.scalar_type() == home ? bias : bias.to(home);
+}
+
 bool Linear::adapter_autocasts() const {
   return lora && autocast && compute_dtype != at::kFloat && lora->A.scalar_type() == at::kFloat;
 }
@@ -232,7 +238,7 @@ at::Tensor Linear::forward_dora(const at::Tensor& x, bool training) const {
   const at::Tensor lora_result = at::linear(at::linear(h, a.A.to(pd)), a.B.to(pd));
   at::Tensor base_result;  // x W^T without the bias
   if (!dropped) {
-    base_result = bias.defined() ? result - bias : result;
+    base_result = bias.defined() ? result - module_bias() : result;
   } else if (qweight_) {  // the dropped input times W: PEFT's F.linear with the dequantized weight
     base_result = linear4bit(h, qweight_, at::Tensor(), pd);
   } else {

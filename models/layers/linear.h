@@ -98,6 +98,9 @@ class Linear {
   at::Tensor forward_dora(const at::Tensor& x, bool training) const;
   // The base alone, x W^T + b, in compute_dtype (an 8-bit weight: its product's dtype).
   at::Tensor base_product(const at::Tensor& x, bool training) const;
+  // The bias in the dtype PEFT's base layer holds it in: a trained bias (lora.bias) is an fp32
+  // master copy of a parameter PEFT keeps in the weight's dtype; a frozen one is as loaded.
+  at::Tensor module_bias() const;
   // Rows [r0, r0 + n) of W as [out, in] rows in fp32, as PEFT reads the weight for DoRA: a 4-bit
   // weight dequantized to the dtype it was quantized from, then widened.
   at::Tensor weight_rows_fp32(int64_t r0, int64_t n) const;

@@ -528,6 +528,11 @@ class Check:
             ("gpt2 DoRA rank pattern", "gpt2", {"r": 4, "lora_alpha": 8, "target_modules": ["c_attn", "c_fc"],
                                                 "fan_in_fan_out": True, "use_dora": True,
                                                 "rank_pattern": {"c_fc": 6}, "alpha_pattern": {"c_attn": 12}}),
+            # bias: the base biases trained beside the adapters (all: the LayerNorms' too).
+            ("gpt2 bias all", "gpt2", {"r": 4, "lora_alpha": 8, "target_modules": ["c_attn"],
+                                       "fan_in_fan_out": True, "bias": "all"}),
+            ("llama-bias bias lora_only", "llama-bias", {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "down_proj"],
+                                                         "bias": "lora_only"}),
         ]
         for k, (label, family, config) in enumerate(made):
             def run(label=label, family=family, config=config, seed=k):
@@ -544,6 +549,19 @@ class Check:
             ("qdora-qwen3", "qwen3", {"target_modules": "all-linear", "use_dora": True}, True),
             ("dora-gpt2-dropout", "gpt2", {"target_modules": "all-linear", "use_dora": True, "lora_dropout": 0.1}, False),
             ("lora-mistral", "mistral", {"target_modules": ["q_proj", "v_proj"]}, False),
+            # lora.rank_pattern / alpha_pattern in the training config, in an order that sorting
+            # would change: the bare v_proj first decides layer 1's v_proj too (sorted, the layer-1
+            # pattern would come first and give it rank 3).
+            ("rank-patterns-llama", "llama", {
+                "target_modules": "all-linear",
+                "rank_pattern": {"v_proj": 2, r"layers\.1\.self_attn\.(q|v)_proj": 3, "down_proj": 8},
+                "alpha_pattern": {"q_proj": 16, r"layers\.0\.mlp\..*": 4}}, False),
+            ("rank-patterns-qdora-qwen3", "qwen3", {"target_modules": "all-linear", "use_dora": True,
+                                                   "rank_pattern": {"k_proj": 8, "gate_proj": 2}}, True),
+            ("bias-all-gpt2", "gpt2", {"target_modules": ["c_attn", "c_fc"], "bias": "all"}, False),
+            ("bias-lora-only-qlora-llama-bias", "llama-bias", {"target_modules": "all-linear", "bias": "lora_only"}, True),
+            ("bias-all-dora-llama-bias", "llama-bias", {"target_modules": ["q_proj", "v_proj"], "use_dora": True,
+                                                        "bias": "all"}, False),
         ]
         for name, family, lora, quantized in trained:
             def run(name=name, family=family, lora=lora, quantized=quantized):

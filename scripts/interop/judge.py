@@ -218,8 +218,8 @@ def op_peft_version(r):
 
 def op_peft_make(r):
     """An adapter made by PEFT: get_peft_model(model, LoraConfig(**config)), its lora_B (zero at
-    PEFT's init) drawn and DoRA's magnitudes moved 20 % off the norms PEFT starts them at, by a
-    seeded generator, then save_pretrained."""
+    PEFT's init) drawn, DoRA's magnitudes moved 20 % off the norms PEFT starts them at and the
+    biases its bias trains moved off the base's, by a seeded generator, then save_pretrained."""
     peft = import_peft()
     model, _ = load_model(r["model"])
     pm = peft.get_peft_model(model, peft.LoraConfig(task_type="CAUSAL_LM", **r["config"]))
@@ -230,6 +230,8 @@ def op_peft_make(r):
                 p.copy_(0.05 * torch.randn(p.shape, generator=g))
             elif ".lora_magnitude_vector." in name:
                 p.mul_(0.8 + 0.4 * torch.rand(p.shape, generator=g))
+            elif p.requires_grad and name.endswith(".bias"):  # bias: all | lora_only
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
     pm.save_pretrained(path(r["out"]))
     return {"files": sorted(os.listdir(path(r["out"]))), "trainable": pm.get_nb_trainable_parameters()[0]}
 

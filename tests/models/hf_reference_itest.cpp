@@ -3,6 +3,7 @@
 // loss and every parameter gradient on random tiny models with packed, padded batches.
 #include <gtest/gtest.h>
 
+#include <map>
 #include <set>
 
 #include <nlohmann/json.hpp>
@@ -173,6 +174,74 @@ TEST_P(HfReferenceLora, AdapterGradientsMatch) {
   EXPECT_NEAR(out.loss_sum.item<double>() / out.target_tokens, r.load("loss").item<double>(), 1e-5);
 }
 
+// PEFT's bias (all, lora_only): the base biases it selects train beside the adapters. The
+// reference picks them by PEFT's rule and saves them as PEFT does (an adapted projection's on
+// its base_layer), moved off the base's values; memtune trains the same set from the file, with
+// the reference's gradients. An adapter's fp32 biases loaded onto a bf16 model (GPT-2's
+// LayerNorms' among them) compute in the model's dtype, as PEFT's bf16 parameters would
+// (training refuses a 16-bit model with lora.bias: PEFT would train them in 16 bits).
+TEST_P(HfReferenceLora, BiasesTrainAsPefts) {
+  if (!python_torch_available()) GTEST_SKIP() << "python3-torch not installed";
+  const Case& c = GetParam();
+  const bool gpt2 = c.init_args.find("gpt2") != std::string::npos;
+  if (!gpt2 && c.init_args.find("-bias") == std::string::npos) GTEST_SKIP() << "a model without biases";
+  for (const std::string bias : {"all", "lora_only"}) {
+    SCOPED_TRACE(bias);
+    fs::path dir = temp_dir();
+    make_lora_case(c, dir, "", "--bias " + bias);
+    auto model = models::load_hf_model(dir / "model", {});
+    models::load_adapter(*model, dir / "adapter");
+    std::set<std::string> theirs, mine;
+    const models::SafetensorsFile file(dir / "adapter/adapter_model.safetensors");
+    for (const std::string& k : file.names())
+      if (k.size() > 5 && k.compare(k.size() - 5, 5, ".bias") == 0) theirs.insert(k);
+    std::map<std::string, at::Tensor> trained;
+    for (const models::TensorSlot* s :
+         models::lora_bias_tensors(*model, bias, [](const models::Linear& l) { return l.lora != nullptr; })) {
+      const std::string key = models::peft_bias_key(*s, s->linear && s->linear->lora);
+      mine.insert(key);
+      trained[key] = *s->tensor;
+      EXPECT_TRUE(s->tensor->requires_grad()) << s->name;
+    }
+    EXPECT_EQ(mine, theirs);
+    EXPECT_GE(theirs.size(), bias == "all" ? 8u : 2u);
+    data::Batch batch = load_batch(dir / "batch.safetensors");
+    models::ForwardOutput out = training_forward(*model, batch, c.checkpoint);
+    (out.loss_sum / static_cast<double>(out.target_tokens)).backward();
+    models::SafetensorsFile r(dir / "ref.safetensors");
+    EXPECT_NEAR(out.loss_sum.item<double>() / out.target_tokens, r.load("loss").item<double>(), 1e-5);
+    for (const auto& [key, t] : trained) {
+      ASSERT_TRUE(t.grad().defined()) << key;
+      EXPECT_LT(rel_err(t.grad(), r.load(key + ".grad")), 1e-4) << key;
+    }
+    for (models::Linear* l : model->linears()) {
+      if (!l->lora) continue;
+      EXPECT_LT(rel_err(l->lora->A.grad(), r.load(models::peft_key(l->name(), "lora_A") + ".grad")), 1e-4) << l->name();
+    }
+    if (bias == "all") {  // a bf16 model: the loss and the biases' gradients, to bf16's precision
+      run_ref("forward --dtype bfloat16 --model " + (dir / "model").string() + " --batch " +
+              (dir / "batch.safetensors").string() + " --lora " + (dir / "adapter").string() + " --out " +
+              (dir / "ref_bf16.safetensors").string());
+      models::LoadOptions o;
+      o.dense_dtype = at::kBFloat16;
+      auto bf = models::load_hf_model(dir / "model", o);
+      models::load_adapter(*bf, dir / "adapter");
+      bf->set_compute_dtype(at::kBFloat16, false);
+      models::ForwardOutput y = training_forward(*bf, batch, c.checkpoint);
+      (y.loss_sum / static_cast<double>(y.target_tokens)).backward();
+      models::SafetensorsFile rb(dir / "ref_bf16.safetensors");
+      const double ref = rb.load("loss").item<double>();
+      EXPECT_LT(std::abs(y.loss_sum.item<double>() / y.target_tokens - ref) / ref, 1e-3);
+      for (const models::TensorSlot* s :
+           models::lora_bias_tensors(*bf, bias, [](const models::Linear& l) { return l.lora != nullptr; })) {
+        EXPECT_EQ(s->tensor->scalar_type(), at::kFloat) << s->name;
+        const std::string key = models::peft_bias_key(*s, s->linear && s->linear->lora);
+        EXPECT_LT(rel_err(s->tensor->grad(), rb.load(key + ".grad")), 5e-2) << key;
+      }
+    }
+  }
+}
+
 struct Bf16Errors {
   double loss = 0, grad = 0;  // |loss - ref| / ref; the largest |g - ref| / |ref| (2-norms) over the adapters' tensors
 };
@@ -289,10 +358,10 @@ TEST_P(HfReferenceLora, RankAndAlphaPatternsMatch) {
   if (!python_torch_available()) GTEST_SKIP() << "python3-torch not installed";
   const Case& c = GetParam();
   const bool gpt2 = c.init_args.find("gpt2") != std::string::npos;
-  const std::string patterns =
-      gpt2 ? R"( --rank-pattern '{".*h\\.1\\.mlp\\.c_fc": 3, "c_fc": 6}' --alpha-pattern '{"c_attn": 2.5}')"
-           : R"( --rank-pattern '{"model\\.layers\\.1\\.self_attn\\.v_proj": 3, "v_proj": 2, "down_proj": 6}')"
-             R"( --alpha-pattern '{"q_proj": 3}')";
+  const std::string rank_json = gpt2 ? R"({".*h\\.1\\.mlp\\.c_fc": 3, "c_fc": 6})"
+                                    : R"({"model\\.layers\\.1\\.self_attn\\.v_proj": 3, "v_proj": 2, "down_proj": 6})";
+  const std::string alpha_json = gpt2 ? R"({"c_attn": 2.5})" : R"({"q_proj": 3})";
+  const std::string patterns = " --rank-pattern '" + rank_json + "' --alpha-pattern '" + alpha_json + "'";
   for (const std::string dora : {"", " --dora"}) {
     fs::path dir = temp_dir();
     make_lora_case(c, dir, "", patterns + dora);
@@ -302,6 +371,25 @@ TEST_P(HfReferenceLora, RankAndAlphaPatternsMatch) {
     for (models::Linear* l : model->linears())
       if (l->lora) ranks.insert(l->lora->A.size(0));
     EXPECT_EQ(ranks, (gpt2 ? std::set<int64_t>{3, 4, 6} : std::set<int64_t>{2, 3, 4, 6})) << dora;
+    // The training config's patterns (apply_lora), in the order the reference read them
+    // (sorted, as PEFT writes them), give each module the reference's rank and scaling.
+    {
+      const models::AdapterConfig file = models::read_adapter_config(dir / "adapter");
+      models::LoraPatterns p;
+      const nlohmann::json rank = nlohmann::json::parse(rank_json), alpha = nlohmann::json::parse(alpha_json);
+      for (const auto& [k, v] : rank.items()) p.rank.emplace_back(k, v.get<int64_t>());
+      for (const auto& [k, v] : alpha.items()) p.alpha.emplace_back(k, v.get<double>());
+      auto trained = models::load_hf_model(dir / "model", {});
+      models::check_lora_patterns(*trained, file.targets, p, "lora");
+      models::apply_lora(*trained, file.lora, file.targets, p);
+      for (models::Linear* l : model->linears()) {
+        models::Linear* t = trained->find_linear(l->name());
+        ASSERT_EQ(static_cast<bool>(l->lora), static_cast<bool>(t->lora)) << l->name();
+        if (!l->lora) continue;
+        EXPECT_EQ(t->lora->A.size(0), l->lora->A.size(0)) << l->name();
+        EXPECT_DOUBLE_EQ(t->lora->scaling, l->lora->scaling) << l->name();
+      }
+    }
     data::Batch batch = load_batch(dir / "batch.safetensors");
     models::ForwardOutput out = training_forward(*model, batch, c.checkpoint);
     (out.loss_sum / static_cast<double>(out.target_tokens)).backward();

@@ -7,6 +7,9 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cmath>
+#include <map>
+#include <tuple>
 #include <regex>
 #include <set>
 
@@ -63,6 +66,17 @@ void expect_refused(const fs::path& dir, const std::vector<std::string>& words) 
   try {
     load_adapter(*model, dir);
     ADD_FAILURE() << "loaded without a word; expected a refusal naming " << words.front();
+  } catch (const UserError& e) {
+    for (const auto& w : words) EXPECT_NE(std::string(e.what()).find(w), std::string::npos) << e.what();
+  }
+}
+
+// The same, on a model of `spec`.
+void expect_refused_model(const fs::path& dir, const ModelSpec& spec, const std::vector<std::string>& words) {
+  auto model = init_random_model(spec, 1);
+  try {
+    load_adapter(*model, dir);
+    ADD_FAILURE() << "loaded; expected a refusal naming " << words.front();
   } catch (const UserError& e) {
     for (const auto& w : words) EXPECT_NE(std::string(e.what()).find(w), std::string::npos) << e.what();
   }
@@ -237,10 +251,88 @@ TEST(PeftAdapter, RefusesLoraBias) {
   expect_refused(write_adapter(base_config(), tensors), {"lora_B.bias"});
 }
 
+// PEFT's bias: all trains every bias (GPT-2: the projections', ln_1/ln_2's and ln_f's: 6 per
+// layer and 1), lora_only the adapted projections' (c_attn: 1 per layer); an adapted
+// projection's is saved on its base layer. A selection of none is refused in training.
+TEST(LoraBias, AllAndLoraOnlySelectPeftsBiases) {
+  const ModelSpec spec = *preset("tiny-gpt2");
+  const int64_t L = spec.num_layers;
+  LoraOptions o;
+  o.r = kRank;
+  LoraTargets t;
+  t.target_modules = {"c_attn"};
+  for (const std::string bias : {"all", "lora_only"}) {
+    auto model = init_random_model(spec, 1);
+    apply_lora(*model, o, t);
+    const int64_t n = apply_lora_bias(*model, bias, "lora.bias");
+    std::set<std::string> keys;
+    int64_t elements = 0;
+    for (const TensorSlot& s : model->tensors()) {
+      if (!s.tensor->defined() || !s.tensor->requires_grad()) continue;
+      EXPECT_EQ(s.tensor->scalar_type(), at::kFloat) << s.name;
+      keys.insert(peft_bias_key(s, s.linear && s.linear->lora));
+      elements += s.tensor->numel();
+    }
+    EXPECT_EQ(static_cast<int64_t>(keys.size()), bias == "all" ? 6 * L + 1 : L) << bias;
+    EXPECT_EQ(n, elements);
+    EXPECT_TRUE(keys.count("base_model.model.transformer.h.0.attn.c_attn.base_layer.bias")) << bias;
+    EXPECT_EQ(keys.count("base_model.model.transformer.h.0.mlp.c_fc.bias"), bias == "all" ? 1u : 0u);
+    EXPECT_EQ(keys.count("base_model.model.transformer.ln_f.bias"), bias == "all" ? 1u : 0u);
+  }
+  for (const std::string bias : {"all", "lora_only"}) {  // Llama's projections have no biases
+    auto model = tiny_llama();
+    apply_lora(*model, o, LoraTargets{});
+    try {
+      apply_lora_bias(*model, bias, "lora.bias");
+      ADD_FAILURE() << bias << " accepted on a model without biases";
+    } catch (const UserError& e) {
+      EXPECT_NE(std::string(e.what()).find("lora.bias: '" + bias + "' selects no bias"), std::string::npos) << e.what();
+    }
+  }
+}
+
+// An adapter with bias: all | lora_only loads the biases it selects from PEFT's keys; one
+// missing, or a bias the setting does not train, is refused by name.
+TEST(PeftAdapter, TrainedBiasesLoadFromPeftsKeysAndNothingElse) {
+  const ModelSpec spec = *preset("tiny-gpt2");
+  auto base = init_random_model(spec, 1);
+  json c = base_config();
+  c["target_modules"] = {"c_attn"};
+  c["fan_in_fan_out"] = true;
+  c["bias"] = "lora_only";
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  std::map<std::string, at::Tensor> biases;
+  for (Linear* l : base->linears()) {
+    if (l->name().find("c_attn") == std::string::npos) continue;
+    tensors.emplace_back(peft_key(l->name(), "lora_A"), at::randn({kRank, l->in_features()}));
+    tensors.emplace_back(peft_key(l->name(), "lora_B"), at::randn({l->out_features(), kRank}));
+    biases[l->name() + ".bias"] = at::randn({l->out_features()});
+    tensors.emplace_back("base_model.model." + l->name() + ".base_layer.bias", biases[l->name() + ".bias"]);
+  }
+  const fs::path dir = write_adapter(c, tensors);
+  auto model = init_random_model(spec, 1);
+  load_adapter(*model, dir);
+  for (const auto& [name, want] : biases) {
+    const at::Tensor& got = *model->find_tensor(name)->tensor;
+    EXPECT_TRUE(got.requires_grad()) << name;
+    EXPECT_TRUE(at::equal(got.detach(), want)) << name;
+  }
+  EXPECT_FALSE(model->find_tensor("transformer.h.0.mlp.c_fc.bias")->tensor->requires_grad());
+  // One missing; one more than lora_only trains; the same file read as all (c_fc's missing).
+  auto missing = tensors;
+  missing.pop_back();
+  expect_refused_model(write_adapter(c, missing), spec, {"has no tensor", "c_attn.base_layer.bias"});
+  auto extra = tensors;
+  extra.emplace_back("base_model.model.transformer.h.0.mlp.c_fc.bias", at::randn({spec.intermediate_size}));
+  expect_refused_model(write_adapter(c, extra), spec, {"transformer.h.0.mlp.c_fc.bias", "does not train"});
+  c["bias"] = "all";
+  expect_refused_model(write_adapter(c, tensors), spec, {"bias 'all' trains", "has no tensor"});
+}
+
 TEST(PeftAdapter, RefusesEveryFieldThatChangesTheMath) {
   auto model = tiny_llama();
   const std::vector<std::pair<std::string, json>> fields = {
-      {"bias", "all"},
+      {"bias", "some"},  // PEFT's are none, all and lora_only (PeftAdapter.TrainedBiases*)
       {"layer_replication", {{0, 2}}},
       {"trainable_token_indices", {1, 2}},
       {"use_qalora", true},
@@ -300,6 +392,70 @@ TEST(PeftAdapter, RankAndAlphaPatternsFollowTheFilesOrder) {
 }
 
 // A tensor memtune does not recognise is an error naming it, never skipped.
+// The training config's lora.rank_pattern / alpha_pattern (apply_lora): each adapted module
+// takes the rank and alpha of the first pattern, in order, matching its name as
+// (.*\.)?(pattern)$, else r and lora_alpha; scaling is its alpha over its rank. The expected
+// values are PEFT's rule written out by hand for tiny-llama's module names.
+TEST(LoraPatterns, EachModuleTakesTheFirstMatchingPatternsRankAndAlpha) {
+  auto model = tiny_llama();
+  LoraOptions o;
+  o.r = 4;
+  o.alpha = 8;
+  LoraTargets t;  // all-linear
+  LoraPatterns p;
+  p.rank = {{"model.layers.1.self_attn.v_proj", 3}, {"v_proj", 2}, {"layers\\.0\\.mlp\\..*", 6}};
+  p.alpha = {{"q_proj", 16}, {"o_proj|k_proj", 2}};
+  check_lora_patterns(*model, t, p, "lora");
+  const LoraSummary s = apply_lora(*model, o, t, p);
+  auto ends = [](const std::string& n, const std::string& tail) {
+    return n.size() > tail.size() && n.compare(n.size() - tail.size(), tail.size(), tail) == 0;
+  };
+  int64_t parameters = 0, checked = 0;
+  for (Linear* l : model->linears()) {
+    const std::string& n = l->name();
+    if (!l->lora) continue;
+    const int64_t r = n == "model.layers.1.self_attn.v_proj" ? 3
+                      : ends(n, ".v_proj")                    ? 2
+                      : n.rfind("model.layers.0.mlp.", 0) == 0 ? 6
+                                                               : 4;
+    const double alpha = ends(n, ".q_proj") ? 16 : ends(n, ".o_proj") || ends(n, ".k_proj") ? 2 : 8;
+    EXPECT_EQ(l->lora->A.size(0), r) << n;
+    EXPECT_EQ(l->lora->B.size(1), r) << n;
+    EXPECT_DOUBLE_EQ(l->lora->scaling, alpha / static_cast<double>(r)) << n;
+    parameters += r * (l->in_features() + l->out_features());
+    ++checked;
+  }
+  EXPECT_EQ(checked, 28);  // 7 projections in each of tiny-llama's 4 layers
+  EXPECT_EQ(s.trainable_parameters, parameters);
+  // rslora's scaling takes each module's own rank.
+  auto rs = tiny_llama();
+  o.use_rslora = true;
+  apply_lora(*rs, o, t, p);
+  EXPECT_DOUBLE_EQ(rs->find_linear("model.layers.0.self_attn.v_proj")->lora->scaling, 8 / std::sqrt(2.0));
+}
+
+// A pattern that would change nothing is refused (PEFT ignores it): one that matches no
+// adapted module, and one that only matches modules an earlier pattern decides.
+TEST(LoraPatterns, APatternThatDecidesNoModuleIsRefused) {
+  auto model = tiny_llama();
+  LoraTargets q;
+  q.target_modules = {"q_proj"};
+  const std::vector<std::tuple<LoraTargets, LoraPatterns, std::vector<std::string>>> cases = {
+      {LoraTargets{}, LoraPatterns{{{"proj", 2}}, {}}, {"lora.rank_pattern: 'proj' matches none of the 28 adapted"}},
+      {q, LoraPatterns{{{"down_proj", 2}}, {}}, {"'down_proj' matches none", "selects q_proj"}},
+      {LoraTargets{}, LoraPatterns{{}, {{"v_proj", 2}, {"layers\\.1\\.self_attn\\.v_proj", 3}}},
+       {"lora.alpha_pattern: 'layers\\.1\\.self_attn\\.v_proj' decides no module", "earlier pattern ('v_proj')"}},
+      {LoraTargets{}, LoraPatterns{{{"q_(proj", 2}}, {}}, {"lora.rank_pattern: pattern 'q_(proj'", "regular expression"}}};
+  for (const auto& [targets, patterns, words] : cases) {
+    try {
+      check_lora_patterns(*model, targets, patterns, "lora");
+      ADD_FAILURE() << "accepted; expected " << words.front();
+    } catch (const UserError& e) {
+      for (const std::string& w : words) EXPECT_NE(std::string(e.what()).find(w), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(PeftAdapter, RefusesUnknownTensors) {
   auto model = tiny_llama();
   auto tensors = q_proj_tensors(*model);

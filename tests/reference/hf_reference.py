@@ -353,8 +353,9 @@ class Lora:
             raise ValueError(f"peft_type {c.get('peft_type')} is not LORA")
         if c.get("layers_to_transform") is not None:
             raise ValueError("layers_to_transform is not supported by the reference")
-        if c.get("bias", "none") != "none":
-            raise ValueError("LoRA bias other than 'none' is not supported by the reference")
+        bias = c.get("bias") or "none"
+        if bias not in ("none", "all", "lora_only"):
+            raise ValueError(f"bias {bias!r} is not one of PEFT's (none, all, lora_only)")
         self.r = int(c["r"])
         self.dora = bool(c.get("use_dora"))
         self.alpha = float(c["lora_alpha"])
@@ -370,21 +371,32 @@ class Lora:
         # modules_to_save (PEFT's ModulesToSaveWrapper): modules whose name ends with an entry
         # are replaced by the adapter's copies, saved as "base_model.model.<param name>".
         self.full = {}  # HF param name -> tensor
+        self.full_keys = {}  # HF param name -> its key in the adapter file
         mts = c.get("modules_to_save") or []
+        lin = linear_modules(cfg)
+        targets = c["target_modules"]
+        targeted = {name for name in lin if peft_target_matches(name, targets)}
         for pname in param_shapes(cfg):
             module = pname.rsplit(".", 1)[0]
+            key = None
             if any(module.endswith(e) for e in mts):
                 key = f"base_model.model.{pname}"
-                if key not in raw:
-                    raise ValueError(f"modules_to_save selects {pname} but the adapter lacks {key}")
-                self.full[pname] = raw.pop(key)
+            # PEFT's bias: "all" trains every parameter named *.bias, "lora_only" the targeted
+            # modules' biases; a targeted module's bias is saved on its base layer.
+            elif pname.endswith(".bias") and (bias == "all" or (bias == "lora_only" and module in targeted)):
+                key = f"base_model.model.{module}.base_layer.bias" if module in targeted \
+                    else f"base_model.model.{pname}"
+            if key is None:
+                continue
+            if key not in raw:
+                raise ValueError(f"modules_to_save or bias {bias!r} selects {pname} but the adapter lacks {key}")
+            self.full[pname] = raw.pop(key)
+            self.full_keys[pname] = key
         for k, v in raw.items():
             k = k.replace(".lora_A.default.weight", ".lora_A.weight") \
                  .replace(".lora_B.default.weight", ".lora_B.weight")
             self.tensors[k] = v
         self.modules = {}  # module name -> (A key, B key, DoRA magnitude key or None)
-        lin = linear_modules(cfg)
-        targets = c["target_modules"]
         for name, (fin, fout, _) in lin.items():
             if not peft_target_matches(name, targets):
                 continue
@@ -713,7 +725,7 @@ def run_forward(cfg, base, batch, lora=None, lora_tensors=None, dtype=torch.floa
     if lora is not None:
         for k, v in lora.full.items():  # modules_to_save: the adapter's copies replace the base's
             params[k] = v.to(dtype).requires_grad_(want_grad)
-            lp["base_model.model." + k] = params[k]
+            lp[lora.full_keys[k]] = params[k]
     fwd = Forward(cfg, params, lora, lp)
     with torch.set_grad_enabled(want_grad):
         logits = fwd(batch["input_ids"], batch["position_ids"], batch["segment_ids"])
@@ -906,11 +918,18 @@ def cmd_init_lora(a):
             if any(pname.rsplit(".", 1)[0].endswith(e) for e in mts):
                 tensors[f"base_model.model.{pname}"] = (
                     t.double() + 0.1 * t.double().std() * torch.randn(t.shape, generator=g, dtype=torch.float64)).float()
+    if a.bias != "none":  # the biases PEFT's bias trains, moved off the base's values
+        _, base = load_model(a.model)
+        for pname, t in base.items():
+            module = pname.rsplit(".", 1)[0]
+            if pname.endswith(".bias") and (a.bias == "all" or module in names):
+                key = f"base_model.model.{module}.base_layer.bias" if module in names else f"base_model.model.{pname}"
+                tensors[key] = (t.double() + 0.1 * torch.randn(t.shape, generator=g, dtype=torch.float64)).float()
     conv = any(lin[n][2] for n in names)
     conf = {
         "alpha_pattern": alpha_pattern, "auto_mapping": None,
         "base_model_name_or_path": os.path.abspath(a.model),
-        "bias": "none", "fan_in_fan_out": bool(conv), "inference_mode": False,
+        "bias": a.bias, "fan_in_fan_out": bool(conv), "inference_mode": False,
         "init_lora_weights": True, "layers_pattern": None, "layers_to_transform": None,
         "lora_alpha": int(a.alpha) if float(a.alpha).is_integer() else a.alpha, "lora_dropout": 0.0, "modules_to_save": mts,
         "peft_type": "LORA", "r": a.r, "rank_pattern": rank_pattern, "revision": None,
@@ -982,7 +1001,8 @@ def cmd_train(a):
     batch = load_batch(a.batch)
     lora = Lora(a.lora, cfg)
     dtype = _DTYPE_ARG[a.dtype]
-    full = {"base_model.model." + k: v for k, v in lora.full.items()}  # modules_to_save
+    full = {lora.full_keys[k]: v for k, v in lora.full.items()}  # modules_to_save, biases
+    param_of = {lora.full_keys[k]: k for k in lora.full}
     names = list(lora.tensors) + list(full)
     master = {k: (lora.tensors[k] if k in lora.tensors else full[k]).float().clone().requires_grad_(True)
               for k in names}
@@ -997,7 +1017,7 @@ def cmd_train(a):
     for step in range(a.steps + 1):
         lp = {k: master[k].to(dtype) for k in names}  # fp32 leaves, grads come back as fp32
         for k in full:
-            params[k[len("base_model.model."):]] = lp[k]
+            params[param_of[k]] = lp[k]
         fwd = Forward(cfg, params, lora, lp)
         with torch.set_grad_enabled(step < a.steps):
             logits = fwd(batch["input_ids"], batch["position_ids"], batch["segment_ids"])
@@ -1629,6 +1649,8 @@ def main(argv=None):
     p.add_argument("--rslora", action="store_true")
     p.add_argument("--dora", action="store_true",
                    help="use_dora: magnitudes saved as lora_magnitude_vector, 20 %% off the norms PEFT starts them at")
+    p.add_argument("--bias", choices=["none", "all", "lora_only"], default="none",
+                   help="PEFT's bias: the base biases trained (saved, moved off the base's values)")
     p.add_argument("--rank-pattern", default="{}", help="JSON object: PEFT's rank_pattern (pattern -> r)")
     p.add_argument("--alpha-pattern", default="{}", help="JSON object: PEFT's alpha_pattern (pattern -> lora_alpha)")
     p.add_argument("--modules-to-save", default=None,

@@ -235,6 +235,9 @@ INSTANTIATE_TEST_SUITE_P(
                            "model.quantization_config.load_in_4bit=false model.torch_dtype=bfloat16 training.bf16=true",
                            "_bf16_model"},
                       Case{"full", 3, "adamw", "lora", 1e-5, "distributed.prefetch=false", "_no_prefetch"},
+                      // lora.bias: all: GPT-2's biases (its LayerNorms' too) trained inside the sharded
+                      // layers beside the adapters, saved in the adapter.
+                      Case{"full", 2, "adamw", "lora", 1e-5, "model.name_or_path=tiny-gpt2 lora.bias=all", "_gpt2_bias_all"},
                       // An LLM.int8 base (load_in_8bit), each rank quantizing its own copy.
                       Case{"gradients", 2, "adamw", "lora", 1e-5,
                            "model.quantization_config.load_in_4bit=false model.quantization_config.load_in_8bit=true "

@@ -22,7 +22,6 @@ ONLY_IN_CONFIG = {
     "llm_int8_enable_fp32_cpu_offload": "false only (offloaded projections stay quantized)",
     "quant_method": "bitsandbytes only",
     "low_cpu_mem_usage": "true only (loads always stream from the mmapped safetensors)",
-    "bias": "none only",
     "task_type": "CAUSAL_LM only",
     "group_by_length": "false only (no LengthGroupedSampler)",
     "dataloader_pin_memory": "compatibility note",

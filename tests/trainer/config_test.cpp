@@ -152,6 +152,9 @@ TEST(Config, SpecialFormsFixture) {
   EXPECT_EQ(c.model.max_memory.at("cuda:0").bytes, 20LL << 30);
   EXPECT_DOUBLE_EQ(c.model.max_memory.at("cpu").fraction, 0.5);
   EXPECT_EQ(c.lora.target_modules, (std::vector<std::string>{"q_proj", "k_proj", "v_proj", "o_proj"}));
+  EXPECT_EQ(c.lora.rank_pattern,
+            (std::vector<std::pair<std::string, int64_t>>{{"model\\.layers\\.0\\..*", 4}, {"q_proj", 32}}));
+  EXPECT_EQ(c.lora.alpha_pattern, (std::vector<std::pair<std::string, double>>{{"q_proj", 64}}));
   EXPECT_EQ(c.training.per_device_train_batch_size, TrainingConfig::kAuto);
   EXPECT_EQ(c.training.gradient_checkpointing.policy, "every_n");
   EXPECT_EQ(c.training.gradient_checkpointing.n, 2);
@@ -208,6 +211,43 @@ TEST(Config, TargetModulesForms) {
   ASSERT_EQ(notes.size(), 1u);
   EXPECT_HAS(notes[0], "lora.target_modules");
   EXPECT_HAS(notes[0], "regex");
+}
+
+// lora.rank_pattern / alpha_pattern: maps kept in the YAML's order (the first pattern that
+// matches a module decides, as in PEFT). An override sets one entry in its place, adds a new
+// one last, or replaces the map; to_yaml writes them back in that order.
+TEST(Config, RankAndAlphaPatternsKeepTheYamlsOrder) {
+  using Ranks = std::vector<std::pair<std::string, int64_t>>;
+  using Alphas = std::vector<std::pair<std::string, double>>;
+  const std::string yaml =
+      "lora:\n  rank_pattern:\n    v_proj: 4\n    'layers\\.0\\..*': 16\n    down_proj: 2\n"
+      "  alpha_pattern: {q_proj: 32.5, a_proj: 1}\n";
+  const Config c = parse(yaml);
+  EXPECT_EQ(c.lora.rank_pattern, (Ranks{{"v_proj", 4}, {"layers\\.0\\..*", 16}, {"down_proj", 2}}));
+  EXPECT_EQ(c.lora.alpha_pattern, (Alphas{{"q_proj", 32.5}, {"a_proj", 1}}));
+  const Config o = parse(yaml, {"lora.rank_pattern.layers\\.0\\..*=8", "lora.rank_pattern.model.layers.1.mlp.up_proj=3"});
+  EXPECT_EQ(o.lora.rank_pattern,
+            (Ranks{{"v_proj", 4}, {"layers\\.0\\..*", 8}, {"down_proj", 2}, {"model.layers.1.mlp.up_proj", 3}}));
+  EXPECT_EQ(parse(yaml, {"lora.rank_pattern={k_proj: 5}"}).lora.rank_pattern, (Ranks{{"k_proj", 5}}));
+  EXPECT_TRUE(parse(yaml, {"lora.alpha_pattern={}"}).lora.alpha_pattern.empty());
+  const Config back = parse(to_yaml(o));
+  EXPECT_EQ(back.lora.rank_pattern, o.lora.rank_pattern);
+  EXPECT_EQ(back.lora.alpha_pattern, o.lora.alpha_pattern);
+  EXPECT_FALSE(parse(yaml, {"lora.rank_pattern={down_proj: 2, v_proj: 4, 'layers\\.0\\..*': 16}"}) == c)
+      << "the order is part of the config";
+}
+
+TEST(ConfigErrors, RankAndAlphaPatternValues) {
+  expect_invalid("lora:\n  rank_pattern: {q_proj: 0}\n", "q_proj", "0", "lora.rank_pattern.q_proj", "0",
+                 "a rank is an integer >= 1");
+  expect_wrong_type("lora:\n  rank_pattern: {q_proj: 2.5}\n", "q_proj", "2.5", "lora.rank_pattern.q_proj", "integer",
+                    "2.5");
+  expect_invalid("lora:\n  alpha_pattern: {q_proj: -1}\n", "q_proj", "-1", "lora.alpha_pattern.q_proj", "-1",
+                 "must be a finite number > 0");
+  expect_wrong_type("lora:\n  rank_pattern: [q_proj]\n", "rank_pattern", "[q_proj]", "lora.rank_pattern",
+                    "map of module pattern to rank", "[q_proj]");
+  EXPECT_HAS(error_of("lora:\n  rank_pattern:\n    q_proj: 4\n    q_proj: 8\n"),
+             "bad.yaml:4:5: lora.rank_pattern.q_proj: duplicate key");
 }
 
 TEST(Config, BatchSizeAuto) {
@@ -521,6 +561,9 @@ TEST(TorchDtype, SixteenBitsNeedTheirComputeDtypeAndOnlyAdaptersTrained) {
   EXPECT_HAS(e, "Hint: model.torch_dtype: float32 with training.bf16");
   e = error(lora + "lora: {modules_to_save: [lm_head]}\nmodel: {torch_dtype: bfloat16}", at::kBFloat16);
   EXPECT_HAS(e, "lora.modules_to_save");
+  e = error(lora + "lora: {bias: lora_only}\nmodel: {torch_dtype: float16}", at::kHalf);
+  EXPECT_HAS(e, "lora.bias: lora_only trains the base's biases, which memtune keeps in float32 (PEFT would train "
+                "them in float16)");
   e = error(lora + "model: {torch_dtype: bfloat16}", at::kFloat);
   EXPECT_HAS(e, "the products would run in float32");
   EXPECT_HAS(e, "Hint: training.bf16: true");
@@ -717,9 +760,10 @@ TEST(ConfigErrors, MaxStepsZero) {
   expect_invalid(yaml, "max_steps", "0", "training.max_steps", "0", "-1");
 }
 
-TEST(ConfigErrors, BiasNotNone) {
-  const std::string yaml = "lora:\n  bias: all\n";
-  expect_invalid(yaml, "bias", "all", "lora.bias", "all", "expected one of none");
+TEST(ConfigErrors, BiasIsOneOfPefts) {
+  const std::string yaml = "lora:\n  bias: some\n";
+  expect_invalid(yaml, "bias", "some", "lora.bias", "some", "expected one of none|all|lora_only");
+  EXPECT_EQ(parse("lora: {bias: lora_only}").lora.bias, "lora_only");
 }
 
 TEST(ConfigErrors, EveryNBelowOne) {
@@ -852,8 +896,11 @@ Config every_field_changed() {
   l.exclude_modules = {"lm_head"};
   l.modules_to_save = {"lm_head", "embed_tokens"};
   l.layers_to_transform = {0, 2};
+  l.rank_pattern = {{"model.layers.0.self_attn.q_proj", 4}, {"q_proj", 32}};
+  l.alpha_pattern = {{"layers\\.1\\..*", 2.5}};
   l.use_rslora = true;
   l.use_dora = true;
+  l.bias = "lora_only";
   l.init_lora_weights = "gaussian";
   l.fan_in_fan_out = true;
   auto& t = c.training;
@@ -975,14 +1022,14 @@ const std::set<std::string> kSingleValued = {
     "model.quantization_config.llm_int8_threshold",
     "model.quantization_config.llm_int8_enable_fp32_cpu_offload", "model.quantization_config.quant_method",
     "model.quantization_config.bnb_4bit_quant_type",
-    "model.quantization_config.bnb_4bit_quant_storage", "lora.bias", "lora.task_type",
+    "model.quantization_config.bnb_4bit_quant_storage", "lora.task_type",
     "model.low_cpu_mem_usage", "training.group_by_length", "training.report_to", "data.eval_split"};
 
 TEST(ConfigRoundTrip, EveryFieldChangedIsComplete) {
   auto defaults = leaves(to_yaml(Config()));
   auto a = leaves(to_yaml(every_field_changed()));
   auto b = leaves(to_yaml(every_field_changed_b()));
-  EXPECT_EQ(defaults.size(), 105u);  // the leaves config.h declares: a new key belongs in every_field_changed()
+  EXPECT_EQ(defaults.size(), 107u);  // the leaves config.h declares: a new key belongs in every_field_changed()
   for (const auto& [path, value] : defaults) {
     if (kSingleValued.count(path)) continue;
     EXPECT_TRUE(a.at(path) != value || b.at(path) != value) << path << " is never changed from " << value;

@@ -76,6 +76,7 @@ struct Measured {
   int64_t step_peak = 0;           // over forward, backward, norm and update
   int64_t optimizer_peak = 0;      // over the norm and the update
   int64_t nf4_bytes = 0;           // of the loaded projections (4-bit or 8-bit)
+  int64_t adapter_bytes = 0;       // of the adapters (A, B and DoRA's magnitudes, fp32)
 };
 
 // One trainer-like step on the model the trainer builds for `c` (trainer::setup_model: the
@@ -88,6 +89,7 @@ Measured measure(const trainer::Config& c, const models::ModelSpec& spec) {
   for (models::Linear* l : model->linears()) {
     if (l->quantized()) m.nf4_bytes += l->qweight()->storage_bytes();
     if (l->int8()) m.nf4_bytes += l->weight.numel() + 4 * l->weight_absmax.numel();
+    if (l->lora) m.adapter_bytes += 4 * l->lora->parameters();
   }
   trainer::OptimizerOptions oo;
   trainer::set_optimizer_kind(c.training.optim, oo);
@@ -147,6 +149,9 @@ TEST_P(EstimateVsModel, KeptActivationsAndPeakAgreeWithTheAllocator) {
   EXPECT_NEAR(rel(e.optimizer_peak, m.optimizer_peak), 0.0, 0.10)
       << "optimizer peak: estimated " << e.optimizer_peak << ", measured " << m.optimizer_peak;
   EXPECT_EQ(e.weights_quantized, m.nf4_bytes);
+  if (c.training.finetune == "lora" && c.lora.modules_to_save.empty()) {
+    EXPECT_EQ(e.lora_parameters, m.adapter_bytes);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -264,6 +269,15 @@ INSTANTIATE_TEST_SUITE_P(
                                          "model.quantization_config.load_in_4bit=true", "lora.use_dora=true",
                                          "training.bf16=true", "data.max_seq_length=128",
                                          "training.per_device_train_batch_size=2"}},
+        // lora.rank_pattern: each adapter with its own rank (q_proj 4x r, down_proj 1/4 of it).
+        Shape{"llama_nf4_rank_pattern", {"model.name_or_path=tiny-llama", "model.quantization_config.load_in_4bit=true",
+                                         "lora.target_modules=all-linear", "lora.r=8",
+                                         "lora.rank_pattern={q_proj: 32, down_proj: 2}", "data.max_seq_length=128",
+                                         "training.per_device_train_batch_size=2"}},
+        // lora.bias: all: GPT-2's biases trained (fp32) inside the layers beside the adapters.
+        Shape{"gpt2_nf4_bias_all", {"model.name_or_path=tiny-gpt2", "model.quantization_config.load_in_4bit=true",
+                                    "lora.target_modules=[c_attn]", "lora.bias=all", "data.max_seq_length=128",
+                                    "training.per_device_train_batch_size=2"}},
         // Adafactor: per-row and per-column states, and its update's workspace (the largest tensor).
         Shape{"llama_full_adafactor", {"model.name_or_path=tiny-llama", "training.finetune=full",
                                        "training.optim=adafactor", "data.max_seq_length=128",

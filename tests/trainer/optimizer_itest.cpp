@@ -4,6 +4,8 @@
 // modules_to_save (whole modules trained beside the adapters, saved in the adapter).
 #include <gtest/gtest.h>
 
+#include <sstream>
+
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
@@ -62,32 +64,80 @@ void train_and_compare_losses(models::CausalLM& model, const data::Batch& batch,
   EXPECT_LT(losses.back(), losses.front());
 }
 
+// The reference's side of a training comparison, in `d`: its model (init's arguments `init`),
+// adapter (init-lora's `lora`) and batch, seeded from `seed`, and `steps` AdamW steps of them
+// (betas 0.9, 0.95, eps 1e-8, fp32) with decay `wd` and clipping at `max_norm`: the losses in
+// d/ref.json, the trained tensors in d/ref.safetensors.
+struct Reference {
+  std::string model, adapter, batch;
+  int steps;
+  double lr, wd, max_norm;
+};
+Reference train_reference(const fs::path& d, const std::string& init, const std::string& lora, int seed, int steps,
+                          double lr, double wd, double max_norm) {
+  const Reference r{(d / "model").string(), (d / "adapter").string(), (d / "batch.safetensors").string(),
+                    steps, lr, wd, max_norm};
+  py("init " + init + " --seed " + std::to_string(seed) + " --out " + r.model);
+  py("init-lora --model " + r.model + " --out " + r.adapter + " " + lora + " --seed " + std::to_string(seed + 1));
+  py("make-batch --out " + r.batch + " --vocab 256 --rows 2 --seq 24 --seed " + std::to_string(seed + 2));
+  std::ostringstream args;
+  args << "train --model " << r.model << " --batch " << r.batch << " --lora " << r.adapter << " --steps " << steps
+       << " --lr " << lr << " --weight-decay " << wd << " --betas 0.9,0.95 --eps 1e-8 --max-grad-norm " << max_norm
+       << " --dtype float32 --out " << (d / "ref.json").string() << " --out-tensors " << (d / "ref.safetensors").string();
+  py(args.str());
+  return r;
+}
+
+// memtune's side: the reference's model, adapter and batch, trained as the reference trained
+// them (train_and_compare_losses; losses compared). Call in ASSERT_NO_FATAL_FAILURE.
+struct Trained {
+  std::unique_ptr<models::CausalLM> model;
+  data::Batch batch;
+};
+void train_as_the_reference(const Reference& r, const fs::path& d, Trained& out) {
+  out.model = models::load_hf_model(r.model, {});
+  models::load_adapter(*out.model, r.adapter);
+  out.batch = load_batch(r.batch);
+  train_and_compare_losses(*out.model, out.batch, r.steps, r.lr, r.wd, r.max_norm, d / "ref.json");
+}
+
+// A trained tensor at the reference's value: within 2e-5 of the larger of 1 and its largest element.
+void expect_as_trained(const at::Tensor& mine, const at::Tensor& theirs, const std::string& what) {
+  EXPECT_LE((mine.detach() - theirs).abs().max().item<double>(), 2e-5 * std::max(1.0, theirs.abs().max().item<double>()))
+      << what;
+}
+
+// The adapter memtune saves from `model`, read by the reference as PEFT lays the file out,
+// gives the reference the loss memtune computes on `batch`.
+void expect_saved_adapter_gives_the_same_loss(models::CausalLM& model, const Reference& r,
+                                              const data::Batch& batch, const fs::path& d) {
+  const fs::path saved = d / "saved";
+  models::save_adapter(model, models::read_adapter_config(r.adapter), saved);
+  py("forward --model " + r.model + " --batch " + r.batch + " --lora " + saved.string() +
+     " --dtype float32 --no-grad --out " + (d / "fwd.safetensors").string());
+  const auto out = model.forward(batch, models::ForwardOptions{});
+  const double mine = (out.loss_sum / static_cast<double>(out.target_tokens)).item<double>();
+  const double theirs = models::SafetensorsFile(d / "fwd.safetensors").load("loss").item<double>();
+  EXPECT_NEAR(mine, theirs, 1e-5 * std::abs(theirs));
+}
+
 TEST(OptimizerReference, AdamWWithDecayAndClippingMatchesPyTorch) {
   if (!python_torch_available()) GTEST_SKIP() << "python3-torch not installed";
   fs::path d = temp_dir();
-  const std::string m = (d / "model").string(), a = (d / "adapter").string(), b = (d / "batch.safetensors").string();
-  py("init --arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 96 --vocab 256 --seed 2 --out " + m);
-  py("init-lora --model " + m + " --out " + a + " --r 4 --alpha 8 --seed 3 --targets q_proj,v_proj,gate_proj");
-  py("make-batch --out " + b + " --vocab 256 --rows 2 --seq 24 --seed 4");
   const int steps = 10;
   const double lr = 3e-3, wd = 0.1, max_norm = 0.5;
-  py("train --model " + m + " --batch " + b + " --lora " + a + " --steps " + std::to_string(steps) +
-     " --lr 3e-3 --weight-decay 0.1 --betas 0.9,0.95 --eps 1e-8 --max-grad-norm 0.5 --dtype float32 --out " +
-     (d / "ref.json").string() + " --out-tensors " + (d / "ref.safetensors").string());
+  const Reference r = train_reference(d, "--arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 96 --vocab 256",
+                                      "--r 4 --alpha 8 --targets q_proj,v_proj,gate_proj", 2, steps, lr, wd, max_norm);
 
-  auto model = models::load_hf_model(m, {});
-  models::load_adapter(*model, a);
-  const data::Batch batch = load_batch(b);
-  ASSERT_NO_FATAL_FAILURE(train_and_compare_losses(*model, batch, steps, lr, wd, max_norm, d / "ref.json"));
+  Trained t;
+  ASSERT_NO_FATAL_FAILURE(train_as_the_reference(r, d, t));
   models::SafetensorsFile rt(d / "ref.safetensors");
   int compared = 0;
-  for (models::Linear* l : model->linears()) {
+  for (models::Linear* l : t.model->linears()) {
     if (!l->lora) continue;
     for (const char* which : {"lora_A", "lora_B"}) {
-      at::Tensor mine = std::string(which) == "lora_A" ? l->lora->A : l->lora->B;
-      at::Tensor theirs = rt.load(models::peft_key(l->name(), which));
-      EXPECT_LE((mine.detach() - theirs).abs().max().item<double>(), 2e-5 * std::max(1.0, theirs.abs().max().item<double>()))
-          << l->name() << " " << which;
+      expect_as_trained(std::string(which) == "lora_A" ? l->lora->A : l->lora->B,
+                        rt.load(models::peft_key(l->name(), which)), l->name() + " " + which);
       ++compared;
     }
   }
@@ -101,21 +151,17 @@ TEST(OptimizerReference, AdamWWithDecayAndClippingMatchesPyTorch) {
 TEST(OptimizerReference, ModulesToSaveTrainAsPeftAndSaveAsPeft) {
   if (!python_torch_available()) GTEST_SKIP() << "python3-torch not installed";
   fs::path d = temp_dir();
-  const std::string m = (d / "model").string(), a = (d / "adapter").string(), b = (d / "batch.safetensors").string();
-  py("init --arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 96 --vocab 256 --seed 5 --out " + m);
-  py("init-lora --model " + m + " --out " + a +
-     " --r 4 --alpha 8 --seed 6 --targets q_proj,v_proj --modules-to-save embed_tokens,model.norm,lm_head");
-  py("make-batch --out " + b + " --vocab 256 --rows 2 --seq 24 --seed 7");
   const int steps = 8;
   const double lr = 3e-3, wd = 0.1, max_norm = 1.0;
-  py("train --model " + m + " --batch " + b + " --lora " + a + " --steps " + std::to_string(steps) +
-     " --lr 3e-3 --weight-decay 0.1 --betas 0.9,0.95 --eps 1e-8 --max-grad-norm 1.0 --dtype float32 --out " +
-     (d / "ref.json").string() + " --out-tensors " + (d / "ref.safetensors").string());
+  const Reference r =
+      train_reference(d, "--arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 96 --vocab 256",
+                      "--r 4 --alpha 8 --targets q_proj,v_proj --modules-to-save embed_tokens,model.norm,lm_head", 5,
+                      steps, lr, wd, max_norm);
 
-  auto model = models::load_hf_model(m, {});
-  models::LoraSummary summary = models::load_adapter(*model, a);
+  auto model = models::load_hf_model(r.model, {});
+  models::LoraSummary summary = models::load_adapter(*model, r.adapter);
   EXPECT_EQ(summary.modules.size(), 4u + 3u);  // q, v in two layers; embedding, norm, head
-  const data::Batch batch = load_batch(b);
+  const data::Batch batch = load_batch(r.batch);
   ASSERT_NO_FATAL_FAILURE(train_and_compare_losses(*model, batch, steps, lr, wd, max_norm, d / "ref.json"));
   models::SafetensorsFile rt(d / "ref.safetensors");
   for (const char* name : {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}) {
@@ -135,16 +181,7 @@ TEST(OptimizerReference, ModulesToSaveTrainAsPeftAndSaveAsPeft) {
   }
 
   // Saved by memtune, read by the reference as PEFT lays the file out: the same loss.
-  models::AdapterConfig config = models::read_adapter_config(a);
-  const fs::path saved = d / "saved";
-  models::save_adapter(*model, config, saved);
-  py("forward --model " + m + " --batch " + b + " --lora " + saved.string() + " --dtype float32 --no-grad --out " +
-     (d / "fwd.safetensors").string());
-  models::ForwardOptions eval;
-  const auto out = model->forward(batch, eval);
-  const double mine = (out.loss_sum / static_cast<double>(out.target_tokens)).item<double>();
-  const double theirs = models::SafetensorsFile(d / "fwd.safetensors").load("loss").item<double>();
-  EXPECT_NEAR(mine, theirs, 1e-5 * std::abs(theirs));
+  expect_saved_adapter_gives_the_same_loss(*model, r, batch, d);
 }
 
 // DoRA (use_dora): A, B and the magnitudes trained with AdamW against the reference's DoRA under
@@ -153,48 +190,68 @@ TEST(OptimizerReference, ModulesToSaveTrainAsPeftAndSaveAsPeft) {
 TEST(OptimizerReference, DoraTrainsAsPeftWithDecayOnTheMagnitudes) {
   if (!python_torch_available()) GTEST_SKIP() << "python3-torch not installed";
   fs::path d = temp_dir();
-  const std::string m = (d / "model").string(), a = (d / "adapter").string(), b = (d / "batch.safetensors").string();
-  py("init --arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 96 --vocab 256 --seed 8 --out " + m);
-  py("init-lora --model " + m + " --out " + a + " --r 4 --alpha 8 --seed 9 --targets q_proj,v_proj,down_proj --dora");
-  py("make-batch --out " + b + " --vocab 256 --rows 2 --seq 24 --seed 10");
   const int steps = 10;
-  py("train --model " + m + " --batch " + b + " --lora " + a + " --steps " + std::to_string(steps) +
-     " --lr 3e-3 --weight-decay 0.5 --betas 0.9,0.95 --eps 1e-8 --max-grad-norm 0.5 --dtype float32 --out " +
-     (d / "ref.json").string() + " --out-tensors " + (d / "ref.safetensors").string());
+  const Reference r = train_reference(d, "--arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 96 --vocab 256",
+                                      "--r 4 --alpha 8 --targets q_proj,v_proj,down_proj --dora", 8, steps, 3e-3, 0.5, 0.5);
 
-  auto model = models::load_hf_model(m, {});
-  models::load_adapter(*model, a);
-  const data::Batch batch = load_batch(b);
-  ASSERT_NO_FATAL_FAILURE(train_and_compare_losses(*model, batch, steps, 3e-3, 0.5, 0.5, d / "ref.json"));
-  models::SafetensorsFile rt(d / "ref.safetensors"), start(fs::path(a) / "adapter_model.safetensors");
+  Trained t;
+  ASSERT_NO_FATAL_FAILURE(train_as_the_reference(r, d, t));
+  models::SafetensorsFile rt(d / "ref.safetensors"), start(fs::path(r.adapter) / "adapter_model.safetensors");
   int magnitudes = 0;
-  for (models::Linear* l : model->linears()) {
+  for (models::Linear* l : t.model->linears()) {
     if (!l->lora) continue;
     ASSERT_TRUE(l->lora->dora()) << l->name();
     const std::string key = models::peft_magnitude_key(l->name());
-    const at::Tensor theirs = rt.load(key), mine = l->lora->magnitude.detach();
-    EXPECT_LE((mine - theirs).abs().max().item<double>(), 2e-5 * std::max(1.0, theirs.abs().max().item<double>()))
-        << key;
+    const at::Tensor mine = l->lora->magnitude.detach();
+    expect_as_trained(mine, rt.load(key), key);
     EXPECT_GT((mine - start.load(key)).abs().max().item<double>(), 1e-3) << key << " did not train";
-    for (const char* which : {"lora_A", "lora_B"}) {
-      const at::Tensor t = rt.load(models::peft_key(l->name(), which));
-      EXPECT_LE(((which[5] == 'A' ? l->lora->A : l->lora->B).detach() - t).abs().max().item<double>(),
-                2e-5 * std::max(1.0, t.abs().max().item<double>()))
-          << l->name() << " " << which;
-    }
+    for (const char* which : {"lora_A", "lora_B"})
+      expect_as_trained(which[5] == 'A' ? l->lora->A : l->lora->B, rt.load(models::peft_key(l->name(), which)),
+                        l->name() + " " + which);
     ++magnitudes;
   }
   EXPECT_EQ(magnitudes, 6);
 
-  const fs::path saved = d / "saved";
-  models::save_adapter(*model, models::read_adapter_config(a), saved);
-  EXPECT_TRUE(nlohmann::json::parse(read_file(saved / "adapter_config.json"))["use_dora"].get<bool>());
-  py("forward --model " + m + " --batch " + b + " --lora " + saved.string() + " --dtype float32 --no-grad --out " +
-     (d / "fwd.safetensors").string());
-  const auto out = model->forward(batch, models::ForwardOptions{});
-  const double mine = (out.loss_sum / static_cast<double>(out.target_tokens)).item<double>();
-  const double theirs = models::SafetensorsFile(d / "fwd.safetensors").load("loss").item<double>();
-  EXPECT_NEAR(mine, theirs, 1e-5 * std::abs(theirs));
+  expect_saved_adapter_gives_the_same_loss(*t.model, r, t.batch, d);
+  EXPECT_TRUE(nlohmann::json::parse(read_file(d / "saved/adapter_config.json"))["use_dora"].get<bool>());
+}
+
+// PEFT's bias: all on GPT-2 (the projections', the LayerNorms' and ln_f's biases beside the
+// adapters): 10 AdamW steps against PyTorch's on the reference, the biases without weight
+// decay (the Trainer's rule), the adapters with it. The biases train off their start, to the
+// reference's values, and the saved adapter holds them under PEFT's keys.
+TEST(OptimizerReference, TrainedBiasesFollowPeftWithoutDecay) {
+  if (!python_torch_available()) GTEST_SKIP() << "python3-torch not installed";
+  fs::path d = temp_dir();
+  const int steps = 10;
+  const Reference r = train_reference(d, "--arch gpt2 --layers 2 --hidden 64 --heads 4 --vocab 256 --max-pos 64",
+                                      "--r 4 --alpha 8 --targets c_attn,c_fc --bias all", 11, steps, 3e-3, 0.5, 0.5);
+
+  Trained t;
+  ASSERT_NO_FATAL_FAILURE(train_as_the_reference(r, d, t));
+  models::SafetensorsFile rt(d / "ref.safetensors"), start(fs::path(r.adapter) / "adapter_model.safetensors");
+  int biases = 0;
+  for (const models::TensorSlot* s :
+       models::lora_bias_tensors(*t.model, "all", [](const models::Linear& l) { return l.lora != nullptr; })) {
+    const std::string key = models::peft_bias_key(*s, s->linear && s->linear->lora);
+    at::Tensor theirs = rt.load(key), mine = s->tensor->detach();
+    EXPECT_GT((mine - start.load(key)).abs().max().item<double>(), 1e-3) << key << " did not train";
+    if (key.find("c_attn") != std::string::npos) {
+      // The key's bias (c_attn's middle third) has no gradient: softmax ignores what it adds to
+      // every score of a query. Its gradients are float noise, which Adam's normalized steps
+      // turn into moves of up to lr each in either implementation; compared to that bound.
+      const int64_t C = mine.size(0) / 3;
+      EXPECT_LE((mine.narrow(0, C, C) - theirs.narrow(0, C, C)).abs().max().item<double>(), 2 * steps * 3e-3) << key;
+      mine = at::cat({mine.narrow(0, 0, C), mine.narrow(0, 2 * C, C)});
+      theirs = at::cat({theirs.narrow(0, 0, C), theirs.narrow(0, 2 * C, C)});
+    }
+    expect_as_trained(mine, theirs, key);
+    ++biases;
+  }
+  EXPECT_EQ(biases, 13);  // 6 per layer and ln_f
+
+  expect_saved_adapter_gives_the_same_loss(*t.model, r, t.batch, d);
+  EXPECT_EQ(nlohmann::json::parse(read_file(d / "saved/adapter_config.json"))["bias"], "all");
 }
 
 }  // namespace
