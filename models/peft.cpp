@@ -4,6 +4,7 @@
 #include <sstream>
 #include <map>
 #include <regex>
+#include <set>
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -365,6 +366,8 @@ LoraSummary load_adapter(CausalLM& model, const fs::path& dir) {
     lora_parameters += l->lora->parameters();
   }
   // The biases `bias` selects, each from its key; the file holds no other.
+  std::set<std::string> bias_names;
+  int64_t copies = 0;
   for (const TensorSlot* s : lora_bias_tensors(model, config.bias, [](const Linear& l) { return l.lora != nullptr; })) {
     if (full.count(s->name)) continue;  // a modules_to_save tensor, saved under its name
     const bool adapted = s->linear && s->linear->lora;
@@ -374,6 +377,7 @@ LoraSummary load_adapter(CausalLM& model, const fs::path& dir) {
                   " but the file has no tensor '", key, "'");
     full[s->name] = it->second;
     saved[s->name] = s;
+    bias_names.insert(s->name);
     biases.erase(it);
   }
   for (const auto& [rest, key] : biases)
@@ -390,8 +394,11 @@ LoraSummary load_adapter(CausalLM& model, const fs::path& dir) {
     s.tensor->set_requires_grad(true);
     summary.modules.push_back(name);
     summary.trainable_parameters += t.numel();
+    if (!bias_names.count(name)) copies += t.numel();
   }
-  summary.total_parameters = model.base_parameter_count() + lora_parameters;  // modules_to_save are in the base
+  // As PEFT's print_trainable_parameters counts them: the base, the adapters and the copies
+  // PEFT keeps of the modules_to_save beside the originals (trained biases are the base's own).
+  summary.total_parameters = model.base_parameter_count() + lora_parameters + copies;
   return summary;
 }
 

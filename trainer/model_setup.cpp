@@ -284,7 +284,6 @@ ModelBundle setup_model(const Config& c, const fs::path& adapter_dir, const Skip
       b.notes.push_back("lora.target_modules is not set: PEFT's default for " + spec.model_type + ", [" + names +
                         "] (all-linear adapts every projection)");
     }
-    b.notes.push_back("LoRA on " + std::to_string(s.modules.size()) + " projections: " + s.describe());
     if (c.lora.bias != "none") {
       const auto adapted = [](const models::Linear& l) { return l.lora != nullptr; };
       const auto whole = models::modules_to_save_tensors(model, c.lora.modules_to_save, "lora.modules_to_save");
@@ -294,6 +293,7 @@ ModelBundle setup_model(const Config& c, const fs::path& adapter_dir, const Skip
                       "' selects ", t->name, ", which lora.modules_to_save trains whole already (PEFT would keep ",
                       "and save two copies of it). Hint: bias: lora_only, or leave that module out of modules_to_save");
       const int64_t n = models::apply_lora_bias(model, c.lora.bias, "lora.bias");
+      s.trainable_parameters += n;
       b.adapter.bias = c.lora.bias;
       b.notes.push_back(str_cat("lora.bias: ", c.lora.bias, ": ", biases.size(), " biases trained (", n,
                                 " parameters, fp32)"));
@@ -305,7 +305,11 @@ ModelBundle setup_model(const Config& c, const fs::path& adapter_dir, const Skip
       for (const models::TensorSlot* t : models::modules_to_save_tensors(model, c.lora.modules_to_save, ""))
         names += (names.empty() ? "" : ", ") + t->name;
       b.notes.push_back(str_cat("modules_to_save: ", names, " trained in full (", n, " parameters, fp32)"));
+      s.trainable_parameters += n;
+      s.total_parameters += n;  // PEFT keeps each module and its trained copy
     }
+    // As PEFT's print_trainable_parameters counts them: every trained tensor, of all.
+    b.notes.push_back("LoRA on " + std::to_string(s.modules.size()) + " projections: " + s.describe());
   } else {
     int64_t n = models::make_all_trainable(model);
     b.notes.push_back("full fine-tune: " + std::to_string(n) + " trainable parameters");

@@ -531,7 +531,8 @@ class Check:
             # bias: the base biases trained beside the adapters (all: the LayerNorms' too).
             ("gpt2 bias all", "gpt2", {"r": 4, "lora_alpha": 8, "target_modules": ["c_attn"],
                                        "fan_in_fan_out": True, "bias": "all"}),
-            ("llama-bias bias lora_only", "llama-bias", {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "down_proj"],
+            ("llama-bias bias lora_only", "llama-bias", {"r": 4, "lora_alpha": 8,
+                                                         "target_modules": ["q_proj", "v_proj", "up_proj", "down_proj"],
                                                          "bias": "lora_only"}),
         ]
         for k, (label, family, config) in enumerate(made):
@@ -559,6 +560,8 @@ class Check:
             ("rank-patterns-qdora-qwen3", "qwen3", {"target_modules": "all-linear", "use_dora": True,
                                                    "rank_pattern": {"k_proj": 8, "gate_proj": 2}}, True),
             ("bias-all-gpt2", "gpt2", {"target_modules": ["c_attn", "c_fc"], "bias": "all"}, False),
+            ("modules-to-save-llama", "llama", {"target_modules": ["q_proj", "v_proj"],
+                                                "modules_to_save": ["lm_head", "model.norm"]}, False),
             ("bias-lora-only-qlora-llama-bias", "llama-bias", {"target_modules": "all-linear", "bias": "lora_only"}, True),
             ("bias-all-dora-llama-bias", "llama-bias", {"target_modules": ["q_proj", "v_proj"], "use_dora": True,
                                                         "bias": "all"}, False),
@@ -567,6 +570,18 @@ class Check:
             def run(name=name, family=family, lora=lora, quantized=quantized):
                 base = f"hf-{family}-fp32"
                 compare(f"memtune trained {name}", base, self.train_adapter(f"peft-{name}", base, lora, quantized))
+                if quantized:  # PEFT's judge has no bitsandbytes: its model would be dense
+                    return
+                # The log's "trainable params: ... || all params: ..." as PEFT prints them.
+                log = open(self.path(f"run-peft-{name}/train.log")).read()
+                m = re.search(r"trainable params: ([\d,]+) \|\| all params: ([\d,]+)", log)
+                h = self.judge("peft_count", model=base, config=dict({"r": 4, "lora_alpha": 8}, **lora))
+                if not h["ok"]:
+                    raise RuntimeError(h["error"])
+                mine = (int(m.group(1).replace(",", "")), int(m.group(2).replace(",", ""))) if m else None
+                self.report.add(group, f"memtune trained {name}: trainable / all parameters as PEFT counts",
+                                f"{mine[0]:,} / {mine[1]:,}" if mine else "no line", f"{h['trainable']:,} / {h['all']:,}",
+                                mine == (h["trainable"], h["all"]), "")
             self.guarded(group, f"memtune trained {name}", run)
 
     # 4. What memtune refuses: by name, exit status 2, never silently dropped.

@@ -24,6 +24,7 @@ Requests ({"op": ..., ...}):
                                            quantizes under llm_int8_skip_modules `skip`
   peft_version                             PEFT's version (group peft: PEFT's source bound at /interop/peft)
   peft_make   model, config, seed, out     an adapter PEFT makes (LoraConfig(**config)) and saves
+  peft_count  model, config                PEFT's (trainable, all) parameter counts for LoraConfig(**config)
   peft_loss   model, adapter, rows         the loss of the adapter as PEFT loads and runs it, and of
                                            PEFT's merge of it; file tensors PEFT did not load
   defaults        keys                     TrainingArguments() and BitsAndBytesConfig(load_in_4bit=True):
@@ -222,6 +223,7 @@ def op_peft_make(r):
     biases its bias trains moved off the base's, by a seeded generator, then save_pretrained."""
     peft = import_peft()
     model, _ = load_model(r["model"])
+    torch.manual_seed(r["seed"])  # PEFT draws lora_A from the global generator: the same file each run
     pm = peft.get_peft_model(model, peft.LoraConfig(task_type="CAUSAL_LM", **r["config"]))
     g = torch.Generator().manual_seed(r["seed"])
     with torch.no_grad():
@@ -234,6 +236,16 @@ def op_peft_make(r):
                 p.add_(0.05 * torch.randn(p.shape, generator=g))
     pm.save_pretrained(path(r["out"]))
     return {"files": sorted(os.listdir(path(r["out"]))), "trainable": pm.get_nb_trainable_parameters()[0]}
+
+
+def op_peft_count(r):
+    """PEFT's print_trainable_parameters numbers for LoraConfig(**config) on the model:
+    get_nb_trainable_parameters() (trainable, all)."""
+    peft = import_peft()
+    model, _ = load_model(r["model"])
+    pm = peft.get_peft_model(model, peft.LoraConfig(task_type="CAUSAL_LM", **r["config"]))
+    trainable, total = pm.get_nb_trainable_parameters()
+    return {"trainable": trainable, "all": total}
 
 
 def op_peft_loss(r):

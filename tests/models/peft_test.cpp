@@ -132,6 +132,13 @@ TEST(PeftAdapter, ModulesToSaveLoadAsPeftSavesThem) {
   EXPECT_TRUE(model->find_tensor("lm_head.weight")->tensor->requires_grad());
   EXPECT_FALSE(model->find_tensor("model.norm.weight")->tensor->requires_grad());
   EXPECT_EQ(s.modules.size(), static_cast<size_t>(model->num_layers()) + 2);
+  // PEFT's print_trainable_parameters: the copies train, and count beside the originals.
+  int64_t adapters = 0;
+  for (Linear* l : model->linears())
+    if (l->lora) adapters += kRank * (l->in_features() + l->out_features());
+  const int64_t copies = head.numel() + embed.numel();
+  EXPECT_EQ(s.trainable_parameters, adapters + copies);
+  EXPECT_EQ(s.total_parameters, tiny_llama()->base_parameter_count() + adapters + copies);
 }
 
 TEST(PeftAdapter, ModulesToSaveMismatchesAreRefused) {

@@ -618,9 +618,12 @@ TEST(Train, KillDuringCheckpointWritesAndPruningLeavesALoadableCheckpoint) {
       execl("/bin/sh", "sh", "-c", ("exec " + cmd + " > /dev/null 2>&1").c_str(), nullptr);
       _exit(127);
     }
-    // Kill once the run has written a checkpoint this time, at a moment that varies.
+    // Kill once the run has written a checkpoint this time, at a moment that varies. A loaded
+    // machine can take seconds to start the run: the wait (60 s at most; it was 6 s, and the
+    // test failed once 9 s in, under ctest -j2 with other work beside it) lets the first
+    // checkpoint come before the kill, which found none otherwise.
     const fs::path before = trainer::latest_checkpoint(d / "out");
-    for (int i = 0; i < 300 && trainer::latest_checkpoint(d / "out") == before; ++i)
+    for (int i = 0; i < 3000 && trainer::latest_checkpoint(d / "out") == before; ++i)
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     std::this_thread::sleep_for(std::chrono::milliseconds(37 * attempt % 150));
     kill(pid, SIGKILL);
