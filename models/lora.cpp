@@ -188,8 +188,9 @@ void check_lora_targets(const CausalLM& model, const LoraTargets& targets) {
   }
 }
 
-void check_lora_patterns(const CausalLM& model, const LoraTargets& targets, const LoraPatterns& patterns,
-                         const std::string& where) {
+std::string check_lora_patterns(const CausalLM& model, const LoraTargets& targets, const LoraPatterns& patterns,
+                                const std::string& where) {
+  std::string told;
   std::vector<std::string> adapted;
   for (const auto& slot : model.tensors())
     if (slot.role == TensorRole::kLinearWeight && lora_targets(targets, slot.linear->name(), slot.layer))
@@ -200,17 +201,22 @@ void check_lora_patterns(const CausalLM& model, const LoraTargets& targets, cons
     for (const auto& entry : list) res.push_back(lora_pattern_regex(entry.first, at));
     // Each pattern must decide some module: match it, with no earlier pattern matching it.
     std::vector<std::string> first_match(list.size());  // an adapted module it matches
-    std::vector<bool> decides(list.size(), false);
+    std::vector<int> decides(list.size(), 0);            // the modules it decides
     for (const std::string& m : adapted) {
       bool decided = false;
       for (size_t k = 0; k < list.size(); ++k) {
         if (!std::regex_match(m, res[k])) continue;
         if (first_match[k].empty()) first_match[k] = m;
-        if (!decided) decides[k] = true, decided = true;
+        if (!decided) ++decides[k], decided = true;
       }
     }
+    std::string parts;
+    for (size_t k = 0; k < list.size(); ++k)
+      parts += str_cat(parts.empty() ? "" : ", ", list[k].first, " -> ", list[k].second, " (", decides[k],
+                       decides[k] == 1 ? " module)" : " modules)");
+    if (!parts.empty()) told += str_cat(told.empty() ? "" : "; ", key, ": ", parts);
     for (size_t k = 0; k < list.size(); ++k) {
-      if (decides[k]) continue;
+      if (decides[k] > 0) continue;
       const std::string& pattern = list[k].first;
       if (!first_match[k].empty()) {
         std::string earlier;
@@ -231,6 +237,7 @@ void check_lora_patterns(const CausalLM& model, const LoraTargets& targets, cons
   };
   check(patterns.rank, "rank_pattern");
   check(patterns.alpha, "alpha_pattern");
+  return told;
 }
 
 LoraSummary apply_lora(CausalLM& model, const LoraOptions& options, const LoraTargets& targets,

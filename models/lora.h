@@ -59,9 +59,10 @@ std::regex lora_pattern_regex(const std::string& pattern, const std::string& whe
 
 // Throws UserError when a pattern cannot compile, or decides the rank (alpha) of none of the
 // modules `targets` adapt in `model`: it matches none (PEFT would ignore it), or an earlier
-// pattern matches each. Names `where` ("lora": lora.rank_pattern, ...).
-void check_lora_patterns(const CausalLM& model, const LoraTargets& targets, const LoraPatterns& patterns,
-                         const std::string& where);
+// pattern matches each. Names `where` ("lora": lora.rank_pattern, ...). Returns what each
+// pattern decides, for the log ("rank_pattern: q_proj -> 16 (4 modules); ..."; empty: none).
+std::string check_lora_patterns(const CausalLM& model, const LoraTargets& targets, const LoraPatterns& patterns,
+                                const std::string& where);
 
 struct LoraSummary {
   std::vector<std::string> modules;  // the projections that received adapters

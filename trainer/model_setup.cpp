@@ -266,7 +266,8 @@ ModelBundle setup_model(const Config& c, const fs::path& adapter_dir, const Skip
     b.adapter.lora = lora_options(c.lora);
     b.adapter.targets = lora_targets(c.lora, spec.model_type);
     b.adapter.patterns = lora_patterns(c.lora);
-    models::check_lora_patterns(model, b.adapter.targets, b.adapter.patterns, "lora");
+    const std::string decided = models::check_lora_patterns(model, b.adapter.targets, b.adapter.patterns, "lora");
+    if (!decided.empty()) b.notes.push_back(decided);
     models::LoraSummary s = models::apply_lora(model, b.adapter.lora, b.adapter.targets, b.adapter.patterns);
     b.adapter.base_model_name_or_path = c.model.name_or_path;
     // PEFT takes fan_in_fan_out from the module: true for weights stored [in, out] (GPT-2's

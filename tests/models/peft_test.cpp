@@ -412,7 +412,11 @@ TEST(LoraPatterns, EachModuleTakesTheFirstMatchingPatternsRankAndAlpha) {
   LoraPatterns p;
   p.rank = {{"model.layers.1.self_attn.v_proj", 3}, {"v_proj", 2}, {"layers\\.0\\.mlp\\..*", 6}};
   p.alpha = {{"q_proj", 16}, {"o_proj|k_proj", 2}};
-  check_lora_patterns(*model, t, p, "lora");
+  // What each pattern decides, counted by hand over tiny-llama's 4 layers.
+  EXPECT_EQ(check_lora_patterns(*model, t, p, "lora"),
+            "rank_pattern: model.layers.1.self_attn.v_proj -> 3 (1 module), v_proj -> 2 (3 modules), "
+            "layers\\.0\\.mlp\\..* -> 6 (3 modules); alpha_pattern: q_proj -> 16 (4 modules), o_proj|k_proj -> 2 "
+            "(8 modules)");
   const LoraSummary s = apply_lora(*model, o, t, p);
   auto ends = [](const std::string& n, const std::string& tail) {
     return n.size() > tail.size() && n.compare(n.size() - tail.size(), tail.size(), tail) == 0;
