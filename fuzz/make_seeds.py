@@ -129,3 +129,6 @@ put("adapter_config", "peft.json", json.dumps(adapter, indent=2))
 put("adapter_config", "regex.json", json.dumps(dict(adapter, target_modules=".*\\.(q|k)_proj", layers_to_transform=[0, 1],
                                                     exclude_modules=["lm_head"], use_rslora=True)))
 put("adapter_config", "all-linear.json", json.dumps(dict(adapter, target_modules="all-linear", revision=None)))
+put("adapter_config", "patterns-bias.json", json.dumps(dict(adapter, bias="lora_only", use_dora=True,
+                                                            rank_pattern={"model.layers.0.self_attn.q_proj": 4, "q_proj": 16},
+                                                            alpha_pattern={"layers\\.1\\..*": 2.5})))
