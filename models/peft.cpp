@@ -308,7 +308,10 @@ LoraSummary load_adapter(CausalLM& model, const fs::path& dir) {
                   where, ": tensor '", key, "' is a bias on lora_B (lora_bias), which memtune does not support");
     // A trained bias (bias: all | lora_only): "<module>.base_layer.bias" on an adapted
     // projection, "<tensor name>" elsewhere; matched with what `bias` selects below.
-    if (config.bias != "none" && rest.size() > 5 && rest.compare(rest.size() - 5, 5, ".bias") == 0) {
+    if (rest.size() > 5 && rest.compare(rest.size() - 5, 5, ".bias") == 0 &&
+        (config.bias != "none" || rest.find(".base_layer.bias") != std::string::npos)) {
+      MEMTUNE_CHECK(config.bias != "none", where, ": tensor '", key, "' is a trained base bias (PEFT's bias: all | ",
+                    "lora_only), but adapter_config.json's bias is none; PEFT would not load it either");
       biases[rest] = key;
       continue;
     }

@@ -334,6 +334,8 @@ TEST(PeftAdapter, TrainedBiasesLoadFromPeftsKeysAndNothingElse) {
   expect_refused_model(write_adapter(c, extra), spec, {"transformer.h.0.mlp.c_fc.bias", "does not train"});
   c["bias"] = "all";
   expect_refused_model(write_adapter(c, tensors), spec, {"bias 'all' trains", "has no tensor"});
+  c["bias"] = "none";
+  expect_refused_model(write_adapter(c, tensors), spec, {"c_attn.base_layer.bias", "trained base bias", "bias is none"});
 }
 
 TEST(PeftAdapter, RefusesEveryFieldThatChangesTheMath) {
