@@ -341,13 +341,17 @@ std::vector<const TensorSlot*> lora_bias_tensors(const CausalLM& model, const st
   return out;
 }
 
-std::string peft_bias_key(const TensorSlot& bias, bool adapted) {
-  if (!adapted) return "base_model.model." + bias.name;
+std::vector<const TensorSlot*> lora_bias_tensors(const CausalLM& model, const std::string& bias) {
+  return lora_bias_tensors(model, bias, [](const Linear& l) { return l.lora != nullptr; });
+}
+
+std::string peft_bias_key(const TensorSlot& bias) {
+  if (!bias.linear || !bias.linear->lora) return "base_model.model." + bias.name;
   return "base_model.model." + bias.linear->name() + ".base_layer.bias";
 }
 
 int64_t apply_lora_bias(CausalLM& model, const std::string& bias, const std::string& where) {
-  const auto slots = lora_bias_tensors(model, bias, [](const Linear& l) { return l.lora != nullptr; });
+  const auto slots = lora_bias_tensors(model, bias);
   MEMTUNE_CHECK(bias == "none" || !slots.empty(), where, ": '", bias, "' selects no bias: ",
                 bias == "all" ? "this model's projections and norms have none"
                               : "the projections with an adapter have none",

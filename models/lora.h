@@ -48,7 +48,6 @@ bool lora_targets(const LoraTargets& targets, const std::string& module, int lay
 struct LoraPatterns {
   std::vector<std::pair<std::string, int64_t>> rank;
   std::vector<std::pair<std::string, double>> alpha;
-  bool empty() const { return rank.empty() && alpha.empty(); }
   // `base` with the rank and alpha of `module`'s patterns.
   LoraOptions options_for(LoraOptions base, const std::string& module) const;
 };
@@ -101,11 +100,13 @@ int64_t apply_modules_to_save(CausalLM& model, const std::vector<std::string>& n
 // `adapted` says have an adapter. In tensor-list order.
 std::vector<const TensorSlot*> lora_bias_tensors(const CausalLM& model, const std::string& bias,
                                                  const std::function<bool(const Linear&)>& adapted);
+// The same, lora_only taking the projections that have an adapter now.
+std::vector<const TensorSlot*> lora_bias_tensors(const CausalLM& model, const std::string& bias);
 
-// A trained bias's key in PEFT's adapter_model.safetensors: an adapted projection's bias
+// A trained bias's key in PEFT's adapter_model.safetensors: the bias of a projection with an adapter
 // lives on its base layer ("base_model.model.<module>.base_layer.bias"), any other under
 // its own name ("base_model.model.<tensor name>").
-std::string peft_bias_key(const TensorSlot& bias, bool adapted);
+std::string peft_bias_key(const TensorSlot& bias);
 
 // Makes lora_bias_tensors of the projections with adapters trainable, in fp32 (master
 // weights, as modules_to_save). Returns their element count; throws UserError naming

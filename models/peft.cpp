@@ -110,9 +110,8 @@ void save_adapter(const CausalLM& model, const AdapterConfig& config, const fs::
   for (const TensorSlot* s : modules_to_save_tensors(model, config.modules_to_save, "lora.modules_to_save"))
     tensors.emplace_back("base_model.model." + s->name, s->tensor->detach().to(at::kFloat).contiguous());
   // And the biases of `bias`, an adapted projection's on its base layer.
-  for (const TensorSlot* s : lora_bias_tensors(model, config.bias, [](const Linear& l) { return l.lora != nullptr; }))
-    tensors.emplace_back(peft_bias_key(*s, s->linear && s->linear->lora),
-                         s->tensor->detach().to(at::kFloat).contiguous());
+  for (const TensorSlot* s : lora_bias_tensors(model, config.bias))
+    tensors.emplace_back(peft_bias_key(*s), s->tensor->detach().to(at::kFloat).contiguous());
   const LoraOptions& o = config.lora;
   json target_modules = peft_target_modules(config.targets, adapted);
   json c = {{"peft_type", "LORA"},
@@ -371,10 +370,9 @@ LoraSummary load_adapter(CausalLM& model, const fs::path& dir) {
   // The biases `bias` selects, each from its key; the file holds no other.
   std::set<std::string> bias_names;
   int64_t copies = 0;
-  for (const TensorSlot* s : lora_bias_tensors(model, config.bias, [](const Linear& l) { return l.lora != nullptr; })) {
+  for (const TensorSlot* s : lora_bias_tensors(model, config.bias)) {
     if (full.count(s->name)) continue;  // a modules_to_save tensor, saved under its name
-    const bool adapted = s->linear && s->linear->lora;
-    const std::string key = peft_bias_key(*s, adapted);
+    const std::string key = peft_bias_key(*s);
     const auto it = biases.find(key.substr(std::string("base_model.model.").size()));
     MEMTUNE_CHECK(it != biases.end(), where, ": adapter_config.json's bias '", config.bias, "' trains ", s->name,
                   " but the file has no tensor '", key, "'");

@@ -111,8 +111,7 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
     models::check_lora_patterns(*structure, targets, patterns, "lora");  // what train would refuse
     const models::LoraOptions options = lora_options(c.lora);
     for (const models::TensorSlot& t : structure->tensors()) {
-      const bool adapted =
-          t.role == models::TensorRole::kLinearWeight && models::lora_targets(targets, t.linear->name(), t.layer);
+      const bool adapted = t.role == models::TensorRole::kLinearWeight && targeted.count(t.linear) > 0;
       in.adapted.push_back(adapted);
       in.lora_ranks.push_back(adapted ? patterns.options_for(options, t.linear->name()).r : 0);
       in.trained.push_back(std::find(whole.begin(), whole.end(), &t) != whole.end());

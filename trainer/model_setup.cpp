@@ -286,9 +286,8 @@ ModelBundle setup_model(const Config& c, const fs::path& adapter_dir, const Skip
                         "] (all-linear adapts every projection)");
     }
     if (c.lora.bias != "none") {
-      const auto adapted = [](const models::Linear& l) { return l.lora != nullptr; };
       const auto whole = models::modules_to_save_tensors(model, c.lora.modules_to_save, "lora.modules_to_save");
-      const auto biases = models::lora_bias_tensors(model, c.lora.bias, adapted);
+      const auto biases = models::lora_bias_tensors(model, c.lora.bias);
       for (const models::TensorSlot* t : biases)
         MEMTUNE_CHECK(std::find(whole.begin(), whole.end(), t) == whole.end(), "lora.bias: '", c.lora.bias,
                       "' selects ", t->name, ", which lora.modules_to_save trains whole already (PEFT would keep ",

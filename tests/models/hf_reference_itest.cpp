@@ -197,8 +197,8 @@ TEST_P(HfReferenceLora, BiasesTrainAsPefts) {
       if (k.size() > 5 && k.compare(k.size() - 5, 5, ".bias") == 0) theirs.insert(k);
     std::map<std::string, at::Tensor> trained;
     for (const models::TensorSlot* s :
-         models::lora_bias_tensors(*model, bias, [](const models::Linear& l) { return l.lora != nullptr; })) {
-      const std::string key = models::peft_bias_key(*s, s->linear && s->linear->lora);
+         models::lora_bias_tensors(*model, bias)) {
+      const std::string key = models::peft_bias_key(*s);
       mine.insert(key);
       trained[key] = *s->tensor;
       EXPECT_TRUE(s->tensor->requires_grad()) << s->name;
@@ -233,9 +233,9 @@ TEST_P(HfReferenceLora, BiasesTrainAsPefts) {
       const double ref = rb.load("loss").item<double>();
       EXPECT_LT(std::abs(y.loss_sum.item<double>() / y.target_tokens - ref) / ref, 1e-3);
       for (const models::TensorSlot* s :
-           models::lora_bias_tensors(*bf, bias, [](const models::Linear& l) { return l.lora != nullptr; })) {
+           models::lora_bias_tensors(*bf, bias)) {
         EXPECT_EQ(s->tensor->scalar_type(), at::kFloat) << s->name;
-        const std::string key = models::peft_bias_key(*s, s->linear && s->linear->lora);
+        const std::string key = models::peft_bias_key(*s);
         EXPECT_LT(rel_err(s->tensor->grad(), rb.load(key + ".grad")), 5e-2) << key;
       }
     }

@@ -277,7 +277,7 @@ TEST(LoraBias, AllAndLoraOnlySelectPeftsBiases) {
     for (const TensorSlot& s : model->tensors()) {
       if (!s.tensor->defined() || !s.tensor->requires_grad()) continue;
       EXPECT_EQ(s.tensor->scalar_type(), at::kFloat) << s.name;
-      keys.insert(peft_bias_key(s, s.linear && s.linear->lora));
+      keys.insert(peft_bias_key(s));
       elements += s.tensor->numel();
     }
     EXPECT_EQ(static_cast<int64_t>(keys.size()), bias == "all" ? 6 * L + 1 : L) << bias;

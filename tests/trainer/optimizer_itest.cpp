@@ -232,8 +232,8 @@ TEST(OptimizerReference, TrainedBiasesFollowPeftWithoutDecay) {
   models::SafetensorsFile rt(d / "ref.safetensors"), start(fs::path(r.adapter) / "adapter_model.safetensors");
   int biases = 0;
   for (const models::TensorSlot* s :
-       models::lora_bias_tensors(*t.model, "all", [](const models::Linear& l) { return l.lora != nullptr; })) {
-    const std::string key = models::peft_bias_key(*s, s->linear && s->linear->lora);
+       models::lora_bias_tensors(*t.model, "all")) {
+    const std::string key = models::peft_bias_key(*s);
     at::Tensor theirs = rt.load(key), mine = s->tensor->detach();
     EXPECT_GT((mine - start.load(key)).abs().max().item<double>(), 1e-3) << key << " did not train";
     if (key.find("c_attn") != std::string::npos) {
