@@ -18,6 +18,7 @@ uint64_t splitmix64(uint64_t& state) {
 
 void to_json(nlohmann::json& j, const SamplerState& s) {
   j = nlohmann::json{{"epoch", s.epoch}, {"offset", s.offset}, {"seed", s.seed}};
+  if (s.megabatch > 0) j["megabatch"] = s.megabatch;
 }
 
 void from_json(const nlohmann::json& j, SamplerState& s) {
@@ -27,6 +28,12 @@ void from_json(const nlohmann::json& j, SamplerState& s) {
   s.epoch = j["epoch"].get<int64_t>();
   s.offset = j["offset"].get<int64_t>();
   s.seed = j["seed"].get<uint64_t>();
+  s.megabatch = 0;  // absent: not grouped by length (and every checkpoint before grouping existed)
+  if (j.contains("megabatch")) {
+    MEMTUNE_CHECK(j["megabatch"].is_number_integer() && j["megabatch"].get<int64_t>() > 0,
+                  "sampler state: 'megabatch' is ", j["megabatch"].dump(), "; expected a positive integer");
+    s.megabatch = j["megabatch"].get<int64_t>();
+  }
 }
 
 std::vector<int64_t> Sampler::permutation(int64_t n, uint64_t seed, int64_t epoch) {
@@ -45,6 +52,28 @@ std::vector<int64_t> Sampler::permutation(int64_t n, uint64_t seed, int64_t epoc
   return p;
 }
 
+std::vector<int64_t> Sampler::length_grouped(std::vector<int64_t> order, const std::vector<int64_t>& lengths,
+                                             int64_t megabatch) {
+  MEMTUNE_CHECK(megabatch > 0, "sampler: a megabatch of ", megabatch, " samples; expected at least one");
+  const int64_t n = static_cast<int64_t>(order.size());
+  int64_t longest = -1, longest_at = 0;  // the first megabatch holding the longest sample
+  for (int64_t b = 0; b < n; b += megabatch) {
+    const auto first = order.begin() + b, last = order.begin() + std::min(n, b + megabatch);
+    std::stable_sort(first, last, [&](int64_t x, int64_t y) { return lengths[x] > lengths[y]; });
+    if (lengths[*first] > longest) {
+      longest = lengths[*first];
+      longest_at = b;
+    }
+  }
+  if (n > 0) std::swap(order[0], order[longest_at]);
+  return order;
+}
+
+int64_t Sampler::megabatch_size(int64_t n, int64_t step) {
+  MEMTUNE_CHECK(step > 0, "sampler: ", step, " samples per step; expected at least one");
+  return std::max<int64_t>(1, std::min<int64_t>(n / (4 * step), 50)) * step;
+}
+
 Sampler::Sampler(int64_t dataset_size, uint64_t seed, bool shuffle, int rank, int world_size)
     : size_(dataset_size), shuffle_(shuffle), rank_(rank), world_(world_size) {
   MEMTUNE_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, "sampler: rank ", rank,
@@ -55,6 +84,15 @@ Sampler::Sampler(int64_t dataset_size, uint64_t seed, bool shuffle, int rank, in
   state_.seed = seed;
 }
 
+void Sampler::group_by_length(std::vector<int64_t> lengths, int64_t megabatch) {
+  MEMTUNE_CHECK(static_cast<int64_t>(lengths.size()) == size_, "sampler: ", lengths.size(), " lengths for ", size_,
+                " samples");
+  MEMTUNE_CHECK(megabatch > 0, "sampler: a megabatch of ", megabatch, " samples; expected at least one");
+  lengths_ = std::move(lengths);
+  state_.megabatch = megabatch;
+  order_epoch_ = -1;
+}
+
 void Sampler::ensure_permutation() {
   if (order_epoch_ == state_.epoch) return;
   if (shuffle_) {
@@ -63,6 +101,7 @@ void Sampler::ensure_permutation() {
     order_.resize(size_);
     std::iota(order_.begin(), order_.end(), 0);
   }
+  if (state_.megabatch > 0) order_ = length_grouped(std::move(order_), lengths_, state_.megabatch);
   order_epoch_ = state_.epoch;
 }
 
@@ -92,6 +131,9 @@ void Sampler::restore(const SamplerState& state) {
                 "sampler state: offset ", state.offset, " in epoch ", state.epoch, " does not fit ", size_,
                 " samples over ", world_, " ranks (an epoch uses ", per_rank_ * world_,
                 " and the offset must be a multiple of the world size); was the dataset or world size changed?");
+  MEMTUNE_CHECK((state.megabatch > 0) == !lengths_.empty(), "sampler state: the checkpoint's order ",
+                state.megabatch > 0 ? "was" : "was not", " grouped by length and this run's ",
+                lengths_.empty() ? "is not" : "is", "; training.group_by_length must stay as the run began");
   state_ = state;
   order_epoch_ = -1;  // the seed may differ from the one the cached order was drawn with
 }

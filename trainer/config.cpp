@@ -236,7 +236,14 @@ void TrainingConfig::fields(F&& f) {
   f("fp16_init_scale", fp16_init_scale, "initial loss scale for fp16");
   f("fp16_growth_interval", fp16_growth_interval, "good steps before the loss scale doubles");
   f("group_by_length", group_by_length,
-    "HF's LengthGroupedSampler: not supported, false only (pack_sequences fills rows instead)");
+    "HF's LengthGroupedSampler: each epoch's shuffled samples cut into megabatches of up to 50 steps (at least 4 "
+    "megabatches), each sorted by length, the longest sample of the epoch first, so that a step pads its rows to "
+    "similar lengths (packed rows are full anyway; metrics.jsonl's padding is the share of a step's positions "
+    "on padding)");
+  f("train_sampling_strategy", train_sampling_strategy,
+    "transformers 5's name for the order: random (data.shuffle's), sequential (as data.shuffle: false), "
+    "group_by_length (as group_by_length: true)",
+    {"random", "sequential", "group_by_length"});
   f("dataloader_pin_memory", dataloader_pin_memory, "accepted for compatibility; changes nothing");
   f("dataloader_num_workers", dataloader_num_workers, "accepted for compatibility; changes nothing");
   f("remove_unused_columns", remove_unused_columns, "accepted for compatibility; changes nothing");
@@ -705,9 +712,10 @@ void validate(const TrainingConfig& t, const std::string& p, const Checker& c) {
   c.check(t.eval_accuracy_rows >= 0, p + ".eval_accuracy_rows", t.eval_accuracy_rows, "must be >= 0");
   c.check(t.fp16_init_scale > 0, p + ".fp16_init_scale", t.fp16_init_scale, "must be > 0");
   c.check(t.fp16_growth_interval >= 1, p + ".fp16_growth_interval", t.fp16_growth_interval, "must be at least 1");
-  c.check(!t.group_by_length, p + ".group_by_length", t.group_by_length,
-          "Hugging Face's LengthGroupedSampler (batches of similar length) is not implemented; memtune packs "
-          "samples into full rows (data.pack_sequences: true) or pads each batch. Remove the key or set false");
+  c.check(!(t.group_by_length && t.train_sampling_strategy == "sequential"), p + ".group_by_length",
+          t.group_by_length,
+          "contradicts train_sampling_strategy: sequential (transformers has one sampler: group_by_length: true "
+          "is train_sampling_strategy: group_by_length); keep one of them");
   c.check(t.dataloader_num_workers >= 0, p + ".dataloader_num_workers", t.dataloader_num_workers, "must be >= 0");
 }
 

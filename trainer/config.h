@@ -133,7 +133,8 @@ struct TrainingConfig {
   std::string resume_from_checkpoint;         // empty | latest | path to checkpoints/step-N
   double fp16_init_scale = 65536;             // loss scaler start
   int64_t fp16_growth_interval = 2000;        // good steps before the scale doubles
-  bool group_by_length = false;               // false only: refused (no LengthGroupedSampler)
+  bool group_by_length = false;               // HF's LengthGroupedSampler (transformers 4.x's name)
+  std::string train_sampling_strategy = "random";  // random|sequential|group_by_length (transformers 5.x)
   // Accepted for compatibility with HF TrainingArguments; they change nothing here.
   bool dataloader_pin_memory = true;
   int dataloader_num_workers = 0;

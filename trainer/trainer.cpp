@@ -113,6 +113,7 @@ struct StepRecord {
   double grad_norm = NAN;  // before clipping; NaN when the update was skipped
   bool skipped = false;    // fp16 overflow: no update, the loss scale halved
   int64_t tokens = 0;      // target tokens of the step, over every rank
+  int64_t positions = 0, padding = 0;  // this rank's computed positions (rows x padded length), and those on padding
   int64_t samples = 0;     // samples of the step, over every rank (an epoch's last step may have fewer)
   int64_t micro_batch = 0, accumulation = 0;  // as the step ran (the supervisor may since have changed them)
   double seconds = 0;
@@ -386,8 +387,23 @@ void Trainer::load_data() {
                  format_bytes(budget_), describe(ladder));
   // samples_per_step is per rank; a step trains on world_size times as many.
   samples_per_step_ = micro_batch_ * c_.training.gradient_accumulation_steps;
-  sampler_ = std::make_unique<data::Sampler>(train_set_->size(), c_.training.seed, c_.data.shuffle, dist_.rank,
+  const bool shuffle = c_.data.shuffle && c_.training.train_sampling_strategy != "sequential";
+  sampler_ = std::make_unique<data::Sampler>(train_set_->size(), c_.training.seed, shuffle, dist_.rank,
                                              dist_.world_size);
+  // transformers 4's group_by_length and 5's train_sampling_strategy name one sampler.
+  if (c_.training.group_by_length || c_.training.train_sampling_strategy == "group_by_length") {
+    // Megabatches of whole steps over all ranks (with one process, transformers' own size:
+    // per_device_train_batch_size x gradient_accumulation_steps samples per step).
+    std::vector<int64_t> lengths(train_set_->size());
+    for (int64_t i = 0; i < train_set_->size(); ++i) lengths[i] = train_set_->sample_length(i);
+    const int64_t megabatch = data::Sampler::megabatch_size(train_set_->size(), samples_per_step_ * dist_.world_size);
+    sampler_->group_by_length(std::move(lengths), megabatch);
+    spdlog::info("data: grouped by length (training.group_by_length): each epoch's {} in megabatches of {} samples "
+                 "({} steps), each sorted longest first{}",
+                 shuffle ? "shuffled samples" : "samples, in file order,", megabatch,
+                 megabatch / (samples_per_step_ * dist_.world_size),
+                 c_.data.pack_sequences ? "; data.pack_sequences fills rows, so grouping changes little" : "");
+  }
   steps_per_epoch_ = sampler_->steps_per_epoch(samples_per_step_ * dist_.world_size);
   total_steps_ = c_.training.max_steps > 0
                      ? c_.training.max_steps
@@ -858,6 +874,7 @@ StepRecord Trainer::step() {
     r.accumulation = (static_cast<int64_t>(samples.size()) + micro - 1) / micro;
     optimizer_->zero_grad();
     loss_sum = 0;
+    r.positions = r.padding = 0;
     models::ForwardOptions fo;
     fo.training = true;
     fo.checkpoint_layers = ckpt_layers_;
@@ -871,6 +888,8 @@ StepRecord Trainer::step() {
       const std::vector<data::Sample> part(first, first + static_cast<std::ptrdiff_t>(std::min<size_t>(
                                                               samples.size() - i, static_cast<size_t>(micro))));
       data::Batch batch = data::collate(part, 8, pad_id_);
+      r.positions += batch.rows() * batch.length();
+      for (int64_t len : batch.row_lengths) r.padding += batch.length() - len;
       batch.row_keys.assign(dropout_keys.begin() + static_cast<std::ptrdiff_t>(i),
                             dropout_keys.begin() + static_cast<std::ptrdiff_t>(i + part.size()));
       mem_->reset_peak();
@@ -977,6 +996,7 @@ void Trainer::log_step(const StepRecord& r) {
               {"tokens", r.tokens},
               {"samples", r.samples},
               {"tokens_per_s", tok_s},
+              {"padding", r.positions ? static_cast<double>(r.padding) / static_cast<double>(r.positions) : 0.0},
               {"loss_scale", scaler_->scale()},
               {"micro_batch", r.micro_batch},
               {"accumulation", r.accumulation},

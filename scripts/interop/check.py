@@ -637,7 +637,6 @@ class Check:
                        "data": {"train_file": "rows.bin", "format": "tokens", "max_seq_length": SEQ}}, f)
         for override, key in [("lora.modules_to_save=[q_proj]", "projection"),
                               ("lora.modules_to_save=[norm]", "inside decoder layer"),
-                              ("training.group_by_length=true", "group_by_length"),
                               ("data.eval_split=0.1", "eval_split"),
                               ("model.torch_dtype=bfloat16", "torch_dtype"),
                               ("model.low_cpu_mem_usage=false", "low_cpu_mem_usage"),

@@ -164,3 +164,98 @@ TEST(Sampler, BadStatesAreErrors) {
   EXPECT_THROW((nlohmann::json{{"epoch", 1}, {"seed", 2}}.get<SamplerState>()), memtune::UserError);
   EXPECT_THROW(Sampler(1, 0, true, 0, 2), memtune::UserError);  // fewer samples than ranks
 }
+
+// Grouping by length against transformers' own get_length_grouped_indices (transformers
+// 5.x, trainer_pt_utils.py), run with torch.randperm replaced by the same permutation
+// (Sampler::permutation, which PermutationMatchesPythonReference checks): the lists below
+// are what it returned. Its batch_size is per_device_train_batch_size x
+// gradient_accumulation_steps, and megabatch_size is its default megabatch for that.
+TEST(Sampler, LengthGroupingIsTransformersGetLengthGroupedIndices) {
+  struct Case {
+    std::vector<int64_t> lengths;
+    int64_t batch_size;
+    uint64_t seed;
+    int64_t epoch;
+    int64_t megabatch;  // 50 or n / (4 x batch) batches, at least one, as transformers
+    std::vector<int64_t> transformers;
+  };
+  std::vector<int64_t> forty;  // the longest (23) not in the first megabatch
+  for (int64_t i = 0; i < 40; ++i) forty.push_back((i * 37) % 23 + 1);
+  std::vector<int64_t> ties;  // five lengths over 200 samples: megabatches of 48 keep their drawn order among equals
+  for (int64_t i = 0; i < 200; ++i) ties.push_back((i * 13) % 5);
+  const std::vector<Case> cases = {
+      {{5, 9, 9, 3, 12, 7, 7, 1, 30, 4, 9, 12, 2, 8, 8, 30, 6, 11, 3, 5, 10, 1, 7},  // ties, two of the longest
+       2, 7, 0, 4,
+       {8, 17, 10, 13, 4, 22, 9, 18, 1, 5, 0, 7, 20, 2, 19, 21, 15, 6, 3, 12, 11, 14, 16}},
+      {forty, 3, 11, 2, 9,
+       {18, 16, 11, 37, 20, 38, 15, 10, 0,  26, 31, 8,  3,  39, 29, 4,  35, 5,  6,
+        14, 27, 22, 17, 30, 2,  28, 23, 13, 36, 21, 34, 1,  32, 9,  7,  33, 24, 19, 12, 25}},
+      {{3, 1, 4, 1, 5}, 4, 1, 0, 4, {4, 2, 0, 3, 1}},  // tiny: one batch per megabatch
+      {ties, 4, 5, 1, 48,
+       {
+        128, 123, 8, 168, 18, 13, 148, 193, 68, 158, 183, 31, 16, 196, 91, 1, 151, 81, 186, 19,
+        59, 44, 199, 134, 154, 144, 87, 122, 132, 142, 17, 187, 62, 82, 117, 190, 135, 85, 110, 100,
+        10, 70, 0, 95, 170, 35, 195, 155, 113, 178, 138, 58, 83, 188, 23, 6, 106, 11, 176, 21,
+        136, 171, 181, 169, 24, 49, 159, 64, 189, 4, 114, 54, 99, 34, 124, 107, 127, 22, 92, 72,
+        147, 197, 27, 162, 177, 112, 57, 77, 140, 75, 120, 55, 30, 45, 165, 130, 118, 103, 93, 73,
+        53, 33, 63, 198, 3, 131, 116, 71, 46, 166, 191, 141, 61, 51, 126, 146, 86, 89, 179, 104,
+        29, 149, 109, 194, 84, 119, 14, 37, 152, 32, 157, 97, 42, 182, 52, 192, 167, 160, 125, 50,
+        115, 80, 25, 60, 108, 98, 173, 48, 153, 38, 133, 28, 163, 156, 101, 161, 111, 76, 121, 56,
+        36, 26, 66, 184, 94, 79, 174, 39, 74, 129, 9, 69, 139, 164, 102, 67, 47, 172, 137, 7,
+        2, 15, 65, 180, 40, 150, 175, 105, 90, 185, 20, 145, 88, 78, 143, 43, 41, 96, 12, 5}},
+  };
+  for (const Case& c : cases) {
+    const auto n = static_cast<int64_t>(c.lengths.size());
+    EXPECT_EQ(Sampler::megabatch_size(n, c.batch_size), c.megabatch) << "n=" << n;
+    EXPECT_EQ(Sampler::length_grouped(Sampler::permutation(n, c.seed, c.epoch), c.lengths, c.megabatch),
+              c.transformers)
+        << "n=" << n;
+    // The sampler itself, one rank: the epoch's order is that.
+    Sampler s(n, c.seed);
+    s.group_by_length(c.lengths, c.megabatch);
+    for (int64_t e = 0; e < c.epoch; ++e) s.next(n);  // to the case's epoch
+    EXPECT_EQ(s.next(n), c.transformers) << "n=" << n;
+  }
+  EXPECT_EQ(Sampler::megabatch_size(100000, 8), 400);  // capped at 50 batches
+}
+
+// Two ranks take the grouped order as they take the shuffled one (every other entry), so
+// a step's rows on every rank come from one megabatch; a checkpoint keeps the megabatch,
+// and a run resumed under another micro-batch (another megabatch_size) draws the same
+// order. A checkpoint grouped and a run not grouped (or the reverse) are refused.
+TEST(Sampler, GroupedOrderOverRanksAndAcrossAResume) {
+  std::vector<int64_t> lengths;
+  for (int64_t i = 0; i < 30; ++i) lengths.push_back((i * 7) % 13);
+  const auto grouped = Sampler::length_grouped(Sampler::permutation(30, 3, 0), lengths, 6);
+  Sampler r0(30, 3, true, 0, 2), r1(30, 3, true, 1, 2);
+  r0.group_by_length(lengths, 6);
+  r1.group_by_length(lengths, 6);
+  const auto a = r0.next(15), b = r1.next(15);
+  for (int i = 0; i < 15; ++i) {
+    EXPECT_EQ(a[i], grouped[2 * i]);
+    EXPECT_EQ(b[i], grouped[2 * i + 1]);
+  }
+  // Within each megabatch, lengths fall after its first entry (which may be the one
+  // swapped out of the first megabatch for the longest).
+  for (int64_t m = 0; m < 30; m += 6)
+    for (int64_t i = m + 2; i < m + 6; ++i) EXPECT_GE(lengths[grouped[i - 1]], lengths[grouped[i]]) << i;
+  EXPECT_EQ(lengths[grouped[0]], *std::max_element(lengths.begin(), lengths.end()));
+
+  Sampler straight(30, 3);
+  straight.group_by_length(lengths, 6);
+  straight.next(8);
+  const nlohmann::json saved = straight.state();
+  EXPECT_EQ(saved["megabatch"], 6);
+  Sampler resumed(30, 3);
+  resumed.group_by_length(lengths, 12);  // the resumed run's own size: the checkpoint's wins
+  resumed.restore(saved.get<SamplerState>());
+  EXPECT_EQ(resumed.next(40), straight.next(40));  // the rest of epoch 0, and into epoch 1
+
+  Sampler plain(30, 3);
+  EXPECT_THROW(plain.restore(saved.get<SamplerState>()), memtune::UserError);
+  Sampler grouping(30, 3);
+  grouping.group_by_length(lengths, 6);
+  EXPECT_THROW(grouping.restore(SamplerState{0, 4, 3}), memtune::UserError);
+  EXPECT_THROW((nlohmann::json{{"epoch", 0}, {"offset", 0}, {"seed", 2}, {"megabatch", 0}}.get<SamplerState>()),
+               memtune::UserError);
+}

@@ -23,7 +23,6 @@ ONLY_IN_CONFIG = {
     "quant_method": "bitsandbytes only",
     "low_cpu_mem_usage": "true only (loads always stream from the mmapped safetensors)",
     "task_type": "CAUSAL_LM only",
-    "group_by_length": "false only (no LengthGroupedSampler)",
     "dataloader_pin_memory": "compatibility note",
     "dataloader_num_workers": "compatibility note",
     "remove_unused_columns": "compatibility note",

@@ -597,9 +597,17 @@ TEST(ConfigErrors, ModulesToSaveEmptyNameRefused) {
             (std::vector<std::string>{"lm_head", "embed_tokens"}));
 }
 
-TEST(ConfigErrors, GroupByLengthRefused) {
-  const std::string yaml = "training:\n  group_by_length: true\n";
-  expect_invalid(yaml, "group_by_length", "true", "training.group_by_length", "true", "LengthGroupedSampler");
+// transformers 4's group_by_length and transformers 5's train_sampling_strategy name one
+// sampler: both may say group_by_length, but grouping and sequential contradict.
+TEST(ConfigErrors, GroupByLengthAndASequentialStrategyContradict) {
+  const auto both = parse("training: {group_by_length: true, train_sampling_strategy: group_by_length}").training;
+  EXPECT_TRUE(both.group_by_length);
+  EXPECT_EQ(both.train_sampling_strategy, "group_by_length");
+  EXPECT_EQ(parse("training: {train_sampling_strategy: sequential}").training.train_sampling_strategy, "sequential");
+  expect_invalid("training: {group_by_length: true, train_sampling_strategy: sequential}", "group_by_length", "true",
+                 "training.group_by_length", "true", "contradicts train_sampling_strategy: sequential");
+  expect_invalid("training: {train_sampling_strategy: by_length}", "train_sampling_strategy", "by_length",
+                 "training.train_sampling_strategy", "by_length", "group_by_length");
 }
 
 TEST(ConfigErrors, EvalSplitRefused) {
@@ -937,6 +945,8 @@ Config every_field_changed() {
   t.dataloader_pin_memory = false;
   t.dataloader_num_workers = 2;
   t.remove_unused_columns = false;
+  t.group_by_length = true;
+  t.train_sampling_strategy = "group_by_length";
   auto& d = c.data;
   d.train_file = "data/train.jsonl";
   d.eval_file = "data/eval.jsonl";
@@ -1023,13 +1033,13 @@ const std::set<std::string> kSingleValued = {
     "model.quantization_config.llm_int8_enable_fp32_cpu_offload", "model.quantization_config.quant_method",
     "model.quantization_config.bnb_4bit_quant_type",
     "model.quantization_config.bnb_4bit_quant_storage", "lora.task_type",
-    "model.low_cpu_mem_usage", "training.group_by_length", "training.report_to", "data.eval_split"};
+    "model.low_cpu_mem_usage", "training.report_to", "data.eval_split"};
 
 TEST(ConfigRoundTrip, EveryFieldChangedIsComplete) {
   auto defaults = leaves(to_yaml(Config()));
   auto a = leaves(to_yaml(every_field_changed()));
   auto b = leaves(to_yaml(every_field_changed_b()));
-  EXPECT_EQ(defaults.size(), 107u);  // the leaves config.h declares: a new key belongs in every_field_changed()
+  EXPECT_EQ(defaults.size(), 108u);  // the leaves config.h declares: a new key belongs in every_field_changed()
   for (const auto& [path, value] : defaults) {
     if (kSingleValued.count(path)) continue;
     EXPECT_TRUE(a.at(path) != value || b.at(path) != value) << path << " is never changed from " << value;

@@ -319,6 +319,65 @@ TEST(Train, EpochsAreTheTrainersWithTheLastStepOfEachShorter) {
   for (int k = 0; k < 6; ++k) EXPECT_NEAR(lrs[k], 1e-3 * (6 - k) / 6.0, 1e-12) << "step " << k;
 }
 
+// training.group_by_length (HF's LengthGroupedSampler) over samples of very different
+// lengths, one per row: every epoch still trains each sample once (its target tokens are
+// the dataset's), a step pads much less than in the shuffled order (metrics.jsonl's
+// padding), and a resumed run equals the uninterrupted one. transformers 5's spelling,
+// train_sampling_strategy: group_by_length, trains the same steps; its sequential, those of
+// data.shuffle: false.
+TEST(Train, GroupByLengthPadsLessAndTrainsEachSampleOncePerEpoch) {
+  fs::path d = temp_dir();
+  std::string rows;
+  for (int i = 0; i < 48; ++i) {
+    std::string text = "sample";
+    for (int w = 0; w < (i * 7) % 48 * 2; ++w) text += " w" + std::to_string(w);
+    rows += json{{"text", text}}.dump() + "\n";
+  }
+  write_file(d / "mixed.jsonl", rows);
+  const std::string common = "training.max_steps=-1 training.num_train_epochs=2 training.per_device_train_batch_size=2 "
+                             "training.warmup_steps=0 data.format=text data.pack_sequences=false data.max_seq_length=256 "
+                             "data.train_file=" + (d / "mixed.jsonl").string();
+  TrainRun shuffled = train(d / "shuffled", common);
+  TrainRun grouped = train(d / "grouped", common + " training.group_by_length=true");
+  ASSERT_EQ(shuffled.exit_code, 0) << shuffled.output;
+  ASSERT_EQ(grouped.exit_code, 0) << grouped.output;
+  EXPECT_NE(grouped.output.find("grouped by length"), std::string::npos) << grouped.output;
+  auto per_epoch = [](const fs::path& out, std::map<int64_t, int64_t>& tokens, double& padding) {
+    int steps = 0;
+    padding = 0;
+    for (const auto& m : metrics(out))
+      if (m.contains("loss")) {
+        tokens[m["epoch"].get<int64_t>()] += m["tokens"].get<int64_t>();
+        padding += m["padding"].get<double>();
+        ++steps;
+      }
+    padding /= std::max(1, steps);
+    return steps;
+  };
+  std::map<int64_t, int64_t> a, b;
+  double pad_a = 0, pad_b = 0;
+  EXPECT_EQ(per_epoch(shuffled.dir, a, pad_a), 48);
+  EXPECT_EQ(per_epoch(grouped.dir, b, pad_b), 48);
+  EXPECT_EQ(a, b);  // each epoch: all the samples' target tokens, once
+  ASSERT_EQ(b.size(), 2u);
+  EXPECT_EQ(b[0], b[1]);
+  EXPECT_LT(pad_b, 0.5 * pad_a) << "mean padding share: shuffled " << pad_a << ", grouped " << pad_b;
+  EXPECT_NE(step_losses(shuffled.dir), step_losses(grouped.dir));  // other samples share the steps
+
+  TrainRun v5 = train(d / "v5", common + " training.train_sampling_strategy=group_by_length");
+  ASSERT_EQ(v5.exit_code, 0) << v5.output;
+  expect_same_losses(step_losses(grouped.dir), step_losses(v5.dir), 1e-9);
+  TrainRun sequential = train(d / "sequential", common + " training.train_sampling_strategy=sequential");
+  TrainRun unshuffled = train(d / "unshuffled", common + " data.shuffle=false");
+  ASSERT_EQ(sequential.exit_code, 0) << sequential.output;
+  ASSERT_EQ(unshuffled.exit_code, 0) << unshuffled.output;
+  expect_same_losses(step_losses(unshuffled.dir), step_losses(sequential.dir), 1e-9);
+  EXPECT_NE(step_losses(shuffled.dir), step_losses(sequential.dir));
+  expect_resume_equals_straight(d / "resume", "training.group_by_length=true data.pack_sequences=false "
+                                              "data.max_seq_length=256 data.format=text data.train_file=" +
+                                                  (d / "mixed.jsonl").string());
+}
+
 // A run started afresh in a directory holding another run's checkpoints, or resumed from an
 // earlier checkpoint than the newest, would write its checkpoints among the other run's:
 // save_total_limit, pruning by step number, would delete its own, and `latest` continue the
