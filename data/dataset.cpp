@@ -1,14 +1,17 @@
 #include "data/dataset.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <memory>
+#include <numeric>
 
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
 #include "data/chat_template.h"
 #include "data/mapped_file.h"
+#include "data/sampler.h"
 #include "data/token_file.h"
 #include "data/tokenizer.h"
 #include "runtime/error.h"
@@ -209,8 +212,9 @@ Dataset::Dataset(const fs::path& path, const Tokenizer* tokenizer, DatasetOption
   MEMTUNE_CHECK(tokenizer || format_ == "tokens", "dataset ", path.string(), ": the ", format_,
                 " format needs a tokenizer");
   load(path, tokenizer);
-  stats_.documents = docs_.size();
-  stats_.tokens = docs_.offsets.back() - docs_.offsets.front();
+  hold_out(path.string());
+  stats_.documents = static_cast<int64_t>(kept_.size());
+  for (int64_t d : kept_) stats_.tokens += docs_.length(d);
   stats_.skipped_invalid = docs_.skipped_invalid;
   MEMTUNE_CHECK(stats_.documents > 0, "dataset ", path.string(), " is empty: no documents",
                 docs_.skipped_invalid ? str_cat(" (", docs_.skipped_invalid, " invalid records skipped)") : "",
@@ -227,7 +231,10 @@ Dataset::Dataset(const fs::path& path, const Tokenizer* tokenizer, DatasetOption
                 " documents are longer than data.max_seq_length (", o.max_seq_length,
                 ") and were dropped; raise max_seq_length or set data.truncation: right");
 
-  spdlog::info("dataset {}: {} format, {} documents, {} tokens -> {} samples, {} target tokens{}", path.string(),
+  spdlog::info("dataset {}{}: {} format, {} documents, {} tokens -> {} samples, {} target tokens{}", path.string(),
+               o.hold_out.split <= 0     ? ""
+               : o.hold_out.held_out ? str_cat(" (held out by data.eval_split ", o.hold_out.split, ")")
+                                     : str_cat(" (without what data.eval_split ", o.hold_out.split, " holds out)"),
                format_, stats_.documents, stats_.tokens, stats_.samples, stats_.target_tokens,
                from_cache_ ? " (tokenized cache)" : "");
   if (stats_.truncated || stats_.dropped)
@@ -381,6 +388,66 @@ void Dataset::load(const fs::path& path, const Tokenizer* tokenizer) {
   if (!cache_path.empty() && docs_.size() > 0) write_document_cache(cache_path, key, docs_);
 }
 
+std::vector<int64_t> held_out_documents(int64_t n, const HoldOut& h, const std::string& what) {
+  MEMTUNE_CHECK(std::isfinite(h.split) && h.split > 0 && (h.split < 1 || h.split == std::floor(h.split)),
+                "data.eval_split: ", h.split, "; expected a share in (0, 1) or a whole number of documents");
+  // train_test_split's count: ceil of the product, in doubles (0.07 of 100 documents is 8).
+  const auto count = static_cast<int64_t>(h.split < 1 ? std::ceil(h.split * static_cast<double>(n)) : h.split);
+  MEMTUNE_CHECK(count < n, "data.eval_split ", h.split, " holds out ", count, " of the ", n, " documents of ", what,
+                ", leaving none to train on. Hint: hold out fewer, or name a separate file in data.eval_file");
+  std::vector<int64_t> held;
+  if (h.shuffle) {
+    const std::vector<int64_t> order = Sampler::permutation(n, h.seed, -1);
+    held.assign(order.begin(), order.begin() + count);
+    std::sort(held.begin(), held.end());
+  } else {
+    held.resize(count);
+    std::iota(held.begin(), held.end(), n - count);
+  }
+  return held;
+}
+
+bool Dataset::is_document(int64_t d) const {
+  const int64_t len = docs_.length(d);
+  return len > 0 && !(len == 1 && separator_ && token(docs_.offsets[d]) == *separator_);
+}
+
+void Dataset::hold_out(const std::string& what) {
+  const HoldOut& h = options_.hold_out;
+  kept_.clear();
+  if (h.split <= 0) {
+    kept_.resize(docs_.size());
+    std::iota(kept_.begin(), kept_.end(), 0);
+    return;
+  }
+  MEMTUNE_CHECK(!flat_stream_ || docs_.size() == 0, "data.eval_split holds out documents, and ", what,
+                " is one stream of tokens without document separators (the tokenizer's eos id, which the file "
+                "does not hold, or there is no tokenizer). Hint: write the held-out tokens to a file of their own "
+                "and name it in data.eval_file");
+  std::vector<int64_t> docs;  // the file's documents, by index into docs_
+  for (int64_t d = 0; d < docs_.size(); ++d)
+    if (is_document(d)) docs.push_back(d);
+  if (docs.empty()) return;  // an empty dataset, refused as such
+  const std::vector<int64_t> held = held_out_documents(static_cast<int64_t>(docs.size()), h, what);
+  std::vector<uint8_t> is_held(docs.size(), 0);
+  for (int64_t i : held) is_held[i] = 1;
+  for (size_t i = 0; i < docs.size(); ++i)
+    if (is_held[i] == static_cast<uint8_t>(h.held_out)) kept_.push_back(docs[i]);
+  if (token_file_) return;  // the tokens stay in the mapped file
+  // Tokens in memory: keep only this side's.
+  Documents mine;
+  mine.skipped_invalid = docs_.skipped_invalid;
+  for (int64_t d : kept_) {
+    const auto first = docs_.offsets[d], last = docs_.offsets[d + 1];
+    mine.tokens.insert(mine.tokens.end(), docs_.tokens.begin() + first, docs_.tokens.begin() + last);
+    if (!docs_.trained.empty())
+      mine.trained.insert(mine.trained.end(), docs_.trained.begin() + first, docs_.trained.begin() + last);
+    mine.offsets.push_back(static_cast<int64_t>(mine.tokens.size()));
+  }
+  docs_ = std::move(mine);
+  std::iota(kept_.begin(), kept_.end(), 0);
+}
+
 void Dataset::build_rows() {
   const int64_t T = options_.max_seq_length;
   if (flat_stream_) {  // one stream: windows of T whose targets run on into the next window
@@ -394,10 +461,9 @@ void Dataset::build_rows() {
     }
   } else {
     int64_t row_len = 0;
-    for (int64_t d = 0; d < docs_.size(); ++d) {
+    for (int64_t d : kept_) {
+      if (!is_document(d)) continue;  // empty, or a lone separator (two in a row in a token file)
       int64_t len = docs_.length(d);
-      // Empty, or a lone separator (two in a row in a token file): no document.
-      if (len == 0 || (len == 1 && separator_ && token(docs_.offsets[d]) == *separator_)) continue;
       if (len > T) {
         if (options_.truncation == "drop") {
           ++stats_.dropped;
@@ -501,8 +567,8 @@ int64_t Dataset::sample_length(int64_t i) const {
 
 std::vector<uint32_t> Dataset::token_stream(std::optional<int32_t> separator) const {
   std::vector<uint32_t> out;
-  out.reserve(stats_.tokens + (separator ? docs_.size() : 0));
-  for (int64_t d = 0; d < docs_.size(); ++d) {
+  out.reserve(stats_.tokens + (separator ? static_cast<int64_t>(kept_.size()) : 0));
+  for (int64_t d : kept_) {
     for (int64_t i = docs_.offsets[d]; i < docs_.offsets[d + 1]; ++i) out.push_back(token(i));
     if (separator) out.push_back(*separator);
   }

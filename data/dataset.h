@@ -39,6 +39,24 @@ namespace memtune::data {
 
 class Tokenizer;
 
+// Documents held out of a file for evaluation (data.eval_split), as datasets'
+// train_test_split(test_size=split, seed) draws them: a split in (0, 1) holds out
+// ceil(split x n) of the file's n documents (records), one >= 1 that many. They are the
+// first of a permutation of the documents drawn from `seed` (Sampler::permutation at epoch
+// -1, a stream no epoch's order uses), or the last documents of the file without
+// `shuffle`, as train_test_split(shuffle=False). Each side keeps its documents in file
+// order, and rows are made within it.
+struct HoldOut {
+  double split = 0;        // 0: the whole file
+  uint64_t seed = 0;
+  bool shuffle = true;
+  bool held_out = false;   // this dataset: the held-out documents (true), or the others
+};
+
+// Of `n` documents, the ones that `h` holds out, ascending. Throws UserError when that
+// leaves none, or all (`what` names the file in the message).
+std::vector<int64_t> held_out_documents(int64_t n, const HoldOut& h, const std::string& what);
+
 /// Mirrors trainer's DataConfig. Example:
 ///   DatasetOptions o; o.format = "instruction"; o.max_seq_length = 256;
 ///   Dataset ds("train.jsonl", tokenizer.get(), o);
@@ -57,6 +75,7 @@ struct DatasetOptions {
   // The model's vocabulary: a token file's ids must lie below it (0: not checked). A
   // tokenizer, where given, bounds them too; text is bounded by the tokenizer alone.
   int64_t vocab_size = 0;
+  HoldOut hold_out;                     // data.eval_split: this set is one side of it
 };
 
 struct DatasetStats {
@@ -112,6 +131,8 @@ class Dataset {
     int64_t doc, begin, length;
   };
   void load(const std::filesystem::path& path, const Tokenizer* tokenizer);
+  bool is_document(int64_t d) const;  // not empty, nor a token file's lone separator
+  void hold_out(const std::string& what);
   void build_rows();
   int64_t span_targets(const Span& s) const;
 
@@ -119,6 +140,7 @@ class Dataset {
   std::string format_;
   Documents docs_;
   std::optional<int32_t> eos_target_;  // what a document's last token predicts
+  std::vector<int64_t> kept_;  // the documents rows are made of, ascending (all but a held-out side)
   std::vector<Span> spans_;
   std::vector<int64_t> row_begin_{0};  // sample i is spans_[row_begin_[i], row_begin_[i+1])
   DatasetStats stats_;

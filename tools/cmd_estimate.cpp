@@ -61,6 +61,7 @@ std::optional<data::DatasetStats> training_data(const trainer::Config& c, const 
   } quiet;
   data::DatasetOptions options = trainer::dataset_options(c.data, c.training.output_dir);
   options.vocab_size = spec.vocab_size;  // as training checks it
+  options.hold_out = trainer::eval_split_side(c, false);  // what trains
   const data::Dataset set(file, tokenizer.get(), options);
   const data::DatasetStats& s = set.stats();
   *note = str_cat(file, ": ", s.samples, " samples, the longest ", s.longest_sample, " tokens, at most ",

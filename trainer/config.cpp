@@ -256,7 +256,10 @@ template <class F>
 void DataConfig::fields(F&& f) {
   f("train_file", train_file, ".jsonl, .bin (llm.c tokens), .txt, or a directory of .txt");
   f("eval_file", eval_file, "evaluation data; empty: none");
-  f("eval_split", eval_split, "share of the training samples held out for evaluation: not supported, 0 only");
+  f("eval_split", eval_split,
+    "documents (records) of train_file held out for evaluation, as datasets' train_test_split(test_size): in (0, "
+    "1) ceil(share x documents) of them, a whole number >= 1 that many; drawn by training.seed (without "
+    "data.shuffle, the file's last ones), the rest trains. 0: none. Not with data.eval_file");
   f("format", format, "what a sample is; auto: from the file", {"auto", "text", "instruction", "chat", "tokens", "plain"});
   f("template_name", template_name, "chat/instruction template", {"llama-3", "chatml", "alpaca"});
   f("chat_template", chat_template, "a template string; overrides template_name");
@@ -720,9 +723,12 @@ void validate(const TrainingConfig& t, const std::string& p, const Checker& c) {
 }
 
 void validate(const DataConfig& d, const std::string& p, const Checker& c) {
-  c.check(d.eval_split == 0, p + ".eval_split", d.eval_split,
-          "holding out a share of the training data is not implemented; write the held-out samples to a file "
-          "and name it in data.eval_file");
+  c.check(std::isfinite(d.eval_split) && d.eval_split >= 0 && (d.eval_split < 1 || d.eval_split == std::floor(d.eval_split)),
+          p + ".eval_split", d.eval_split,
+          "must be a share in [0, 1) or a whole number of documents (as train_test_split's test_size)");
+  c.check(d.eval_split == 0 || d.eval_file.empty(), p + ".eval_split", d.eval_split,
+          "holds out evaluation data, and data.eval_file names some too (" + d.eval_file +
+              "); keep one of them");
   c.check(!d.text_field.empty(), p + ".text_field", d.text_field, "must name a JSON field");
   c.check(d.max_seq_length >= 8, p + ".max_seq_length", d.max_seq_length, "must be at least 8 tokens");
 }
@@ -802,13 +808,18 @@ void validate(const Config& config, const Checker& c) {
   validate(config.memory, "memory", c);
   validate(config.runtime, "runtime", c);
   validate(config.distributed, "distributed", c);
-  // Evaluation reads data.eval_file; without one, Hugging Face refuses an evaluation schedule.
-  const bool eval_data = !config.data.eval_file.empty();
+  // Evaluation reads data.eval_file or what data.eval_split holds out; without either,
+  // Hugging Face refuses an evaluation schedule.
+  const bool eval_data = !config.data.eval_file.empty() || config.data.eval_split > 0;
   c.check(eval_data || config.training.eval_steps == 0, "training.eval_steps", config.training.eval_steps,
-          "evaluation needs data.eval_file, and none is set; name the held-out file, or drop eval_steps");
-  c.check(eval_data || config.training.eval_accuracy_rows == 0, "training.eval_accuracy_rows",
+          "evaluation needs data.eval_file or data.eval_split, and neither is set; name the held-out file, or "
+          "drop eval_steps");
+  c.check(!config.data.eval_file.empty() || config.training.eval_accuracy_rows == 0, "training.eval_accuracy_rows",
           config.training.eval_accuracy_rows,
-          "the accuracy is measured on data.eval_file's rows, and none is set; name the file, or drop the key");
+          config.data.eval_split > 0
+              ? "the accuracy generates from data.eval_file's records, and data.eval_split holds out tokenized "
+                "documents instead; name an instruction file in data.eval_file, or drop the key"
+              : "the accuracy is measured on data.eval_file's rows, and none is set; name the file, or drop the key");
   const bool int8 = config.model.quantization_config.load_in_8bit;
   c.check(!int8 || config.training.finetune != "full", "model.quantization_config.load_in_8bit", int8,
           "training.finetune: full trains every weight, and 8-bit weights stay frozen (transformers refuses to "

@@ -148,7 +148,7 @@ struct TrainingConfig {
 struct DataConfig {
   std::string train_file;                 // .jsonl, .bin (llm.c tokens), .txt, or a directory of .txt
   std::string eval_file;                  // empty: no evaluation
-  double eval_split = 0;                  // 0 only: refused (no held-out split; use eval_file)
+  double eval_split = 0;                  // documents of train_file held out: a share in (0, 1), or a count
   std::string format = "auto";            // auto|text|instruction|chat|tokens|plain
   std::string template_name = "alpaca";   // chat/instruction template: llama-3|chatml|alpaca
   std::string chat_template;              // a template string; overrides template_name

@@ -92,6 +92,15 @@ data::DatasetOptions dataset_options(const DataConfig& d, const fs::path& output
   return o;
 }
 
+data::HoldOut eval_split_side(const Config& c, bool held_out) {
+  data::HoldOut h;
+  h.split = c.data.eval_split;
+  h.seed = c.training.seed;
+  h.shuffle = c.data.shuffle && c.training.train_sampling_strategy != "sequential";
+  h.held_out = held_out;
+  return h;
+}
+
 namespace {
 
 std::string progress_bar(int64_t done, int64_t total) {
@@ -344,6 +353,7 @@ void Trainer::load_data() {
   MEMTUNE_CHECK(!c_.data.train_file.empty(), "data.train_file: not set (a .jsonl, .bin or .txt file)");
   data::DatasetOptions dopts = dataset_options(c_.data, out_dir_);
   dopts.vocab_size = bundle_.model->spec().vocab_size;
+  dopts.hold_out = eval_split_side(c_, false);
   train_set_ = std::make_unique<data::Dataset>(c_.data.train_file, bundle_.tokenizer.get(), dopts);
   const auto& st = train_set_->stats();
   spdlog::info("data: {} ({} format): {} documents, {} samples, {} target tokens; {} truncated, {} dropped, "
@@ -361,8 +371,16 @@ void Trainer::load_data() {
   };
   require_targets(*train_set_, "data.train_file", c_.data.train_file, "training would change nothing");
   if (!c_.data.eval_file.empty()) {
+    dopts.hold_out = {};
     eval_set_ = std::make_unique<data::Dataset>(c_.data.eval_file, bundle_.tokenizer.get(), dopts);
     require_targets(*eval_set_, "data.eval_file", c_.data.eval_file, "its loss would be a mean over nothing");
+  } else if (c_.data.eval_split > 0) {  // the same file again, from the tokenized cache
+    dopts.hold_out = eval_split_side(c_, true);
+    eval_set_ = std::make_unique<data::Dataset>(c_.data.train_file, bundle_.tokenizer.get(), dopts);
+    require_targets(*eval_set_, "data.eval_split of", c_.data.train_file, "its loss would be a mean over nothing");
+    spdlog::info("data: data.eval_split {} holds out {} of the {} documents of {} for evaluation ({} samples)",
+                 c_.data.eval_split, eval_set_->stats().documents, st.documents + eval_set_->stats().documents,
+                 c_.data.train_file, eval_set_->stats().samples);
   }
   // From here the memory plan knows the data: its longest sample and most targets per sample.
   plan_ = fit_to_data(plan_, st);

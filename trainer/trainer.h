@@ -20,6 +20,11 @@ struct TrainResult {
 // The data section as the dataset reads it; `memtune train` and `memtune tokenize --config`
 // both build their dataset from it, so a key means the same in both.
 data::DatasetOptions dataset_options(const DataConfig& data, const std::filesystem::path& output_dir);
+// One side of data.eval_split over data.train_file: the held-out documents, or the others
+// (the training set). training.seed draws them; without shuffling, the file's last ones.
+// No split (all of the file) when eval_split is 0. `memtune tokenize --config` writes the
+// whole file: its documents split the same way when trained from.
+data::HoldOut eval_split_side(const Config& config, bool held_out);
 
 // Runs the configured training to the end, or until SIGINT/SIGTERM (then it checkpoints and
 // returns). Throws UserError on bad input and MemoryExhausted when nothing fits.

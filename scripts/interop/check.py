@@ -637,7 +637,6 @@ class Check:
                        "data": {"train_file": "rows.bin", "format": "tokens", "max_seq_length": SEQ}}, f)
         for override, key in [("lora.modules_to_save=[q_proj]", "projection"),
                               ("lora.modules_to_save=[norm]", "inside decoder layer"),
-                              ("data.eval_split=0.1", "eval_split"),
                               ("model.torch_dtype=bfloat16", "torch_dtype"),
                               ("model.low_cpu_mem_usage=false", "low_cpu_mem_usage"),
                               ("model.quantization_config.llm_int8_enable_fp32_cpu_offload=true",

@@ -5,7 +5,10 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <cstdio>
 #include <map>
+#include <sstream>
+#include <tuple>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -620,4 +623,123 @@ TEST(Dataset, ChatAlpacaMultiTurn) {
   want[a2 + 1] = kEos;
   EXPECT_EQ(s.targets, want);
   EXPECT_EQ(ds.sample_length(0), static_cast<int64_t>(ids.size()));
+}
+
+namespace {
+
+// tests/reference/eval_split.py: datasets' count and the documented draw, in Python.
+std::vector<int64_t> reference_held_out(int64_t n, double split, uint64_t seed, bool shuffle) {
+  namespace t = memtune::testing;
+  char split_text[32];
+  std::snprintf(split_text, sizeof split_text, "%.17g", split);
+  const auto r = t::run(t::python() + " " + (t::source_dir() / "tests/reference/eval_split.py").string() + " " +
+                        std::to_string(n) + " " + split_text + " " + std::to_string(seed) + " " +
+                        (shuffle ? "1" : "0"));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  std::istringstream in(r.output);
+  std::vector<int64_t> out;
+  for (int64_t v; in >> v;) out.push_back(v);
+  return out;
+}
+
+memtune::data::HoldOut hold(double split, uint64_t seed, bool held_out, bool shuffle = true) {
+  memtune::data::HoldOut h;
+  h.split = split;
+  h.seed = seed;
+  h.held_out = held_out;
+  h.shuffle = shuffle;
+  return h;
+}
+
+}  // namespace
+
+// data.eval_split's documents: as many as datasets' train_test_split holds out (ceil of the
+// share in doubles: 0.07 of 100 is 8), drawn as the Python reference draws them.
+TEST(EvalSplit, HeldOutDocumentsAreTrainTestSplitsCountDrawnBySeed) {
+  using memtune::data::held_out_documents;
+  for (auto [n, split, seed, shuffle] : {std::tuple<int64_t, double, uint64_t, bool>{37, 0.1, 42, true},
+                                         {100, 0.07, 3, true}, {7, 0.2, 9, true}, {30, 0.1, 1, true},
+                                         {20, 5.0, 11, true}, {10, 3.0, 3, false}, {12, 0.25, 3, false}}) {
+    const auto got = held_out_documents(n, hold(split, seed, true, shuffle), "f");
+    EXPECT_EQ(got, reference_held_out(n, split, seed, shuffle)) << n << " " << split << " " << seed;
+  }
+  EXPECT_EQ(held_out_documents(100, hold(0.07, 3, true), "f").size(), 8u);
+  const std::string all = error_of([] { held_out_documents(10, hold(0.95, 1, true), "f.jsonl"); });
+  EXPECT_NE(all.find("data.eval_split 0.95 holds out 10 of the 10 documents of f.jsonl, leaving none to train on"),
+            std::string::npos)
+      << all;
+  EXPECT_NE(error_of([] { held_out_documents(10, hold(1.5, 1, true), "f"); }).find("whole number"), std::string::npos);
+}
+
+// The two sides of a file: disjoint, together the file, each in file order, and rows made
+// within a side (a packed row never mixes held-out and training documents).
+TEST(EvalSplit, TheSidesPartitionTheFilesDocumentsAndPackWithinThemselves) {
+  std::string text;
+  std::vector<std::string> docs;
+  for (int i = 0; i < 20; ++i) {
+    docs.push_back("doc " + std::to_string(i) + std::string(static_cast<size_t>(i % 4), '+'));
+    text += "{\"text\": \"" + docs.back() + "\"}\n";
+  }
+  const auto path = file("twenty.jsonl", text);
+  const std::vector<int64_t> held = reference_held_out(20, 0.25, 5, true);
+  ASSERT_EQ(held.size(), 5u);
+  for (bool pack : {false, true}) {
+    auto o = opts(24, pack);
+    o.hold_out = hold(0.25, 5, true);
+    Dataset eval(path, &tok, o);
+    o.hold_out = hold(0.25, 5, false);
+    Dataset train(path, &tok, o);
+    EXPECT_EQ(eval.stats().documents, 5);
+    EXPECT_EQ(train.stats().documents, 15);
+    // Each side's documents, as the byte tokenizer spells them, in row order.
+    auto texts = [](const Dataset& ds) {
+      std::vector<std::string> out;
+      for (int64_t i = 0; i < ds.size(); ++i) {
+        std::string cur;
+        for (int32_t id : ds.sample(i).input_ids) {
+          if (id == kBos && !cur.empty()) out.push_back(cur), cur.clear();
+          if (id < 256) cur += static_cast<char>(id);
+        }
+        out.push_back(cur);
+      }
+      return out;
+    };
+    std::vector<std::string> want_eval, want_train;
+    for (int64_t d = 0; d < 20; ++d)
+      (std::count(held.begin(), held.end(), d) ? want_eval : want_train).push_back(docs[static_cast<size_t>(d)]);
+    EXPECT_EQ(texts(eval), want_eval) << "pack " << pack;
+    EXPECT_EQ(texts(train), want_train) << "pack " << pack;
+    Dataset whole(path, &tok, opts(24, pack));
+    EXPECT_EQ(eval.stats().tokens + train.stats().tokens, whole.stats().tokens);
+    EXPECT_EQ(eval.stats().target_tokens + train.stats().target_tokens, whole.stats().target_tokens);
+  }
+}
+
+// A token file splits at its documents, left in the mapped file; one without separators is
+// one stream, and holding out its "documents" is refused by name.
+TEST(EvalSplit, TokenFilesSplitAtDocumentsAndAStreamIsRefused) {
+  const fs::path p = temp_dir() / "d.bin";
+  // Six documents (a lone separator, two in a row, is none), the last unterminated.
+  memtune::data::write_token_file(p, {kEos, 1, kEos, 2, 2, kEos, kEos, 3, kEos, 4, kEos, 5, 5, kEos, 6}, 258);
+  auto o = opts(16, false);
+  o.hold_out = hold(2.0, 8, true, /*shuffle=*/false);  // the last two: [5 5 eos] and [6]
+  Dataset eval(p, &tok, o);
+  ASSERT_EQ(eval.size(), 2);
+  EXPECT_EQ(eval.sample(0).input_ids, (std::vector<int32_t>{5, 5, kEos}));
+  EXPECT_EQ(eval.sample(1).input_ids, (std::vector<int32_t>{6}));
+  o.hold_out.held_out = false;
+  Dataset train(p, &tok, o);
+  ASSERT_EQ(train.size(), 4);
+  EXPECT_EQ(train.sample(0).input_ids, (std::vector<int32_t>{1, kEos}));
+  EXPECT_EQ(train.sample(3).input_ids, (std::vector<int32_t>{4, kEos}));
+
+  const fs::path s = temp_dir() / "stream.bin";
+  memtune::data::write_token_file(s, {0, 1, 2, 3, 4, 5, 6, 7, 8, 9}, 50257);
+  auto so = opts(4, true);
+  so.hold_out = hold(0.2, 1, false);
+  const std::string e = error_of([&] { Dataset(s, nullptr, so); });
+  EXPECT_NE(e.find("data.eval_split holds out documents, and " + s.string() + " is one stream of tokens"),
+            std::string::npos)
+      << e;
+  EXPECT_NE(e.find("data.eval_file"), std::string::npos) << e;
 }

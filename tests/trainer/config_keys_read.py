@@ -27,7 +27,6 @@ ONLY_IN_CONFIG = {
     "dataloader_num_workers": "compatibility note",
     "remove_unused_columns": "compatibility note",
     "report_to": "none only (no experiment tracker)",
-    "eval_split": "0 only (no held-out split)",
 }
 
 SOURCE_DIRS = ["tools", "trainer", "models", "data", "runtime", "examples"]

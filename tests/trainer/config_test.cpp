@@ -610,9 +610,20 @@ TEST(ConfigErrors, GroupByLengthAndASequentialStrategyContradict) {
                  "training.train_sampling_strategy", "by_length", "group_by_length");
 }
 
-TEST(ConfigErrors, EvalSplitRefused) {
-  const std::string yaml = "data:\n  eval_split: 0.1\n";
-  expect_invalid(yaml, "eval_split", "0.1", "data.eval_split", "0.1", "data.eval_file");
+// data.eval_split: a share in [0, 1) or a whole number (train_test_split's test_size), not
+// beside data.eval_file; it serves eval_steps, but not eval_accuracy_rows (which generates
+// from a file's records).
+TEST(ConfigErrors, EvalSplitIsAShareOrACountAndOneSourceOfEvalData) {
+  EXPECT_EQ(parse("data: {eval_split: 0.1}").data.eval_split, 0.1);
+  EXPECT_EQ(parse("data: {eval_split: 200}").data.eval_split, 200);
+  EXPECT_EQ(parse("data: {eval_split: 0.1}\ntraining: {eval_steps: 10}").training.eval_steps, 10);
+  expect_invalid("data: {eval_split: -0.1}", "eval_split", "-0.1", "data.eval_split", "-0.1", "a share in [0, 1)");
+  expect_invalid("data: {eval_split: 1.5}", "eval_split", "1.5", "data.eval_split", "1.5", "whole number");
+  expect_invalid("data: {eval_split: 0.1, eval_file: e.jsonl}", "eval_split", "0.1", "data.eval_split", "0.1",
+                 "data.eval_file names some too (e.jsonl)");
+  const std::string e = error_of("data: {eval_split: 0.1}\ntraining: {eval_accuracy_rows: 8}");
+  EXPECT_HAS(e, "training.eval_accuracy_rows");
+  EXPECT_HAS(e, "data.eval_split holds out tokenized documents");
 }
 
 TEST(ConfigErrors, UnknownComputeDtype) {
@@ -997,6 +1008,9 @@ Config every_field_changed_b() {
   c.training.warmup_steps = 0;
   c.training.warmup_ratio = 0.1;
   c.training.logging_steps = 0.25;  // a share of the steps, as transformers 5 reads one below 1
+  c.data.eval_file.clear();  // evaluation on what eval_split holds out instead; accuracy needs a file
+  c.data.eval_split = 0.2;
+  c.training.eval_accuracy_rows = 0;
   c.model.device_map = {};
   c.model.device_map.single = "cuda:1";
   return c;
@@ -1033,7 +1047,7 @@ const std::set<std::string> kSingleValued = {
     "model.quantization_config.llm_int8_enable_fp32_cpu_offload", "model.quantization_config.quant_method",
     "model.quantization_config.bnb_4bit_quant_type",
     "model.quantization_config.bnb_4bit_quant_storage", "lora.task_type",
-    "model.low_cpu_mem_usage", "training.report_to", "data.eval_split"};
+    "model.low_cpu_mem_usage", "training.report_to"};
 
 TEST(ConfigRoundTrip, EveryFieldChangedIsComplete) {
   auto defaults = leaves(to_yaml(Config()));
@@ -1235,7 +1249,7 @@ TEST(ConfigErrors, OnOomLadderNamesEachRungOnceAndMicroBatchFirst) {
 // would change nothing (Hugging Face's Trainer refuses an evaluation schedule without eval data).
 TEST(ConfigErrors, KeysWithoutTheKeyThatReadsThemAreRefused) {
   expect_invalid("training:\n  eval_steps: 10\n", "eval_steps", "10", "training.eval_steps", "10",
-                 "evaluation needs data.eval_file, and none is set");
+                 "evaluation needs data.eval_file or data.eval_split, and neither is set");
   expect_invalid("training:\n  eval_accuracy_rows: 50\n", "eval_accuracy_rows", "50", "training.eval_accuracy_rows",
                  "50", "measured on data.eval_file's rows, and none is set");
   expect_invalid("training:\n  optim: adamw_torch\n  momentum: 0.9\n", "momentum", "0.9", "training.momentum", "0.9",

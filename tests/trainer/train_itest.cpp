@@ -14,6 +14,8 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <sstream>
+#include <set>
 #include <thread>
 
 #include <ATen/ATen.h>
@@ -376,6 +378,52 @@ TEST(Train, GroupByLengthPadsLessAndTrainsEachSampleOncePerEpoch) {
   expect_resume_equals_straight(d / "resume", "training.group_by_length=true data.pack_sequences=false "
                                               "data.max_seq_length=256 data.format=text data.train_file=" +
                                                   (d / "mixed.jsonl").string());
+}
+
+// data.eval_split holds out documents of the training file: a run with it trains and
+// evaluates exactly as a run given the two sides as files of their own, the held-out
+// documents picked by the Python reference (tests/reference/eval_split.py: datasets'
+// train_test_split count, the documented draw from training.seed).
+TEST(Train, EvalSplitEqualsTheHeldOutDocumentsAsAFile) {
+  const fs::path d = temp_dir();
+  std::vector<std::string> records;
+  for (int i = 0; i < 40; ++i) {
+    std::string text = "record " + std::to_string(i);
+    for (int w = 0; w < i % 5; ++w) text += " and more";
+    records.push_back(json{{"text", text}}.dump());
+  }
+  std::string all, train_part, eval_part;
+  const auto r = run(python() + " " + (source_dir() / "tests/reference/eval_split.py").string() + " 40 0.25 7 1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::set<int> held;
+  std::istringstream in(r.output);
+  for (int v; in >> v;) held.insert(v);
+  ASSERT_EQ(held.size(), 10u);
+  for (int i = 0; i < 40; ++i) {
+    all += records[i] + "\n";
+    (held.count(i) ? eval_part : train_part) += records[i] + "\n";
+  }
+  write_file(d / "all.jsonl", all);
+  write_file(d / "train_part.jsonl", train_part);
+  write_file(d / "eval_part.jsonl", eval_part);
+  const std::string common = "training.max_steps=6 training.eval_steps=2 data.format=text ";
+  TrainRun split = train(d / "split", common + "data.eval_split=0.25 data.train_file=" + (d / "all.jsonl").string());
+  TrainRun files = train(d / "files", common + "data.train_file=" + (d / "train_part.jsonl").string() +
+                                          " data.eval_file=" + (d / "eval_part.jsonl").string());
+  ASSERT_EQ(split.exit_code, 0) << split.output;
+  ASSERT_EQ(files.exit_code, 0) << files.output;
+  EXPECT_NE(split.output.find("data.eval_split 0.25 holds out 10 of the 40 documents"), std::string::npos)
+      << split.output;
+  expect_same_losses(step_losses(files.dir), step_losses(split.dir), 1e-9);
+  auto eval_losses = [](const fs::path& out) {
+    std::vector<double> l;
+    for (const auto& m : metrics(out))
+      if (m.contains("eval_loss")) l.push_back(m["eval_loss"].get<double>());
+    return l;
+  };
+  const auto a = eval_losses(split.dir), b = eval_losses(files.dir);
+  EXPECT_EQ(a.size(), 5u);  // before, at steps 2, 4 and 6, and final
+  expect_same_losses(b, a, 1e-9);
 }
 
 // A run started afresh in a directory holding another run's checkpoints, or resumed from an
