@@ -219,11 +219,26 @@ void TrainingConfig::fields(F&& f) {
   f("momentum", momentum, "SGD momentum, in [0, 1); at 0 SGD keeps no state (as torch.optim.SGD); optim: sgd only");
   f("max_grad_norm", max_grad_norm, "clip the global gradient norm to this; <= 0: no clipping");
   f("logging_steps", logging_steps, "log metrics every this many steps, or in (0, 1) that share of the steps");
+  f("logging_strategy", logging_strategy,
+    "when metrics.jsonl gets a step's row (HF's): steps (every logging_steps, and the last step), epoch (each "
+    "epoch's last step), no (none); a step where something happened (an out-of-memory error, a skipped update) "
+    "gets its row under each",
+    {"steps", "epoch", "no"});
   f("save_steps", save_steps,
     "checkpoint every this many steps, or in (0, 1) that share of the steps; 0: only at the end");
+  f("save_strategy", save_strategy,
+    "when checkpoints are written (HF's): steps (every save_steps, and at the end), epoch (each epoch's end), no "
+    "(none, not even at the end: the adapter or model is still written; SIGINT/SIGTERM still checkpoint, so that "
+    "the run can resume)",
+    {"steps", "epoch", "no"});
   f("save_total_limit", save_total_limit, "checkpoints kept; 0: all");
   f("eval_steps", eval_steps,
     "evaluate every this many steps, or in (0, 1) that share of the steps; 0: no periodic evaluation");
+  f("eval_strategy", eval_strategy,
+    "when the eval loss is measured (HF's): steps (every eval_steps; unset, every logging_steps, as transformers), "
+    "epoch (each epoch's end), no (never: no eval data is read). Unset: memtune's own, every eval_steps when set. "
+    "Under each but no, also before and after training when there is eval data",
+    Field::one_of({"", "steps", "epoch", "no"}, "transformers' IntervalStrategy"));
   f("eval_accuracy_rows", eval_accuracy_rows,
     "> 0: before and after training, greedy exact-match accuracy on this many records of the "
     "instruction eval file");
@@ -712,6 +727,15 @@ void validate(const TrainingConfig& t, const std::string& p, const Checker& c) {
   steps_key("save_steps", t.save_steps, true, " (0: only at the end)");
   c.check(t.save_total_limit >= 0, p + ".save_total_limit", t.save_total_limit, "must be >= 0 (0: keep all)");
   steps_key("eval_steps", t.eval_steps, true, " (0: no periodic evaluation)");
+  // A *_steps key that its strategy does not read: refused rather than ignored (transformers ignores it).
+  c.check(t.logging_strategy == "steps" || t.logging_steps == 1, p + ".logging_steps", t.logging_steps,
+          "logging_strategy is " + t.logging_strategy + ", which does not read logging_steps; drop one of them");
+  c.check(t.save_strategy == "steps" || t.save_steps == 0, p + ".save_steps", t.save_steps,
+          "save_strategy is " + t.save_strategy + ", which does not read save_steps; drop one of them");
+  c.check(t.save_strategy != "no" || t.save_total_limit == 0, p + ".save_total_limit", t.save_total_limit,
+          "save_strategy is no: there are no checkpoints to limit; drop one of them");
+  c.check(t.eval_strategy == "" || t.eval_strategy == "steps" || t.eval_steps == 0, p + ".eval_steps", t.eval_steps,
+          "eval_strategy is " + t.eval_strategy + ", which does not read eval_steps; drop one of them");
   c.check(t.eval_accuracy_rows >= 0, p + ".eval_accuracy_rows", t.eval_accuracy_rows, "must be >= 0");
   c.check(t.fp16_init_scale > 0, p + ".fp16_init_scale", t.fp16_init_scale, "must be > 0");
   c.check(t.fp16_growth_interval >= 1, p + ".fp16_growth_interval", t.fp16_growth_interval, "must be at least 1");
@@ -811,6 +835,16 @@ void validate(const Config& config, const Checker& c) {
   // Evaluation reads data.eval_file or what data.eval_split holds out; without either,
   // Hugging Face refuses an evaluation schedule.
   const bool eval_data = !config.data.eval_file.empty() || config.data.eval_split > 0;
+  const std::string& strategy = config.training.eval_strategy;
+  c.check(strategy.empty() || strategy == "no" || eval_data, "training.eval_strategy", strategy,
+          "evaluation needs data.eval_file or data.eval_split, and neither is set (transformers refuses an "
+          "eval_strategy without an eval_dataset); name the held-out data, or set eval_strategy: no");
+  c.check(strategy != "no" || !eval_data, "training.eval_strategy", strategy,
+          "nothing would read the eval data that data." +
+              std::string(config.data.eval_file.empty() ? "eval_split holds out" : "eval_file names") +
+              "; drop it, or evaluate");
+  c.check(strategy != "no" || config.training.eval_accuracy_rows == 0, "training.eval_strategy", strategy,
+          "training.eval_accuracy_rows asks for an evaluation; drop one of them");
   c.check(eval_data || config.training.eval_steps == 0, "training.eval_steps", config.training.eval_steps,
           "evaluation needs data.eval_file or data.eval_split, and neither is set; name the held-out file, or "
           "drop eval_steps");

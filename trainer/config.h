@@ -125,9 +125,12 @@ struct TrainingConfig {
   double momentum = 0;                        // sgd only
   double max_grad_norm = 1.0;                 // <= 0: no clipping
   double logging_steps = 1;
+  std::string logging_strategy = "steps";     // steps (logging_steps) | epoch | no (HF's IntervalStrategy)
   double save_steps = 0;                      // 0: only at the end
+  std::string save_strategy = "steps";        // steps (save_steps) | epoch | no
   int save_total_limit = 0;                   // 0: keep all checkpoints
   double eval_steps = 0;                      // 0: no periodic evaluation
+  std::string eval_strategy;                  // empty (memtune's: eval_steps) | steps | epoch | no
   int64_t eval_accuracy_rows = 0;             // > 0: exact-match accuracy on this many eval records (instruction data)
   uint64_t seed = 42;
   std::string resume_from_checkpoint;         // empty | latest | path to checkpoints/step-N

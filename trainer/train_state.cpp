@@ -58,6 +58,7 @@ bool free_to_change_on_resume(const std::string& key) {
       "memory.", "runtime.", "distributed.", "model.device_map", "model.max_memory", "model.low_cpu_mem_usage",
       "model.attn_implementation", "training.output_dir", "training.resume_from_checkpoint",
       "training.logging_steps", "training.save_steps", "training.save_total_limit", "training.eval_steps",
+      "training.logging_strategy", "training.save_strategy", "training.eval_strategy",
       "training.eval_accuracy_rows", "training.per_device_eval_batch_size", "training.per_device_train_batch_size",
       "training.gradient_accumulation_steps", "training.gradient_checkpointing", "training.activation_offload",
       "training.dataloader_", "training.report_to", "training.remove_unused_columns", "data.eval_file", "data.cache_dir",

@@ -427,9 +427,16 @@ void Trainer::load_data() {
                      ? c_.training.max_steps
                      : std::max<int64_t>(1, static_cast<int64_t>(std::ceil(c_.training.num_train_epochs *
                                                                            static_cast<double>(steps_per_epoch_))));
-  log_every_ = std::max<int64_t>(1, steps_of(c_.training.logging_steps, total_steps_));
-  save_every_ = steps_of(c_.training.save_steps, total_steps_);
-  eval_every_ = steps_of(c_.training.eval_steps, total_steps_);
+  // transformers' IntervalStrategy: steps (the *_steps keys), epoch (each epoch's end: a
+  // whole number of steps, data/sampler.h), no.
+  const TrainingConfig& t = c_.training;
+  const int64_t logging = std::max<int64_t>(1, steps_of(t.logging_steps, total_steps_));
+  log_every_ = t.logging_strategy == "no" ? 0 : t.logging_strategy == "epoch" ? steps_per_epoch_ : logging;
+  save_every_ = t.save_strategy == "no"      ? 0
+                : t.save_strategy == "epoch" ? steps_per_epoch_
+                                             : steps_of(t.save_steps, total_steps_);
+  eval_every_ = t.eval_strategy == "epoch" ? steps_per_epoch_ : steps_of(t.eval_steps, total_steps_);
+  if (t.eval_strategy == "steps" && eval_every_ == 0) eval_every_ = logging;  // transformers' default eval_steps
 }
 
 void Trainer::build_update() {
@@ -1001,8 +1008,8 @@ StepRecord Trainer::step() {
 // metrics.jsonl every logging_steps, at the last step and whenever something happened; the
 // progress line on a terminal (redrawn) or in the log.
 void Trainer::log_step(const StepRecord& r) {
-  if (r.step % log_every_ != 0 && r.step != total_steps_ && r.events.empty())
-    return;
+  const bool due = log_every_ > 0 && (r.step % log_every_ == 0 || r.step == total_steps_);
+  if (!due && r.events.empty()) return;
   const double tok_s = static_cast<double>(r.tokens) / std::max(1e-9, r.seconds);
   json events = json::array();
   for (const auto& e : r.events) events.push_back(e.to_json());
@@ -1162,7 +1169,7 @@ TrainResult Trainer::stop(int sig) {
 
 // The last checkpoint, the final evaluations, the adapter or model, the memory report.
 TrainResult Trainer::finish() {
-  save_checkpoint();
+  if (c_.training.save_strategy != "no") save_checkpoint();
   evaluate_loss(kFinalEval);
   evaluate_accuracy(kFinalAccuracy);
   // Stopped during the final evaluations: the last checkpoint is saved; the adapter or

@@ -710,6 +710,52 @@ class Check:
         self.report.add("train", "llama attention_dropout 0.1", f"exit {r.returncode}", "applied",
                         r.returncode == 0 and applied, "the log names it" if applied else text.strip()[-160:])
 
+    # transformers' IntervalStrategy keys: the steps memtune logs, evaluates and checkpoints at,
+    # against the Trainer's own DefaultFlowCallback over the same steps and epochs. The 6 rows
+    # make 3 steps an epoch at 2 per step, 6 at 1.
+    INTERVALS = [
+        ("epoch strategies, 2.5 epochs", {"logging_strategy": "epoch", "save_strategy": "epoch",
+                                          "eval_strategy": "epoch"}, 2, 2.5, -1),
+        ("steps: eval_steps unset, save_steps 4", {"logging_steps": 3, "save_steps": 4, "eval_strategy": "steps"},
+         2, 2, -1),
+        ("shares of max_steps, save no", {"logging_steps": 0.5, "eval_steps": 0.25, "eval_strategy": "steps",
+                                          "save_strategy": "no"}, 1, 3, 8),
+        ("steps not dividing the run", {"logging_steps": 5, "eval_steps": 4, "eval_strategy": "steps"}, 2, 2, -1),
+    ]
+
+    def interval_strategies(self):
+        for label, keys, batch, epochs, max_steps in self.INTERVALS:
+            def run(label=label, keys=keys, batch=batch, epochs=epochs, max_steps=max_steps):
+                out = "run-interval-" + re.sub(r"\W+", "-", label)
+                shutil.rmtree(self.path(out), ignore_errors=True)
+                with open(self.path(out + ".yaml"), "w") as f:
+                    json.dump({"model": {"name_or_path": "hf-llama-fp32"},
+                               "training": dict(keys, output_dir=out, per_device_train_batch_size=batch,
+                                                num_train_epochs=epochs, max_steps=max_steps, warmup_steps=0),
+                               "data": {"train_file": "rows.bin", "eval_file": "rows.bin", "format": "tokens",
+                                        "max_seq_length": SEQ, "pack_sequences": False}}, f)
+                self.mt.run("train", out + ".yaml")
+                rows = [json.loads(line) for line in open(self.path(out + "/metrics.jsonl"))]
+                mine = {"log": [m["step"] for m in rows if "loss" in m],
+                        "evaluate": [m["step"] for m in rows if "eval_loss" in m and m.get("when") != "before training"],
+                        "save": sorted(int(n[5:]) for n in os.listdir(self.path(out + "/checkpoints"))
+                                       if n.startswith("step-")) if os.path.isdir(self.path(out + "/checkpoints")) else []}
+                mine["evaluate"] = sorted(set(mine["evaluate"]))  # a periodic and the final one at the last step
+                per_epoch = -(-ROWS // batch)
+                total = max_steps if max_steps > 0 else math.ceil(epochs * per_epoch)
+                hf_args = {k: v for k, v in keys.items()}
+                hf = self.judge("interval_schedule", args=hf_args, total=total, per_epoch=per_epoch)
+                for what in ("log", "evaluate", "save"):
+                    ok = mine[what] == hf[what]
+                    note = ""
+                    # memtune also logs the last step (its progress line's end); transformers' last row is
+                    # its train summary instead.
+                    if what == "log" and not ok and mine[what] == sorted(set(hf[what]) | {total}):
+                        ok, note = True, f"and the last step, {total}, as memtune always logs it"
+                    self.report.add("intervals", f"{label}: {what} at steps", str(mine[what]), str(hf[what]), ok,
+                                    note)
+            self.guarded("intervals", label, run)
+
     def tokenizer_check(self):
         def run():
             texts = ["The tired traveler counted a map of the northern coast, 42 times!",
@@ -772,7 +818,7 @@ class Check:
             for family in FAMILIES:
                 self.memtune_writes(family)
         if want("hf->mt") or want("adapter") or want("refusal") or want("tokenizer") or want("full") or want("bf16") \
-                or want("peft"):
+                or want("peft") or want("intervals"):
             for family in FAMILIES:
                 for dtype, shard in SAVES.get(family, [("fp32", None)]):
                     if want("hf->mt") or (dtype, shard) == ("fp32", None):
@@ -782,6 +828,8 @@ class Check:
                 self.bf16_models(family)
         if want("tokenizer"):
             self.tokenizer_check()
+        if want("intervals"):
+            self.interval_strategies()
         if want("skip"):
             self.skip_modules()
         if want("adapter") or want("refusal"):

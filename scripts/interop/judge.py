@@ -248,6 +248,36 @@ def op_peft_count(r):
     return {"trainable": trainable, "all": total}
 
 
+def op_interval_schedule(r):
+    """The steps at which transformers' Trainer logs, evaluates and saves: TrainingArguments
+    (**args) driven through its DefaultFlowCallback over `total` steps, epochs of `per_epoch`
+    steps (the last one shorter), as _inner_training_loop calls on_step_end and on_epoch_end
+    (the TrainerState's steps from compute_steps, as the Trainer sets them)."""
+    from transformers.trainer_callback import DefaultFlowCallback, TrainerControl, TrainerState
+    args = transformers.TrainingArguments(output_dir=path("interval-probe"), report_to="none", **r["args"])
+    total, per_epoch = r["total"], r["per_epoch"]
+    state, control, flow = TrainerState(), TrainerControl(), DefaultFlowCallback()
+    state.max_steps = total
+    state.compute_steps(args, total)
+    out = {"log": [], "evaluate": [], "save": []}
+
+    def take(step):
+        for key, flag in (("log", "should_log"), ("evaluate", "should_evaluate"), ("save", "should_save")):
+            if getattr(control, flag) and (not out[key] or out[key][-1] != step):
+                out[key].append(step)
+            setattr(control, flag, False)
+
+    for step in range(1, total + 1):
+        state.global_step = step
+        state.epoch = step / per_epoch
+        flow.on_step_end(args, state, control)
+        take(step)
+        if step % per_epoch == 0 or step == total:
+            flow.on_epoch_end(args, state, control)
+            take(step)
+    return out
+
+
 def op_peft_loss(r):
     """The adapter as PEFT loads it (PeftModel.from_pretrained) on transformers' model: the loss of
     PEFT's own forward, then of its merge (merge_and_unload). `unloaded` / `differ`: file tensors

@@ -626,6 +626,33 @@ TEST(ConfigErrors, EvalSplitIsAShareOrACountAndOneSourceOfEvalData) {
   EXPECT_HAS(e, "data.eval_split holds out tokenized documents");
 }
 
+// transformers' IntervalStrategy keys: a *_steps key the strategy does not read is refused
+// (transformers ignores it), as is an evaluation with nothing to read or eval data nothing
+// reads.
+TEST(ConfigErrors, IntervalStrategiesAndTheStepsKeysTheyDoNotRead) {
+  const auto t = parse("training: {logging_strategy: epoch, save_strategy: no, eval_strategy: epoch}\n"
+                       "data: {eval_file: e.jsonl}").training;
+  EXPECT_EQ(t.logging_strategy, "epoch");
+  EXPECT_EQ(t.save_strategy, "no");
+  EXPECT_EQ(t.eval_strategy, "epoch");
+  EXPECT_EQ(parse("training: {eval_strategy: steps}\ndata: {eval_file: e.jsonl}").training.eval_strategy, "steps");
+  EXPECT_EQ(parse("training: {eval_strategy: no}").training.eval_strategy, "no");
+  expect_invalid("training: {save_strategy: epoch, save_steps: 10}", "save_steps", "10", "training.save_steps", "10",
+                 "save_strategy is epoch, which does not read save_steps");
+  expect_invalid("training: {logging_strategy: no, logging_steps: 5}", "logging_steps", "5",
+                 "training.logging_steps", "5", "logging_strategy is no, which does not read logging_steps");
+  expect_invalid("training: {eval_strategy: epoch, eval_steps: 5}\ndata: {eval_file: e.jsonl}", "eval_steps", "5",
+                 "training.eval_steps", "5", "eval_strategy is epoch, which does not read eval_steps");
+  expect_invalid("training: {save_strategy: no, save_total_limit: 2}", "save_total_limit", "2",
+                 "training.save_total_limit", "2", "no checkpoints to limit");
+  expect_invalid("training: {eval_strategy: epoch}", "eval_strategy", "epoch", "training.eval_strategy", "epoch",
+                 "refuses an eval_strategy without an eval_dataset");
+  expect_invalid("training: {eval_strategy: no}\ndata: {eval_file: e.jsonl}", "eval_strategy", "no",
+                 "training.eval_strategy", "no", "nothing would read the eval data that data.eval_file names");
+  expect_invalid("training: {save_strategy: best}", "save_strategy", "best", "training.save_strategy", "best",
+                 "steps|epoch|no");
+}
+
 TEST(ConfigErrors, UnknownComputeDtype) {
   const std::string yaml = "model:\n  quantization_config:\n    bnb_4bit_compute_dtype: float8\n";
   expect_invalid(yaml, "bnb_4bit_compute_dtype", "float8", "model.quantization_config.bnb_4bit_compute_dtype",
@@ -956,6 +983,7 @@ Config every_field_changed() {
   t.dataloader_pin_memory = false;
   t.dataloader_num_workers = 2;
   t.remove_unused_columns = false;
+  t.eval_strategy = "steps";
   t.group_by_length = true;
   t.train_sampling_strategy = "group_by_length";
   auto& d = c.data;
@@ -1007,8 +1035,13 @@ Config every_field_changed_b() {
   c.training.gradient_checkpointing.layers = {1, 3};
   c.training.warmup_steps = 0;
   c.training.warmup_ratio = 0.1;
-  c.training.logging_steps = 0.25;  // a share of the steps, as transformers 5 reads one below 1
   c.data.eval_file.clear();  // evaluation on what eval_split holds out instead; accuracy needs a file
+  c.training.logging_steps = 1;  // the strategies that do not read their *_steps keys
+  c.training.logging_strategy = "epoch";
+  c.training.save_steps = 0;
+  c.training.save_strategy = "epoch";
+  c.training.eval_steps = 0;
+  c.training.eval_strategy = "epoch";
   c.data.eval_split = 0.2;
   c.training.eval_accuracy_rows = 0;
   c.model.device_map = {};
@@ -1053,7 +1086,7 @@ TEST(ConfigRoundTrip, EveryFieldChangedIsComplete) {
   auto defaults = leaves(to_yaml(Config()));
   auto a = leaves(to_yaml(every_field_changed()));
   auto b = leaves(to_yaml(every_field_changed_b()));
-  EXPECT_EQ(defaults.size(), 108u);  // the leaves config.h declares: a new key belongs in every_field_changed()
+  EXPECT_EQ(defaults.size(), 111u);  // the leaves config.h declares: a new key belongs in every_field_changed()
   for (const auto& [path, value] : defaults) {
     if (kSingleValued.count(path)) continue;
     EXPECT_TRUE(a.at(path) != value || b.at(path) != value) << path << " is never changed from " << value;
@@ -1085,6 +1118,7 @@ TEST(ConfigRoundTrip, EqualityComparesEveryKey) {
           {"training.activation_offload", "training.gradient_checkpointing=true"},
           {"training.eval_steps", "data.eval_file=data/eval.jsonl"},
           {"training.eval_accuracy_rows", "data.eval_file=data/eval.jsonl"},
+          {"training.eval_strategy", "data.eval_file=data/eval.jsonl"},
           {"training.momentum", "training.optim=sgd"},
           {"model.quantization_config.llm_int8_skip_modules", "model.quantization_config.load_in_4bit=true"}};
       const std::vector<std::string> base_overrides =

@@ -426,6 +426,57 @@ TEST(Train, EvalSplitEqualsTheHeldOutDocumentsAsAFile) {
   expect_same_losses(b, a, 1e-9);
 }
 
+// transformers' IntervalStrategy keys over 3 epochs of 3 steps (10 samples, 4 per step:
+// 4, 4, 2): epoch writes each epoch's metrics row, checkpoint and evaluation at steps 3, 6
+// and 9; steps without eval_steps evaluates every logging_steps, as transformers; save no
+// leaves no checkpoint (the adapter is still written); logging no writes no step rows.
+TEST(Train, IntervalStrategiesLogSaveAndEvaluateAsTransformers) {
+  fs::path d = temp_dir();
+  std::string rows;
+  for (int i = 0; i < 10; ++i) rows += "{\"text\": \"sample number " + std::to_string(i) + " of ten\"}\n";
+  write_file(d / "ten.jsonl", rows);
+  const std::string common = "training.max_steps=-1 training.num_train_epochs=3 training.per_device_train_batch_size=2 "
+                             "training.gradient_accumulation_steps=2 training.warmup_steps=0 data.format=text "
+                             "data.pack_sequences=false data.train_file=" + (d / "ten.jsonl").string() +
+                             " data.eval_file=" + (d / "ten.jsonl").string();
+  auto steps_with = [](const fs::path& out, const char* key, const char* when = nullptr) {
+    std::vector<int64_t> at;
+    for (const auto& m : metrics(out))
+      if (m.contains(key) && (!when || (m.contains("when") && m["when"] == when))) at.push_back(m["step"].get<int64_t>());
+    return at;
+  };
+  auto checkpoints = [](const fs::path& out) {
+    std::vector<std::string> names;
+    if (fs::exists(out / "checkpoints"))
+      for (const auto& e : fs::directory_iterator(out / "checkpoints")) names.push_back(e.path().filename().string());
+    std::sort(names.begin(), names.end());
+    return names;
+  };
+  TrainRun epoch = train(d / "epoch", common + " training.logging_strategy=epoch training.save_strategy=epoch "
+                                               "training.eval_strategy=epoch");
+  ASSERT_EQ(epoch.exit_code, 0) << epoch.output;
+  EXPECT_EQ(steps_with(epoch.dir, "loss"), (std::vector<int64_t>{3, 6, 9}));
+  EXPECT_EQ(steps_with(epoch.dir, "eval_loss", "periodic"), (std::vector<int64_t>{3, 6, 9}));
+  EXPECT_EQ(checkpoints(epoch.dir), (std::vector<std::string>{"step-3", "step-6", "step-9"}));
+
+  TrainRun steps = train(d / "steps", common + " training.logging_steps=4 training.eval_strategy=steps "
+                                               "training.save_strategy=no");
+  ASSERT_EQ(steps.exit_code, 0) << steps.output;
+  EXPECT_EQ(steps_with(steps.dir, "loss"), (std::vector<int64_t>{4, 8, 9}));  // and the last step
+  EXPECT_EQ(steps_with(steps.dir, "eval_loss", "periodic"), (std::vector<int64_t>{4, 8}));
+  EXPECT_TRUE(checkpoints(steps.dir).empty());
+  EXPECT_TRUE(fs::exists(steps.dir / "adapter/adapter_model.safetensors"));
+  // Where to log, save and evaluate changes no step: the same last loss and adapter.
+  EXPECT_EQ(step_losses(epoch.dir).back(), step_losses(steps.dir).back());
+  expect_same_tensors(epoch.dir / "adapter/adapter_model.safetensors", steps.dir / "adapter/adapter_model.safetensors",
+                      0);
+
+  TrainRun quiet = train(d / "quiet", common + " training.logging_strategy=no");
+  ASSERT_EQ(quiet.exit_code, 0) << quiet.output;
+  EXPECT_TRUE(steps_with(quiet.dir, "loss").empty());
+  EXPECT_EQ(checkpoints(quiet.dir), (std::vector<std::string>{"step-9"}));  // save_strategy steps: the end
+}
+
 // A run started afresh in a directory holding another run's checkpoints, or resumed from an
 // earlier checkpoint than the newest, would write its checkpoints among the other run's:
 // save_total_limit, pruning by step number, would delete its own, and `latest` continue the
