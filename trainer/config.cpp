@@ -4,11 +4,13 @@
 #include <cctype>
 #include <cmath>
 #include <fstream>
+#include <set>
 #include <sstream>
 
 #include "runtime/compat.h"
 #include "runtime/error.h"
 #include "trainer/config_reflect.h"
+#include "trainer/schedule.h"
 
 // memtune's config schema: every key declared once (fields()), how memtune's own value types
 // read and write, and the checks across keys. The YAML machinery is trainer/config_reflect.h.
@@ -198,8 +200,15 @@ void TrainingConfig::fields(F&& f) {
     "passes over the training data (may be fractional); as the Trainer's, each epoch is a whole pass, its last "
     "step on the samples it has left");
   f("max_steps", max_steps, "optimizer steps; > 0 overrides num_train_epochs, -1: from the epochs");
-  f("lr_scheduler_type", lr_scheduler_type, "learning-rate schedule (Hugging Face's)",
-    {"constant", "constant_with_warmup", "linear", "cosine"});
+  f("lr_scheduler_type", lr_scheduler_type,
+    "learning-rate schedule (transformers' get_scheduler, the same factors in doubles)",
+    {"constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial", "inverse_sqrt",
+     "cosine_with_min_lr", "cosine_warmup_with_min_lr"});
+  f("lr_scheduler_kwargs", lr_scheduler_kwargs,
+    "the schedule function's own arguments (transformers'): cosine num_cycles (0.5); cosine_with_restarts "
+    "num_cycles (1); polynomial lr_end (1e-7), power (1.0); inverse_sqrt timescale (warmup_steps, or 10000); "
+    "cosine_with_min_lr min_lr or min_lr_rate (one of them), num_cycles; cosine_warmup_with_min_lr those and "
+    "warmup_lr_rate. A key the schedule does not take is refused (transformers raises a TypeError)");
   f("warmup_ratio", warmup_ratio,
     "share of the steps spent warming up, in [0, 1] (transformers 5 deprecates it: warmup_steps below 1)");
   f("warmup_steps", warmup_steps,
@@ -693,6 +702,36 @@ void validate(const TrainingConfig& t, const std::string& p, const Checker& c) {
   c.check(t.gradient_accumulation_steps >= 1, p + ".gradient_accumulation_steps", t.gradient_accumulation_steps,
           "must be at least 1");
   validate(t.gradient_checkpointing, p + ".gradient_checkpointing", c);
+  // lr_scheduler_kwargs: what the schedule's transformers function takes, and the values it refuses.
+  const auto& kinds = schedule_kwargs();
+  const auto kind = std::find_if(kinds.begin(), kinds.end(), [&](const auto& k) { return k.first == t.lr_scheduler_type; });
+  if (kind != kinds.end()) {  // (an unknown type is refused by its choices)
+    std::string takes;
+    for (const auto& k : kind->second) takes += (takes.empty() ? "" : ", ") + k;
+    std::set<std::string> seen;
+    for (const auto& [key, value] : t.lr_scheduler_kwargs) {
+      const std::string at = p + ".lr_scheduler_kwargs." + key;
+      c.check(std::count(kind->second.begin(), kind->second.end(), key) > 0, at, value,
+              "lr_scheduler_type " + t.lr_scheduler_type + " takes " +
+                  (takes.empty() ? std::string("no kwargs") : "only " + takes) +
+                  " (transformers' schedule function would raise a TypeError)");
+      c.check(seen.insert(key).second, at, value, "is set twice");
+      c.check(std::isfinite(value) && (value > 0 || (key != "num_cycles" && key != "timescale")), at, value,
+              "must be a number" + std::string(key == "num_cycles" || key == "timescale" ? " > 0" : ""));
+      if (key == "lr_end")
+        c.check(value < t.learning_rate, at, value,
+                "must be below the learning rate (" + reflect::format_double(t.learning_rate) +
+                    "), as transformers requires");
+    }
+    if (t.lr_scheduler_type == "cosine_with_min_lr" || t.lr_scheduler_type == "cosine_warmup_with_min_lr") {
+      const bool min_lr = seen.count("min_lr") > 0, rate = seen.count("min_lr_rate") > 0;
+      c.check(!(min_lr && rate), p + ".lr_scheduler_kwargs", t.lr_scheduler_kwargs,
+              "sets both min_lr and min_lr_rate; set one (transformers: only one of min_lr or min_lr_rate)");
+      c.check(min_lr || rate, p + ".lr_scheduler_type", t.lr_scheduler_type,
+              "needs lr_scheduler_kwargs min_lr or min_lr_rate (the learning rate it ends at), as transformers "
+              "does; e.g. lr_scheduler_kwargs: {min_lr_rate: 0.1}");
+    }
+  }
   c.check(t.activation_offload != "all", p + ".activation_offload", t.activation_offload,
           "offloading everything a layer keeps for backward needs saved-tensor hooks, which LibTorch's C++ API "
           "lacks; use checkpoints with gradient_checkpointing, where a layer keeps only its input");

@@ -441,10 +441,13 @@ void Trainer::load_data() {
 
 void Trainer::build_update() {
   const TrainingConfig& t = c_.training;
-  schedule_ = Schedule{t.lr_scheduler_type, t.learning_rate,
-                       t.warmup_steps > 0 ? steps_of(t.warmup_steps, total_steps_)
-                                          : static_cast<int64_t>(std::ceil(t.warmup_ratio * total_steps_)),
-                       total_steps_};
+  Schedule schedule;
+  schedule.kind = t.lr_scheduler_type;
+  schedule.learning_rate = t.learning_rate;
+  schedule.warmup_steps = t.warmup_steps > 0 ? steps_of(t.warmup_steps, total_steps_)
+                                             : static_cast<int64_t>(std::ceil(t.warmup_ratio * total_steps_));
+  schedule.total_steps = total_steps_;
+  schedule_ = with_kwargs(schedule, t.lr_scheduler_kwargs);
   OptimizerOptions oo;
   set_optimizer_kind(t.optim, oo);
   // The ladder's optimizer offload, taken now where the state cannot stay on the device (estimate.h).

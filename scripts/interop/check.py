@@ -756,6 +756,34 @@ class Check:
                                     note)
             self.guarded("intervals", label, run)
 
+    # lr_scheduler_type and lr_scheduler_kwargs: the learning rate of each of memtune's steps
+    # (metrics.jsonl) against transformers' get_scheduler over the same steps.
+    SCHEDULES = [("linear", {}), ("cosine", {"num_cycles": 1.25}), ("cosine_with_restarts", {"num_cycles": 2}),
+                 ("polynomial", {"lr_end": 1e-5, "power": 3.0}), ("inverse_sqrt", {}),
+                 ("cosine_with_min_lr", {"min_lr": 3e-5}), ("cosine_warmup_with_min_lr", {"min_lr_rate": 0.2})]
+
+    def schedules(self):
+        total, warmup, lr = 9, 2, 3e-4
+        for name, kwargs in self.SCHEDULES:
+            def run(name=name, kwargs=kwargs):
+                out = f"run-schedule-{name}"
+                shutil.rmtree(self.path(out), ignore_errors=True)
+                with open(self.path(out + ".yaml"), "w") as f:
+                    json.dump({"model": {"name_or_path": "hf-llama-fp32"},
+                               "training": {"output_dir": out, "per_device_train_batch_size": 1, "max_steps": total,
+                                            "warmup_steps": warmup, "learning_rate": lr, "lr_scheduler_type": name,
+                                            "lr_scheduler_kwargs": kwargs},
+                               "data": {"train_file": "rows.bin", "format": "tokens", "max_seq_length": SEQ}}, f)
+                self.mt.run("train", out + ".yaml")
+                mine = [json.loads(line)["lr"] for line in open(self.path(out + "/metrics.jsonl"))
+                        if '"loss"' in line]
+                hf = self.judge("schedule_lrs", name=name, lr=lr, warmup=warmup, total=total, kwargs=kwargs)["lrs"]
+                worst = max((rel(a, b) for a, b in zip(mine, hf)), default=0.0)
+                self.report.add("schedules", f"{name} {json.dumps(kwargs)}: lr of {total} steps",
+                                f"{len(mine)} steps", f"{len(hf)} steps", len(mine) == len(hf) and mine == hf,
+                                "bit for bit" if mine == hf else f"max rel {worst:.1e}")
+            self.guarded("schedules", name, run)
+
     def tokenizer_check(self):
         def run():
             texts = ["The tired traveler counted a map of the northern coast, 42 times!",
@@ -818,7 +846,7 @@ class Check:
             for family in FAMILIES:
                 self.memtune_writes(family)
         if want("hf->mt") or want("adapter") or want("refusal") or want("tokenizer") or want("full") or want("bf16") \
-                or want("peft") or want("intervals"):
+                or want("peft") or want("intervals") or want("schedules"):
             for family in FAMILIES:
                 for dtype, shard in SAVES.get(family, [("fp32", None)]):
                     if want("hf->mt") or (dtype, shard) == ("fp32", None):
@@ -830,6 +858,8 @@ class Check:
             self.tokenizer_check()
         if want("intervals"):
             self.interval_strategies()
+        if want("schedules"):
+            self.schedules()
         if want("skip"):
             self.skip_modules()
         if want("adapter") or want("refusal"):

@@ -278,6 +278,21 @@ def op_interval_schedule(r):
     return out
 
 
+def op_schedule_lrs(r):
+    """The learning rate transformers' get_scheduler(name, ...) sets before each of `total`
+    optimizer steps (an SGD over one parameter at lr, stepped as the Trainer steps them)."""
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=r["lr"])
+    sched = transformers.get_scheduler(r["name"], opt, num_warmup_steps=r["warmup"], num_training_steps=r["total"],
+                                       scheduler_specific_kwargs=r["kwargs"])
+    lrs = []
+    for _ in range(r["total"]):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return {"lrs": lrs}
+
+
 def op_peft_loss(r):
     """The adapter as PEFT loads it (PeftModel.from_pretrained) on transformers' model: the loss of
     PEFT's own forward, then of its merge (merge_and_unload). `unloaded` / `differ`: file tensors

@@ -653,6 +653,30 @@ TEST(ConfigErrors, IntervalStrategiesAndTheStepsKeysTheyDoNotRead) {
                  "steps|epoch|no");
 }
 
+// lr_scheduler_kwargs: the schedule function's own arguments; what its transformers
+// function would not take (a TypeError there) or refuses (a ValueError) is refused.
+TEST(ConfigErrors, SchedulerKwargsAreTheScheduleFunctionsOwn) {
+  const auto t = parse("training: {lr_scheduler_type: cosine_with_min_lr, lr_scheduler_kwargs: {min_lr_rate: 0.1, "
+                       "num_cycles: 0.5}}").training;
+  EXPECT_EQ(t.lr_scheduler_kwargs, (std::vector<std::pair<std::string, double>>{{"min_lr_rate", 0.1}, {"num_cycles", 0.5}}));
+  EXPECT_EQ(parse("training: {lr_scheduler_type: polynomial}", {"training.lr_scheduler_kwargs.power=2"})
+                .training.lr_scheduler_kwargs,
+            (std::vector<std::pair<std::string, double>>{{"power", 2}}));
+  expect_invalid("training: {lr_scheduler_type: cosine, lr_scheduler_kwargs: {power: 2}}", "power", "2",
+                 "training.lr_scheduler_kwargs.power", "2", "cosine takes only num_cycles");
+  expect_invalid("training: {lr_scheduler_kwargs: {num_cycles: 2}}", "num_cycles", "2",
+                 "training.lr_scheduler_kwargs.num_cycles", "2", "linear takes no kwargs");
+  expect_invalid("training: {lr_scheduler_type: cosine_with_min_lr}", "lr_scheduler_type", "cosine_with_min_lr",
+                 "training.lr_scheduler_type", "cosine_with_min_lr", "needs lr_scheduler_kwargs min_lr or min_lr_rate");
+  EXPECT_HAS(error_of("training: {lr_scheduler_type: cosine_with_min_lr, lr_scheduler_kwargs: {min_lr: 1.0e-6, "
+                      "min_lr_rate: 0.1}}"),
+             "sets both min_lr and min_lr_rate");
+  expect_invalid("training: {learning_rate: 1.0e-4, lr_scheduler_type: polynomial, lr_scheduler_kwargs: {lr_end: 0.001}}",
+                 "lr_end", "0.001", "training.lr_scheduler_kwargs.lr_end", "0.001", "must be below the learning rate");
+  expect_invalid("training: {lr_scheduler_type: cosine, lr_scheduler_kwargs: {num_cycles: 0}}", "num_cycles", "0",
+                 "training.lr_scheduler_kwargs.num_cycles", "0", "must be a number > 0");
+}
+
 TEST(ConfigErrors, UnknownComputeDtype) {
   const std::string yaml = "model:\n  quantization_config:\n    bnb_4bit_compute_dtype: float8\n";
   expect_invalid(yaml, "bnb_4bit_compute_dtype", "float8", "model.quantization_config.bnb_4bit_compute_dtype",
@@ -963,6 +987,7 @@ Config every_field_changed() {
   t.num_train_epochs = 2.5;
   t.max_steps = 100;
   t.lr_scheduler_type = "cosine";
+  t.lr_scheduler_kwargs = {{"num_cycles", 0.75}};
   t.warmup_steps = 10;  // (warmup_ratio: every_field_changed_b, as the two may not be set together)
   t.weight_decay = 0.01;
   t.adam_beta1 = 0.85;
@@ -1086,7 +1111,7 @@ TEST(ConfigRoundTrip, EveryFieldChangedIsComplete) {
   auto defaults = leaves(to_yaml(Config()));
   auto a = leaves(to_yaml(every_field_changed()));
   auto b = leaves(to_yaml(every_field_changed_b()));
-  EXPECT_EQ(defaults.size(), 111u);  // the leaves config.h declares: a new key belongs in every_field_changed()
+  EXPECT_EQ(defaults.size(), 112u);  // the leaves config.h declares: a new key belongs in every_field_changed()
   for (const auto& [path, value] : defaults) {
     if (kSingleValued.count(path)) continue;
     EXPECT_TRUE(a.at(path) != value || b.at(path) != value) << path << " is never changed from " << value;
@@ -1119,6 +1144,7 @@ TEST(ConfigRoundTrip, EqualityComparesEveryKey) {
           {"training.eval_steps", "data.eval_file=data/eval.jsonl"},
           {"training.eval_accuracy_rows", "data.eval_file=data/eval.jsonl"},
           {"training.eval_strategy", "data.eval_file=data/eval.jsonl"},
+          {"training.lr_scheduler_kwargs", "training.lr_scheduler_type=cosine"},
           {"training.momentum", "training.optim=sgd"},
           {"model.quantization_config.llm_int8_skip_modules", "model.quantization_config.load_in_4bit=true"}};
       const std::vector<std::string> base_overrides =

@@ -1,0 +1,89 @@
+// Learning-rate schedules against transformers' own: the lists below are what
+// transformers 5.x's get_scheduler(name, SGD(lr=2e-4), num_warmup_steps, num_training_steps=10,
+// scheduler_specific_kwargs) set as the learning rate before each of 12 optimizer steps
+// (LambdaLR: base lr times the schedule's factor, in Python doubles). memtune computes the
+// same factors in the same order, so they agree bit for bit (this machine's C library
+// rounds cos, pow and sqrt as the one Python used did; `1 - progress` for linear's factor,
+// as memtune had it, differs in the last bit at 3 of the steps). Steps past the 10th only
+// where the schedule defines them as transformers does (polynomial holds lr_end).
+#include <gtest/gtest.h>
+
+#include "runtime/error.h"
+#include "trainer/schedule.h"
+
+namespace {
+
+using memtune::trainer::Schedule;
+using memtune::trainer::with_kwargs;
+
+struct Case {
+  const char* kind;
+  int64_t warmup;
+  std::vector<std::pair<std::string, double>> kwargs;
+  std::vector<double> transformers;
+};
+
+TEST(Schedule, EveryKindIsTransformersGetScheduler) {
+  const std::vector<Case> cases = {
+      {"constant", 3, {},
+       {0.0002, 0.0002, 0.0002, 0.0002, 0.0002, 0.0002, 0.0002, 0.0002, 0.0002, 0.0002, 0.0002, 0.0002}},
+      {"constant_with_warmup", 3, {},
+       {0.0, 6.666666666666667e-05, 0.00013333333333333334, 0.0002, 0.0002, 0.0002, 0.0002, 0.0002, 0.0002, 0.0002, 0.0002, 0.0002}},
+      {"linear", 3, {},
+       {0.0, 6.666666666666667e-05, 0.00013333333333333334, 0.0002, 0.00017142857142857143, 0.00014285714285714287, 0.00011428571428571428, 8.571428571428571e-05, 5.714285714285714e-05, 2.857142857142857e-05, 0.0, 0.0}},
+      {"cosine", 3, {},
+       {0.0, 6.666666666666667e-05, 0.00013333333333333334, 0.0002, 0.0001900968867902419, 0.00016234898018587337, 0.00012225209339563145, 7.774790660436858e-05, 3.7651019814126654e-05, 9.903113209758096e-06, 0.0, 9.903113209758086e-06}},
+      {"cosine", 3, {{"num_cycles", 1.5}},
+       {0.0, 6.666666666666667e-05, 0.00013333333333333334, 0.0002, 0.00012225209339563145, 9.903113209758096e-06, 3.765101981412663e-05, 0.00016234898018587334, 0.00019009688679024194, 7.774790660436859e-05, 0.0, 7.774790660436852e-05}},
+      {"cosine_with_restarts", 3, {{"num_cycles", 2.0}},
+       {0.0, 6.666666666666667e-05, 0.00013333333333333334, 0.0002, 0.00016234898018587337, 7.774790660436858e-05, 9.903113209758096e-06, 0.00019009688679024194, 0.00012225209339563145, 3.765101981412669e-05, 0.0, 0.0}},
+      {"polynomial", 3, {{"lr_end", 1e-05}, {"power", 2.0}},
+       {0.0, 6.666666666666667e-05, 0.00013333333333333334, 0.0002, 0.0001495918367346939, 0.00010693877551020411, 7.20408163265306e-05, 4.4897959183673474e-05, 2.5510204081632654e-05, 1.3877551020408166e-05, 1e-05, 1e-05}},
+      {"inverse_sqrt", 3, {},
+       {0.0, 6.666666666666667e-05, 0.00013333333333333334, 0.0002, 0.00017320508075688776, 0.0001549193338482967, 0.0001414213562373095, 0.0001309307341415954, 0.0001224744871391589, 0.00011547005383792517, 0.00010954451150103321, 0.00010444659357341871}},
+      {"inverse_sqrt", 0, {},
+       {0.0002, 0.00019999000074993753, 0.00019998000299950014, 0.00019997000674831295, 0.00019996001199600142, 0.0001999500187421909, 0.0001999400269865071, 0.00019993003672857563, 0.0001999200479680224, 0.00019991006070447338, 0.00019990007493755465, 0.00019989009066689252}},
+      {"inverse_sqrt", 2, {{"timescale", 5.0}},
+       {0.0, 0.0001, 0.0002, 0.0001825741858350554, 0.00016903085094570333, 0.00015811388300841897, 0.00014907119849998598, 0.0001414213562373095, 0.0001348399724926484, 0.00012909944487358058, 0.00012403473458920844, 0.00011952286093343937}},
+      {"cosine_with_min_lr", 3, {{"min_lr", 2e-05}},
+       {0.0, 6.666666666666667e-05, 0.00013333333333333334, 0.0002, 0.00019108719811121772, 0.00016611408216728603, 0.00013002688405606828, 8.997311594393172e-05, 5.3885917832713996e-05, 2.891280188878229e-05, 2e-05, 2.891280188878228e-05}},
+      {"cosine_warmup_with_min_lr", 3, {{"min_lr_rate", 0.1}},
+       {6.666666666666667e-05, 0.00013333333333333334, 0.0002, 0.00019108719811121772, 0.00016611408216728603, 0.00013002688405606828, 8.997311594393172e-05, 5.3885917832713996e-05, 2.891280188878229e-05, 2e-05, 2.891280188878228e-05, 5.3885917832713976e-05}},
+      {"cosine_warmup_with_min_lr", 3, {{"min_lr_rate", 0.1}, {"warmup_lr_rate", 0.2}},
+       {4e-05, 0.00012000000000000003, 0.0002, 0.00019108719811121772, 0.00016611408216728603, 0.00013002688405606828, 8.997311594393172e-05, 5.3885917832713996e-05, 2.891280188878229e-05, 2e-05, 2.891280188878228e-05, 5.3885917832713976e-05}}
+  };
+  for (const Case& c : cases) {
+    Schedule s;
+    s.kind = c.kind;
+    s.learning_rate = 2e-4;
+    s.warmup_steps = c.warmup;
+    s.total_steps = 10;
+    s = with_kwargs(s, c.kwargs);
+    const int64_t steps = s.kind == "polynomial" || s.kind == "inverse_sqrt" || s.kind == "constant" ||
+                                  s.kind == "constant_with_warmup"
+                              ? 12
+                              : 10;
+    for (int64_t k = 0; k < steps; ++k)
+      EXPECT_EQ(s.lr(k), c.transformers[static_cast<size_t>(k)])
+          << c.kind << " warmup " << c.warmup << " kwargs " << c.kwargs.size() << " step " << k;
+  }
+}
+
+// What transformers refuses, memtune refuses: a kwarg the schedule function does not take,
+// both or neither of min_lr and min_lr_rate, lr_end not below the learning rate.
+TEST(Schedule, KwargsTransformersRefusesAreRefused) {
+  Schedule s;
+  s.learning_rate = 1e-4;
+  s.kind = "cosine";
+  EXPECT_THROW(with_kwargs(s, {{"power", 2.0}}), memtune::UserError);
+  s.kind = "linear";
+  EXPECT_THROW(with_kwargs(s, {{"num_cycles", 1.0}}), memtune::UserError);
+  s.kind = "cosine_with_min_lr";
+  EXPECT_THROW(with_kwargs(s, {}), memtune::UserError);
+  EXPECT_THROW(with_kwargs(s, {{"min_lr", 1e-5}, {"min_lr_rate", 0.1}}), memtune::UserError);
+  EXPECT_DOUBLE_EQ(with_kwargs(s, {{"min_lr", 1e-5}}).min_lr_rate, 1e-5 / 1e-4);
+  s.kind = "polynomial";
+  EXPECT_THROW(with_kwargs(s, {{"lr_end", 1e-4}}), memtune::UserError);
+}
+
+}  // namespace
