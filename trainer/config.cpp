@@ -172,6 +172,13 @@ void LoraConfig::fields(F&& f) {
 }
 
 template <class F>
+void CheckpointKwargsConfig::fields(F&& f) {
+  f("use_reentrant", use_reentrant,
+    "torch.utils.checkpoint's implementation (transformers 5: false); both compute the same gradients, and "
+    "memtune recomputes layers by its own checkpointing: accepted for compatibility, changes nothing");
+}
+
+template <class F>
 void TrainingConfig::fields(F&& f) {
   f("output_dir", output_dir, "where config.yaml, train.log, metrics.jsonl and checkpoints go");
   f("finetune", finetune, "what is trained: LoRA adapters or every weight", {"lora", "full"});
@@ -185,6 +192,8 @@ void TrainingConfig::fields(F&& f) {
   f("gradient_accumulation_steps", gradient_accumulation_steps, "micro-batches per optimizer step");
   f("gradient_checkpointing", gradient_checkpointing,
     "true|false, or {policy: none|all|every_n|layers, n: 2, layers: [1, 3]}");
+  f("gradient_checkpointing_kwargs", gradient_checkpointing_kwargs,
+    "transformers' arguments for torch.utils.checkpoint: use_reentrant only");
   f("activation_offload", activation_offload,
     "checkpoints: each checkpointed layer's input (all it keeps) waits for backward in host memory, outside the "
     "device budget, and comes back just before its recomputation; all: refused (needs saved-tensor hooks)",
@@ -228,6 +237,7 @@ void TrainingConfig::fields(F&& f) {
   f("momentum", momentum, "SGD momentum, in [0, 1); at 0 SGD keeps no state (as torch.optim.SGD); optim: sgd only");
   f("max_grad_norm", max_grad_norm, "clip the global gradient norm to this; <= 0: no clipping");
   f("logging_steps", logging_steps, "log metrics every this many steps, or in (0, 1) that share of the steps");
+  f("logging_first_step", logging_first_step, "also a metrics row at the first step (HF's)");
   f("logging_strategy", logging_strategy,
     "when metrics.jsonl gets a step's row (HF's): steps (every logging_steps, and the last step), epoch (each "
     "epoch's last step), no (none); a step where something happened (an out-of-memory error, a skipped update) "
@@ -1024,6 +1034,10 @@ std::vector<std::string> compatibility_notes(const Config& config) {
     notes.push_back(str_cat("training.dataloader_num_workers: accepted for compatibility; memtune prepares "
                             "batches in its own process, so ", t.dataloader_num_workers,
                             " workers change nothing"));
+  if (t.gradient_checkpointing_kwargs.use_reentrant)
+    notes.push_back("training.gradient_checkpointing_kwargs.use_reentrant: accepted for compatibility; memtune "
+                    "recomputes checkpointed layers by its own checkpointing, with the gradients either of "
+                    "torch's implementations gives, so it changes nothing");
   if (t.remove_unused_columns != defaults.remove_unused_columns)
     notes.push_back("training.remove_unused_columns: accepted for compatibility; memtune builds its own "
                     "batches, so it changes nothing");

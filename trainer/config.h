@@ -51,6 +51,12 @@ struct CheckpointingConfig {
   bool enabled() const { return policy != "none"; }
 };
 
+// transformers' gradient_checkpointing_kwargs: torch.utils.checkpoint's arguments.
+struct CheckpointKwargsConfig {
+  bool use_reentrant = false;  // transformers 5's default; both choices give the same gradients
+  template <class F> void fields(F&& f);
+};
+
 // `device_map: auto|cpu|cuda:0` or a map from module prefixes to devices
 // (`model.layers.0-15: cuda:0`, `lm_head: cpu`, a device being cuda:N, cpu or offload).
 struct DeviceMapConfig {
@@ -106,6 +112,7 @@ struct TrainingConfig {
   int per_device_eval_batch_size = 8;
   int gradient_accumulation_steps = 1;        // micro-batches per optimizer step
   CheckpointingConfig gradient_checkpointing;
+  CheckpointKwargsConfig gradient_checkpointing_kwargs;
   std::string activation_offload = "false";  // false|checkpoints: checkpointed layers' inputs in host memory
   bool fp16 = false;                          // fp16 autocast with dynamic loss scaling; adapters fp32
   bool bf16 = false;                          // bf16 autocast; adapters fp32
@@ -128,6 +135,7 @@ struct TrainingConfig {
   double momentum = 0;                        // sgd only
   double max_grad_norm = 1.0;                 // <= 0: no clipping
   double logging_steps = 1;
+  bool logging_first_step = false;            // also a metrics row at step 1 (HF's)
   std::string logging_strategy = "steps";     // steps (logging_steps) | epoch | no (HF's IntervalStrategy)
   double save_steps = 0;                      // 0: only at the end
   std::string save_strategy = "steps";        // steps (save_steps) | epoch | no

@@ -1011,7 +1011,8 @@ StepRecord Trainer::step() {
 // metrics.jsonl every logging_steps, at the last step and whenever something happened; the
 // progress line on a terminal (redrawn) or in the log.
 void Trainer::log_step(const StepRecord& r) {
-  const bool due = log_every_ > 0 && (r.step % log_every_ == 0 || r.step == total_steps_);
+  const bool due = (log_every_ > 0 && (r.step % log_every_ == 0 || r.step == total_steps_)) ||
+                   (r.step == 1 && c_.training.logging_first_step);
   if (!due && r.events.empty()) return;
   const double tok_s = static_cast<double>(r.tokens) / std::max(1e-9, r.seconds);
   json events = json::array();

@@ -712,7 +712,9 @@ class Check:
 
     # transformers' IntervalStrategy keys: the steps memtune logs, evaluates and checkpoints at,
     # against the Trainer's own DefaultFlowCallback over the same steps and epochs. The 6 rows
-    # make 3 steps an epoch at 2 per step, 6 at 1.
+    # make 3 steps an epoch at 2 per step, 6 at 1. Each case sets eval_strategy: left unset,
+    # memtune evaluates its eval data before and after training, where transformers' "no"
+    # evaluates nothing (memtune's eval_strategy: no refuses eval data instead).
     INTERVALS = [
         ("epoch strategies, 2.5 epochs", {"logging_strategy": "epoch", "save_strategy": "epoch",
                                           "eval_strategy": "epoch"}, 2, 2.5, -1),
@@ -721,6 +723,8 @@ class Check:
         ("shares of max_steps, save no", {"logging_steps": 0.5, "eval_steps": 0.25, "eval_strategy": "steps",
                                           "save_strategy": "no"}, 1, 3, 8),
         ("steps not dividing the run", {"logging_steps": 5, "eval_steps": 4, "eval_strategy": "steps"}, 2, 2, -1),
+        ("logging_first_step, epoch logging", {"logging_first_step": True, "logging_strategy": "epoch",
+                                               "eval_strategy": "steps", "eval_steps": 2}, 2, 2, -1),
     ]
 
     def interval_strategies(self):

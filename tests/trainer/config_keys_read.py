@@ -23,6 +23,8 @@ ONLY_IN_CONFIG = {
     "quant_method": "bitsandbytes only",
     "low_cpu_mem_usage": "true only (loads always stream from the mmapped safetensors)",
     "task_type": "CAUSAL_LM only",
+    "use_reentrant": "compatibility note",
+    "gradient_checkpointing_kwargs": "compatibility note (its one key)",
     "dataloader_pin_memory": "compatibility note",
     "dataloader_num_workers": "compatibility note",
     "remove_unused_columns": "compatibility note",

@@ -988,6 +988,8 @@ Config every_field_changed() {
   t.max_steps = 100;
   t.lr_scheduler_type = "cosine";
   t.lr_scheduler_kwargs = {{"num_cycles", 0.75}};
+  t.gradient_checkpointing_kwargs.use_reentrant = true;
+  t.logging_first_step = true;
   t.warmup_steps = 10;  // (warmup_ratio: every_field_changed_b, as the two may not be set together)
   t.weight_decay = 0.01;
   t.adam_beta1 = 0.85;
@@ -1111,7 +1113,7 @@ TEST(ConfigRoundTrip, EveryFieldChangedIsComplete) {
   auto defaults = leaves(to_yaml(Config()));
   auto a = leaves(to_yaml(every_field_changed()));
   auto b = leaves(to_yaml(every_field_changed_b()));
-  EXPECT_EQ(defaults.size(), 112u);  // the leaves config.h declares: a new key belongs in every_field_changed()
+  EXPECT_EQ(defaults.size(), 114u);  // the leaves config.h declares: a new key belongs in every_field_changed()
   for (const auto& [path, value] : defaults) {
     if (kSingleValued.count(path)) continue;
     EXPECT_TRUE(a.at(path) != value || b.at(path) != value) << path << " is never changed from " << value;
@@ -1194,6 +1196,17 @@ TEST(ConfigNotes, CompatibilityKeysSayTheyChangeNothing) {
   ASSERT_EQ(more.size(), 1u);
   EXPECT_HAS(more[0], "training.dataloader_num_workers: accepted for compatibility;");
   EXPECT_TRUE(memtune::trainer::compatibility_notes(Config()).empty());
+  // transformers' gradient_checkpointing_kwargs: use_reentrant only (false, transformers 5's
+  // default, says nothing); torch.utils.checkpoint's other arguments are refused by name.
+  EXPECT_TRUE(memtune::trainer::compatibility_notes(
+                  parse("training: {gradient_checkpointing_kwargs: {use_reentrant: false}}"))
+                  .empty());
+  auto reentrant =
+      memtune::trainer::compatibility_notes(parse("training: {gradient_checkpointing_kwargs: {use_reentrant: true}}"));
+  ASSERT_EQ(reentrant.size(), 1u);
+  EXPECT_HAS(reentrant[0], "training.gradient_checkpointing_kwargs.use_reentrant: accepted for compatibility;");
+  EXPECT_HAS(error_of("training: {gradient_checkpointing_kwargs: {preserve_rng_state: false}}"),
+             "training.gradient_checkpointing_kwargs.preserve_rng_state: unknown key");
 }
 
 TEST(ConfigValidate, RefusesConfigsBuiltInCode) {

@@ -428,7 +428,7 @@ TEST(Train, EvalSplitEqualsTheHeldOutDocumentsAsAFile) {
 
 // transformers' IntervalStrategy keys over 3 epochs of 3 steps (10 samples, 4 per step:
 // 4, 4, 2): epoch writes each epoch's metrics row, checkpoint and evaluation at steps 3, 6
-// and 9; steps without eval_steps evaluates every logging_steps, as transformers; save no
+// and 9 (logging_first_step a row at step 1 too); steps without eval_steps evaluates every logging_steps, as transformers; save no
 // leaves no checkpoint (the adapter is still written); logging no writes no step rows.
 TEST(Train, IntervalStrategiesLogSaveAndEvaluateAsTransformers) {
   fs::path d = temp_dir();
@@ -453,9 +453,9 @@ TEST(Train, IntervalStrategiesLogSaveAndEvaluateAsTransformers) {
     return names;
   };
   TrainRun epoch = train(d / "epoch", common + " training.logging_strategy=epoch training.save_strategy=epoch "
-                                               "training.eval_strategy=epoch");
+                                               "training.eval_strategy=epoch training.logging_first_step=true");
   ASSERT_EQ(epoch.exit_code, 0) << epoch.output;
-  EXPECT_EQ(steps_with(epoch.dir, "loss"), (std::vector<int64_t>{3, 6, 9}));
+  EXPECT_EQ(steps_with(epoch.dir, "loss"), (std::vector<int64_t>{1, 3, 6, 9}));  // logging_first_step: 1 too
   EXPECT_EQ(steps_with(epoch.dir, "eval_loss", "periodic"), (std::vector<int64_t>{3, 6, 9}));
   EXPECT_EQ(checkpoints(epoch.dir), (std::vector<std::string>{"step-3", "step-6", "step-9"}));
 
