@@ -401,7 +401,8 @@ ForwardOutput CausalLM::forward(const data::Batch& batch, const ForwardOptions& 
   out.loss_sum = linear_cross_entropy_sum(x.reshape({-1, C}), head, last.targets.reshape({-1}),
                                           options.loss_chunk_rows > 0 ? options.loss_chunk_rows
                                                                       : loss_chunk_rows(spec().vocab_size),
-                                          &out.correct_tokens, compute_dtype_);
+                                          &out.correct_tokens, compute_dtype_, options.label_smoothing,
+                                          &out.cross_entropy_sum);
   out.target_tokens = (batch.targets != data::kIgnoreIndex).sum().item<int64_t>();
   if (options.return_logits) out.logits = at::matmul(x.to(mm), head.to(mm).t()).to(at::kFloat);
   return out;

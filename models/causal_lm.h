@@ -80,6 +80,7 @@ struct ForwardOptions {
   KVCache* kv_cache = nullptr;
   bool last_logits_only = false;
   int64_t loss_chunk_rows = 0;  // 0: by vocabulary size, models/layers/cross_entropy.h loss_chunk_rows()
+  double label_smoothing = 0;   // the loss's (models/layers/cross_entropy.h): transformers' label_smoothing_factor
   // Applied to the head's (V,C) weight before the loss (and the logits) use it; it returns the
   // same values. The caller's hold on the head's gradient as the loss's backward produces it,
   // before autograd sums it with the embedding's when the two are tied. Unset: the weight.
@@ -87,7 +88,8 @@ struct ForwardOptions {
 };
 
 struct ForwardOutput {
-  at::Tensor loss_sum;       // fp32 scalar: sum of next-token cross-entropy over targets
+  at::Tensor loss_sum;       // fp32 scalar: sum of next-token cross-entropy over targets (label-smoothed when asked)
+  at::Tensor cross_entropy_sum;  // without label smoothing (with none: loss_sum's value); not for backward
   int64_t target_tokens = 0; // targets counted in loss_sum
   int64_t correct_tokens = 0; // targets that are the model's most likely next token
   at::Tensor logits;         // (B,T,V) fp32 when asked for

@@ -236,6 +236,12 @@ void TrainingConfig::fields(F&& f) {
      "paged_adamw_32bit", "adafactor", "sgd"});
   f("momentum", momentum, "SGD momentum, in [0, 1); at 0 SGD keeps no state (as torch.optim.SGD); optim: sgd only");
   f("max_grad_norm", max_grad_norm, "clip the global gradient norm to this; <= 0: no clipping");
+  f("label_smoothing_factor", label_smoothing_factor,
+    "label smoothing of the loss (transformers' LabelSmoother): each trained token's loss is (1 - f) of its "
+    "cross-entropy plus f of the mean of -log softmax over the vocabulary, in training and in the eval loss "
+    "(the eval perplexity stays that of the cross-entropy). Normalized over the step's target tokens, as memtune's "
+    "loss always is; transformers' smoother averages each micro-batch on its own, so with gradient accumulation "
+    "over micro-batches of different token counts its step weighs tokens differently");
   f("logging_steps", logging_steps, "log metrics every this many steps, or in (0, 1) that share of the steps");
   f("logging_first_step", logging_first_step, "also a metrics row at the first step (HF's)");
   f("logging_strategy", logging_strategy,
@@ -786,6 +792,8 @@ void validate(const TrainingConfig& t, const std::string& p, const Checker& c) {
   c.check(t.eval_strategy == "" || t.eval_strategy == "steps" || t.eval_steps == 0, p + ".eval_steps", t.eval_steps,
           "eval_strategy is " + t.eval_strategy + ", which does not read eval_steps; drop one of them");
   c.check(t.eval_accuracy_rows >= 0, p + ".eval_accuracy_rows", t.eval_accuracy_rows, "must be >= 0");
+  c.check(t.label_smoothing_factor >= 0 && t.label_smoothing_factor < 1, p + ".label_smoothing_factor",
+          t.label_smoothing_factor, "must be in [0, 1) (0: none)");
   c.check(t.fp16_init_scale > 0, p + ".fp16_init_scale", t.fp16_init_scale, "must be > 0");
   c.check(t.fp16_growth_interval >= 1, p + ".fp16_growth_interval", t.fp16_growth_interval, "must be at least 1");
   c.check(!(t.group_by_length && t.train_sampling_strategy == "sequential"), p + ".group_by_length",

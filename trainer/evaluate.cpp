@@ -15,15 +15,16 @@
 namespace memtune::trainer {
 
 EvalResult evaluate(models::CausalLM& model, const data::Dataset& dataset, int64_t micro_batch, int64_t max_rows,
-                    const std::function<bool()>& stop, const std::function<bool()>& on_oom) {
+                    const std::function<bool()>& stop, const std::function<bool()>& on_oom, double label_smoothing) {
   MEMTUNE_CHECK(micro_batch >= 1, "evaluation batch size is ", micro_batch, "; it must be at least 1");
   at::NoGradGuard no_grad;
   const int64_t n = max_rows < 0 ? dataset.size() : std::min(max_rows, dataset.size());
   const int32_t pad = 0;
-  double sum = 0;
+  double sum = 0, plain = 0;  // the loss, and without smoothing
   int64_t correct = 0;
   EvalResult r;
   models::ForwardOptions opts;
+  opts.label_smoothing = label_smoothing;
   for (int64_t i = 0; i < n;) {
     if (stop && stop()) {
       r.stopped = true;
@@ -42,6 +43,7 @@ EvalResult evaluate(models::CausalLM& model, const data::Dataset& dataset, int64
       continue;
     }
     sum += out.loss_sum.item<double>();
+    plain += out.cross_entropy_sum.item<double>();
     r.tokens += out.target_tokens;
     correct += out.correct_tokens;
     i += static_cast<int64_t>(samples.size());
@@ -49,7 +51,7 @@ EvalResult evaluate(models::CausalLM& model, const data::Dataset& dataset, int64
   r.micro_batch = micro_batch;
   r.token_accuracy = r.tokens > 0 ? static_cast<double>(correct) / static_cast<double>(r.tokens) : 0.0;
   r.loss = r.tokens > 0 ? sum / static_cast<double>(r.tokens) : 0.0;
-  r.perplexity = std::exp(r.loss);
+  r.perplexity = std::exp(r.tokens > 0 ? plain / static_cast<double>(r.tokens) : 0.0);
   return r;
 }
 

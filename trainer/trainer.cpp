@@ -905,6 +905,7 @@ StepRecord Trainer::step() {
     r.positions = r.padding = 0;
     models::ForwardOptions fo;
     fo.training = true;
+    fo.label_smoothing = c_.training.label_smoothing_factor;
     fo.checkpoint_layers = ckpt_layers_;
     fo.offload_activations = offload_activations_;
     // A tied head's gradient goes to the host as the loss's backward makes it, rather than
@@ -1105,7 +1106,8 @@ bool Trainer::evaluate_loss(const char* when) {
     mem_->release_cached();
     return true;
   };
-  const EvalResult r = evaluate(*bundle_.model, *eval_set_, batch, -1, [this] { return eval_stopped(); }, on_oom);
+  const EvalResult r = evaluate(*bundle_.model, *eval_set_, batch, -1, [this] { return eval_stopped(); }, on_oom,
+                                c_.training.label_smoothing_factor);
   if (r.oom_retries > 0)
     spdlog::warn("eval ({}): out of memory at {} samples at once; ran {} micro-batch(es) again, ending at {}", when,
                  batch, r.oom_retries, r.micro_batch);

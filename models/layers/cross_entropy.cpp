@@ -104,17 +104,23 @@ bool bf16_softmax_grad_in_place(at::Tensor& e, const at::Tensor& t, bool grad, a
 struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
                             const at::Tensor& targets, int64_t chunk, bool grad_hidden,
-                            bool grad_weight, int64_t* correct, at::ScalarType mm_dtype) {
+                            bool grad_weight, int64_t* correct, at::ScalarType mm_dtype, double smoothing,
+                            at::Tensor* unsmoothed) {
     const bool bf16 = mm_dtype == at::kBFloat16;
+    const bool smooth = smoothing > 0;
+    const double uniform = smooth ? smoothing / static_cast<double>(weight.size(0)) : 0.0;  // e / V
     at::Tensor rows = (targets != -100).nonzero().squeeze(1);  // trained rows only
     at::Tensor h_all = hidden.index_select(0, rows);
     at::Tensor t_all = targets.index_select(0, rows);
     at::Tensor w = weight.to(mm_dtype);
     at::Tensor total = at::zeros({}, hidden.options().dtype(at::kFloat));
+    at::Tensor plain = smooth && unsmoothed ? at::zeros({}, total.options()) : at::Tensor();
     at::Tensor n_correct = at::zeros({}, targets.options());  // read once, not a sync per chunk
     at::Tensor dh_rows = grad_hidden ? at::empty({rows.size(0), hidden.size(1)}, w.options()) : at::Tensor();
     at::Tensor dw = grad_weight ? at::zeros(weight.sizes(), w.options().dtype(at::kFloat)) : at::Tensor();
     const int64_t n = rows.size(0);
+    // Smoothing's part of d hidden: -(e / V) times the head's column sums, one row for all.
+    const at::Tensor w_uniform = smooth && grad_hidden && !bf16 ? w.sum(0, true).mul_(uniform) : at::Tensor();
     // The bf16 products of d loss / d logits p (bf16, (n,V)) for the chunk [i0, i1).
     auto bf16_products = [&](const at::Tensor& p, const at::Tensor& h, int64_t i0, int64_t i1, at::Tensor scratch) {
       if (grad_hidden) {
@@ -130,14 +136,23 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
       at::Tensor e = at::matmul(h, w.t());                   // (n,V) logits
       at::Tensor m, s, first_max, picked;
       const bool fused =  // on CUDA one pass over the bf16 logits, which become d loss / d logits
-          bf16 && bf16_softmax_grad_in_place(e, t, grad_hidden || grad_weight, &m, &s, &first_max, &picked);
+          bf16 && !smooth &&
+          bf16_softmax_grad_in_place(e, t, grad_hidden || grad_weight, &m, &s, &first_max, &picked);
+      at::Tensor logit_sum;  // smoothing: each row's sum of logits, before e becomes exp
       if (!fused) {
         if (bf16) e = e.to(at::kFloat);                      // rounded to bf16, then fp32 as the loss takes them
         picked = e.gather(1, t);
+        if (smooth) logit_sum = e.sum(1, true);
         row_softmax_parts(e, &m, &s, &first_max);            // e = exp(logits - max), in place
       }
       if (correct) n_correct.add_((first_max == t).sum());
-      total.add_((m + s.log() - picked).sum());              // logsumexp - logit[target]
+      if (smooth) {  // logsumexp - (1 - e) logit[target] - e mean(logits)
+        const at::Tensor lse = m + s.log();
+        total.add_((lse - picked * (1.0 - smoothing) - logit_sum * uniform).sum());
+        if (plain.defined()) plain.add_((lse - picked).sum());
+      } else {
+        total.add_((m + s.log() - picked).sum());            // logsumexp - logit[target]
+      }
       if (!grad_hidden && !grad_weight) continue;
       if (fused) {
         bf16_products(e, h, i0, i1, {});
@@ -147,24 +162,36 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
       if (bf16) {
         // d loss / d logits = softmax - onehot(t), formed in fp32 and rounded to bf16 for both
         // products, as autograd does for bf16 logits taken to fp32.
-        e.mul_(inv).scatter_add_(1, t, at::full({i1 - i0, 1}, -1.0, e.options()));
+        e.mul_(inv).scatter_add_(1, t, at::full({i1 - i0, 1}, -(1.0 - smoothing), e.options()));
+        if (smooth) e.sub_(uniform);
         bf16_products(e.to(at::kBFloat16), h, i0, i1, e);
         continue;
       }
       // d loss / d logits = e / s - onehot(t). The 1/s goes on the narrow side of each
       // product (n x C, not n x V) and the one-hot part is a row gather / scatter.
+      // Smoothing scales the one-hot part by (1 - e) and subtracts e / V everywhere: from d
+      // hidden the head's column sums times e / V, from dW each column's sum of h times e / V.
       const at::Tensor t1 = t.squeeze(1);
       if (grad_hidden) {
         at::Tensor out = dh_rows.slice(0, i0, i1);
         at::mm_out(out, e, w);
-        out.mul_(inv).sub_(w.index_select(0, t1));
+        if (smooth)
+          out.mul_(inv).sub_(w.index_select(0, t1), 1.0 - smoothing).sub_(w_uniform);
+        else
+          out.mul_(inv).sub_(w.index_select(0, t1));
       }
       if (grad_weight) {
         dw.addmm_(e.t(), h * inv);
-        dw.index_add_(0, t1, h.neg());
+        if (smooth) {
+          dw.index_add_(0, t1, h, -(1.0 - smoothing));
+          dw.sub_(h.sum(0, true).mul_(uniform));
+        } else {
+          dw.index_add_(0, t1, h.neg());
+        }
       }
     }
     if (correct) *correct += n_correct.item<int64_t>();
+    if (unsmoothed) *unsmoothed = smooth ? plain : total.clone();
     at::Tensor dh;
     if (grad_hidden) {
       dh = at::zeros(hidden.sizes(), dh_rows.options());
@@ -187,7 +214,8 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
       return in_place ? g.mul_(s) : g * s;
     };
     at::Tensor dh = scaled(saved[0]), dw = scaled(saved[1]);
-    return {dh, dw, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dh,          dw,          at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -201,14 +229,16 @@ at::ScalarType loss_matmul_dtype(at::ScalarType compute_dtype) {
 
 at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& weight,
                                     const at::Tensor& targets, int64_t chunk_rows, int64_t* correct,
-                                    at::ScalarType compute_dtype) {
+                                    at::ScalarType compute_dtype, double label_smoothing, at::Tensor* unsmoothed) {
   MEMTUNE_PROFILE_SCOPE("memtune::loss");
   MEMTUNE_INTERNAL_ASSERT(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1),
               "linear_cross_entropy_sum: hidden (N,C), weight (V,C)");
+  MEMTUNE_INTERNAL_ASSERT(label_smoothing >= 0 && label_smoothing < 1, "label_smoothing ", label_smoothing,
+                          " outside [0, 1)");
   const bool grad = at::GradMode::is_enabled();
   return LinearCrossEntropy::apply(hidden, weight, targets.to(at::kLong), chunk_rows,
                                    grad && hidden.requires_grad(), grad && weight.requires_grad(), correct,
-                                   loss_matmul_dtype(compute_dtype));
+                                   loss_matmul_dtype(compute_dtype), label_smoothing, unsmoothed);
 }
 
 }  // namespace memtune::models

@@ -29,9 +29,15 @@ int64_t loss_chunk_rows(int64_t vocab_size);
 // under 2^-24 to zero.
 at::ScalarType loss_matmul_dtype(at::ScalarType compute_dtype);
 
+// `label_smoothing` e in [0, 1): each trained row's loss is (1 - e) of its cross-entropy plus
+// e of the mean over the vocabulary of -log softmax (torch's cross_entropy(label_smoothing),
+// transformers' LabelSmoother per token): logsumexp - (1 - e) logit[target] - e mean(logits),
+// with d loss / d logits = softmax - (1 - e) onehot - e / V. `unsmoothed` (optional) receives
+// the plain cross-entropy sum as well (what a perplexity is of).
 at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& weight,
                                     const at::Tensor& targets, int64_t chunk_rows = 1024,
-                                    int64_t* correct = nullptr, at::ScalarType compute_dtype = at::kFloat);
+                                    int64_t* correct = nullptr, at::ScalarType compute_dtype = at::kFloat,
+                                    double label_smoothing = 0, at::Tensor* unsmoothed = nullptr);
 
 namespace detail {
 // Tests: false sends a bf16 loss on CUDA through an fp32 copy of each chunk's logits and the

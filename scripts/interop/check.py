@@ -788,6 +788,34 @@ class Check:
                                 "bit for bit" if mine == hf else f"max rel {worst:.1e}")
             self.guarded("schedules", name, run)
 
+    # label_smoothing_factor: memtune's first step's loss (every row in one micro-batch, before
+    # any update) and its eval loss before training, against transformers' LabelSmoother. The
+    # gradients' smoothing is tests/models/cross_entropy_test.cpp's (against ATen's).
+    def label_smoothing(self):
+        for eps in (0.1, 0.3):
+            def run(eps=eps):
+                out = f"run-label-smoothing-{eps}"
+                shutil.rmtree(self.path(out), ignore_errors=True)
+                with open(self.path(out + ".yaml"), "w") as f:
+                    json.dump({"model": {"name_or_path": "hf-llama-fp32"},
+                               "training": {"output_dir": out, "per_device_train_batch_size": ROWS,
+                                            "per_device_eval_batch_size": 2, "max_steps": 1,
+                                            "label_smoothing_factor": eps},
+                               "data": {"train_file": "rows.bin", "eval_file": "rows.bin", "format": "tokens",
+                                        "max_seq_length": SEQ}}, f)
+                self.mt.run("train", out + ".yaml")
+                rows = [json.loads(line) for line in open(self.path(out + "/metrics.jsonl"))]
+                step = next(m["loss"] for m in rows if "loss" in m)
+                before = next(m["eval_loss"] for m in rows if m.get("when") == "before training")
+                hf = self.judge("label_smoothed_loss", model="hf-llama-fp32", rows=self.rows, epsilon=eps)["loss"]
+                plain = self.judge("loss", model="hf-llama-fp32", rows=self.rows)["loss"]
+                for what, mine in (("first step's loss", step), ("eval loss before training", before)):
+                    self.report.add("train", f"label_smoothing_factor {eps}: {what}", f"{mine:.9f}", f"{hf:.9f}",
+                                    rel(mine, hf) < 1e-6 and rel(hf, plain) > 10 * max(rel(mine, hf), 1e-7),
+                                    f"rel {rel(mine, hf):.1e}; smoothing moves it by {rel(hf, plain):.1e} "
+                                    f"(the random model's logits are nearly flat)")
+            self.guarded("train", f"label_smoothing_factor {eps}", run)
+
     def tokenizer_check(self):
         def run():
             texts = ["The tired traveler counted a map of the northern coast, 42 times!",
@@ -850,7 +878,7 @@ class Check:
             for family in FAMILIES:
                 self.memtune_writes(family)
         if want("hf->mt") or want("adapter") or want("refusal") or want("tokenizer") or want("full") or want("bf16") \
-                or want("peft") or want("intervals") or want("schedules"):
+                or want("peft") or want("intervals") or want("schedules") or want("train"):
             for family in FAMILIES:
                 for dtype, shard in SAVES.get(family, [("fp32", None)]):
                     if want("hf->mt") or (dtype, shard) == ("fp32", None):
@@ -864,6 +892,8 @@ class Check:
             self.interval_strategies()
         if want("schedules"):
             self.schedules()
+        if want("train"):
+            self.label_smoothing()
         if want("skip"):
             self.skip_modules()
         if want("adapter") or want("refusal"):

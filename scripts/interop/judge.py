@@ -293,6 +293,18 @@ def op_schedule_lrs(r):
     return {"lrs": lrs}
 
 
+def op_label_smoothed_loss(r):
+    """transformers' Trainer loss under label_smoothing_factor: its LabelSmoother(epsilon) on the
+    model's outputs for all rows as one batch (labels = input_ids, shifted inside)."""
+    from transformers.trainer_pt_utils import LabelSmoother
+    model, _ = load_model(r["model"])
+    rows = torch.tensor(r["rows"], dtype=torch.long)
+    with torch.no_grad():
+        outputs = model(input_ids=rows)
+        loss = LabelSmoother(epsilon=r["epsilon"])(outputs, rows, shift_labels=True)
+    return {"loss": loss.item()}
+
+
 def op_peft_loss(r):
     """The adapter as PEFT loads it (PeftModel.from_pretrained) on transformers' model: the loss of
     PEFT's own forward, then of its merge (merge_and_unload). `unloaded` / `differ`: file tensors

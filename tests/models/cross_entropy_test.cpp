@@ -59,6 +59,38 @@ TEST_P(LinearCrossEntropyKernels, MatchesAtenLossGradientsAndArgmax) {
   }
 }
 
+// Label smoothing (transformers' label_smoothing_factor) against ATen's own
+// cross_entropy(label_smoothing), which is transformers' LabelSmoother per token: the loss,
+// the plain cross-entropy beside it, and both gradients, over chunk sizes.
+TEST_P(LinearCrossEntropyKernels, LabelSmoothingIsAtensCrossEntropyWithLabelSmoothing) {
+  torch::manual_seed(5);
+  const int64_t n = 29, c = 16, v = 203;
+  for (double eps : {0.1, 0.35}) {
+    for (int64_t chunk : {4, 1024}) {
+      SCOPED_TRACE(std::to_string(eps) + " chunk " + std::to_string(chunk));
+      at::Tensor hidden = at::randn({n, c}).requires_grad_(true);
+      at::Tensor weight = at::randn({v, c}).requires_grad_(true);
+      at::Tensor targets = at::randint(v, {n}, at::kLong);
+      targets.index_put_({at::arange(0, n, 5)}, -100);
+      at::Tensor unsmoothed;
+      at::Tensor loss = linear_cross_entropy_sum(hidden, weight, targets, chunk, nullptr, at::kFloat, eps, &unsmoothed);
+      at::Tensor h_ref = hidden.detach().to(at::kDouble).requires_grad_(true);
+      at::Tensor w_ref = weight.detach().to(at::kDouble).requires_grad_(true);
+      at::Tensor logits = at::mm(h_ref, w_ref.t());
+      at::Tensor loss_ref = at::cross_entropy_loss(logits, targets, {}, at::Reduction::Sum, -100, eps);
+      expect_close(loss, loss_ref.to(at::kFloat), 1e-5, "smoothed loss");
+      expect_close(unsmoothed, at::cross_entropy_loss(logits.detach(), targets, {}, at::Reduction::Sum, -100)
+                                   .to(at::kFloat), 1e-5, "plain cross-entropy");
+      EXPECT_GT((loss - unsmoothed).abs().item<double>(), 1e-2) << "smoothing changed nothing";
+      (loss * 0.5).backward();
+      (loss_ref * 0.5).backward();
+      expect_close(hidden.grad(), h_ref.grad().to(at::kFloat), 1e-5, "grad hidden");
+      expect_close(weight.grad(), w_ref.grad().to(at::kFloat), 1e-5, "grad weight");
+      EXPECT_EQ(hidden.grad().index_select(0, at::arange(0, n, 5)).abs().max().item<float>(), 0.0f);
+    }
+  }
+}
+
 // Two vocabulary rows with the same embedding tie in every row's logits: the prediction is
 // the first of them (ATen's argmax), so a target on the second never counts as correct.
 TEST_P(LinearCrossEntropyKernels, TiedMaximaCountTheFirstIndex) {
@@ -183,6 +215,34 @@ TEST(LinearCrossEntropy, Bf16ProductsAreThoseOfAutocast) {
     expect_close(weight.grad(), dw_exact, 2e-3, "grad weight");
     expect_close(w_ref.grad(), dw_exact, 1e-2, "the reference's grad weight");
   }
+}
+
+// Smoothing in a bf16 run: the logits as bf16 products taken to fp32, then ATen's smoothed
+// loss on them; d logits = softmax - (1 - e) onehot - e / V rounded to bf16 for the products.
+TEST(LinearCrossEntropy, Bf16LabelSmoothingIsAtensOnTheBf16Logits) {
+  torch::manual_seed(22);
+  const int64_t n = 21, c = 16, v = 157;
+  const double eps = 0.2;
+  const auto bf16_values = [](at::Tensor t) { return t.to(at::kBFloat16).to(at::kFloat); };
+  at::Tensor hidden = bf16_values(at::randn({n, c})).requires_grad_(true);
+  at::Tensor weight = bf16_values(at::randn({v, c}).div_(2)).requires_grad_(true);
+  at::Tensor targets = at::randint(v, {n}, at::kLong);
+  targets.index_put_({at::arange(0, n, 4)}, -100);
+  at::Tensor loss = linear_cross_entropy_sum(hidden, weight, targets, 5, nullptr, at::kBFloat16, eps);
+  at::Tensor h_ref = hidden.detach().clone().requires_grad_(true);
+  at::Tensor w_ref = weight.detach().clone().requires_grad_(true);
+  at::Tensor logits = at::mm(h_ref.to(at::kBFloat16), w_ref.to(at::kBFloat16).t()).to(at::kFloat);
+  at::Tensor loss_ref = at::cross_entropy_loss(logits, targets, {}, at::Reduction::Sum, -100, eps);
+  expect_close(loss, loss_ref, 1e-6, "loss");
+  loss.backward();
+  loss_ref.backward();
+  expect_close(hidden.grad(), h_ref.grad(), 1e-2, "grad hidden");
+  at::Tensor d_logits = at::softmax(logits.detach(), 1).sub_(eps / v);
+  d_logits.scatter_add_(1, targets.clamp_min(0).unsqueeze(1), -(1 - eps) * at::ones({n, 1}));
+  d_logits.index_put_({targets == -100}, 0);
+  const at::Tensor dw_exact =
+      at::mm(bf16_values(d_logits).to(at::kDouble).t(), hidden.detach().to(at::kDouble)).to(at::kFloat);
+  expect_close(weight.grad(), dw_exact, 2e-3, "grad weight");
 }
 
 // The bf16 path on CUDA (dW through cuBLAS with an fp32 result) against the CPU's (dW as the

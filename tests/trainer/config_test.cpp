@@ -677,6 +677,14 @@ TEST(ConfigErrors, SchedulerKwargsAreTheScheduleFunctionsOwn) {
                  "training.lr_scheduler_kwargs.num_cycles", "0", "must be a number > 0");
 }
 
+TEST(ConfigErrors, LabelSmoothingFactorIsInZeroToOne) {
+  EXPECT_EQ(parse("training: {label_smoothing_factor: 0.1}").training.label_smoothing_factor, 0.1);
+  expect_invalid("training: {label_smoothing_factor: 1}", "label_smoothing_factor", "1",
+                 "training.label_smoothing_factor", "1", "must be in [0, 1)");
+  expect_invalid("training: {label_smoothing_factor: -0.1}", "label_smoothing_factor", "-0.1",
+                 "training.label_smoothing_factor", "-0.1", "must be in [0, 1)");
+}
+
 TEST(ConfigErrors, UnknownComputeDtype) {
   const std::string yaml = "model:\n  quantization_config:\n    bnb_4bit_compute_dtype: float8\n";
   expect_invalid(yaml, "bnb_4bit_compute_dtype", "float8", "model.quantization_config.bnb_4bit_compute_dtype",
@@ -989,6 +997,7 @@ Config every_field_changed() {
   t.lr_scheduler_type = "cosine";
   t.lr_scheduler_kwargs = {{"num_cycles", 0.75}};
   t.gradient_checkpointing_kwargs.use_reentrant = true;
+  t.label_smoothing_factor = 0.1;
   t.logging_first_step = true;
   t.warmup_steps = 10;  // (warmup_ratio: every_field_changed_b, as the two may not be set together)
   t.weight_decay = 0.01;
@@ -1113,7 +1122,7 @@ TEST(ConfigRoundTrip, EveryFieldChangedIsComplete) {
   auto defaults = leaves(to_yaml(Config()));
   auto a = leaves(to_yaml(every_field_changed()));
   auto b = leaves(to_yaml(every_field_changed_b()));
-  EXPECT_EQ(defaults.size(), 114u);  // the leaves config.h declares: a new key belongs in every_field_changed()
+  EXPECT_EQ(defaults.size(), 115u);  // the leaves config.h declares: a new key belongs in every_field_changed()
   for (const auto& [path, value] : defaults) {
     if (kSingleValued.count(path)) continue;
     EXPECT_TRUE(a.at(path) != value || b.at(path) != value) << path << " is never changed from " << value;

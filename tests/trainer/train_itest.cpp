@@ -477,6 +477,34 @@ TEST(Train, IntervalStrategiesLogSaveAndEvaluateAsTransformers) {
   EXPECT_EQ(checkpoints(quiet.dir), (std::vector<std::string>{"step-9"}));  // save_strategy steps: the end
 }
 
+// training.label_smoothing_factor reaches the training loss and the eval loss (as
+// transformers' eval_loss), not the eval perplexity (that of the cross-entropy). The values
+// themselves: cross_entropy_test (against ATen's) and the interop group train (against
+// transformers' LabelSmoother).
+TEST(Train, LabelSmoothingIsInTheTrainingAndEvalLossNotThePerplexity) {
+  const fs::path d = temp_dir();
+  const std::string eval = " training.max_steps=3 data.eval_file=" +
+                           (source_dir() / "examples/data/tasks_eval.jsonl").string();
+  TrainRun plain = train(d / "plain", eval);
+  TrainRun smooth = train(d / "smooth", eval + " training.label_smoothing_factor=0.2");
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  ASSERT_EQ(smooth.exit_code, 0) << smooth.output;
+  auto before = [](const fs::path& out) {
+    for (const auto& m : metrics(out))
+      if (m.contains("when") && m["when"] == "before training") return m;
+    return json();
+  };
+  const json a = before(plain.dir), b = before(smooth.dir);
+  ASSERT_TRUE(a.contains("eval_loss") && b.contains("eval_loss"));
+  EXPECT_NEAR(a["eval_perplexity"].get<double>(), std::exp(a["eval_loss"].get<double>()), 1e-9 * a["eval_perplexity"].get<double>());
+  EXPECT_NEAR(b["eval_perplexity"].get<double>(), a["eval_perplexity"].get<double>(), 1e-6 * a["eval_perplexity"].get<double>());
+  EXPECT_GT(std::abs(b["eval_loss"].get<double>() - a["eval_loss"].get<double>()), 1e-4);
+  const auto la = step_losses(plain.dir), lb = step_losses(smooth.dir);
+  ASSERT_EQ(la.size(), 3u);
+  ASSERT_EQ(lb.size(), 3u);
+  EXPECT_GT(std::abs(la[0] - lb[0]), 1e-4);  // the first step's loss, before any update, is smoothed
+}
+
 // A run started afresh in a directory holding another run's checkpoints, or resumed from an
 // earlier checkpoint than the newest, would write its checkpoints among the other run's:
 // save_total_limit, pruning by step number, would delete its own, and `latest` continue the
