@@ -32,6 +32,10 @@ struct Batch {
   int64_t target_tokens = 0;  // number of targets != kIgnoreIndex
   std::vector<int64_t> row_lengths;  // per row: tokens before padding
   std::vector<uint64_t> row_keys;    // per row: dropout key (runtime/keyed_dropout.h); empty: unkeyed
+  // per row: the length NEFTune's noise is scaled by, the padded length of the micro-batch
+  // the run is configured with that the row belongs to (transformers' output.size(1)), so a
+  // smaller micro-batch after an out-of-memory error draws the same noise; empty: length().
+  std::vector<int64_t> noise_lengths;
   int64_t rows() const { return input_ids.defined() ? input_ids.size(0) : 0; }
   int64_t length() const { return input_ids.defined() ? input_ids.size(1) : 0; }
 };

@@ -1,5 +1,6 @@
 #include "models/causal_lm.h"
 
+#include <cmath>
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -363,7 +364,21 @@ ForwardOutput CausalLM::forward(const data::Batch& batch, const ForwardOptions& 
   const data::Batch& first = batch_on(placement_.embeddings);
   at::Tensor x = [&] {
     MEMTUNE_PROFILE_SCOPE("memtune::embed");
-    return embed(first.input_ids, first.position_ids);  // (B,T,C)
+    at::Tensor e = embed(first.input_ids, first.position_ids);  // (B,T,C)
+    if (options.training && options.neftune_noise_alpha > 0) {
+      // transformers' neftune_post_forward_hook: alpha / sqrt(T C), computed as its float32
+      // tensors compute it, on the input embeddings (GPT-2's position embeddings are added
+      // to them first here: the same sum, its rounding aside).
+      const int64_t C = e.size(2);
+      std::vector<double> bounds(static_cast<size_t>(e.size(0)));
+      for (int64_t b = 0; b < e.size(0); ++b) {
+        const int64_t T = batch.noise_lengths.empty() ? e.size(1) : batch.noise_lengths[static_cast<size_t>(b)];
+        bounds[static_cast<size_t>(b)] =
+            static_cast<float>(options.neftune_noise_alpha) / std::sqrt(static_cast<float>(T * C));
+      }
+      e = e + keyed_uniform_noise(e, bounds, dropout_site("neftune"));
+    }
+    return e;
   }();
   for (int i = 0; i < spec_.num_layers; ++i) {
     const c10::Device device = layer_device(i);

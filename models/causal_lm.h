@@ -81,6 +81,9 @@ struct ForwardOptions {
   bool last_logits_only = false;
   int64_t loss_chunk_rows = 0;  // 0: by vocabulary size, models/layers/cross_entropy.h loss_chunk_rows()
   double label_smoothing = 0;   // the loss's (models/layers/cross_entropy.h): transformers' label_smoothing_factor
+  // NEFTune (transformers' neftune_noise_alpha): in training, the embeddings plus uniform
+  // noise in +-alpha / sqrt(T C), T the row's batch.noise_lengths (else the batch's length).
+  double neftune_noise_alpha = 0;
   // Applied to the head's (V,C) weight before the loss (and the logits) use it; it returns the
   // same values. The caller's hold on the head's gradient as the loss's backward produces it,
   // before autograd sums it with the embedding's when the two are tied. Unset: the weight.

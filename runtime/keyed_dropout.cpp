@@ -210,6 +210,28 @@ at::Tensor keyed_dropout(const at::Tensor& x, double p, uint64_t site) {
   return x.masked_fill(keep.logical_not().view(x.sizes()), 0).mul_(1.0 / keep_p);
 }
 
+at::Tensor keyed_uniform_noise(const at::Tensor& x, const std::vector<double>& bounds, uint64_t site) {
+  MEMTUNE_INTERNAL_ASSERT(x.dim() == 3 && static_cast<int64_t>(bounds.size()) == x.size(0),
+                          "keyed_uniform_noise: x (B,T,C) and a bound per row");
+  const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
+  const DropoutKeys& k = current_dropout_keys();
+  if (k.empty()) {
+    at::Tensor noise = at::empty_like(x);
+    for (int64_t b = 0; b < B; ++b) noise[b].uniform_(-bounds[b], bounds[b]);
+    return noise;
+  }
+  MEMTUNE_INTERNAL_ASSERT(static_cast<int64_t>(k.keys.size()) == B, "keyed_uniform_noise: ", k.keys.size(),
+                          " keys for ", B, " rows");
+  at::Tensor noise = at::zeros({B, T, C}, x.options().dtype(at::kFloat).device(at::kCPU));
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t len = std::min(k.lengths[b], T);
+    if (len <= 0) continue;
+    at::Generator gen = at::detail::createCPUGenerator(row_seed(k, b, site));
+    noise[b].narrow(0, 0, len).uniform_(-bounds[b], bounds[b], gen);
+  }
+  return noise.to(x.device(), x.scalar_type());
+}
+
 uint32_t dropout_keep_threshold(double p) {
   const double keep = std::ldexp(1.0 - p, 32);
   return keep >= 4294967295.0 ? 0xFFFFFFFFu : static_cast<uint32_t>(std::llround(keep));

@@ -54,6 +54,12 @@ uint64_t dropout_site(const std::string& name);
 // that backward runs again on the gradient, so no mask is kept. Elsewhere (GPUs, fp16/bf16):
 // a generator seeded per row, and the boolean mask kept for backward as at::dropout keeps it.
 at::Tensor keyed_dropout(const at::Tensor& x, double p, uint64_t site);
+// NEFTune's noise for x (B, T, C), keyed as dropout is: row b uniform in [-bounds[b],
+// bounds[b]) over its first lengths[b] positions (zero on padding), drawn in fp32 from a CPU
+// generator seeded by (keys[b], site) and returned in x's dtype on x's device, so the same
+// sample gets the same noise in any micro-batch, retry or device. Without keys in scope,
+// every position of row b from the default generator (as transformers draws it).
+at::Tensor keyed_uniform_noise(const at::Tensor& x, const std::vector<double>& bounds, uint64_t site);
 // Whether keyed_dropout of x keeps a boolean mask for backward (one byte per element).
 bool keyed_dropout_keeps_mask(const at::Tensor& x);
 // Tests: the portable kernel instead of the AVX2 one.

@@ -242,6 +242,11 @@ void TrainingConfig::fields(F&& f) {
     "(the eval perplexity stays that of the cross-entropy). Normalized over the step's target tokens, as memtune's "
     "loss always is; transformers' smoother averages each micro-batch on its own, so with gradient accumulation "
     "over micro-batches of different token counts its step weighs tokens differently");
+  f("neftune_noise_alpha", neftune_noise_alpha,
+    "NEFTune (transformers'): in training, uniform noise in +-alpha / sqrt(T x hidden) added to the input "
+    "embeddings, T the padded length of the row's micro-batch as configured; each sample's noise is drawn from its "
+    "own key, so a smaller micro-batch after an out-of-memory error adds the same. 0: none (transformers' null); "
+    "the paper uses 5");
   f("logging_steps", logging_steps, "log metrics every this many steps, or in (0, 1) that share of the steps");
   f("logging_first_step", logging_first_step, "also a metrics row at the first step (HF's)");
   f("logging_strategy", logging_strategy,
@@ -792,6 +797,8 @@ void validate(const TrainingConfig& t, const std::string& p, const Checker& c) {
   c.check(t.eval_strategy == "" || t.eval_strategy == "steps" || t.eval_steps == 0, p + ".eval_steps", t.eval_steps,
           "eval_strategy is " + t.eval_strategy + ", which does not read eval_steps; drop one of them");
   c.check(t.eval_accuracy_rows >= 0, p + ".eval_accuracy_rows", t.eval_accuracy_rows, "must be >= 0");
+  c.check(std::isfinite(t.neftune_noise_alpha) && t.neftune_noise_alpha >= 0, p + ".neftune_noise_alpha",
+          t.neftune_noise_alpha, "must be >= 0 (0: none)");
   c.check(t.label_smoothing_factor >= 0 && t.label_smoothing_factor < 1, p + ".label_smoothing_factor",
           t.label_smoothing_factor, "must be in [0, 1) (0: none)");
   c.check(t.fp16_init_scale > 0, p + ".fp16_init_scale", t.fp16_init_scale, "must be > 0");

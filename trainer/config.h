@@ -135,6 +135,7 @@ struct TrainingConfig {
   double momentum = 0;                        // sgd only
   double max_grad_norm = 1.0;                 // <= 0: no clipping
   double label_smoothing_factor = 0;          // transformers' LabelSmoother's epsilon, in [0, 1)
+  double neftune_noise_alpha = 0;             // NEFTune's alpha; 0: none
   double logging_steps = 1;
   bool logging_first_step = false;            // also a metrics row at step 1 (HF's)
   std::string logging_strategy = "steps";     // steps (logging_steps) | epoch | no (HF's IntervalStrategy)

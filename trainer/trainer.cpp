@@ -874,6 +874,19 @@ StepRecord Trainer::step() {
     r.tokens += samples.back().target_tokens();
     dropout_keys.push_back(dropout_row_key(c_.training.seed, step_, i));
   }
+  // NEFTune's T for each sample: the padded length of the micro-batch the run is configured
+  // with (transformers' batch), whatever micro-batch the supervisor runs it in.
+  std::vector<int64_t> noise_lengths;
+  if (c_.training.neftune_noise_alpha > 0) {
+    noise_lengths.resize(samples.size());
+    for (size_t g = 0; g < samples.size(); g += static_cast<size_t>(micro_batch_)) {
+      const size_t end = std::min(samples.size(), g + static_cast<size_t>(micro_batch_));
+      size_t longest = 0;
+      for (size_t i = g; i < end; ++i) longest = std::max(longest, samples[i].input_ids.size());
+      std::fill(noise_lengths.begin() + static_cast<std::ptrdiff_t>(g),
+                noise_lengths.begin() + static_cast<std::ptrdiff_t>(end), static_cast<int64_t>(longest));
+    }
+  }
   r.epoch = sampler_->epoch();
   r.samples = static_cast<int64_t>(samples.size());
   // distributed: every micro-batch's loss is scaled by the target tokens of the GLOBAL step.
@@ -906,6 +919,7 @@ StepRecord Trainer::step() {
     models::ForwardOptions fo;
     fo.training = true;
     fo.label_smoothing = c_.training.label_smoothing_factor;
+    fo.neftune_noise_alpha = c_.training.neftune_noise_alpha;
     fo.checkpoint_layers = ckpt_layers_;
     fo.offload_activations = offload_activations_;
     // A tied head's gradient goes to the host as the loss's backward makes it, rather than
@@ -921,6 +935,9 @@ StepRecord Trainer::step() {
       for (int64_t len : batch.row_lengths) r.padding += batch.length() - len;
       batch.row_keys.assign(dropout_keys.begin() + static_cast<std::ptrdiff_t>(i),
                             dropout_keys.begin() + static_cast<std::ptrdiff_t>(i + part.size()));
+      if (!noise_lengths.empty())
+        batch.noise_lengths.assign(noise_lengths.begin() + static_cast<std::ptrdiff_t>(i),
+                                   noise_lengths.begin() + static_cast<std::ptrdiff_t>(i + part.size()));
       mem_->reset_peak();
       injector_->at(step_, "forward");
       models::ForwardOutput out = bundle_.model->forward(batch, fo);

@@ -1,5 +1,7 @@
 // Keyed dropout (runtime/keyed_dropout.h): a row's mask follows its key and its own length,
 // not the batch around it; the kept share, the scaling and the gradient are dropout's.
+#include <cmath>
+
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -95,4 +97,33 @@ TEST(KeyedDropout, WithoutKeysItIsPlainDropoutAndScopesNest) {
 }
 
 }  // namespace
+// NEFTune's noise (keyed_uniform_noise): a row's noise follows its key and length, not the
+// batch; it lies in [-bound, bound) with a uniform's mean 0 and variance bound^2 / 3, and
+// padding gets none; a bf16 input gets the fp32 draw rounded.
+TEST(KeyedUniformNoise, ARowsNoiseIsTheSameInAnyBatchUniformInItsBoundAndNoneOnPadding) {
+  auto noise = [](const std::vector<uint64_t>& keys, const std::vector<int64_t>& lengths, int64_t T,
+                  const std::vector<double>& bounds, at::ScalarType dtype = at::kFloat) {
+    DropoutKeysScope scope(DropoutKeys{keys, lengths});
+    return keyed_uniform_noise(at::zeros({static_cast<int64_t>(keys.size()), T, 64}, dtype), bounds,
+                               dropout_site("neftune"));
+  };
+  const at::Tensor alone = noise({42}, {100}, 104, {0.5});
+  const at::Tensor among = noise({7, 42}, {30, 100}, 128, {0.25, 0.5});
+  EXPECT_TRUE(at::equal(alone[0].narrow(0, 0, 100), among[1].narrow(0, 0, 100)));
+  EXPECT_EQ(alone[0].narrow(0, 100, 4).abs().sum().item<double>(), 0.0);
+  EXPECT_EQ(among[0].narrow(0, 30, 98).abs().sum().item<double>(), 0.0);
+  const at::Tensor row = alone[0].narrow(0, 0, 100).to(at::kDouble);  // 6400 draws
+  EXPECT_LT(row.max().item<double>(), 0.5);
+  EXPECT_GE(row.min().item<double>(), -0.5);
+  EXPECT_GT(row.max().item<double>(), 0.49);
+  EXPECT_LT(row.min().item<double>(), -0.49);
+  EXPECT_NEAR(row.mean().item<double>(), 0.0, 4 * 0.5 / std::sqrt(3.0 * 6400));  // 4 standard errors
+  EXPECT_NEAR(row.var().item<double>(), 0.25 / 3, 0.05 * 0.25 / 3);
+  EXPECT_LE(among[0].abs().max().item<double>(), 0.25);  // each row its own bound
+  EXPECT_FALSE(at::equal(noise({43}, {100}, 104, {0.5}), alone));
+  const at::Tensor bf16 = noise({42}, {100}, 104, {0.5}, at::kBFloat16);
+  EXPECT_EQ(bf16.scalar_type(), at::kBFloat16);
+  EXPECT_TRUE(at::equal(bf16, alone.to(at::kBFloat16)));
+}
+
 }  // namespace memtune

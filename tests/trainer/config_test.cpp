@@ -677,6 +677,12 @@ TEST(ConfigErrors, SchedulerKwargsAreTheScheduleFunctionsOwn) {
                  "training.lr_scheduler_kwargs.num_cycles", "0", "must be a number > 0");
 }
 
+TEST(ConfigErrors, NeftuneNoiseAlphaIsNotNegative) {
+  EXPECT_EQ(parse("training: {neftune_noise_alpha: 5}").training.neftune_noise_alpha, 5);
+  expect_invalid("training: {neftune_noise_alpha: -1}", "neftune_noise_alpha", "-1", "training.neftune_noise_alpha",
+                 "-1", "must be >= 0");
+}
+
 TEST(ConfigErrors, LabelSmoothingFactorIsInZeroToOne) {
   EXPECT_EQ(parse("training: {label_smoothing_factor: 0.1}").training.label_smoothing_factor, 0.1);
   expect_invalid("training: {label_smoothing_factor: 1}", "label_smoothing_factor", "1",
@@ -998,6 +1004,7 @@ Config every_field_changed() {
   t.lr_scheduler_kwargs = {{"num_cycles", 0.75}};
   t.gradient_checkpointing_kwargs.use_reentrant = true;
   t.label_smoothing_factor = 0.1;
+  t.neftune_noise_alpha = 5;
   t.logging_first_step = true;
   t.warmup_steps = 10;  // (warmup_ratio: every_field_changed_b, as the two may not be set together)
   t.weight_decay = 0.01;
@@ -1122,7 +1129,7 @@ TEST(ConfigRoundTrip, EveryFieldChangedIsComplete) {
   auto defaults = leaves(to_yaml(Config()));
   auto a = leaves(to_yaml(every_field_changed()));
   auto b = leaves(to_yaml(every_field_changed_b()));
-  EXPECT_EQ(defaults.size(), 115u);  // the leaves config.h declares: a new key belongs in every_field_changed()
+  EXPECT_EQ(defaults.size(), 116u);  // the leaves config.h declares: a new key belongs in every_field_changed()
   for (const auto& [path, value] : defaults) {
     if (kSingleValued.count(path)) continue;
     EXPECT_TRUE(a.at(path) != value || b.at(path) != value) << path << " is never changed from " << value;

@@ -196,6 +196,49 @@ TEST(Supervisor, WithDropoutTheSplitDoesNotChangeTheMath) {
             3e-5);
 }
 
+// NEFTune (training.neftune_noise_alpha) draws each sample's noise from its key, scaled by
+// the length of its micro-batch as configured: a retry at a smaller micro-batch and a
+// checkpointed run equal the configured run; the noise is on (the run without differs),
+// and evaluation has none (its loss before training is the plain run's).
+TEST(Supervisor, WithNeftuneTheSplitDoesNotChangeTheMath) {
+  fs::path d = temp_dir();
+  // Unpacked rows of very different lengths: a micro-batch of 2 pads to another length than
+  // the configured 4 around it.
+  std::string text;
+  for (int i = 0; i < 24; ++i) {
+    std::string t = "sample";
+    for (int w = 0; w < (i * 11) % 40; ++w) t += " w" + std::to_string(w);
+    text += json{{"text", t}}.dump() + "\n";
+  }
+  write_file(d / "mixed.jsonl", text);
+  const std::string eval = "data.format=text data.max_seq_length=256 data.pack_sequences=false data.train_file=" +
+                           (d / "mixed.jsonl").string() + " data.eval_file=" + (d / "mixed.jsonl").string() + " ";
+  const std::string neftune = eval + "training.neftune_noise_alpha=5 training.max_steps=4 ";
+  TrainRun as_configured = train(d / "configured", neftune);
+  ASSERT_EQ(as_configured.exit_code, 0) << as_configured.output;
+  TrainRun oom = train(d / "oom", neftune + "memory.inject_oom=0:backward memory.grow_after_steps=1000");
+  ASSERT_EQ(oom.exit_code, 0) << oom.output;
+  EXPECT_EQ(rows(oom.out).front()["micro_batch"], 2);
+  expect_same_run(oom.out, as_configured.out, 1e-5, 5e-5);
+  TrainRun ckpt = train(d / "ckpt", neftune + "training.gradient_checkpointing=true");
+  ASSERT_EQ(ckpt.exit_code, 0) << ckpt.output;
+  expect_same_run(ckpt.out, as_configured.out, 1e-6);
+  TrainRun none = train(d / "none", eval + "training.max_steps=4");
+  ASSERT_EQ(none.exit_code, 0) << none.output;
+  auto first_loss = [](const fs::path& out) {
+    for (const auto& r : rows(out))
+      if (r.contains("loss")) return r["loss"].get<double>();
+    return 0.0;
+  };
+  EXPECT_GT(std::abs(first_loss(none.out) - first_loss(as_configured.out)), 1e-4);
+  auto eval_before = [](const fs::path& out) {
+    for (const auto& r : read_jsonl(out / "metrics.jsonl"))
+      if (r.contains("when") && r["when"] == "before training") return r["eval_loss"].get<double>();
+    return -1.0;
+  };
+  EXPECT_EQ(eval_before(none.out), eval_before(as_configured.out));
+}
+
 // GPT-2's own dropout, as transformers applies it in training (embd_pdrop on the embeddings,
 // attn_pdrop on the attention probabilities, resid_pdrop on each sublayer's output), follows
 // each sample as LoRA's does: a retry at a smaller micro-batch and a checkpointed run equal
