@@ -84,6 +84,24 @@ copy("bpe_tokenizer", "examples/tiny-tokenizer/tokenizer.json")
 # config: every YAML config in the project.
 for pattern in ("configs/*.yaml", "tests/trainer/fixtures/*.yaml", "examples/custom_model/*.yaml"):
     copy("config", pattern)
+# TrainingArguments' scheduling, sampling and loss keys, and a held-out split.
+put("config", "trainer-keys.yaml", """training:
+  lr_scheduler_type: cosine_with_min_lr
+  lr_scheduler_kwargs: {min_lr_rate: 0.1, num_cycles: 0.5}
+  logging_strategy: epoch
+  logging_first_step: true
+  save_strategy: epoch
+  eval_strategy: epoch
+  group_by_length: true
+  train_sampling_strategy: group_by_length
+  label_smoothing_factor: 0.1
+  neftune_noise_alpha: 5
+  gradient_checkpointing: true
+  gradient_checkpointing_kwargs: {use_reentrant: false}
+data:
+  train_file: train.jsonl
+  eval_split: 0.05
+""")
 
 # dataset: the first byte picks format and options (fuzz/dataset_fuzz.cpp): 0 text,
 # 1 instruction, 2-4 chat (llama-3, chatml, alpaca), 5 and 7 auto, 6 plain.
