@@ -70,6 +70,12 @@ const Field kDtype = dtype_field();
 const Field kSharding = sharding_field();
 const Field kCheckpointRef = checkpoint_ref_field();
 
+Field kwargs_field() {
+  Field f;
+  f.type = "map of argument name to number";
+  return f;
+}
+
 }  // namespace
 
 // ---- The one declaration of every key: YAML name, member, help. ----
@@ -217,7 +223,8 @@ void TrainingConfig::fields(F&& f) {
     "the schedule function's own arguments (transformers'): cosine num_cycles (0.5); cosine_with_restarts "
     "num_cycles (1); polynomial lr_end (1e-7), power (1.0); inverse_sqrt timescale (warmup_steps, or 10000); "
     "cosine_with_min_lr min_lr or min_lr_rate (one of them), num_cycles; cosine_warmup_with_min_lr those and "
-    "warmup_lr_rate. A key the schedule does not take is refused (transformers raises a TypeError)");
+    "warmup_lr_rate. A key the schedule does not take is refused (transformers raises a TypeError)",
+    kwargs_field());
   f("warmup_ratio", warmup_ratio,
     "share of the steps spent warming up, in [0, 1] (transformers 5 deprecates it: warmup_steps below 1)");
   f("warmup_steps", warmup_steps,
@@ -429,7 +436,8 @@ namespace reflect {
 std::string type_name(const SizeSpec&, const Field&) { return "size"; }
 std::string type_name(const std::map<std::string, SizeSpec>&, const Field&) { return "map of device to size"; }
 template <class V>
-std::string type_name(const std::vector<std::pair<std::string, V>>&, const Field&) {
+std::string type_name(const std::vector<std::pair<std::string, V>>&, const Field& f) {
+  if (f.type) return f.type;
   return std::is_integral_v<V> ? "map of module pattern to rank" : "map of module pattern to number";
 }
 std::string type_name(const CheckpointingConfig&, const Field&) { return "bool or {policy, n, layers}"; }
