@@ -392,9 +392,11 @@ std::vector<int64_t> held_out_documents(int64_t n, const HoldOut& h, const std::
   MEMTUNE_CHECK(std::isfinite(h.split) && h.split > 0 && (h.split < 1 || h.split == std::floor(h.split)),
                 "data.eval_split: ", h.split, "; expected a share in (0, 1) or a whole number of documents");
   // train_test_split's count: ceil of the product, in doubles (0.07 of 100 documents is 8).
-  const auto count = static_cast<int64_t>(h.split < 1 ? std::ceil(h.split * static_cast<double>(n)) : h.split);
-  MEMTUNE_CHECK(count < n, "data.eval_split ", h.split, " holds out ", count, " of the ", n, " documents of ", what,
+  const double wanted = h.split < 1 ? std::ceil(h.split * static_cast<double>(n)) : h.split;
+  MEMTUNE_CHECK(wanted < static_cast<double>(n), "data.eval_split ", h.split, " holds out ", wanted, " of the ", n,
+                " documents of ", what,
                 ", leaving none to train on. Hint: hold out fewer, or name a separate file in data.eval_file");
+  const auto count = static_cast<int64_t>(wanted);
   std::vector<int64_t> held;
   if (h.shuffle) {
     const std::vector<int64_t> order = Sampler::permutation(n, h.seed, -1);

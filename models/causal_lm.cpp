@@ -366,9 +366,10 @@ ForwardOutput CausalLM::forward(const data::Batch& batch, const ForwardOptions& 
     MEMTUNE_PROFILE_SCOPE("memtune::embed");
     at::Tensor e = embed(first.input_ids, first.position_ids);  // (B,T,C)
     if (options.training && options.neftune_noise_alpha > 0) {
-      // transformers' neftune_post_forward_hook: alpha / sqrt(T C), computed as its float32
-      // tensors compute it, on the input embeddings (GPT-2's position embeddings are added
-      // to them first here: the same sum, its rounding aside).
+      // transformers' neftune_post_forward_hook: alpha / sqrt(T C) in float32 (torch may
+      // divide as a reciprocal times alpha: a last-bit difference in the bound), on the input
+      // embeddings (GPT-2's position embeddings are added to them first here: the same sum,
+      // its rounding aside).
       const int64_t C = e.size(2);
       std::vector<double> bounds(static_cast<size_t>(e.size(0)));
       for (int64_t b = 0; b < e.size(0); ++b) {

@@ -311,7 +311,9 @@ void DataConfig::fields(F&& f) {
   f("eval_split", eval_split,
     "documents (records) of train_file held out for evaluation, as datasets' train_test_split(test_size): in (0, "
     "1) ceil(share x documents) of them, a whole number >= 1 that many; drawn by training.seed (without "
-    "data.shuffle, the file's last ones), the rest trains. 0: none. Not with data.eval_file");
+    "data.shuffle, the file's last ones), the rest trains. 0: none. Not with data.eval_file. The documents are "
+    "those that make tokens (records skipped as invalid or tokenizing to nothing do not count, where datasets "
+    "counts every row), and in a token file those its eos separators end");
   f("format", format, "what a sample is; auto: from the file", {"auto", "text", "instruction", "chat", "tokens", "plain"});
   f("template_name", template_name, "chat/instruction template", {"llama-3", "chatml", "alpaca"});
   f("chat_template", chat_template, "a template string; overrides template_name");
@@ -807,6 +809,11 @@ void validate(const TrainingConfig& t, const std::string& p, const Checker& c) {
   c.check(t.eval_accuracy_rows >= 0, p + ".eval_accuracy_rows", t.eval_accuracy_rows, "must be >= 0");
   c.check(std::isfinite(t.neftune_noise_alpha) && t.neftune_noise_alpha >= 0, p + ".neftune_noise_alpha",
           t.neftune_noise_alpha, "must be >= 0 (0: none)");
+  c.check(t.neftune_noise_alpha == 0 || t.per_device_train_batch_size != TrainingConfig::kAuto,
+          p + ".neftune_noise_alpha", t.neftune_noise_alpha,
+          "NEFTune's noise is scaled by the padded length of each micro-batch, and per_device_train_batch_size: "
+          "auto picks the micro-batch from the memory budget, so the noise would depend on the machine; set "
+          "per_device_train_batch_size to a number");
   c.check(t.label_smoothing_factor >= 0 && t.label_smoothing_factor < 1, p + ".label_smoothing_factor",
           t.label_smoothing_factor, "must be in [0, 1) (0: none)");
   c.check(t.fp16_init_scale > 0, p + ".fp16_init_scale", t.fp16_init_scale, "must be > 0");

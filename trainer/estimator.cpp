@@ -261,9 +261,9 @@ class Planner {
     // dtype, kept for backward (and dW (V,C) fp32 when the head is trained).
     // In fp32 products: the chunk's fp32 logits (softmaxed in place) and a chunk of gathered
     // head rows. In bf16 products on CUDA: the bf16 logits alone, overwritten by d logits (one
-    // kernel, models/layers/cuda/cross_entropy_cuda_kernels.h); elsewhere beside their fp32
-    // copy, then that beside the bf16 d logits (6 bytes per logit at the peak), and the chunk's
-    // hidden also in fp32 where dW is summed on the CPU.
+    // kernel, models/layers/cuda/cross_entropy_cuda_kernels.h, which label smoothing does not
+    // take); elsewhere beside their fp32 copy, then that beside the bf16 d logits (6 bytes per
+    // logit at the peak), and the chunk's hidden also in fp32 where dW is summed on the CPU.
     const int64_t N = m_.max_sample_targets > 0 ? std::min(E, m_.micro_batch * m_.max_sample_targets) : E;
     const int64_t chunk = std::min(N, m_.loss_chunk_rows > 0 ? m_.loss_chunk_rows : models::loss_chunk_rows(V));
     const int64_t mm = m_.loss_bf16 ? kBf16 : kF32;  // the products' dtype
@@ -273,7 +273,7 @@ class Planner {
     const int64_t rows = N * C * act_, d_rows = N * C * mm, head_copy = cast ? V * C * mm : 0;
     const int64_t h_chunk = (cast ? chunk * C * mm : 0) + (m_.loss_bf16 && head_trained_ && !m_.cuda_kernels ? chunk * C * kF32 : 0);
     const int64_t logits = !m_.loss_bf16    ? chunk * V * kF32 + chunk * C * kF32
-                           : m_.cuda_kernels ? chunk * V * kBf16
+                           : m_.cuda_kernels && !m_.label_smoothing ? chunk * V * kBf16
                                              : chunk * V * (kBf16 + kF32);
     const int64_t dh = E * C * act_;
     const int64_t loss_chunk = hidden + rows + d_rows + head_copy + logits + h_chunk + head_grad;

@@ -276,6 +276,15 @@ void check_resume_compatible(const Config& now, const Config& then_written, cons
                   " cannot continue under it (start a new training.output_dir, or restore the key)");
   }
   if (world_then <= 0) world_then = world_now;  // older checkpoints: assumed the same
+  // NEFTune scales each sample's noise by the padded length of its micro-batch: the same
+  // samples must share micro-batches on the same ranks.
+  if (now.training.neftune_noise_alpha > 0)
+    MEMTUNE_CHECK(now.training.per_device_train_batch_size == then.training.per_device_train_batch_size &&
+                      world_now == world_then,
+                  "resume_from_checkpoint: training.neftune_noise_alpha scales each sample's noise by the padded "
+                  "length of its micro-batch, and this run splits the steps otherwise (per_device_train_batch_size ",
+                  then.training.per_device_train_batch_size, " on ", world_then, " ranks then, ",
+                  now.training.per_device_train_batch_size, " on ", world_now, " now); resume with the same split");
   const int64_t per_rank_now = now.training.per_device_train_batch_size * now.training.gradient_accumulation_steps;
   const int64_t per_rank_then = then.training.per_device_train_batch_size * then.training.gradient_accumulation_steps;
   if (world_now == world_then) {

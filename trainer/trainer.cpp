@@ -436,7 +436,13 @@ void Trainer::load_data() {
                 : t.save_strategy == "epoch" ? steps_per_epoch_
                                              : steps_of(t.save_steps, total_steps_);
   eval_every_ = t.eval_strategy == "epoch" ? steps_per_epoch_ : steps_of(t.eval_steps, total_steps_);
-  if (t.eval_strategy == "steps" && eval_every_ == 0) eval_every_ = logging;  // transformers' default eval_steps
+  if (t.eval_strategy == "steps" && eval_every_ == 0) {
+    eval_every_ = logging;  // transformers' default eval_steps
+    if (logging == 1 && total_steps_ > 1)
+      spdlog::warn("training.eval_strategy: steps without eval_steps evaluates every logging_steps, as transformers "
+                   "does: every step here (memtune's logging_steps defaults to 1, transformers' to 500). Hint: set "
+                   "eval_steps");
+  }
 }
 
 void Trainer::build_update() {
@@ -1031,7 +1037,11 @@ StepRecord Trainer::step() {
 void Trainer::log_step(const StepRecord& r) {
   const bool due = (log_every_ > 0 && (r.step % log_every_ == 0 || r.step == total_steps_)) ||
                    (r.step == 1 && c_.training.logging_first_step);
-  if (!due && r.events.empty()) return;
+  const bool written = due || !r.events.empty();
+  // logging_strategy: no writes no rows, but the progress line (transformers' progress bar) stays.
+  const bool progress = written || (c_.training.logging_strategy == "no" &&
+                                (tty_ || r.step % std::max<int64_t>(1, total_steps_ / 10) == 0 || r.step == total_steps_));
+  if (!progress) return;
   const double tok_s = static_cast<double>(r.tokens) / std::max(1e-9, r.seconds);
   json events = json::array();
   for (const auto& e : r.events) events.push_back(e.to_json());
@@ -1051,7 +1061,7 @@ void Trainer::log_step(const StepRecord& r) {
               {"events", events}};
   if (!r.sent_bytes.empty()) row["sent_bytes"] = r.sent_bytes;
   if (r.oom_recovery_seconds > 0) row["oom_recovery_s"] = r.oom_recovery_seconds;
-  metrics_->write(row);
+  if (written) metrics_->write(row);
   const double eta = seconds_since(start_) / static_cast<double>(steps_this_run_) *
                      static_cast<double>(total_steps_ - r.step);
   const std::string line =

@@ -23,7 +23,8 @@ data::DatasetOptions dataset_options(const DataConfig& data, const std::filesyst
 // One side of data.eval_split over data.train_file: the held-out documents, or the others
 // (the training set). training.seed draws them; without shuffling, the file's last ones.
 // No split (all of the file) when eval_split is 0. `memtune tokenize --config` writes the
-// whole file: its documents split the same way when trained from.
+// whole file: its documents split the same way when trained from, where each document is
+// one in the .bin (a template whose eos closes every message makes several there).
 data::HoldOut eval_split_side(const Config& config, bool held_out);
 
 // Runs the configured training to the end, or until SIGINT/SIGTERM (then it checkpoints and

@@ -681,6 +681,8 @@ TEST(ConfigErrors, NeftuneNoiseAlphaIsNotNegative) {
   EXPECT_EQ(parse("training: {neftune_noise_alpha: 5}").training.neftune_noise_alpha, 5);
   expect_invalid("training: {neftune_noise_alpha: -1}", "neftune_noise_alpha", "-1", "training.neftune_noise_alpha",
                  "-1", "must be >= 0");
+  expect_invalid("training: {neftune_noise_alpha: 5, per_device_train_batch_size: auto}", "neftune_noise_alpha", "5",
+                 "training.neftune_noise_alpha", "5", "set per_device_train_batch_size to a number");
 }
 
 TEST(ConfigErrors, LabelSmoothingFactorIsInZeroToOne) {
@@ -1004,7 +1006,6 @@ Config every_field_changed() {
   t.lr_scheduler_kwargs = {{"num_cycles", 0.75}};
   t.gradient_checkpointing_kwargs.use_reentrant = true;
   t.label_smoothing_factor = 0.1;
-  t.neftune_noise_alpha = 5;
   t.logging_first_step = true;
   t.warmup_steps = 10;  // (warmup_ratio: every_field_changed_b, as the two may not be set together)
   t.weight_decay = 0.01;
@@ -1085,6 +1086,8 @@ Config every_field_changed_b() {
   c.training.save_strategy = "epoch";
   c.training.eval_steps = 0;
   c.training.eval_strategy = "epoch";
+  c.training.per_device_train_batch_size = 4;  // NEFTune's scale follows a set micro-batch, not auto
+  c.training.neftune_noise_alpha = 5;
   c.data.eval_split = 0.2;
   c.training.eval_accuracy_rows = 0;
   c.model.device_map = {};

@@ -9,6 +9,7 @@
 
 #include <ATen/ATen.h>
 
+#include "models/layers/cross_entropy.h"
 #include "models/model_spec.h"
 #include "models/registry.h"
 #include "runtime/error.h"
@@ -207,6 +208,22 @@ TEST(Estimator, OnAGpuTheGradientNormKeepsOnePartialSumPer4096Elements) {
   const int64_t cpu = estimate_memory(in).optimizer_peak;
   in.cpu_update = false;
   EXPECT_EQ(estimate_memory(in).optimizer_peak - cpu, 21 * 8);
+}
+
+// Label smoothing takes the loss's fp32 route on CUDA in bf16 (the one-pass kernel serves
+// the plain loss only): the chunk's logits cost 6 bytes each instead of 2 (bf16 in place).
+TEST(Estimator, OnAGpuBf16LabelSmoothingHoldsTheLogitsInFp32Too) {
+  EstimateInput in = input(small_llama());
+  in.loss_bf16 = true;
+  in.cuda_kernels = true;
+  const int64_t plain = estimate_memory(in).loss;
+  in.label_smoothing = true;
+  const int64_t chunk = std::min<int64_t>(in.micro_batch * in.seq_length, models::loss_chunk_rows(small_llama().vocab_size));
+  EXPECT_EQ(estimate_memory(in).loss - plain, chunk * small_llama().vocab_size * 4);
+  in.cuda_kernels = false;  // elsewhere the route is the same either way
+  const int64_t cpu = estimate_memory(in).loss;
+  in.label_smoothing = false;
+  EXPECT_EQ(estimate_memory(in).loss, cpu);
 }
 
 TEST(Estimator, OptimizerStateBytesPerOption) {

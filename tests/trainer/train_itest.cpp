@@ -292,6 +292,16 @@ TEST(Train, ResumeRefusesABreakingConfigChange) {
                   "training.per_device_train_batch_size=2 training.gradient_accumulation_steps=2");
   EXPECT_EQ(fine.exit_code, 0) << fine.output;
   EXPECT_NE(fine.output.find("resumed from"), std::string::npos) << fine.output;
+  // Except under NEFTune, whose noise is scaled by the length of each micro-batch.
+  const std::string neftune = " training.neftune_noise_alpha=5 training.output_dir=" + (d / "neftune").string();
+  auto noisy = run(memtune_bin() + " train " + (d / "config.yaml.in").string() + " training.max_steps=2" + neftune);
+  ASSERT_EQ(noisy.exit_code, 0) << noisy.output;
+  auto split = run(memtune_bin() + " train " + (d / "config.yaml.in").string() +
+                   " training.max_steps=4 training.resume_from_checkpoint=latest training.per_device_train_batch_size=2 "
+                   "training.gradient_accumulation_steps=2" + neftune);
+  EXPECT_EQ(split.exit_code, 2) << split.output;
+  EXPECT_NE(split.output.find("training.neftune_noise_alpha scales each sample's noise"), std::string::npos)
+      << split.output;
 }
 
 // num_train_epochs as transformers' Trainer counts it (5.12: set_initial_training_values,
@@ -474,6 +484,7 @@ TEST(Train, IntervalStrategiesLogSaveAndEvaluateAsTransformers) {
   TrainRun quiet = train(d / "quiet", common + " training.logging_strategy=no");
   ASSERT_EQ(quiet.exit_code, 0) << quiet.output;
   EXPECT_TRUE(steps_with(quiet.dir, "loss").empty());
+  EXPECT_NE(quiet.output.find("step 9/9"), std::string::npos) << quiet.output;  // the progress line stays
   EXPECT_EQ(checkpoints(quiet.dir), (std::vector<std::string>{"step-9"}));  // save_strategy steps: the end
 }
 
