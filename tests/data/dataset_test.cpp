@@ -669,6 +669,9 @@ TEST(EvalSplit, HeldOutDocumentsAreTrainTestSplitsCountDrawnBySeed) {
             std::string::npos)
       << all;
   EXPECT_NE(error_of([] { held_out_documents(10, hold(1.5, 1, true), "f"); }).find("whole number"), std::string::npos);
+  // Past int64's range: refused as too many, not cast.
+  EXPECT_NE(error_of([] { held_out_documents(10, hold(1e19, 1, true), "f"); }).find("leaving none to train on"),
+            std::string::npos);
 }
 
 // The two sides of a file: disjoint, together the file, each in file order, and rows made
