@@ -418,7 +418,8 @@ ForwardOutput CausalLM::forward(const data::Batch& batch, const ForwardOptions& 
                                           options.loss_chunk_rows > 0 ? options.loss_chunk_rows
                                                                       : loss_chunk_rows(spec().vocab_size),
                                           &out.correct_tokens, compute_dtype_, options.label_smoothing,
-                                          &out.cross_entropy_sum);
+                                          options.label_smoothing > 0 ? &out.cross_entropy_sum : nullptr);
+  if (!out.cross_entropy_sum.defined()) out.cross_entropy_sum = out.loss_sum.detach();  // unsmoothed: the same
   out.target_tokens = (batch.targets != data::kIgnoreIndex).sum().item<int64_t>();
   if (options.return_logits) out.logits = at::matmul(x.to(mm), head.to(mm).t()).to(at::kFloat);
   return out;

@@ -734,35 +734,18 @@ void validate(const TrainingConfig& t, const std::string& p, const Checker& c) {
           "must be at least 1");
   validate(t.gradient_checkpointing, p + ".gradient_checkpointing", c);
   // lr_scheduler_kwargs: what the schedule's transformers function takes, and the values it refuses.
-  const auto& kinds = schedule_kwargs();
-  const auto kind = std::find_if(kinds.begin(), kinds.end(), [&](const auto& k) { return k.first == t.lr_scheduler_type; });
-  if (kind != kinds.end()) {  // (an unknown type is refused by its choices)
-    std::string takes;
-    for (const auto& k : kind->second) takes += (takes.empty() ? "" : ", ") + k;
-    std::set<std::string> seen;
-    for (const auto& [key, value] : t.lr_scheduler_kwargs) {
-      const std::string at = p + ".lr_scheduler_kwargs." + key;
-      c.check(std::count(kind->second.begin(), kind->second.end(), key) > 0, at, value,
-              "lr_scheduler_type " + t.lr_scheduler_type + " takes " +
-                  (takes.empty() ? std::string("no kwargs") : "only " + takes) +
-                  " (transformers' schedule function would raise a TypeError)");
-      c.check(seen.insert(key).second, at, value, "is set twice");
-      c.check(std::isfinite(value) && (value > 0 || (key != "num_cycles" && key != "timescale")), at, value,
-              "must be a number" + std::string(key == "num_cycles" || key == "timescale" ? " > 0" : ""));
-      if (key == "lr_end")
-        c.check(value < t.learning_rate, at, value,
-                "must be below the learning rate (" + reflect::format_double(t.learning_rate) +
-                    "), as transformers requires");
-    }
-    if (t.lr_scheduler_type == "cosine_with_min_lr" || t.lr_scheduler_type == "cosine_warmup_with_min_lr") {
-      const bool min_lr = seen.count("min_lr") > 0, rate = seen.count("min_lr_rate") > 0;
-      c.check(!(min_lr && rate), p + ".lr_scheduler_kwargs", t.lr_scheduler_kwargs,
-              "sets both min_lr and min_lr_rate; set one (transformers: only one of min_lr or min_lr_rate)");
-      c.check(min_lr || rate, p + ".lr_scheduler_type", t.lr_scheduler_type,
-              "needs lr_scheduler_kwargs min_lr or min_lr_rate (the learning rate it ends at), as transformers "
-              "does; e.g. lr_scheduler_kwargs: {min_lr_rate: 0.1}");
-    }
+  bool min_lr = false, min_lr_rate = false;
+  for (const auto& [key, value] : t.lr_scheduler_kwargs) {
+    const std::string error = schedule_kwarg_error(t.lr_scheduler_type, key, value, t.learning_rate);
+    c.check(error.empty(), p + ".lr_scheduler_kwargs." + key, value, error);
+    min_lr |= key == "min_lr";
+    min_lr_rate |= key == "min_lr_rate";
   }
+  const std::string min_lr_problem = min_lr_error(t.lr_scheduler_type, min_lr, min_lr_rate);
+  if (min_lr && min_lr_rate)
+    c.check(min_lr_problem.empty(), p + ".lr_scheduler_kwargs", t.lr_scheduler_kwargs, min_lr_problem);
+  else
+    c.check(min_lr_problem.empty(), p + ".lr_scheduler_type", t.lr_scheduler_type, min_lr_problem);
   c.check(t.activation_offload != "all", p + ".activation_offload", t.activation_offload,
           "offloading everything a layer keeps for backward needs saved-tensor hooks, which LibTorch's C++ API "
           "lacks; use checkpoints with gradient_checkpointing, where a layer keeps only its input");

@@ -42,8 +42,9 @@ EvalResult evaluate(models::CausalLM& model, const data::Dataset& dataset, int64
       ++r.oom_retries;
       continue;
     }
-    sum += out.loss_sum.item<double>();
-    plain += out.cross_entropy_sum.item<double>();
+    const double loss = out.loss_sum.item<double>();
+    sum += loss;
+    plain += label_smoothing > 0 ? out.cross_entropy_sum.item<double>() : loss;
     r.tokens += out.target_tokens;
     correct += out.correct_tokens;
     i += static_cast<int64_t>(samples.size());

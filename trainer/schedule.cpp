@@ -22,47 +22,54 @@ const std::vector<std::pair<std::string, std::vector<std::string>>>& schedule_kw
   return kinds;
 }
 
+std::string schedule_kwarg_error(const std::string& kind, const std::string& key, double value,
+                                 double learning_rate) {
+  const auto& kinds = schedule_kwargs();
+  const auto k = std::find_if(kinds.begin(), kinds.end(), [&](const auto& e) { return e.first == kind; });
+  if (k == kinds.end()) return "";
+  if (std::find(k->second.begin(), k->second.end(), key) == k->second.end()) {
+    std::string takes;
+    for (const auto& t : k->second) takes += (takes.empty() ? "" : ", ") + t;
+    return "lr_scheduler_type " + kind + " takes " + (takes.empty() ? std::string("no kwargs") : "only " + takes) +
+           " (transformers' schedule function would raise a TypeError)";
+  }
+  const bool positive = key == "num_cycles" || key == "timescale";
+  if (!std::isfinite(value) || (positive && value <= 0))
+    return "must be a number" + std::string(positive ? " > 0" : "");
+  if (key == "lr_end" && !(value < learning_rate))
+    return str_cat("must be below the learning rate (", learning_rate, "), as transformers requires");
+  return "";
+}
+
+std::string min_lr_error(const std::string& kind, bool min_lr, bool min_lr_rate) {
+  if (kind != "cosine_with_min_lr" && kind != "cosine_warmup_with_min_lr") return "";
+  if (min_lr && min_lr_rate)
+    return "sets both min_lr and min_lr_rate; set one (transformers: only one of min_lr or min_lr_rate)";
+  if (!min_lr && !min_lr_rate)
+    return "needs lr_scheduler_kwargs min_lr or min_lr_rate (the learning rate it ends at), as transformers does; "
+           "e.g. lr_scheduler_kwargs: {min_lr_rate: 0.1}";
+  return "";
+}
+
 Schedule with_kwargs(Schedule s, const std::vector<std::pair<std::string, double>>& kwargs) {
   const auto& kinds = schedule_kwargs();
-  const auto kind = std::find_if(kinds.begin(), kinds.end(), [&](const auto& k) { return k.first == s.kind; });
-  MEMTUNE_CHECK(kind != kinds.end(), "training.lr_scheduler_type: unknown schedule '", s.kind, "'");
+  MEMTUNE_CHECK(std::any_of(kinds.begin(), kinds.end(), [&](const auto& k) { return k.first == s.kind; }),
+                "training.lr_scheduler_type: unknown schedule '", s.kind, "'");
   std::optional<double> min_lr, min_lr_rate;
   for (const auto& [key, value] : kwargs) {
-    const auto& takes = kind->second;
-    std::string list;
-    for (const auto& t : takes) list += (list.empty() ? "" : ", ") + t;
-    MEMTUNE_CHECK(std::find(takes.begin(), takes.end(), key) != takes.end(), "training.lr_scheduler_kwargs.", key,
-                  ": lr_scheduler_type ", s.kind, " takes ", list.empty() ? "no kwargs" : "only " + list,
-                  " (transformers' schedule function would raise a TypeError)");
-    MEMTUNE_CHECK(std::isfinite(value), "training.lr_scheduler_kwargs.", key, ": ", value, " is not a number");
-    if (key == "num_cycles") {
-      MEMTUNE_CHECK(value > 0, "training.lr_scheduler_kwargs.num_cycles: ", value, " must be > 0");
-      s.num_cycles = value;
-    } else if (key == "lr_end") {
-      s.lr_end = value;
-    } else if (key == "power") {
-      s.power = value;
-    } else if (key == "timescale") {
-      MEMTUNE_CHECK(value > 0, "training.lr_scheduler_kwargs.timescale: ", value, " must be > 0");
-      s.timescale = value;
-    } else if (key == "min_lr") {
-      min_lr = value;
-    } else if (key == "min_lr_rate") {
-      min_lr_rate = value;
-    } else if (key == "warmup_lr_rate") {
-      s.warmup_lr_rate = value;
-    }
+    const std::string error = schedule_kwarg_error(s.kind, key, value, s.learning_rate);
+    MEMTUNE_CHECK(error.empty(), "training.lr_scheduler_kwargs.", key, ": ", value, ": ", error);
+    if (key == "num_cycles") s.num_cycles = value;
+    else if (key == "lr_end") s.lr_end = value;
+    else if (key == "power") s.power = value;
+    else if (key == "timescale") s.timescale = value;
+    else if (key == "min_lr") min_lr = value;
+    else if (key == "min_lr_rate") min_lr_rate = value;
+    else if (key == "warmup_lr_rate") s.warmup_lr_rate = value;
   }
-  if (s.kind == "polynomial")
-    MEMTUNE_CHECK(s.lr_end < s.learning_rate, "training.lr_scheduler_kwargs.lr_end: ", s.lr_end,
-                  " must be below the learning rate (", s.learning_rate, "), as transformers requires");
-  if (s.kind == "cosine_with_min_lr" || s.kind == "cosine_warmup_with_min_lr") {
-    MEMTUNE_CHECK(!(min_lr && min_lr_rate), "training.lr_scheduler_kwargs: both min_lr and min_lr_rate are set; "
-                                            "set one (transformers: only one of min_lr or min_lr_rate)");
-    MEMTUNE_CHECK(min_lr || min_lr_rate, "training.lr_scheduler_type ", s.kind,
-                  " needs lr_scheduler_kwargs min_lr or min_lr_rate, as transformers does");
-    s.min_lr_rate = min_lr ? *min_lr / s.learning_rate : *min_lr_rate;
-  }
+  const std::string error = min_lr_error(s.kind, min_lr.has_value(), min_lr_rate.has_value());
+  MEMTUNE_CHECK(error.empty(), "training.lr_scheduler_kwargs: ", error);
+  if (min_lr || min_lr_rate) s.min_lr_rate = min_lr ? *min_lr / s.learning_rate : *min_lr_rate;
   return s;
 }
 

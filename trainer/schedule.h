@@ -32,6 +32,14 @@ struct Schedule {
 // The schedule types and, for each, the lr_scheduler_kwargs its transformers function takes.
 const std::vector<std::pair<std::string, std::vector<std::string>>>& schedule_kwargs();
 
+// Why transformers would refuse lr_scheduler_kwargs entry `key: value` for schedule `kind` at
+// `learning_rate` (a key its function does not take: a TypeError; lr_end not below the
+// learning rate: a ValueError), or "" where it takes it. An unknown kind: "".
+std::string schedule_kwarg_error(const std::string& kind, const std::string& key, double value, double learning_rate);
+// For the *_min_lr kinds: why min_lr / min_lr_rate as given would be refused (both set, or
+// neither), or "".
+std::string min_lr_error(const std::string& kind, bool min_lr, bool min_lr_rate);
+
 // `schedule` with lr_scheduler_kwargs applied (min_lr becomes min_lr_rate, as transformers
 // divides it by the learning rate). Throws UserError for a key the kind does not take, or
 // values transformers refuses (both min_lr and min_lr_rate, neither for a *_min_lr kind,

@@ -92,11 +92,19 @@ data::DatasetOptions dataset_options(const DataConfig& d, const fs::path& output
   return o;
 }
 
+namespace {
+
+// Whether the samples are drawn in a shuffled order: data.shuffle, unless transformers 5's
+// train_sampling_strategy says sequential.
+bool shuffled(const Config& c) { return c.data.shuffle && c.training.train_sampling_strategy != "sequential"; }
+
+}  // namespace
+
 data::HoldOut eval_split_side(const Config& c, bool held_out) {
   data::HoldOut h;
   h.split = c.data.eval_split;
   h.seed = c.training.seed;
-  h.shuffle = c.data.shuffle && c.training.train_sampling_strategy != "sequential";
+  h.shuffle = shuffled(c);
   h.held_out = held_out;
   return h;
 }
@@ -164,6 +172,7 @@ class Trainer {
 
   StepRecord step();
   void log_step(const StepRecord& r);
+  void write_row(const StepRecord& r, double tokens_per_s);
   void save_checkpoint();
   bool evaluate_loss(const char* when);  // false: a signal stopped it before its row was written
   void evaluate_accuracy(const char* when);
@@ -405,7 +414,7 @@ void Trainer::load_data() {
                  format_bytes(budget_), describe(ladder));
   // samples_per_step is per rank; a step trains on world_size times as many.
   samples_per_step_ = micro_batch_ * c_.training.gradient_accumulation_steps;
-  const bool shuffle = c_.data.shuffle && c_.training.train_sampling_strategy != "sequential";
+  const bool shuffle = shuffled(c_);
   sampler_ = std::make_unique<data::Sampler>(train_set_->size(), c_.training.seed, shuffle, dist_.rank,
                                              dist_.world_size);
   // transformers 4's group_by_length and 5's train_sampling_strategy name one sampler.
@@ -1032,6 +1041,29 @@ StepRecord Trainer::step() {
   return r;
 }
 
+// The step's row of metrics.jsonl.
+void Trainer::write_row(const StepRecord& r, double tokens_per_s) {
+  json events = json::array();
+  for (const auto& e : r.events) events.push_back(e.to_json());
+  json row = {{"step", r.step},
+              {"epoch", r.epoch},
+              {"loss", r.loss},
+              {"lr", r.lr},
+              {"grad_norm", std::isfinite(r.grad_norm) ? json(r.grad_norm) : json(nullptr)},
+              {"tokens", r.tokens},
+              {"samples", r.samples},
+              {"tokens_per_s", tokens_per_s},
+              {"padding", r.positions ? static_cast<double>(r.padding) / static_cast<double>(r.positions) : 0.0},
+              {"loss_scale", scaler_->scale()},
+              {"micro_batch", r.micro_batch},
+              {"accumulation", r.accumulation},
+              {"memory", {{mem_->device(), {{"allocated", r.allocated}, {"peak", r.peak}, {"limit", limit_}}}}},
+              {"events", events}};
+  if (!r.sent_bytes.empty()) row["sent_bytes"] = r.sent_bytes;
+  if (r.oom_recovery_seconds > 0) row["oom_recovery_s"] = r.oom_recovery_seconds;
+  metrics_->write(row);
+}
+
 // metrics.jsonl every logging_steps, at the last step and whenever something happened; the
 // progress line on a terminal (redrawn) or in the log.
 void Trainer::log_step(const StepRecord& r) {
@@ -1043,25 +1075,7 @@ void Trainer::log_step(const StepRecord& r) {
                                 (tty_ || r.step % std::max<int64_t>(1, total_steps_ / 10) == 0 || r.step == total_steps_));
   if (!progress) return;
   const double tok_s = static_cast<double>(r.tokens) / std::max(1e-9, r.seconds);
-  json events = json::array();
-  for (const auto& e : r.events) events.push_back(e.to_json());
-  json row = {{"step", r.step},
-              {"epoch", r.epoch},
-              {"loss", r.loss},
-              {"lr", r.lr},
-              {"grad_norm", std::isfinite(r.grad_norm) ? json(r.grad_norm) : json(nullptr)},
-              {"tokens", r.tokens},
-              {"samples", r.samples},
-              {"tokens_per_s", tok_s},
-              {"padding", r.positions ? static_cast<double>(r.padding) / static_cast<double>(r.positions) : 0.0},
-              {"loss_scale", scaler_->scale()},
-              {"micro_batch", r.micro_batch},
-              {"accumulation", r.accumulation},
-              {"memory", {{mem_->device(), {{"allocated", r.allocated}, {"peak", r.peak}, {"limit", limit_}}}}},
-              {"events", events}};
-  if (!r.sent_bytes.empty()) row["sent_bytes"] = r.sent_bytes;
-  if (r.oom_recovery_seconds > 0) row["oom_recovery_s"] = r.oom_recovery_seconds;
-  if (written) metrics_->write(row);
+  if (written) write_row(r, tok_s);
   const double eta = seconds_since(start_) / static_cast<double>(steps_this_run_) *
                      static_cast<double>(total_steps_ - r.step);
   const std::string line =
