@@ -123,7 +123,7 @@ void CausalLM::init_random(uint64_t seed) {
     t = at::empty(s.shape, at::kFloat);
     const bool is_bias = s.name.size() > 5 && s.name.compare(s.name.size() - 5, 5, ".bias") == 0;
     if (s.role == TensorRole::kNorm)
-      t.fill_(is_bias ? 0.0 : 1.0);
+      t.fill_(is_bias ? 0.0 : initial_norm_weight());
     else if (s.role == TensorRole::kLinearBias)
       t.zero_();
     else

@@ -40,6 +40,7 @@ struct TensorSlot {
 // Tensors a layer's forward needs from outside: rotary tables and document segments.
 struct LayerContext {
   at::Tensor cos, sin;          // (B,T,head_dim) for rotary models, undefined otherwise
+  at::Tensor local_cos, local_sin;  // Gemma 3's sliding layers' (their own rotary base), else undefined
   at::Tensor position_ids;      // (B,T) int64
   at::Tensor segment_ids;       // (B,T) int64
   bool training = false;
@@ -176,6 +177,8 @@ class CausalLM {
   // transformers does; training refuses a nonzero rate for an architecture that does not,
   // rather than train without it.
   virtual bool applies_dropout() const { return false; }
+  // The value init_random gives norm weights (Gemma's norms scale by 1 + weight: 0).
+  virtual double initial_norm_weight() const { return 1.0; }
   // The modules transformers' model of this architecture has that hold no tensor (its
   // activations, dropouts, rotary embedding), each with its decoder layer (-1 outside the
   // stack): a LoRA target that selects one is refused, as PEFT refuses it.

@@ -116,6 +116,124 @@ const std::set<std::string>& modelled_keys() {
   return keys;
 }
 
+// Gemma's and Gemma 3's own keys, which spec_to_hf_config writes from the spec (other
+// families keep them in `extra`: Mistral's sliding_window, Qwen's layer_types).
+const std::set<std::string>& gemma_modelled_keys() {
+  static const std::set<std::string> keys = {"hidden_activation", "query_pre_attn_scalar", "sliding_window",
+                                             "sliding_window_pattern", "layer_types", "rope_local_base_freq"};
+  return keys;
+}
+
+// Gemma 3's layer_types (or, absent, every sliding_window_pattern-th layer full, the others
+// sliding, as Gemma3TextConfig fills it in): true for a sliding layer.
+std::vector<bool> gemma3_sliding_layers(const json& c, int64_t layers, const std::string& where) {
+  std::vector<bool> sliding;
+  if (c.contains("layer_types") && !c["layer_types"].is_null()) {
+    const json& types = c["layer_types"];
+    MEMTUNE_CHECK(types.is_array() && static_cast<int64_t>(types.size()) == layers, where,
+                  ": layer_types must be a list of num_hidden_layers (", layers, ") entries, got ", types.dump());
+    for (size_t i = 0; i < types.size(); ++i) {
+      MEMTUNE_CHECK(types[i] == "sliding_attention" || types[i] == "full_attention", where, ": layer_types[", i,
+                    "] is ", types[i].dump(), "; Gemma 3's layers are sliding_attention or full_attention");
+      sliding.push_back(types[i] == "sliding_attention");
+    }
+    return sliding;
+  }
+  const int64_t pattern = get_or<int64_t>(c, "sliding_window_pattern", 6, where);
+  MEMTUNE_CHECK(pattern > 0, where, ": sliding_window_pattern must be positive, got ", pattern);
+  for (int64_t i = 0; i < layers; ++i) sliding.push_back((i + 1) % pattern != 0);
+  return sliding;
+}
+
+// Gemma's and Gemma 3's keys past Llama's: the MLP's activation, the attention scale, the
+// sliding layers and their rotary base, and what memtune refuses (soft-capped logits,
+// bidirectional attention).
+void read_gemma(const json& c, ModelSpec& s, const std::string& where) {
+  const bool gemma3 = s.model_type == "gemma3_text";
+  s.gemma_norm = true;
+  s.scale_embeddings = true;
+  // transformers 5's GemmaMLP reads hidden_act, Gemma3MLP hidden_activation (transformers 4's
+  // GemmaMLP read hidden_activation): a Gemma config where the two disagree is computed
+  // differently by the two versions.
+  const std::string act_key = gemma3 ? "hidden_activation" : "hidden_act";
+  s.hidden_act = get_or<std::string>(c, act_key.c_str(), "gelu_pytorch_tanh", where);
+  MEMTUNE_CHECK(s.hidden_act == "gelu_pytorch_tanh" || s.hidden_act == "gelu", where, ": ", act_key, " '",
+                s.hidden_act, "' is not supported (gelu_pytorch_tanh, gelu)");
+  if (!gemma3 && c.contains("hidden_activation") && !c["hidden_activation"].is_null())
+    MEMTUNE_CHECK(c["hidden_activation"] == s.hidden_act, where, ": hidden_act '", s.hidden_act,
+                  "' and hidden_activation ", c["hidden_activation"].dump(),
+                  " disagree: transformers 5's Gemma computes hidden_act, transformers 4's hidden_activation, so "
+                  "the model is not one model. Hint: set both to the activation the checkpoint was trained with "
+                  "(gelu_pytorch_tanh for Google's Gemma checkpoints)");
+  MEMTUNE_CHECK(!get_or<bool>(c, "use_bidirectional_attention", false, where), where,
+                ": use_bidirectional_attention true (an encoder's attention, EmbeddingGemma's) is not supported; "
+                "memtune trains causal language models");
+  for (const char* key : {"final_logit_softcapping", "attn_logit_softcapping"})
+    MEMTUNE_CHECK(!c.contains(key) || c[key].is_null(), where, ": ", key, " ", c[key].dump(),
+                  " (tanh soft-capping, Gemma 2's) is not supported; Gemma 3's configs set it to null");
+  if (!gemma3) return;
+  // Gemma3TextConfig's own check, though its heads have head_dim of their own.
+  MEMTUNE_CHECK(s.hidden_size % s.num_heads == 0, where, ": hidden_size ", s.hidden_size,
+                " is not a multiple of num_attention_heads ", s.num_heads, ", which transformers' Gemma3TextConfig refuses");
+  s.sandwich_norms = true;
+  s.qk_norm = true;
+  s.query_pre_attn_scalar = get_or<double>(c, "query_pre_attn_scalar", 256.0, where);
+  MEMTUNE_CHECK(*s.query_pre_attn_scalar > 0, where, ": query_pre_attn_scalar must be positive, got ",
+                *s.query_pre_attn_scalar);
+  s.sliding_layers = gemma3_sliding_layers(c, s.num_layers, where);
+  const bool any_sliding = std::find(s.sliding_layers.begin(), s.sliding_layers.end(), true) != s.sliding_layers.end();
+  if (c.contains("sliding_window") && c["sliding_window"].is_null()) {
+    MEMTUNE_CHECK(!any_sliding, where, ": sliding_window is null, but layer_types has sliding_attention layers, "
+                  "whose mask transformers cannot build without a window. Hint: set sliding_window (Gemma 3's is 512)");
+  } else {
+    s.sliding_window = get_or<int64_t>(c, "sliding_window", 4096, where);
+    MEMTUNE_CHECK(*s.sliding_window > 0, where, ": sliding_window ", *s.sliding_window, " must be positive");
+  }
+}
+
+// Gemma 3's two rotary embeddings: full layers by rope_theta (Gemma3TextConfig's default
+// 1e6) with rope_scaling, sliding layers by rope_local_base_freq (10000), unscaled. transformers
+// 5 writes them as rope_parameters keyed by layer type.
+void read_gemma3_rope(const json& c, ModelSpec& s, const std::string& where) {
+  double theta = get_or<double>(c, "rope_theta", 1000000.0, where);
+  double local_theta = get_or<double>(c, "rope_local_base_freq", 10000.0, where);
+  json full = c.contains("rope_scaling") ? c["rope_scaling"] : json(nullptr), sliding = nullptr;
+  // transformers 5 merges rope_scaling into the full layers' {"rope_type": "default"}, where an
+  // old-style "type" does not override it: the scaling is dropped with a warning (transformers 4
+  // applied it). Not one model, so refused.
+  if (full.is_object() && full.contains("type") && !full.contains("rope_type"))
+    fail(where, ": rope_scaling ", full.dump(), " names its type as \"type\", which transformers 5's Gemma 3 "
+         "ignores (it keeps the plain rotary embedding) and transformers 4 applied. Hint: write \"rope_type\": ",
+         full["type"].dump(), " to scale the full layers' rotary embedding, or drop rope_scaling");
+  if (c.contains("rope_parameters") && !c["rope_parameters"].is_null()) {
+    const json& rp = c["rope_parameters"];
+    MEMTUNE_CHECK(rp.is_object() && (rp.contains("full_attention") || rp.contains("sliding_attention")), where,
+                  ": Gemma 3's rope_parameters are keyed by layer type ({\"full_attention\": {...}, "
+                  "\"sliding_attention\": {...}}), got ", rp.dump());
+    for (auto it = rp.begin(); it != rp.end(); ++it)
+      MEMTUNE_CHECK(it.key() == "full_attention" || it.key() == "sliding_attention", where, ": rope_parameters.",
+                    it.key(), " is not a Gemma 3 layer type (full_attention, sliding_attention)");
+    if (rp.contains("full_attention") && rp["full_attention"].is_object()) {
+      full = rp["full_attention"];
+      theta = get_or<double>(full, "rope_theta", theta, where);
+    }
+    if (rp.contains("sliding_attention") && rp["sliding_attention"].is_object()) {
+      sliding = rp["sliding_attention"];
+      local_theta = get_or<double>(sliding, "rope_theta", local_theta, where);
+    }
+  }
+  s.rope_theta = theta;
+  s.local_rope_theta = local_theta;
+  MEMTUNE_CHECK(theta > 0 && local_theta > 0, where, ": rope theta must be positive (full ", theta, ", sliding ",
+                local_theta, ")");
+  s.rope_scaling = read_rope_scaling(full, where + " rope_parameters.full_attention", s.max_position_embeddings);
+  const RopeScaling local = read_rope_scaling(sliding, where + " rope_parameters.sliding_attention",
+                                              s.max_position_embeddings);
+  MEMTUNE_CHECK(local.type == "none", where, ": rope_parameters.sliding_attention has rope_type '", local.type,
+                "'; memtune rotates Gemma 3's sliding layers by the plain (default) rotary embedding, as its "
+                "checkpoints do");
+}
+
 }  // namespace
 
 const std::vector<Family>& builtin_families() {
@@ -123,6 +241,8 @@ const std::vector<Family>& builtin_families() {
                                                {"mistral", "MistralForCausalLM"},
                                                {"qwen2", "Qwen2ForCausalLM"},
                                                {"qwen3", "Qwen3ForCausalLM"},
+                                               {"gemma", "GemmaForCausalLM"},
+                                               {"gemma3_text", "Gemma3ForCausalLM"},
                                                {"gpt2", "GPT2LMHeadModel"}};
   return families;
 }
@@ -145,6 +265,8 @@ ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
     else if (s.architecture.rfind("Mistral", 0) == 0) s.model_type = "mistral";
     else if (s.architecture.rfind("Qwen2", 0) == 0) s.model_type = "qwen2";
     else if (s.architecture.rfind("Qwen3", 0) == 0) s.model_type = "qwen3";
+    else if (s.architecture == "Gemma3ForCausalLM") s.model_type = "gemma3_text";
+    else if (s.architecture == "GemmaForCausalLM") s.model_type = "gemma";
     else s.model_type = "llama";
   }
   if (s.architecture.empty())
@@ -154,10 +276,16 @@ ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
   s.hidden_size = require_int(c, {"hidden_size", "n_embd"}, where);
   s.num_layers = require_int(c, {"num_hidden_layers", "n_layer"}, where);
   s.num_heads = require_int(c, {"num_attention_heads", "n_head"}, where);
-  // Absent, MistralConfig says 8 and Qwen2Config and Qwen3Config 32; the others, as many as
-  // the query heads.
+  // The multimodal Gemma 3 (Gemma3ForConditionalGeneration) nests its language model in text_config.
+  MEMTUNE_CHECK(s.model_type != "gemma3", where,
+                ": model_type gemma3 is Gemma 3's image-and-text model (Gemma3ForConditionalGeneration), which memtune "
+                "does not load; memtune trains Gemma3ForCausalLM (model_type gemma3_text: gemma-3-270m, gemma-3-1b)");
+  // Absent, MistralConfig says 8, Qwen2Config and Qwen3Config 32, GemmaConfig 16 and
+  // Gemma3TextConfig 4; the others, as many as the query heads.
   const int64_t kv_heads = s.model_type == "mistral"                            ? 8
                            : s.model_type == "qwen2" || s.model_type == "qwen3" ? 32
+                           : s.model_type == "gemma"                            ? 16
+                           : s.model_type == "gemma3_text"                      ? 4
                                                                                 : s.num_heads;
   s.num_kv_heads = get_or<int64_t>(c, "num_key_value_heads", kv_heads, where);
   // Qwen3Config's head_dim defaults to 128; the other families' to hidden_size / heads.
@@ -168,7 +296,9 @@ ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
                 ": head_dim is null, which transformers' Qwen3 cannot build a model from (Qwen3Config keeps it as "
                 "None). Hint: write the number: 128 is Qwen3Config's default, hidden_size / num_attention_heads is ",
                 s.num_heads > 0 ? s.hidden_size / s.num_heads : 0);
-  s.head_dim = get_or<int64_t>(c, "head_dim", qwen3 ? 128 : s.num_heads > 0 ? s.hidden_size / s.num_heads : 0, where);
+  // GemmaConfig's and Gemma3TextConfig's is 256.
+  s.head_dim = get_or<int64_t>(c, "head_dim",
+                               qwen3 ? 128 : s.is_gemma() ? 256 : s.num_heads > 0 ? s.hidden_size / s.num_heads : 0, where);
   if (s.is_gpt2()) {
     s.intermediate_size = get_or<int64_t>(c, "n_inner", 4 * s.hidden_size, where);
     s.max_position_embeddings = require_int(c, {"n_positions", "max_position_embeddings"}, where);
@@ -187,13 +317,15 @@ ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
   } else {
     s.intermediate_size = require_int(c, {"intermediate_size"}, where);
     // Each family's config class default (LlamaConfig 2048, MistralConfig 4096 x 32, Qwen2Config
-    // and Qwen3Config 32768): it bounds dynamic rope scaling and is yarn's original length.
-    const int64_t max_positions = s.model_type == "mistral" ? 131072
-                                  : s.model_type == "qwen2" || qwen3 ? 32768
-                                                                     : 2048;
+    // and Qwen3Config 32768, GemmaConfig 8192, Gemma3TextConfig 131072): it bounds dynamic rope
+    // scaling and is yarn's original length.
+    const int64_t max_positions = s.model_type == "mistral" || s.model_type == "gemma3_text" ? 131072
+                                  : s.model_type == "qwen2" || qwen3                       ? 32768
+                                  : s.model_type == "gemma"                                ? 8192
+                                                                                           : 2048;
     s.max_position_embeddings = get_or<int64_t>(c, "max_position_embeddings", max_positions, where);
     s.norm_eps = get_or<double>(c, "rms_norm_eps", 1e-6, where);
-    s.tie_word_embeddings = get_or<bool>(c, "tie_word_embeddings", false, where);
+    s.tie_word_embeddings = get_or<bool>(c, "tie_word_embeddings", s.is_gemma(), where);
     s.attention_bias = get_or<bool>(c, "attention_bias", s.model_type == "qwen2", where);
     // transformers reads mlp_bias in LlamaMLP only; Mistral's, Qwen2's and Qwen3's MLPs have no biases.
     if (s.model_type == "llama") s.mlp_bias = get_or<bool>(c, "mlp_bias", false, where);
@@ -214,15 +346,21 @@ ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
                       "] is sliding_attention, but use_sliding_window is false and transformers then has no "
                       "window for it; memtune trains Qwen models with full attention only: make every entry "
                       "full_attention (or drop layer_types)");
-    std::string act = get_or<std::string>(c, "hidden_act", "silu", where);
-    MEMTUNE_CHECK(act == "silu", where, ": hidden_act '", act, "' is not supported (silu)");
+    if (s.is_gemma()) {
+      read_gemma(c, s, where);
+    } else {
+      s.hidden_act = get_or<std::string>(c, "hidden_act", "silu", where);
+      MEMTUNE_CHECK(s.hidden_act == "silu", where, ": hidden_act '", s.hidden_act, "' is not supported (silu)");
+    }
     for (const json* holder : {&c, c.contains("rope_parameters") ? &c["rope_parameters"] : nullptr})
       if (holder != nullptr && holder->is_object())
         MEMTUNE_CHECK(get_or<double>(*holder, "partial_rotary_factor", 1.0, where) == 1.0, where,
                       ": partial_rotary_factor ", get_or<double>(*holder, "partial_rotary_factor", 1.0, where),
                       " (rotary on part of each head) is not supported");
     // Newer configs nest rope settings in rope_parameters; older ones keep them top level.
-    if (c.contains("rope_parameters") && c["rope_parameters"].is_object()) {
+    if (s.model_type == "gemma3_text") {
+      read_gemma3_rope(c, s, where);
+    } else if (c.contains("rope_parameters") && c["rope_parameters"].is_object()) {
       const json& rp = c["rope_parameters"];
       s.rope_theta = get_or<double>(rp, "rope_theta", get_or<double>(c, "rope_theta", 10000.0, where), where);
       s.rope_scaling = read_rope_scaling(rp, where + " rope_parameters", s.max_position_embeddings);
@@ -240,6 +378,9 @@ ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
   s.bos_token_id = opt_int("bos_token_id");
   s.eos_token_id = opt_int("eos_token_id");
   s.pad_token_id = opt_int("pad_token_id");
+  // GemmaConfig and Gemma3TextConfig default pad_token_id to 0 (the embedding's padding_idx,
+  // whose row the lookup gives no gradient); null is none.
+  if (s.is_gemma() && !c.contains("pad_token_id")) s.pad_token_id = 0;
   // The Llama family's embedding takes it as nn.Embedding's padding_idx, which must index the
   // vocabulary (a negative one counts from its end).
   if (!s.is_gpt2() && s.pad_token_id)
@@ -248,7 +389,8 @@ ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
                   "); transformers' embedding refuses it as its padding index");
   s.torch_dtype = get_or<std::string>(c, "torch_dtype", "float32", where);
   for (auto it = c.begin(); it != c.end(); ++it)
-    if (!modelled_keys().count(it.key()) || (it.key() == "mlp_bias" && s.model_type != "llama"))
+    if ((!modelled_keys().count(it.key()) || (it.key() == "mlp_bias" && s.model_type != "llama")) &&
+        !(s.is_gemma() && gemma_modelled_keys().count(it.key())))
       s.extra[it.key()] = it.value();
   validate_spec(s, where);
   return s;
@@ -293,7 +435,19 @@ json spec_to_hf_config(const ModelSpec& s) {
     c["max_position_embeddings"] = s.max_position_embeddings;
     c["rms_norm_eps"] = s.norm_eps;
     c["rope_theta"] = s.rope_theta;
-    c["hidden_act"] = "silu";
+    if (s.model_type == "gemma3_text") {
+      c["hidden_activation"] = s.hidden_act;
+      c["query_pre_attn_scalar"] = s.query_pre_attn_scalar.value_or(static_cast<double>(s.head_dim));
+      c["sliding_window"] = s.sliding_window ? json(*s.sliding_window) : json(nullptr);
+      json types = json::array();
+      for (int i = 0; i < s.num_layers; ++i) types.push_back(s.layer_window(i) > 0 ? "sliding_attention" : "full_attention");
+      c["layer_types"] = types;
+      c["rope_local_base_freq"] = s.local_rope_theta;
+    } else {
+      c["hidden_act"] = s.hidden_act;
+      // transformers 4's Gemma read hidden_activation, 5's hidden_act: both say the same.
+      if (s.model_type == "gemma") c["hidden_activation"] = s.hidden_act;
+    }
     c["attention_bias"] = s.attention_bias;
     if (s.model_type == "llama") c["mlp_bias"] = s.mlp_bias;
     if (s.rope_scaling.type == "none") {
@@ -322,6 +476,7 @@ json spec_to_hf_config(const ModelSpec& s) {
   if (s.bos_token_id) c["bos_token_id"] = *s.bos_token_id;
   if (s.eos_token_id) c["eos_token_id"] = *s.eos_token_id;
   if (s.pad_token_id) c["pad_token_id"] = *s.pad_token_id;
+  else if (s.is_gemma()) c["pad_token_id"] = nullptr;  // absent, Gemma's configs say 0
   c["torch_dtype"] = s.torch_dtype;
   return c;
 }
@@ -342,6 +497,8 @@ void validate_spec(const ModelSpec& s, const std::string& where) {
                 s.num_kv_heads, ")");
   MEMTUNE_CHECK(s.head_dim % 2 == 0 || s.is_gpt2(), where, ": head_dim ", s.head_dim,
                 " must be even for rotary embeddings");
+  MEMTUNE_CHECK(s.sliding_layers.empty() || static_cast<int64_t>(s.sliding_layers.size()) == s.num_layers, where,
+                ": layer_types has ", s.sliding_layers.size(), " entries for ", s.num_layers, " layers");
   if (s.is_gpt2())
     MEMTUNE_CHECK(s.hidden_size == s.num_heads * s.head_dim, where, ": n_embd (", s.hidden_size,
                   ") must equal n_head x head_dim");
@@ -394,6 +551,24 @@ ModelSpec qwen3_like(int64_t vocab, int64_t hidden, int64_t inter, int64_t layer
   return s;
 }
 
+// Gemma 3 (Gemma3ForCausalLM): heads of 256, one key/value head, every sixth layer full and
+// the others within a window of 512, Gemma's norms and scaled embeddings, GeGLU, tied head.
+ModelSpec gemma3_like(int64_t vocab, int64_t hidden, int64_t inter, int64_t layers, int64_t heads, int64_t kv,
+                      int64_t head_dim) {
+  ModelSpec s = llama_like(vocab, hidden, inter, layers, heads, kv, 32768, 1000000.0, true);
+  s.architecture = "Gemma3ForCausalLM";
+  s.model_type = "gemma3_text";
+  s.head_dim = head_dim;
+  s.norm_eps = 1e-6;
+  s.hidden_act = "gelu_pytorch_tanh";
+  s.gemma_norm = s.scale_embeddings = s.sandwich_norms = s.qk_norm = true;
+  s.query_pre_attn_scalar = static_cast<double>(head_dim);
+  s.sliding_window = 512;
+  for (int64_t i = 0; i < layers; ++i) s.sliding_layers.push_back((i + 1) % 6 != 0);
+  s.local_rope_theta = 10000.0;
+  return s;
+}
+
 // GPT-2 family: 4x MLP, tied head, learned positions.
 ModelSpec gpt2_like(int64_t vocab, int64_t hidden, int64_t layers, int64_t heads, int64_t max_pos) {
   ModelSpec s;
@@ -427,6 +602,18 @@ std::optional<ModelSpec> preset(const std::string& name) {
     // Heads of 64 over a hidden of 128 (4 heads of 32 would fill it): q_proj widens, o_proj narrows.
     ModelSpec s = qwen3_like(1024, 128, 344, 4, 4, 2, 64, true);
     s.max_position_embeddings = 1024;
+    s.bos_token_id = 1019;  // examples/tiny-tokenizer: <|begin_of_text|>
+    s.eos_token_id = 1020;  // <|end_of_text|>
+    return s;
+  }
+  if (name == "tiny-gemma3") {
+    // Heads of 64 over a hidden of 128, a window of 32 on the first and third layers, and an
+    // attention scale (48^-0.5) that is not head_dim's.
+    ModelSpec s = gemma3_like(1024, 128, 344, 4, 4, 2, 64);
+    s.max_position_embeddings = 1024;
+    s.query_pre_attn_scalar = 48.0;
+    s.sliding_window = 32;
+    s.sliding_layers = {true, false, true, false};
     s.bos_token_id = 1019;  // examples/tiny-tokenizer: <|begin_of_text|>
     s.eos_token_id = 1020;  // <|end_of_text|>
     return s;
@@ -486,6 +673,16 @@ std::optional<ModelSpec> preset(const std::string& name) {
     s.torch_dtype = "bfloat16";
     return s;
   }
+  if (name == "gemma-3-270m" || name == "gemma-3-1b") {
+    // google/gemma-3-270m and google/gemma-3-1b-pt.
+    ModelSpec s = name == "gemma-3-1b" ? gemma3_like(262144, 1152, 6912, 26, 4, 1, 256)
+                                       : gemma3_like(262144, 640, 2048, 18, 4, 1, 256);
+    s.bos_token_id = 2;
+    s.eos_token_id = 1;
+    s.pad_token_id = 0;
+    s.torch_dtype = "bfloat16";
+    return s;
+  }
   if (name == "gpt2") {
     ModelSpec s = gpt2_like(50257, 768, 12, 12, 1024);
     s.bos_token_id = 50256;
@@ -496,8 +693,8 @@ std::optional<ModelSpec> preset(const std::string& name) {
 }
 
 std::vector<std::string> preset_names() {
-  return {"tiny-llama", "tiny-gpt2",  "tiny-qwen3", "llama-3.2-1b", "llama-3-8b",
-          "mistral-7b", "qwen2-0.5b", "qwen3-0.6b", "qwen3-8b",     "gpt2"};
+  return {"tiny-llama", "tiny-gpt2",  "tiny-qwen3", "tiny-gemma3",  "llama-3.2-1b", "llama-3-8b",  "mistral-7b",
+          "qwen2-0.5b", "qwen3-0.6b", "qwen3-8b",   "gemma-3-270m", "gemma-3-1b",   "gpt2"};
 }
 
 int64_t parameter_count(const ModelSpec& s) {
@@ -510,7 +707,8 @@ int64_t parameter_count(const ModelSpec& s) {
   }
   const int64_t q = s.q_dim(), kv = s.kv_dim();
   per_layer = 2 * C + C * q + 2 * C * kv + q * C + 3 * C * F + (s.attention_bias ? q + 2 * kv : 0) +
-              (s.o_proj_bias() ? C : 0) + (s.mlp_bias ? 2 * F + C : 0) + (s.qk_norm ? 2 * s.head_dim : 0);
+              (s.o_proj_bias() ? C : 0) + (s.mlp_bias ? 2 * F + C : 0) + (s.qk_norm ? 2 * s.head_dim : 0) +
+              (s.sandwich_norms ? 2 * C : 0);
   return V * C + s.num_layers * per_layer + C + (s.tie_word_embeddings ? 0 : V * C);
 }
 

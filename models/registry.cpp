@@ -13,7 +13,10 @@ std::map<std::string, ArchitectureBuilder>& table() {
   static std::map<std::string, ArchitectureBuilder> t = [] {
     std::map<std::string, ArchitectureBuilder> m;
     for (const Family& f : builtin_families()) {
-      const ArchitectureBuilder build = std::string(f.model_type) == "gpt2" ? make_gpt2 : make_llama;
+      const std::string type = f.model_type;
+      const ArchitectureBuilder build = type == "gpt2"                               ? make_gpt2
+                                        : type == "gemma" || type == "gemma3_text" ? make_gemma
+                                                                                   : make_llama;
       m[f.model_type] = build;
       m[f.architecture] = build;
     }

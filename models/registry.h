@@ -32,5 +32,6 @@ struct ArchitectureRegistrar {
 // Built-in families (models/arch/), registered on first use of the registry.
 std::unique_ptr<CausalLM> make_llama(const ModelSpec& spec);
 std::unique_ptr<CausalLM> make_gpt2(const ModelSpec& spec);
+std::unique_ptr<CausalLM> make_gemma(const ModelSpec& spec);
 
 }  // namespace memtune::models

@@ -24,7 +24,7 @@ void add_init_model_command(CLI::App& app) {
   };
   auto a = std::make_shared<A>();
   auto* arch = cmd->add_option("--arch", a->arch,
-                                "the family of the tiny preset (llama, gpt2, qwen3), or a registered architecture "
+                                "the family of the tiny preset (llama, gpt2, qwen3, gemma3_text), or a registered architecture "
                                 "name to build from the preset's shape")
                    ->capture_default_str();
   auto* preset = cmd->add_option("--preset", a->preset, "tiny, or a preset name (tiny-llama, llama-3.2-1b, gpt2, ...)")
@@ -47,10 +47,13 @@ void add_init_model_command(CLI::App& app) {
       std::string name = a->preset;
       if (name == "tiny") {
         const std::string f = family.value_or("llama");
-        MEMTUNE_CHECK(f == "llama" || f == "gpt2" || f == "qwen3", "--arch ", a->arch, ": there is no tiny ", f,
-                      " preset (tiny-llama, tiny-gpt2, tiny-qwen3); name a ", f, " preset (",
-                      f == "mistral" ? "mistral-7b" : "qwen2-0.5b", ") or write its config.json and pass --config");
-        name = "tiny-" + f;
+        MEMTUNE_CHECK(f == "llama" || f == "gpt2" || f == "qwen3" || f == "gemma3_text", "--arch ", a->arch,
+                      ": there is no tiny ", f, " preset (tiny-llama, tiny-gpt2, tiny-qwen3, tiny-gemma3); ",
+                      f == "mistral" ? "name a mistral preset (mistral-7b) or "
+                      : f == "qwen2" ? "name a qwen2 preset (qwen2-0.5b) or "
+                                     : "",
+                      "write its config.json and pass --config");
+        name = f == "gemma3_text" ? "tiny-gemma3" : "tiny-" + f;
       }
       spec = models::preset(name);
       MEMTUNE_CHECK(spec.has_value(), "--preset '", a->preset, "' is not a preset");

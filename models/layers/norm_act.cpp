@@ -312,7 +312,102 @@ struct GeluTanhFunction : public torch::autograd::Function<GeluTanhFunction> {
   }
 };
 
+// Gemma's RMSNorm in 16-bit dtypes (fp32 takes rms_norm with 1 + weight, the same values):
+// the normalised rows times (1 + weight) in fp32, rounded once, as GemmaRMSNorm. Keeps x
+// and one fp32 value per row; the backward rebuilds the normalised rows.
+struct GemmaRmsNormFunction : public torch::autograd::Function<GemmaRmsNormFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, double eps) {
+    at::Tensor h = x.to(at::kFloat);
+    at::Tensor rstd = h.square().mean(-1, true).add_(eps).rsqrt_();  // (..., 1) fp32
+    at::Tensor y = (h * rstd).mul_(weight.to(at::kFloat) + 1.0).to(x.scalar_type());
+    ctx->save_for_backward({x, weight, rstd});
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1], &rstd = saved[2];
+    const at::Tensor g = grads[0].to(at::kFloat);
+    at::Tensor n = x.to(at::kFloat) * rstd;  // the normalised rows, rebuilt
+    at::Tensor grad_weight;
+    if (ctx->needs_input_grad(1)) grad_weight = (g * n).reshape({-1, x.size(-1)}).sum(0).to(weight.scalar_type());
+    at::Tensor grad_x;
+    if (ctx->needs_input_grad(0)) {
+      // dx = rstd * (dn - n * mean(dn * n)) with dn = gy * (1 + weight), in fp32.
+      at::Tensor dn = g * (weight.to(at::kFloat) + 1.0);
+      at::Tensor dot = (dn * n).mean(-1, true);
+      grad_x = dn.sub_(n.mul_(dot)).mul_(rstd).to(x.scalar_type());
+    }
+    return {grad_x, grad_weight, at::Tensor()};
+  }
+};
+
+// GeGLU, gelu(gate) * up, as one node that keeps gate and up (autograd's chain would keep
+// gelu(gate) as well). fp32 CPU tensors with tanh's approximation take memtune's GELU kernels;
+// the rest ATen's gelu, rounded to the dtype as transformers' act_fn(gate) * up rounds it.
+struct GegluFunction : public torch::autograd::Function<GegluFunction> {
+  static bool cpu_kernels(const at::Tensor& gate, const at::Tensor& up, bool tanh) {
+    return tanh && gate.device().is_cpu() && gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat &&
+           gate.sizes() == up.sizes();
+  }
+
+  static at::Tensor activation(const at::Tensor& gate, bool tanh) {
+    if (!cpu_kernels(gate, gate, tanh)) return at::gelu(gate, tanh ? "tanh" : "none");
+    const at::Tensor g = gate.contiguous();
+    at::Tensor y = at::empty_like(g);
+    const float* gp = g.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, g.numel(), kElementsPerTask, [&](int64_t begin, int64_t end) {
+      detail::gelu_tanh_forward(gp + begin, yp + begin, end - begin);
+    });
+    return y;
+  }
+
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up, bool tanh) {
+    ctx->save_for_backward({gate, up});
+    ctx->saved_data["tanh"] = tanh;
+    return activation(gate, tanh).mul_(up);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &gate = saved[0], &up = saved[1];
+    const bool tanh = ctx->saved_data["tanh"].toBool();
+    const at::Tensor gy = grads[0].to(gate.scalar_type());
+    at::Tensor grad_up;
+    if (ctx->needs_input_grad(1)) grad_up = activation(gate, tanh).mul_(gy);
+    at::Tensor grad_gate;
+    if (ctx->needs_input_grad(0)) {
+      at::Tensor d = gy * up;
+      if (cpu_kernels(gate, up, tanh)) {
+        const at::Tensor g = gate.contiguous(), dc = d.contiguous();
+        grad_gate = at::empty_like(g);
+        const float *gp = g.data_ptr<float>(), *dp = dc.data_ptr<float>();
+        float* out = grad_gate.data_ptr<float>();
+        at::parallel_for(0, g.numel(), kElementsPerTask, [&](int64_t begin, int64_t end) {
+          detail::gelu_tanh_backward(gp + begin, dp + begin, out + begin, end - begin);
+        });
+      } else {
+        grad_gate = at::gelu_backward(d, gate, tanh ? "tanh" : "none");
+      }
+    }
+    return {grad_gate, grad_up, at::Tensor()};
+  }
+};
+
 }  // namespace
+
+at::Tensor gemma_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  MEMTUNE_PROFILE_SCOPE("memtune::rms_norm");
+  // In fp32, (1 + weight) times the normalised rows is rms_norm's product with one rounding.
+  if (x.scalar_type() == at::kFloat) return RmsNormFunction::apply(x, weight.to(at::kFloat) + 1.0, eps);
+  return GemmaRmsNormFunction::apply(x, weight, eps);
+}
+
+at::Tensor geglu(const at::Tensor& gate, const at::Tensor& up, bool tanh_approximation) {
+  MEMTUNE_PROFILE_SCOPE("memtune::geglu");
+  return GegluFunction::apply(gate, up, tanh_approximation);
+}
 
 at::Tensor gelu_tanh(const at::Tensor& x, bool as_written) {
   MEMTUNE_PROFILE_SCOPE("memtune::gelu");

@@ -15,6 +15,14 @@ namespace memtune::models {
 // statistics in fp32. Keeps x and one fp32 value per row.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
+// Gemma's RMSNorm (GemmaRMSNorm, Gemma3RMSNorm): (x / sqrt(mean(x^2) + eps)) * (1 + weight)
+// in fp32, rounded once to x's dtype. Keeps x and one fp32 value per row.
+at::Tensor gemma_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// Gemma's GeGLU, gelu(gate) * up in their dtype: GELU with tanh's approximation
+// (gelu_pytorch_tanh) or exact (gelu). Keeps gate and up; gelu(gate) is rebuilt in backward.
+at::Tensor geglu(const at::Tensor& gate, const at::Tensor& up, bool tanh_approximation);
+
 // silu(gate) * up, in their dtype. Keeps gate and up; silu(gate) is rebuilt in backward.
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
 
@@ -41,5 +49,10 @@ inline int64_t swiglu_backward_transient(int64_t rows, int64_t width, int64_t el
   return cuda_kernel || elem_bytes == 4 ? 2 * rows * width * elem_bytes : 3 * rows * width * 4;
 }
 inline int64_t gelu_backward_transient(int64_t rows, int64_t width) { return rows * width * 4; }
+// GeGLU's backward at its widest: gy * up, gate's gradient and up's (gelu(gate) rebuilt), in
+// the dtype.
+inline int64_t geglu_backward_transient(int64_t rows, int64_t width, int64_t elem_bytes) {
+  return 3 * rows * width * elem_bytes;
+}
 
 }  // namespace memtune::models

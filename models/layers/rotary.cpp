@@ -1,5 +1,8 @@
 #include "models/layers/rotary.h"
 
+#include <algorithm>
+#include <cmath>
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -120,6 +123,52 @@ at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Te
   MEMTUNE_INTERNAL_ASSERT(cos.numel() == x.size(0) * x.size(1) * x.size(3) && sin.sizes() == cos.sizes(),
               "rotary: cos/sin ", cos.sizes(), " do not match x ", x.sizes());
   return RotaryFunction::apply(x, cos, sin);
+}
+
+at::Tensor rope_inv_freq(int64_t head_dim, double theta, const RopeScaling& r) {
+  const int64_t d = head_dim;
+  at::Tensor inv = 1.0 / at::pow(theta, at::arange(0, d, 2, at::kFloat) / static_cast<double>(d));
+  if (r.type == "linear") return inv / r.factor;
+  // dynamic (NTK): transformers scales the base by (factor * L / max_position_embeddings -
+  // (factor - 1))^(d / (d - 2)) for L = max(longest sequence, max_position_embeddings): 1 up
+  // to max_position_embeddings, past which layer_context refuses the batch.
+  if (r.type == "dynamic") return inv;
+  if (r.type == "llama3") {
+    const double old_len = static_cast<double>(r.original_max_position_embeddings);
+    const double low_wavelen = old_len / r.low_freq_factor;
+    const double high_wavelen = old_len / r.high_freq_factor;
+    at::Tensor wavelen = 2.0 * M_PI / inv;
+    at::Tensor scaled = at::where(wavelen > low_wavelen, inv / r.factor, inv);
+    at::Tensor smooth = (old_len / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor);
+    at::Tensor smoothed = (1 - smooth) * scaled / r.factor + smooth * scaled;
+    at::Tensor medium = (wavelen >= high_wavelen).logical_and(wavelen <= low_wavelen);
+    return at::where(medium, smoothed, scaled);
+  }
+  if (r.type == "yarn") {
+    // Dimensions that rotate more than beta_fast times over the original context keep their
+    // frequency, those under beta_slow are divided by the factor, a linear ramp between.
+    const double orig = static_cast<double>(r.original_max_position_embeddings);
+    auto correction_dim = [&](double rotations) {
+      return static_cast<double>(d) * std::log(orig / (rotations * 2 * M_PI)) / (2 * std::log(theta));
+    };
+    double low = correction_dim(r.beta_fast), high = correction_dim(r.beta_slow);
+    if (r.truncate) low = std::floor(low), high = std::ceil(high);
+    low = std::max(low, 0.0);
+    high = std::min(high, static_cast<double>(d - 1));
+    if (low == high) high += 0.001;
+    at::Tensor ramp = ((at::arange(d / 2, at::kFloat) - low) / (high - low)).clamp(0, 1);
+    at::Tensor keep = 1 - ramp;  // 1: extrapolate (original frequency), 0: interpolate
+    return inv / r.factor * (1 - keep) + inv * keep;
+  }
+  return inv;
+}
+
+double rope_attention_factor(const RopeScaling& r) {
+  if (r.type != "yarn") return 1.0;
+  if (r.attention_factor) return *r.attention_factor;
+  auto mscale = [&](double m) { return r.factor <= 1 ? 1.0 : 0.1 * m * std::log(r.factor) + 1.0; };
+  if (r.mscale != 0 && r.mscale_all_dim != 0) return mscale(r.mscale) / mscale(r.mscale_all_dim);
+  return mscale(1.0);
 }
 
 }  // namespace memtune::models

@@ -5,11 +5,22 @@
 // products, a negation, a concatenation, a sum) and as many backward; here one pass each
 // way on the CPU (fp32) and on CUDA (fp32, fp16, bf16: models/layers/cuda/), and nothing
 // of x is kept (the rotation's backward needs cos and sin only).
+#include <cstdint>
+
 #include <ATen/core/Tensor.h>
+
+#include "models/model_spec.h"
 
 namespace memtune::models {
 
 // x (B,T,H,D), cos and sin (B,T,1,D) or (B,T,D), D even. Returns (B,T,H,D) in x's dtype.
 at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+// The (head_dim / 2) fp32 inverse frequencies of base `theta` after `scaling` (linear,
+// llama3, yarn; dynamic within max_position_embeddings is the plain embedding), as
+// transformers' rope init functions compute them.
+at::Tensor rope_inv_freq(int64_t head_dim, double theta, const RopeScaling& scaling);
+// The scale of cos and sin (yarn's attention factor; 1 otherwise), transformers' attention_scaling.
+double rope_attention_factor(const RopeScaling& scaling);
 
 }  // namespace memtune::models

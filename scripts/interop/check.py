@@ -48,6 +48,14 @@ FAMILIES = {
     # q, k, v and o.
     "qwen3": dict(BASE_LLAMA, model_type="qwen3", head_dim=32, attention_bias=True, use_sliding_window=False,
                   tie_word_embeddings=True),
+    # Gemma: (1 + weight) norms, sqrt(hidden)-scaled embeddings, GeGLU, heads of 32 over a hidden
+    # of 64. Gemma 3 adds q and k norms, four norms a layer, a sliding layer (window 4) with its own
+    # rotary base beside a full one with linear scaling, and an attention scale of 24^-0.5.
+    "gemma": dict(BASE_LLAMA, model_type="gemma", head_dim=32, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True),
+    "gemma3": dict(BASE_LLAMA, model_type="gemma3_text", head_dim=32, hidden_activation="gelu_pytorch_tanh",
+                   query_pre_attn_scalar=24, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                   rope_scaling={"rope_type": "linear", "factor": 2.0}, rope_local_base_freq=20000.0,
+                   tie_word_embeddings=True),
     "gpt2": dict(model_type="gpt2", vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256,
                  bos_token_id=1019, eos_token_id=EOS),
 }
@@ -57,6 +65,7 @@ SAVES = {
     "gpt2": [("fp32", None), ("fp16", None), ("bf16", "100KB")],
     "qwen2": [("fp32", None), ("bf16", "100KB")],
     "qwen3": [("fp32", None), ("bf16", "100KB")],
+    "gemma3": [("fp32", None), ("bf16", "100KB")],
 }
 PROMPT = "The old lighthouse keeper"
 # llm_int8_skip_modules: module names and pattern lists whose matching transformers' own
@@ -884,7 +893,7 @@ class Check:
                     if want("hf->mt") or (dtype, shard) == ("fp32", None):
                         self.hf_writes(family, dtype, shard)
         if want("bf16"):
-            for family in ("llama", "gpt2", "qwen2", "qwen3", "mistral"):
+            for family in ("llama", "gpt2", "qwen2", "qwen3", "mistral", "gemma", "gemma3"):
                 self.bf16_models(family)
         if want("tokenizer"):
             self.tokenizer_check()
@@ -904,6 +913,8 @@ class Check:
             self.adapters("lora-qwen2-rslora", "qwen2", {"target_modules": ["q_proj", "v_proj", "down_proj"],
                                                          "use_rslora": True})
             self.adapters("qlora-qwen3", "qwen3", {"target_modules": "all-linear"}, quantized=True)
+            self.adapters("qlora-gemma3", "gemma3", {"target_modules": "all-linear"}, quantized=True)
+            self.adapters("lora-gemma", "gemma", {"target_modules": ["q_proj", "v_proj", "down_proj"]})
             self.adapters("lora-llama-bias-layers", "llama-bias", {"target_modules": "all-linear",
                                                                    "layers_to_transform": [1]})
             self.adapters("qlora-mistral-regex", "mistral", {"target_modules": r".*\.(q|k|v|o)_proj"},

@@ -340,4 +340,139 @@ TEST(ModelSpecPresets, ParameterCountsArePublishedOnes) {
   }
 }
 
+// Gemma's and Gemma 3's defaults are their config classes' (transformers 5.12's GemmaConfig
+// and Gemma3TextConfig): what a config that leaves a key out means.
+TEST(ModelSpecGemma, DefaultsAreTheConfigClasses) {
+  json g3 = {{"model_type", "gemma3_text"}, {"vocab_size", 256}, {"hidden_size", 64}, {"intermediate_size", 96},
+             {"num_hidden_layers", 7}, {"num_attention_heads", 8}};
+  auto s = spec_from_hf_config(g3, "dir/config.json");
+  EXPECT_EQ(s.architecture, "Gemma3ForCausalLM");
+  EXPECT_EQ(s.num_kv_heads, 4);
+  EXPECT_EQ(s.head_dim, 256);
+  EXPECT_EQ(s.max_position_embeddings, 131072);
+  EXPECT_DOUBLE_EQ(s.norm_eps, 1e-6);
+  EXPECT_TRUE(s.tie_word_embeddings);
+  EXPECT_EQ(s.hidden_act, "gelu_pytorch_tanh");
+  EXPECT_TRUE(s.gemma_norm && s.scale_embeddings && s.sandwich_norms && s.qk_norm);
+  EXPECT_DOUBLE_EQ(s.query_pre_attn_scalar.value_or(0), 256);
+  EXPECT_EQ(s.sliding_window.value_or(0), 4096);
+  // sliding_window_pattern 6: every sixth layer full.
+  EXPECT_EQ(s.sliding_layers, (std::vector<bool>{true, true, true, true, true, false, true}));
+  EXPECT_EQ(s.layer_window(5), 0);
+  EXPECT_EQ(s.layer_window(6), 4096);
+  EXPECT_DOUBLE_EQ(s.rope_theta, 1e6);
+  EXPECT_DOUBLE_EQ(s.local_rope_theta, 1e4);
+  EXPECT_EQ(s.pad_token_id.value_or(-1), 0);
+  g3["sliding_window_pattern"] = 2;
+  EXPECT_EQ(spec_from_hf_config(g3, "dir/config.json").sliding_layers,
+            (std::vector<bool>{true, false, true, false, true, false, true}));
+  g3["pad_token_id"] = nullptr;
+  EXPECT_FALSE(spec_from_hf_config(g3, "dir/config.json").pad_token_id.has_value());
+
+  json g = small("gemma");
+  g.erase("num_key_value_heads");
+  g["num_attention_heads"] = 16;
+  s = spec_from_hf_config(g, "dir/config.json");
+  EXPECT_EQ(s.architecture, "GemmaForCausalLM");
+  EXPECT_EQ(s.num_kv_heads, 16);
+  EXPECT_EQ(s.head_dim, 256);
+  EXPECT_EQ(s.max_position_embeddings, 8192);
+  EXPECT_TRUE(s.tie_word_embeddings && s.gemma_norm && s.scale_embeddings);
+  EXPECT_FALSE(s.sandwich_norms || s.qk_norm || s.query_pre_attn_scalar || s.sliding_window);
+  EXPECT_DOUBLE_EQ(s.rope_theta, 1e4);
+  EXPECT_EQ(s.hidden_act, "gelu_pytorch_tanh");
+  g["hidden_act"] = "gelu";  // the exact GELU, which transformers 5 computes for Google's Gemma 1 configs
+  EXPECT_EQ(spec_from_hf_config(g, "dir/config.json").hidden_act, "gelu");
+  // The architecture alone names the family.
+  g.erase("model_type");
+  g["architectures"] = {"Gemma3ForCausalLM"};
+  EXPECT_EQ(spec_from_hf_config(g, "dir/config.json").model_type, "gemma3_text");
+}
+
+// transformers 5's nested rope_parameters and the older top-level keys read alike, and what
+// memtune writes reads back as the same model.
+TEST(ModelSpecGemma, RopeFormsAndRoundTrip) {
+  json top = small("gemma3_text");
+  top["rope_theta"] = 5e5;
+  top["rope_local_base_freq"] = 2e4;
+  top["rope_scaling"] = {{"rope_type", "linear"}, {"factor", 8.0}};
+  top["layer_types"] = {"full_attention", "sliding_attention"};
+  top["sliding_window"] = 512;
+  top["query_pre_attn_scalar"] = 24;
+  json nested = small("gemma3_text");
+  nested["rope_parameters"] = {
+      {"full_attention", {{"rope_type", "linear"}, {"factor", 8.0}, {"rope_theta", 5e5}}},
+      {"sliding_attention", {{"rope_type", "default"}, {"rope_theta", 2e4}}}};
+  nested["layer_types"] = top["layer_types"];
+  nested["sliding_window"] = 512;
+  nested["query_pre_attn_scalar"] = 24;
+  for (const json& c : {top, nested}) {
+    const auto s = spec_from_hf_config(c, "dir/config.json");
+    for (const auto& t : {s, spec_from_hf_config(spec_to_hf_config(s), "dir/config.json")}) {
+      EXPECT_DOUBLE_EQ(t.rope_theta, 5e5);
+      EXPECT_DOUBLE_EQ(t.local_rope_theta, 2e4);
+      EXPECT_EQ(t.rope_scaling.type, "linear");
+      EXPECT_DOUBLE_EQ(t.rope_scaling.factor, 8.0);
+      EXPECT_EQ(t.sliding_layers, (std::vector<bool>{false, true}));
+      EXPECT_EQ(t.sliding_window.value_or(0), 512);
+      EXPECT_DOUBLE_EQ(t.query_pre_attn_scalar.value_or(0), 24);
+      EXPECT_EQ(t.head_dim, 256);
+      EXPECT_EQ(t.hidden_act, "gelu_pytorch_tanh");
+      EXPECT_EQ(t.pad_token_id.value_or(-1), 0);
+    }
+  }
+  // A model without a padding index writes null, which reads back as none (absent is 0).
+  json no_pad = small("gemma");
+  no_pad["pad_token_id"] = nullptr;
+  const json written = spec_to_hf_config(spec_from_hf_config(no_pad, "dir/config.json"));
+  EXPECT_TRUE(written.contains("pad_token_id") && written["pad_token_id"].is_null());
+  EXPECT_EQ(written["hidden_activation"], "gelu_pytorch_tanh");  // what transformers 4 read
+}
+
+// What transformers computes otherwise (soft-capping, bidirectional attention), cannot build,
+// or reads differently by version is refused by name.
+TEST(ModelSpecGemma, RefusesWhatItCannotHonour) {
+  auto refused = [](json c, const char* key, const json& value, const char* says) {
+    c[key] = value;
+    const std::string e = error_of(c);
+    EXPECT_NE(e.find("dir/config.json"), std::string::npos) << key << ": " << e;
+    EXPECT_NE(e.find(says), std::string::npos) << key << ": " << e;
+  };
+  const json g3 = small("gemma3_text"), g = small("gemma");
+  refused(g3, "final_logit_softcapping", 30.0, "final_logit_softcapping 30.0 (tanh soft-capping");
+  refused(g3, "attn_logit_softcapping", 50.0, "attn_logit_softcapping");
+  refused(g, "use_bidirectional_attention", true, "use_bidirectional_attention true");
+  refused(g3, "model_type", "gemma3", "Gemma3ForConditionalGeneration");
+  refused(g3, "hidden_activation", "silu", "hidden_activation 'silu' is not supported");
+  refused(g, "hidden_activation", "gelu", "disagree");
+  refused(g3, "layer_types", {"full_attention"}, "layer_types must be a list of num_hidden_layers (2)");
+  refused(g3, "layer_types", {"full_attention", "chunked_attention"}, "layer_types[1] is \"chunked_attention\"");
+  refused(g3, "num_attention_heads", 3, "not a multiple of num_attention_heads 3");
+  refused(g3, "rope_scaling", {{"type", "linear"}, {"factor", 8.0}}, "transformers 5's Gemma 3 ignores");
+  refused(g3, "rope_parameters", {{"rope_type", "linear"}, {"factor", 8.0}}, "keyed by layer type");
+  refused(g3, "rope_parameters", {{"sliding_attention", {{"rope_type", "linear"}, {"factor", 2.0}}}},
+          "sliding_attention has rope_type 'linear'");
+  json windowless = g3;
+  windowless["layer_types"] = {"sliding_attention", "full_attention"};
+  refused(windowless, "sliding_window", nullptr, "sliding_window is null");
+  windowless["layer_types"] = {"full_attention", "full_attention"};
+  windowless["sliding_window"] = nullptr;
+  EXPECT_EQ(error_of(windowless), "");
+}
+
+// Gemma 3 270M and 1B against their model cards: 270M as 170M of embedding and 100M of
+// transformer blocks, 1B as 1.0B.
+TEST(ModelSpecPresets, GemmaCountsAreTheModelCards) {
+  using memtune::models::parameter_count;
+  using memtune::models::preset;
+  const auto small3 = *preset("gemma-3-270m"), one = *preset("gemma-3-1b");
+  const int64_t embedding = small3.vocab_size * small3.hidden_size;
+  EXPECT_NEAR(static_cast<double>(embedding) / 1e6, 170, 3);
+  EXPECT_NEAR(static_cast<double>(parameter_count(small3) - embedding) / 1e6, 100, 1);
+  EXPECT_NEAR(static_cast<double>(parameter_count(one)) / 1e9, 1.0, 0.005);
+  EXPECT_EQ(one.sliding_layers.size(), 26u);
+  EXPECT_FALSE(one.sliding_layers[5]);
+  EXPECT_TRUE(one.sliding_layers[6]);
+}
+
 }  // namespace

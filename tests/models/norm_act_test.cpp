@@ -1,5 +1,5 @@
-// The fused RMSNorm, SwiGLU and GELU nodes against the same math as chains of ATen ops under
-// autograd (the form of Hugging Face's LlamaRMSNorm and LlamaMLP).
+// The fused RMSNorm, SwiGLU, GELU and GeGLU nodes against the same math as chains of ATen ops
+// under autograd (the form of Hugging Face's LlamaRMSNorm, LlamaMLP, GemmaRMSNorm, GemmaMLP).
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -256,6 +256,79 @@ TEST(Swiglu, Bf16IsAutogradsChainToTheBit) {
     if (up_grad) EXPECT_TRUE(at::equal(up.grad(), ur.grad())) << "grad up";
     else EXPECT_FALSE(up.grad().defined());
   }
+}
+
+// Gemma's RMSNorm against GemmaRMSNorm's own chain (the normalised rows times 1 + weight in
+// fp32, rounded once): bit for bit in bf16, forward and both gradients; in fp32 (memtune's
+// RMSNorm kernels with 1 + weight) to rounding, against the chain in fp64.
+at::Tensor hf_gemma_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  const at::ScalarType up = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor h = x.to(up);
+  h = h * at::rsqrt(h.pow(2).mean(-1, true) + eps);
+  return (h * (1.0 + w.to(up))).to(x.scalar_type());
+}
+
+TEST(GemmaRmsNorm, IsGemmasChainInBf16ToTheBitAndInFp32ToRounding) {
+  torch::manual_seed(11);
+  for (bool weight_grad : {false, true}) {
+    SCOPED_TRACE(weight_grad ? "weight trained" : "weight frozen");
+    const at::Tensor x0 = at::randn({3, 5, 48}) * 3, w0 = at::rand({48}) * 0.8 - 0.4, g0 = at::randn({3, 5, 48});
+    {
+      at::Tensor x = x0.to(at::kBFloat16).requires_grad_(true), w = w0.to(at::kBFloat16).requires_grad_(weight_grad);
+      at::Tensor xr = x0.to(at::kBFloat16).requires_grad_(true), wr = w0.to(at::kBFloat16).requires_grad_(weight_grad);
+      at::Tensor y = memtune::models::gemma_rms_norm(x, w, 1e-6), yr = hf_gemma_rms_norm(xr, wr, 1e-6);
+      // The Llama norm's rounding (before the weight) differs somewhere: the test tells them apart.
+      EXPECT_FALSE(at::equal(y, hf_rms_norm(x0.to(at::kBFloat16), (w0 + 1).to(at::kBFloat16), 1e-6)));
+      EXPECT_TRUE(at::equal(y, yr)) << "bf16 forward";
+      y.backward(g0.to(at::kBFloat16));
+      yr.backward(g0.to(at::kBFloat16));
+      // Gradients: the same math in fp32, rounded once (autograd's chain rounds each step to
+      // bf16 where it meets a bf16 tensor), so within bf16's rounding of it.
+      expect_close(x.grad().to(at::kFloat), xr.grad().to(at::kFloat), 2e-2, "bf16 grad x");
+      if (weight_grad) expect_close(w.grad().to(at::kFloat), wr.grad().to(at::kFloat), 2e-2, "bf16 grad w");
+    }
+    at::Tensor x = x0.clone().requires_grad_(true), w = w0.clone().requires_grad_(weight_grad);
+    at::Tensor xr = x0.to(at::kDouble).requires_grad_(true), wr = w0.to(at::kDouble).requires_grad_(weight_grad);
+    at::Tensor y = memtune::models::gemma_rms_norm(x, w, 1e-6), yr = hf_gemma_rms_norm(xr, wr, 1e-6);
+    expect_close(y.to(at::kDouble), yr, 1e-6, "fp32 forward");
+    y.backward(g0);
+    yr.backward(g0.to(at::kDouble));
+    expect_close(x.grad().to(at::kDouble), xr.grad(), 1e-5, "fp32 grad x");
+    if (weight_grad) expect_close(w.grad().to(at::kDouble), wr.grad(), 1e-5, "fp32 grad w");
+    else EXPECT_FALSE(w.grad().defined());
+  }
+}
+
+// GeGLU against transformers' act_fn(gate) * up under autograd: in bf16 to the bit (ATen's
+// GELU either way), in fp32 with tanh's approximation (memtune's GELU kernels) to rounding
+// against the chain in fp64; exact GELU (erf) too.
+TEST(Geglu, IsTransformersChainInBf16ToTheBitAndInFp32ToRounding) {
+  torch::manual_seed(12);
+  for (bool tanh : {true, false})
+    for (bool up_grad : {false, true}) {
+      SCOPED_TRACE(std::string(tanh ? "gelu_pytorch_tanh" : "gelu") + (up_grad ? ", up trained" : ", up frozen"));
+      const char* approximate = tanh ? "tanh" : "none";
+      const at::Tensor gate0 = at::randn({4, 6, 40}) * 3, up0 = at::randn({4, 6, 40}), g0 = at::randn({4, 6, 40});
+      {
+        at::Tensor gate = gate0.to(at::kBFloat16).requires_grad_(true), up = up0.to(at::kBFloat16).requires_grad_(up_grad);
+        at::Tensor gr = gate0.to(at::kBFloat16).requires_grad_(true), ur = up0.to(at::kBFloat16).requires_grad_(up_grad);
+        at::Tensor y = memtune::models::geglu(gate, up, tanh), yr = at::gelu(gr, approximate) * ur;
+        EXPECT_TRUE(at::equal(y, yr)) << "bf16 forward";
+        y.backward(g0.to(at::kBFloat16));
+        yr.backward(g0.to(at::kBFloat16));
+        EXPECT_TRUE(at::equal(gate.grad(), gr.grad())) << "bf16 grad gate";
+        if (up_grad) EXPECT_TRUE(at::equal(up.grad(), ur.grad())) << "bf16 grad up";
+      }
+      at::Tensor gate = gate0.clone().requires_grad_(true), up = up0.clone().requires_grad_(up_grad);
+      at::Tensor gr = gate0.to(at::kDouble).requires_grad_(true), ur = up0.to(at::kDouble).requires_grad_(up_grad);
+      at::Tensor y = memtune::models::geglu(gate, up, tanh), yr = at::gelu(gr, approximate) * ur;
+      expect_close(y.to(at::kDouble), yr, 1e-6, "fp32 forward");
+      y.backward(g0);
+      yr.backward(g0.to(at::kDouble));
+      expect_close(gate.grad().to(at::kDouble), gr.grad(), 1e-5, "fp32 grad gate");
+      if (up_grad) expect_close(up.grad().to(at::kDouble), ur.grad(), 1e-5, "fp32 grad up");
+      else EXPECT_FALSE(up.grad().defined());
+    }
 }
 
 // The share of elements of a and b (same dtype) that are equal, bit for bit.

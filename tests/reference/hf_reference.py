@@ -1,6 +1,6 @@
 #!/usr/bin/python3
 """Independent reference of Hugging Face transformers' causal-LM semantics (Llama, Mistral, Qwen2,
-Qwen3, GPT-2) and PEFT LoRA, written from the algorithms with plain torch (no transformers, no
+Qwen3, GPT-2, Gemma, Gemma 3 text) and PEFT LoRA, written from the algorithms with plain torch (no transformers, no
 safetensors package). memtune's C++ tests run it on Debian's /usr/bin/python3 (torch 1.13 +
 numpy) to make fixtures at test time and to get the values memtune must reproduce.
 
@@ -8,7 +8,9 @@ Usage (all files are safetensors unless .json):
   hf_reference.py init --arch llama|gpt2 --out DIR --seed N [--layers 2 --hidden 64 --heads 4
       --kv-heads 2 --intermediate 128 --vocab 256 --max-pos 128 --head-dim D --rope-theta 10000
       --rope-scaling JSON --rope-parameters --tie --attention-bias --mlp-bias --qwen2 --mistral
-      --qwen3 --sliding-window W --eps E --init-std S --save-dtype float32|bfloat16|float16]
+      --qwen3 --sliding-window W --eps E --init-std S --save-dtype float32|bfloat16|float16
+      --gemma --gemma3 --hidden-act gelu|gelu_pytorch_tanh --layer-types sliding,full,...
+      --query-pre-attn-scalar S --rope-local-theta T --pad-token-id P]
   hf_reference.py init-lora --model DIR --out ADAPTER_DIR --seed N [--r 4 --alpha 8
       --targets q_proj,v_proj --rslora --dora --rank-pattern JSON --alpha-pattern JSON]
   hf_reference.py make-batch --out BATCH --vocab V --seed N [--rows 2 --seq 16 --max-docs 3
@@ -36,6 +38,25 @@ Qwen3 (transformers 5's Qwen3ForCausalLM) is Llama plus q_norm / k_norm: RMSNorm
 (same eps and fp32 upcast) applied to each head's q_proj / k_proj output before RoPE;
 attention_bias puts a bias on q, k, v and o_proj; head_dim comes from the config (128 when
 absent); use_sliding_window is refused.
+
+Gemma (GemmaForCausalLM, model_type gemma) and Gemma 3 text (Gemma3ForCausalLM, gemma3_text), as
+transformers 5.12: the embedding is multiplied by sqrt(hidden_size) rounded to the weights' dtype;
+every norm is Gemma's, x / rms(x) * (1 + w) in max(fp32, dtype) rounded once at the end; the MLP is
+down(act(gate(x)) * up(x)) with act gelu_pytorch_tanh (default) or gelu (exact), read from
+hidden_act (gemma) / hidden_activation (gemma3_text); attention_bias on q/k/v/o; head_dim from the
+config (256 when absent); tie_word_embeddings defaults to true; pad_token_id (default 0, null =
+none) is nn.Embedding's padding_idx: that row gets no gradient from the lookup. Gemma's layer is
+Llama's. Gemma 3's layer: h += post_attention_layernorm(attn(input_layernorm(h))); h +=
+post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h))); q_norm / k_norm (Gemma norms over
+head_dim) before RoPE; scores scaled by query_pre_attn_scalar^-0.5 (default 256); layer_types
+(default: every sliding_window_pattern-th (6) layer full_attention, the others
+sliding_attention): sliding layers see keys q-sliding_window+1 .. q (default 4096) and use RoPE
+with rope_local_base_freq (default 1e4, no scaling), full layers rope_theta (default 1e6) with
+rope_scaling; or rope_parameters nested as {"full_attention": {...}, "sliding_attention": {...}}.
+Refused: logit softcapping, use_bidirectional_attention, and rope spellings transformers 5.12
+silently drops (a top-level rope_scaling with "type" but no "rope_type", a flat rope_parameters,
+a nested yarn truncate). Compute in float64 keeps float64 where transformers goes through fp32
+(norms, softmax, loss), as for the other families.
 """
 import argparse
 import json
@@ -137,13 +158,23 @@ class Cfg:
         if mt is None and archs:
             mt = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                   "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                  "GPT2LMHeadModel": "gpt2"}.get(archs[0])
-        if mt not in ("llama", "mistral", "qwen2", "qwen3", "gpt2"):
+                  "GPT2LMHeadModel": "gpt2", "GemmaForCausalLM": "gemma",
+                  "Gemma3ForCausalLM": "gemma3_text"}.get(archs[0])
+        if mt not in ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma", "gemma3_text"):
             raise ValueError(f"unsupported model_type {mt!r} (architectures {archs})")
         self.model_type = mt
         self.family = "gpt2" if mt == "gpt2" else "llama"
-        # Qwen3Attention: RMSNorm(head_dim) on each head of q_proj / k_proj output, before RoPE.
-        self.qk_norm = mt == "qwen3"
+        # Gemma / Gemma 3: the llama family's tensors (plus Gemma 3's extra norms), run by
+        # Forward.gemma; every other family leaves these off.
+        self.gemma = mt in ("gemma", "gemma3_text")
+        self.gemma3 = mt == "gemma3_text"
+        self.padding_idx = None  # nn.Embedding's padding_idx: only the Gemma path applies it
+        # Qwen3Attention / Gemma3Attention: RMSNorm(head_dim) on each head of q_proj / k_proj
+        # output, before RoPE.
+        self.qk_norm = mt in ("qwen3", "gemma3_text")
+        if self.gemma:
+            self._gemma(d)
+            return
         if self.family == "gpt2":
             self.hidden = d["n_embd"]
             self.layers = d["n_layer"]
@@ -217,6 +248,130 @@ class Cfg:
         if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
             raise ValueError("partial_rotary_factor != 1 is not supported by the reference")
         self.rope_scaling = scaling
+
+    def _gemma(self, d):
+        """GemmaConfig / Gemma3TextConfig (transformers 5.12): their defaults where keys are absent."""
+        g3 = self.gemma3
+        name = "gemma3_text" if g3 else "gemma"
+        defaults = dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216,
+                        num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+                        max_position_embeddings=131072) if g3 else \
+            dict(vocab_size=256000, hidden_size=3072, intermediate_size=24576, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=8192)
+
+        def get(key):
+            v = d.get(key)
+            return defaults[key] if v is None else v
+        self.hidden = get("hidden_size")
+        self.layers = get("num_hidden_layers")
+        self.heads = get("num_attention_heads")
+        self.kv_heads = get("num_key_value_heads")
+        self.inter = get("intermediate_size")
+        self.vocab = get("vocab_size")
+        self.max_pos = get("max_position_embeddings")
+        if self.heads % self.kv_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if g3 and self.hidden % self.heads:  # Gemma3TextConfig.validate_architecture
+            raise ValueError(f"gemma3_text: hidden_size {self.hidden} is not a multiple of "
+                             f"num_attention_heads {self.heads}")
+        self.head_dim = d.get("head_dim", 256)  # both configs: head_dim 256, not hidden / heads
+        if not isinstance(self.head_dim, int) or self.head_dim <= 0:
+            raise ValueError(f"{name} head_dim must be a positive int, got {self.head_dim!r}")
+        self.eps = d.get("rms_norm_eps", 1e-6)
+        # GemmaMLP reads hidden_act, Gemma3MLP hidden_activation (the other key is ignored).
+        act_key = "hidden_activation" if g3 else "hidden_act"
+        self.act = d.get(act_key, "gelu_pytorch_tanh")
+        if self.act not in ("gelu_pytorch_tanh", "gelu"):
+            raise ValueError(f"unsupported {act_key} {self.act!r} (gelu_pytorch_tanh or gelu)")
+        self.tie = d.get("tie_word_embeddings", True)
+        # Gemma(3)Attention: attention_bias on q, k, v AND o_proj; the MLP has no bias.
+        self.qkv_bias = self.o_bias = bool(d.get("attention_bias", False))
+        self.mlp_bias = False
+        if d.get("use_bidirectional_attention"):
+            raise ValueError(f"{name} use_bidirectional_attention is not supported by the reference")
+        # nn.Embedding(vocab, hidden, padding_idx=pad_token_id): the row's gradient from the
+        # lookup is zero (a tied lm_head still gives it one). Both configs default to 0.
+        pad = d.get("pad_token_id", 0)
+        if pad is not None:
+            if not isinstance(pad, int) or not -self.vocab <= pad < self.vocab:
+                raise ValueError(f"{name} pad_token_id {pad!r} is not a token of vocab {self.vocab}")
+            self.padding_idx = pad % self.vocab
+        if not g3:
+            self.attn_scale = self.head_dim ** -0.5
+            self.sliding_window = None
+            self.layer_types = ["full_attention"] * self.layers
+            # RotaryEmbeddingConfigMixin: rope_scaling (old spelling) wins over rope_parameters;
+            # rope_theta from the dict, else the top-level key, else 10000.
+            scaling = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
+            theta = scaling.get("rope_theta", d.get("rope_theta", 10000.0))
+            RopeSpec.fill(self, theta, scaling, self.head_dim, self.max_pos)
+            self.rope = {"full_attention": self}
+            return
+        for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if d.get(key) is not None:
+                raise ValueError(f"gemma3_text {key} is not supported by the reference")
+        self.attn_scale = float(d.get("query_pre_attn_scalar", 256)) ** -0.5
+        self.sliding_window = d.get("sliding_window", 4096)
+        lt = d.get("layer_types")
+        if lt is None:  # Gemma3TextConfig: every sliding_window_pattern-th layer is global
+            pattern = d.get("sliding_window_pattern", 6)
+            lt = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                  for i in range(self.layers)]
+        if len(lt) != self.layers or any(t not in ("sliding_attention", "full_attention") for t in lt):
+            raise ValueError(f"gemma3_text layer_types {lt!r}: want {self.layers} entries of "
+                             "sliding_attention / full_attention")
+        self.layer_types = list(lt)
+        if "sliding_attention" in lt and self.sliding_window is None:
+            raise ValueError("gemma3_text: sliding_attention layers need a sliding_window")
+        # Gemma3TextConfig.convert_rope_params_to_dict: rope_parameters is nested by layer type;
+        # the old top-level rope_scaling updates the full_attention entry, rope_theta (default 1e6)
+        # and rope_local_base_freq (default 1e4) fill full / sliding's rope_theta when absent.
+        rp = d.get("rope_parameters")
+        if rp is not None and not set(rp) <= {"full_attention", "sliding_attention"}:
+            raise ValueError("gemma3_text rope_parameters must be nested by layer type "
+                             "(full_attention / sliding_attention); transformers ignores a flat dict")
+        rp = {k: dict(v) for k, v in (rp or {}).items() if v is not None}
+        rp.setdefault("full_attention", {"rope_type": "default"})
+        rp.setdefault("sliding_attention", {"rope_type": "default"})
+        old = d.get("rope_scaling")
+        if old:
+            if "rope_type" not in old and "rope_type" in rp["full_attention"] and \
+                    old.get("type", "default") != rp["full_attention"]["rope_type"]:
+                # transformers 5.12 keeps the entry's rope_type ("default"): a top-level
+                # {"type": "linear", ...} is silently not applied.
+                raise ValueError("gemma3_text rope_scaling spells the type as 'type'; transformers "
+                                 "5.12 ignores it there (write rope_type)")
+            rp["full_attention"].update(old)
+        rp["full_attention"].setdefault("rope_theta", d.get("rope_theta", 1e6))
+        rp["sliding_attention"].setdefault("rope_theta", d.get("rope_local_base_freq", 1e4))
+        for t in ("full_attention", "sliding_attention"):
+            if rp[t].get("truncate", True) is not True:
+                # _compute_yarn_parameters reads truncate from the top level of rope_parameters,
+                # which the nested form never has: transformers 5.12 always truncates here.
+                raise ValueError(f"gemma3_text rope_parameters.{t}.truncate is ignored by transformers")
+        self.rope = {t: RopeSpec(rp[t]["rope_theta"], rp[t], self.head_dim, self.max_pos)
+                     for t in ("full_attention", "sliding_attention")}
+
+
+class RopeSpec:
+    """One RoPE's parameters (the attributes rope_inv_freq / rope_cos_sin read): a Cfg is one;
+    Gemma 3 has one per layer type."""
+
+    def __init__(self, theta, scaling, head_dim, max_pos):
+        RopeSpec.fill(self, theta, scaling, head_dim, max_pos)
+
+    @staticmethod
+    def fill(obj, theta, scaling, head_dim, max_pos):
+        obj.head_dim, obj.max_pos = head_dim, max_pos
+        obj.rope_theta = float(theta)
+        obj.rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if obj.rope_type not in ("default", "linear", "llama3", "yarn", "dynamic"):
+            raise ValueError(f"rope_type {obj.rope_type!r} is not supported by the reference")
+        if obj.rope_type in ("llama3", "yarn"):  # standardize_rope_params' default
+            scaling.setdefault("original_max_position_embeddings", max_pos)
+        if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ValueError("partial_rotary_factor != 1 is not supported by the reference")
+        obj.rope_scaling = scaling
 
 
 def load_model(model_dir):
@@ -294,6 +449,9 @@ def param_shapes(cfg):
                 s[p + f"mlp.{name}.bias"] = [out]
         s[p + "input_layernorm.weight"] = [H]
         s[p + "post_attention_layernorm.weight"] = [H]
+        if cfg.gemma3:  # Gemma3DecoderLayer's sandwich norms around the MLP
+            s[p + "pre_feedforward_layernorm.weight"] = [H]
+            s[p + "post_feedforward_layernorm.weight"] = [H]
     s["model.norm.weight"] = [H]
     if not cfg.tie:
         s["lm_head.weight"] = [V, H]
@@ -524,6 +682,24 @@ def rms_norm(x, w, eps):
     return w * h.to(dt)
 
 
+def gemma_rms_norm(x, w, eps):
+    """Gemma(3)RMSNorm: normalised and scaled by (1 + w) in max(fp32, dtype), rounded once at the
+    end (Llama's rms_norm rounds before multiplying by w)."""
+    dt = x.dtype
+    up = torch.float64 if dt == torch.float64 else torch.float32
+    h = x.to(up)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + w.to(up))).to(dt)
+
+
+def gemma_embed_scale(hidden, dtype):
+    """GemmaTextScaledWordEmbedding's factor: a 0-d buffer sqrt(hidden) (fp32; float64 in a model
+    loaded as float64) taken to the weight's dtype before the multiply: bf16 makes sqrt(3072)
+    = 55.43 into 55.5."""
+    return torch.tensor(hidden ** 0.5, dtype=torch.float64 if dtype == torch.float64
+                        else torch.float32).to(dtype)
+
+
 def gelu_new(x):
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
 
@@ -620,7 +796,58 @@ class Forward:
     def __call__(self, input_ids, position_ids, segment_ids):
         if self.cfg.family == "gpt2":
             return self.gpt2(input_ids, position_ids, segment_ids)
+        if self.cfg.gemma:
+            return self.gemma(input_ids, position_ids, segment_ids)
         return self.llama(input_ids, position_ids, segment_ids)
+
+    def gemma(self, input_ids, position_ids, segment_ids):
+        """GemmaForCausalLM / Gemma3ForCausalLM. Gemma: Llama's layer with Gemma's norm, GELU MLP
+        and sqrt(hidden)-scaled embedding. Gemma 3 adds q_norm / k_norm, a norm after attention
+        and around the MLP (both before the residual add), attention scale
+        query_pre_attn_scalar^-0.5, and per layer type its mask (sliding: keys q-W+1 .. q) and
+        RoPE (sliding: rope_local_base_freq; full: rope_theta with its scaling)."""
+        c, p = self.cfg, self.p
+        B, T = input_ids.shape
+        W = p["model.embed_tokens.weight"]
+        h = W[input_ids] if c.padding_idx is None else F.embedding(input_ids, W, c.padding_idx)
+        h = h * gemma_embed_scale(c.hidden, W.dtype)
+        act = (lambda t: F.gelu(t, approximate="tanh")) if c.act == "gelu_pytorch_tanh" else F.gelu
+        rope, masks = {}, {}
+        for t in set(c.layer_types):
+            cos, sin = rope_cos_sin(c.rope[t], position_ids, h.dtype)
+            rope[t] = cos[:, None], sin[:, None]
+            masks[t] = attention_mask(segment_ids, c.sliding_window if t == "sliding_attention" else None)
+        d, nq, nkv = c.head_dim, c.heads, c.kv_heads
+        for i in range(c.layers):
+            pre = f"model.layers.{i}."
+            cos, sin = rope[c.layer_types[i]]
+            x = gemma_rms_norm(h, p[pre + "input_layernorm.weight"], c.eps)
+            q = self.linear(pre + "self_attn.q_proj", x).view(B, T, nq, d)
+            k = self.linear(pre + "self_attn.k_proj", x).view(B, T, nkv, d)
+            if c.qk_norm:  # Gemma 3: per-head Gemma norm over head_dim, before RoPE
+                q = gemma_rms_norm(q, p[pre + "self_attn.q_norm.weight"], c.eps)
+                k = gemma_rms_norm(k, p[pre + "self_attn.k_norm.weight"], c.eps)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+            v = self.linear(pre + "self_attn.v_proj", x).view(B, T, nkv, d).transpose(1, 2)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            k, v = repeat_kv(k, nq // nkv), repeat_kv(v, nq // nkv)
+            o = attend(q, k, v, masks[c.layer_types[i]], c.attn_scale)
+            o = self.linear(pre + "self_attn.o_proj", o.transpose(1, 2).reshape(B, T, nq * d))
+            if c.gemma3:
+                o = gemma_rms_norm(o, p[pre + "post_attention_layernorm.weight"], c.eps)
+                h = h + o
+                x = gemma_rms_norm(h, p[pre + "pre_feedforward_layernorm.weight"], c.eps)
+            else:
+                h = h + o
+                x = gemma_rms_norm(h, p[pre + "post_attention_layernorm.weight"], c.eps)
+            m = self.linear(pre + "mlp.down_proj", act(self.linear(pre + "mlp.gate_proj", x)) *
+                            self.linear(pre + "mlp.up_proj", x))
+            if c.gemma3:
+                m = gemma_rms_norm(m, p[pre + "post_feedforward_layernorm.weight"], c.eps)
+            h = h + m
+        h = gemma_rms_norm(h, p["model.norm.weight"], c.eps)
+        return self.linear("lm_head", h)
 
     def llama(self, input_ids, position_ids, segment_ids):
         c, p = self.cfg, self.p
@@ -750,12 +977,13 @@ def _gen(seed):
 
 def init_params(cfg, seed, init_std=None):
     """Random weights. Default std 0.8/sqrt(fan_in) so attention is far from uniform and every
-    term matters; norm weights U(0.6, 1.4), biases N(0, 0.1)."""
+    term matters; norm weights U(0.6, 1.4) (Gemma's, which scale by 1 + w: U(-0.4, 0.4)),
+    biases N(0, 0.1)."""
     g = _gen(seed)
     out = {}
     for name, shape in param_shapes(cfg).items():
         if name.endswith("norm.weight") or re.search(r"ln_\w+\.weight$", name):
-            t = 0.6 + 0.8 * torch.rand(shape, generator=g, dtype=torch.float64)
+            t = (-0.4 if cfg.gemma else 0.6) + 0.8 * torch.rand(shape, generator=g, dtype=torch.float64)
         elif name.endswith(".bias"):
             t = 0.1 * torch.randn(shape, generator=g, dtype=torch.float64)
         else:
@@ -809,6 +1037,9 @@ def make_config(a):
     kv = a.kv_heads or (2 if heads % 2 == 0 else heads)
     head_dim = a.head_dim or a.hidden // heads
     scaling = json.loads(a.rope_scaling) if a.rope_scaling else None
+    if getattr(a, "gemma", False) or getattr(a, "gemma3", False):
+        return make_gemma_config(a, heads, kv, head_dim, scaling)
+    theta = a.rope_theta if a.rope_theta is not None else 10000.0
     kind = "qwen2" if a.qwen2 else "mistral" if a.mistral else \
         "qwen3" if getattr(a, "qwen3", False) else "llama"
     c = {
@@ -849,15 +1080,83 @@ def make_config(a):
         if a.head_dim:
             c["head_dim"] = head_dim
     if a.rope_parameters:
-        rp = {"rope_theta": a.rope_theta, "rope_type": "default"}
+        rp = {"rope_theta": theta, "rope_type": "default"}
         if scaling:
             rp.update(scaling)
             rp["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
             rp.pop("type", None)
         c["rope_parameters"] = rp
     else:
-        c["rope_theta"] = a.rope_theta
+        c["rope_theta"] = theta
         c["rope_scaling"] = scaling
+    return c
+
+
+GEMMA_LAYER_TYPES = {"sliding": "sliding_attention", "full": "full_attention",
+                     "sliding_attention": "sliding_attention", "full_attention": "full_attention"}
+
+
+def make_gemma_config(a, heads, kv, head_dim, scaling):
+    """config.json of GemmaForCausalLM (--gemma) or Gemma3ForCausalLM (--gemma3), every key the
+    forward reads written out; pad_token_id null (no padding_idx) unless --pad-token-id."""
+    g3 = bool(getattr(a, "gemma3", False))
+    if scaling:  # rope_type spelled out: Gemma3TextConfig ignores a top-level "type"
+        scaling = dict(scaling)
+        scaling["rope_type"] = scaling.pop("rope_type", scaling.pop("type", "default"))
+    act = getattr(a, "hidden_act", None) or "gelu_pytorch_tanh"
+    c = {
+        "architectures": ["Gemma3ForCausalLM" if g3 else "GemmaForCausalLM"],
+        "attention_bias": bool(a.attention_bias),
+        "attention_dropout": 0.0,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "head_dim": head_dim,
+        "hidden_activation" if g3 else "hidden_act": act,
+        "hidden_size": a.hidden,
+        "initializer_range": 0.02,
+        "intermediate_size": a.intermediate or 2 * a.hidden,
+        "max_position_embeddings": a.max_pos,
+        "model_type": "gemma3_text" if g3 else "gemma",
+        "num_attention_heads": heads,
+        "num_hidden_layers": a.layers,
+        "num_key_value_heads": kv,
+        "pad_token_id": getattr(a, "pad_token_id", None),
+        "rms_norm_eps": a.eps if a.eps is not None else 1e-6,
+        "tie_word_embeddings": bool(a.tie),
+        "torch_dtype": a.save_dtype,
+        "transformers_version": "4.50.0" if g3 else "4.46.0",
+        "use_cache": True,
+        "vocab_size": a.vocab,
+    }
+    if not g3:
+        theta = a.rope_theta if a.rope_theta is not None else 10000.0
+        if a.rope_parameters:
+            c["rope_parameters"] = dict({"rope_theta": theta, "rope_type": "default"}, **(scaling or {}))
+        else:
+            c["rope_theta"] = theta
+            c["rope_scaling"] = scaling
+        return c
+    theta = a.rope_theta if a.rope_theta is not None else 1e6
+    local = a.rope_local_theta if getattr(a, "rope_local_theta", None) is not None else 1e4
+    if getattr(a, "layer_types", None):
+        types = [GEMMA_LAYER_TYPES[t.strip()] for t in a.layer_types.split(",")]
+    else:  # Gemma3TextConfig's default pattern: every 6th layer full
+        types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(a.layers)]
+    qpas = getattr(a, "query_pre_attn_scalar", None)
+    c.update({
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+        "layer_types": types,
+        "query_pre_attn_scalar": qpas if qpas is not None else head_dim,
+        "sliding_window": a.sliding_window if a.sliding_window is not None else 4096,
+        "use_bidirectional_attention": False,
+    })
+    if a.rope_parameters:
+        c["rope_parameters"] = {
+            "full_attention": dict({"rope_theta": theta, "rope_type": "default"}, **(scaling or {})),
+            "sliding_attention": {"rope_theta": local, "rope_type": "default"}}
+    else:
+        c.update({"rope_theta": theta, "rope_scaling": scaling, "rope_local_base_freq": local})
     return c
 
 
@@ -1048,7 +1347,9 @@ class _Args:
                  vocab=40, max_pos=64, head_dim=None, rope_theta=10000.0, rope_scaling=None,
                  rope_parameters=False, tie=False, attention_bias=False, mlp_bias=False,
                  qwen2=False, mistral=False, qwen3=False, sliding_window=None, eps=None,
-                 save_dtype="float32")
+                 save_dtype="float32", gemma=False, gemma3=False, hidden_act=None,
+                 layer_types=None, query_pre_attn_scalar=None, rope_local_theta=None,
+                 pad_token_id=None)
         d.update(kw)
         self.__dict__.update(d)
 
@@ -1080,6 +1381,8 @@ def _rand_lora(cfg, targets, r, alpha, rslora, seed, tmp, dora=False):
 def naive_numpy_forward(cfg, base, ids, pos, seg, qk_norm_after_rope=False):
     """A second, loop-per-token/head numpy implementation of one row (selftest only): written
     from the definitions, sharing nothing with Forward but inv_freq."""
+    if cfg.gemma:
+        return naive_numpy_gemma_forward(cfg, base, ids, pos, seg)
     P = {k: v.double().numpy() for k, v in base.items()}
     T, H = len(ids), cfg.hidden
     nq, nkv, d = cfg.heads, cfg.kv_heads, cfg.head_dim
@@ -1164,6 +1467,82 @@ def naive_numpy_forward(cfg, base, ids, pos, seg, qk_norm_after_rope=False):
             x[t] = x[t] + lin(pre + "mlp.down_proj", g / (1 + np.exp(-g)) * u)
     head = P.get("lm_head.weight", P["model.embed_tokens.weight"])
     return np.stack([rms(x[t], P["model.norm.weight"]) @ head.T for t in range(T)])
+
+
+def naive_numpy_gemma_forward(cfg, base, ids, pos, seg):
+    """naive_numpy_forward for Gemma / Gemma 3 (one row, loops per token and head, float64),
+    from the definitions: embedding * sqrt(hidden); norm x / rms(x) * (1 + w); per layer its
+    type's RoPE (inv_freq of that type) and keys: same document, u <= t, and for sliding layers
+    u > t - sliding_window; Gemma 3's q/k norms before RoPE and norms after attention and around
+    the MLP."""
+    P = {k: v.double().numpy() for k, v in base.items()}
+    T, H = len(ids), cfg.hidden
+    nq, nkv, d = cfg.heads, cfg.kv_heads, cfg.head_dim
+    rep = nq // nkv
+
+    def norm(x, w):
+        return x / np.sqrt((x ** 2).mean() + cfg.eps) * (1.0 + w)
+
+    def gelu(x):
+        if cfg.act == "gelu":
+            return np.array([0.5 * v * (1 + math.erf(v / math.sqrt(2))) for v in x])
+        return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+
+    def rope(x, p, spec):
+        inv = rope_inv_freq(spec).double().numpy()
+        m = rope_attention_scaling(spec)
+        out = x.copy()
+        for i in range(d // 2):
+            a = p * inv[i]
+            out[i] = m * (x[i] * math.cos(a) - x[i + d // 2] * math.sin(a))
+            out[i + d // 2] = m * (x[i + d // 2] * math.cos(a) + x[i] * math.sin(a))
+        return out
+
+    def lin(name, v):
+        y = P[name + ".weight"] @ v
+        return y + P[name + ".bias"] if name + ".bias" in P else y
+
+    x = [P["model.embed_tokens.weight"][ids[t]] * math.sqrt(H) for t in range(T)]
+    for i in range(cfg.layers):
+        kind = cfg.layer_types[i]
+        spec = cfg.rope[kind]
+        window = cfg.sliding_window if kind == "sliding_attention" else None
+        a = f"model.layers.{i}.self_attn."
+        L = f"model.layers.{i}."
+        hs = [norm(x[t], P[L + "input_layernorm.weight"]) for t in range(T)]
+
+        def head(proj, t, h):
+            v = lin(a + proj, hs[t])[h * d:(h + 1) * d]
+            if proj != "v_proj" and cfg.gemma3:
+                v = norm(v, P[a + proj.replace("_proj", "_norm") + ".weight"])
+            return rope(v, pos[t], spec) if proj != "v_proj" else v
+        qs = [[head("q_proj", t, h) for h in range(nq)] for t in range(T)]
+        ks = [[head("k_proj", t, h) for h in range(nkv)] for t in range(T)]
+        vs = [[head("v_proj", t, h) for h in range(nkv)] for t in range(T)]
+        new = []
+        for t in range(T):
+            keys = [u for u in range(T) if u == t or (u <= t and seg[u] == seg[t] and seg[u] >= 0
+                                                      and (window is None or u > t - window))]
+            o = []
+            for h in range(nq):
+                sc = np.array([qs[t][h] @ ks[u][h // rep] * cfg.attn_scale for u in keys])
+                w = np.exp(sc - sc.max())
+                w /= w.sum()
+                o.append(sum(wi * vs[u][h // rep] for wi, u in zip(w, keys)))
+            y = lin(a + "o_proj", np.concatenate(o))
+            if cfg.gemma3:
+                y = norm(y, P[L + "post_attention_layernorm.weight"])
+            new.append(x[t] + y)
+        x = new
+        for t in range(T):
+            hn = norm(x[t], P[L + ("pre_feedforward_layernorm.weight" if cfg.gemma3
+                                   else "post_attention_layernorm.weight")])
+            y = lin(L + "mlp.down_proj", gelu(lin(L + "mlp.gate_proj", hn)) * lin(L + "mlp.up_proj", hn))
+            if cfg.gemma3:
+                y = norm(y, P[L + "post_feedforward_layernorm.weight"])
+            x[t] = x[t] + y
+    head_w = P.get("lm_head.weight", P["model.embed_tokens.weight"])
+    return np.stack([norm(x[t], P["model.norm.weight"]) @ head_w.T for t in range(T)])
 
 
 def selftest():
@@ -1289,6 +1668,17 @@ def selftest():
                 ("gpt2", dict(arch="gpt2", intermediate=None, kv_heads=None)),
                 ("qwen3", dict(qwen3=True)),
                 ("qwen3 head_dim 16 bias tied llama3", dict(q3, rope_scaling=sc))]
+    # Gemma: head_dim 12 != 32 / 4, exact GELU, biases; Gemma 3: window 3 < the rows' documents,
+    # sliding / full layers with their own theta, linear scaling on the full layer only,
+    # query_pre_attn_scalar 10 != head_dim.
+    gm = dict(gemma=True, head_dim=12, hidden_act="gelu", attention_bias=True)
+    g3 = dict(gemma3=True, head_dim=16, layers=3, layer_types="sliding,full,sliding",
+              sliding_window=3, query_pre_attn_scalar=10, rope_theta=None, rope_local_theta=500.0,
+              rope_scaling='{"rope_type": "linear", "factor": 2.0}', tie=True)
+    variants += [("gemma gelu head_dim 12 bias", gm),
+                 ("gemma3 window 3 sliding/full linear on full", g3),
+                 ("gemma3 nested rope_parameters untied tanh", dict(g3, rope_parameters=True, tie=False,
+                                                                    attention_bias=True))]
     batch = make_batch(3, 20, 40, seed=1)
     for name, kw in variants:
         cfg, base = _model(1, **kw)
@@ -1375,6 +1765,104 @@ def selftest():
     check("qwen3 norm-before-RoPE order matters (numpy check is sensitive)",
           close(l0[0][r0], torch.from_numpy(wrong)[r0], 1e-6)[0] > 1e-4)
 
+    # 5d. Gemma / Gemma 3: config defaults and refusals, norm, embedding scale, window, padding_idx.
+    c = Cfg({"model_type": "gemma3_text", "num_hidden_layers": 7})
+    check("gemma3_text defaults (Gemma3TextConfig)",
+          c.head_dim == 256 and c.hidden == 2304 and c.attn_scale == 256 ** -0.5 and c.tie and
+          c.padding_idx == 0 and c.act == "gelu_pytorch_tanh" and c.sliding_window == 4096 and
+          c.layer_types == ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"] and
+          c.rope["full_attention"].rope_theta == 1e6 and c.rope["sliding_attention"].rope_theta == 1e4
+          and c.max_pos == 131072 and c.kv_heads == 4)
+    c = Cfg({"model_type": "gemma3_text", "num_hidden_layers": 4, "sliding_window_pattern": 2,
+             "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "rope_theta": 5e5,
+             "rope_local_base_freq": 2e4, "hidden_activation": "gelu", "hidden_act": "silu"})
+    check("gemma3_text sliding_window_pattern, rope_scaling on full layers only, thetas",
+          c.layer_types == ["sliding_attention", "full_attention"] * 2 and c.act == "gelu" and
+          c.rope["full_attention"].rope_type == "linear" and c.rope["full_attention"].rope_theta == 5e5
+          and c.rope["sliding_attention"].rope_type == "default" and
+          c.rope["sliding_attention"].rope_theta == 2e4)
+    c = Cfg({"architectures": ["GemmaForCausalLM"], "hidden_activation": "silu"})
+    check("gemma defaults (GemmaConfig)",
+          c.model_type == "gemma" and c.head_dim == 256 and c.tie and c.padding_idx == 0 and
+          c.act == "gelu_pytorch_tanh" and c.rope_theta == 10000.0 and c.max_pos == 8192 and
+          c.kv_heads == 16 and c.attn_scale == 256 ** -0.5 and c.layer_types == ["full_attention"] * 28)
+    c = Cfg({"model_type": "gemma", "rope_theta": 7.0, "rope_parameters": {"rope_type": "linear", "factor": 2.0},
+             "rope_scaling": {"type": "linear", "factor": 3.0}})
+    check("gemma: rope_scaling wins over rope_parameters (RotaryEmbeddingConfigMixin)",
+          c.rope_type == "linear" and c.rope_scaling["factor"] == 3.0 and c.rope_theta == 7.0)
+    g3raw = make_config(_Args(**g3))
+    refused = []
+    for bad in (dict(g3raw, final_logit_softcapping=30.0), dict(g3raw, attn_logit_softcapping=50.0),
+                dict(g3raw, use_bidirectional_attention=True),
+                dict(make_config(_Args(**gm)), use_bidirectional_attention=True),
+                dict(g3raw, hidden_activation="silu"), dict(make_config(_Args(**gm)), hidden_act="gelu_new"),
+                dict(g3raw, layer_types=["full_attention"]),
+                dict(g3raw, layer_types=["full_attention", "chunked_attention", "full_attention"]),
+                dict(g3raw, sliding_window=None), dict(g3raw, num_attention_heads=3, num_key_value_heads=1),
+                dict(g3raw, rope_scaling={"type": "linear", "factor": 2.0}),
+                dict(g3raw, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
+                dict(g3raw, rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 2.0,
+                                                                "truncate": False}})):
+        try:
+            Cfg(bad)
+        except ValueError:
+            refused.append(True)
+    check("gemma configs refused: softcapping, bidirectional, activation, layer_types, window, "
+          "rope spellings transformers ignores", len(refused) == 13, f"({len(refused)}/13)")
+    check("gemma3 nested rope_parameters == top-level rope_theta/rope_scaling/rope_local_base_freq",
+          "rope_theta" not in make_config(_Args(**dict(g3, rope_parameters=True))) and all(
+              torch.equal(rope_inv_freq(Cfg(make_config(_Args(**g3))).rope[t]),
+                          rope_inv_freq(Cfg(make_config(_Args(**dict(g3, rope_parameters=True)))).rope[t]))
+              for t in ("full_attention", "sliding_attention")) and
+          Cfg(g3raw).rope["full_attention"].rope_type == "linear")
+    x = torch.randn(3, 8, dtype=torch.float64)
+    w = torch.rand(8, dtype=torch.float64) - 0.5
+    want = x / torch.sqrt((x ** 2).mean(-1, keepdim=True) + 1e-6) * (1 + w)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    once = (xb.float() * torch.rsqrt(xb.float().pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + wb.float())).bfloat16()
+    check("Gemma norm: x / rms(x) * (1 + w), bf16 rounded once at the end",
+          float((gemma_rms_norm(x, w, 1e-6) - want).abs().max()) < 1e-12 and
+          torch.equal(gemma_rms_norm(xb, wb, 1e-6), once))
+    check("Gemma embedding scale: sqrt(hidden) in the weight's dtype (bf16 sqrt(3072) = 55.5)",
+          gemma_embed_scale(3072, torch.bfloat16).item() == 55.5 and
+          gemma_embed_scale(3072, torch.float32).item() == torch.tensor(3072 ** 0.5).item() and
+          gemma_embed_scale(48, torch.float64).item() == 48 ** 0.5)
+    ids = torch.randint(0, 40, (1, 10))
+    one = {"input_ids": ids, "position_ids": torch.arange(10)[None],
+           "segment_ids": torch.zeros(1, 10, dtype=torch.long)}
+    reach = {}
+    for kind in ("sliding", "full"):
+        cfg, base = _model(15, **dict(g3, layers=1, layer_types=kind))
+        f = Forward(cfg, {k: v.double() for k, v in base.items()})
+        a0 = f(**one)
+        ids3 = ids.clone()
+        ids3[0, 4] = (ids3[0, 4] + 1) % 40
+        a1 = f(ids3, one["position_ids"], one["segment_ids"])
+        reach[kind] = (torch.equal(a0[:, 7:], a1[:, 7:]), not torch.allclose(a0[:, 6], a1[:, 6]),
+                       not torch.allclose(a0[:, 9], a1[:, 9]))
+    check("gemma3 window 3: a sliding layer's t sees t-2 .. t, a full layer sees all",
+          reach["sliding"][:2] == (True, True) and reach["full"][2])
+    pad_b = make_batch(2, 12, 40, seed=16)
+    pad_b["input_ids"][0, 2] = 5
+    grads = {}
+    for pad, tie in ((None, False), (5, False), (5, True)):
+        cfg, base = _model(17, **dict(gm, pad_token_id=pad, tie=tie))
+        grads[pad, tie] = run_forward(cfg, base, pad_b)[2]["model.embed_tokens.weight"]
+    check("gemma pad_token_id: padding_idx row gets no lookup gradient (a tied head still gives one)",
+          Cfg(make_config(_Args(**dict(gm, pad_token_id=5)))).padding_idx == 5 and
+          float(grads[None, False][5].abs().max()) > 0 and float(grads[5, False][5].abs().max()) == 0 and
+          torch.equal(grads[None, False][:5], grads[5, False][:5]) and
+          float(grads[5, True][5].abs().max()) > 0)
+    cfg, base = _model(18, **g3)
+    shapes = param_shapes(cfg)
+    check("gemma3 shapes: q/k norms (head_dim), sandwich norms, norm weights around 0",
+          shapes["model.layers.2.self_attn.q_norm.weight"] == [16] and
+          shapes["model.layers.0.pre_feedforward_layernorm.weight"] == [32] and
+          shapes["model.layers.0.post_feedforward_layernorm.weight"] == [32] and
+          shapes["model.layers.0.self_attn.q_proj.weight"] == [64, 32] and "lm_head.weight" not in shapes
+          and all(-0.4 <= float(base[k].min()) and float(base[k].max()) <= 0.4 and float(base[k].min()) < 0
+                  for k in shapes if k.endswith("norm.weight")))
+
     # 6. causality and padding: changing a later token / adding padding leaves earlier logits.
     cfg, base = _model(2)
     ids = torch.randint(0, 40, (1, 10))
@@ -1431,7 +1919,9 @@ def selftest():
             ("llama rslora", {"tie": True}, "all-linear", True),
             ("gpt2", dict(arch="gpt2", intermediate=None), ["c_attn", "c_fc", "c_proj"], False),
             ("qwen3", q3, ["q_proj", "k_proj", "o_proj", "gate_proj"], False),
-            ("qwen3 all-linear", dict(q3, tie=False), "all-linear", True)):
+            ("qwen3 all-linear", dict(q3, tie=False), "all-linear", True),
+            ("gemma3 all-linear", g3, "all-linear", False),
+            ("gemma", gm, ["q_proj", "o_proj", "up_proj", "lm_head"], True)):
         cfg, base = _model(4, **kw)
         lora = _rand_lora(cfg, targets, 3, 6.0, rs, 5, os.path.join(tmp, name.replace(" ", "_")))
         want_scale = 6.0 / math.sqrt(3) if rs else 2.0
@@ -1483,13 +1973,16 @@ def selftest():
     small = make_batch(2, 9, 40, seed=6)
     for name, kw in (("llama", dict(attention_bias=True, rope_scaling=sc, layers=1)),
                      ("gpt2", dict(arch="gpt2", intermediate=None, layers=1)),
-                     ("qwen3", dict(q3, layers=1))):
+                     ("qwen3", dict(q3, layers=1)),
+                     ("gemma", dict(gm, layers=1, pad_token_id=0)),
+                     ("gemma3", dict(g3, layers=2, layer_types="sliding,full", attention_bias=True))):
         cfg, base = _model(7, **kw)
         _, _, grads = run_forward(cfg, base, small)
         gen = torch.Generator().manual_seed(8)
         worst = 0.0
         keys = list(base)[::max(1, len(base) // 9)]
-        keys += [k for k in base if k.endswith(("q_norm.weight", "k_norm.weight", "o_proj.bias"))
+        keys += [k for k in base if k.endswith(("q_norm.weight", "k_norm.weight", "o_proj.bias",
+                                                "feedforward_layernorm.weight"))
                  and k not in keys]
         for key in keys:
             flat = base[key].double().reshape(-1)
@@ -1557,7 +2050,15 @@ def selftest():
     # 13. files written by init / init-lora load back and run through the CLI paths.
     for label, arch, extra in (("llama", "llama", ["--qwen2", "--tie"]), ("gpt2", "gpt2", []),
                                ("qwen3", "llama", ["--qwen3", "--tie", "--attention-bias",
-                                                   "--head-dim", "16"])):
+                                                   "--head-dim", "16"]),
+                               ("gemma", "llama", ["--gemma", "--hidden-act", "gelu", "--head-dim", "12",
+                                                   "--rope-parameters", "--rope-scaling",
+                                                   '{"type": "linear", "factor": 2.0}']),
+                               ("gemma3", "llama", ["--gemma3", "--layers", "3", "--layer-types",
+                                                    "sliding,full,sliding", "--sliding-window", "4",
+                                                    "--head-dim", "16", "--query-pre-attn-scalar", "12",
+                                                    "--rope-local-theta", "20000", "--tie", "--rope-scaling",
+                                                    '{"rope_type": "linear", "factor": 2.0}'])):
         mdir = os.path.join(tmp, "m_" + label)
         main(["init", "--arch", arch, "--out", mdir, "--seed", "3", "--hidden", "32",
               "--vocab", "64"] + extra)
@@ -1580,6 +2081,23 @@ def selftest():
                   mc["use_sliding_window"] is False and
                   "model.layers.0.self_attn.q_norm.weight" in load_safetensors(
                       os.path.join(mdir, "model.safetensors")))
+        if label.startswith("gemma"):
+            with open(os.path.join(mdir, "config.json")) as fh:
+                mc = json.load(fh)
+            ok = mc["pad_token_id"] is None and mc["head_dim"] == (16 if label == "gemma3" else 12)
+            if label == "gemma":
+                ok = ok and mc["model_type"] == "gemma" and mc["architectures"] == ["GemmaForCausalLM"] and \
+                    mc["hidden_act"] == "gelu" and mc["tie_word_embeddings"] is False and \
+                    mc["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "linear", "factor": 2.0}
+            else:
+                ok = ok and mc["model_type"] == "gemma3_text" and \
+                    mc["architectures"] == ["Gemma3ForCausalLM"] and \
+                    mc["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"] and \
+                    mc["sliding_window"] == 4 and mc["query_pre_attn_scalar"] == 12 and \
+                    mc["rope_theta"] == 1e6 and mc["rope_local_base_freq"] == 20000.0 and \
+                    mc["rope_scaling"] == {"rope_type": "linear", "factor": 2.0} and \
+                    mc["hidden_activation"] == "gelu_pytorch_tanh" and mc["tie_word_embeddings"] is True
+            check(f"CLI init --{label} writes a {mc['architectures'][0]} config", ok)
         check(f"CLI init/init-lora/forward ({label})",
               o["logits"].dtype == torch.float32 and o["loss"].shape == () and
               all(k.endswith(".lora_A.weight.grad") or k.endswith(".lora_B.weight.grad")
@@ -1620,10 +2138,12 @@ def main(argv=None):
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--max-pos", type=int, default=128)
     p.add_argument("--head-dim", type=int, default=None)
-    p.add_argument("--rope-theta", type=float, default=10000.0)
+    p.add_argument("--rope-theta", type=float, default=None,
+                   help="default 10000 (--gemma3: 1e6, the full_attention layers' theta)")
     p.add_argument("--rope-scaling", default=None, help='JSON, e.g. {"rope_type":"llama3",...}')
     p.add_argument("--rope-parameters", action="store_true",
-                   help="write the newer rope_parameters dict instead of rope_theta/rope_scaling")
+                   help="write the newer rope_parameters dict instead of rope_theta/rope_scaling "
+                        "(--gemma3: nested by layer type, no rope_local_base_freq)")
     p.add_argument("--tie", action="store_true")
     p.add_argument("--attention-bias", action="store_true")
     p.add_argument("--mlp-bias", action="store_true")
@@ -1632,7 +2152,28 @@ def main(argv=None):
     p.add_argument("--qwen3", action="store_true",
                    help="Qwen3ForCausalLM: q_norm/k_norm, --attention-bias on q/k/v/o, "
                         "head_dim always written")
-    p.add_argument("--sliding-window", type=int, default=None)
+    p.add_argument("--gemma", action="store_true",
+                   help="GemmaForCausalLM: Gemma norm (1 + w), sqrt(hidden)-scaled embedding, "
+                        "GELU MLP, --attention-bias on q/k/v/o, head_dim always written")
+    p.add_argument("--gemma3", action="store_true",
+                   help="Gemma3ForCausalLM (gemma3_text): --gemma plus q/k norms, sandwich norms, "
+                        "sliding / full layers")
+    p.add_argument("--hidden-act", choices=["gelu_pytorch_tanh", "gelu"], default=None,
+                   help="Gemma's MLP activation (hidden_act / gemma3 hidden_activation), "
+                        "default gelu_pytorch_tanh; gelu = exact erf GELU")
+    p.add_argument("--layer-types", default=None,
+                   help="--gemma3: comma list of sliding|full (or the full names), one per layer "
+                        "(default: every 6th layer full)")
+    p.add_argument("--query-pre-attn-scalar", type=int, default=None,
+                   help="--gemma3: attention scale query_pre_attn_scalar^-0.5 (default: head_dim)")
+    p.add_argument("--rope-local-theta", type=float, default=None,
+                   help="--gemma3: rope_local_base_freq, the sliding layers' theta (default 1e4)")
+    p.add_argument("--pad-token-id", type=int, default=None,
+                   help="--gemma/--gemma3: pad_token_id (nn.Embedding padding_idx: that row gets no "
+                        "gradient from the lookup); default null")
+    p.add_argument("--sliding-window", type=int, default=None,
+                   help="mistral / qwen: sliding_window; --gemma3: the sliding layers' window "
+                        "(default 4096)")
     p.add_argument("--eps", type=float, default=None, help="rms_norm_eps / layer_norm_epsilon")
     p.add_argument("--init-std", type=float, default=None,
                    help="constant std for weights (default 0.8/sqrt(fan_in))")
@@ -1701,10 +2242,26 @@ def main(argv=None):
     if a.cmd == "init":
         if a.arch == "gpt2" and (a.qwen2 or a.mistral or a.qwen3 or a.kv_heads):
             ap.error("--qwen2/--mistral/--qwen3/--kv-heads are llama-family options")
-        if a.qwen2 + a.mistral + a.qwen3 > 1:
-            ap.error("--qwen2, --mistral and --qwen3 exclude each other")
+        if a.arch == "gpt2" and (a.gemma or a.gemma3):
+            ap.error("--gemma/--gemma3 are llama-family options")
+        if a.qwen2 + a.mistral + a.qwen3 + a.gemma + a.gemma3 > 1:
+            ap.error("--qwen2, --mistral, --qwen3, --gemma and --gemma3 exclude each other")
         if a.qwen3 and a.mlp_bias:
             ap.error("--mlp-bias: Qwen3's MLP has no bias")
+        gemma = a.gemma or a.gemma3
+        if gemma and a.mlp_bias:
+            ap.error("--mlp-bias: Gemma's MLP has no bias")
+        if not gemma and (a.hidden_act or a.pad_token_id is not None):
+            ap.error("--hidden-act / --pad-token-id are --gemma / --gemma3 options")
+        if not a.gemma3 and (a.layer_types or a.query_pre_attn_scalar is not None or
+                             a.rope_local_theta is not None):
+            ap.error("--layer-types / --query-pre-attn-scalar / --rope-local-theta are --gemma3 options")
+        if a.gemma and a.sliding_window is not None:
+            ap.error("--sliding-window: Gemma (1) has no sliding window")
+        if a.gemma3 and a.layer_types:
+            bad = [t for t in a.layer_types.split(",") if t.strip() not in GEMMA_LAYER_TYPES]
+            if bad or len(a.layer_types.split(",")) != a.layers:
+                ap.error(f"--layer-types: want {a.layers} of sliding|full, got {a.layer_types!r}")
         return cmd_init(a)
     if a.cmd == "init-lora":
         return cmd_init_lora(a)

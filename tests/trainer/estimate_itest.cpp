@@ -241,6 +241,18 @@ INSTANTIATE_TEST_SUITE_P(
                                      "training.per_device_train_batch_size=2"}},
         Shape{"qwen3_full_bf16", {"model.name_or_path=tiny-qwen3", "training.finetune=full", "training.bf16=true",
                                   "data.max_seq_length=128", "training.per_device_train_batch_size=2"}},
+        // Gemma 3: four norms a layer (the ones after the attention and the MLP keep o_proj's and
+        // down_proj's outputs), GeGLU, two rotary tables; QLoRA on every projection, dense LoRA
+        // in a bf16 model, and a full fine-tune in bf16 with every layer checkpointed.
+        Shape{"gemma3_nf4_lora_all", {"model.name_or_path=tiny-gemma3", "model.quantization_config.load_in_4bit=true",
+                                      "lora.target_modules=all-linear", "data.max_seq_length=256",
+                                      "training.per_device_train_batch_size=2"}},
+        Shape{"gemma3_bf16_model_lora", {"model.name_or_path=tiny-gemma3", "model.torch_dtype=bfloat16",
+                                         "training.bf16=true", "lora.target_modules=all-linear",
+                                         "data.max_seq_length=128", "training.per_device_train_batch_size=2"}},
+        Shape{"gemma3_full_bf16_checkpointed", {"model.name_or_path=tiny-gemma3", "training.finetune=full",
+                                                "training.bf16=true", "training.gradient_checkpointing=true",
+                                                "data.max_seq_length=128", "training.per_device_train_batch_size=2"}},
         // LLM.int8 (load_in_8bit): on a CPU in training each product dequantizes its weight
         // (in the product's dtype, and in backward in the input's).
         Shape{"llama_int8_lora_all", {"model.name_or_path=tiny-llama", "model.quantization_config.load_in_8bit=true",

@@ -1,0 +1,240 @@
+// Gemma (GemmaForCausalLM) and Gemma 3's language model (Gemma3ForCausalLM, model_type
+// gemma3_text) with Hugging Face's semantics. Both are Llama's decoder with Gemma's pieces:
+// RMSNorm scaling by (1 + weight) in fp32 with one rounding, embeddings multiplied by
+// sqrt(hidden_size), a GeGLU MLP (gelu_pytorch_tanh or exact gelu), heads of head_dim
+// independent of hidden_size, a tied head. Gemma 3 adds per-head q and k norms, an attention
+// scale of query_pre_attn_scalar^-0.5, norms after the attention and around the MLP (four a
+// layer), and two kinds of layer (layer_types): sliding ones attend within sliding_window and
+// rotate by rope_local_base_freq, full ones attend to every earlier position and rotate by
+// rope_theta with rope_scaling.
+#include <algorithm>
+#include <cmath>
+
+#include <ATen/ATen.h>
+
+#include "data/batch.h"
+#include "models/layers/attention.h"
+#include "models/layers/norm_act.h"
+#include "models/layers/projection_memory.h"
+#include "models/layers/rotary.h"
+#include "models/registry.h"
+#include "runtime/error.h"
+
+namespace memtune::models {
+
+namespace {
+
+std::string layer_prefix(int i) { return "model.layers." + std::to_string(i) + "."; }
+
+// cos and sin (B,T,1,D) fp32 of rotary frequencies `inv_freq` (D/2) at the batch's positions.
+std::pair<at::Tensor, at::Tensor> rotary_tables(const at::Tensor& position_ids, const at::Tensor& inv_freq,
+                                                double scale) {
+  at::Tensor freqs = position_ids.to(at::kFloat).unsqueeze(-1) * inv_freq.to(position_ids.device());
+  at::Tensor emb = at::cat({freqs, freqs}, -1);
+  at::Tensor cos = emb.cos().unsqueeze(2), sin = emb.sin().unsqueeze(2);
+  if (scale != 1.0) {
+    cos = cos * scale;
+    sin = sin * scale;
+  }
+  return {cos, sin};
+}
+
+class GemmaModel : public CausalLM {
+ public:
+  explicit GemmaModel(const ModelSpec& spec)
+      : CausalLM(spec), dropout_(dropout_rates(spec)), layers_(spec.num_layers) {
+    MEMTUNE_CHECK(spec.rope_scaling.type != "dynamic", spec.architecture,
+                  ": dynamic rope scaling is not supported on Gemma models (linear, llama3, yarn are)");
+    const int64_t C = spec.hidden_size, F = spec.intermediate_size, q = spec.q_dim(), kv = spec.kv_dim();
+    add_tensor("model.embed_tokens.weight", {spec.vocab_size, C}, TensorRole::kEmbedding, &embed_tokens_);
+    for (int i = 0; i < spec.num_layers; ++i) {
+      const std::string p = layer_prefix(i);
+      Layer& L = layers_[i];
+      L.attention_dropout_site = dropout_site(p + "self_attn.attention_dropout");
+      add_tensor(p + "input_layernorm.weight", {C}, TensorRole::kNorm, &L.input_norm, i);
+      auto lin = [&](const std::string& name, int64_t in, int64_t out, bool bias) {
+        return &add_linear(std::make_unique<Linear>(p + name, in, out, bias), i);
+      };
+      L.q = lin("self_attn.q_proj", C, q, spec.attention_bias);
+      L.k = lin("self_attn.k_proj", C, kv, spec.attention_bias);
+      L.v = lin("self_attn.v_proj", C, kv, spec.attention_bias);
+      L.o = lin("self_attn.o_proj", q, C, spec.attention_bias);
+      if (spec.qk_norm) {
+        add_tensor(p + "self_attn.q_norm.weight", {spec.head_dim}, TensorRole::kNorm, &L.q_norm, i);
+        add_tensor(p + "self_attn.k_norm.weight", {spec.head_dim}, TensorRole::kNorm, &L.k_norm, i);
+      }
+      add_tensor(p + "post_attention_layernorm.weight", {C}, TensorRole::kNorm, &L.post_attention_norm, i);
+      if (spec.sandwich_norms) {
+        add_tensor(p + "pre_feedforward_layernorm.weight", {C}, TensorRole::kNorm, &L.pre_mlp_norm, i);
+        add_tensor(p + "post_feedforward_layernorm.weight", {C}, TensorRole::kNorm, &L.post_mlp_norm, i);
+      }
+      L.gate = lin("mlp.gate_proj", C, F, false);
+      L.up = lin("mlp.up_proj", C, F, false);
+      L.down = lin("mlp.down_proj", F, C, false);
+    }
+    add_tensor("model.norm.weight", {C}, TensorRole::kNorm, &norm_);
+    if (!spec.tie_word_embeddings)
+      add_tensor("lm_head.weight", {spec.vocab_size, C}, TensorRole::kHead, &lm_head_);
+    inv_freq_ = rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling);
+    rope_scale_ = rope_attention_factor(spec.rope_scaling);
+    if (!spec.sliding_layers.empty()) local_inv_freq_ = rope_inv_freq(spec.head_dim, spec.local_rope_theta, {});
+    scale_ = 1.0 / std::sqrt(spec.query_pre_attn_scalar.value_or(static_cast<double>(spec.head_dim)));
+  }
+
+  // The embedding times sqrt(hidden_size) rounded to the embedding's dtype, as Gemma's
+  // scaled embedding; padding_idx = pad_token_id, whose row gets no gradient.
+  at::Tensor embed(const at::Tensor& ids, const at::Tensor&) override {
+    const std::optional<int64_t>& pad = spec().pad_token_id;
+    const int64_t padding_idx = !pad ? -1 : *pad < 0 ? *pad + spec().vocab_size : *pad;
+    at::Tensor e = at::embedding(embed_tokens_, ids, padding_idx);
+    const at::Tensor scale = at::scalar_tensor(std::sqrt(static_cast<double>(spec().hidden_size)), at::kFloat)
+                                 .to(e.scalar_type())
+                                 .to(e.device());
+    return e * scale;
+  }
+
+  LayerContext layer_context(const data::Batch& b) override {
+    LayerContext ctx;
+    std::tie(ctx.cos, ctx.sin) = rotary_tables(b.position_ids, inv_freq_, rope_scale_);
+    if (local_inv_freq_.defined()) std::tie(ctx.local_cos, ctx.local_sin) = rotary_tables(b.position_ids, local_inv_freq_, 1.0);
+    ctx.position_ids = b.position_ids;
+    ctx.segment_ids = b.segment_ids;
+    return ctx;
+  }
+
+  at::Tensor layer(int i, const at::Tensor& x, const LayerContext& ctx) override {
+    const Layer& L = layers_[i];
+    const ModelSpec& s = spec_;
+    const int64_t B = x.size(0), T = x.size(1), D = s.head_dim, Hkv = s.num_kv_heads,
+                  G = s.num_heads / s.num_kv_heads;
+    const bool sliding = !s.sliding_layers.empty() && s.sliding_layers[static_cast<size_t>(i)];
+    const at::Tensor& cos = sliding ? ctx.local_cos : ctx.cos;
+    const at::Tensor& sin = sliding ? ctx.local_sin : ctx.sin;
+    at::Tensor h = gemma_rms_norm(x, L.input_norm, s.norm_eps);
+    at::Tensor q = L.q->forward(h, ctx.training).view({B, T, s.num_heads, D});
+    at::Tensor k = L.k->forward(h, ctx.training).view({B, T, Hkv, D});
+    at::Tensor v = L.v->forward(h, ctx.training).view({B, T, Hkv, D});
+    if (s.qk_norm) {
+      q = gemma_rms_norm(q, L.q_norm, s.norm_eps);
+      k = gemma_rms_norm(k, L.k_norm, s.norm_eps);
+    }
+    q = apply_rotary(q, cos, sin);
+    k = apply_rotary(k, cos, sin);
+    at::Tensor q5 = q.view({B, T, Hkv, G, D}).permute({0, 2, 3, 1, 4});  // (B,Hkv,G,T,D)
+    at::Tensor a = layer_attention(
+        ctx, i, q5, k.permute({0, 2, 1, 3}), v.permute({0, 2, 1, 3}), scale_, s.layer_window(i),
+        with_dropout(ctx.attention, ctx.training, dropout_.attention, L.attention_dropout_site, B, x.device()));
+    a = L.o->forward(a.permute({0, 3, 1, 2, 4}).reshape({B, T, s.q_dim()}), ctx.training);
+    if (s.sandwich_norms) {
+      const at::Tensor y = x + gemma_rms_norm(a, L.post_attention_norm, s.norm_eps);
+      h = gemma_rms_norm(y, L.pre_mlp_norm, s.norm_eps);
+      return y + gemma_rms_norm(mlp(L, h, ctx.training), L.post_mlp_norm, s.norm_eps);
+    }
+    const at::Tensor y = x + a;
+    h = gemma_rms_norm(y, L.post_attention_norm, s.norm_eps);
+    return y + mlp(L, h, ctx.training);
+  }
+
+  at::Tensor final_norm(const at::Tensor& x) override { return gemma_rms_norm(x, norm_, spec_.norm_eps); }
+
+  bool applies_dropout() const override { return true; }
+
+  // Gemma's norms scale by (1 + weight): transformers initialises their weights to 0.
+  double initial_norm_weight() const override { return 0.0; }
+
+  std::vector<std::pair<std::string, int>> modules_without_tensors() const override {
+    std::vector<std::pair<std::string, int>> m = {{"model.rotary_emb", -1}};
+    for (int i = 0; i < spec_.num_layers; ++i) m.emplace_back(layer_prefix(i) + "mlp.act_fn", i);
+    return m;
+  }
+
+  // layer()'s memory, op by op, as LlamaModel's (models/arch/llama.cpp) states it; a tensor is
+  // kept only by an op that needs it for a wanted gradient. Gemma 3's norm after the attention
+  // keeps o_proj's output, its norm after the MLP down_proj's.
+  LayerMemory layer_memory(int i, const StepShape& s, const LayerPlan& plan) const override {
+    const Layer& L = layers_[i];
+    const ModelSpec& sp = spec_;
+    const int64_t E = s.rows(), C = sp.hidden_size, F = sp.intermediate_size, q = sp.q_dim(), kv = sp.kv_dim();
+    const int64_t a = s.act_bytes;
+    const LinearTraining tq = plan.training(*L.q), tk = plan.training(*L.k), tv = plan.training(*L.v),
+                         to = plan.training(*L.o), tg = plan.training(*L.gate), tu = plan.training(*L.up),
+                         td = plan.training(*L.down);
+    ProjectionTally p;
+    int64_t attn = p.add(*L.q, tq, s) + p.add(*L.k, tk, s) + p.add(*L.v, tv, s);
+    const int64_t down_adapter = p.add(*L.down, td, s);
+    int64_t mlp = p.add(*L.o, to, s) + p.add(*L.gate, tg, s) + p.add(*L.up, tu, s) + down_adapter;
+    const int64_t r = p.lora_rank, panel = p.panel;
+    const bool g_in = plan.input_grad;
+    if (g_in) attn += rms_norm_kept(E, C, a);
+    const bool qkv_trained = tq.trains() || tk.trains() || tv.trains();
+    if (tq.keeps_input() || tk.keeps_input() || tv.keeps_input()) attn += E * C * a;  // h
+    if (sp.qk_norm && (g_in || tq.trains())) attn += rms_norm_kept(E * sp.num_heads, sp.head_dim, a);
+    if (sp.qk_norm && (g_in || tk.trains())) attn += rms_norm_kept(E * sp.num_kv_heads, sp.head_dim, a);
+    AttentionOptions dropped;
+    dropped.dropout.p = dropout_.attention;
+    const AttentionMemory at = attention_memory(s.batch, sp.num_heads, sp.num_kv_heads, s.tokens, sp.head_dim, a,
+                                                s.fused_cpu_attention, s.threads, dropped);
+    const bool g_attention = g_in || qkv_trained;
+    if (g_attention) attn += at.kept;
+    if (to.keeps_input() && !(s.fused_cpu_attention && g_attention)) mlp += E * q * a;
+    const bool g_y = g_attention || to.trains();
+    if (sp.sandwich_norms && g_y) mlp += rms_norm_kept(E, C, a);  // o_proj's output
+    if (g_y) mlp += rms_norm_kept(E, C, a);                         // y
+    if (tg.keeps_input() || tu.keeps_input()) mlp += E * C * a;    // h
+    if (g_y || tg.trains() || tu.trains()) mlp += swiglu_kept(E, F, a);  // GeGLU keeps gate and up alike
+    if (td.keeps_input()) mlp += E * F * a;                               // gelu(gate) * up
+    const bool g_mlp_out = g_y || tg.trains() || tu.trains() || td.trains();
+    if (sp.sandwich_norms && g_mlp_out) mlp += rms_norm_kept(E, C, a);  // down_proj's output
+
+    const int64_t qkv = E * (q + 2 * kv) * a;
+    const int64_t sandwich = sp.sandwich_norms ? E * C * a : 0;  // a norm's output beside its input
+    LayerMemory m;
+    m.kept = attn + mlp;
+    const int64_t mlp_end = (td.keeps_input() ? 0 : E * F * a) + E * C * a + sandwich + E * r * s.adapter_bytes + panel;
+    m.forward = std::max(attn + (s.fused_cpu_attention ? 0 : qkv) + at.forward_transient,
+                         m.kept + (s.fused_cpu_attention ? 0 : qkv) + mlp_end);
+    m.forward_no_grad = std::max(E * C * a + qkv + at.no_grad_own + at.forward_transient,
+                                 3 * E * C * a + sandwich + qkv + E * q * a + 3 * E * F * a + panel);
+    const int64_t down_kept = (td.keeps_input() ? E * F * a : 0) + down_adapter;
+    const int64_t at_mlp = E * F * 4 + geglu_backward_transient(E, F, a) + sandwich + panel;
+    m.backward = std::max(m.kept - down_kept + at_mlp, attn + at.backward_transient);
+    m.workspace = std::max(at_mlp, at.backward_transient);
+    return m;
+  }
+
+  StackMemory stack_memory(const StepShape& s) const override {
+    // cos and sin (B,T,1,D) fp32, twice with Gemma 3's sliding layers; the final RMSNorm.
+    const int64_t tables = local_inv_freq_.defined() ? 2 : 1;
+    return {tables * 2 * s.rows() * spec_.head_dim * 4, rms_norm_kept(s.rows(), spec_.hidden_size, s.act_bytes)};
+  }
+
+  const at::Tensor& head_weight() const override { return spec_.tie_word_embeddings ? embed_tokens_ : lm_head_; }
+
+ private:
+  struct Layer {
+    at::Tensor input_norm, post_attention_norm;
+    at::Tensor pre_mlp_norm, post_mlp_norm;  // Gemma 3's (spec.sandwich_norms)
+    at::Tensor q_norm, k_norm;               // Gemma 3's per-head norms (spec.qk_norm)
+    Linear *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr, *gate = nullptr, *up = nullptr,
+           *down = nullptr;
+    uint64_t attention_dropout_site = 0;
+  };
+
+  at::Tensor mlp(const Layer& L, const at::Tensor& h, bool training) const {
+    at::Tensor m = geglu(L.gate->forward(h, training), L.up->forward(h, training),
+                         spec_.hidden_act == "gelu_pytorch_tanh");
+    return L.down->forward(m, training);
+  }
+
+  DropoutRates dropout_;
+  at::Tensor embed_tokens_, norm_, lm_head_, inv_freq_, local_inv_freq_;
+  double rope_scale_ = 1.0;  // cos/sin scale of the full layers (yarn's attention factor)
+  double scale_ = 1.0;       // the attention's score scale
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+std::unique_ptr<CausalLM> make_gemma(const ModelSpec& spec) { return std::make_unique<GemmaModel>(spec); }
+
+}  // namespace memtune::models
