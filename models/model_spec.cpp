@@ -177,7 +177,7 @@ void read_gemma(const json& c, ModelSpec& s, const std::string& where) {
                 " is not a multiple of num_attention_heads ", s.num_heads, ", which transformers' Gemma3TextConfig refuses");
   s.sandwich_norms = true;
   s.qk_norm = true;
-  s.query_pre_attn_scalar = get_or<double>(c, "query_pre_attn_scalar", 256.0, where);
+  s.query_pre_attn_scalar = get_or<int64_t>(c, "query_pre_attn_scalar", 256, where);
   MEMTUNE_CHECK(*s.query_pre_attn_scalar > 0, where, ": query_pre_attn_scalar must be positive, got ",
                 *s.query_pre_attn_scalar);
   s.sliding_layers = gemma3_sliding_layers(c, s.num_layers, where);
@@ -437,7 +437,7 @@ json spec_to_hf_config(const ModelSpec& s) {
     c["rope_theta"] = s.rope_theta;
     if (s.model_type == "gemma3_text") {
       c["hidden_activation"] = s.hidden_act;
-      c["query_pre_attn_scalar"] = s.query_pre_attn_scalar.value_or(static_cast<double>(s.head_dim));
+      c["query_pre_attn_scalar"] = s.query_pre_attn_scalar.value_or(s.head_dim);
       c["sliding_window"] = s.sliding_window ? json(*s.sliding_window) : json(nullptr);
       json types = json::array();
       for (int i = 0; i < s.num_layers; ++i) types.push_back(s.layer_window(i) > 0 ? "sliding_attention" : "full_attention");
@@ -562,7 +562,7 @@ ModelSpec gemma3_like(int64_t vocab, int64_t hidden, int64_t inter, int64_t laye
   s.norm_eps = 1e-6;
   s.hidden_act = "gelu_pytorch_tanh";
   s.gemma_norm = s.scale_embeddings = s.sandwich_norms = s.qk_norm = true;
-  s.query_pre_attn_scalar = static_cast<double>(head_dim);
+  s.query_pre_attn_scalar = head_dim;
   s.sliding_window = 512;
   for (int64_t i = 0; i < layers; ++i) s.sliding_layers.push_back((i + 1) % 6 != 0);
   s.local_rope_theta = 10000.0;
@@ -611,7 +611,7 @@ std::optional<ModelSpec> preset(const std::string& name) {
     // attention scale (48^-0.5) that is not head_dim's.
     ModelSpec s = gemma3_like(1024, 128, 344, 4, 4, 2, 64);
     s.max_position_embeddings = 1024;
-    s.query_pre_attn_scalar = 48.0;
+    s.query_pre_attn_scalar = 48;
     s.sliding_window = 32;
     s.sliding_layers = {true, false, true, false};
     s.bos_token_id = 1019;  // examples/tiny-tokenizer: <|begin_of_text|>

@@ -57,8 +57,9 @@ struct ModelSpec {
   // before the residual sum, and pre_feedforward_layernorm / post_feedforward_layernorm
   // wrap the MLP (four norms a layer, where Llama has two).
   bool sandwich_norms = false;
-  // Gemma 3: attention scores scaled by query_pre_attn_scalar^-0.5 (unset: head_dim^-0.5).
-  std::optional<double> query_pre_attn_scalar;
+  // Gemma 3: attention scores scaled by query_pre_attn_scalar^-0.5 (unset: head_dim^-0.5); an
+  // integer, as Gemma3TextConfig types it (transformers refuses 24.0).
+  std::optional<int64_t> query_pre_attn_scalar;
   // Gemma 3's layer_types, a flag per layer: a sliding layer attends within sliding_window and
   // rotates by local_rope_theta (rope_local_base_freq, no scaling); a full one attends to
   // every earlier position and rotates by rope_theta with rope_scaling. Empty: every layer

@@ -78,7 +78,7 @@ class GemmaModel : public CausalLM {
     inv_freq_ = rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling);
     rope_scale_ = rope_attention_factor(spec.rope_scaling);
     if (!spec.sliding_layers.empty()) local_inv_freq_ = rope_inv_freq(spec.head_dim, spec.local_rope_theta, {});
-    scale_ = 1.0 / std::sqrt(spec.query_pre_attn_scalar.value_or(static_cast<double>(spec.head_dim)));
+    scale_ = 1.0 / std::sqrt(static_cast<double>(spec.query_pre_attn_scalar.value_or(spec.head_dim)));
   }
 
   // The embedding times sqrt(hidden_size) rounded to the embedding's dtype, as Gemma's

@@ -354,7 +354,7 @@ TEST(ModelSpecGemma, DefaultsAreTheConfigClasses) {
   EXPECT_TRUE(s.tie_word_embeddings);
   EXPECT_EQ(s.hidden_act, "gelu_pytorch_tanh");
   EXPECT_TRUE(s.gemma_norm && s.scale_embeddings && s.sandwich_norms && s.qk_norm);
-  EXPECT_DOUBLE_EQ(s.query_pre_attn_scalar.value_or(0), 256);
+  EXPECT_EQ(s.query_pre_attn_scalar.value_or(0), 256);
   EXPECT_EQ(s.sliding_window.value_or(0), 4096);
   // sliding_window_pattern 6: every sixth layer full.
   EXPECT_EQ(s.sliding_layers, (std::vector<bool>{true, true, true, true, true, false, true}));
@@ -415,7 +415,7 @@ TEST(ModelSpecGemma, RopeFormsAndRoundTrip) {
       EXPECT_DOUBLE_EQ(t.rope_scaling.factor, 8.0);
       EXPECT_EQ(t.sliding_layers, (std::vector<bool>{false, true}));
       EXPECT_EQ(t.sliding_window.value_or(0), 512);
-      EXPECT_DOUBLE_EQ(t.query_pre_attn_scalar.value_or(0), 24);
+      EXPECT_EQ(t.query_pre_attn_scalar.value_or(0), 24);
       EXPECT_EQ(t.head_dim, 256);
       EXPECT_EQ(t.hidden_act, "gelu_pytorch_tanh");
       EXPECT_EQ(t.pad_token_id.value_or(-1), 0);
@@ -426,6 +426,8 @@ TEST(ModelSpecGemma, RopeFormsAndRoundTrip) {
   no_pad["pad_token_id"] = nullptr;
   const json written = spec_to_hf_config(spec_from_hf_config(no_pad, "dir/config.json"));
   EXPECT_TRUE(written.contains("pad_token_id") && written["pad_token_id"].is_null());
+  // An integer, as Gemma3TextConfig types it (transformers 5 refuses 24.0: "expected int, got float").
+  EXPECT_TRUE(spec_to_hf_config(spec_from_hf_config(top, "dir/config.json"))["query_pre_attn_scalar"].is_number_integer());
   EXPECT_EQ(written["hidden_activation"], "gelu_pytorch_tanh");  // what transformers 4 read
 }
 
