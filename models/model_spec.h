@@ -78,6 +78,10 @@ struct ModelSpec {
   int64_t kv_dim() const { return num_kv_heads * head_dim; }
   bool is_gpt2() const { return model_type == "gpt2"; }
   bool is_gemma() const { return model_type == "gemma" || model_type == "gemma3_text"; }
+  // The embedding's padding_idx, as transformers builds it from pad_token_id (that row gets no
+  // gradient); a negative id counts from the vocabulary's end, as nn.Embedding takes it (the
+  // range is checked when config.json is read). -1: none.
+  int64_t padding_index() const { return !pad_token_id ? -1 : *pad_token_id < 0 ? *pad_token_id + vocab_size : *pad_token_id; }
   // The window layer `i` attends within (0: none).
   int64_t layer_window(int i) const {
     if (!sliding_window) return 0;

@@ -9,13 +9,14 @@
 // rope_theta with rope_scaling.
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 
 #include <ATen/ATen.h>
 
 #include "data/batch.h"
+#include "models/arch/gated_layer_memory.h"
 #include "models/layers/attention.h"
 #include "models/layers/norm_act.h"
-#include "models/layers/projection_memory.h"
 #include "models/layers/rotary.h"
 #include "models/registry.h"
 #include "runtime/error.h"
@@ -25,19 +26,6 @@ namespace memtune::models {
 namespace {
 
 std::string layer_prefix(int i) { return "model.layers." + std::to_string(i) + "."; }
-
-// cos and sin (B,T,1,D) fp32 of rotary frequencies `inv_freq` (D/2) at the batch's positions.
-std::pair<at::Tensor, at::Tensor> rotary_tables(const at::Tensor& position_ids, const at::Tensor& inv_freq,
-                                                double scale) {
-  at::Tensor freqs = position_ids.to(at::kFloat).unsqueeze(-1) * inv_freq.to(position_ids.device());
-  at::Tensor emb = at::cat({freqs, freqs}, -1);
-  at::Tensor cos = emb.cos().unsqueeze(2), sin = emb.sin().unsqueeze(2);
-  if (scale != 1.0) {
-    cos = cos * scale;
-    sin = sin * scale;
-  }
-  return {cos, sin};
-}
 
 class GemmaModel : public CausalLM {
  public:
@@ -84,9 +72,7 @@ class GemmaModel : public CausalLM {
   // The embedding times sqrt(hidden_size) rounded to the embedding's dtype, as Gemma's
   // scaled embedding; padding_idx = pad_token_id, whose row gets no gradient.
   at::Tensor embed(const at::Tensor& ids, const at::Tensor&) override {
-    const std::optional<int64_t>& pad = spec().pad_token_id;
-    const int64_t padding_idx = !pad ? -1 : *pad < 0 ? *pad + spec().vocab_size : *pad;
-    at::Tensor e = at::embedding(embed_tokens_, ids, padding_idx);
+    at::Tensor e = at::embedding(embed_tokens_, ids, spec().padding_index());
     const at::Tensor scale = at::scalar_tensor(std::sqrt(static_cast<double>(spec().hidden_size)), at::kFloat)
                                  .to(e.scalar_type())
                                  .to(e.device());
@@ -148,58 +134,14 @@ class GemmaModel : public CausalLM {
     return m;
   }
 
-  // layer()'s memory, op by op, as LlamaModel's (models/arch/llama.cpp) states it; a tensor is
-  // kept only by an op that needs it for a wanted gradient. Gemma 3's norm after the attention
-  // keeps o_proj's output, its norm after the MLP down_proj's.
   LayerMemory layer_memory(int i, const StepShape& s, const LayerPlan& plan) const override {
     const Layer& L = layers_[i];
-    const ModelSpec& sp = spec_;
-    const int64_t E = s.rows(), C = sp.hidden_size, F = sp.intermediate_size, q = sp.q_dim(), kv = sp.kv_dim();
-    const int64_t a = s.act_bytes;
-    const LinearTraining tq = plan.training(*L.q), tk = plan.training(*L.k), tv = plan.training(*L.v),
-                         to = plan.training(*L.o), tg = plan.training(*L.gate), tu = plan.training(*L.up),
-                         td = plan.training(*L.down);
-    ProjectionTally p;
-    int64_t attn = p.add(*L.q, tq, s) + p.add(*L.k, tk, s) + p.add(*L.v, tv, s);
-    const int64_t down_adapter = p.add(*L.down, td, s);
-    int64_t mlp = p.add(*L.o, to, s) + p.add(*L.gate, tg, s) + p.add(*L.up, tu, s) + down_adapter;
-    const int64_t r = p.lora_rank, panel = p.panel;
-    const bool g_in = plan.input_grad;
-    if (g_in) attn += rms_norm_kept(E, C, a);
-    const bool qkv_trained = tq.trains() || tk.trains() || tv.trains();
-    if (tq.keeps_input() || tk.keeps_input() || tv.keeps_input()) attn += E * C * a;  // h
-    if (sp.qk_norm && (g_in || tq.trains())) attn += rms_norm_kept(E * sp.num_heads, sp.head_dim, a);
-    if (sp.qk_norm && (g_in || tk.trains())) attn += rms_norm_kept(E * sp.num_kv_heads, sp.head_dim, a);
-    AttentionOptions dropped;
-    dropped.dropout.p = dropout_.attention;
-    const AttentionMemory at = attention_memory(s.batch, sp.num_heads, sp.num_kv_heads, s.tokens, sp.head_dim, a,
-                                                s.fused_cpu_attention, s.threads, dropped);
-    const bool g_attention = g_in || qkv_trained;
-    if (g_attention) attn += at.kept;
-    if (to.keeps_input() && !(s.fused_cpu_attention && g_attention)) mlp += E * q * a;
-    const bool g_y = g_attention || to.trains();
-    if (sp.sandwich_norms && g_y) mlp += rms_norm_kept(E, C, a);  // o_proj's output
-    if (g_y) mlp += rms_norm_kept(E, C, a);                         // y
-    if (tg.keeps_input() || tu.keeps_input()) mlp += E * C * a;    // h
-    if (g_y || tg.trains() || tu.trains()) mlp += swiglu_kept(E, F, a);  // GeGLU keeps gate and up alike
-    if (td.keeps_input()) mlp += E * F * a;                               // gelu(gate) * up
-    const bool g_mlp_out = g_y || tg.trains() || tu.trains() || td.trains();
-    if (sp.sandwich_norms && g_mlp_out) mlp += rms_norm_kept(E, C, a);  // down_proj's output
-
-    const int64_t qkv = E * (q + 2 * kv) * a;
-    const int64_t sandwich = sp.sandwich_norms ? E * C * a : 0;  // a norm's output beside its input
-    LayerMemory m;
-    m.kept = attn + mlp;
-    const int64_t mlp_end = (td.keeps_input() ? 0 : E * F * a) + E * C * a + sandwich + E * r * s.adapter_bytes + panel;
-    m.forward = std::max(attn + (s.fused_cpu_attention ? 0 : qkv) + at.forward_transient,
-                         m.kept + (s.fused_cpu_attention ? 0 : qkv) + mlp_end);
-    m.forward_no_grad = std::max(E * C * a + qkv + at.no_grad_own + at.forward_transient,
-                                 3 * E * C * a + sandwich + qkv + E * q * a + 3 * E * F * a + panel);
-    const int64_t down_kept = (td.keeps_input() ? E * F * a : 0) + down_adapter;
-    const int64_t at_mlp = E * F * 4 + geglu_backward_transient(E, F, a) + sandwich + panel;
-    m.backward = std::max(m.kept - down_kept + at_mlp, attn + at.backward_transient);
-    m.workspace = std::max(at_mlp, at.backward_transient);
-    return m;
+    GatedLayerForm form;
+    form.qk_norm = spec_.qk_norm;
+    form.sandwich_norms = spec_.sandwich_norms;
+    form.geglu = true;
+    form.attention_dropout = dropout_.attention;
+    return gated_layer_memory({L.q, L.k, L.v, L.o, L.gate, L.up, L.down}, form, spec_, s, plan);
   }
 
   StackMemory stack_memory(const StepShape& s) const override {

@@ -5,13 +5,14 @@
 // embeddings, and Qwen3's RMSNorm over each head's query and key before the rotary embedding.
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 
 #include <ATen/ATen.h>
 
 #include "data/batch.h"
+#include "models/arch/gated_layer_memory.h"
 #include "models/layers/attention.h"
 #include "models/layers/norm_act.h"
-#include "models/layers/projection_memory.h"
 #include "models/layers/rotary.h"
 #include "models/registry.h"
 #include "runtime/error.h"
@@ -59,23 +60,12 @@ class LlamaModel : public CausalLM {
 
   // transformers builds the embedding with padding_idx = pad_token_id: that row gets no gradient.
   at::Tensor embed(const at::Tensor& ids, const at::Tensor&) override {
-    // A negative id counts from the vocabulary's end, as nn.Embedding takes it (the range is
-    // checked when config.json is read).
-    const std::optional<int64_t>& pad = spec().pad_token_id;
-    const int64_t padding_idx = !pad ? -1 : *pad < 0 ? *pad + spec().vocab_size : *pad;
-    return at::embedding(embed_tokens_, ids, padding_idx);
+    return at::embedding(embed_tokens_, ids, spec().padding_index());
   }
 
   LayerContext layer_context(const data::Batch& b) override {
     LayerContext ctx;
-    at::Tensor freqs = b.position_ids.to(at::kFloat).unsqueeze(-1) * inv_freq_.to(b.position_ids.device());
-    at::Tensor emb = at::cat({freqs, freqs}, -1);  // (B,T,D)
-    ctx.cos = emb.cos().unsqueeze(2);               // (B,T,1,D): broadcast over heads
-    ctx.sin = emb.sin().unsqueeze(2);
-    if (rope_scale_ != 1.0) {
-      ctx.cos = ctx.cos * rope_scale_;
-      ctx.sin = ctx.sin * rope_scale_;
-    }
+    std::tie(ctx.cos, ctx.sin) = rotary_tables(b.position_ids, inv_freq_, rope_scale_);
     if (spec_.rope_scaling.type == "dynamic") {
       const int64_t longest = b.position_ids.numel() ? b.position_ids.max().item<int64_t>() + 1 : 0;
       MEMTUNE_CHECK(longest <= spec_.max_position_embeddings, "rope_scaling dynamic: a sequence reaches ", longest,
@@ -129,66 +119,12 @@ class LlamaModel : public CausalLM {
     return m;
   }
 
-  // layer()'s memory, op by op. A tensor is kept only by an op that needs it for a wanted
-  // gradient: a trained weight or an adapter without dropout keeps its projection's input
-  // (h is shared by q, k and v, and by gate and up), a frozen weight keeps nothing of it.
-  // The attention's part of what is kept lives until its backward; the MLP's is freed before.
   LayerMemory layer_memory(int i, const StepShape& s, const LayerPlan& plan) const override {
     const Layer& L = layers_[i];
-    const ModelSpec& sp = spec_;
-    const int64_t E = s.rows(), C = sp.hidden_size, F = sp.intermediate_size, q = sp.q_dim(), kv = sp.kv_dim();
-    const int64_t a = s.act_bytes;
-    const LinearTraining tq = plan.training(*L.q), tk = plan.training(*L.k), tv = plan.training(*L.v),
-                         to = plan.training(*L.o), tg = plan.training(*L.gate), tu = plan.training(*L.up),
-                         td = plan.training(*L.down);
-    ProjectionTally p;
-    int64_t attn = p.add(*L.q, tq, s) + p.add(*L.k, tk, s) + p.add(*L.v, tv, s);
-    const int64_t down_adapter = p.add(*L.down, td, s);
-    int64_t mlp = p.add(*L.o, to, s) + p.add(*L.gate, tg, s) + p.add(*L.up, tu, s) + down_adapter;
-    const int64_t r = p.lora_rank, panel = p.panel;
-    const bool g_in = plan.input_grad;
-    if (g_in) attn += rms_norm_kept(E, C, a);
-    const bool qkv_trained = tq.trains() || tk.trains() || tv.trains();
-    if (tq.keeps_input() || tk.keeps_input() || tv.keeps_input()) attn += E * C * a;  // h
-    // Qwen3's q_norm and k_norm keep the projections' outputs (the rotary embedding after them keeps nothing).
-    if (sp.qk_norm && (g_in || tq.trains())) attn += rms_norm_kept(E * sp.num_heads, sp.head_dim, a);
-    if (sp.qk_norm && (g_in || tk.trains())) attn += rms_norm_kept(E * sp.num_kv_heads, sp.head_dim, a);
-    AttentionOptions dropped;  // the blocked kernel draws dropout's masks per block
-    dropped.dropout.p = dropout_.attention;
-    const AttentionMemory at = attention_memory(s.batch, sp.num_heads, sp.num_kv_heads, s.tokens, sp.head_dim, a,
-                                                s.fused_cpu_attention, s.threads, dropped);
-    const bool g_attention = g_in || qkv_trained;
-    if (g_attention) attn += at.kept;
-    // The merged heads: a view of the fused kernel's output, which it keeps itself.
-    if (to.keeps_input() && !(s.fused_cpu_attention && g_attention)) mlp += E * q * a;
-    const bool g_y = g_attention || to.trains();
-    if (g_y) mlp += rms_norm_kept(E, C, a);
-    if (tg.keeps_input() || tu.keeps_input()) mlp += E * C * a;  // h
-    if (g_y || tg.trains() || tu.trains()) mlp += swiglu_kept(E, F, a);
-    if (td.keeps_input()) mlp += E * F * a;  // silu(gate) * up
-
-    const int64_t qkv = E * (q + 2 * kv) * a;  // q, k (after rotary), v: the layer's locals
-    LayerMemory m;
-    m.kept = attn + mlp;
-    // The fused kernel keeps the locals q, k, v themselves (the blocked one contiguous
-    // copies). At the MLP's end: silu(gate) * up (a transient unless down keeps it), down's
-    // output before the residual sum, an adapter's x A^T (the fused LoRA node adds the
-    // adapter inside the base's GEMM, no full-size delta).
-    const int64_t mlp_end = (td.keeps_input() ? 0 : E * F * a) + E * C * a + E * r * s.adapter_bytes + panel;
-    m.forward = std::max(attn + (s.fused_cpu_attention ? 0 : qkv) + at.forward_transient,
-                         m.kept + (s.fused_cpu_attention ? 0 : qkv) + mlp_end);
-    // Unrecorded: x, h, the locals, the merged heads, y, and the MLP's gate, up and the
-    // product (silu(gate), multiplied by up in place).
-    m.forward_no_grad = std::max(E * C * a + qkv + at.no_grad_own + at.forward_transient,
-                                 3 * E * C * a + qkv + E * q * a + 3 * E * F * a + panel);
-    // The MLP's backward, beside the gradient flowing in (the caller's): the product's
-    // gradient from down and SwiGLU's transients, once down's node has run and released
-    // what it kept.
-    const int64_t down_kept = (td.keeps_input() ? E * F * a : 0) + down_adapter;
-    const int64_t at_mlp = E * F * 4 + swiglu_backward_transient(E, F, a, s.cuda_kernels) + panel;
-    m.backward = std::max(m.kept - down_kept + at_mlp, attn + at.backward_transient);
-    m.workspace = std::max(at_mlp, at.backward_transient);
-    return m;
+    GatedLayerForm form;
+    form.qk_norm = spec_.qk_norm;
+    form.attention_dropout = dropout_.attention;
+    return gated_layer_memory({L.q, L.k, L.v, L.o, L.gate, L.up, L.down}, form, spec_, s, plan);
   }
 
   StackMemory stack_memory(const StepShape& s) const override {

@@ -171,4 +171,16 @@ double rope_attention_factor(const RopeScaling& r) {
   return mscale(1.0);
 }
 
+std::pair<at::Tensor, at::Tensor> rotary_tables(const at::Tensor& position_ids, const at::Tensor& inv_freq,
+                                                double scale) {
+  at::Tensor freqs = position_ids.to(at::kFloat).unsqueeze(-1) * inv_freq.to(position_ids.device());
+  at::Tensor emb = at::cat({freqs, freqs}, -1);  // (B,T,D)
+  at::Tensor cos = emb.cos().unsqueeze(2), sin = emb.sin().unsqueeze(2);
+  if (scale != 1.0) {
+    cos = cos * scale;
+    sin = sin * scale;
+  }
+  return {cos, sin};
+}
+
 }  // namespace memtune::models

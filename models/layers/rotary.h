@@ -6,6 +6,7 @@
 // way on the CPU (fp32) and on CUDA (fp32, fp16, bf16: models/layers/cuda/), and nothing
 // of x is kept (the rotation's backward needs cos and sin only).
 #include <cstdint>
+#include <utility>
 
 #include <ATen/core/Tensor.h>
 
@@ -22,5 +23,9 @@ at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Te
 at::Tensor rope_inv_freq(int64_t head_dim, double theta, const RopeScaling& scaling);
 // The scale of cos and sin (yarn's attention factor; 1 otherwise), transformers' attention_scaling.
 double rope_attention_factor(const RopeScaling& scaling);
+// cos and sin (B,T,1,D) fp32, times `scale`, of frequencies `inv_freq` (D/2) at `position_ids`
+// (B,T): the tables apply_rotary takes, broadcast over heads.
+std::pair<at::Tensor, at::Tensor> rotary_tables(const at::Tensor& position_ids, const at::Tensor& inv_freq,
+                                                double scale);
 
 }  // namespace memtune::models

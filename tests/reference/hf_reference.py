@@ -1378,6 +1378,19 @@ def _rand_lora(cfg, targets, r, alpha, rslora, seed, tmp, dora=False):
     return Lora(tmp, cfg)
 
 
+def naive_rope(x, p, spec):
+    """RoPE of one head's vector x (d,) at position p, one pair (i, i + d/2) at a time."""
+    d = len(x)
+    inv = rope_inv_freq(spec).double().numpy()
+    m = rope_attention_scaling(spec)
+    out = x.copy()
+    for i in range(d // 2):
+        a = p * inv[i]
+        out[i] = m * (x[i] * math.cos(a) - x[i + d // 2] * math.sin(a))
+        out[i + d // 2] = m * (x[i + d // 2] * math.cos(a) + x[i] * math.sin(a))
+    return out
+
+
 def naive_numpy_forward(cfg, base, ids, pos, seg, qk_norm_after_rope=False):
     """A second, loop-per-token/head numpy implementation of one row (selftest only): written
     from the definitions, sharing nothing with Forward but inv_freq."""
@@ -1394,15 +1407,8 @@ def naive_numpy_forward(cfg, base, ids, pos, seg, qk_norm_after_rope=False):
     def rms(x, w):
         return w * x / np.sqrt((x ** 2).mean() + cfg.eps)
 
-    def rope(x, p):  # x (d,): pair i with i + d/2
-        inv = rope_inv_freq(cfg).double().numpy()
-        m = rope_attention_scaling(cfg)
-        out = x.copy()
-        for i in range(d // 2):
-            a = p * inv[i]
-            out[i] = m * (x[i] * math.cos(a) - x[i + d // 2] * math.sin(a))
-            out[i + d // 2] = m * (x[i + d // 2] * math.cos(a) + x[i] * math.sin(a))
-        return out
+    def rope(x, p):
+        return naive_rope(x, p, cfg)
 
     def attn_row(qs, ks, vs, t, scale, kv_of):
         o = []
@@ -1488,15 +1494,7 @@ def naive_numpy_gemma_forward(cfg, base, ids, pos, seg):
             return np.array([0.5 * v * (1 + math.erf(v / math.sqrt(2))) for v in x])
         return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
 
-    def rope(x, p, spec):
-        inv = rope_inv_freq(spec).double().numpy()
-        m = rope_attention_scaling(spec)
-        out = x.copy()
-        for i in range(d // 2):
-            a = p * inv[i]
-            out[i] = m * (x[i] * math.cos(a) - x[i + d // 2] * math.sin(a))
-            out[i + d // 2] = m * (x[i + d // 2] * math.cos(a) + x[i] * math.sin(a))
-        return out
+    rope = naive_rope
 
     def lin(name, v):
         y = P[name + ".weight"] @ v
