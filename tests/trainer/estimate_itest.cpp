@@ -129,6 +129,10 @@ double rel(int64_t predicted, int64_t measured) {
 struct Shape {
   std::string name;
   std::vector<std::string> overrides;
+  // What the forward keeps, as a share of the measured: 10 % for every shape; tighter where a
+  // term the estimate must hold is smaller than that (Gemma 3's norms on the attention's and
+  // the MLP's outputs are 6-8 % of the tiny model's).
+  double kept_tolerance = 0.10;
 };
 
 class EstimateVsModel : public ::testing::TestWithParam<Shape> {};
@@ -141,7 +145,7 @@ TEST_P(EstimateVsModel, KeptActivationsAndPeakAgreeWithTheAllocator) {
   std::cout << GetParam().name << ": kept after forward " << rel(e.after_forward, m.kept_after_forward)
             << ", step peak " << rel(e.peak_bytes, m.step_peak) << ", optimizer peak "
             << rel(e.optimizer_peak, m.optimizer_peak) << " (estimate / measured - 1)\n";
-  EXPECT_NEAR(rel(e.after_forward, m.kept_after_forward), 0.0, 0.10)
+  EXPECT_NEAR(rel(e.after_forward, m.kept_after_forward), 0.0, GetParam().kept_tolerance)
       << "kept after forward: estimated " << e.after_forward << ", measured " << m.kept_after_forward;
   EXPECT_NEAR(rel(e.peak_bytes, m.step_peak), 0.0, 0.10)
       << "step peak: estimated " << e.peak_bytes << ", measured " << m.step_peak;
@@ -246,10 +250,12 @@ INSTANTIATE_TEST_SUITE_P(
         // in a bf16 model, and a full fine-tune in bf16 with every layer checkpointed.
         Shape{"gemma3_nf4_lora_all", {"model.name_or_path=tiny-gemma3", "model.quantization_config.load_in_4bit=true",
                                       "lora.target_modules=all-linear", "data.max_seq_length=256",
-                                      "training.per_device_train_batch_size=2"}},
+                                      "training.per_device_train_batch_size=2"},
+              0.02},
         Shape{"gemma3_bf16_model_lora", {"model.name_or_path=tiny-gemma3", "model.torch_dtype=bfloat16",
                                          "training.bf16=true", "lora.target_modules=all-linear",
-                                         "data.max_seq_length=128", "training.per_device_train_batch_size=2"}},
+                                         "data.max_seq_length=128", "training.per_device_train_batch_size=2"},
+              0.02},
         Shape{"gemma3_full_bf16_checkpointed", {"model.name_or_path=tiny-gemma3", "training.finetune=full",
                                                 "training.bf16=true", "training.gradient_checkpointing=true",
                                                 "data.max_seq_length=128", "training.per_device_train_batch_size=2"}},
