@@ -74,6 +74,16 @@ put("hf_config", "qwen2.json", json.dumps(dict(llama, architectures=["Qwen2ForCa
 put("hf_config", "qwen3.json", json.dumps(dict(llama, architectures=["Qwen3ForCausalLM"], model_type="qwen3",
                                                head_dim=32, use_sliding_window=False, sliding_window=None,
                                                layer_types=["full_attention", "full_attention"])))
+gemma = dict(llama, architectures=["GemmaForCausalLM"], model_type="gemma", head_dim=32,
+             hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True, pad_token_id=0)
+put("hf_config", "gemma.json", json.dumps(gemma))
+put("hf_config", "gemma3.json", json.dumps(dict(gemma, architectures=["Gemma3ForCausalLM"], model_type="gemma3_text",
+                                                hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24,
+                                                sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                                                rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                                    "rope_theta": 1e6},
+                                                                 "sliding_attention": {"rope_type": "default",
+                                                                                       "rope_theta": 1e4}})))
 put("hf_config", "gpt2.json", json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 64,
                                           "n_head": 4, "n_layer": 2, "n_positions": 128, "vocab_size": 256,
                                           "layer_norm_epsilon": 1e-5, "activation_function": "gelu_new"}))
