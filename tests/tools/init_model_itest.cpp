@@ -70,9 +70,21 @@ TEST(InitModelArch, AFamilyIsBuiltWithItsOwnSemanticsOrRefused) {
   const std::string tensors = read_file(dir / "q/model.safetensors");
   EXPECT_NE(tensors.find("model.layers.0.self_attn.q_norm.weight"), std::string::npos);
   EXPECT_NE(tensors.find("model.layers.0.self_attn.k_norm.weight"), std::string::npos);
+  // Gemma 3's tiny preset (tiny-gemma3): its four norms a layer, written as transformers names them.
+  r = run(memtune_bin() + " init-model --arch gemma3_text --out " + (dir / "g").string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::ifstream gin(dir / "g/config.json");
+  const json gemma = json::parse(gin);
+  EXPECT_EQ(gemma["architectures"][0], "Gemma3ForCausalLM");
+  EXPECT_TRUE(gemma["query_pre_attn_scalar"].is_number_integer());
+  const std::string gemma_tensors = read_file(dir / "g/model.safetensors");
+  for (const char* name : {"model.layers.0.pre_feedforward_layernorm.weight", "model.layers.0.post_feedforward_layernorm.weight",
+                           "model.layers.3.self_attn.k_norm.weight"})
+    EXPECT_NE(gemma_tensors.find(name), std::string::npos) << name;
   const std::vector<std::pair<std::string, std::vector<std::string>>> refused = {
       {"--arch Qwen3ForCausalLM --preset tiny-llama", {"--arch Qwen3ForCausalLM", "tiny-llama", "--config"}},
       {"--arch mistral", {"no tiny mistral preset", "mistral-7b", "--config"}},
+      {"--arch gemma", {"no tiny gemma preset", "tiny-gemma3", "--config"}},
       {"--arch gpt2 --preset llama-3.2-1b", {"--arch gpt2", "llama"}},
       {"--arch qwen3 --config " + (dir / "q/config.json").string(), {"excludes"}}};
   for (size_t i = 0; i < refused.size(); ++i) {
