@@ -350,6 +350,7 @@ ForwardOutput CausalLM::forward(const data::Batch& batch, const ForwardOptions& 
     ctx.kv_cache = options.kv_cache;
     ctx.attention.kernel = attention_kernel_;
     ctx.attention.one_segment_per_row = one_segment_per_row;
+    ctx.attention.softcap = spec_.attn_logit_softcapping.value_or(0);
     if (!d.is_cpu() && !one_segment_per_row && seg.numel() > 0) {
       ctx.attention.segment_lengths = segment_runs();
       if (ctx.attention.segment_lengths)  // the gathers, on this device once for every layer
@@ -409,19 +410,20 @@ ForwardOutput CausalLM::forward(const data::Batch& batch, const ForwardOptions& 
   const at::Tensor head = options.head_weight_tap ? options.head_weight_tap(head_weight()) : head_weight();
   // The logits as the loss forms them: in bf16 products in a bf16 run, as transformers' lm_head.
   const at::ScalarType mm = loss_matmul_dtype(compute_dtype_);
+  const double cap = spec_.final_logit_softcapping.value_or(0);
   if (options.last_logits_only) {
     out.loss_sum = at::zeros({}, x.options().dtype(at::kFloat));
-    out.logits = at::matmul(x.narrow(1, x.size(1) - 1, 1).to(mm), head.to(mm).t()).to(at::kFloat);
+    out.logits = soft_cap_logits(at::matmul(x.narrow(1, x.size(1) - 1, 1).to(mm), head.to(mm).t()), cap).to(at::kFloat);
     return out;
   }
   out.loss_sum = linear_cross_entropy_sum(x.reshape({-1, C}), head, last.targets.reshape({-1}),
                                           options.loss_chunk_rows > 0 ? options.loss_chunk_rows
                                                                       : loss_chunk_rows(spec().vocab_size),
                                           &out.correct_tokens, compute_dtype_, options.label_smoothing,
-                                          options.label_smoothing > 0 ? &out.cross_entropy_sum : nullptr);
+                                          options.label_smoothing > 0 ? &out.cross_entropy_sum : nullptr, cap);
   if (!out.cross_entropy_sum.defined()) out.cross_entropy_sum = out.loss_sum.detach();  // unsmoothed: the same
   out.target_tokens = (batch.targets != data::kIgnoreIndex).sum().item<int64_t>();
-  if (options.return_logits) out.logits = at::matmul(x.to(mm), head.to(mm).t()).to(at::kFloat);
+  if (options.return_logits) out.logits = soft_cap_logits(at::matmul(x.to(mm), head.to(mm).t()), cap).to(at::kFloat);
   return out;
 }
 

@@ -116,17 +116,22 @@ const std::set<std::string>& modelled_keys() {
   return keys;
 }
 
-// Gemma's and Gemma 3's own keys, which spec_to_hf_config writes from the spec (other
-// families keep them in `extra`: Mistral's sliding_window, Qwen's layer_types).
-const std::set<std::string>& gemma_modelled_keys() {
+// Whether `key` is one of the Gemma family `model_type`'s own keys, which spec_to_hf_config
+// writes from the spec (other families keep them in `extra`: Mistral's sliding_window, Qwen's
+// layer_types; Gemma 2 keeps Gemma 3's sliding_window_pattern and rope_local_base_freq there,
+// which its transformers class does not read).
+bool gemma_models_key(const std::string& model_type, const std::string& key) {
   static const std::set<std::string> keys = {"hidden_activation", "query_pre_attn_scalar", "sliding_window",
-                                             "sliding_window_pattern", "layer_types", "rope_local_base_freq"};
-  return keys;
+                                             "layer_types", "attn_logit_softcapping", "final_logit_softcapping"};
+  if (keys.count(key)) return true;
+  return model_type == "gemma3_text" && (key == "sliding_window_pattern" || key == "rope_local_base_freq");
 }
 
-// Gemma 3's layer_types (or, absent, every sliding_window_pattern-th layer full, the others
-// sliding, as Gemma3TextConfig fills it in): true for a sliding layer.
-std::vector<bool> gemma3_sliding_layers(const json& c, int64_t layers, const std::string& where) {
+// Gemma 2's and Gemma 3's layer_types (or, absent, every pattern-th layer full and the others
+// sliding, as Gemma2Config (pattern 2) and Gemma3TextConfig (sliding_window_pattern, 6) fill
+// it in): true for a sliding layer.
+std::vector<bool> gemma_sliding_layers(const json& c, bool gemma2, int64_t layers, const std::string& where) {
+  const char* family = gemma2 ? "Gemma 2" : "Gemma 3";
   std::vector<bool> sliding;
   if (c.contains("layer_types") && !c["layer_types"].is_null()) {
     const json& types = c["layer_types"];
@@ -134,32 +139,44 @@ std::vector<bool> gemma3_sliding_layers(const json& c, int64_t layers, const std
                   ": layer_types must be a list of num_hidden_layers (", layers, ") entries, got ", types.dump());
     for (size_t i = 0; i < types.size(); ++i) {
       MEMTUNE_CHECK(types[i] == "sliding_attention" || types[i] == "full_attention", where, ": layer_types[", i,
-                    "] is ", types[i].dump(), "; Gemma 3's layers are sliding_attention or full_attention");
+                    "] is ", types[i].dump(), "; ", family, "'s layers are sliding_attention or full_attention");
       sliding.push_back(types[i] == "sliding_attention");
     }
     return sliding;
   }
-  const int64_t pattern = get_or<int64_t>(c, "sliding_window_pattern", 6, where);
+  const int64_t pattern = gemma2 ? 2 : get_or<int64_t>(c, "sliding_window_pattern", 6, where);
   MEMTUNE_CHECK(pattern > 0, where, ": sliding_window_pattern must be positive, got ", pattern);
   for (int64_t i = 0; i < layers; ++i) sliding.push_back((i + 1) % pattern != 0);
   return sliding;
 }
 
-// Gemma's and Gemma 3's keys past Llama's: the MLP's activation, the attention scale, the
-// sliding layers and their rotary base, and what memtune refuses (soft-capped logits,
-// bidirectional attention).
+// A soft-capping value (Gemma2Config's attn_logit_softcapping 50.0, final_logit_softcapping
+// 30.0; Gemma3TextConfig's null): absent gives `absent`, null none, else a positive number.
+std::optional<double> read_softcap(const json& c, const char* key, std::optional<double> absent,
+                                   const std::string& where) {
+  if (!c.contains(key)) return absent;
+  if (c[key].is_null()) return std::nullopt;
+  const double v = get_or<double>(c, key, 0.0, where);
+  MEMTUNE_CHECK(v > 0, where, ": ", key, " ", c[key].dump(), " must be positive (null: no soft-capping)");
+  return v;
+}
+
+// Gemma's, Gemma 2's and Gemma 3's keys past Llama's: the MLP's activation, the attention
+// scale, the sliding layers (Gemma 3's rotary base is read_gemma3_rope's), soft-capping, and
+// what memtune refuses (bidirectional attention).
 void read_gemma(const json& c, ModelSpec& s, const std::string& where) {
-  const bool gemma3 = s.model_type == "gemma3_text";
+  const bool gemma3 = s.model_type == "gemma3_text", gemma2 = s.model_type == "gemma2";
+  const char* family = gemma2 ? "Gemma2Config" : "Gemma3TextConfig";
   s.gemma_norm = true;
   s.scale_embeddings = true;
-  // transformers 5's GemmaMLP reads hidden_act, Gemma3MLP hidden_activation (transformers 4's
-  // GemmaMLP read hidden_activation): a Gemma config where the two disagree is computed
-  // differently by the two versions.
-  const std::string act_key = gemma3 ? "hidden_activation" : "hidden_act";
+  // transformers 5's GemmaMLP reads hidden_act, Gemma2MLP and Gemma3MLP hidden_activation
+  // (transformers 4's GemmaMLP read hidden_activation): a Gemma config where the two disagree
+  // is computed differently by the two versions.
+  const std::string act_key = gemma3 || gemma2 ? "hidden_activation" : "hidden_act";
   s.hidden_act = get_or<std::string>(c, act_key.c_str(), "gelu_pytorch_tanh", where);
   MEMTUNE_CHECK(s.hidden_act == "gelu_pytorch_tanh" || s.hidden_act == "gelu", where, ": ", act_key, " '",
                 s.hidden_act, "' is not supported (gelu_pytorch_tanh, gelu)");
-  if (!gemma3 && c.contains("hidden_activation") && !c["hidden_activation"].is_null())
+  if (s.model_type == "gemma" && c.contains("hidden_activation") && !c["hidden_activation"].is_null())
     MEMTUNE_CHECK(c["hidden_activation"] == s.hidden_act, where, ": hidden_act '", s.hidden_act,
                   "' and hidden_activation ", c["hidden_activation"].dump(),
                   " disagree: transformers 5's Gemma computes hidden_act, transformers 4's hidden_activation, so "
@@ -168,23 +185,37 @@ void read_gemma(const json& c, ModelSpec& s, const std::string& where) {
   MEMTUNE_CHECK(!get_or<bool>(c, "use_bidirectional_attention", false, where), where,
                 ": use_bidirectional_attention true (an encoder's attention, EmbeddingGemma's) is not supported; "
                 "memtune trains causal language models");
-  for (const char* key : {"final_logit_softcapping", "attn_logit_softcapping"})
-    MEMTUNE_CHECK(!c.contains(key) || c[key].is_null(), where, ": ", key, " ", c[key].dump(),
-                  " (tanh soft-capping, Gemma 2's) is not supported; Gemma 3's configs set it to null");
-  if (!gemma3) return;
-  // Gemma3TextConfig's own check, though its heads have head_dim of their own.
+  if (s.model_type == "gemma") {
+    // GemmaConfig has no soft-capping and transformers' Gemma computes none: refused rather
+    // than ignored, since the file asks for it.
+    for (const char* key : {"final_logit_softcapping", "attn_logit_softcapping"})
+      MEMTUNE_CHECK(!c.contains(key) || c[key].is_null(), where, ": ", key, " ", c[key].dump(),
+                    " is set, but transformers' Gemma (model_type gemma) does not soft-cap: it is Gemma 2's "
+                    "(model_type gemma2, Gemma2ForCausalLM). Hint: fix model_type, or drop the key");
+    return;
+  }
+  // transformers 5's Gemma3Attention keeps attn_logit_softcapping but never passes it to its
+  // attention: a Gemma 3 that sets it computes no cap there. Refused rather than ignored.
+  MEMTUNE_CHECK(gemma2 || !c.contains("attn_logit_softcapping") || c["attn_logit_softcapping"].is_null(), where,
+                ": attn_logit_softcapping ", c["attn_logit_softcapping"].dump(),
+                " is set, but transformers' Gemma 3 does not apply it (its attention never receives it), so the "
+                "model it computes has no cap there. Hint: set it to null (Google's Gemma 3 configs do)");
+  s.attn_logit_softcapping = read_softcap(c, "attn_logit_softcapping", gemma2 ? std::optional<double>(50.0) : std::nullopt, where);
+  s.final_logit_softcapping = read_softcap(c, "final_logit_softcapping", gemma2 ? std::optional<double>(30.0) : std::nullopt, where);
+  // Gemma2Config's and Gemma3TextConfig's own check, though their heads have head_dim of their own.
   MEMTUNE_CHECK(s.hidden_size % s.num_heads == 0, where, ": hidden_size ", s.hidden_size,
-                " is not a multiple of num_attention_heads ", s.num_heads, ", which transformers' Gemma3TextConfig refuses");
+                " is not a multiple of num_attention_heads ", s.num_heads, ", which transformers' ", family, " refuses");
   s.sandwich_norms = true;
-  s.qk_norm = true;
+  s.qk_norm = gemma3;
   s.query_pre_attn_scalar = get_or<int64_t>(c, "query_pre_attn_scalar", 256, where);
   MEMTUNE_CHECK(*s.query_pre_attn_scalar > 0, where, ": query_pre_attn_scalar must be positive, got ",
                 *s.query_pre_attn_scalar);
-  s.sliding_layers = gemma3_sliding_layers(c, s.num_layers, where);
+  s.sliding_layers = gemma_sliding_layers(c, gemma2, s.num_layers, where);
   const bool any_sliding = std::find(s.sliding_layers.begin(), s.sliding_layers.end(), true) != s.sliding_layers.end();
   if (c.contains("sliding_window") && c["sliding_window"].is_null()) {
     MEMTUNE_CHECK(!any_sliding, where, ": sliding_window is null, but layer_types has sliding_attention layers, "
-                  "whose mask transformers cannot build without a window. Hint: set sliding_window (Gemma 3's is 512)");
+                  "whose mask transformers cannot build without a window. Hint: set sliding_window (Gemma 3's is 512, "
+                  "Gemma 2's 4096)");
   } else {
     s.sliding_window = get_or<int64_t>(c, "sliding_window", 4096, where);
     MEMTUNE_CHECK(*s.sliding_window > 0, where, ": sliding_window ", *s.sliding_window, " must be positive");
@@ -242,6 +273,7 @@ const std::vector<Family>& builtin_families() {
                                                {"qwen2", "Qwen2ForCausalLM"},
                                                {"qwen3", "Qwen3ForCausalLM"},
                                                {"gemma", "GemmaForCausalLM"},
+                                               {"gemma2", "Gemma2ForCausalLM"},
                                                {"gemma3_text", "Gemma3ForCausalLM"},
                                                {"gpt2", "GPT2LMHeadModel"}};
   return families;
@@ -267,6 +299,7 @@ ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
     else if (s.architecture.rfind("Qwen3", 0) == 0) s.model_type = "qwen3";
     else if (s.architecture == "Gemma3ForCausalLM") s.model_type = "gemma3_text";
     else if (s.architecture == "GemmaForCausalLM") s.model_type = "gemma";
+    else if (s.architecture == "Gemma2ForCausalLM") s.model_type = "gemma2";
     else s.model_type = "llama";
   }
   if (s.architecture.empty())
@@ -280,13 +313,13 @@ ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
   MEMTUNE_CHECK(s.model_type != "gemma3", where,
                 ": model_type gemma3 is Gemma 3's image-and-text model (Gemma3ForConditionalGeneration), which memtune "
                 "does not load; memtune trains Gemma3ForCausalLM (model_type gemma3_text: gemma-3-270m, gemma-3-1b)");
-  // Absent, MistralConfig says 8, Qwen2Config and Qwen3Config 32, GemmaConfig 16 and
-  // Gemma3TextConfig 4; the others, as many as the query heads.
-  const int64_t kv_heads = s.model_type == "mistral"                            ? 8
-                           : s.model_type == "qwen2" || s.model_type == "qwen3" ? 32
-                           : s.model_type == "gemma"                            ? 16
-                           : s.model_type == "gemma3_text"                      ? 4
-                                                                                : s.num_heads;
+  // Absent, MistralConfig says 8, Qwen2Config and Qwen3Config 32, GemmaConfig 16,
+  // Gemma2Config and Gemma3TextConfig 4; the others, as many as the query heads.
+  const int64_t kv_heads = s.model_type == "mistral"                                ? 8
+                           : s.model_type == "qwen2" || s.model_type == "qwen3"     ? 32
+                           : s.model_type == "gemma"                                ? 16
+                           : s.model_type == "gemma2" || s.model_type == "gemma3_text" ? 4
+                                                                                    : s.num_heads;
   s.num_kv_heads = get_or<int64_t>(c, "num_key_value_heads", kv_heads, where);
   // Qwen3Config's head_dim defaults to 128; the other families' to hidden_size / heads.
   const bool qwen3 = s.model_type == "qwen3";
@@ -296,7 +329,7 @@ ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
                 ": head_dim is null, which transformers' Qwen3 cannot build a model from (Qwen3Config keeps it as "
                 "None). Hint: write the number: 128 is Qwen3Config's default, hidden_size / num_attention_heads is ",
                 s.num_heads > 0 ? s.hidden_size / s.num_heads : 0);
-  // GemmaConfig's and Gemma3TextConfig's is 256.
+  // GemmaConfig's, Gemma2Config's and Gemma3TextConfig's is 256.
   s.head_dim = get_or<int64_t>(c, "head_dim",
                                qwen3 ? 128 : s.is_gemma() ? 256 : s.num_heads > 0 ? s.hidden_size / s.num_heads : 0, where);
   if (s.is_gpt2()) {
@@ -317,11 +350,11 @@ ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
   } else {
     s.intermediate_size = require_int(c, {"intermediate_size"}, where);
     // Each family's config class default (LlamaConfig 2048, MistralConfig 4096 x 32, Qwen2Config
-    // and Qwen3Config 32768, GemmaConfig 8192, Gemma3TextConfig 131072): it bounds dynamic rope
-    // scaling and is yarn's original length.
+    // and Qwen3Config 32768, GemmaConfig and Gemma2Config 8192, Gemma3TextConfig 131072): it
+    // bounds dynamic rope scaling and is yarn's original length.
     const int64_t max_positions = s.model_type == "mistral" || s.model_type == "gemma3_text" ? 131072
                                   : s.model_type == "qwen2" || qwen3                       ? 32768
-                                  : s.model_type == "gemma"                                ? 8192
+                                  : s.model_type == "gemma" || s.model_type == "gemma2"    ? 8192
                                                                                            : 2048;
     s.max_position_embeddings = get_or<int64_t>(c, "max_position_embeddings", max_positions, where);
     s.norm_eps = get_or<double>(c, "rms_norm_eps", 1e-6, where);
@@ -378,7 +411,7 @@ ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
   s.bos_token_id = opt_int("bos_token_id");
   s.eos_token_id = opt_int("eos_token_id");
   s.pad_token_id = opt_int("pad_token_id");
-  // GemmaConfig and Gemma3TextConfig default pad_token_id to 0 (the embedding's padding_idx,
+  // GemmaConfig, Gemma2Config and Gemma3TextConfig default pad_token_id to 0 (the embedding's padding_idx,
   // whose row the lookup gives no gradient); null is none.
   if (s.is_gemma() && !c.contains("pad_token_id")) s.pad_token_id = 0;
   // The Llama family's embedding takes it as nn.Embedding's padding_idx, which must index the
@@ -390,7 +423,7 @@ ModelSpec spec_from_hf_config(const json& c, const std::string& where) {
   s.torch_dtype = get_or<std::string>(c, "torch_dtype", "float32", where);
   for (auto it = c.begin(); it != c.end(); ++it)
     if ((!modelled_keys().count(it.key()) || (it.key() == "mlp_bias" && s.model_type != "llama")) &&
-        !(s.is_gemma() && gemma_modelled_keys().count(it.key())))
+        !(s.is_gemma() && gemma_models_key(s.model_type, it.key())))
       s.extra[it.key()] = it.value();
   validate_spec(s, where);
   return s;
@@ -435,14 +468,17 @@ json spec_to_hf_config(const ModelSpec& s) {
     c["max_position_embeddings"] = s.max_position_embeddings;
     c["rms_norm_eps"] = s.norm_eps;
     c["rope_theta"] = s.rope_theta;
-    if (s.model_type == "gemma3_text") {
+    if (s.model_type == "gemma2" || s.model_type == "gemma3_text") {
       c["hidden_activation"] = s.hidden_act;
       c["query_pre_attn_scalar"] = s.query_pre_attn_scalar.value_or(s.head_dim);
       c["sliding_window"] = s.sliding_window ? json(*s.sliding_window) : json(nullptr);
       json types = json::array();
       for (int i = 0; i < s.num_layers; ++i) types.push_back(s.layer_window(i) > 0 ? "sliding_attention" : "full_attention");
       c["layer_types"] = types;
-      c["rope_local_base_freq"] = s.local_rope_theta;
+      if (s.model_type == "gemma3_text") c["rope_local_base_freq"] = s.local_rope_theta;
+      auto cap = [](const std::optional<double>& v) { return v ? json(*v) : json(nullptr); };
+      c["attn_logit_softcapping"] = cap(s.attn_logit_softcapping);
+      c["final_logit_softcapping"] = cap(s.final_logit_softcapping);
     } else {
       c["hidden_act"] = s.hidden_act;
       // transformers 4's Gemma read hidden_activation, 5's hidden_act: both say the same.
@@ -499,6 +535,9 @@ void validate_spec(const ModelSpec& s, const std::string& where) {
                 " must be even for rotary embeddings");
   MEMTUNE_CHECK(s.sliding_layers.empty() || static_cast<int64_t>(s.sliding_layers.size()) == s.num_layers, where,
                 ": layer_types has ", s.sliding_layers.size(), " entries for ", s.num_layers, " layers");
+  for (const auto& [key, cap] : {std::pair{"attn_logit_softcapping", s.attn_logit_softcapping},
+                                 std::pair{"final_logit_softcapping", s.final_logit_softcapping}})
+    MEMTUNE_CHECK(!cap || *cap > 0, where, ": ", key, " ", cap.value_or(0), " must be positive (unset: none)");
   if (s.is_gpt2())
     MEMTUNE_CHECK(s.hidden_size == s.num_heads * s.head_dim, where, ": n_embd (", s.hidden_size,
                   ") must equal n_head x head_dim");
@@ -569,6 +608,26 @@ ModelSpec gemma3_like(int64_t vocab, int64_t hidden, int64_t inter, int64_t laye
   return s;
 }
 
+// Gemma 2 (Gemma2ForCausalLM): heads of 256, alternating sliding (first) and full layers with
+// a window of 4096 and one rotary embedding, the attention scores soft-capped at 50 and the
+// logits at 30, Gemma's norms (four a layer) and scaled embeddings, GeGLU, tied head.
+ModelSpec gemma2_like(int64_t vocab, int64_t hidden, int64_t inter, int64_t layers, int64_t heads, int64_t kv,
+                      int64_t head_dim) {
+  ModelSpec s = llama_like(vocab, hidden, inter, layers, heads, kv, 8192, 10000.0, true);
+  s.architecture = "Gemma2ForCausalLM";
+  s.model_type = "gemma2";
+  s.head_dim = head_dim;
+  s.norm_eps = 1e-6;
+  s.hidden_act = "gelu_pytorch_tanh";
+  s.gemma_norm = s.scale_embeddings = s.sandwich_norms = true;
+  s.query_pre_attn_scalar = head_dim;
+  s.sliding_window = 4096;
+  for (int64_t i = 0; i < layers; ++i) s.sliding_layers.push_back((i + 1) % 2 != 0);
+  s.attn_logit_softcapping = 50.0;
+  s.final_logit_softcapping = 30.0;
+  return s;
+}
+
 // GPT-2 family: 4x MLP, tied head, learned positions.
 ModelSpec gpt2_like(int64_t vocab, int64_t hidden, int64_t layers, int64_t heads, int64_t max_pos) {
   ModelSpec s;
@@ -614,6 +673,19 @@ std::optional<ModelSpec> preset(const std::string& name) {
     s.query_pre_attn_scalar = 48;
     s.sliding_window = 32;
     s.sliding_layers = {true, false, true, false};
+    s.bos_token_id = 1019;  // examples/tiny-tokenizer: <|begin_of_text|>
+    s.eos_token_id = 1020;  // <|end_of_text|>
+    return s;
+  }
+  if (name == "tiny-gemma2") {
+    // Heads of 64 over a hidden of 128, a window of 32 on the first and third layers, caps low
+    // enough to bend a small model's scores and logits (transformers' 50 and 30 barely would).
+    ModelSpec s = gemma2_like(1024, 128, 344, 4, 4, 2, 64);
+    s.max_position_embeddings = 1024;
+    s.query_pre_attn_scalar = 48;
+    s.sliding_window = 32;
+    s.attn_logit_softcapping = 5.0;
+    s.final_logit_softcapping = 3.0;
     s.bos_token_id = 1019;  // examples/tiny-tokenizer: <|begin_of_text|>
     s.eos_token_id = 1020;  // <|end_of_text|>
     return s;
@@ -673,6 +745,16 @@ std::optional<ModelSpec> preset(const std::string& name) {
     s.torch_dtype = "bfloat16";
     return s;
   }
+  if (name == "gemma-2-2b" || name == "gemma-2-9b") {
+    // google/gemma-2-2b and google/gemma-2-9b.
+    ModelSpec s = name == "gemma-2-9b" ? gemma2_like(256000, 3584, 14336, 42, 16, 8, 256)
+                                       : gemma2_like(256000, 2304, 9216, 26, 8, 4, 256);
+    s.bos_token_id = 2;
+    s.eos_token_id = 1;
+    s.pad_token_id = 0;
+    s.torch_dtype = "float32";  // as Google ships them
+    return s;
+  }
   if (name == "gemma-3-270m" || name == "gemma-3-1b") {
     // google/gemma-3-270m and google/gemma-3-1b-pt.
     ModelSpec s = name == "gemma-3-1b" ? gemma3_like(262144, 1152, 6912, 26, 4, 1, 256)
@@ -693,8 +775,9 @@ std::optional<ModelSpec> preset(const std::string& name) {
 }
 
 std::vector<std::string> preset_names() {
-  return {"tiny-llama", "tiny-gpt2",  "tiny-qwen3", "tiny-gemma3",  "llama-3.2-1b", "llama-3-8b",  "mistral-7b",
-          "qwen2-0.5b", "qwen3-0.6b", "qwen3-8b",   "gemma-3-270m", "gemma-3-1b",   "gpt2"};
+  return {"tiny-llama", "tiny-gpt2",    "tiny-qwen3",   "tiny-gemma2", "tiny-gemma3",  "llama-3.2-1b",
+          "llama-3-8b", "mistral-7b",   "qwen2-0.5b",   "qwen3-0.6b",  "qwen3-8b",     "gemma-2-2b",
+          "gemma-2-9b", "gemma-3-270m", "gemma-3-1b",   "gpt2"};
 }
 
 int64_t parameter_count(const ModelSpec& s) {

@@ -1,6 +1,7 @@
 #pragma once
 // The shape of a model, as Hugging Face's config.json describes it, normalised across
-// families (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 3, GPT-2). Presets are plain functions returning one.
+// families (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, GPT-2). Presets are plain
+// functions returning one.
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -24,7 +25,7 @@ struct RopeScaling {
 
 struct ModelSpec {
   std::string architecture = "LlamaForCausalLM";  // HF `architectures[0]`
-  std::string model_type = "llama";                // llama|mistral|qwen2|qwen3|gemma|gemma3_text|gpt2|<registered>
+  std::string model_type = "llama";  // llama|mistral|qwen2|qwen3|gemma|gemma2|gemma3_text|gpt2|<registered>
   int64_t vocab_size = 256;
   int64_t hidden_size = 64;
   int64_t intermediate_size = 172;
@@ -48,24 +49,28 @@ struct ModelSpec {
   // The gated MLP's activation (hidden_act; Gemma 3's hidden_activation): silu (SwiGLU), or
   // Gemma's gelu_pytorch_tanh or gelu (GeGLU, tanh's approximation or the exact erf form).
   std::string hidden_act = "silu";
-  // Gemma and Gemma 3. Their RMSNorm scales by (1 + weight), in fp32, rounded once to the
+  // Gemma, Gemma 2 and Gemma 3. Their RMSNorm scales by (1 + weight), in fp32, rounded once to the
   // input's dtype (weights initialised to 0); the embeddings are multiplied by
   // sqrt(hidden_size), rounded to the embedding's dtype.
   bool gemma_norm = false;
   bool scale_embeddings = false;
-  // Gemma 3's decoder layer: post_attention_layernorm normalises the attention's output
+  // Gemma 2's and Gemma 3's decoder layer: post_attention_layernorm normalises the attention's output
   // before the residual sum, and pre_feedforward_layernorm / post_feedforward_layernorm
   // wrap the MLP (four norms a layer, where Llama has two).
   bool sandwich_norms = false;
-  // Gemma 3: attention scores scaled by query_pre_attn_scalar^-0.5 (unset: head_dim^-0.5); an
-  // integer, as Gemma3TextConfig types it (transformers refuses 24.0).
+  // Gemma 2 and 3: attention scores scaled by query_pre_attn_scalar^-0.5 (unset: head_dim^-0.5);
+  // an integer, as Gemma2Config and Gemma3TextConfig type it (transformers refuses 24.0).
   std::optional<int64_t> query_pre_attn_scalar;
-  // Gemma 3's layer_types, a flag per layer: a sliding layer attends within sliding_window and
-  // rotates by local_rope_theta (rope_local_base_freq, no scaling); a full one attends to
-  // every earlier position and rotates by rope_theta with rope_scaling. Empty: every layer
-  // alike (Mistral's window, when it has one, on all).
+  // Gemma 2's and Gemma 3's layer_types, a flag per layer: a sliding layer attends within
+  // sliding_window (Gemma 3's also rotates by local_rope_theta, rope_local_base_freq, no
+  // scaling); a full one attends to every earlier position (rotating by rope_theta with
+  // rope_scaling). Empty: every layer alike (Mistral's window, when it has one, on all).
   std::vector<bool> sliding_layers;
   double local_rope_theta = 10000.0;
+  // Gemma 2's tanh soft-capping (Gemma 3's configs may set the logits' too): attention scores s become
+  // c tanh(s / c) with c = attn_logit_softcapping (models/layers/attention.h), the head's
+  // logits likewise with final_logit_softcapping (models/layers/cross_entropy.h). Unset: none.
+  std::optional<double> attn_logit_softcapping, final_logit_softcapping;
   std::optional<int64_t> bos_token_id, eos_token_id, pad_token_id;
   std::string torch_dtype = "float32";   // dtype the checkpoint stores dense weights in
   // GPT-2's activation_function: gelu_new (transformers' NewGELUActivation, the tanh formula as
@@ -77,7 +82,7 @@ struct ModelSpec {
   int64_t q_dim() const { return num_heads * head_dim; }
   int64_t kv_dim() const { return num_kv_heads * head_dim; }
   bool is_gpt2() const { return model_type == "gpt2"; }
-  bool is_gemma() const { return model_type == "gemma" || model_type == "gemma3_text"; }
+  bool is_gemma() const { return model_type == "gemma" || model_type == "gemma2" || model_type == "gemma3_text"; }
   // The embedding's padding_idx, as transformers builds it from pad_token_id (that row gets no
   // gradient); a negative id counts from the vocabulary's end, as nn.Embedding takes it (the
   // range is checked when config.json is read). -1: none.
@@ -117,9 +122,9 @@ DropoutRates dropout_rates(const ModelSpec& spec);
 // Throws UserError when the shape is impossible (heads not dividing, ...).
 void validate_spec(const ModelSpec& spec, const std::string& where);
 
-// Presets: tiny-llama, tiny-gpt2, tiny-qwen3, tiny-gemma3 (tests and the quickstart) and the
-// real sizes users fine-tune: llama-3.2-1b, llama-3-8b, mistral-7b, qwen2-0.5b, qwen3-0.6b,
-// qwen3-8b, gemma-3-270m, gemma-3-1b, gpt2.
+// Presets: tiny-llama, tiny-gpt2, tiny-qwen3, tiny-gemma2, tiny-gemma3 (tests and the
+// quickstart) and the real sizes users fine-tune: llama-3.2-1b, llama-3-8b, mistral-7b,
+// qwen2-0.5b, qwen3-0.6b, qwen3-8b, gemma-2-2b, gemma-3-270m, gemma-3-1b, gpt2.
 std::optional<ModelSpec> preset(const std::string& name);
 std::vector<std::string> preset_names();
 

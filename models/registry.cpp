@@ -14,9 +14,8 @@ std::map<std::string, ArchitectureBuilder>& table() {
     std::map<std::string, ArchitectureBuilder> m;
     for (const Family& f : builtin_families()) {
       const std::string type = f.model_type;
-      const ArchitectureBuilder build = type == "gpt2"                               ? make_gpt2
-                                        : type == "gemma" || type == "gemma3_text" ? make_gemma
-                                                                                   : make_llama;
+      const bool gemma = type == "gemma" || type == "gemma2" || type == "gemma3_text";
+      const ArchitectureBuilder build = type == "gpt2" ? make_gpt2 : gemma ? make_gemma : make_llama;
       m[f.model_type] = build;
       m[f.architecture] = build;
     }

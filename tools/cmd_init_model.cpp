@@ -47,8 +47,9 @@ void add_init_model_command(CLI::App& app) {
       std::string name = a->preset;
       if (name == "tiny") {
         const std::string f = family.value_or("llama");
-        MEMTUNE_CHECK(f == "llama" || f == "gpt2" || f == "qwen3" || f == "gemma3_text", "--arch ", a->arch,
-                      ": there is no tiny ", f, " preset (tiny-llama, tiny-gpt2, tiny-qwen3, tiny-gemma3); ",
+        MEMTUNE_CHECK(f == "llama" || f == "gpt2" || f == "qwen3" || f == "gemma2" || f == "gemma3_text", "--arch ",
+                      a->arch, ": there is no tiny ", f,
+                      " preset (tiny-llama, tiny-gpt2, tiny-qwen3, tiny-gemma2, tiny-gemma3); ",
                       f == "mistral" ? "name a mistral preset (mistral-7b) or "
                       : f == "qwen2" ? "name a qwen2 preset (qwen2-0.5b) or "
                                      : "",

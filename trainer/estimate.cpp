@@ -146,6 +146,7 @@ EstimateInput estimate_input(const Config& c, const models::ModelSpec& s, int64_
   in.adapter_bytes = autocast_on(c) ? in.compute_bytes : 4;
   in.loss_bf16 = models::loss_matmul_dtype(compute_dtype) == at::kBFloat16;
   in.label_smoothing = c.training.label_smoothing_factor > 0;
+  in.logit_softcap = s.final_logit_softcapping.has_value();
   // Activations are in the dense dtype (model.torch_dtype) whatever the compute dtype: each
   // projection casts its output back, so in an fp32 model q, k and v reach attention in fp32
   // and on the CPU take the fused kernel (its rule: fp32 CPU tensors) unless the config asks

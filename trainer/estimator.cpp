@@ -272,9 +272,13 @@ class Planner {
     const int64_t head_grad = head_trained_ ? V * C * kF32 : 0;
     const int64_t rows = N * C * act_, d_rows = N * C * mm, head_copy = cast ? V * C * mm : 0;
     const int64_t h_chunk = (cast ? chunk * C * mm : 0) + (m_.loss_bf16 && head_trained_ && !m_.cuda_kernels ? chunk * C * kF32 : 0);
-    const int64_t logits = !m_.loss_bf16    ? chunk * V * kF32 + chunk * C * kF32
+    // Soft-capped logits (final_logit_softcapping) keep their tanh beside them, and form the
+    // whole d logits before the products, taken through the cap in place: in fp32 that and
+    // the tanh; in bf16 the fp32 d logits, the bf16 tanh and their bf16 rounding.
+    const int64_t logits = m_.logit_softcap ? (m_.loss_bf16 ? chunk * V * (kF32 + 2 * kBf16) : chunk * V * kF32 * 2)
+                           : !m_.loss_bf16 ? chunk * V * kF32 + chunk * C * kF32
                            : m_.cuda_kernels && !m_.label_smoothing ? chunk * V * kBf16
-                                             : chunk * V * (kBf16 + kF32);
+                                                                    : chunk * V * (kBf16 + kF32);
     const int64_t dh = E * C * act_;
     const int64_t loss_chunk = hidden + rows + d_rows + head_copy + logits + h_chunk + head_grad;
     const int64_t loss_end = hidden + rows + d_rows + head_copy + (cast ? E * C * mm : 0) + dh + head_grad;
@@ -453,7 +457,7 @@ class Planner {
     add("activations: outside the layers", final_norm + stack.context + batch,
         "the final norm, the layer context (rotary tables), the batch");
     add("logits and loss", e.loss,
-        str_cat("chunks of ", chunk, " rows x ", V, " fp32 logits",
+        str_cat("chunks of ", chunk, " rows x ", V, " fp32 logits", m_.logit_softcap ? " and their tanh (soft-capped)" : "",
                 N < E ? str_cat(", ", N, " trained rows (at most ", m_.max_sample_targets, " per sample)") : ""));
     add("recompute (checkpointed layer)", e.recompute, "one layer rebuilt in backward");
     add("workspace (layer backward)", e.workspace, "temporaries of one layer's backward");

@@ -91,6 +91,7 @@ struct EstimateInput {
   int64_t adapter_bytes = 4;        // ... of LoRA adapters' products (models::StepShape::adapter_bytes)
   bool loss_bf16 = false;           // the head's products in bf16 (models::loss_matmul_dtype)
   bool label_smoothing = false;     // training.label_smoothing_factor > 0: no one-pass bf16 CUDA kernel
+  bool logit_softcap = false;       // the model soft-caps its logits (final_logit_softcapping)
   // Attention runs the fused CPU kernel (models/layers/attention_cpu.h: CPU, fp32), whose
   // scratch is per intra-op thread; otherwise the blocked ATen one.
   bool fused_cpu_attention = false;

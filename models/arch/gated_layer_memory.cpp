@@ -29,6 +29,7 @@ LayerMemory gated_layer_memory(const GatedLayerProjections& L, const GatedLayerF
   if (form.qk_norm && (g_in || tk.trains())) attn += rms_norm_kept(E * sp.num_kv_heads, sp.head_dim, a);
   AttentionOptions dropped;  // the blocked kernel draws dropout's masks per block
   dropped.dropout.p = form.attention_dropout;
+  dropped.softcap = sp.attn_logit_softcapping.value_or(0);
   const AttentionMemory at = attention_memory(s.batch, sp.num_heads, sp.num_kv_heads, s.tokens, sp.head_dim, a,
                                               s.fused_cpu_attention, s.threads, dropped);
   const bool g_attention = g_in || qkv_trained;

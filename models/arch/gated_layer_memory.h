@@ -1,7 +1,8 @@
 #pragma once
 // The memory of a Llama-shaped decoder layer (a pre-norm attention over q, k, v and o, then a
 // pre-norm gated MLP over gate, up and down), op by op, for the families built on it: Llama,
-// Mistral, Qwen2, Qwen3 (models/arch/llama.cpp), Gemma and Gemma 3 (models/arch/gemma.cpp).
+// Mistral, Qwen2, Qwen3 (models/arch/llama.cpp), Gemma, Gemma 2 and Gemma 3
+// (models/arch/gemma.cpp). The spec's attention soft-capping counts.
 #include <cstdint>
 
 #include "models/layers/linear.h"
@@ -17,7 +18,7 @@ struct GatedLayerProjections {
 // Where a family's layer differs from Llama's.
 struct GatedLayerForm {
   bool qk_norm = false;         // per-head q and k norms (Qwen3, Gemma 3)
-  bool sandwich_norms = false;  // Gemma 3's norms on the attention's and the MLP's outputs
+  bool sandwich_norms = false;  // Gemma 2's and 3's norms on the attention's and the MLP's outputs
   bool geglu = false;           // GeGLU (Gemma) rather than SwiGLU: its backward's transients
   double attention_dropout = 0;
 };

@@ -1,12 +1,14 @@
-// Gemma (GemmaForCausalLM) and Gemma 3's language model (Gemma3ForCausalLM, model_type
-// gemma3_text) with Hugging Face's semantics. Both are Llama's decoder with Gemma's pieces:
-// RMSNorm scaling by (1 + weight) in fp32 with one rounding, embeddings multiplied by
-// sqrt(hidden_size), a GeGLU MLP (gelu_pytorch_tanh or exact gelu), heads of head_dim
-// independent of hidden_size, a tied head. Gemma 3 adds per-head q and k norms, an attention
-// scale of query_pre_attn_scalar^-0.5, norms after the attention and around the MLP (four a
-// layer), and two kinds of layer (layer_types): sliding ones attend within sliding_window and
-// rotate by rope_local_base_freq, full ones attend to every earlier position and rotate by
-// rope_theta with rope_scaling.
+// Gemma (GemmaForCausalLM), Gemma 2 (Gemma2ForCausalLM) and Gemma 3's language model
+// (Gemma3ForCausalLM, model_type gemma3_text) with Hugging Face's semantics. All are Llama's
+// decoder with Gemma's pieces: RMSNorm scaling by (1 + weight) in fp32 with one rounding,
+// embeddings multiplied by sqrt(hidden_size), a GeGLU MLP (gelu_pytorch_tanh or exact gelu),
+// heads of head_dim independent of hidden_size, a tied head. Gemma 2 adds an attention scale
+// of query_pre_attn_scalar^-0.5, norms after the attention and around the MLP (four a layer),
+// two kinds of layer (layer_types: sliding ones attend within sliding_window, full ones to
+// every earlier position) and tanh soft-capping of the attention scores and the logits (the
+// attention kernels' and the loss's, from the spec). Gemma 3 takes Gemma 2's layer with
+// per-head q and k norms, and rotates its sliding layers by rope_local_base_freq, its full
+// ones by rope_theta with rope_scaling.
 #include <algorithm>
 #include <cmath>
 #include <tuple>
@@ -65,7 +67,8 @@ class GemmaModel : public CausalLM {
       add_tensor("lm_head.weight", {spec.vocab_size, C}, TensorRole::kHead, &lm_head_);
     inv_freq_ = rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling);
     rope_scale_ = rope_attention_factor(spec.rope_scaling);
-    if (!spec.sliding_layers.empty()) local_inv_freq_ = rope_inv_freq(spec.head_dim, spec.local_rope_theta, {});
+    if (spec.model_type == "gemma3_text" && !spec.sliding_layers.empty())
+      local_inv_freq_ = rope_inv_freq(spec.head_dim, spec.local_rope_theta, {});
     scale_ = 1.0 / std::sqrt(static_cast<double>(spec.query_pre_attn_scalar.value_or(spec.head_dim)));
   }
 
@@ -93,9 +96,10 @@ class GemmaModel : public CausalLM {
     const ModelSpec& s = spec_;
     const int64_t B = x.size(0), T = x.size(1), D = s.head_dim, Hkv = s.num_kv_heads,
                   G = s.num_heads / s.num_kv_heads;
-    const bool sliding = !s.sliding_layers.empty() && s.sliding_layers[static_cast<size_t>(i)];
-    const at::Tensor& cos = sliding ? ctx.local_cos : ctx.cos;
-    const at::Tensor& sin = sliding ? ctx.local_sin : ctx.sin;
+    // Gemma 3's sliding layers rotate by their own table; Gemma 2's by the one of all layers.
+    const bool local = ctx.local_cos.defined() && !s.sliding_layers.empty() && s.sliding_layers[static_cast<size_t>(i)];
+    const at::Tensor& cos = local ? ctx.local_cos : ctx.cos;
+    const at::Tensor& sin = local ? ctx.local_sin : ctx.sin;
     at::Tensor h = gemma_rms_norm(x, L.input_norm, s.norm_eps);
     at::Tensor q = L.q->forward(h, ctx.training).view({B, T, s.num_heads, D});
     at::Tensor k = L.k->forward(h, ctx.training).view({B, T, Hkv, D});
@@ -155,7 +159,7 @@ class GemmaModel : public CausalLM {
  private:
   struct Layer {
     at::Tensor input_norm, post_attention_norm;
-    at::Tensor pre_mlp_norm, post_mlp_norm;  // Gemma 3's (spec.sandwich_norms)
+    at::Tensor pre_mlp_norm, post_mlp_norm;  // Gemma 2's and 3's (spec.sandwich_norms)
     at::Tensor q_norm, k_norm;               // Gemma 3's per-head norms (spec.qk_norm)
     Linear *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr, *gate = nullptr, *up = nullptr,
            *down = nullptr;

@@ -25,8 +25,11 @@ using torch::autograd::variable_list;
 int64_t first_key(int64_t t0, int64_t window) { return window > 0 ? std::max<int64_t>(0, t0 - window + 1) : 0; }
 
 // The blocked kernel keeps the probabilities of B rows of H heads when half their fp32
-// (T x T) matrices fit the limit (the causal half is what the blocks hold).
-bool keeps_probabilities(int64_t B, int64_t H, int64_t T, int64_t limit) { return B * H * T * T * 4 / 2 <= limit; }
+// (T x T) matrices fit the limit (the causal half is what the blocks hold), and the scores
+// are not soft-capped (the backward forms the capped scores again for their derivative).
+bool keeps_probabilities(int64_t B, int64_t H, int64_t T, int64_t limit, double softcap) {
+  return softcap <= 0 && B * H * T * T * 4 / 2 <= limit;
+}
 
 // Scores the blocked kernel forms: the sum over query blocks of rows x keys up to the block's end.
 int64_t block_area(int64_t T, int64_t block) {
@@ -49,18 +52,26 @@ at::Tensor block_mask(const at::Tensor& seg, int64_t t0, int64_t t1, int64_t k0,
   return bias.unsqueeze(1).unsqueeze(1);
 }
 
-// Scores of query rows [t0,t1) against keys [k0,t1): (B,Hkv,G,bt,tk) fp32, masked and scaled.
-// Scaled in q's dtype, then widened, as transformers' eager attention (`matmul(q, k^T) *
-// scaling`, then the softmax in fp32): in bf16 and fp16 the scaled scores are rounded once
-// more, unless the scale is a power of two (head_dim 16, 64, 256).
-at::Tensor block_scores(const at::Tensor& q, const at::Tensor& k, const at::Tensor& seg, int64_t t0,
-                        int64_t t1, int64_t window, double scale) {
+// Scores of query rows [t0,t1) against keys [k0,t1), scaled (and soft-capped): (B,Hkv,G,bt,tk)
+// fp32, not masked. Scaled in q's dtype, then widened, as transformers' eager attention
+// (`matmul(q, k^T) * scaling`, Gemma 2's `/ softcap, tanh, * softcap`, then the softmax in
+// fp32): in bf16 and fp16 the scaled scores are rounded once more, unless the scale is a
+// power of two (head_dim 16, 64, 256), and once per capping step.
+at::Tensor block_raw_scores(const at::Tensor& q, const at::Tensor& k, int64_t t0, int64_t t1, int64_t window,
+                            double scale, double softcap) {
   const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), D = q.size(4), bt = t1 - t0;
   const int64_t k0 = first_key(t0, window);
   at::Tensor qb = q.slice(3, t0, t1).reshape({B, Hkv, G * bt, D});
   at::Tensor kb = k.slice(2, k0, t1);
-  at::Tensor s = at::matmul(qb, kb.transpose(-1, -2)).view({B, Hkv, G, bt, t1 - k0});
-  return s.mul_(scale).to(at::kFloat).add_(block_mask(seg, t0, t1, k0, window));
+  at::Tensor s = at::matmul(qb, kb.transpose(-1, -2)).view({B, Hkv, G, bt, t1 - k0}).mul_(scale);
+  if (softcap > 0) s.div_(softcap).tanh_().mul_(softcap);
+  return s.to(at::kFloat);
+}
+
+// block_raw_scores masked: -inf where a query may not see a key.
+at::Tensor block_scores(const at::Tensor& q, const at::Tensor& k, const at::Tensor& seg, int64_t t0,
+                        int64_t t1, int64_t window, double scale, double softcap) {
+  return block_raw_scores(q, k, t0, t1, window, scale, softcap).add_(block_mask(seg, t0, t1, first_key(t0, window), window));
 }
 
 // Attention dropout's scaled mask Z (0 or 1/(1-p)) for query rows [t0,t1) against keys
@@ -75,16 +86,17 @@ at::Tensor block_dropout(const at::Tensor& seeds, double p, int64_t Hkv, int64_t
 struct SegmentAttention : public torch::autograd::Function<SegmentAttention> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, const at::Tensor& seg, double scale, int64_t window,
-                            int64_t block, int64_t keep_probs_bytes, double dropout, const at::Tensor& seeds) {
+                            int64_t block, int64_t keep_probs_bytes, double dropout, const at::Tensor& seeds,
+                            double softcap) {
     const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), T = q.size(3), D = q.size(4);
     at::Tensor out = at::empty_like(q);
     at::Tensor lse = at::empty({B, Hkv, G, T}, q.options().dtype(at::kFloat));
-    const bool keep = keeps_probabilities(B, Hkv * G, T, keep_probs_bytes);
+    const bool keep = keeps_probabilities(B, Hkv * G, T, keep_probs_bytes, softcap);
     variable_list probs;
     for (int64_t t0 = 0; t0 < T; t0 += block) {
       const int64_t t1 = std::min(T, t0 + block), bt = t1 - t0;
       const int64_t k0 = first_key(t0, window);
-      at::Tensor s = block_scores(q, k, seg, t0, t1, window, scale);
+      at::Tensor s = block_scores(q, k, seg, t0, t1, window, scale, softcap);
       at::Tensor m = std::get<0>(s.max(-1, true));
       at::Tensor p = (s - m).exp_();
       at::Tensor denom = p.sum(-1, true);
@@ -102,6 +114,7 @@ struct SegmentAttention : public torch::autograd::Function<SegmentAttention> {
     ctx->saved_data["block"] = block;
     ctx->saved_data["keep"] = keep;
     ctx->saved_data["dropout"] = dropout;
+    ctx->saved_data["softcap"] = softcap;
     variable_list saved = {q, k, v, seg, out, lse, seeds};
     saved.insert(saved.end(), probs.begin(), probs.end());
     ctx->save_for_backward(saved);
@@ -117,6 +130,7 @@ struct SegmentAttention : public torch::autograd::Function<SegmentAttention> {
     const int64_t window = ctx->saved_data["window"].toInt();
     const bool keep = ctx->saved_data["keep"].toBool();
     const double dropout = ctx->saved_data["dropout"].toDouble();
+    const double softcap = ctx->saved_data["softcap"].toDouble();
     const at::Tensor& seeds = saved[6];
     const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), T = q.size(3), D = q.size(4);
     at::Tensor dout = grads[0].contiguous();
@@ -128,11 +142,14 @@ struct SegmentAttention : public torch::autograd::Function<SegmentAttention> {
     int64_t index = 0;
     for (int64_t t0 = 0; t0 < T; t0 += block, ++index) {
       const int64_t t1 = std::min(T, t0 + block), bt = t1 - t0, k0 = first_key(t0, window), tk = t1 - k0;
-      at::Tensor p;
+      at::Tensor p, capped;  // capped: the soft-capped scores, whose tanh's derivative dS takes
       if (keep) {
         p = saved[7 + index].to(at::kFloat);
+      } else if (softcap > 0) {
+        capped = block_raw_scores(q, k, t0, t1, window, scale, softcap);
+        p = (capped + block_mask(seg, t0, t1, k0, window)).sub_(lse.slice(3, t0, t1).unsqueeze(-1)).exp_();
       } else {
-        p = block_scores(q, k, seg, t0, t1, window, scale);
+        p = block_scores(q, k, seg, t0, t1, window, scale, 0);
         p.sub_(lse.slice(3, t0, t1).unsqueeze(-1)).exp_();
       }
       // With dropout's scaled mask Z: dV += (P Z)^T dO and dS = P (Z (dO V^T) - D) scale.
@@ -143,6 +160,8 @@ struct SegmentAttention : public torch::autograd::Function<SegmentAttention> {
       at::Tensor dp = at::matmul(dob, v.slice(2, k0, t1).transpose(-1, -2)).view({B, Hkv, G, bt, tk}).to(at::kFloat);
       if (z.defined()) dp.mul_(z);
       at::Tensor ds = p * dp.sub_(delta.slice(3, t0, t1).unsqueeze(-1));
+      // Soft-capping: d(c tanh(u / c)) / du = 1 - (capped / c)^2.
+      if (capped.defined()) ds.mul_(capped.div_(softcap).square_().neg_().add_(1.0));
       ds.mul_(scale);
       at::Tensor dsc = ds.to(q.scalar_type()).view({B, Hkv, G * bt, tk});
       dq.slice(3, t0, t1).copy_(at::matmul(dsc, k.slice(2, k0, t1)).view({B, Hkv, G, bt, D}));
@@ -150,7 +169,7 @@ struct SegmentAttention : public torch::autograd::Function<SegmentAttention> {
       dk.slice(2, k0, t1).add_(at::matmul(dsc.transpose(-1, -2), qb));
     }
     return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor()};
+            at::Tensor(), at::Tensor()};
   }
 };
 
@@ -336,7 +355,7 @@ AttentionMemory attention_memory(int64_t B, int64_t Hq, int64_t Hkv, int64_t T, 
   constexpr int64_t kF32 = 4, kI64 = 8;
   const int64_t E = B * T, q = Hq * D, kv = Hkv * D;
   const int64_t bt = std::min(T, o.query_block);
-  const bool keep = keeps_probabilities(B, Hq, T, o.keep_probs_bytes);
+  const bool keep = keeps_probabilities(B, Hq, T, o.keep_probs_bytes, o.softcap);
   const int64_t probs = keep ? B * Hq * block_area(T, o.query_block) * a : 0;
   const int64_t scores = B * Hq * bt * T * kF32;  // one query block's fp32 scores
   const int64_t mask = B * bt * T * (kF32 + 3);   // its additive mask and the booleans that build it
@@ -344,7 +363,8 @@ AttentionMemory attention_memory(int64_t B, int64_t Hq, int64_t Hkv, int64_t T, 
   AttentionMemory m;
   if (fused_cpu) {
     // Per thread the backward's scratch, the larger of the two passes (taken for both).
-    const int64_t scratch = std::max<int64_t>(threads, 1) * detail::fused_cpu_attention_scratch_bytes(T, D);
+    const int64_t scratch =
+        std::max<int64_t>(threads, 1) * detail::fused_cpu_attention_scratch_bytes(T, D, o.softcap > 0);
     m.kept = E * (2 * q + 2 * kv) * a + lse + E * kI64;  // q, k, v, out, lse, each query's first key
     m.forward_transient = scratch;
     m.no_grad_own = E * q * a + lse + E * kI64;  // reads q, k, v in place
@@ -353,11 +373,13 @@ AttentionMemory attention_memory(int64_t B, int64_t Hq, int64_t Hkv, int64_t T, 
   }
   // The blocked kernel: contiguous copies of q, k, v; the probabilities kept or formed again.
   // Dropout draws a block's mask from three int64 hashes at a time and keeps it as fp32.
+  // Soft-capping forms the capped scores beside the probabilities in backward.
   const int64_t drop = o.dropout.active() ? scores / kF32 * (3 * kI64 + kF32) : 0;
   m.kept = E * (2 * q + 2 * kv) * a + lse + probs;
   m.forward_transient = scores + (keep ? 0 : scores) + mask + drop;
   m.no_grad_own = m.kept;
-  m.backward_transient = E * (4 * q + 2 * kv) * kF32 + lse + (keep ? 2 * scores : 3 * scores + mask) + drop;
+  m.backward_transient = E * (4 * q + 2 * kv) * kF32 + lse + (keep ? 2 * scores : 3 * scores + mask) + drop +
+                         (o.softcap > 0 ? scores : 0);
   return m;
 }
 
@@ -393,6 +415,9 @@ at::Tensor causal_segment_attention(const at::Tensor& q, const at::Tensor& k, co
                             dropout.seeds.defined() ? dropout.seeds.numel() : 0, " seeds for ", q.size(0), " rows");
   }
   if (options.kernel == Kernel::kSdpa) {
+    MEMTUNE_CHECK(options.softcap <= 0, "model.attn_implementation: sdpa cannot soft-cap attention scores, and this "
+                  "model's are (attn_logit_softcapping ", options.softcap, "); transformers' own sdpa path drops the "
+                  "capping and computes another model. Hint: attn_implementation auto or eager");
 #if MEMTUNE_HAS_SDPA
     if (!options.one_segment_per_row && documents_known(options, q.size(0), q.size(3), sliding_window))
       return sdpa_documents(q, k, v, scale, options);
@@ -402,11 +427,11 @@ at::Tensor causal_segment_attention(const at::Tensor& q, const at::Tensor& k, co
 #endif
   }
   if (options.kernel == Kernel::kAuto) {
-    at::Tensor out = detail::fused_cpu_attention(q, k, v, segment_ids, scale, sliding_window, dropout);
+    at::Tensor out = detail::fused_cpu_attention(q, k, v, segment_ids, scale, sliding_window, dropout, options.softcap);
     if (out.defined()) return out;
 #if MEMTUNE_HAS_SDPA
-    if (dropout.active()) {
-      // SDPA's dropout is not keyed: the blocked kernel below draws the keyed masks.
+    if (dropout.active() || options.softcap > 0) {
+      // SDPA's dropout is not keyed, and it cannot soft-cap: the blocked kernel below runs.
     } else if (q.is_cuda() && options.one_segment_per_row && sliding_window <= 0)
       return sdpa_attention(q, k, v, segment_ids, scale, sliding_window, true);
     else if (q.is_cuda() && documents_known(options, q.size(0), q.size(3), sliding_window))
@@ -416,7 +441,7 @@ at::Tensor causal_segment_attention(const at::Tensor& q, const at::Tensor& k, co
   const at::Tensor seeds = dropout.active() ? dropout.seeds.to(q.device()).to(at::kLong) : at::zeros({0}, q.options().dtype(at::kLong));
   return SegmentAttention::apply(q.contiguous(), k.contiguous(), v.contiguous(),
                                  segment_ids.to(q.device()), scale, sliding_window, options.query_block,
-                                 options.keep_probs_bytes, dropout.active() ? dropout.p : 0.0, seeds);
+                                 options.keep_probs_bytes, dropout.active() ? dropout.p : 0.0, seeds, options.softcap);
 }
 
 }  // namespace memtune::models

@@ -60,6 +60,11 @@ struct AttentionOptions {
   // so the same sample gets the same mask in any batch, and neither keeps it; SDPA draws
   // its own, so auto does not take SDPA with dropout, and `sdpa` refuses it.
   AttentionDropout dropout;
+  // Gemma 2's attn_logit_softcapping c > 0: the scaled scores s become c tanh(s / c) before
+  // the mask and the softmax, as transformers' eager attention computes them (in q's dtype).
+  // The fused CPU kernel and the blocked one cap; SDPA cannot, so auto does not take it and
+  // `sdpa` refuses it. 0: none.
+  double softcap = 0;
 };
 
 // Packed rows' documents grouped by width (the smallest power of two >= the length, at
@@ -101,7 +106,8 @@ at::Tensor causal_segment_attention(const at::Tensor& q, const at::Tensor& k, co
 
 // Memory of one causal_segment_attention at B rows of T tokens, Hq query and Hkv key/value
 // heads of D dimensions, elements of `elem_bytes` (the accounting of the memory model,
-// models/memory.h; `fused_cpu`: the fused CPU kernel runs it on `threads` threads).
+// models/memory.h; `fused_cpu`: the fused CPU kernel runs it on `threads` threads; the
+// options' dropout and softcap count).
 struct AttentionMemory {
   int64_t kept = 0;                // saved for backward: q, k, v, the output, the log-sum-exp, and
                                    // the probabilities (blocked, when they fit) or each query's first key (fused)

@@ -43,18 +43,23 @@ struct View {
 at::Tensor last_dim_contiguous(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
 
 // Scratch of one thread, carved from one tensor: a task's packed keys and values, one
-// query block's probabilities and their gradient, the packed rows of a block.
+// query block's probabilities and their gradient (and with soft-capping, its scores' tanh),
+// the packed rows of a block.
 struct Scratch {
   int64_t T, D, Tp, Dp, ld;  // Tp, Dp: T and D rounded up to a panel; ld: a score row's stride
-  Scratch(int64_t T_, int64_t D_)
-      : T(T_), D(D_), Tp(round_up(T_, kLanes)), Dp(round_up(D_, kLanes)), ld(round_up(T_, kLanes) + kLanes) {}
+  bool capped;
+  Scratch(int64_t T_, int64_t D_, bool capped_)
+      : T(T_), D(D_), Tp(round_up(T_, kLanes)), Dp(round_up(D_, kLanes)), ld(round_up(T_, kLanes) + kLanes),
+        capped(capped_) {}
   // K^T or V^T (D x T) and K or V (T x D) packed; a block's scores; a block's rows (kRows x D) packed.
   int64_t transposed() const { return D * Tp; }
   int64_t straight() const { return T * Dp; }
   int64_t scores() const { return kRows * ld; }
   int64_t block_rows() const { return kRows * Dp; }
   int64_t forward_floats() const { return transposed() + straight() + scores() + kRows; }
-  int64_t backward_floats() const { return 2 * transposed() + straight() + 2 * scores() + block_rows(); }
+  int64_t backward_floats() const {
+    return 2 * transposed() + straight() + (capped ? 3 : 2) * scores() + block_rows();
+  }
 };
 
 // Keys K (T x D, row stride ld) packed as the right operand of Q K^T: panels of 16 keys.
@@ -66,13 +71,27 @@ Panels pack_straight(const float* src, int64_t ld, const Scratch& s, float* dst)
   return pack_panels(src, ld, 1, s.T, s.D, s.T, dst);
 }
 
+// Gemma 2's soft-capping of a row's n scores x (q k^T, unscaled), as transformers' eager
+// attention: u = x scale / cap, x = cap tanh(u); th (when given) receives tanh(u), whose
+// square the backward needs.
+void soft_cap(float* x, int64_t n, float scale, float cap, float* th) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float t = std::tanh(x[j] * scale / cap);
+    x[j] = t * cap;
+    if (th != nullptr) th[j] = t;
+  }
+}
+
 // Query rows [t0,t1) of q (row stride q_t) against the keys from k0 (`first` of t0 rounded
 // down to a panel) to t1: scores into S (row stride s.ld), each row's allowed keys
 // exponentiated with `row_shift` (forward: the row max, which it records; backward: the
-// saved log-sum-exp), the rest zeroed. Returns k0.
+// saved log-sum-exp), the rest zeroed. With `softcap` > 0 the scaled scores are soft-capped
+// first (tanh into TH, same layout, when given; row_shift then sees the capped scores, and
+// `scale` is taken as 1 after). Returns k0.
 template <typename Shift>
-int64_t block_probs(GemmFn gemm, const Scratch& s, const int64_t* first, float scale, const float* q,
-                    int64_t q_t, Panels kt, int64_t t0, int64_t t1, float* S, Shift&& row_shift, float* row_sum) {
+int64_t block_probs(GemmFn gemm, const Scratch& s, const int64_t* first, float scale, float softcap, const float* q,
+                    int64_t q_t, Panels kt, int64_t t0, int64_t t1, float* S, float* TH, Shift&& row_shift,
+                    float* row_sum) {
   const int64_t k0 = first[t0] / kLanes * kLanes, tk = t1 - k0;
   gemm(t1 - t0, tk, s.D, rows_of(q + t0 * q_t, q_t), {kt.at(k0 / kLanes, 0), kt.stride}, S, s.ld, false);
   for (int64_t t = t0; t < t1; ++t) {
@@ -80,8 +99,9 @@ int64_t block_probs(GemmFn gemm, const Scratch& s, const int64_t* first, float s
     const int64_t lo = first[t] - k0, hi = t - k0 + 1;  // allowed columns [lo, hi)
     std::fill(row, row + lo, 0.0f);
     std::fill(row + hi, row + tk, 0.0f);
+    if (softcap > 0) soft_cap(row + lo, hi - lo, scale, softcap, TH == nullptr ? nullptr : TH + (t - t0) * s.ld + lo);
     const float shift = row_shift(t, row + lo, hi - lo);
-    const float sum = exp_shift_sum(row + lo, hi - lo, scale, shift);
+    const float sum = exp_shift_sum(row + lo, hi - lo, softcap > 0 ? 1.0f : scale, shift);
     if (row_sum != nullptr) row_sum[t - t0] = sum;
   }
   return k0;
@@ -143,14 +163,15 @@ class DropMask {
 struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q_in, const at::Tensor& k_in,
                             const at::Tensor& v_in, const at::Tensor& first_keys, double scale_d, int64_t window,
-                            double dropout, const at::Tensor& dropout_seeds) {
+                            double dropout, const at::Tensor& dropout_seeds, double softcap_d) {
     at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in), v = last_dim_contiguous(v_in);
     const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), T = q.size(3), D = q.size(4);
-    const float scale = static_cast<float>(scale_d);
+    const float scale = static_cast<float>(scale_d), softcap = static_cast<float>(softcap_d);
+    const float exp_scale = softcap > 0 ? 1.0f : scale;  // soft-capped scores come scaled
     // Output in (B,T,Hkv,G,D) memory order, seen as (B,Hkv,G,T,D).
     at::Tensor out = at::empty_strided({B, Hkv, G, T, D}, {T * Hkv * G * D, G * D, D, Hkv * G * D, 1}, q.options());
     at::Tensor lse = at::empty({B, Hkv, G, T}, q.options());
-    const Scratch s(T, D);
+    const Scratch s(T, D, softcap > 0);
     const View vq(q), vk(k), vv(v), vo(out), vl(lse);
     const GemmFn gemm = gemm_kernel();
     const DropMask drop(dropout, dropout_seeds);
@@ -168,9 +189,10 @@ struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
         for (int64_t t0 = 0; t0 < T; t0 += kRows) {
           const int64_t t1 = std::min(T, t0 + kRows);
           auto shift_by_max = [&](int64_t t, const float* x, int64_t n) {
-            return lg[t] = row_max(x, n) * scale;
+            return lg[t] = row_max(x, n) * exp_scale;
           };
-          const int64_t k0 = block_probs(gemm, s, first, scale, qg, vq.s3, kt, t0, t1, S, shift_by_max, sums);
+          const int64_t k0 =
+              block_probs(gemm, s, first, scale, softcap, qg, vq.s3, kt, t0, t1, S, nullptr, shift_by_max, sums);
           if (drop.active())  // the sums stay those of every probability: dropout follows the softmax
             for (int64_t t = t0; t < t1; ++t)
               drop.apply(S + (t - t0) * s.ld, b, h * G + g, t, first[t], t + 1, k0);
@@ -186,6 +208,7 @@ struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
     });
     ctx->saved_data["scale"] = scale_d;
     ctx->saved_data["dropout"] = dropout;
+    ctx->saved_data["softcap"] = softcap_d;
     ctx->save_for_backward({q, k, v, first_keys, out, lse, dropout_seeds});
     return out;
   }
@@ -195,13 +218,14 @@ struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
     const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &first_keys = saved[3], &out = saved[4],
                      &lse = saved[5];
     const float scale = static_cast<float>(ctx->saved_data["scale"].toDouble());
+    const float softcap = static_cast<float>(ctx->saved_data["softcap"].toDouble());
     const DropMask drop(ctx->saved_data["dropout"].toDouble(), saved[6]);
     const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), T = q.size(3), D = q.size(4);
     at::Tensor dout = last_dim_contiguous(grads[0]);
     // Like q, k, v: the last dimension contiguous (empty_like keeps a dense layout, else
     // makes a contiguous one).
     at::Tensor dq = at::empty_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
-    const Scratch s(T, D);
+    const Scratch s(T, D, softcap > 0);
     const View vq(q), vk(k), vv(v), vo(out), vl(lse), vdo(dout), vdq(dq), vdk(dk), vdv(dv);
     const GemmFn gemm = gemm_kernel();
     for_each_kv_head(B, Hkv, s.backward_floats(), q.options(), [&](int64_t b, int64_t h, float* kt_buf) {
@@ -210,6 +234,7 @@ struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
       float* P = k_buf + s.straight();
       float* dP = P + s.scores();
       float* rows_buf = dP + s.scores();
+      float* TH = s.capped ? rows_buf + s.block_rows() : nullptr;  // the capped scores' tanh
       const int64_t* first = first_keys.data_ptr<int64_t>() + b * T;
       const Panels kt = pack_transposed(vk.at(b, h), vk.s2, s, kt_buf);
       const Panels vt = pack_transposed(vv.at(b, h), vv.s2, s, vt_buf);
@@ -225,13 +250,15 @@ struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
         for (int64_t t0 = 0; t0 < T; t0 += kRows) {
           const int64_t t1 = std::min(T, t0 + kRows), bt = t1 - t0;
           auto saved_lse = [&](int64_t t, const float*, int64_t) { return lg[t]; };
-          const int64_t k0 = block_probs(gemm, s, first, scale, qg, vq.s3, kt, t0, t1, P, saved_lse, nullptr);
+          const int64_t k0 =
+              block_probs(gemm, s, first, scale, softcap, qg, vq.s3, kt, t0, t1, P, TH, saved_lse, nullptr);
           const int64_t tk = t1 - k0;
           const float* dob = dog + t0 * vdo.s3;
           const Panels dop = pack_panels(dob, vdo.s3, 1, bt, D, bt, rows_buf);
           // dP = dO V^T, then per row dS = P (dP - rowsum(dO O)) scale into dP. With dropout's
           // kept mask Z (scaled by 1/(1-p)), O = (P Z) V: dS = P (Z dP - rowsum(dO O)) scale,
-          // and P becomes P Z for dV.
+          // and P becomes P Z for dV. Soft-capping multiplies dS by cap tanh(u)'s derivative
+          // in the scores, 1 - tanh(u)^2 (the scale is already in dS).
           gemm(bt, tk, D, rows_of(dob, vdo.s3), {vt.at(k0 / kLanes, 0), vt.stride}, dP, s.ld, false);
           for (int64_t i = 0; i < bt; ++i) {
             const float dl = row_dot(dob + i * vdo.s3, og + (t0 + i) * vo.s3, D);
@@ -241,6 +268,11 @@ struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
               drop.backward(p, dp, dl, scale, b, h * G + g, t0 + i, first[t0 + i], t0 + i + 1, k0, tk);
             else
               for (int64_t j = 0; j < tk; ++j) dp[j] = p[j] * (dp[j] - dl) * scale;
+            if (TH != nullptr) {
+              const float* th = TH + i * s.ld;
+              const int64_t lo = first[t0 + i] - k0, hi = t0 + i - k0 + 1;  // dp is 0 outside
+              for (int64_t j = lo; j < hi; ++j) dp[j] *= 1.0f - th[j] * th[j];
+            }
           }
           // dV += P^T dO;  dQ = dS K;  dK += dS^T Q
           gemm(tk, D, bt, columns_of(P, s.ld), dop, dvh + k0 * vdv.s2, vdv.s2, true);
@@ -250,7 +282,7 @@ struct FusedCpuAttention : public torch::autograd::Function<FusedCpuAttention> {
         }
       }
     });
-    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -290,8 +322,8 @@ at::Tensor first_keys(const at::Tensor& segment_ids, int64_t window) {
 
 }  // namespace
 
-int64_t fused_cpu_attention_scratch_bytes(int64_t T, int64_t D) {
-  return Scratch(T, D).backward_floats() * static_cast<int64_t>(sizeof(float));
+int64_t fused_cpu_attention_scratch_bytes(int64_t T, int64_t D, bool softcap) {
+  return Scratch(T, D, softcap).backward_floats() * static_cast<int64_t>(sizeof(float));
 }
 
 bool fused_cpu_attention_applies(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -301,7 +333,7 @@ bool fused_cpu_attention_applies(const at::Tensor& q, const at::Tensor& k, const
 
 at::Tensor fused_cpu_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& segment_ids, double scale, int64_t sliding_window,
-                               const AttentionDropout& dropout) {
+                               const AttentionDropout& dropout, double softcap) {
   if (!dtypes_and_devices_fit(q, k, v, segment_ids)) return at::Tensor();
   at::Tensor first = first_keys(segment_ids, sliding_window);
   if (!first.defined()) return at::Tensor();
@@ -309,7 +341,8 @@ at::Tensor fused_cpu_attention(const at::Tensor& q, const at::Tensor& k, const a
   if (dropout.active())
     MEMTUNE_INTERNAL_ASSERT(seeds.numel() == q.size(0), "attention dropout: ", seeds.numel(), " seeds for ", q.size(0),
                             " rows");
-  return FusedCpuAttention::apply(q, k, v, first, scale, sliding_window, dropout.active() ? dropout.p : 0.0, seeds);
+  return FusedCpuAttention::apply(q, k, v, first, scale, sliding_window, dropout.active() ? dropout.p : 0.0, seeds,
+                                  softcap);
 }
 
 }  // namespace memtune::models::detail

@@ -22,13 +22,14 @@ bool fused_cpu_attention_applies(const at::Tensor& q, const at::Tensor& k, const
 // output is laid out (B,T,Hkv,G,D) in memory, so merging the heads back into (B,T,H*D)
 // needs no copy. With `dropout` active, the probabilities are dropped as
 // attention_keep_mask draws them (after the softmax, before the values), the mask drawn
-// again in backward instead of kept.
+// again in backward instead of kept. `softcap` > 0 soft-caps the scaled scores (Gemma 2's
+// attn_logit_softcapping, AttentionOptions::softcap).
 at::Tensor fused_cpu_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& segment_ids, double scale, int64_t sliding_window,
-                               const AttentionDropout& dropout = {});
+                               const AttentionDropout& dropout = {}, double softcap = 0);
 
 // Bytes of one thread's scratch in the backward pass (the larger pass) at T tokens of D
-// dimensions.
-int64_t fused_cpu_attention_scratch_bytes(int64_t T, int64_t D);
+// dimensions (`softcap`: with a block of the scores' tanh as well).
+int64_t fused_cpu_attention_scratch_bytes(int64_t T, int64_t D, bool softcap = false);
 
 }  // namespace memtune::models::detail

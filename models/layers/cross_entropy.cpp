@@ -105,9 +105,10 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
                             const at::Tensor& targets, int64_t chunk, bool grad_hidden,
                             bool grad_weight, int64_t* correct, at::ScalarType mm_dtype, double smoothing,
-                            at::Tensor* unsmoothed) {
+                            at::Tensor* unsmoothed, double softcap) {
     const bool bf16 = mm_dtype == at::kBFloat16;
     const bool smooth = smoothing > 0;
+    const bool capped = softcap > 0;
     const double uniform = smooth ? smoothing / static_cast<double>(weight.size(0)) : 0.0;  // e / V
     at::Tensor rows = (targets != -100).nonzero().squeeze(1);  // trained rows only
     at::Tensor h_all = hidden.index_select(0, rows);
@@ -120,7 +121,7 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
     at::Tensor dw = grad_weight ? at::zeros(weight.sizes(), w.options().dtype(at::kFloat)) : at::Tensor();
     const int64_t n = rows.size(0);
     // Smoothing's part of d hidden: -(e / V) times the head's column sums, one row for all.
-    const at::Tensor w_uniform = smooth && grad_hidden && !bf16 ? w.sum(0, true).mul_(uniform) : at::Tensor();
+    const at::Tensor w_uniform = smooth && grad_hidden && !bf16 && !capped ? w.sum(0, true).mul_(uniform) : at::Tensor();
     // The bf16 products of d loss / d logits p (bf16, (n,V)) for the chunk [i0, i1).
     auto bf16_products = [&](const at::Tensor& p, const at::Tensor& h, int64_t i0, int64_t i1, at::Tensor scratch) {
       if (grad_hidden) {
@@ -134,9 +135,16 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
       at::Tensor h = h_all.slice(0, i0, i1).to(mm_dtype);   // (n,C)
       at::Tensor t = t_all.slice(0, i0, i1).unsqueeze(1);    // (n,1)
       at::Tensor e = at::matmul(h, w.t());                   // (n,V) logits
+      // Soft-capping keeps tanh(logits / c), whose derivative the gradient takes.
+      at::Tensor th;
+      if (capped) {
+        e.div_(softcap).tanh_();
+        if (grad_hidden || grad_weight) th = e.clone();
+        e.mul_(softcap);
+      }
       at::Tensor m, s, first_max, picked;
       const bool fused =  // on CUDA one pass over the bf16 logits, which become d loss / d logits
-          bf16 && !smooth &&
+          bf16 && !smooth && !capped &&
           bf16_softmax_grad_in_place(e, t, grad_hidden || grad_weight, &m, &s, &first_max, &picked);
       at::Tensor logit_sum;  // smoothing: each row's sum of logits, before e becomes exp
       if (!fused) {
@@ -159,12 +167,24 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
         continue;
       }
       at::Tensor inv = s.reciprocal_();
-      if (bf16) {
+      if (bf16 || capped) {
         // d loss / d logits = softmax - onehot(t), formed in fp32 and rounded to bf16 for both
-        // products, as autograd does for bf16 logits taken to fp32.
+        // products, as autograd does for bf16 logits taken to fp32. Through the cap, in the
+        // logits' dtype as autograd takes transformers' `/ c, tanh, * c`: times c, times
+        // 1 - tanh^2 (tanh's backward), divided by c.
         e.mul_(inv).scatter_add_(1, t, at::full({i1 - i0, 1}, -(1.0 - smoothing), e.options()));
         if (smooth) e.sub_(uniform);
-        bf16_products(e.to(at::kBFloat16), h, i0, i1, e);
+        at::Tensor g = bf16 ? e.to(at::kBFloat16) : e;
+        if (capped) at::tanh_backward_out(g, g.mul_(softcap), th).div_(softcap);  // in place
+        if (bf16) {
+          bf16_products(g, h, i0, i1, e);
+          continue;
+        }
+        if (grad_hidden) {
+          at::Tensor out = dh_rows.slice(0, i0, i1);
+          at::mm_out(out, g, w);
+        }
+        if (grad_weight) dw.addmm_(g.t(), h);
         continue;
       }
       // d loss / d logits = e / s - onehot(t). The 1/s goes on the narrow side of each
@@ -214,7 +234,7 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
       return in_place ? g.mul_(s) : g * s;
     };
     at::Tensor dh = scaled(saved[0]), dw = scaled(saved[1]);
-    return {dh,          dw,          at::Tensor(), at::Tensor(), at::Tensor(),
+    return {dh,          dw,          at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
@@ -229,7 +249,8 @@ at::ScalarType loss_matmul_dtype(at::ScalarType compute_dtype) {
 
 at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& weight,
                                     const at::Tensor& targets, int64_t chunk_rows, int64_t* correct,
-                                    at::ScalarType compute_dtype, double label_smoothing, at::Tensor* unsmoothed) {
+                                    at::ScalarType compute_dtype, double label_smoothing, at::Tensor* unsmoothed,
+                                    double logit_softcap) {
   MEMTUNE_PROFILE_SCOPE("memtune::loss");
   MEMTUNE_INTERNAL_ASSERT(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1),
               "linear_cross_entropy_sum: hidden (N,C), weight (V,C)");
@@ -238,7 +259,12 @@ at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& 
   const bool grad = at::GradMode::is_enabled();
   return LinearCrossEntropy::apply(hidden, weight, targets.to(at::kLong), chunk_rows,
                                    grad && hidden.requires_grad(), grad && weight.requires_grad(), correct,
-                                   loss_matmul_dtype(compute_dtype), label_smoothing, unsmoothed);
+                                   loss_matmul_dtype(compute_dtype), label_smoothing, unsmoothed, logit_softcap);
+}
+
+at::Tensor soft_cap_logits(at::Tensor logits, double c) {
+  if (c > 0) logits.div_(c).tanh_().mul_(c);
+  return logits;
 }
 
 }  // namespace memtune::models

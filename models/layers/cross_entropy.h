@@ -34,10 +34,17 @@ at::ScalarType loss_matmul_dtype(at::ScalarType compute_dtype);
 // transformers' LabelSmoother per token): logsumexp - (1 - e) logit[target] - e mean(logits),
 // with d loss / d logits = softmax - (1 - e) onehot - e / V. `unsmoothed` (optional) receives
 // the plain cross-entropy sum as well (what a perplexity is of).
+// `logit_softcap` c > 0 (Gemma 2's final_logit_softcapping): the loss takes the logits
+// soft-capped, c tanh(logits / c) (soft_cap_logits), and its gradient through the cap.
 at::Tensor linear_cross_entropy_sum(const at::Tensor& hidden, const at::Tensor& weight,
                                     const at::Tensor& targets, int64_t chunk_rows = 1024,
                                     int64_t* correct = nullptr, at::ScalarType compute_dtype = at::kFloat,
-                                    double label_smoothing = 0, at::Tensor* unsmoothed = nullptr);
+                                    double label_smoothing = 0, at::Tensor* unsmoothed = nullptr,
+                                    double logit_softcap = 0);
+
+// Logits soft-capped in place as transformers' Gemma 2 head: logits / c, tanh, * c, each in
+// the logits' dtype (c > 0; c <= 0 leaves them). Returns `logits`.
+at::Tensor soft_cap_logits(at::Tensor logits, double c);
 
 namespace detail {
 // Tests: false sends a bf16 loss on CUDA through an fp32 copy of each chunk's logits and the

@@ -58,7 +58,8 @@ at::Tensor KVCache::attend(int layer, const at::Tensor& q, const at::Tensor& k, 
   values.narrow(2, past, T).copy_(v);
   length_[layer] = held;
   if (past == 0) return causal_segment_attention(q, k, v, segment_ids, scale, sliding_window, options);
-  return attention_after_prefix(q, keys.narrow(2, 0, held), values.narrow(2, 0, held), scale, sliding_window);
+  return attention_after_prefix(q, keys.narrow(2, 0, held), values.narrow(2, 0, held), scale, sliding_window,
+                                options.softcap);
 }
 
 namespace {
@@ -75,7 +76,7 @@ at::Tensor matmul_rounded_once(const at::Tensor& a, const at::Tensor& b) {
 }  // namespace
 
 at::Tensor attention_after_prefix(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                                  int64_t sliding_window) {
+                                  int64_t sliding_window, double softcap) {
   MEMTUNE_PROFILE_SCOPE("memtune::attention");
   const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), T = q.size(3), D = q.size(4), L = k.size(2);
   MEMTUNE_INTERNAL_ASSERT(k.dim() == 4 && k.sizes() == v.sizes() && k.size(0) == B && k.size(1) == Hkv &&
@@ -85,7 +86,9 @@ at::Tensor attention_after_prefix(const at::Tensor& q, const at::Tensor& k, cons
   const int64_t k0 = sliding_window > 0 ? std::max<int64_t>(0, L - T - sliding_window + 1) : 0;
   at::Tensor kb = k.narrow(2, k0, L - k0), vb = v.narrow(2, k0, L - k0);
   at::Tensor s = matmul_rounded_once(q.reshape({B, Hkv, G * T, D}), kb.transpose(-1, -2));
-  s = s.view({B, Hkv, G, T, L - k0}).mul_(scale).to(at::kFloat);
+  s = s.view({B, Hkv, G, T, L - k0}).mul_(scale);
+  if (softcap > 0) s.div_(softcap).tanh_().mul_(softcap);
+  s = s.to(at::kFloat);
   if (T > 1 || sliding_window > 0) {
     const auto positions = at::TensorOptions().dtype(at::kLong).device(q.device());
     at::Tensor qpos = at::arange(L - T, L, positions).unsqueeze(1), kpos = at::arange(k0, L, positions).unsqueeze(0);

@@ -43,9 +43,10 @@ class KVCache {
 
 // Causal attention of queries q (B,Hkv,G,T,D) at the last T of the L positions of k and v
 // (B,Hkv,L,D): query t (position L-T+t) attends to keys s <= L-T+t, and with a window W > 0
-// to those with L-T+t - s < W. Scores in q's dtype, scaled, then softmax in fp32, as the
-// blocked kernel of causal_segment_attention computes them. Returns (B,Hkv,G,T,D).
+// to those with L-T+t - s < W. Scores in q's dtype, scaled (and soft-capped: `softcap` > 0,
+// AttentionOptions::softcap), then softmax in fp32, as the blocked kernel of
+// causal_segment_attention computes them. Returns (B,Hkv,G,T,D).
 at::Tensor attention_after_prefix(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                                  int64_t sliding_window);
+                                  int64_t sliding_window, double softcap = 0);
 
 }  // namespace memtune::models

@@ -27,11 +27,13 @@ using memtune::models::causal_segment_attention;
 using memtune::testing::expect_close;
 
 // q (B,Hkv,G,T,D), k/v (B,Hkv,T,D): every query against every key, then the mask; with a
-// dropout mask `z` (B,Hkv,G,T,T, 0 or 1/(1-p)) the probabilities are multiplied by it.
+// dropout mask `z` (B,Hkv,G,T,T, 0 or 1/(1-p)) the probabilities are multiplied by it; with
+// `softcap` c > 0 the scaled scores are c tanh(s / c) (transformers' Gemma 2 eager attention).
 at::Tensor naive_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& seg,
-                           double scale, int64_t window, const at::Tensor& z = {}) {
+                           double scale, int64_t window, const at::Tensor& z = {}, double softcap = 0) {
   const int64_t T = q.size(3);
   at::Tensor s = at::matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale;  // (B,Hkv,G,T,T)
+  if (softcap > 0) s = at::tanh(s / softcap) * softcap;
   at::Tensor pos = at::arange(T, at::kLong);
   at::Tensor qp = pos.view({T, 1}), kp = pos.view({1, T});
   at::Tensor allowed = (kp <= qp).unsqueeze(0) & (seg.unsqueeze(2) == seg.unsqueeze(1));  // (B,T,T)
@@ -62,7 +64,7 @@ void expect_textbook(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
             .div(1.0 - options.dropout.p)
             .view({B, Hkv, G, T, T});
   }
-  at::Tensor ref = naive_attention(qr, kr, vr, seg, 0.35, window, z);
+  at::Tensor ref = naive_attention(qr, kr, vr, seg, 0.35, window, z, options.softcap);
   expect_close(out.cpu(), ref, 2e-5, "output", 1.0);
   at::Tensor g = at::randn(out.sizes(), at::kFloat);
   auto grads = torch::autograd::grad({out}, {qa, ka, va}, {g.to(device)});
@@ -125,6 +127,48 @@ TEST(Attention, BlockedKernelWithDropoutMatchesTheTextbookAttention) {
         }
       }
     }
+  }
+}
+
+// Gemma 2's soft-capped scores (c tanh(s / c)): the blocked kernel forms the capped scores
+// again in backward for tanh's derivative (and so keeps no probabilities, whatever the
+// limit). Caps of 0.7 and 2 bend scores of about 1 hard; with dropout too.
+TEST(Attention, BlockedKernelWithSoftcapMatchesTheTextbookAttention) {
+  torch::manual_seed(29);
+  const int64_t B = 2, Hkv = 2, G = 2, T = 23, D = 8;
+  const at::Tensor seg = two_rows_of_segments(T);
+  for (double cap : {0.7, 2.0}) {
+    for (int64_t window : {0, 3}) {
+      for (int64_t block : {4, 64}) {
+        for (double p : {0.0, 0.3}) {
+          SCOPED_TRACE("cap " + std::to_string(cap) + ", window " + std::to_string(window) + ", block " +
+                       std::to_string(block) + ", dropout " + std::to_string(p));
+          AttentionOptions options;
+          options.kernel = AttentionOptions::Kernel::kEager;
+          options.query_block = block;
+          options.softcap = cap;
+          if (p > 0) options.dropout = {p, row_seeds(B)};
+          expect_textbook(at::randn({B, Hkv, G, T, D}), at::randn({B, Hkv, T, D}), at::randn({B, Hkv, T, D}), seg,
+                          window, options);
+        }
+      }
+    }
+  }
+}
+
+// SDPA cannot soft-cap (transformers' sdpa path for Gemma 2 drops the cap and so computes
+// another model): asked for by name it is refused, not run without the cap.
+TEST(Attention, SdpaIsRefusedForSoftcappedScores) {
+  const int64_t B = 1, Hkv = 1, G = 1, T = 4, D = 8;
+  AttentionOptions options;
+  options.kernel = AttentionOptions::Kernel::kSdpa;
+  options.softcap = 50.0;
+  try {
+    causal_segment_attention(at::randn({B, Hkv, G, T, D}), at::randn({B, Hkv, T, D}), at::randn({B, Hkv, T, D}),
+                             at::zeros({B, T}, at::kLong), 0.35, 0, options);
+    ADD_FAILURE() << "sdpa ran with soft-capped scores";
+  } catch (const memtune::UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("sdpa cannot soft-cap attention scores"), std::string::npos) << e.what();
   }
 }
 
@@ -342,6 +386,29 @@ TEST_P(FusedCpuAttention, DropoutMatchesTheTextbookAttention) {
         AttentionOptions options;
         options.dropout = {p, row_seeds(2)};
         expect_textbook(t.q, t.k, t.v, seg, window, options);
+      }
+    }
+  }
+}
+
+// Soft-capping in the fused kernel: the capped scores' tanh recomputed per block in backward
+// (a third block of scratch), with and without dropout, across windows and packed rows.
+TEST_P(FusedCpuAttention, SoftcapMatchesTheTextbookAttention) {
+  torch::manual_seed(31);
+  for (const Shape& s : {Shape{2, 2, 23, 8}, Shape{1, 3, 70, 12}, Shape{2, 1, 33, 64}}) {
+    const at::Tensor seg = two_rows_of_segments(s.T);
+    for (double cap : {0.7, 3.0}) {
+      for (int64_t window : {0, 5}) {
+        for (double p : {0.0, 0.3}) {
+          SCOPED_TRACE("Hkv " + std::to_string(s.Hkv) + " G " + std::to_string(s.G) + " T " + std::to_string(s.T) +
+                       " cap " + std::to_string(cap) + " window " + std::to_string(window) + " p " + std::to_string(p));
+          const Qkv t = strided_qkv(2, s);
+          ASSERT_TRUE(uses_fused_cpu_attention(t.q, t.k, t.v, seg));
+          AttentionOptions options;
+          options.softcap = cap;
+          if (p > 0) options.dropout = {p, row_seeds(2)};
+          expect_textbook(t.q, t.k, t.v, seg, window, options);
+        }
       }
     }
   }

@@ -91,6 +91,45 @@ TEST_P(LinearCrossEntropyKernels, LabelSmoothingIsAtensCrossEntropyWithLabelSmoo
   }
 }
 
+// Gemma 2's final_logit_softcapping: the loss of c tanh(logits / c) and its gradients through
+// the cap, against ATen's ops under autograd in fp64, with and without label smoothing, over
+// chunk sizes; the argmax is the capped logits' (the same: tanh is increasing).
+TEST_P(LinearCrossEntropyKernels, SoftcappedLogitsAreAtensTanhCapUnderAutograd) {
+  torch::manual_seed(6);
+  const int64_t n = 31, c = 16, v = 211;
+  for (double cap : {1.5, 30.0}) {
+    for (double eps : {0.0, 0.2}) {
+      for (int64_t chunk : {4, 1024}) {
+        SCOPED_TRACE("cap " + std::to_string(cap) + " eps " + std::to_string(eps) + " chunk " + std::to_string(chunk));
+        at::Tensor hidden = at::randn({n, c}).requires_grad_(true);
+        at::Tensor weight = at::randn({v, c}).requires_grad_(true);
+        at::Tensor targets = at::randint(v, {n}, at::kLong);
+        targets.index_put_({at::arange(0, n, 5)}, -100);
+        int64_t correct = 0;
+        at::Tensor loss =
+            linear_cross_entropy_sum(hidden, weight, targets, chunk, &correct, at::kFloat, eps, nullptr, cap);
+        at::Tensor h_ref = hidden.detach().to(at::kDouble).requires_grad_(true);
+        at::Tensor w_ref = weight.detach().to(at::kDouble).requires_grad_(true);
+        at::Tensor logits = at::tanh(at::mm(h_ref, w_ref.t()) / cap) * cap;
+        at::Tensor loss_ref = at::cross_entropy_loss(logits, targets, {}, at::Reduction::Sum, -100, eps);
+        expect_close(loss, loss_ref.to(at::kFloat), 1e-5, "loss");
+        const at::Tensor uncapped = linear_cross_entropy_sum(hidden.detach(), weight.detach(), targets, chunk,
+                                                             nullptr, at::kFloat, eps);
+        if (cap < 10) EXPECT_GT((uncapped - loss).abs().item<double>(), 1.0) << "the cap changed nothing";
+        at::Tensor kept = targets != -100;
+        EXPECT_EQ(correct, (logits.detach().argmax(1).masked_select(kept) == targets.masked_select(kept))
+                               .sum()
+                               .item<int64_t>());
+        (loss * 0.5).backward();
+        (loss_ref * 0.5).backward();
+        expect_close(hidden.grad(), h_ref.grad().to(at::kFloat), 1e-5, "grad hidden");
+        expect_close(weight.grad(), w_ref.grad().to(at::kFloat), 1e-5, "grad weight");
+        EXPECT_EQ(hidden.grad().index_select(0, at::arange(0, n, 5)).abs().max().item<float>(), 0.0f);
+      }
+    }
+  }
+}
+
 // Two vocabulary rows with the same embedding tie in every row's logits: the prediction is
 // the first of them (ATen's argmax), so a target on the second never counts as correct.
 TEST_P(LinearCrossEntropyKernels, TiedMaximaCountTheFirstIndex) {
@@ -243,6 +282,37 @@ TEST(LinearCrossEntropy, Bf16LabelSmoothingIsAtensOnTheBf16Logits) {
   const at::Tensor dw_exact =
       at::mm(bf16_values(d_logits).to(at::kDouble).t(), hidden.detach().to(at::kDouble)).to(at::kFloat);
   expect_close(weight.grad(), dw_exact, 2e-3, "grad weight");
+}
+
+// The cap in a bf16 run as transformers' Gemma 2 head computes it: bf16 logits, `/ c`, tanh and
+// `* c` each rounded to bf16, then fp32 for the loss; backward through the same bf16 ops.
+// The reference is that op chain under autograd (its d logits rounded to bf16 where autograd
+// rounds them), with dW summed in fp64 from the reference's own bf16 d logits.
+TEST(LinearCrossEntropy, Bf16SoftcapIsTheBf16OpChainOfTransformers) {
+  torch::manual_seed(24);
+  const int64_t n = 21, c = 16, v = 157;
+  const double cap = 2.5;
+  const auto bf16_values = [](at::Tensor t) { return t.to(at::kBFloat16).to(at::kFloat); };
+  at::Tensor hidden = bf16_values(at::randn({n, c})).requires_grad_(true);
+  at::Tensor weight = bf16_values(at::randn({v, c}).div_(2)).requires_grad_(true);
+  at::Tensor targets = at::randint(v, {n}, at::kLong);
+  targets.index_put_({at::arange(0, n, 4)}, -100);
+  at::Tensor loss = linear_cross_entropy_sum(hidden, weight, targets, 5, nullptr, at::kBFloat16, 0, nullptr, cap);
+  at::Tensor h_ref = hidden.detach().clone().requires_grad_(true);
+  at::Tensor w_ref = weight.detach().clone().requires_grad_(true);
+  at::Tensor raw = at::mm(h_ref.to(at::kBFloat16), w_ref.to(at::kBFloat16).t());
+  raw.retain_grad();
+  at::Tensor logits = (at::tanh(raw / cap) * cap).to(at::kFloat);
+  at::Tensor loss_ref = at::cross_entropy_loss(logits, targets, {}, at::Reduction::Sum, -100);
+  expect_close(loss, loss_ref, 1e-6, "loss");
+  loss.backward();
+  loss_ref.backward();
+  expect_close(hidden.grad(), h_ref.grad(), 1e-2, "grad hidden");
+  const at::Tensor dw_exact = at::mm(raw.grad().to(at::kDouble).t(), hidden.detach().to(at::kDouble)).to(at::kFloat);
+  expect_close(weight.grad(), dw_exact, 2e-3, "grad weight");
+  // Without the cap the loss differs: the test sees it.
+  const at::Tensor uncapped = linear_cross_entropy_sum(hidden.detach(), weight.detach(), targets, 5, nullptr, at::kBFloat16);
+  EXPECT_GT((uncapped - loss).abs().item<double>(), 1.0);
 }
 
 // The bf16 path on CUDA (dW through cuBLAS with an fp32 result) against the CPU's (dW as the
@@ -400,6 +470,35 @@ TEST(LinearCrossEntropy, BackwardScalesInPlaceUnlessTheGraphIsKept) {
   EXPECT_TRUE(at::equal(weight.grad(), w1)) << "in place: other bits";
   EXPECT_TRUE(at::equal(hidden.grad(), h1));
   EXPECT_LT(peak.peak() - before, vc / 8) << "a second (V,C) dW in the backward";
+}
+
+}  // namespace
+
+namespace {
+
+// The soft-capped loss's peak beyond its inputs is the memory model's (trainer/estimator.cpp):
+// per logit of a chunk, in fp32 the logits and their tanh (8 bytes); in bf16 the fp32 logits,
+// the bf16 tanh and the bf16 d logits (8 bytes): d logits taken through the cap in place.
+TEST(LinearCrossEntropy, SoftcappedLossPeakIsTheMemoryModels) {
+  memtune::install_cpu_budget_allocator();
+  torch::manual_seed(7);
+  const int64_t n = 256, c = 16, v = 4096;
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    at::Tensor hidden = at::randn({n, c}).to(dtype).requires_grad_(true);
+    at::Tensor weight = at::randn({v, c}).to(dtype);  // frozen: no dW
+    at::Tensor targets = at::randint(v, {n}, at::kLong);
+    const int64_t before = memtune::cpu_allocated_bytes();
+    memtune::ScopedPeakReset peak;
+    at::Tensor loss = linear_cross_entropy_sum(hidden, weight, targets, n, nullptr, dtype, 0, nullptr, 30.0);
+    const int64_t logits = n * v * 8;
+    const int64_t rest = peak.peak() - before - logits;  // rows, their gradient, row statistics
+    std::cout << c10::toString(dtype) << ": peak beyond the inputs " << peak.peak() - before << " bytes, "
+              << logits << " of them the chunk's logits\n";
+    EXPECT_GE(rest, 0) << "below the model's bytes per logit";
+    // A CPU bf16 product converts its operands to fp32 while it runs (the head: v c 4 bytes).
+    EXPECT_LT(rest, n * v / 4 + v * c * 4) << "past the model's 8 bytes per logit";
+  }
 }
 
 }  // namespace

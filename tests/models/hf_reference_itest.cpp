@@ -148,6 +148,18 @@ INSTANTIATE_TEST_SUITE_P(
              "--kv-heads 1 --head-dim 16 --intermediate 96 --vocab 256 --layer-types full,sliding,sliding "
              "--sliding-window 3 --pad-token-id 0",
              true},
+        // Gemma 2: Gemma 3's layer without q and k norms, one rotary base, and tanh soft-capping of
+        // the attention scores and the logits: caps of 1 and 2 that bend a small model's (taking
+        // the attention cap away moves the loss by 1e-2); then tied, checkpointed, with
+        // Gemma2Config's 50 and 30, linear rope and a padding index.
+        Case{"gemma2_softcapped_sliding", "--arch llama --gemma2 --layers 4 --hidden 64 --heads 4 --kv-heads 2 "
+                                          "--head-dim 32 --intermediate 96 --vocab 256 --sliding-window 5 "
+                                          "--query-pre-attn-scalar 24 --attn-softcap 1.0 --final-softcap 2.0"},
+        Case{"gemma2_default_caps_tied_checkpointed",
+             "--arch llama --gemma2 --tie --layers 3 --hidden 64 --heads 4 --kv-heads 1 --head-dim 16 --intermediate 96 "
+             "--vocab 256 --layer-types full,sliding,sliding --sliding-window 3 --pad-token-id 0 "
+             "--rope-scaling '{\"rope_type\":\"linear\",\"factor\":2.0}'",
+             true},
         Case{"gpt2", "--arch gpt2 --layers 2 --hidden 64 --heads 4 --vocab 256 --max-pos 64"},
         Case{"gpt2_checkpointed", "--arch gpt2 --layers 2 --hidden 64 --heads 4 --vocab 256 --max-pos 64", true}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
@@ -464,6 +476,9 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"gemma3", "--arch llama --gemma3 --layers 2 --hidden 64 --heads 4 --kv-heads 2 --head-dim 32 "
                                      "--intermediate 96 --vocab 256 --layer-types sliding,full --sliding-window 6 "
                                      "--query-pre-attn-scalar 24"},
+                      Case{"gemma2_softcapped", "--arch llama --gemma2 --layers 2 --hidden 64 --heads 4 --kv-heads 2 "
+                                                "--head-dim 32 --intermediate 96 --vocab 256 --sliding-window 6 "
+                                                "--query-pre-attn-scalar 24 --attn-softcap 1.0 --final-softcap 2.0"},
                       Case{"gpt2_conv1d", "--arch gpt2 --layers 2 --hidden 64 --heads 4 --vocab 256 --max-pos 64"}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 

@@ -441,8 +441,12 @@ TEST(ModelSpecGemma, RefusesWhatItCannotHonour) {
     EXPECT_NE(e.find(says), std::string::npos) << key << ": " << e;
   };
   const json g3 = small("gemma3_text"), g = small("gemma");
-  refused(g3, "final_logit_softcapping", 30.0, "final_logit_softcapping 30.0 (tanh soft-capping");
-  refused(g3, "attn_logit_softcapping", 50.0, "attn_logit_softcapping");
+  refused(g, "final_logit_softcapping", 30.0, "final_logit_softcapping 30.0 is set, but transformers' Gemma");
+  refused(g, "attn_logit_softcapping", 50.0, "attn_logit_softcapping 50.0 is set");
+  refused(g3, "attn_logit_softcapping", 20.0, "transformers' Gemma 3 does not apply it");
+  refused(g3, "final_logit_softcapping", 0.0, "final_logit_softcapping 0.0 must be positive");
+  refused(small("gemma2"), "final_logit_softcapping", -1.0, "final_logit_softcapping -1.0 must be positive");
+  refused(small("gemma2"), "layer_types", {"sliding_attention", "chunked_attention"}, "Gemma 2's layers are");
   refused(g, "use_bidirectional_attention", true, "use_bidirectional_attention true");
   refused(g3, "model_type", "gemma3", "Gemma3ForConditionalGeneration");
   refused(g3, "hidden_activation", "silu", "hidden_activation 'silu' is not supported");
@@ -460,6 +464,77 @@ TEST(ModelSpecGemma, RefusesWhatItCannotHonour) {
   windowless["layer_types"] = {"full_attention", "full_attention"};
   windowless["sliding_window"] = nullptr;
   EXPECT_EQ(error_of(windowless), "");
+}
+
+// Gemma 2's defaults are Gemma2Config's (transformers 5.12): alternating sliding (first) and
+// full layers, one rotary embedding, the scores soft-capped at 50 and the logits at 30 unless
+// the file says null; and what memtune writes reads back as the same model.
+TEST(ModelSpecGemma2, DefaultsAreGemma2ConfigAndRoundTrip) {
+  json c = {{"model_type", "gemma2"}, {"vocab_size", 256}, {"hidden_size", 64}, {"intermediate_size", 96},
+            {"num_hidden_layers", 5}, {"num_attention_heads", 8}};
+  auto s = spec_from_hf_config(c, "dir/config.json");
+  EXPECT_EQ(s.architecture, "Gemma2ForCausalLM");
+  EXPECT_EQ(s.num_kv_heads, 4);
+  EXPECT_EQ(s.head_dim, 256);
+  EXPECT_EQ(s.max_position_embeddings, 8192);
+  EXPECT_DOUBLE_EQ(s.norm_eps, 1e-6);
+  EXPECT_TRUE(s.tie_word_embeddings && s.gemma_norm && s.scale_embeddings && s.sandwich_norms);
+  EXPECT_FALSE(s.qk_norm);
+  EXPECT_EQ(s.hidden_act, "gelu_pytorch_tanh");
+  EXPECT_EQ(s.query_pre_attn_scalar.value_or(0), 256);
+  EXPECT_EQ(s.sliding_window.value_or(0), 4096);
+  EXPECT_EQ(s.sliding_layers, (std::vector<bool>{true, false, true, false, true}));
+  EXPECT_DOUBLE_EQ(s.rope_theta, 1e4);
+  EXPECT_DOUBLE_EQ(s.attn_logit_softcapping.value_or(0), 50.0);
+  EXPECT_DOUBLE_EQ(s.final_logit_softcapping.value_or(0), 30.0);
+  EXPECT_EQ(s.pad_token_id.value_or(-1), 0);
+  // Gemma2MLP reads hidden_activation (hidden_act is not Gemma2Config's).
+  c["hidden_activation"] = "gelu";
+  EXPECT_EQ(spec_from_hf_config(c, "dir/config.json").hidden_act, "gelu");
+  c.erase("hidden_activation");
+  c["attn_logit_softcapping"] = nullptr;
+  c["final_logit_softcapping"] = 12.5;
+  c["rope_scaling"] = {{"rope_type", "linear"}, {"factor", 2.0}};
+  c["layer_types"] = {"full_attention", "sliding_attention", "sliding_attention", "full_attention", "full_attention"};
+  c["sliding_window"] = 64;
+  c["query_pre_attn_scalar"] = 144;
+  c["sliding_window_pattern"] = 3;  // Gemma 3's key: Gemma 2 does not read it, and keeps it as it is
+  s = spec_from_hf_config(c, "dir/config.json");
+  const json written = spec_to_hf_config(s);
+  EXPECT_TRUE(written["attn_logit_softcapping"].is_null());
+  EXPECT_DOUBLE_EQ(written["final_logit_softcapping"].get<double>(), 12.5);
+  EXPECT_FALSE(written.contains("rope_local_base_freq"));
+  EXPECT_EQ(written["sliding_window_pattern"], 3);
+  EXPECT_EQ(written["hidden_activation"], "gelu_pytorch_tanh");
+  for (const auto& t : {s, spec_from_hf_config(written, "dir/config.json")}) {
+    EXPECT_FALSE(t.attn_logit_softcapping.has_value());
+    EXPECT_DOUBLE_EQ(t.final_logit_softcapping.value_or(0), 12.5);
+    EXPECT_EQ(t.rope_scaling.type, "linear");
+    EXPECT_EQ(t.sliding_layers, (std::vector<bool>{false, true, true, false, false}));
+    EXPECT_EQ(t.layer_window(1), 64);
+    EXPECT_EQ(t.layer_window(0), 0);
+    EXPECT_EQ(t.query_pre_attn_scalar.value_or(0), 144);
+  }
+  // The architecture alone names the family; Gemma 3 caps its logits too (default none; its
+  // attention cap is refused: transformers does not apply it).
+  c.erase("model_type");
+  c["architectures"] = {"Gemma2ForCausalLM"};
+  EXPECT_EQ(spec_from_hf_config(c, "dir/config.json").model_type, "gemma2");
+  json g3 = small("gemma3_text");
+  EXPECT_FALSE(spec_from_hf_config(g3, "dir/config.json").final_logit_softcapping.has_value());
+  g3["final_logit_softcapping"] = 20.0;
+  g3["attn_logit_softcapping"] = nullptr;
+  EXPECT_DOUBLE_EQ(spec_from_hf_config(g3, "dir/config.json").final_logit_softcapping.value_or(0), 20.0);
+}
+
+// Gemma 2 2B and 9B against their model cards' parameter counts (2,614,341,888 and
+// 9,241,705,984).
+TEST(ModelSpecPresets, Gemma2CountsAreTheModelCards) {
+  using memtune::models::parameter_count;
+  using memtune::models::preset;
+  EXPECT_EQ(parameter_count(*preset("gemma-2-2b")), 2614341888);
+  EXPECT_EQ(parameter_count(*preset("gemma-2-9b")), 9241705984);
+  EXPECT_EQ(preset("gemma-2-9b")->sliding_layers.size(), 42u);
 }
 
 // Gemma 3 270M and 1B against their model cards: 270M as 170M of embedding and 100M of

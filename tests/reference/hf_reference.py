@@ -1,16 +1,18 @@
 #!/usr/bin/python3
 """Independent reference of Hugging Face transformers' causal-LM semantics (Llama, Mistral, Qwen2,
-Qwen3, GPT-2, Gemma, Gemma 3 text) and PEFT LoRA, written from the algorithms with plain torch (no transformers, no
-safetensors package). memtune's C++ tests run it on Debian's /usr/bin/python3 (torch 1.13 +
-numpy) to make fixtures at test time and to get the values memtune must reproduce.
+Qwen3, GPT-2, Gemma, Gemma 2, Gemma 3 text) and PEFT LoRA, written from the algorithms with plain
+torch (no transformers, no safetensors package). memtune's C++ tests run it on Debian's
+/usr/bin/python3 (torch 1.13 + numpy) to make fixtures at test time and to get the values memtune
+must reproduce.
 
 Usage (all files are safetensors unless .json):
   hf_reference.py init --arch llama|gpt2 --out DIR --seed N [--layers 2 --hidden 64 --heads 4
       --kv-heads 2 --intermediate 128 --vocab 256 --max-pos 128 --head-dim D --rope-theta 10000
       --rope-scaling JSON --rope-parameters --tie --attention-bias --mlp-bias --qwen2 --mistral
       --qwen3 --sliding-window W --eps E --init-std S --save-dtype float32|bfloat16|float16
-      --gemma --gemma3 --hidden-act gelu|gelu_pytorch_tanh --layer-types sliding,full,...
-      --query-pre-attn-scalar S --rope-local-theta T --pad-token-id P]
+      --gemma --gemma2 --gemma3 --hidden-act gelu|gelu_pytorch_tanh --layer-types sliding,full,...
+      --query-pre-attn-scalar S --rope-local-theta T --pad-token-id P --attn-softcap X|none
+      --final-softcap X|none]
   hf_reference.py init-lora --model DIR --out ADAPTER_DIR --seed N [--r 4 --alpha 8
       --targets q_proj,v_proj --rslora --dora --rank-pattern JSON --alpha-pattern JSON]
   hf_reference.py make-batch --out BATCH --vocab V --seed N [--rows 2 --seq 16 --max-docs 3
@@ -39,23 +41,32 @@ Qwen3 (transformers 5's Qwen3ForCausalLM) is Llama plus q_norm / k_norm: RMSNorm
 attention_bias puts a bias on q, k, v and o_proj; head_dim comes from the config (128 when
 absent); use_sliding_window is refused.
 
-Gemma (GemmaForCausalLM, model_type gemma) and Gemma 3 text (Gemma3ForCausalLM, gemma3_text), as
-transformers 5.12: the embedding is multiplied by sqrt(hidden_size) rounded to the weights' dtype;
-every norm is Gemma's, x / rms(x) * (1 + w) in max(fp32, dtype) rounded once at the end; the MLP is
-down(act(gate(x)) * up(x)) with act gelu_pytorch_tanh (default) or gelu (exact), read from
-hidden_act (gemma) / hidden_activation (gemma3_text); attention_bias on q/k/v/o; head_dim from the
+Gemma (GemmaForCausalLM, model_type gemma), Gemma 2 (Gemma2ForCausalLM, gemma2) and Gemma 3 text
+(Gemma3ForCausalLM, gemma3_text), as transformers 5.12: the embedding is multiplied by
+sqrt(hidden_size) rounded to the weights' dtype; every norm is Gemma's, x / rms(x) * (1 + w) in
+max(fp32, dtype) rounded once at the end; the MLP is down(act(gate(x)) * up(x)) with act
+gelu_pytorch_tanh (default) or gelu (exact), read from hidden_act (gemma) / hidden_activation
+(gemma2, gemma3_text; the other key is ignored); attention_bias on q/k/v/o; head_dim from the
 config (256 when absent); tie_word_embeddings defaults to true; pad_token_id (default 0, null =
 none) is nn.Embedding's padding_idx: that row gets no gradient from the lookup. Gemma's layer is
-Llama's. Gemma 3's layer: h += post_attention_layernorm(attn(input_layernorm(h))); h +=
-post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h))); q_norm / k_norm (Gemma norms over
-head_dim) before RoPE; scores scaled by query_pre_attn_scalar^-0.5 (default 256); layer_types
-(default: every sliding_window_pattern-th (6) layer full_attention, the others
-sliding_attention): sliding layers see keys q-sliding_window+1 .. q (default 4096) and use RoPE
-with rope_local_base_freq (default 1e4, no scaling), full layers rope_theta (default 1e6) with
-rope_scaling; or rope_parameters nested as {"full_attention": {...}, "sliding_attention": {...}}.
-Refused: logit softcapping, use_bidirectional_attention, and rope spellings transformers 5.12
-silently drops (a top-level rope_scaling with "type" but no "rope_type", a flat rope_parameters,
-a nested yarn truncate). Compute in float64 keeps float64 where transformers goes through fp32
+Llama's. Gemma 2's and 3's: h += post_attention_layernorm(attn(input_layernorm(h))); h +=
+post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h))); scores scaled by
+query_pre_attn_scalar^-0.5 (default 256); sliding layers see keys q-sliding_window+1 .. q (default
+4096). Gemma 2: layer_types default to sliding_attention for even layers (0, 2, ...) and
+full_attention for odd ones; one RoPE for every layer, read as Gemma's (rope_theta default 1e4;
+rope_scaling wins over a flat rope_parameters); soft-capping, cap * tanh(x / cap) with each op in the
+compute dtype, of the attention scores (attn_logit_softcapping, default 50, before the mask) and
+of the logits (final_logit_softcapping, default 30, before the loss's upcast); null disables
+either. Gemma 3: q_norm / k_norm (Gemma norms over head_dim) before RoPE; layer_types (default:
+every sliding_window_pattern-th (6) layer full_attention, the others sliding_attention); sliding
+layers use RoPE with rope_local_base_freq (default 1e4, no scaling), full layers rope_theta
+(default 1e6) with rope_scaling; or rope_parameters nested as {"full_attention": {...},
+"sliding_attention": {...}}; final_logit_softcapping as Gemma 2's (default null). Gemma (1) reads
+neither soft-capping key. Refused: use_bidirectional_attention, a soft-cap that is not a positive
+number, and what transformers 5.12 silently drops: gemma3_text's attn_logit_softcapping (its
+attention never applies it), gemma2 rope_parameters entries nested by layer type, and for
+gemma3_text a top-level rope_scaling with "type" but no "rope_type", a flat rope_parameters, a
+nested yarn truncate. Compute in float64 keeps float64 where transformers goes through fp32
 (norms, softmax, loss), as for the other families.
 """
 import argparse
@@ -159,16 +170,20 @@ class Cfg:
             mt = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                   "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                   "GPT2LMHeadModel": "gpt2", "GemmaForCausalLM": "gemma",
-                  "Gemma3ForCausalLM": "gemma3_text"}.get(archs[0])
-        if mt not in ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma", "gemma3_text"):
+                  "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"}.get(archs[0])
+        if mt not in ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma", "gemma2", "gemma3_text"):
             raise ValueError(f"unsupported model_type {mt!r} (architectures {archs})")
         self.model_type = mt
         self.family = "gpt2" if mt == "gpt2" else "llama"
-        # Gemma / Gemma 3: the llama family's tensors (plus Gemma 3's extra norms), run by
-        # Forward.gemma; every other family leaves these off.
-        self.gemma = mt in ("gemma", "gemma3_text")
+        # Gemma / Gemma 2 / Gemma 3: the llama family's tensors (plus Gemma 2's and 3's extra
+        # norms), run by Forward.gemma; every other family leaves these off.
+        self.gemma = mt in ("gemma", "gemma2", "gemma3_text")
         self.gemma3 = mt == "gemma3_text"
+        # Gemma2DecoderLayer / Gemma3DecoderLayer: norms after attention and around the MLP.
+        self.sandwich = mt in ("gemma2", "gemma3_text")
         self.padding_idx = None  # nn.Embedding's padding_idx: only the Gemma path applies it
+        # cap * tanh(x / cap) of the attention scores / the logits: only the Gemma path applies them
+        self.attn_softcap = self.final_softcap = None
         # Qwen3Attention / Gemma3Attention: RMSNorm(head_dim) on each head of q_proj / k_proj
         # output, before RoPE.
         self.qk_norm = mt in ("qwen3", "gemma3_text")
@@ -250,14 +265,20 @@ class Cfg:
         self.rope_scaling = scaling
 
     def _gemma(self, d):
-        """GemmaConfig / Gemma3TextConfig (transformers 5.12): their defaults where keys are absent."""
+        """GemmaConfig / Gemma2Config / Gemma3TextConfig (transformers 5.12): their defaults where
+        keys are absent."""
+        name = self.model_type
         g3 = self.gemma3
-        name = "gemma3_text" if g3 else "gemma"
-        defaults = dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216,
-                        num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
-                        max_position_embeddings=131072) if g3 else \
-            dict(vocab_size=256000, hidden_size=3072, intermediate_size=24576, num_hidden_layers=28,
-                 num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=8192)
+        defaults = {
+            "gemma": dict(vocab_size=256000, hidden_size=3072, intermediate_size=24576,
+                          num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=16,
+                          max_position_embeddings=8192),
+            "gemma2": dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216,
+                           num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+                           max_position_embeddings=8192),
+            "gemma3_text": dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216,
+                                num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+                                max_position_embeddings=131072)}[name]
 
         def get(key):
             v = d.get(key)
@@ -271,58 +292,82 @@ class Cfg:
         self.max_pos = get("max_position_embeddings")
         if self.heads % self.kv_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-        if g3 and self.hidden % self.heads:  # Gemma3TextConfig.validate_architecture
-            raise ValueError(f"gemma3_text: hidden_size {self.hidden} is not a multiple of "
+        if name != "gemma" and self.hidden % self.heads:  # Gemma2/Gemma3TextConfig.validate_architecture
+            raise ValueError(f"{name}: hidden_size {self.hidden} is not a multiple of "
                              f"num_attention_heads {self.heads}")
-        self.head_dim = d.get("head_dim", 256)  # both configs: head_dim 256, not hidden / heads
+        self.head_dim = d.get("head_dim", 256)  # every config: head_dim 256, not hidden / heads
         if not isinstance(self.head_dim, int) or self.head_dim <= 0:
             raise ValueError(f"{name} head_dim must be a positive int, got {self.head_dim!r}")
         self.eps = d.get("rms_norm_eps", 1e-6)
-        # GemmaMLP reads hidden_act, Gemma3MLP hidden_activation (the other key is ignored).
-        act_key = "hidden_activation" if g3 else "hidden_act"
+        # GemmaMLP reads hidden_act, Gemma2MLP / Gemma3MLP hidden_activation (the other key is
+        # ignored).
+        act_key = "hidden_act" if name == "gemma" else "hidden_activation"
         self.act = d.get(act_key, "gelu_pytorch_tanh")
         if self.act not in ("gelu_pytorch_tanh", "gelu"):
             raise ValueError(f"unsupported {act_key} {self.act!r} (gelu_pytorch_tanh or gelu)")
         self.tie = d.get("tie_word_embeddings", True)
-        # Gemma(3)Attention: attention_bias on q, k, v AND o_proj; the MLP has no bias.
+        # Gemma(2/3)Attention: attention_bias on q, k, v AND o_proj; the MLP has no bias.
         self.qkv_bias = self.o_bias = bool(d.get("attention_bias", False))
         self.mlp_bias = False
         if d.get("use_bidirectional_attention"):
             raise ValueError(f"{name} use_bidirectional_attention is not supported by the reference")
         # nn.Embedding(vocab, hidden, padding_idx=pad_token_id): the row's gradient from the
-        # lookup is zero (a tied lm_head still gives it one). Both configs default to 0.
+        # lookup is zero (a tied lm_head still gives it one). All three configs default to 0.
         pad = d.get("pad_token_id", 0)
         if pad is not None:
             if not isinstance(pad, int) or not -self.vocab <= pad < self.vocab:
                 raise ValueError(f"{name} pad_token_id {pad!r} is not a token of vocab {self.vocab}")
             self.padding_idx = pad % self.vocab
-        if not g3:
+        if name == "gemma":  # GemmaConfig has no soft-capping, no sliding window
             self.attn_scale = self.head_dim ** -0.5
             self.sliding_window = None
             self.layer_types = ["full_attention"] * self.layers
-            # RotaryEmbeddingConfigMixin: rope_scaling (old spelling) wins over rope_parameters;
-            # rope_theta from the dict, else the top-level key, else 10000.
+        else:
+            # Soft-capping: Gemma2Config defaults attn_logit_softcapping 50 and
+            # final_logit_softcapping 30, Gemma3TextConfig both null; a null key disables its cap.
+            # Gemma3Attention (5.12) never passes attn_logit_softcapping to the attention function,
+            # so transformers silently drops it there.
+            for key, attr, default in (("attn_logit_softcapping", "attn_softcap", 50.0),
+                                       ("final_logit_softcapping", "final_softcap", 30.0)):
+                cap = d.get(key, None if g3 else default)
+                if cap is None:
+                    continue
+                if isinstance(cap, bool) or not isinstance(cap, (int, float)) or \
+                        not (math.isfinite(cap) and cap > 0):
+                    raise ValueError(f"{name} {key} must be a positive number or null, got {cap!r}")
+                if g3 and attr == "attn_softcap":
+                    raise ValueError("gemma3_text attn_logit_softcapping is ignored by transformers "
+                                     "5.12 (Gemma3Attention never applies it)")
+                setattr(self, attr, float(cap))
+            self.attn_scale = float(d.get("query_pre_attn_scalar", 256)) ** -0.5
+            self.sliding_window = d.get("sliding_window", 4096)
+            lt = d.get("layer_types")
+            if lt is None and g3:  # Gemma3TextConfig: every sliding_window_pattern-th layer is global
+                pattern = d.get("sliding_window_pattern", 6)
+                lt = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                      for i in range(self.layers)]
+            elif lt is None:  # Gemma2Config: even layers (0, 2, ...) sliding, odd ones global
+                lt = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(self.layers)]
+            if len(lt) != self.layers or any(t not in ("sliding_attention", "full_attention") for t in lt):
+                raise ValueError(f"{name} layer_types {lt!r}: want {self.layers} entries of "
+                                 "sliding_attention / full_attention")
+            self.layer_types = list(lt)
+            if "sliding_attention" in lt and self.sliding_window is None:
+                raise ValueError(f"{name}: sliding_attention layers need a sliding_window")
+        if not g3:
+            # Gemma / Gemma 2: one RoPE for every layer. RotaryEmbeddingConfigMixin: rope_scaling
+            # (old spelling) wins over rope_parameters; rope_theta from the dict, else the
+            # top-level key, else 10000.
             scaling = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
+            if name == "gemma2" and {"full_attention", "sliding_attention"} & set(scaling):
+                # standardize_rope_params keeps one flat dict (rope_theta / rope_type filled in
+                # beside the entries) and Gemma2RotaryEmbedding reads only its top level.
+                raise ValueError("gemma2 rope parameters nested by layer type are ignored by "
+                                 "transformers (Gemma 2 has one RoPE; write a flat dict)")
             theta = scaling.get("rope_theta", d.get("rope_theta", 10000.0))
             RopeSpec.fill(self, theta, scaling, self.head_dim, self.max_pos)
-            self.rope = {"full_attention": self}
+            self.rope = dict.fromkeys(("full_attention", "sliding_attention"), self)
             return
-        for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-            if d.get(key) is not None:
-                raise ValueError(f"gemma3_text {key} is not supported by the reference")
-        self.attn_scale = float(d.get("query_pre_attn_scalar", 256)) ** -0.5
-        self.sliding_window = d.get("sliding_window", 4096)
-        lt = d.get("layer_types")
-        if lt is None:  # Gemma3TextConfig: every sliding_window_pattern-th layer is global
-            pattern = d.get("sliding_window_pattern", 6)
-            lt = ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                  for i in range(self.layers)]
-        if len(lt) != self.layers or any(t not in ("sliding_attention", "full_attention") for t in lt):
-            raise ValueError(f"gemma3_text layer_types {lt!r}: want {self.layers} entries of "
-                             "sliding_attention / full_attention")
-        self.layer_types = list(lt)
-        if "sliding_attention" in lt and self.sliding_window is None:
-            raise ValueError("gemma3_text: sliding_attention layers need a sliding_window")
         # Gemma3TextConfig.convert_rope_params_to_dict: rope_parameters is nested by layer type;
         # the old top-level rope_scaling updates the full_attention entry, rope_theta (default 1e6)
         # and rope_local_base_freq (default 1e4) fill full / sliding's rope_theta when absent.
@@ -449,7 +494,7 @@ def param_shapes(cfg):
                 s[p + f"mlp.{name}.bias"] = [out]
         s[p + "input_layernorm.weight"] = [H]
         s[p + "post_attention_layernorm.weight"] = [H]
-        if cfg.gemma3:  # Gemma3DecoderLayer's sandwich norms around the MLP
+        if cfg.sandwich:  # Gemma2/Gemma3DecoderLayer's sandwich norms around the MLP
             s[p + "pre_feedforward_layernorm.weight"] = [H]
             s[p + "post_feedforward_layernorm.weight"] = [H]
     s["model.norm.weight"] = [H]
@@ -718,11 +763,15 @@ def attention_mask(segment_ids, sliding_window=None):
     return m[:, None]
 
 
-def attend(q, k, v, mask, scale):
-    """q (B,H,T,d), k/v (B,H,T,d) already repeated; softmax in max(fp32, dtype)."""
+def attend(q, k, v, mask, scale, softcap=None):
+    """q (B,H,T,d), k/v (B,H,T,d) already repeated; softmax in max(fp32, dtype). softcap (Gemma 2):
+    the scaled scores become softcap * tanh(scores / softcap) before the mask, each op (divide,
+    tanh, multiply) in the compute dtype as eager_attention_forward does them."""
     dt = q.dtype
     up = torch.float64 if dt == torch.float64 else torch.float32
     s = torch.matmul(q, k.transpose(2, 3)) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
     s = s.to(up).masked_fill(~mask, float("-inf"))
     p = torch.softmax(s, dim=-1).to(dt)
     return torch.matmul(p, v)
@@ -801,11 +850,13 @@ class Forward:
         return self.llama(input_ids, position_ids, segment_ids)
 
     def gemma(self, input_ids, position_ids, segment_ids):
-        """GemmaForCausalLM / Gemma3ForCausalLM. Gemma: Llama's layer with Gemma's norm, GELU MLP
-        and sqrt(hidden)-scaled embedding. Gemma 3 adds q_norm / k_norm, a norm after attention
-        and around the MLP (both before the residual add), attention scale
-        query_pre_attn_scalar^-0.5, and per layer type its mask (sliding: keys q-W+1 .. q) and
-        RoPE (sliding: rope_local_base_freq; full: rope_theta with its scaling)."""
+        """GemmaForCausalLM / Gemma2ForCausalLM / Gemma3ForCausalLM. Gemma: Llama's layer with
+        Gemma's norm, GELU MLP and sqrt(hidden)-scaled embedding. Gemma 2 adds a norm after
+        attention and around the MLP (both before the residual add), attention scale
+        query_pre_attn_scalar^-0.5, per layer type its mask (sliding: keys q-W+1 .. q), and
+        soft-capping of the attention scores and of the logits. Gemma 3: Gemma 2 with q_norm /
+        k_norm, a RoPE per layer type (sliding: rope_local_base_freq; full: rope_theta with its
+        scaling), and only the logits soft-capped."""
         c, p = self.cfg, self.p
         B, T = input_ids.shape
         W = p["model.embed_tokens.weight"]
@@ -832,9 +883,9 @@ class Forward:
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             k, v = repeat_kv(k, nq // nkv), repeat_kv(v, nq // nkv)
-            o = attend(q, k, v, masks[c.layer_types[i]], c.attn_scale)
+            o = attend(q, k, v, masks[c.layer_types[i]], c.attn_scale, c.attn_softcap)
             o = self.linear(pre + "self_attn.o_proj", o.transpose(1, 2).reshape(B, T, nq * d))
-            if c.gemma3:
+            if c.sandwich:
                 o = gemma_rms_norm(o, p[pre + "post_attention_layernorm.weight"], c.eps)
                 h = h + o
                 x = gemma_rms_norm(h, p[pre + "pre_feedforward_layernorm.weight"], c.eps)
@@ -843,11 +894,14 @@ class Forward:
                 x = gemma_rms_norm(h, p[pre + "post_attention_layernorm.weight"], c.eps)
             m = self.linear(pre + "mlp.down_proj", act(self.linear(pre + "mlp.gate_proj", x)) *
                             self.linear(pre + "mlp.up_proj", x))
-            if c.gemma3:
+            if c.sandwich:
                 m = gemma_rms_norm(m, p[pre + "post_feedforward_layernorm.weight"], c.eps)
             h = h + m
         h = gemma_rms_norm(h, p["model.norm.weight"], c.eps)
-        return self.linear("lm_head", h)
+        logits = self.linear("lm_head", h)
+        if c.final_softcap is not None:  # in the compute dtype; the loss upcasts afterwards
+            logits = torch.tanh(logits / c.final_softcap) * c.final_softcap
+        return logits
 
     def llama(self, input_ids, position_ids, segment_ids):
         c, p = self.cfg, self.p
@@ -1037,7 +1091,7 @@ def make_config(a):
     kv = a.kv_heads or (2 if heads % 2 == 0 else heads)
     head_dim = a.head_dim or a.hidden // heads
     scaling = json.loads(a.rope_scaling) if a.rope_scaling else None
-    if getattr(a, "gemma", False) or getattr(a, "gemma3", False):
+    if getattr(a, "gemma", False) or getattr(a, "gemma2", False) or getattr(a, "gemma3", False):
         return make_gemma_config(a, heads, kv, head_dim, scaling)
     theta = a.rope_theta if a.rope_theta is not None else 10000.0
     kind = "qwen2" if a.qwen2 else "mistral" if a.mistral else \
@@ -1097,26 +1151,29 @@ GEMMA_LAYER_TYPES = {"sliding": "sliding_attention", "full": "full_attention",
 
 
 def make_gemma_config(a, heads, kv, head_dim, scaling):
-    """config.json of GemmaForCausalLM (--gemma) or Gemma3ForCausalLM (--gemma3), every key the
-    forward reads written out; pad_token_id null (no padding_idx) unless --pad-token-id."""
-    g3 = bool(getattr(a, "gemma3", False))
+    """config.json of GemmaForCausalLM (--gemma), Gemma2ForCausalLM (--gemma2) or Gemma3ForCausalLM
+    (--gemma3), every key the forward reads written out (Gemma 2: every key Gemma2Config saves);
+    pad_token_id null (no padding_idx) unless --pad-token-id."""
+    mt = "gemma3_text" if getattr(a, "gemma3", False) else \
+        "gemma2" if getattr(a, "gemma2", False) else "gemma"
     if scaling:  # rope_type spelled out: Gemma3TextConfig ignores a top-level "type"
         scaling = dict(scaling)
         scaling["rope_type"] = scaling.pop("rope_type", scaling.pop("type", "default"))
     act = getattr(a, "hidden_act", None) or "gelu_pytorch_tanh"
     c = {
-        "architectures": ["Gemma3ForCausalLM" if g3 else "GemmaForCausalLM"],
+        "architectures": [{"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                           "gemma3_text": "Gemma3ForCausalLM"}[mt]],
         "attention_bias": bool(a.attention_bias),
         "attention_dropout": 0.0,
         "bos_token_id": 2,
         "eos_token_id": 1,
         "head_dim": head_dim,
-        "hidden_activation" if g3 else "hidden_act": act,
+        "hidden_act" if mt == "gemma" else "hidden_activation": act,
         "hidden_size": a.hidden,
         "initializer_range": 0.02,
         "intermediate_size": a.intermediate or 2 * a.hidden,
         "max_position_embeddings": a.max_pos,
-        "model_type": "gemma3_text" if g3 else "gemma",
+        "model_type": mt,
         "num_attention_heads": heads,
         "num_hidden_layers": a.layers,
         "num_key_value_heads": kv,
@@ -1124,11 +1181,31 @@ def make_gemma_config(a, heads, kv, head_dim, scaling):
         "rms_norm_eps": a.eps if a.eps is not None else 1e-6,
         "tie_word_embeddings": bool(a.tie),
         "torch_dtype": a.save_dtype,
-        "transformers_version": "4.50.0" if g3 else "4.46.0",
+        "transformers_version": "4.50.0" if mt == "gemma3_text" else "4.46.0",
         "use_cache": True,
         "vocab_size": a.vocab,
     }
-    if not g3:
+    if mt != "gemma":
+        if getattr(a, "layer_types", None):
+            types = [GEMMA_LAYER_TYPES[t.strip()] for t in a.layer_types.split(",")]
+        elif mt == "gemma2":  # Gemma2Config's default: even layers sliding, odd ones full
+            types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(a.layers)]
+        else:  # Gemma3TextConfig's default pattern: every 6th layer full
+            types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(a.layers)]
+
+        def softcap(value, default):  # --attn-softcap / --final-softcap: unset = the config's default
+            return default if value is None else None if value == "none" else float(value)
+        qpas = getattr(a, "query_pre_attn_scalar", None)
+        c.update({
+            "attn_logit_softcapping": softcap(getattr(a, "attn_softcap", None), 50.0 if mt == "gemma2" else None),
+            "final_logit_softcapping": softcap(getattr(a, "final_softcap", None), 30.0 if mt == "gemma2" else None),
+            "layer_types": types,
+            "query_pre_attn_scalar": qpas if qpas is not None else head_dim,
+            "sliding_window": a.sliding_window if a.sliding_window is not None else 4096,
+            # Gemma2Config's default is None, Gemma3TextConfig's False.
+            "use_bidirectional_attention": None if mt == "gemma2" else False,
+        })
+    if mt != "gemma3_text":  # one RoPE for every layer
         theta = a.rope_theta if a.rope_theta is not None else 10000.0
         if a.rope_parameters:
             c["rope_parameters"] = dict({"rope_theta": theta, "rope_type": "default"}, **(scaling or {}))
@@ -1138,19 +1215,6 @@ def make_gemma_config(a, heads, kv, head_dim, scaling):
         return c
     theta = a.rope_theta if a.rope_theta is not None else 1e6
     local = a.rope_local_theta if getattr(a, "rope_local_theta", None) is not None else 1e4
-    if getattr(a, "layer_types", None):
-        types = [GEMMA_LAYER_TYPES[t.strip()] for t in a.layer_types.split(",")]
-    else:  # Gemma3TextConfig's default pattern: every 6th layer full
-        types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(a.layers)]
-    qpas = getattr(a, "query_pre_attn_scalar", None)
-    c.update({
-        "attn_logit_softcapping": None,
-        "final_logit_softcapping": None,
-        "layer_types": types,
-        "query_pre_attn_scalar": qpas if qpas is not None else head_dim,
-        "sliding_window": a.sliding_window if a.sliding_window is not None else 4096,
-        "use_bidirectional_attention": False,
-    })
     if a.rope_parameters:
         c["rope_parameters"] = {
             "full_attention": dict({"rope_theta": theta, "rope_type": "default"}, **(scaling or {})),
@@ -1347,9 +1411,9 @@ class _Args:
                  vocab=40, max_pos=64, head_dim=None, rope_theta=10000.0, rope_scaling=None,
                  rope_parameters=False, tie=False, attention_bias=False, mlp_bias=False,
                  qwen2=False, mistral=False, qwen3=False, sliding_window=None, eps=None,
-                 save_dtype="float32", gemma=False, gemma3=False, hidden_act=None,
+                 save_dtype="float32", gemma=False, gemma2=False, gemma3=False, hidden_act=None,
                  layer_types=None, query_pre_attn_scalar=None, rope_local_theta=None,
-                 pad_token_id=None)
+                 pad_token_id=None, attn_softcap=None, final_softcap=None)
         d.update(kw)
         self.__dict__.update(d)
 
@@ -1476,11 +1540,11 @@ def naive_numpy_forward(cfg, base, ids, pos, seg, qk_norm_after_rope=False):
 
 
 def naive_numpy_gemma_forward(cfg, base, ids, pos, seg):
-    """naive_numpy_forward for Gemma / Gemma 3 (one row, loops per token and head, float64),
-    from the definitions: embedding * sqrt(hidden); norm x / rms(x) * (1 + w); per layer its
-    type's RoPE (inv_freq of that type) and keys: same document, u <= t, and for sliding layers
-    u > t - sliding_window; Gemma 3's q/k norms before RoPE and norms after attention and around
-    the MLP."""
+    """naive_numpy_forward for Gemma / Gemma 2 / Gemma 3 (one row, loops per token and head,
+    float64), from the definitions: embedding * sqrt(hidden); norm x / rms(x) * (1 + w); per layer
+    its type's RoPE (inv_freq of that type) and keys: same document, u <= t, and for sliding
+    layers u > t - sliding_window; Gemma 3's q/k norms before RoPE; Gemma 2's and 3's norms after
+    attention and around the MLP; scores and logits soft-capped as cap * tanh(x / cap)."""
     P = {k: v.double().numpy() for k, v in base.items()}
     T, H = len(ids), cfg.hidden
     nq, nkv, d = cfg.heads, cfg.kv_heads, cfg.head_dim
@@ -1511,7 +1575,7 @@ def naive_numpy_gemma_forward(cfg, base, ids, pos, seg):
 
         def head(proj, t, h):
             v = lin(a + proj, hs[t])[h * d:(h + 1) * d]
-            if proj != "v_proj" and cfg.gemma3:
+            if proj != "v_proj" and cfg.qk_norm:
                 v = norm(v, P[a + proj.replace("_proj", "_norm") + ".weight"])
             return rope(v, pos[t], spec) if proj != "v_proj" else v
         qs = [[head("q_proj", t, h) for h in range(nq)] for t in range(T)]
@@ -1524,26 +1588,32 @@ def naive_numpy_gemma_forward(cfg, base, ids, pos, seg):
             o = []
             for h in range(nq):
                 sc = np.array([qs[t][h] @ ks[u][h // rep] * cfg.attn_scale for u in keys])
+                if cfg.attn_softcap is not None:
+                    sc = cfg.attn_softcap * np.tanh(sc / cfg.attn_softcap)
                 w = np.exp(sc - sc.max())
                 w /= w.sum()
                 o.append(sum(wi * vs[u][h // rep] for wi, u in zip(w, keys)))
             y = lin(a + "o_proj", np.concatenate(o))
-            if cfg.gemma3:
+            if cfg.sandwich:
                 y = norm(y, P[L + "post_attention_layernorm.weight"])
             new.append(x[t] + y)
         x = new
         for t in range(T):
-            hn = norm(x[t], P[L + ("pre_feedforward_layernorm.weight" if cfg.gemma3
+            hn = norm(x[t], P[L + ("pre_feedforward_layernorm.weight" if cfg.sandwich
                                    else "post_attention_layernorm.weight")])
             y = lin(L + "mlp.down_proj", gelu(lin(L + "mlp.gate_proj", hn)) * lin(L + "mlp.up_proj", hn))
-            if cfg.gemma3:
+            if cfg.sandwich:
                 y = norm(y, P[L + "post_feedforward_layernorm.weight"])
             x[t] = x[t] + y
     head_w = P.get("lm_head.weight", P["model.embed_tokens.weight"])
-    return np.stack([norm(x[t], P["model.norm.weight"]) @ head_w.T for t in range(T)])
+    logits = np.stack([norm(x[t], P["model.norm.weight"]) @ head_w.T for t in range(T)])
+    cap = cfg.final_softcap
+    return logits if cap is None else cap * np.tanh(logits / cap)
 
 
 def selftest():
+    import contextlib
+    import io
     import tempfile
     torch.manual_seed(0)
     tmp = tempfile.mkdtemp(prefix="hf_reference_selftest_")
@@ -1673,10 +1743,23 @@ def selftest():
     g3 = dict(gemma3=True, head_dim=16, layers=3, layer_types="sliding,full,sliding",
               sliding_window=3, query_pre_attn_scalar=10, rope_theta=None, rope_local_theta=500.0,
               rope_scaling='{"rope_type": "linear", "factor": 2.0}', tie=True)
+    # Gemma 2: window 3, one linear-scaled RoPE on sliding and full layers, soft-caps 2 (scores
+    # reach about 5) and 1.5 (logits reach about 3) so that tanh bites; the config's 50 / 30
+    # and null caps; Gemma 3 with a final soft-cap.
+    g2 = dict(gemma2=True, head_dim=16, layers=3, layer_types="sliding,full,sliding",
+              sliding_window=3, query_pre_attn_scalar=10, attn_softcap=2.0, final_softcap=1.5,
+              rope_scaling='{"type": "linear", "factor": 2.0}', tie=True)
     variants += [("gemma gelu head_dim 12 bias", gm),
                  ("gemma3 window 3 sliding/full linear on full", g3),
                  ("gemma3 nested rope_parameters untied tanh", dict(g3, rope_parameters=True, tie=False,
-                                                                    attention_bias=True))]
+                                                                    attention_bias=True)),
+                 ("gemma2 window 3 softcaps 2/1.5 linear rope", g2),
+                 ("gemma2 softcaps 50/30 gelu untied bias rope_parameters",
+                  dict(g2, attn_softcap=None, final_softcap=None, hidden_act="gelu", tie=False,
+                       attention_bias=True, rope_parameters=True)),
+                 ("gemma2 softcaps null default layer_types", dict(g2, attn_softcap="none", final_softcap="none",
+                                                                   layers=2, layer_types=None)),
+                 ("gemma3 final softcap 1.5", dict(g3, final_softcap=1.5))]
     batch = make_batch(3, 20, 40, seed=1)
     for name, kw in variants:
         cfg, base = _model(1, **kw)
@@ -1788,9 +1871,44 @@ def selftest():
              "rope_scaling": {"type": "linear", "factor": 3.0}})
     check("gemma: rope_scaling wins over rope_parameters (RotaryEmbeddingConfigMixin)",
           c.rope_type == "linear" and c.rope_scaling["factor"] == 3.0 and c.rope_theta == 7.0)
+    c = Cfg({"model_type": "gemma2", "num_hidden_layers": 5, "hidden_act": "silu",
+             "rope_scaling": {"type": "linear", "factor": 4.0}})
+    check("gemma2 defaults (Gemma2Config): caps 50 / 30, even layers sliding, one RoPE",
+          c.head_dim == 256 and c.hidden == 2304 and c.attn_scale == 256 ** -0.5 and c.tie and
+          c.padding_idx == 0 and c.act == "gelu_pytorch_tanh" and c.sliding_window == 4096 and
+          c.layer_types == ["sliding_attention", "full_attention"] * 2 + ["sliding_attention"] and
+          c.max_pos == 8192 and c.kv_heads == 4 and c.heads == 8 and c.vocab == 256000 and
+          c.attn_softcap == 50.0 and c.final_softcap == 30.0 and c.sandwich and not c.qk_norm and
+          c.rope["sliding_attention"] is c.rope["full_attention"] and c.rope_theta == 10000.0 and
+          c.rope_type == "linear" and c.rope_scaling["factor"] == 4.0)
+    c = Cfg({"architectures": ["Gemma2ForCausalLM"], "attn_logit_softcapping": None,
+             "final_logit_softcapping": 3, "hidden_activation": "gelu"})
+    c1 = Cfg({"model_type": "gemma", "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0})
+    c3 = Cfg(dict(make_config(_Args(**g3)), final_logit_softcapping=3.0, attn_logit_softcapping=None))
+    check("soft-cap keys: null disables (gemma2), gemma3_text reads the final one, gemma ignores both",
+          c.model_type == "gemma2" and c.attn_softcap is None and c.final_softcap == 3.0 and
+          c.act == "gelu" and c1.attn_softcap is None and c1.final_softcap is None and
+          c3.final_softcap == 3.0 and c3.attn_softcap is None)
+    g2raw = make_config(_Args(**g2))
+    refused = []
+    for bad in (dict(g2raw, attn_logit_softcapping=0.0), dict(g2raw, final_logit_softcapping=-30.0),
+                dict(g2raw, final_logit_softcapping="30"), dict(g2raw, attn_logit_softcapping=True),
+                dict(g2raw, rope_scaling=None, rope_parameters={
+                    "full_attention": {"rope_type": "default", "rope_theta": 1e4},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+                dict(g2raw, use_bidirectional_attention=True), dict(g2raw, hidden_activation="silu"),
+                dict(g2raw, layer_types=["full_attention"]), dict(g2raw, sliding_window=None),
+                dict(g2raw, num_attention_heads=3, num_key_value_heads=1)):
+        try:
+            Cfg(bad)
+        except ValueError:
+            refused.append(True)
+    check("gemma2 configs refused: soft-caps not positive numbers, rope nested by layer type, "
+          "bidirectional, activation, layer_types, window, heads", len(refused) == 10,
+          f"({len(refused)}/10)")
     g3raw = make_config(_Args(**g3))
     refused = []
-    for bad in (dict(g3raw, final_logit_softcapping=30.0), dict(g3raw, attn_logit_softcapping=50.0),
+    for bad in (dict(g3raw, attn_logit_softcapping=50.0), dict(g3raw, final_logit_softcapping=0),
                 dict(g3raw, use_bidirectional_attention=True),
                 dict(make_config(_Args(**gm)), use_bidirectional_attention=True),
                 dict(g3raw, hidden_activation="silu"), dict(make_config(_Args(**gm)), hidden_act="gelu_new"),
@@ -1805,8 +1923,9 @@ def selftest():
             Cfg(bad)
         except ValueError:
             refused.append(True)
-    check("gemma configs refused: softcapping, bidirectional, activation, layer_types, window, "
-          "rope spellings transformers ignores", len(refused) == 13, f"({len(refused)}/13)")
+    check("gemma configs refused: gemma3 attention soft-cap (ignored by transformers), final soft-cap 0, "
+          "bidirectional, activation, layer_types, window, rope spellings transformers ignores",
+          len(refused) == 13, f"({len(refused)}/13)")
     check("gemma3 nested rope_parameters == top-level rope_theta/rope_scaling/rope_local_base_freq",
           "rope_theta" not in make_config(_Args(**dict(g3, rope_parameters=True))) and all(
               torch.equal(rope_inv_freq(Cfg(make_config(_Args(**g3))).rope[t]),
@@ -1840,6 +1959,16 @@ def selftest():
                        not torch.allclose(a0[:, 9], a1[:, 9]))
     check("gemma3 window 3: a sliding layer's t sees t-2 .. t, a full layer sees all",
           reach["sliding"][:2] == (True, True) and reach["full"][2])
+    cfg, base = _model(19, **g2)
+    capped = {}
+    for caps in ((2.0, 1.5), ("none", 1.5), (2.0, "none")):
+        c = Cfg(make_config(_Args(**dict(g2, attn_softcap=caps[0], final_softcap=caps[1]))))
+        capped[caps] = Forward(c, {k: v.double() for k, v in base.items()})(
+            batch["input_ids"], batch["position_ids"], batch["segment_ids"])
+    check("gemma2 soft-caps: |logits| < the final cap, and each cap changes the logits",
+          float(capped[2.0, 1.5].abs().max()) < 1.5 and float(capped[2.0, "none"].abs().max()) > 1.5 and
+          close(capped[2.0, 1.5], capped["none", 1.5], 1e-6)[0] > 1e-3,
+          f"(attention cap moves logits by {close(capped[2.0, 1.5], capped['none', 1.5], 1e-6)[0]:.1e})")
     pad_b = make_batch(2, 12, 40, seed=16)
     pad_b["input_ids"][0, 2] = 5
     grads = {}
@@ -1919,6 +2048,7 @@ def selftest():
             ("qwen3", q3, ["q_proj", "k_proj", "o_proj", "gate_proj"], False),
             ("qwen3 all-linear", dict(q3, tie=False), "all-linear", True),
             ("gemma3 all-linear", g3, "all-linear", False),
+            ("gemma2 all-linear", dict(g2, attention_bias=True), "all-linear", True),
             ("gemma", gm, ["q_proj", "o_proj", "up_proj", "lm_head"], True)):
         cfg, base = _model(4, **kw)
         lora = _rand_lora(cfg, targets, 3, 6.0, rs, 5, os.path.join(tmp, name.replace(" ", "_")))
@@ -1973,7 +2103,9 @@ def selftest():
                      ("gpt2", dict(arch="gpt2", intermediate=None, layers=1)),
                      ("qwen3", dict(q3, layers=1)),
                      ("gemma", dict(gm, layers=1, pad_token_id=0)),
-                     ("gemma3", dict(g3, layers=2, layer_types="sliding,full", attention_bias=True))):
+                     ("gemma3", dict(g3, layers=2, layer_types="sliding,full", attention_bias=True)),
+                     ("gemma2 softcaps", dict(g2, layers=2, layer_types="sliding,full", attention_bias=True)),
+                     ("gemma3 final softcap", dict(g3, layers=1, layer_types="sliding", final_softcap=1.5))):
         cfg, base = _model(7, **kw)
         _, _, grads = run_forward(cfg, base, small)
         gen = torch.Generator().manual_seed(8)
@@ -2056,7 +2188,13 @@ def selftest():
                                                     "sliding,full,sliding", "--sliding-window", "4",
                                                     "--head-dim", "16", "--query-pre-attn-scalar", "12",
                                                     "--rope-local-theta", "20000", "--tie", "--rope-scaling",
-                                                    '{"rope_type": "linear", "factor": 2.0}'])):
+                                                    '{"rope_type": "linear", "factor": 2.0}',
+                                                    "--final-softcap", "3"]),
+                               ("gemma2", "llama", ["--gemma2", "--layers", "3", "--sliding-window", "4",
+                                                    "--head-dim", "16", "--attn-softcap", "5",
+                                                    "--final-softcap", "none", "--hidden-act", "gelu",
+                                                    "--pad-token-id", "0", "--rope-scaling",
+                                                    '{"type": "linear", "factor": 2.0}'])):
         mdir = os.path.join(tmp, "m_" + label)
         main(["init", "--arch", arch, "--out", mdir, "--seed", "3", "--hidden", "32",
               "--vocab", "64"] + extra)
@@ -2082,19 +2220,39 @@ def selftest():
         if label.startswith("gemma"):
             with open(os.path.join(mdir, "config.json")) as fh:
                 mc = json.load(fh)
-            ok = mc["pad_token_id"] is None and mc["head_dim"] == (16 if label == "gemma3" else 12)
+            ok = mc["pad_token_id"] == (0 if label == "gemma2" else None) and \
+                mc["head_dim"] == (12 if label == "gemma" else 16)
             if label == "gemma":
                 ok = ok and mc["model_type"] == "gemma" and mc["architectures"] == ["GemmaForCausalLM"] and \
                     mc["hidden_act"] == "gelu" and mc["tie_word_embeddings"] is False and \
                     mc["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "linear", "factor": 2.0}
-            else:
+            elif label == "gemma3":
                 ok = ok and mc["model_type"] == "gemma3_text" and \
                     mc["architectures"] == ["Gemma3ForCausalLM"] and \
                     mc["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"] and \
                     mc["sliding_window"] == 4 and mc["query_pre_attn_scalar"] == 12 and \
                     mc["rope_theta"] == 1e6 and mc["rope_local_base_freq"] == 20000.0 and \
                     mc["rope_scaling"] == {"rope_type": "linear", "factor": 2.0} and \
-                    mc["hidden_activation"] == "gelu_pytorch_tanh" and mc["tie_word_embeddings"] is True
+                    mc["hidden_activation"] == "gelu_pytorch_tanh" and mc["tie_word_embeddings"] is True and \
+                    mc["final_logit_softcapping"] == 3.0 and mc["attn_logit_softcapping"] is None
+            elif label == "gemma2":
+                # Gemma2Config.save_pretrained's keys (rope_theta / rope_scaling where 5.12 writes
+                # rope_parameters), plus architectures and torch_dtype.
+                ok = ok and set(mc) == {
+                    "architectures", "attention_bias", "attention_dropout", "attn_logit_softcapping",
+                    "bos_token_id", "eos_token_id", "final_logit_softcapping", "head_dim",
+                    "hidden_activation", "hidden_size", "initializer_range", "intermediate_size",
+                    "layer_types", "max_position_embeddings", "model_type", "num_attention_heads",
+                    "num_hidden_layers", "num_key_value_heads", "pad_token_id", "query_pre_attn_scalar",
+                    "rms_norm_eps", "rope_scaling", "rope_theta", "sliding_window", "tie_word_embeddings",
+                    "torch_dtype", "transformers_version", "use_bidirectional_attention", "use_cache",
+                    "vocab_size"} and \
+                    mc["model_type"] == "gemma2" and mc["architectures"] == ["Gemma2ForCausalLM"] and \
+                    mc["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"] and \
+                    mc["sliding_window"] == 4 and mc["query_pre_attn_scalar"] == 16 and \
+                    mc["attn_logit_softcapping"] == 5.0 and mc["final_logit_softcapping"] is None and \
+                    mc["hidden_activation"] == "gelu" and mc["rope_theta"] == 10000.0 and \
+                    mc["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
             check(f"CLI init --{label} writes a {mc['architectures'][0]} config", ok)
         check(f"CLI init/init-lora/forward ({label})",
               o["logits"].dtype == torch.float32 and o["loss"].shape == () and
@@ -2110,6 +2268,18 @@ def selftest():
         check(f"CLI train lowers the loss ({label})", tj["final_loss"] < tj["losses"][0],
               f"({tj['losses'][0]:.4f} -> {tj['final_loss']:.4f})")
 
+    rejected = 0
+    for extra in (["--gemma3", "--attn-softcap", "5"], ["--gemma", "--final-softcap", "3"],
+                  ["--gemma2", "--attn-softcap", "0"], ["--gemma2", "--rope-local-theta", "1e4"],
+                  ["--gemma2", "--layers", "2", "--layer-types", "sliding"]):
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):  # argparse's usage and error
+                main(["init", "--arch", "llama", "--out", os.path.join(tmp, "bad")] + extra)
+        except SystemExit:
+            rejected += 1
+    check("CLI init refuses soft-caps transformers ignores or cannot run, gemma3-only options on gemma2",
+          rejected == 5, f"({rejected}/5)")
+
     import shutil
     shutil.rmtree(tmp, ignore_errors=True)
     print("selftest:", "FAILED " + ", ".join(failures) if failures else "all passed")
@@ -2117,6 +2287,16 @@ def selftest():
 
 
 # ----------------------------------------------------------------------------- CLI
+
+def softcap_arg(text):
+    """--attn-softcap / --final-softcap: a positive number, or none (the key written as null)."""
+    if text.lower() == "none":
+        return "none"
+    v = float(text)
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"want a positive number or none, got {text!r}")
+    return v
+
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -2153,25 +2333,35 @@ def main(argv=None):
     p.add_argument("--gemma", action="store_true",
                    help="GemmaForCausalLM: Gemma norm (1 + w), sqrt(hidden)-scaled embedding, "
                         "GELU MLP, --attention-bias on q/k/v/o, head_dim always written")
+    p.add_argument("--gemma2", action="store_true",
+                   help="Gemma2ForCausalLM (gemma2): --gemma plus sandwich norms, sliding / full "
+                        "layers (one RoPE), attention and final logit soft-capping")
     p.add_argument("--gemma3", action="store_true",
                    help="Gemma3ForCausalLM (gemma3_text): --gemma plus q/k norms, sandwich norms, "
                         "sliding / full layers")
     p.add_argument("--hidden-act", choices=["gelu_pytorch_tanh", "gelu"], default=None,
-                   help="Gemma's MLP activation (hidden_act / gemma3 hidden_activation), "
+                   help="Gemma's MLP activation (hidden_act / gemma2, gemma3 hidden_activation), "
                         "default gelu_pytorch_tanh; gelu = exact erf GELU")
     p.add_argument("--layer-types", default=None,
-                   help="--gemma3: comma list of sliding|full (or the full names), one per layer "
-                        "(default: every 6th layer full)")
+                   help="--gemma2/--gemma3: comma list of sliding|full (or the full names), one per "
+                        "layer (default: --gemma2 even layers sliding; --gemma3 every 6th layer full)")
     p.add_argument("--query-pre-attn-scalar", type=int, default=None,
-                   help="--gemma3: attention scale query_pre_attn_scalar^-0.5 (default: head_dim)")
+                   help="--gemma2/--gemma3: attention scale query_pre_attn_scalar^-0.5 "
+                        "(default: head_dim)")
+    p.add_argument("--attn-softcap", type=softcap_arg, default=None,
+                   help="--gemma2: attn_logit_softcapping, a positive number or none (default 50); "
+                        "--gemma3 only none (transformers 5.12 ignores it there)")
+    p.add_argument("--final-softcap", type=softcap_arg, default=None,
+                   help="--gemma2/--gemma3: final_logit_softcapping, a positive number or none "
+                        "(default: --gemma2 30, --gemma3 none)")
     p.add_argument("--rope-local-theta", type=float, default=None,
                    help="--gemma3: rope_local_base_freq, the sliding layers' theta (default 1e4)")
     p.add_argument("--pad-token-id", type=int, default=None,
-                   help="--gemma/--gemma3: pad_token_id (nn.Embedding padding_idx: that row gets no "
+                   help="--gemma/--gemma2/--gemma3: pad_token_id (nn.Embedding padding_idx: that row gets no "
                         "gradient from the lookup); default null")
     p.add_argument("--sliding-window", type=int, default=None,
-                   help="mistral / qwen: sliding_window; --gemma3: the sliding layers' window "
-                        "(default 4096)")
+                   help="mistral / qwen: sliding_window; --gemma2/--gemma3: the sliding layers' "
+                        "window (default 4096)")
     p.add_argument("--eps", type=float, default=None, help="rms_norm_eps / layer_norm_epsilon")
     p.add_argument("--init-std", type=float, default=None,
                    help="constant std for weights (default 0.8/sqrt(fan_in))")
@@ -2240,23 +2430,28 @@ def main(argv=None):
     if a.cmd == "init":
         if a.arch == "gpt2" and (a.qwen2 or a.mistral or a.qwen3 or a.kv_heads):
             ap.error("--qwen2/--mistral/--qwen3/--kv-heads are llama-family options")
-        if a.arch == "gpt2" and (a.gemma or a.gemma3):
-            ap.error("--gemma/--gemma3 are llama-family options")
-        if a.qwen2 + a.mistral + a.qwen3 + a.gemma + a.gemma3 > 1:
-            ap.error("--qwen2, --mistral, --qwen3, --gemma and --gemma3 exclude each other")
+        if a.arch == "gpt2" and (a.gemma or a.gemma2 or a.gemma3):
+            ap.error("--gemma/--gemma2/--gemma3 are llama-family options")
+        if a.qwen2 + a.mistral + a.qwen3 + a.gemma + a.gemma2 + a.gemma3 > 1:
+            ap.error("--qwen2, --mistral, --qwen3, --gemma, --gemma2 and --gemma3 exclude each other")
         if a.qwen3 and a.mlp_bias:
             ap.error("--mlp-bias: Qwen3's MLP has no bias")
-        gemma = a.gemma or a.gemma3
+        gemma = a.gemma or a.gemma2 or a.gemma3
         if gemma and a.mlp_bias:
             ap.error("--mlp-bias: Gemma's MLP has no bias")
         if not gemma and (a.hidden_act or a.pad_token_id is not None):
-            ap.error("--hidden-act / --pad-token-id are --gemma / --gemma3 options")
-        if not a.gemma3 and (a.layer_types or a.query_pre_attn_scalar is not None or
-                             a.rope_local_theta is not None):
-            ap.error("--layer-types / --query-pre-attn-scalar / --rope-local-theta are --gemma3 options")
+            ap.error("--hidden-act / --pad-token-id are --gemma / --gemma2 / --gemma3 options")
+        if not (a.gemma2 or a.gemma3) and (a.layer_types or a.query_pre_attn_scalar is not None or
+                                           a.attn_softcap is not None or a.final_softcap is not None):
+            ap.error("--layer-types / --query-pre-attn-scalar / --attn-softcap / --final-softcap "
+                     "are --gemma2 / --gemma3 options")
+        if not a.gemma3 and a.rope_local_theta is not None:
+            ap.error("--rope-local-theta is a --gemma3 option (Gemma 2 has one RoPE)")
+        if a.gemma3 and a.attn_softcap not in (None, "none"):
+            ap.error("--attn-softcap: transformers 5.12's Gemma3Attention ignores attn_logit_softcapping")
         if a.gemma and a.sliding_window is not None:
             ap.error("--sliding-window: Gemma (1) has no sliding window")
-        if a.gemma3 and a.layer_types:
+        if (a.gemma2 or a.gemma3) and a.layer_types:
             bad = [t for t in a.layer_types.split(",") if t.strip() not in GEMMA_LAYER_TYPES]
             if bad or len(a.layer_types.split(",")) != a.layers:
                 ap.error(f"--layer-types: want {a.layers} of sliding|full, got {a.layer_types!r}")

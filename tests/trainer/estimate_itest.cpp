@@ -259,6 +259,17 @@ INSTANTIATE_TEST_SUITE_P(
         Shape{"gemma3_full_bf16_checkpointed", {"model.name_or_path=tiny-gemma3", "training.finetune=full",
                                                 "training.bf16=true", "training.gradient_checkpointing=true",
                                                 "data.max_seq_length=128", "training.per_device_train_batch_size=2"}},
+        // Gemma 2: soft-capped attention (the fused CPU kernel's third block of scratch, the
+        // blocked kernel's capped scores in backward) and logits (their tanh beside each chunk);
+        // QLoRA in fp32 on the fused kernel, dense LoRA in a bf16 model on the blocked one.
+        Shape{"gemma2_nf4_lora_all", {"model.name_or_path=tiny-gemma2", "model.quantization_config.load_in_4bit=true",
+                                      "lora.target_modules=all-linear", "data.max_seq_length=256",
+                                      "training.per_device_train_batch_size=2"},
+              0.02},
+        Shape{"gemma2_bf16_model_lora", {"model.name_or_path=tiny-gemma2", "model.torch_dtype=bfloat16",
+                                         "training.bf16=true", "lora.target_modules=all-linear",
+                                         "data.max_seq_length=128", "training.per_device_train_batch_size=2"},
+              0.02},
         // LLM.int8 (load_in_8bit): on a CPU in training each product dequantizes its weight
         // (in the product's dtype, and in backward in the input's).
         Shape{"llama_int8_lora_all", {"model.name_or_path=tiny-llama", "model.quantization_config.load_in_8bit=true",
