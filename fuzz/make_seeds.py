@@ -84,6 +84,10 @@ put("hf_config", "gemma3.json", json.dumps(dict(gemma, architectures=["Gemma3For
                                                                                     "rope_theta": 1e6},
                                                                  "sliding_attention": {"rope_type": "default",
                                                                                        "rope_theta": 1e4}})))
+put("hf_config", "gemma2.json", json.dumps(dict(gemma, architectures=["Gemma2ForCausalLM"], model_type="gemma2",
+                                                hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24,
+                                                sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                                                attn_logit_softcapping=50.0, final_logit_softcapping=30.0)))
 put("hf_config", "gpt2.json", json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 64,
                                           "n_head": 4, "n_layer": 2, "n_positions": 128, "vocab_size": 256,
                                           "layer_norm_epsilon": 1e-5, "activation_function": "gelu_new"}))

@@ -28,11 +28,13 @@ using namespace memtune;
 using memtune::testing::expect_close;
 
 // Every query of the L positions against every key, masked causally (and by the window), in
-// float64; the last T query rows. q (B,Hkv,G,L,D), k/v (B,Hkv,L,D).
+// float64 (scores soft-capped, c tanh(s / c), with `softcap` c > 0); the last T query rows.
+// q (B,Hkv,G,L,D), k/v (B,Hkv,L,D).
 at::Tensor textbook_last_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                              int64_t window, int64_t T) {
+                              int64_t window, int64_t T, double softcap = 0) {
   const int64_t L = q.size(3);
   at::Tensor s = at::matmul(q.to(at::kDouble), k.to(at::kDouble).unsqueeze(2).transpose(-1, -2)) * scale;
+  if (softcap > 0) s = at::tanh(s / softcap) * softcap;
   at::Tensor pos = at::arange(L, at::kLong);
   at::Tensor qp = pos.view({L, 1}), kp = pos.view({1, L});
   at::Tensor allowed = kp <= qp;
@@ -51,6 +53,9 @@ TEST(KVCache, AttentionAfterAPrefixIsTheLastRowsOfTheWholeSequences) {
       const std::string what = "window " + std::to_string(window) + ", " + std::to_string(T) + " new positions";
       at::Tensor out = models::attention_after_prefix(q.narrow(3, L - T, T), k, v, 0.3, window);
       expect_close(out, textbook_last_rows(q, k, v, 0.3, window, T).to(at::kFloat), 2e-6, what, 1.0);
+      // Gemma 2's soft-capped scores (a cap of 0.8 bends scores of about 1).
+      out = models::attention_after_prefix(q.narrow(3, L - T, T), k, v, 0.3, window, 0.8);
+      expect_close(out, textbook_last_rows(q, k, v, 0.3, window, T, 0.8).to(at::kFloat), 2e-6, what + ", capped", 1.0);
     }
   // bf16: the scores rounded to bf16 before the fp32 softmax, as the blocked kernel does.
   at::Tensor out = models::attention_after_prefix(q.narrow(3, L - 4, 4).to(at::kBFloat16), k.to(at::kBFloat16),
@@ -194,6 +199,15 @@ TEST(KVCache, Qwen3AndGpt2TokenByTokenEqualOneForward) {
   expect_cached_equals_whole(*qwen3, "tiny-qwen3");
   auto gpt2 = model_with_lora(*models::preset("tiny-gpt2"), false);  // learned positions
   expect_cached_equals_whole(*gpt2, "tiny-gpt2");
+}
+
+// Gemma 2: a new token's scores and the last logits soft-capped as the whole forward's (caps
+// of 5 and 3, which bend them), its sliding layers' window reached (6 of 29 positions).
+TEST(KVCache, Gemma2SoftcappedTokenByTokenEqualsOneForward) {
+  models::ModelSpec spec = *models::preset("tiny-gemma2");
+  spec.sliding_window = 6;
+  auto model = model_with_lora(spec, true);
+  expect_cached_equals_whole(*model, "tiny-gemma2");
 }
 
 TEST(KVCache, Bf16ModelTokenByTokenEqualsOneForwardToBf16Rounding) {

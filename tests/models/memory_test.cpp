@@ -16,7 +16,7 @@ ModelSpec family(const std::string& name) {
 }
 
 TEST(LayerMemory, TheDefaultIsABoundOnEveryStatedFamily) {
-  for (const char* name : {"tiny-llama", "tiny-gpt2", "tiny-qwen3", "tiny-gemma3"}) {
+  for (const char* name : {"tiny-llama", "tiny-gpt2", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3"}) {
     std::unique_ptr<CausalLM> model = build_model(family(name));
     for (const char* training : {"frozen", "lora", "lora+dropout", "nf4+lora", "full"})
       for (bool input_grad : {false, true})

@@ -81,10 +81,23 @@ TEST(InitModelArch, AFamilyIsBuiltWithItsOwnSemanticsOrRefused) {
   for (const char* name : {"model.layers.0.pre_feedforward_layernorm.weight", "model.layers.0.post_feedforward_layernorm.weight",
                            "model.layers.3.self_attn.k_norm.weight"})
     EXPECT_NE(gemma_tensors.find(name), std::string::npos) << name;
+  // Gemma 2's (tiny-gemma2): its caps written as numbers, its layer types, no q or k norms.
+  r = run(memtune_bin() + " init-model --arch gemma2 --out " + (dir / "g2").string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::ifstream g2in(dir / "g2/config.json");
+  const json gemma2 = json::parse(g2in);
+  EXPECT_EQ(gemma2["architectures"][0], "Gemma2ForCausalLM");
+  EXPECT_DOUBLE_EQ(gemma2["attn_logit_softcapping"].get<double>(), 5.0);
+  EXPECT_DOUBLE_EQ(gemma2["final_logit_softcapping"].get<double>(), 3.0);
+  EXPECT_EQ(gemma2["layer_types"][0], "sliding_attention");
+  EXPECT_EQ(gemma2["layer_types"][1], "full_attention");
+  const std::string gemma2_tensors = read_file(dir / "g2/model.safetensors");
+  EXPECT_NE(gemma2_tensors.find("model.layers.0.post_feedforward_layernorm.weight"), std::string::npos);
+  EXPECT_EQ(gemma2_tensors.find("self_attn.q_norm"), std::string::npos);
   const std::vector<std::pair<std::string, std::vector<std::string>>> refused = {
       {"--arch Qwen3ForCausalLM --preset tiny-llama", {"--arch Qwen3ForCausalLM", "tiny-llama", "--config"}},
       {"--arch mistral", {"no tiny mistral preset", "mistral-7b", "--config"}},
-      {"--arch gemma", {"no tiny gemma preset", "tiny-gemma3", "--config"}},
+      {"--arch gemma", {"no tiny gemma preset", "tiny-gemma2", "tiny-gemma3", "--config"}},
       {"--arch gpt2 --preset llama-3.2-1b", {"--arch gpt2", "llama"}},
       {"--arch qwen3 --config " + (dir / "q/config.json").string(), {"excludes"}}};
   for (size_t i = 0; i < refused.size(); ++i) {
