@@ -16,6 +16,8 @@
 #   MEMTUNE_INTEROP_ROOT  the root (default /var/cache/memtune/sid-transformers)
 #   BUILD_DIR             memtune's build tree (default build)
 #   INTEROP_ONLY          check groups to run (space separated: defaults mt->hf hf->mt bf16 skip adapter peft full refusal tokenizer)
+#   INTEROP_FAMILIES      families whose models groups mt->hf, hf->mt, bf16 and adapter check
+#                         (space separated, e.g. "gemma2 llama"; default all)
 #   INTEROP_KEEP          1: keep the work directory (kept anyway when a check fails)
 #   MEMTUNE_PEFT_SRC      PEFT's source for group peft: a directory holding peft/ (a checkout's src)
 #   MEMTUNE_PEFT_GIT      or a git directory of huggingface/peft (default: the tool library's
@@ -34,7 +36,7 @@ if [ "${INTEROP_BUILT:-}" != 1 ]; then
   export INTEROP_BUILT=1
 fi
 if [ "$(id -u)" != 0 ]; then
-  exec sudo --preserve-env=MEMTUNE_INTEROP_ROOT,MEMTUNE_DEBIAN_MIRROR,BUILD_DIR,INTEROP_BUILT,INTEROP_ONLY,INTEROP_KEEP,MEMTUNE_PEFT_SRC,MEMTUNE_PEFT_GIT \
+  exec sudo --preserve-env=MEMTUNE_INTEROP_ROOT,MEMTUNE_DEBIAN_MIRROR,BUILD_DIR,INTEROP_BUILT,INTEROP_ONLY,INTEROP_FAMILIES,INTEROP_KEEP,MEMTUNE_PEFT_SRC,MEMTUNE_PEFT_GIT \
     bash "$0" "$@"
 fi
 
@@ -82,7 +84,7 @@ main() {
   # shellcheck disable=SC2086
   "$python" "$src/scripts/interop/check.py" --memtune "$BUILD_DIR/memtune" --src "$src" --root "$ROOT" \
     --work "$work" --work-in-root /interop/work --judge-in-root /interop/judge/judge.py \
-    ${INTEROP_ONLY:+--only $INTEROP_ONLY} || status=$?
+    ${INTEROP_ONLY:+--only $INTEROP_ONLY} ${INTEROP_FAMILIES:+--families $INTEROP_FAMILIES} || status=$?
   cleanup
   if [ "$status" = 0 ] && [ "${INTEROP_KEEP:-}" != 1 ]; then
     rm -rf "$work"

@@ -62,6 +62,11 @@ def path(p):
 
 
 def load_model(model_dir, dtype="fp32", attn=None):
+    # transformers' SDPA (its default) drops Gemma 2's attn_logit_softcapping without a word,
+    # computing another model than its config's: a soft-capped model is judged by eager
+    # attention, which applies the cap (as memtune does).
+    if attn is None and getattr(AutoConfig.from_pretrained(path(model_dir)), "attn_logit_softcapping", None):
+        attn = "eager"
     kwargs = {"attn_implementation": attn} if attn else {}
     model, info = AutoModelForCausalLM.from_pretrained(
         path(model_dir), dtype=DTYPES[dtype], output_loading_info=True, **kwargs)
