@@ -71,23 +71,12 @@ Panels pack_straight(const float* src, int64_t ld, const Scratch& s, float* dst)
   return pack_panels(src, ld, 1, s.T, s.D, s.T, dst);
 }
 
-// Gemma 2's soft-capping of a row's n scores x (q k^T, unscaled), as transformers' eager
-// attention: u = x scale / cap, x = cap tanh(u); th (when given) receives tanh(u), whose
-// square the backward needs.
-void soft_cap(float* x, int64_t n, float scale, float cap, float* th) {
-  for (int64_t j = 0; j < n; ++j) {
-    const float t = std::tanh(x[j] * scale / cap);
-    x[j] = t * cap;
-    if (th != nullptr) th[j] = t;
-  }
-}
-
 // Query rows [t0,t1) of q (row stride q_t) against the keys from k0 (`first` of t0 rounded
 // down to a panel) to t1: scores into S (row stride s.ld), each row's allowed keys
 // exponentiated with `row_shift` (forward: the row max, which it records; backward: the
 // saved log-sum-exp), the rest zeroed. With `softcap` > 0 the scaled scores are soft-capped
-// first (tanh into TH, same layout, when given; row_shift then sees the capped scores, and
-// `scale` is taken as 1 after). Returns k0.
+// first (cpu_vec.h soft_cap: tanh into TH, same layout, when given, whose square the backward
+// needs; row_shift then sees the capped scores, and `scale` is taken as 1 after). Returns k0.
 template <typename Shift>
 int64_t block_probs(GemmFn gemm, const Scratch& s, const int64_t* first, float scale, float softcap, const float* q,
                     int64_t q_t, Panels kt, int64_t t0, int64_t t1, float* S, float* TH, Shift&& row_shift,

@@ -25,6 +25,11 @@ void swiglu_forward(const float* g, const float* u, float* y, int64_t n);
 // A null dg or du is not written.
 void swiglu_backward(const float* g, const float* u, const float* gy, float* dg, float* du, int64_t n);
 
+// Gemma 2's soft-capping of n fp32 scores in place, as transformers' eager attention: u = x
+// scale / cap, x = cap tanh(u); th (when not null) receives tanh(u). The AVX2 form's tanh is
+// within about 1e-7 of std::tanh (absolute; relative under 3e-9 where |u| < 1/4).
+void soft_cap(float* x, int64_t n, float scale, float cap, float* th);
+
 // GELU with tanh's approximation (Hugging Face's gelu_new, ATen's gelu(approximate="tanh")) on n
 // fp32 elements, written as y = x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3), the same
 // function as 0.5 x (1 + tanh(u)); and its gradient dx = gy (s + x s (1 - s) 2 sqrt(2/pi) (1 +

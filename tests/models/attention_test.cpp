@@ -439,6 +439,40 @@ INSTANTIATE_TEST_SUITE_P(Kernels, FusedCpuAttention,
                                                                        : "BestWhereAvailable";
                          });
 
+// The fused kernel's soft-capping (cpu_vec.h soft_cap) against std::tanh in double, in its
+// AVX2 form (where the CPU has it) and its portable one, for every length from 1 to 41 (the
+// 8-wide loop and its masked tail), over scores from 0 to past the cap's saturation: tanh
+// within 2e-7 absolute everywhere and 1e-6 relative where |u| < 1/4 (the odd series' range),
+// the capped score cap * tanh.
+TEST(SoftCap, TanhIsStdTanhsForEveryLengthInBothForms) {
+  using memtune::models::detail::soft_cap;
+  torch::manual_seed(37);
+  for (bool portable : {false, true}) {
+    memtune::models::detail::use_portable_cpu_kernels(portable);
+    for (int64_t n = 1; n <= 41; ++n) {
+      for (double spread : {0.02, 0.5, 3.0, 200.0}) {
+        const float scale = 0.125f, cap = 5.0f;
+        at::Tensor x = at::randn({n}).mul_(spread / scale * cap);
+        at::Tensor th = at::full({n + 1}, 7.0f);  // one past the row: must stay untouched
+        const at::Tensor x0 = x.clone();
+        soft_cap(x.data_ptr<float>(), n, scale, cap, th.data_ptr<float>());
+        const float* in = x0.data_ptr<float>();
+        for (int64_t j = 0; j < n; ++j) {
+          const double u = static_cast<double>(in[j] * scale / cap), want = std::tanh(u);
+          const double got = th[j].item<float>();
+          ASSERT_NEAR(got, want, 2e-7) << "u " << u << " n " << n << (portable ? " portable" : "");
+          if (std::abs(u) < 0.25 && u != 0) {
+            ASSERT_NEAR(got / want, 1.0, 1e-6) << "u " << u << " n " << n;
+          }
+          ASSERT_NEAR(x[j].item<float>(), got * cap, 1e-6 * cap) << "u " << u;
+        }
+        ASSERT_EQ(th[n].item<float>(), 7.0f) << "written past the row, n " << n;
+      }
+    }
+  }
+  memtune::models::detail::use_portable_cpu_kernels(false);
+}
+
 // The fused kernel's row maximum (cpu_vec.h's row_max) against the value placed as the
 // maximum, for every length from 1 to 41 (its 16-wide loop, its 8-wide step and its scalar
 // tail in each combination) and every place, in its AVX2 form and its portable one, with

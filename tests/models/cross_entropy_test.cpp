@@ -115,7 +115,9 @@ TEST_P(LinearCrossEntropyKernels, SoftcappedLogitsAreAtensTanhCapUnderAutograd) 
         expect_close(loss, loss_ref.to(at::kFloat), 1e-5, "loss");
         const at::Tensor uncapped = linear_cross_entropy_sum(hidden.detach(), weight.detach(), targets, chunk,
                                                              nullptr, at::kFloat, eps);
-        if (cap < 10) EXPECT_GT((uncapped - loss).abs().item<double>(), 1.0) << "the cap changed nothing";
+        if (cap < 10) {
+          EXPECT_GT((uncapped - loss).abs().item<double>(), 1.0) << "the cap changed nothing";
+        }
         at::Tensor kept = targets != -100;
         EXPECT_EQ(correct, (logits.detach().argmax(1).masked_select(kept) == targets.masked_select(kept))
                                .sum()

@@ -317,7 +317,9 @@ TEST(Geglu, IsTransformersChainInBf16ToTheBitAndInFp32ToRounding) {
         y.backward(g0.to(at::kBFloat16));
         yr.backward(g0.to(at::kBFloat16));
         EXPECT_TRUE(at::equal(gate.grad(), gr.grad())) << "bf16 grad gate";
-        if (up_grad) EXPECT_TRUE(at::equal(up.grad(), ur.grad())) << "bf16 grad up";
+        if (up_grad) {
+          EXPECT_TRUE(at::equal(up.grad(), ur.grad())) << "bf16 grad up";
+        }
       }
       at::Tensor gate = gate0.clone().requires_grad_(true), up = up0.clone().requires_grad_(up_grad);
       at::Tensor gr = gate0.to(at::kDouble).requires_grad_(true), ur = up0.to(at::kDouble).requires_grad_(up_grad);
