@@ -372,8 +372,14 @@ void Dataset::load(const fs::path& path, const Tokenizer* tokenizer) {
                                                 o.train_on_prompt),
                         *tokenizer, ids, mask);
         } else {
-          encode_pieces(tmpl.render(chat_messages(j), tokenizer->bos_id, tokenizer->eos_id, o.train_on_prompt),
-                        *tokenizer, ids, mask);
+          const std::vector<Message> messages = chat_messages(j);
+          std::vector<TemplatePiece> pieces;
+          try {
+            pieces = tmpl.render(messages, tokenizer->bos_id, tokenizer->eos_id, o.train_on_prompt);
+          } catch (const UserError& e) {  // a conversation the template refuses: this line's fault
+            throw Invalid{e.what()};
+          }
+          encode_pieces(pieces, *tokenizer, ids, mask);
         }
       } catch (const Invalid& bad) {
         MEMTUNE_CHECK(o.skip_invalid, name, ":", line_no, ": ", bad.message,

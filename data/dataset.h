@@ -62,7 +62,7 @@ std::vector<int64_t> held_out_documents(int64_t n, const HoldOut& h, const std::
 ///   Dataset ds("train.jsonl", tokenizer.get(), o);
 struct DatasetOptions {
   std::string format = "auto";          // auto|text|instruction|chat|tokens|plain
-  std::string template_name = "alpaca"; // llama-3|chatml|alpaca
+  std::string template_name = "alpaca"; // llama-3|chatml|alpaca|gemma
   std::string chat_template;            // custom per-message pattern; overrides template_name
   std::string text_field = "text";      // the field read by the text format
   int64_t max_seq_length = 512;         // tokens per sample

@@ -13,7 +13,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
   const uint8_t mode = data[0];
   static const char* formats[] = {"text", "instruction", "chat", "chat", "chat", "auto", "plain", "auto"};
-  static const char* templates[] = {"alpaca", "alpaca", "llama-3", "chatml", "alpaca", "alpaca", "alpaca", "chatml"};
+  static const char* templates[] = {"alpaca", "alpaca", "llama-3", "chatml", "alpaca", "gemma", "alpaca", "chatml"};
   data::DatasetOptions o;
   o.format = formats[mode & 7];
   o.template_name = templates[mode & 7];

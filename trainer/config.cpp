@@ -315,7 +315,7 @@ void DataConfig::fields(F&& f) {
     "those that make tokens (records skipped as invalid or tokenizing to nothing do not count, where datasets "
     "counts every row), and in a token file those its eos separators end");
   f("format", format, "what a sample is; auto: from the file", {"auto", "text", "instruction", "chat", "tokens", "plain"});
-  f("template_name", template_name, "chat/instruction template", {"llama-3", "chatml", "alpaca"});
+  f("template_name", template_name, "chat/instruction template", {"llama-3", "chatml", "alpaca", "gemma"});
   f("chat_template", chat_template, "a template string; overrides template_name");
   f("text_field", text_field, "JSON field holding the text of a text sample");
   f("max_seq_length", max_seq_length, "tokens per sequence (at least 8)");

@@ -166,7 +166,7 @@ struct DataConfig {
   std::string eval_file;                  // empty: no evaluation
   double eval_split = 0;                  // documents of train_file held out: a share in (0, 1), or a count
   std::string format = "auto";            // auto|text|instruction|chat|tokens|plain
-  std::string template_name = "alpaca";   // chat/instruction template: llama-3|chatml|alpaca
+  std::string template_name = "alpaca";   // chat/instruction template: llama-3|chatml|alpaca|gemma
   std::string chat_template;              // a template string; overrides template_name
   std::string text_field = "text";
   int max_seq_length = 512;

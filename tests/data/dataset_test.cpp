@@ -227,6 +227,46 @@ TEST(Dataset, ChatLlama3Rendering) {
   EXPECT_EQ(ds.stats().target_tokens, 2 + 10 + 1);  // "yo", "<|eot_id|>" (10 bytes), eos
 }
 
+// Gemma's turns: bos, the system message before the first user content, contents trimmed,
+// the reply's role written "model"; the reply's content, <end_of_turn> and the newline after it
+// are trained, and eos after them. (The ids against Gemma 3's own template and tokenizer:
+// tests/data/tokenizer_itest.cpp.)
+TEST(Dataset, ChatGemmaTrainsOnTheReplyAndItsEndOfTurn) {
+  const auto path = file("g.jsonl",
+                         R"({"messages": [{"role": "system", "content": "S "}, {"role": "user", "content": " hi\n"}, )"
+                         R"({"role": "assistant", "content": "\tyo "}]})"
+                         "\n");
+  auto o = opts(256);
+  o.template_name = "gemma";
+  Dataset ds(path, &tok, o);
+  const std::string prompt = "<start_of_turn>user\nS \n\nhi<end_of_turn>\n<start_of_turn>model\n";
+  const std::string answer = "yo<end_of_turn>\n";
+  const Sample s = ds.sample(0);
+  ASSERT_EQ(s.input_ids, cat(cat({kBos}, bytes(prompt)), bytes(answer)));
+  for (size_t t = 0; t < prompt.size(); ++t) EXPECT_EQ(s.targets[t], X) << t;  // bos predicts prompt[0]: untrained
+  for (size_t k = 0; k < answer.size(); ++k) EXPECT_EQ(s.targets[prompt.size() + k], answer[k]) << k;
+  EXPECT_EQ(s.targets.back(), kEos);
+  // A user turn after a user turn: refused by line, as Gemma's template raises.
+  const auto twice = file("g2.jsonl", R"({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]})"
+                                      "\n");
+  const std::string e = error_of([&] { Dataset bad(twice, &tok, o); });
+  EXPECT_NE(e.find("g2.jsonl:1: messages[1] is a 'user' message where the gemma template wants a reply"),
+            std::string::npos) << e;
+}
+
+// Jinja's trim is Python's str.strip(): its whitespace (U+001C-U+001F and U+0085 among it),
+// not a zero-width space; bytes that are not UTF-8 stay.
+TEST(ChatTemplate, StripWhitespaceIsPythonsStrip) {
+  using memtune::data::strip_whitespace;
+  EXPECT_EQ(strip_whitespace(" \t\n\v\f\r a b \r\n"), "a b");
+  EXPECT_EQ(strip_whitespace("\x1c\x1d\x1e\x1f" "a" "\xc2\x85\xc2\xa0"), "a");
+  EXPECT_EQ(strip_whitespace("\xe3\x80\x80" "日本" "\xe2\x80\xa8\xe2\x80\x83"), "日本");  // U+3000; U+2028, U+2003
+  EXPECT_EQ(strip_whitespace("\xe2\x80\x8b" "a"), "\xe2\x80\x8b" "a");  // U+200B is not whitespace
+  EXPECT_EQ(strip_whitespace(" \xff a \xc3"), "\xff a \xc3");           // invalid bytes end the stripping
+  EXPECT_EQ(strip_whitespace("   "), "");
+  EXPECT_EQ(strip_whitespace(""), "");
+}
+
 TEST(Dataset, CustomTemplatePlaceholders) {
   const auto path = file("c.jsonl",
                          R"({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})"
@@ -246,7 +286,7 @@ TEST(Dataset, CustomTemplatePlaceholders) {
   EXPECT_NE(error_of([] { memtune::data::ChatTemplate::parse("{role}: {text}"); }).find("{text}"),
             std::string::npos);
   EXPECT_NE(error_of([] { memtune::data::ChatTemplate::parse("{role}"); }).find("no {content}"), std::string::npos);
-  EXPECT_NE(error_of([] { memtune::data::ChatTemplate::builtin("vicuna"); }).find("llama-3, chatml, alpaca"),
+  EXPECT_NE(error_of([] { memtune::data::ChatTemplate::builtin("vicuna"); }).find("llama-3, chatml, alpaca, gemma"),
             std::string::npos);
 }
 

