@@ -307,6 +307,15 @@ at::Tensor layer_attention(const LayerContext& ctx, int layer, const at::Tensor&
   return causal_segment_attention(q, k, v, ctx.segment_ids, scale, sliding_window, options);
 }
 
+void CausalLM::set_attention_kernel(AttentionOptions::Kernel kernel) {
+  MEMTUNE_CHECK(kernel != AttentionOptions::Kernel::kSdpa || !spec_.attn_logit_softcapping,
+                "model.attn_implementation: sdpa cannot soft-cap attention scores, and ", spec_.architecture,
+                "'s are capped (attn_logit_softcapping ", spec_.attn_logit_softcapping.value_or(0),
+                "); transformers' own sdpa path drops the cap without a word and so computes another model. Hint: "
+                "attn_implementation auto or eager (memtune's kernels cap, as transformers' eager attention)");
+  attention_kernel_ = kernel;
+}
+
 ForwardOutput CausalLM::forward(const data::Batch& batch, const ForwardOptions& options) {
   // Keyed dropout: each row's masks follow the sample, whatever batch it is in.
   std::optional<DropoutKeysScope> dropout_keys;

@@ -140,8 +140,9 @@ class CausalLM {
   ForwardOutput forward(const data::Batch& batch, const ForwardOptions& options);
 
   // Which attention implementation layers use (models/layers/attention.h; config
-  // model.attn_implementation).
-  void set_attention_kernel(AttentionOptions::Kernel kernel) { attention_kernel_ = kernel; }
+  // model.attn_implementation). Throws UserError for sdpa on a model whose attention scores
+  // are soft-capped (Gemma 2's attn_logit_softcapping), which SDPA cannot compute.
+  void set_attention_kernel(AttentionOptions::Kernel kernel);
 
   // Moves every tensor (base, adapters, trainable weights) to its part's device; trainable
   // tensors stay leaves, so place before building an optimizer. Offloaded layers stay in

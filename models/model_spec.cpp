@@ -200,11 +200,13 @@ void read_gemma(const json& c, ModelSpec& s, const std::string& where) {
                 ": attn_logit_softcapping ", c["attn_logit_softcapping"].dump(),
                 " is set, but transformers' Gemma 3 does not apply it (its attention never receives it), so the "
                 "model it computes has no cap there. Hint: set it to null (Google's Gemma 3 configs do)");
-  s.attn_logit_softcapping = read_softcap(c, "attn_logit_softcapping", gemma2 ? std::optional<double>(50.0) : std::nullopt, where);
-  s.final_logit_softcapping = read_softcap(c, "final_logit_softcapping", gemma2 ? std::optional<double>(30.0) : std::nullopt, where);
+  const auto gemma2_default = [&](double v) { return gemma2 ? std::optional<double>(v) : std::nullopt; };
+  s.attn_logit_softcapping = read_softcap(c, "attn_logit_softcapping", gemma2_default(50.0), where);
+  s.final_logit_softcapping = read_softcap(c, "final_logit_softcapping", gemma2_default(30.0), where);
   // Gemma2Config's and Gemma3TextConfig's own check, though their heads have head_dim of their own.
   MEMTUNE_CHECK(s.hidden_size % s.num_heads == 0, where, ": hidden_size ", s.hidden_size,
-                " is not a multiple of num_attention_heads ", s.num_heads, ", which transformers' ", family, " refuses");
+                " is not a multiple of num_attention_heads ", s.num_heads, ", which transformers' ", family,
+                " refuses");
   s.sandwich_norms = true;
   s.qk_norm = gemma3;
   s.query_pre_attn_scalar = get_or<int64_t>(c, "query_pre_attn_scalar", 256, where);

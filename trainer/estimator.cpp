@@ -457,7 +457,8 @@ class Planner {
     add("activations: outside the layers", final_norm + stack.context + batch,
         "the final norm, the layer context (rotary tables), the batch");
     add("logits and loss", e.loss,
-        str_cat("chunks of ", chunk, " rows x ", V, " fp32 logits", m_.logit_softcap ? " and their tanh (soft-capped)" : "",
+        str_cat("chunks of ", chunk, " rows x ", V, " fp32 logits",
+                m_.logit_softcap ? " and their tanh (soft-capped)" : "",
                 N < E ? str_cat(", ", N, " trained rows (at most ", m_.max_sample_targets, " per sample)") : ""));
     add("recompute (checkpointed layer)", e.recompute, "one layer rebuilt in backward");
     add("workspace (layer backward)", e.workspace, "temporaries of one layer's backward");

@@ -71,7 +71,8 @@ at::Tensor block_raw_scores(const at::Tensor& q, const at::Tensor& k, int64_t t0
 // block_raw_scores masked: -inf where a query may not see a key.
 at::Tensor block_scores(const at::Tensor& q, const at::Tensor& k, const at::Tensor& seg, int64_t t0,
                         int64_t t1, int64_t window, double scale, double softcap) {
-  return block_raw_scores(q, k, t0, t1, window, scale, softcap).add_(block_mask(seg, t0, t1, first_key(t0, window), window));
+  return block_raw_scores(q, k, t0, t1, window, scale, softcap)
+      .add_(block_mask(seg, t0, t1, first_key(t0, window), window));
 }
 
 // Attention dropout's scaled mask Z (0 or 1/(1-p)) for query rows [t0,t1) against keys

@@ -121,7 +121,8 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
     at::Tensor dw = grad_weight ? at::zeros(weight.sizes(), w.options().dtype(at::kFloat)) : at::Tensor();
     const int64_t n = rows.size(0);
     // Smoothing's part of d hidden: -(e / V) times the head's column sums, one row for all.
-    const at::Tensor w_uniform = smooth && grad_hidden && !bf16 && !capped ? w.sum(0, true).mul_(uniform) : at::Tensor();
+    const at::Tensor w_uniform =
+        smooth && grad_hidden && !bf16 && !capped ? w.sum(0, true).mul_(uniform) : at::Tensor();
     // The bf16 products of d loss / d logits p (bf16, (n,V)) for the chunk [i0, i1).
     auto bf16_products = [&](const at::Tensor& p, const at::Tensor& h, int64_t i0, int64_t i1, at::Tensor scratch) {
       if (grad_hidden) {

@@ -210,6 +210,23 @@ TEST(KVCache, Gemma2SoftcappedTokenByTokenEqualsOneForward) {
   expect_cached_equals_whole(*model, "tiny-gemma2");
 }
 
+// SDPA cannot cap the scores: a soft-capped model refuses it when it is chosen, before any
+// forward (model.attn_implementation: sdpa), and takes auto and eager.
+TEST(KVCache, Gemma2RefusesSdpaWhenItIsChosen) {
+  auto model = models::init_random_model(*models::preset("tiny-gemma2"), 5);
+  try {
+    model->set_attention_kernel(models::AttentionOptions::Kernel::kSdpa);
+    ADD_FAILURE() << "sdpa taken by a soft-capped model";
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("sdpa cannot soft-cap attention scores, and Gemma2ForCausalLM's are capped "
+                                         "(attn_logit_softcapping 5)"),
+              std::string::npos)
+        << e.what();
+  }
+  model->set_attention_kernel(models::AttentionOptions::Kernel::kEager);
+  model->set_attention_kernel(models::AttentionOptions::Kernel::kAuto);
+}
+
 TEST(KVCache, Bf16ModelTokenByTokenEqualsOneForwardToBf16Rounding) {
   auto model = model_with_lora(*models::preset("tiny-llama"), false);
   model->set_dense_dtype(at::kBFloat16);
