@@ -592,24 +592,6 @@ ModelSpec qwen3_like(int64_t vocab, int64_t hidden, int64_t inter, int64_t layer
   return s;
 }
 
-// Gemma 3 (Gemma3ForCausalLM): heads of 256, one key/value head, every sixth layer full and
-// the others within a window of 512, Gemma's norms and scaled embeddings, GeGLU, tied head.
-ModelSpec gemma3_like(int64_t vocab, int64_t hidden, int64_t inter, int64_t layers, int64_t heads, int64_t kv,
-                      int64_t head_dim) {
-  ModelSpec s = llama_like(vocab, hidden, inter, layers, heads, kv, 32768, 1000000.0, true);
-  s.architecture = "Gemma3ForCausalLM";
-  s.model_type = "gemma3_text";
-  s.head_dim = head_dim;
-  s.norm_eps = 1e-6;
-  s.hidden_act = "gelu_pytorch_tanh";
-  s.gemma_norm = s.scale_embeddings = s.sandwich_norms = s.qk_norm = true;
-  s.query_pre_attn_scalar = head_dim;
-  s.sliding_window = 512;
-  for (int64_t i = 0; i < layers; ++i) s.sliding_layers.push_back((i + 1) % 6 != 0);
-  s.local_rope_theta = 10000.0;
-  return s;
-}
-
 // Gemma 2 (Gemma2ForCausalLM): heads of 256, alternating sliding (first) and full layers with
 // a window of 4096 and one rotary embedding, the attention scores soft-capped at 50 and the
 // logits at 30, Gemma's norms (four a layer) and scaled embeddings, GeGLU, tied head.
@@ -627,6 +609,26 @@ ModelSpec gemma2_like(int64_t vocab, int64_t hidden, int64_t inter, int64_t laye
   for (int64_t i = 0; i < layers; ++i) s.sliding_layers.push_back((i + 1) % 2 != 0);
   s.attn_logit_softcapping = 50.0;
   s.final_logit_softcapping = 30.0;
+  return s;
+}
+
+// Gemma 3 (Gemma3ForCausalLM): Gemma 2's layer with per-head q and k norms and no
+// soft-capping, every sixth layer full and the others within a window of 512 rotating by their
+// own base (10000; the full ones by 1e6).
+ModelSpec gemma3_like(int64_t vocab, int64_t hidden, int64_t inter, int64_t layers, int64_t heads, int64_t kv,
+                      int64_t head_dim) {
+  ModelSpec s = gemma2_like(vocab, hidden, inter, layers, heads, kv, head_dim);
+  s.architecture = "Gemma3ForCausalLM";
+  s.model_type = "gemma3_text";
+  s.max_position_embeddings = 32768;
+  s.rope_theta = 1000000.0;
+  s.qk_norm = true;
+  s.sliding_window = 512;
+  s.sliding_layers.clear();
+  for (int64_t i = 0; i < layers; ++i) s.sliding_layers.push_back((i + 1) % 6 != 0);
+  s.local_rope_theta = 10000.0;
+  s.attn_logit_softcapping.reset();
+  s.final_logit_softcapping.reset();
   return s;
 }
 
