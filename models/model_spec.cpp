@@ -749,10 +749,13 @@ std::optional<ModelSpec> preset(const std::string& name) {
     s.torch_dtype = "bfloat16";
     return s;
   }
-  if (name == "gemma-2-2b" || name == "gemma-2-9b") {
-    // google/gemma-2-2b and google/gemma-2-9b.
-    ModelSpec s = name == "gemma-2-9b" ? gemma2_like(256000, 3584, 14336, 42, 16, 8, 256)
-                                       : gemma2_like(256000, 2304, 9216, 26, 8, 4, 256);
+  if (name == "gemma-2-2b" || name == "gemma-2-9b" || name == "gemma-2-27b") {
+    // google/gemma-2-2b, gemma-2-9b and gemma-2-27b (heads of 128, its scores scaled by
+    // 144^-0.5: hidden_size / heads, not head_dim).
+    ModelSpec s = name == "gemma-2-27b" ? gemma2_like(256000, 4608, 36864, 46, 32, 16, 128)
+                  : name == "gemma-2-9b" ? gemma2_like(256000, 3584, 14336, 42, 16, 8, 256)
+                                         : gemma2_like(256000, 2304, 9216, 26, 8, 4, 256);
+    if (name == "gemma-2-27b") s.query_pre_attn_scalar = 144;
     s.bos_token_id = 2;
     s.eos_token_id = 1;
     s.pad_token_id = 0;
@@ -781,7 +784,7 @@ std::optional<ModelSpec> preset(const std::string& name) {
 std::vector<std::string> preset_names() {
   return {"tiny-llama", "tiny-gpt2",    "tiny-qwen3",   "tiny-gemma2", "tiny-gemma3",  "llama-3.2-1b",
           "llama-3-8b", "mistral-7b",   "qwen2-0.5b",   "qwen3-0.6b",  "qwen3-8b",     "gemma-2-2b",
-          "gemma-2-9b", "gemma-3-270m", "gemma-3-1b",   "gpt2"};
+          "gemma-2-9b", "gemma-2-27b",  "gemma-3-270m", "gemma-3-1b",  "gpt2"};
 }
 
 int64_t parameter_count(const ModelSpec& s) {

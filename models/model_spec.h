@@ -124,7 +124,8 @@ void validate_spec(const ModelSpec& spec, const std::string& where);
 
 // Presets: tiny-llama, tiny-gpt2, tiny-qwen3, tiny-gemma2, tiny-gemma3 (tests and the
 // quickstart) and the real sizes users fine-tune: llama-3.2-1b, llama-3-8b, mistral-7b,
-// qwen2-0.5b, qwen3-0.6b, qwen3-8b, gemma-2-2b, gemma-3-270m, gemma-3-1b, gpt2.
+// qwen2-0.5b, qwen3-0.6b, qwen3-8b, gemma-2-2b, gemma-2-9b, gemma-2-27b, gemma-3-270m,
+// gemma-3-1b, gpt2.
 std::optional<ModelSpec> preset(const std::string& name);
 std::vector<std::string> preset_names();
 

@@ -527,14 +527,16 @@ TEST(ModelSpecGemma2, DefaultsAreGemma2ConfigAndRoundTrip) {
   EXPECT_DOUBLE_EQ(spec_from_hf_config(g3, "dir/config.json").final_logit_softcapping.value_or(0), 20.0);
 }
 
-// Gemma 2 2B and 9B against their model cards' parameter counts (2,614,341,888 and
-// 9,241,705,984).
+// Gemma 2 2B, 9B and 27B against their model cards' parameter counts (2,614,341,888,
+// 9,241,705,984 and 27,227,128,320); 27B's attention scale is 144^-0.5.
 TEST(ModelSpecPresets, Gemma2CountsAreTheModelCards) {
   using memtune::models::parameter_count;
   using memtune::models::preset;
   EXPECT_EQ(parameter_count(*preset("gemma-2-2b")), 2614341888);
   EXPECT_EQ(parameter_count(*preset("gemma-2-9b")), 9241705984);
+  EXPECT_EQ(parameter_count(*preset("gemma-2-27b")), 27227128320);
   EXPECT_EQ(preset("gemma-2-9b")->sliding_layers.size(), 42u);
+  EXPECT_EQ(preset("gemma-2-27b")->query_pre_attn_scalar.value_or(0), 144);
 }
 
 // Gemma 3 270M and 1B against their model cards: 270M as 170M of embedding and 100M of
