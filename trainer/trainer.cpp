@@ -1133,7 +1133,12 @@ void Trainer::save_checkpoint() {
 
 bool Trainer::evaluate_loss(const char* when) {
   if (!eval_set_) return true;
-  if (eval_stopped()) return false;
+  // A signal between the step and its evaluation stops it as one during it would: said in the
+  // log either way (a rank descheduled there under load met it here).
+  if (eval_stopped()) {
+    spdlog::warn("eval ({}): stopped by signal {} before its first batch; not recorded", when, g_stop_signal.load());
+    return false;
+  }
   // Evaluation takes at most the micro-batch that training runs now (which fits with
   // gradients kept), and under the supervisor halves it after an out-of-memory error (before
   // the first step the supervisor has not settled yet), except with layers sharded over ranks,
