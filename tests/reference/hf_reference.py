@@ -534,7 +534,7 @@ def peft_target_matches(name, targets):
 
 
 def pattern_value(patterns, name, default):
-    """PEFT's get_pattern_key: the value of the first key (in order) matching the module's name
+    r"""PEFT's get_pattern_key: the value of the first key (in order) matching the module's name
     as (.*\.)?(key)$, else the default."""
     for key, value in patterns.items():
         if re.match(rf"(.*\.)?({key})$", name):
