@@ -139,7 +139,12 @@ void ModelConfig::fields(F&& f) {
   f("max_memory", max_memory, "budget per device for device_map: auto, e.g. {cuda:0: 20GiB, cpu: 64GiB}");
   f("low_cpu_mem_usage", low_cpu_mem_usage,
     "true only: memtune always loads tensor by tensor from the memory-mapped safetensors");
-  f("attn_implementation", attn_implementation, "attention kernel", {"auto", "eager", "sdpa"});
+  f("attn_implementation", attn_implementation,
+    "attention kernel (transformers' eager semantics in all three): auto, memtune's fused kernel on a CPU in fp32, "
+    "SDPA on a GPU where it applies, else the blocked one; eager, the blocked one (linear memory); sdpa, "
+    "at::scaled_dot_product_attention (LibTorch >= 2.0), refused with attention dropout and for soft-capped "
+    "scores (Gemma 2's attn_logit_softcapping), which SDPA cannot compute",
+    {"auto", "eager", "sdpa"});
   f("init_seed", init_seed, "seed for the random initialisation of presets");
 }
 
