@@ -16,7 +16,7 @@
 #include <ATen/ATen.h>
 
 #include "data/batch.h"
-#include "models/arch/gated_layer_memory.h"
+#include "models/arch/gated_decoder.h"
 #include "models/layers/attention.h"
 #include "models/layers/norm_act.h"
 #include "models/layers/rotary.h"
@@ -27,46 +27,11 @@ namespace memtune::models {
 
 namespace {
 
-std::string layer_prefix(int i) { return "model.layers." + std::to_string(i) + "."; }
-
-class GemmaModel : public CausalLM {
+class GemmaModel : public GatedDecoder {
  public:
-  explicit GemmaModel(const ModelSpec& spec)
-      : CausalLM(spec), dropout_(dropout_rates(spec)), layers_(spec.num_layers) {
+  explicit GemmaModel(const ModelSpec& spec) : GatedDecoder(spec) {
     MEMTUNE_CHECK(spec.rope_scaling.type != "dynamic", spec.architecture,
                   ": dynamic rope scaling is not supported on Gemma models (linear, llama3, yarn are)");
-    const int64_t C = spec.hidden_size, F = spec.intermediate_size, q = spec.q_dim(), kv = spec.kv_dim();
-    add_tensor("model.embed_tokens.weight", {spec.vocab_size, C}, TensorRole::kEmbedding, &embed_tokens_);
-    for (int i = 0; i < spec.num_layers; ++i) {
-      const std::string p = layer_prefix(i);
-      Layer& L = layers_[i];
-      L.attention_dropout_site = dropout_site(p + "self_attn.attention_dropout");
-      add_tensor(p + "input_layernorm.weight", {C}, TensorRole::kNorm, &L.input_norm, i);
-      auto lin = [&](const std::string& name, int64_t in, int64_t out, bool bias) {
-        return &add_linear(std::make_unique<Linear>(p + name, in, out, bias), i);
-      };
-      L.q = lin("self_attn.q_proj", C, q, spec.attention_bias);
-      L.k = lin("self_attn.k_proj", C, kv, spec.attention_bias);
-      L.v = lin("self_attn.v_proj", C, kv, spec.attention_bias);
-      L.o = lin("self_attn.o_proj", q, C, spec.attention_bias);
-      if (spec.qk_norm) {
-        add_tensor(p + "self_attn.q_norm.weight", {spec.head_dim}, TensorRole::kNorm, &L.q_norm, i);
-        add_tensor(p + "self_attn.k_norm.weight", {spec.head_dim}, TensorRole::kNorm, &L.k_norm, i);
-      }
-      add_tensor(p + "post_attention_layernorm.weight", {C}, TensorRole::kNorm, &L.post_attention_norm, i);
-      if (spec.sandwich_norms) {
-        add_tensor(p + "pre_feedforward_layernorm.weight", {C}, TensorRole::kNorm, &L.pre_mlp_norm, i);
-        add_tensor(p + "post_feedforward_layernorm.weight", {C}, TensorRole::kNorm, &L.post_mlp_norm, i);
-      }
-      L.gate = lin("mlp.gate_proj", C, F, false);
-      L.up = lin("mlp.up_proj", C, F, false);
-      L.down = lin("mlp.down_proj", F, C, false);
-    }
-    add_tensor("model.norm.weight", {C}, TensorRole::kNorm, &norm_);
-    if (!spec.tie_word_embeddings)
-      add_tensor("lm_head.weight", {spec.vocab_size, C}, TensorRole::kHead, &lm_head_);
-    inv_freq_ = rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling);
-    rope_scale_ = rope_attention_factor(spec.rope_scaling);
     if (spec.model_type == "gemma3_text" && !spec.sliding_layers.empty())
       local_inv_freq_ = rope_inv_freq(spec.head_dim, spec.local_rope_theta, {});
     scale_ = 1.0 / std::sqrt(static_cast<double>(spec.query_pre_attn_scalar.value_or(spec.head_dim)));
@@ -127,26 +92,8 @@ class GemmaModel : public CausalLM {
 
   at::Tensor final_norm(const at::Tensor& x) override { return gemma_rms_norm(x, norm_, spec_.norm_eps); }
 
-  bool applies_dropout() const override { return true; }
-
   // Gemma's norms scale by (1 + weight): transformers initialises their weights to 0.
   double initial_norm_weight() const override { return 0.0; }
-
-  std::vector<std::pair<std::string, int>> modules_without_tensors() const override {
-    std::vector<std::pair<std::string, int>> m = {{"model.rotary_emb", -1}};
-    for (int i = 0; i < spec_.num_layers; ++i) m.emplace_back(layer_prefix(i) + "mlp.act_fn", i);
-    return m;
-  }
-
-  LayerMemory layer_memory(int i, const StepShape& s, const LayerPlan& plan) const override {
-    const Layer& L = layers_[i];
-    GatedLayerForm form;
-    form.qk_norm = spec_.qk_norm;
-    form.sandwich_norms = spec_.sandwich_norms;
-    form.geglu = true;
-    form.attention_dropout = dropout_.attention;
-    return gated_layer_memory({L.q, L.k, L.v, L.o, L.gate, L.up, L.down}, form, spec_, s, plan);
-  }
 
   StackMemory stack_memory(const StepShape& s) const override {
     // cos and sin (B,T,1,D) fp32, twice with Gemma 3's sliding layers; the final RMSNorm.
@@ -154,29 +101,15 @@ class GemmaModel : public CausalLM {
     return {tables * 2 * s.rows() * spec_.head_dim * 4, rms_norm_kept(s.rows(), spec_.hidden_size, s.act_bytes)};
   }
 
-  const at::Tensor& head_weight() const override { return spec_.tie_word_embeddings ? embed_tokens_ : lm_head_; }
-
  private:
-  struct Layer {
-    at::Tensor input_norm, post_attention_norm;
-    at::Tensor pre_mlp_norm, post_mlp_norm;  // Gemma 2's and 3's (spec.sandwich_norms)
-    at::Tensor q_norm, k_norm;               // Gemma 3's per-head norms (spec.qk_norm)
-    Linear *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr, *gate = nullptr, *up = nullptr,
-           *down = nullptr;
-    uint64_t attention_dropout_site = 0;
-  };
-
   at::Tensor mlp(const Layer& L, const at::Tensor& h, bool training) const {
     at::Tensor m = geglu(L.gate->forward(h, training), L.up->forward(h, training),
                          spec_.hidden_act == "gelu_pytorch_tanh");
     return L.down->forward(m, training);
   }
 
-  DropoutRates dropout_;
-  at::Tensor embed_tokens_, norm_, lm_head_, inv_freq_, local_inv_freq_;
-  double rope_scale_ = 1.0;  // cos/sin scale of the full layers (yarn's attention factor)
-  double scale_ = 1.0;       // the attention's score scale
-  std::vector<Layer> layers_;
+  at::Tensor local_inv_freq_;  // Gemma 3's sliding layers' rotary frequencies
+  double scale_ = 1.0;         // the attention's score scale
 };
 
 }  // namespace

@@ -10,7 +10,7 @@
 #include <ATen/ATen.h>
 
 #include "data/batch.h"
-#include "models/arch/gated_layer_memory.h"
+#include "models/arch/gated_decoder.h"
 #include "models/layers/attention.h"
 #include "models/layers/norm_act.h"
 #include "models/layers/rotary.h"
@@ -21,42 +21,9 @@ namespace memtune::models {
 
 namespace {
 
-std::string layer_prefix(int i) { return "model.layers." + std::to_string(i) + "."; }
-
-class LlamaModel : public CausalLM {
+class LlamaModel : public GatedDecoder {
  public:
-  explicit LlamaModel(const ModelSpec& spec)
-      : CausalLM(spec), dropout_(dropout_rates(spec)), layers_(spec.num_layers) {
-    const int64_t C = spec.hidden_size, F = spec.intermediate_size, q = spec.q_dim(), kv = spec.kv_dim();
-    add_tensor("model.embed_tokens.weight", {spec.vocab_size, C}, TensorRole::kEmbedding, &embed_tokens_);
-    for (int i = 0; i < spec.num_layers; ++i) {
-      const std::string p = layer_prefix(i);
-      Layer& L = layers_[i];
-      L.attention_dropout_site = dropout_site(p + "self_attn.attention_dropout");
-      add_tensor(p + "input_layernorm.weight", {C}, TensorRole::kNorm, &L.input_norm, i);
-      auto lin = [&](const std::string& name, int64_t in, int64_t out, bool bias) {
-        return &add_linear(std::make_unique<Linear>(p + name, in, out, bias), i);
-      };
-      L.q = lin("self_attn.q_proj", C, q, spec.attention_bias);
-      L.k = lin("self_attn.k_proj", C, kv, spec.attention_bias);
-      L.v = lin("self_attn.v_proj", C, kv, spec.attention_bias);
-      // Llama's attention_bias covers o_proj too; Qwen2's biases are on q, k, v only.
-      L.o = lin("self_attn.o_proj", q, C, spec.o_proj_bias());
-      if (spec.qk_norm) {
-        add_tensor(p + "self_attn.q_norm.weight", {spec.head_dim}, TensorRole::kNorm, &L.q_norm, i);
-        add_tensor(p + "self_attn.k_norm.weight", {spec.head_dim}, TensorRole::kNorm, &L.k_norm, i);
-      }
-      add_tensor(p + "post_attention_layernorm.weight", {C}, TensorRole::kNorm, &L.post_norm, i);
-      L.gate = lin("mlp.gate_proj", C, F, spec.mlp_bias);
-      L.up = lin("mlp.up_proj", C, F, spec.mlp_bias);
-      L.down = lin("mlp.down_proj", F, C, spec.mlp_bias);
-    }
-    add_tensor("model.norm.weight", {C}, TensorRole::kNorm, &norm_);
-    if (!spec.tie_word_embeddings)
-      add_tensor("lm_head.weight", {spec.vocab_size, C}, TensorRole::kHead, &lm_head_);
-    inv_freq_ = rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling);
-    rope_scale_ = rope_attention_factor(spec.rope_scaling);
-  }
+  explicit LlamaModel(const ModelSpec& spec) : GatedDecoder(spec) {}
 
   // transformers builds the embedding with padding_idx = pad_token_id: that row gets no gradient.
   at::Tensor embed(const at::Tensor& ids, const at::Tensor&) override {
@@ -104,50 +71,17 @@ class LlamaModel : public CausalLM {
         with_dropout(ctx.attention, ctx.training, dropout_.attention, L.attention_dropout_site, B, x.device()));
     a = a.permute({0, 3, 1, 2, 4}).reshape({B, T, s.q_dim()});
     at::Tensor y = x + L.o->forward(a, ctx.training);
-    h = rms_norm(y, L.post_norm, s.norm_eps);
+    h = rms_norm(y, L.post_attention_norm, s.norm_eps);
     at::Tensor m = swiglu(L.gate->forward(h, ctx.training), L.up->forward(h, ctx.training));
     return y + L.down->forward(m, ctx.training);
   }
 
   at::Tensor final_norm(const at::Tensor& x) override { return rms_norm(x, norm_, spec_.norm_eps); }
 
-  bool applies_dropout() const override { return true; }
-
-  std::vector<std::pair<std::string, int>> modules_without_tensors() const override {
-    std::vector<std::pair<std::string, int>> m = {{"model.rotary_emb", -1}};
-    for (int i = 0; i < spec_.num_layers; ++i) m.emplace_back(layer_prefix(i) + "mlp.act_fn", i);
-    return m;
-  }
-
-  LayerMemory layer_memory(int i, const StepShape& s, const LayerPlan& plan) const override {
-    const Layer& L = layers_[i];
-    GatedLayerForm form;
-    form.qk_norm = spec_.qk_norm;
-    form.attention_dropout = dropout_.attention;
-    return gated_layer_memory({L.q, L.k, L.v, L.o, L.gate, L.up, L.down}, form, spec_, s, plan);
-  }
-
   StackMemory stack_memory(const StepShape& s) const override {
     // cos and sin (B,T,1,D) fp32; the final RMSNorm.
     return {2 * s.rows() * spec_.head_dim * 4, rms_norm_kept(s.rows(), spec_.hidden_size, s.act_bytes)};
   }
-
-  const at::Tensor& head_weight() const override {
-    return spec_.tie_word_embeddings ? embed_tokens_ : lm_head_;
-  }
-
- private:
-  struct Layer {
-    at::Tensor input_norm, post_norm;
-    at::Tensor q_norm, k_norm;  // Qwen3's per-head norms (spec.qk_norm)
-    Linear *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr, *gate = nullptr, *up = nullptr,
-           *down = nullptr;
-    uint64_t attention_dropout_site = 0;
-  };
-  DropoutRates dropout_;
-  at::Tensor embed_tokens_, norm_, lm_head_, inv_freq_;
-  double rope_scale_ = 1.0;  // cos/sin scale (yarn's attention factor)
-  std::vector<Layer> layers_;
 };
 
 }  // namespace
