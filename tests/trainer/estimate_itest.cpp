@@ -133,6 +133,9 @@ struct Shape {
   // term the estimate must hold is smaller than that (Gemma 3's norms on the attention's and
   // the MLP's outputs are 6-8 % of the tiny model's).
   double kept_tolerance = 0.10;
+  // The step's peak, likewise: 10 %, tighter where a term is smaller (Gemma 2's soft-capped
+  // logits' tanh beside each loss chunk is 6-7 % of the tiny model's peak).
+  double peak_tolerance = 0.10;
 };
 
 class EstimateVsModel : public ::testing::TestWithParam<Shape> {};
@@ -147,7 +150,7 @@ TEST_P(EstimateVsModel, KeptActivationsAndPeakAgreeWithTheAllocator) {
             << rel(e.optimizer_peak, m.optimizer_peak) << " (estimate / measured - 1)\n";
   EXPECT_NEAR(rel(e.after_forward, m.kept_after_forward), 0.0, GetParam().kept_tolerance)
       << "kept after forward: estimated " << e.after_forward << ", measured " << m.kept_after_forward;
-  EXPECT_NEAR(rel(e.peak_bytes, m.step_peak), 0.0, 0.10)
+  EXPECT_NEAR(rel(e.peak_bytes, m.step_peak), 0.0, GetParam().peak_tolerance)
       << "step peak: estimated " << e.peak_bytes << ", measured " << m.step_peak;
   // The update's own peak (a full fine-tune's highest point: weights, gradients, states).
   EXPECT_NEAR(rel(e.optimizer_peak, m.optimizer_peak), 0.0, 0.10)
@@ -265,7 +268,7 @@ INSTANTIATE_TEST_SUITE_P(
         Shape{"gemma2_nf4_lora_all", {"model.name_or_path=tiny-gemma2", "model.quantization_config.load_in_4bit=true",
                                       "lora.target_modules=all-linear", "data.max_seq_length=256",
                                       "training.per_device_train_batch_size=2"},
-              0.02},
+              0.02, 0.02},
         Shape{"gemma2_bf16_model_lora", {"model.name_or_path=tiny-gemma2", "model.torch_dtype=bfloat16",
                                          "training.bf16=true", "lora.target_modules=all-linear",
                                          "data.max_seq_length=128", "training.per_device_train_batch_size=2"},
