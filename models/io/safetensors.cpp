@@ -491,6 +491,9 @@ CheckpointReader::CheckpointReader(const fs::path& path, const std::string& base
     by_shard[file].push_back(kv.key());
     wanted[kv.key()] = file;
   }
+  MEMTUNE_CHECK(!by_shard.empty(), in,
+                "weight_map is empty: the index lists no tensors, so no shard would be read "
+                "(an interrupted save? write the index after its shards)");
   const fs::path dir = index_file.parent_path();
   for (const auto& [file, tensors] : by_shard) {
     const fs::path shard_path = dir / file;

@@ -584,6 +584,13 @@ TEST_F(CheckpointMalformed, IndexWithoutWeightMap) {
   expect_error([&] { CheckpointReader c(dir_); }, index_path(), {"weight_map"});
 }
 
+// Found by fuzz_safetensors_index: an empty map left the reader with no shard, and
+// metadata() read the first of none.
+TEST_F(CheckpointMalformed, EmptyWeightMap) {
+  index("{}");
+  expect_error([&] { CheckpointReader c(dir_); }, index_path(), {"weight_map is empty"});
+}
+
 TEST_F(CheckpointMalformed, MalformedShardNamesTheShard) {
   index(R"({"a":"model-00001-of-00002.safetensors","b":"model-00002-of-00002.safetensors"})");
   write_raw(dir_ / "model-00002-of-00002.safetensors", "{", "");
