@@ -116,6 +116,11 @@ data:
   train_file: train.jsonl
   eval_split: 0.05
 """)
+put("config", "wsd.yaml", """training:
+  lr_scheduler_type: warmup_stable_decay
+  lr_scheduler_kwargs: {num_decay_steps: 20, num_stable_steps: 5, warmup_type: cosine, decay_type: 1-sqrt,
+                        min_lr_ratio: 0.1, num_cycles: 0.5}
+""")
 
 # dataset: the first byte picks format and options (fuzz/dataset_fuzz.cpp): 0 text,
 # 1 instruction, 2-4 chat (llama-3, chatml, alpaca), 5 and 7 auto, 6 plain.

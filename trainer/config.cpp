@@ -72,7 +72,7 @@ const Field kCheckpointRef = checkpoint_ref_field();
 
 Field kwargs_field() {
   Field f;
-  f.type = "map of argument name to number";
+  f.type = "map of argument name to number or name";
   return f;
 }
 
@@ -223,12 +223,15 @@ void TrainingConfig::fields(F&& f) {
   f("lr_scheduler_type", lr_scheduler_type,
     "learning-rate schedule (transformers' get_scheduler, the same factors in doubles)",
     {"constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial", "inverse_sqrt",
-     "cosine_with_min_lr", "cosine_warmup_with_min_lr"});
+     "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay"});
   f("lr_scheduler_kwargs", lr_scheduler_kwargs,
     "the schedule function's own arguments (transformers'): cosine num_cycles (0.5); cosine_with_restarts "
     "num_cycles (1); polynomial lr_end (1e-7), power (1.0); inverse_sqrt timescale (warmup_steps, or 10000); "
     "cosine_with_min_lr min_lr or min_lr_rate (one of them), num_cycles; cosine_warmup_with_min_lr those and "
-    "warmup_lr_rate. A key the schedule does not take is refused (transformers raises a TypeError)",
+    "warmup_lr_rate; warmup_stable_decay num_decay_steps (needed), num_stable_steps (the steps warm-up and "
+    "decay leave), warmup_type (linear) and decay_type (cosine): linear, cosine or 1-sqrt, min_lr_ratio (0: "
+    "where warm-up starts and decay ends), num_cycles (0.5). A key the schedule does not take is refused "
+    "(transformers raises a TypeError)",
     kwargs_field());
   f("warmup_ratio", warmup_ratio,
     "share of the steps spent warming up, in [0, 1] (transformers 5 deprecates it: warmup_steps below 1)");
@@ -451,6 +454,25 @@ std::string type_name(const CheckpointingConfig&, const Field&) { return "bool o
 std::string type_name(const DeviceMapConfig&, const Field&) { return "device or map of module prefix to device"; }
 std::string type_name(const std::optional<std::vector<std::string>>&, const Field&) {
   return "list of strings, or null";
+}
+
+std::string type_name(const ScheduleArg&, const Field&) { return "number or name"; }
+
+// lr_scheduler_kwargs' values: a number where the text reads as one (1e-5, 100), else a name
+// (cosine, 1-sqrt); a quoted value is a name, as in Python.
+void read_value(const Item& it, ScheduleArg& v, Ctx& ctx, const Field& f) {
+  const std::string text = scalar(it, ctx, type_name(v, f));
+  double x = 0;
+  if (it.node.Tag() != "!" && parse_double(text, x))
+    v = x;
+  else
+    v = text;
+}
+void write(YAML::Emitter& e, const ScheduleArg& v, const Field& f) {
+  if (const auto* x = std::get_if<double>(&v))
+    write(e, *x, f);
+  else
+    e << std::get<std::string>(v);
 }
 
 // null: unset; a list, even an empty one: set. A single string is refused: Python code that
@@ -739,18 +761,18 @@ void validate(const TrainingConfig& t, const std::string& p, const Checker& c) {
           "must be at least 1");
   validate(t.gradient_checkpointing, p + ".gradient_checkpointing", c);
   // lr_scheduler_kwargs: what the schedule's transformers function takes, and the values it refuses.
-  bool min_lr = false, min_lr_rate = false;
+  std::vector<std::string> given;
   for (const auto& [key, value] : t.lr_scheduler_kwargs) {
     const std::string error = schedule_kwarg_error(t.lr_scheduler_type, key, value, t.learning_rate);
     c.check(error.empty(), p + ".lr_scheduler_kwargs." + key, value, error);
-    min_lr |= key == "min_lr";
-    min_lr_rate |= key == "min_lr_rate";
+    given.push_back(key);
   }
-  const std::string min_lr_problem = min_lr_error(t.lr_scheduler_type, min_lr, min_lr_rate);
-  if (min_lr && min_lr_rate)
-    c.check(min_lr_problem.empty(), p + ".lr_scheduler_kwargs", t.lr_scheduler_kwargs, min_lr_problem);
+  const std::string missing = missing_kwarg_error(t.lr_scheduler_type, given);
+  const bool both_min_lr = std::count(given.begin(), given.end(), "min_lr") && std::count(given.begin(), given.end(), "min_lr_rate");
+  if (both_min_lr)
+    c.check(missing.empty(), p + ".lr_scheduler_kwargs", t.lr_scheduler_kwargs, missing);
   else
-    c.check(min_lr_problem.empty(), p + ".lr_scheduler_type", t.lr_scheduler_type, min_lr_problem);
+    c.check(missing.empty(), p + ".lr_scheduler_type", t.lr_scheduler_type, missing);
   c.check(t.activation_offload != "all", p + ".activation_offload", t.activation_offload,
           "offloading everything a layer keeps for backward needs saved-tensor hooks, which LibTorch's C++ API "
           "lacks; use checkpoints with gradient_checkpointing, where a layer keeps only its input");

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "runtime/units.h"
+#include "trainer/schedule.h"
 
 namespace memtune::trainer {
 
@@ -121,8 +122,9 @@ struct TrainingConfig {
   int64_t max_steps = -1;                     // > 0 overrides num_train_epochs
   std::string lr_scheduler_type = "linear";   // transformers' SchedulerType names (trainer/schedule.h)
   // transformers' lr_scheduler_kwargs: the schedule function's own arguments (num_cycles,
-  // lr_end, power, timescale, min_lr, min_lr_rate, warmup_lr_rate), in the YAML's order.
-  std::vector<std::pair<std::string, double>> lr_scheduler_kwargs;
+  // lr_end, power, timescale, min_lr, min_lr_rate, warmup_lr_rate, num_decay_steps, ...:
+  // numbers, or warmup_stable_decay's warmup_type / decay_type names), in the YAML's order.
+  ScheduleKwargs lr_scheduler_kwargs;
   double warmup_ratio = 0;                    // (deprecated in transformers 5 for a warmup_steps below 1)
   // warmup_steps and the *_steps intervals below: a whole number of steps, or in (0, 1) that
   // share of the run's steps, as transformers 5 reads them (steps_of).

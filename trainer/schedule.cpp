@@ -18,11 +18,23 @@ const std::vector<std::pair<std::string, std::vector<std::string>>>& schedule_kw
       {"inverse_sqrt", {"timescale"}},
       {"cosine_with_min_lr", {"num_cycles", "min_lr", "min_lr_rate"}},
       {"cosine_warmup_with_min_lr", {"num_cycles", "min_lr", "min_lr_rate", "warmup_lr_rate"}},
+      {"warmup_stable_decay",
+       {"num_decay_steps", "num_stable_steps", "warmup_type", "decay_type", "min_lr_ratio", "num_cycles"}},
   };
   return kinds;
 }
 
-std::string schedule_kwarg_error(const std::string& kind, const std::string& key, double value,
+std::string arg_text(const ScheduleArg& value) {
+  if (const auto* name = std::get_if<std::string>(&value)) return *name;
+  return str_cat(std::get<double>(value));
+}
+
+namespace {
+bool is_name_kwarg(const std::string& key) { return key == "warmup_type" || key == "decay_type"; }
+bool is_steps_kwarg(const std::string& key) { return key == "num_decay_steps" || key == "num_stable_steps"; }
+}  // namespace
+
+std::string schedule_kwarg_error(const std::string& kind, const std::string& key, const ScheduleArg& value,
                                  double learning_rate) {
   const auto& kinds = schedule_kwargs();
   const auto k = std::find_if(kinds.begin(), kinds.end(), [&](const auto& e) { return e.first == kind; });
@@ -33,51 +45,102 @@ std::string schedule_kwarg_error(const std::string& kind, const std::string& key
     return "lr_scheduler_type " + kind + " takes " + (takes.empty() ? std::string("no kwargs") : "only " + takes) +
            " (transformers' schedule function would raise a TypeError)";
   }
+  if (is_name_kwarg(key)) {
+    const auto* name = std::get_if<std::string>(&value);
+    if (!name || (*name != "linear" && *name != "cosine" && *name != "1-sqrt"))
+      return "expected linear, cosine or 1-sqrt, as transformers' get_wsd_schedule";
+    return "";
+  }
+  if (!std::holds_alternative<double>(value)) return "expected a number";
+  const double x = std::get<double>(value);
   const bool positive = key == "num_cycles" || key == "timescale";
-  if (!std::isfinite(value) || (positive && value <= 0))
-    return "must be a number" + std::string(positive ? " > 0" : "");
-  if (key == "lr_end" && !(value < learning_rate))
+  if (!std::isfinite(x) || (positive && x <= 0)) return "must be a number" + std::string(positive ? " > 0" : "");
+  if (is_steps_kwarg(key) && !(x >= 0 && x == std::floor(x) && x < 1e15))
+    return "must be a whole number of steps >= 0";
+  if (key == "min_lr_ratio" && !(x >= 0 && x <= 1))
+    return "must be in [0, 1]: the share of the learning rate the warm-up starts from and the decay ends at";
+  if (key == "lr_end" && !(x < learning_rate))
     return str_cat("must be below the learning rate (", learning_rate, "), as transformers requires");
   return "";
 }
 
-std::string min_lr_error(const std::string& kind, bool min_lr, bool min_lr_rate) {
+std::string missing_kwarg_error(const std::string& kind, const std::vector<std::string>& given) {
+  const auto has = [&](const char* key) { return std::find(given.begin(), given.end(), key) != given.end(); };
+  if (kind == "warmup_stable_decay" && !has("num_decay_steps"))
+    return "needs lr_scheduler_kwargs num_decay_steps (the steps of its decay), as transformers' get_wsd_schedule "
+           "does; e.g. lr_scheduler_kwargs: {num_decay_steps: 100}";
   if (kind != "cosine_with_min_lr" && kind != "cosine_warmup_with_min_lr") return "";
-  if (min_lr && min_lr_rate)
+  if (has("min_lr") && has("min_lr_rate"))
     return "sets both min_lr and min_lr_rate; set one (transformers: only one of min_lr or min_lr_rate)";
-  if (!min_lr && !min_lr_rate)
+  if (!has("min_lr") && !has("min_lr_rate"))
     return "needs lr_scheduler_kwargs min_lr or min_lr_rate (the learning rate it ends at), as transformers does; "
            "e.g. lr_scheduler_kwargs: {min_lr_rate: 0.1}";
   return "";
 }
 
-Schedule with_kwargs(Schedule s, const std::vector<std::pair<std::string, double>>& kwargs) {
+Schedule with_kwargs(Schedule s, const ScheduleKwargs& kwargs) {
   const auto& kinds = schedule_kwargs();
   MEMTUNE_CHECK(std::any_of(kinds.begin(), kinds.end(), [&](const auto& k) { return k.first == s.kind; }),
                 "training.lr_scheduler_type: unknown schedule '", s.kind, "'");
   std::optional<double> min_lr, min_lr_rate;
-  for (const auto& [key, value] : kwargs) {
-    const std::string error = schedule_kwarg_error(s.kind, key, value, s.learning_rate);
-    MEMTUNE_CHECK(error.empty(), "training.lr_scheduler_kwargs.", key, ": ", value, ": ", error);
+  std::vector<std::string> given;
+  for (const auto& [key, arg] : kwargs) {
+    const std::string error = schedule_kwarg_error(s.kind, key, arg, s.learning_rate);
+    MEMTUNE_CHECK(error.empty(), "training.lr_scheduler_kwargs.", key, ": ", arg_text(arg), ": ", error);
+    given.push_back(key);
+    if (is_name_kwarg(key)) {
+      (key == "warmup_type" ? s.warmup_type : s.decay_type) = std::get<std::string>(arg);
+      continue;
+    }
+    const double value = std::get<double>(arg);
     if (key == "num_cycles") s.num_cycles = value;
     else if (key == "lr_end") s.lr_end = value;
     else if (key == "power") s.power = value;
     else if (key == "timescale") s.timescale = value;
     else if (key == "min_lr") min_lr = value;
-    else if (key == "min_lr_rate") min_lr_rate = value;
+    else if (key == "min_lr_rate" || key == "min_lr_ratio") min_lr_rate = value;
     else if (key == "warmup_lr_rate") s.warmup_lr_rate = value;
+    else if (key == "num_decay_steps") s.decay_steps = static_cast<int64_t>(value);
+    else if (key == "num_stable_steps") s.stable_steps = static_cast<int64_t>(value);
   }
-  const std::string error = min_lr_error(s.kind, min_lr.has_value(), min_lr_rate.has_value());
+  const std::string error = missing_kwarg_error(s.kind, given);
   MEMTUNE_CHECK(error.empty(), "training.lr_scheduler_kwargs: ", error);
   if (min_lr || min_lr_rate) s.min_lr_rate = min_lr ? *min_lr / s.learning_rate : *min_lr_rate;
   return s;
 }
+
+namespace {
+// get_wsd_schedule's factor at `step`, as transformers' _get_wsd_scheduler_lambda computes it.
+double wsd_factor(const Schedule& s, int64_t step) {
+  const int64_t warmup = s.warmup_steps, stable = s.wsd_stable_steps(), decay = s.decay_steps;
+  const double floor = s.min_lr_rate;
+  if (step < warmup) {
+    const double progress = static_cast<double>(step) / static_cast<double>(std::max<int64_t>(1, warmup));
+    const double factor = s.warmup_type == "linear"   ? progress
+                          : s.warmup_type == "cosine" ? 0.5 * (1.0 - std::cos(M_PI * progress))
+                                                      : 1.0 - std::sqrt(1.0 - progress);  // 1-sqrt
+    return std::max(0.0, factor * (1.0 - floor) + floor);
+  }
+  if (step < warmup + stable) return 1.0;
+  if (step < warmup + stable + decay) {
+    const double progress =
+        static_cast<double>(step - warmup - stable) / static_cast<double>(std::max<int64_t>(1, decay));
+    const double factor = s.decay_type == "linear" ? 1.0 - progress
+                          : s.decay_type == "cosine"
+                              ? 0.5 * (1.0 + std::cos(M_PI * s.num_cycles.value_or(0.5) * 2.0 * progress))
+                              : 1.0 - std::sqrt(progress);  // 1-sqrt
+    return std::max(0.0, factor * (1.0 - floor) + floor);
+  }
+  return floor;
+}
+}  // namespace
 
 double Schedule::lr(int64_t step) const {
   // Each factor as transformers' lr_lambda computes it, in doubles, then learning_rate times it.
   const double s = static_cast<double>(step), warmup = static_cast<double>(warmup_steps);
   const double total = static_cast<double>(total_steps);
   if (kind == "constant") return learning_rate;
+  if (kind == "warmup_stable_decay") return learning_rate * wsd_factor(*this, step);
   if (kind == "cosine_warmup_with_min_lr") {
     double factor;
     if (s < warmup) {

@@ -463,6 +463,24 @@ void Trainer::build_update() {
                                              : static_cast<int64_t>(std::ceil(t.warmup_ratio * total_steps_));
   schedule.total_steps = total_steps_;
   schedule_ = with_kwargs(schedule, t.lr_scheduler_kwargs);
+  if (schedule_.kind == "warmup_stable_decay") {
+    const int64_t stable = schedule_.wsd_stable_steps();
+    const int64_t phases = schedule_.warmup_steps + stable + schedule_.decay_steps;
+    spdlog::info("lr schedule warmup_stable_decay: warm-up {} steps, stable {}, decay {} ({}, to {}), of {} steps",
+                 schedule_.warmup_steps, stable, schedule_.decay_steps, schedule_.decay_type,
+                 schedule_.min_lr_rate * schedule_.learning_rate, total_steps_);
+    // transformers computes on with these as they are; where they miss the run's steps, say so.
+    if (stable < 0)
+      spdlog::warn("training.lr_scheduler_kwargs.num_decay_steps: {} decay steps and {} warm-up steps exceed the run's "
+                   "{}: the decay starts {} steps into its course, right after warm-up, as transformers' "
+                   "get_wsd_schedule does",
+                   schedule_.decay_steps, schedule_.warmup_steps, total_steps_, -stable);
+    else if (phases != total_steps_)
+      spdlog::warn("training.lr_scheduler_kwargs.num_stable_steps: warm-up, stable and decay make {} steps, the run {}: "
+                   "{}, as transformers' get_wsd_schedule does",
+                   phases, total_steps_,
+                   phases < total_steps_ ? "the last steps hold the final learning rate" : "the decay is cut short");
+  }
   OptimizerOptions oo;
   set_optimizer_kind(t.optim, oo);
   // The ladder's optimizer offload, taken now where the state cannot stay on the device (estimate.h).

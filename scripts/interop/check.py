@@ -785,13 +785,15 @@ class Check:
     # (metrics.jsonl) against transformers' get_scheduler over the same steps.
     SCHEDULES = [("linear", {}), ("cosine", {"num_cycles": 1.25}), ("cosine_with_restarts", {"num_cycles": 2}),
                  ("polynomial", {"lr_end": 1e-5, "power": 3.0}), ("inverse_sqrt", {}),
-                 ("cosine_with_min_lr", {"min_lr": 3e-5}), ("cosine_warmup_with_min_lr", {"min_lr_rate": 0.2})]
+                 ("cosine_with_min_lr", {"min_lr": 3e-5}), ("cosine_warmup_with_min_lr", {"min_lr_rate": 0.2}),
+                 ("warmup_stable_decay", {"num_decay_steps": 4, "decay_type": "1-sqrt", "min_lr_ratio": 0.1}),
+                 ("warmup_stable_decay", {"num_decay_steps": 3, "num_stable_steps": 2, "warmup_type": "cosine"})]
 
     def schedules(self):
         total, warmup, lr = 9, 2, 3e-4
-        for name, kwargs in self.SCHEDULES:
-            def run(name=name, kwargs=kwargs):
-                out = f"run-schedule-{name}"
+        for i, (name, kwargs) in enumerate(self.SCHEDULES):
+            def run(name=name, kwargs=kwargs, i=i):
+                out = f"run-schedule-{i}-{name}"
                 shutil.rmtree(self.path(out), ignore_errors=True)
                 with open(self.path(out + ".yaml"), "w") as f:
                     json.dump({"model": {"name_or_path": "hf-llama-fp32"},

@@ -658,10 +658,10 @@ TEST(ConfigErrors, IntervalStrategiesAndTheStepsKeysTheyDoNotRead) {
 TEST(ConfigErrors, SchedulerKwargsAreTheScheduleFunctionsOwn) {
   const auto t = parse("training: {lr_scheduler_type: cosine_with_min_lr, lr_scheduler_kwargs: {min_lr_rate: 0.1, "
                        "num_cycles: 0.5}}").training;
-  EXPECT_EQ(t.lr_scheduler_kwargs, (std::vector<std::pair<std::string, double>>{{"min_lr_rate", 0.1}, {"num_cycles", 0.5}}));
+  EXPECT_EQ(t.lr_scheduler_kwargs, (memtune::trainer::ScheduleKwargs{{"min_lr_rate", 0.1}, {"num_cycles", 0.5}}));
   EXPECT_EQ(parse("training: {lr_scheduler_type: polynomial}", {"training.lr_scheduler_kwargs.power=2"})
                 .training.lr_scheduler_kwargs,
-            (std::vector<std::pair<std::string, double>>{{"power", 2}}));
+            (memtune::trainer::ScheduleKwargs{{"power", 2.0}}));
   expect_invalid("training: {lr_scheduler_type: cosine, lr_scheduler_kwargs: {power: 2}}", "power", "2",
                  "training.lr_scheduler_kwargs.power", "2", "cosine takes only num_cycles");
   expect_invalid("training: {lr_scheduler_kwargs: {num_cycles: 2}}", "num_cycles", "2",
@@ -675,6 +675,31 @@ TEST(ConfigErrors, SchedulerKwargsAreTheScheduleFunctionsOwn) {
                  "lr_end", "0.001", "training.lr_scheduler_kwargs.lr_end", "0.001", "must be below the learning rate");
   expect_invalid("training: {lr_scheduler_type: cosine, lr_scheduler_kwargs: {num_cycles: 0}}", "num_cycles", "0",
                  "training.lr_scheduler_kwargs.num_cycles", "0", "must be a number > 0");
+  // warmup_stable_decay's kwargs mix numbers and names (a quoted number is a name, as in Python).
+  EXPECT_EQ(parse("training: {lr_scheduler_type: warmup_stable_decay, lr_scheduler_kwargs: {num_decay_steps: 20, "
+                  "decay_type: 1-sqrt, min_lr_ratio: 0.1}}")
+                .training.lr_scheduler_kwargs,
+            (memtune::trainer::ScheduleKwargs{{"num_decay_steps", 20.0}, {"decay_type", "1-sqrt"}, {"min_lr_ratio", 0.1}}));
+  EXPECT_EQ(parse("training: {lr_scheduler_type: warmup_stable_decay, lr_scheduler_kwargs: {num_decay_steps: 2}}",
+                  {"training.lr_scheduler_kwargs.warmup_type=cosine"})
+                .training.lr_scheduler_kwargs,
+            (memtune::trainer::ScheduleKwargs{{"num_decay_steps", 2.0}, {"warmup_type", "cosine"}}));
+  expect_invalid("training: {lr_scheduler_type: warmup_stable_decay}", "lr_scheduler_type", "warmup_stable_decay",
+                 "training.lr_scheduler_type", "warmup_stable_decay", "needs lr_scheduler_kwargs num_decay_steps");
+  expect_invalid("training: {lr_scheduler_type: warmup_stable_decay, lr_scheduler_kwargs: {num_decay_steps: 2, "
+                 "decay_type: exponential}}",
+                 "decay_type", "exponential", "training.lr_scheduler_kwargs.decay_type", "exponential",
+                 "expected linear, cosine or 1-sqrt");
+  expect_invalid("training: {lr_scheduler_type: warmup_stable_decay, lr_scheduler_kwargs: {num_decay_steps: '20'}}",
+                 "num_decay_steps", "'20'", "training.lr_scheduler_kwargs.num_decay_steps", "20", "expected a number");
+  expect_invalid("training: {lr_scheduler_type: warmup_stable_decay, lr_scheduler_kwargs: {num_decay_steps: 2.5}}",
+                 "num_decay_steps", "2.5", "training.lr_scheduler_kwargs.num_decay_steps", "2.5",
+                 "a whole number of steps");
+  expect_invalid("training: {lr_scheduler_type: warmup_stable_decay, lr_scheduler_kwargs: {num_decay_steps: 2, "
+                 "min_lr_ratio: 1.5}}",
+                 "min_lr_ratio", "1.5", "training.lr_scheduler_kwargs.min_lr_ratio", "1.5", "must be in [0, 1]");
+  expect_invalid("training: {lr_scheduler_type: cosine, lr_scheduler_kwargs: {num_cycles: many}}", "num_cycles", "many",
+                 "training.lr_scheduler_kwargs.num_cycles", "many", "expected a number");
 }
 
 TEST(ConfigErrors, NeftuneNoiseAlphaIsNotNegative) {

@@ -14,12 +14,13 @@
 namespace {
 
 using memtune::trainer::Schedule;
+using memtune::trainer::ScheduleKwargs;
 using memtune::trainer::with_kwargs;
 
 struct Case {
   const char* kind;
   int64_t warmup;
-  std::vector<std::pair<std::string, double>> kwargs;
+  ScheduleKwargs kwargs;
   std::vector<double> transformers;
 };
 
@@ -50,7 +51,24 @@ TEST(Schedule, EveryKindIsTransformersGetScheduler) {
       {"cosine_warmup_with_min_lr", 3, {{"min_lr_rate", 0.1}},
        {6.666666666666667e-05, 0.00013333333333333334, 0.0002, 0.00019108719811121772, 0.00016611408216728603, 0.00013002688405606828, 8.997311594393172e-05, 5.3885917832713996e-05, 2.891280188878229e-05, 2e-05, 2.891280188878228e-05, 5.3885917832713976e-05}},
       {"cosine_warmup_with_min_lr", 3, {{"min_lr_rate", 0.1}, {"warmup_lr_rate", 0.2}},
-       {4e-05, 0.00012000000000000003, 0.0002, 0.00019108719811121772, 0.00016611408216728603, 0.00013002688405606828, 8.997311594393172e-05, 5.3885917832713996e-05, 2.891280188878229e-05, 2e-05, 2.891280188878228e-05, 5.3885917832713976e-05}}
+       {4e-05, 0.00012000000000000003, 0.0002, 0.00019108719811121772, 0.00016611408216728603, 0.00013002688405606828, 8.997311594393172e-05, 5.3885917832713996e-05, 2.891280188878229e-05, 2e-05, 2.891280188878228e-05, 5.3885917832713976e-05}},
+      // warmup_stable_decay (transformers 5.12): each warm-up and decay shape, min_lr_ratio,
+      // num_cycles, a given num_stable_steps (short of the steps: the rest at the floor),
+      // warm-up and decay overlapping (stable -2: the decay starts a quarter in), no warm-up.
+      {"warmup_stable_decay", 3, {{"num_decay_steps", 4.0}},
+       {0.0, 6.666666666666667e-05, 0.00013333333333333334, 0.0002, 0.0002, 0.0002, 0.0002, 0.00017071067811865476, 0.0001, 2.9289321881345254e-05, 0.0, 0.0}},
+      {"warmup_stable_decay", 3, {{"num_decay_steps", 4.0}, {"decay_type", "linear"}, {"min_lr_ratio", 0.1}},
+       {2e-05, 8e-05, 0.00014, 0.0002, 0.0002, 0.0002, 0.0002, 0.000155, 0.00011000000000000002, 6.500000000000001e-05, 2e-05, 2e-05}},
+      {"warmup_stable_decay", 3, {{"num_decay_steps", 3.0}, {"warmup_type", "cosine"}, {"decay_type", "1-sqrt"}, {"min_lr_ratio", 0.25}},
+       {5e-05, 8.75e-05, 0.0001625, 0.0002, 0.0002, 0.0002, 0.0002, 0.0002, 0.00011339745962155615, 7.75255128608411e-05, 5e-05, 5e-05}},
+      {"warmup_stable_decay", 2, {{"num_decay_steps", 5.0}, {"warmup_type", "1-sqrt"}, {"num_cycles", 1.5}},
+       {0.0, 5.857864376269049e-05, 0.0002, 0.0002, 0.0002, 0.0002, 6.909830056250527e-05, 1.9098300562505246e-05, 0.00018090169943749476, 0.00013090169943749476, 0.0, 0.0}},
+      {"warmup_stable_decay", 3, {{"num_decay_steps", 4.0}, {"num_stable_steps", 1.0}},
+       {0.0, 6.666666666666667e-05, 0.00013333333333333334, 0.0002, 0.0002, 0.00017071067811865476, 0.0001, 2.9289321881345254e-05, 0.0, 0.0, 0.0, 0.0}},
+      {"warmup_stable_decay", 4, {{"num_decay_steps", 8.0}, {"decay_type", "linear"}},
+       {0.0, 5e-05, 0.0001, 0.00015000000000000001, 0.00015000000000000001, 0.000125, 0.0001, 7.500000000000001e-05, 5e-05, 2.5e-05, 0.0, 0.0}},
+      {"warmup_stable_decay", 0, {{"num_decay_steps", 10.0}, {"decay_type", "1-sqrt"}},
+       {0.0002, 0.0001367544467966324, 0.00011055728090000843, 9.04554884989668e-05, 7.350889359326483e-05, 5.857864376269049e-05, 4.508066615170332e-05, 3.2667994693184886e-05, 2.111456180001683e-05, 1.0263340389897246e-05, 0.0, 0.0}},
   };
   for (const Case& c : cases) {
     Schedule s;
@@ -60,7 +78,7 @@ TEST(Schedule, EveryKindIsTransformersGetScheduler) {
     s.total_steps = 10;
     s = with_kwargs(s, c.kwargs);
     const int64_t steps = s.kind == "polynomial" || s.kind == "inverse_sqrt" || s.kind == "constant" ||
-                                  s.kind == "constant_with_warmup"
+                                  s.kind == "constant_with_warmup" || s.kind == "warmup_stable_decay"
                               ? 12
                               : 10;
     for (int64_t k = 0; k < steps; ++k)
@@ -84,6 +102,17 @@ TEST(Schedule, KwargsTransformersRefusesAreRefused) {
   EXPECT_DOUBLE_EQ(with_kwargs(s, {{"min_lr", 1e-5}}).min_lr_rate, 1e-5 / 1e-4);
   s.kind = "polynomial";
   EXPECT_THROW(with_kwargs(s, {{"lr_end", 1e-4}}), memtune::UserError);
+  // get_wsd_schedule: num_decay_steps has no default (a TypeError); its types, ValueErrors.
+  s.kind = "warmup_stable_decay";
+  EXPECT_THROW(with_kwargs(s, {}), memtune::UserError);
+  EXPECT_THROW(with_kwargs(s, {{"num_decay_steps", 2.0}, {"decay_type", "exponential"}}), memtune::UserError);
+  EXPECT_THROW(with_kwargs(s, {{"num_decay_steps", 2.0}, {"warmup_type", 1.0}}), memtune::UserError);
+  EXPECT_THROW(with_kwargs(s, {{"num_decay_steps", "two"}}), memtune::UserError);
+  EXPECT_THROW(with_kwargs(s, {{"num_decay_steps", 2.0}, {"min_lr", 1e-5}}), memtune::UserError);
+  const Schedule wsd = with_kwargs(s, {{"num_decay_steps", 2.0}, {"decay_type", "1-sqrt"}, {"min_lr_ratio", 0.5}});
+  EXPECT_EQ(wsd.decay_steps, 2);
+  EXPECT_EQ(wsd.decay_type, "1-sqrt");
+  EXPECT_EQ(wsd.min_lr_rate, 0.5);
 }
 
 }  // namespace
