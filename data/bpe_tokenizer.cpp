@@ -746,7 +746,14 @@ void BpeTokenizer::Impl::parse_post_processor(const json& j) {
       const auto& st = j.at("special_tokens");
       MEMTUNE_CHECK(st.contains(name), origin, ": post_processor names special token \"", name,
                     "\" missing from its special_tokens");
-      for (const auto& id : st[name].at("ids")) (seen_a ? suffix : prefix).push_back(id.get<int32_t>());
+      for (const auto& v : st[name].at("ids")) {
+        const int32_t id = token_id(v, origin, "post_processor.special_tokens[" + json(name).dump() + "].ids[]");
+        // The library would emit it as it is; an id no token has would index past the embedding.
+        MEMTUNE_CHECK(id < size, origin, ": post_processor's special token ", json(name).dump(), " has id ", id,
+                      ", which neither model.vocab nor added_tokens holds (they end at ", size - 1,
+                      "); is the token missing from added_tokens?");
+        (seen_a ? suffix : prefix).push_back(id);
+      }
     }
   } else {
     fail(origin, ": post_processor type \"", type, "\" is not supported (supported: TemplateProcessing, ByteLevel, Sequence)");

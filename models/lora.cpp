@@ -6,6 +6,7 @@
 #include <regex>
 #include <set>
 
+#include "models/module_regex.h"
 #include "runtime/error.h"
 
 namespace memtune::models {
@@ -17,8 +18,11 @@ bool is_plain_module_name(const std::string& s) {
 }
 
 std::regex target_regex(const std::string& pattern, const std::string& where) {
+  const std::string python = python_regex_problem(pattern);
+  MEMTUNE_CHECK(python.empty(), where, ": target_modules '", pattern, "' is not a valid regular expression (", python,
+                "); PEFT reads a single string as a regex over full module names");
   try {
-    return std::regex(pattern);
+    return module_regex(pattern);
   } catch (const std::regex_error& e) {
     fail(where, ": target_modules '", pattern, "' is not a valid regular expression (", e.what(),
          "); PEFT reads a single string as a regex over full module names");
@@ -26,8 +30,11 @@ std::regex target_regex(const std::string& pattern, const std::string& where) {
 }
 
 std::regex lora_pattern_regex(const std::string& pattern, const std::string& where) {
+  const std::string python = python_regex_problem(pattern);
+  MEMTUNE_CHECK(python.empty(), where, ": pattern '", pattern, "' is not a valid regular expression (", python,
+                "); PEFT matches it as (.*\\.)?(pattern)$ over full module names");
   try {
-    return std::regex("(.*\\.)?(" + pattern + ")");
+    return module_regex("(.*\\.)?(" + pattern + ")");
   } catch (const std::regex_error& e) {
     fail(where, ": pattern '", pattern, "' is not a valid regular expression (", e.what(),
          "); PEFT matches it as (.*\\.)?(pattern)$ over full module names");

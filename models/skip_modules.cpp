@@ -1,6 +1,7 @@
 #include "models/skip_modules.h"
 
 #include "models/causal_lm.h"
+#include "models/module_regex.h"
 #include "runtime/error.h"
 
 namespace memtune::models {
@@ -10,13 +11,17 @@ SkipMatcher::SkipMatcher(const SkipModules& skip, const std::string& where) {
   patterns_ = *skip;
   regexes_.reserve(patterns_.size());
   for (const std::string& p : patterns_) {
-    try {
-      regexes_.emplace_back(p);
-    } catch (const std::regex_error& e) {
-      fail(where, ": '", p, "' is not a valid regular expression (", e.what(),
-           "); transformers matches each entry as a regex at the start of a module's name, or as the end of the "
-           "name. Hint: a module's name as written (model.layers.1.mlp), or escape the special characters");
+    std::string problem = python_regex_problem(p);
+    if (problem.empty()) {
+      try {
+        regexes_.push_back(module_regex(p));
+      } catch (const std::regex_error& e) {
+        problem = e.what();
+      }
     }
+    MEMTUNE_CHECK(problem.empty(), where, ": '", p, "' is not a valid regular expression (", problem,
+                  "); transformers matches each entry as a regex at the start of a module's name, or as the end of "
+                  "the name. Hint: a module's name as written (model.layers.1.mlp), or escape the special characters");
   }
 }
 

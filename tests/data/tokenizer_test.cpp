@@ -231,6 +231,17 @@ TEST(Tokenizer, BadFilesNameTheFileAndTheProblem) {
                      "added_tokens": [{"id": -7, "content": "<x>"}]})", "badadded");
   EXPECT_NE(e.find("added_tokens[].id is -7"), std::string::npos) << e;
 
+  // A post-processor's special token must be a token (fuzz_bpe_tokenizer: its added_tokens
+  // key misspelt, bos 1019 was emitted past a vocabulary that ended at 1018).
+  json no_added = byte_level_tokenizer(json::object(), json::array());
+  no_added.erase("added_tokens");
+  e = load_error(no_added.dump(), "bospastvocab");
+  EXPECT_NE(e.find("special token \"<|end|>\" has id 300, which neither model.vocab nor added_tokens holds"),
+            std::string::npos) << e;
+  no_added["post_processor"]["special_tokens"]["<|end|>"]["ids"] = {-3};
+  e = load_error(no_added.dump(), "negativebos");
+  EXPECT_NE(e.find("ids[] is -3"), std::string::npos) << e;
+
   e = load_error("{\"model\": " + std::string(100000, '[') + std::string(100000, ']') + "}", "deep");
   EXPECT_NE(e.find("nested more than 128 levels"), std::string::npos) << e;
 
