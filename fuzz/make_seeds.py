@@ -116,6 +116,14 @@ data:
   train_file: train.jsonl
   eval_split: 0.05
 """)
+put("config", "plateau.yaml", """training:
+  lr_scheduler_type: reduce_lr_on_plateau
+  eval_steps: 5
+  lr_scheduler_kwargs: {mode: min, factor: 0.5, patience: 2, threshold: 0.01, threshold_mode: abs, cooldown: 1,
+                        min_lr: 1.0e-6, eps: 1.0e-9}
+data:
+  eval_file: eval.jsonl
+""")
 put("config", "wsd.yaml", """training:
   lr_scheduler_type: warmup_stable_decay
   lr_scheduler_kwargs: {num_decay_steps: 20, num_stable_steps: 5, warmup_type: cosine, decay_type: 1-sqrt,
@@ -156,6 +164,8 @@ state = {"step": 3, "sampler": {"epoch": 0, "offset": 6, "seed": 1234},
 put("train_state", "state.json", json.dumps(state, indent=2))
 put("train_state", "old.json", json.dumps({k: v for k, v in state.items()
                                            if k not in ("checkpoint_layers", "world_size", "data")}))
+put("train_state", "plateau.json", json.dumps(dict(state, lr_scheduler={
+    "lr": 5e-4, "best": 2.25, "bad_evaluations": 1, "cooldown_counter": 0, "evaluations": 3})))
 
 # adapter_config: PEFT's file as peft 0.x writes it, and memtune's own.
 adapter = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 8, "lora_alpha": 16, "lora_dropout": 0.05,

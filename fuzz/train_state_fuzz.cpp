@@ -1,6 +1,6 @@
 // A checkpoint's state.json, read as a resume reads it (trainer/trainer.cpp): the
-// TrainState, then each owner's part (sampler, scaler, supervisor) by its owner, and the
-// restored sampler asked for its next samples.
+// TrainState, then each owner's part (sampler, scaler, supervisor, reduce_lr_on_plateau's
+// state) by its owner, and the restored sampler asked for its next samples.
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -10,6 +10,7 @@
 #include "runtime/json_input.h"
 #include "runtime/supervisor.h"
 #include "trainer/grad_scaler.h"
+#include "trainer/schedule.h"
 #include "trainer/train_state.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -34,6 +35,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     supervisor.load_state(state.supervisor);
     (void)supervisor.accumulation();
     (void)supervisor.state().dump();
+    if (!state.lr_scheduler.is_null()) {
+      trainer::Plateau plateau;
+      plateau.restore(state.lr_scheduler, "state.json");
+      (void)plateau.step(1.5);
+      (void)plateau.state().dump();
+    }
   });
   return 0;
 }

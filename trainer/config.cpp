@@ -223,15 +223,17 @@ void TrainingConfig::fields(F&& f) {
   f("lr_scheduler_type", lr_scheduler_type,
     "learning-rate schedule (transformers' get_scheduler, the same factors in doubles)",
     {"constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial", "inverse_sqrt",
-     "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay"});
+     "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay", "reduce_lr_on_plateau"});
   f("lr_scheduler_kwargs", lr_scheduler_kwargs,
     "the schedule function's own arguments (transformers'): cosine num_cycles (0.5); cosine_with_restarts "
     "num_cycles (1); polynomial lr_end (1e-7), power (1.0); inverse_sqrt timescale (warmup_steps, or 10000); "
     "cosine_with_min_lr min_lr or min_lr_rate (one of them), num_cycles; cosine_warmup_with_min_lr those and "
     "warmup_lr_rate; warmup_stable_decay num_decay_steps (needed), num_stable_steps (the steps warm-up and "
     "decay leave), warmup_type (linear) and decay_type (cosine): linear, cosine or 1-sqrt, min_lr_ratio (0: "
-    "where warm-up starts and decay ends), num_cycles (0.5). A key the schedule does not take is refused "
-    "(transformers raises a TypeError)",
+    "where warm-up starts and decay ends), num_cycles (0.5); reduce_lr_on_plateau torch's ReduceLROnPlateau's: "
+    "mode (min), factor (0.1), patience (10 evaluations), threshold (1e-4), threshold_mode (rel), cooldown (0), "
+    "min_lr (0), eps (1e-8), stepped by each periodic evaluation's eval_loss. A key the schedule does not take "
+    "is refused (transformers raises a TypeError)",
     kwargs_field());
   f("warmup_ratio", warmup_ratio,
     "share of the steps spent warming up, in [0, 1] (transformers 5 deprecates it: warmup_steps below 1)");
@@ -932,6 +934,20 @@ void validate(const Config& config, const Checker& c) {
           "nothing would read the eval data that data." +
               std::string(config.data.eval_file.empty() ? "eval_split holds out" : "eval_file names") +
               "; drop it, or evaluate");
+  // reduce_lr_on_plateau steps at the periodic evaluations (transformers requires an eval
+  // strategy) and has no warm-up (get_scheduler returns it before warm-up is read).
+  if (config.training.lr_scheduler_type == "reduce_lr_on_plateau") {
+    const bool periodic = strategy == "steps" || strategy == "epoch" || (strategy.empty() && config.training.eval_steps > 0);
+    c.check(periodic && eval_data, "training.lr_scheduler_type", config.training.lr_scheduler_type,
+            "steps with each periodic evaluation's eval_loss, and this run has none (transformers requires an eval "
+            "strategy); set eval_strategy: steps with eval_steps (or epoch), and data.eval_file or data.eval_split");
+    c.check(config.training.warmup_steps == 0, "training.warmup_steps", config.training.warmup_steps,
+            "reduce_lr_on_plateau has no warm-up: transformers' get_scheduler returns it before reading "
+            "num_warmup_steps, so the key would change nothing; drop it");
+    c.check(config.training.warmup_ratio == 0, "training.warmup_ratio", config.training.warmup_ratio,
+            "reduce_lr_on_plateau has no warm-up: transformers' get_scheduler returns it before reading "
+            "num_warmup_steps, so the key would change nothing; drop it");
+  }
   c.check(strategy != "no" || config.training.eval_accuracy_rows == 0, "training.eval_strategy", strategy,
           "training.eval_accuracy_rows asks for an evaluation; drop one of them");
   c.check(eval_data || config.training.eval_steps == 0, "training.eval_steps", config.training.eval_steps,

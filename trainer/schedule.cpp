@@ -2,8 +2,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
+
+#include <nlohmann/json.hpp>
 
 #include "runtime/error.h"
+#include "runtime/json_input.h"
 
 namespace memtune::trainer {
 
@@ -20,6 +24,8 @@ const std::vector<std::pair<std::string, std::vector<std::string>>>& schedule_kw
       {"cosine_warmup_with_min_lr", {"num_cycles", "min_lr", "min_lr_rate", "warmup_lr_rate"}},
       {"warmup_stable_decay",
        {"num_decay_steps", "num_stable_steps", "warmup_type", "decay_type", "min_lr_ratio", "num_cycles"}},
+      {"reduce_lr_on_plateau",
+       {"mode", "factor", "patience", "threshold", "threshold_mode", "cooldown", "min_lr", "eps"}},
   };
   return kinds;
 }
@@ -30,8 +36,16 @@ std::string arg_text(const ScheduleArg& value) {
 }
 
 namespace {
-bool is_name_kwarg(const std::string& key) { return key == "warmup_type" || key == "decay_type"; }
-bool is_steps_kwarg(const std::string& key) { return key == "num_decay_steps" || key == "num_stable_steps"; }
+// The names a kwarg takes, where it takes a name; empty for a number.
+std::vector<std::string> names_of(const std::string& key) {
+  if (key == "warmup_type" || key == "decay_type") return {"linear", "cosine", "1-sqrt"};
+  if (key == "mode") return {"min", "max"};
+  if (key == "threshold_mode") return {"rel", "abs"};
+  return {};
+}
+bool is_count_kwarg(const std::string& key) {
+  return key == "num_decay_steps" || key == "num_stable_steps" || key == "patience" || key == "cooldown";
+}
 }  // namespace
 
 std::string schedule_kwarg_error(const std::string& kind, const std::string& key, const ScheduleArg& value,
@@ -45,18 +59,26 @@ std::string schedule_kwarg_error(const std::string& kind, const std::string& key
     return "lr_scheduler_type " + kind + " takes " + (takes.empty() ? std::string("no kwargs") : "only " + takes) +
            " (transformers' schedule function would raise a TypeError)";
   }
-  if (is_name_kwarg(key)) {
+  if (const std::vector<std::string> names = names_of(key); !names.empty()) {
     const auto* name = std::get_if<std::string>(&value);
-    if (!name || (*name != "linear" && *name != "cosine" && *name != "1-sqrt"))
-      return "expected linear, cosine or 1-sqrt, as transformers' get_wsd_schedule";
+    if (!name || std::find(names.begin(), names.end(), *name) == names.end()) {
+      std::string list;
+      for (size_t i = 0; i < names.size(); ++i) list += (i == 0 ? "" : i + 1 == names.size() ? " or " : ", ") + names[i];
+      return "expected " + list + ", as " +
+             (kind == "reduce_lr_on_plateau" ? "torch's ReduceLROnPlateau" : "transformers' get_wsd_schedule");
+    }
     return "";
   }
   if (!std::holds_alternative<double>(value)) return "expected a number";
   const double x = std::get<double>(value);
   const bool positive = key == "num_cycles" || key == "timescale";
   if (!std::isfinite(x) || (positive && x <= 0)) return "must be a number" + std::string(positive ? " > 0" : "");
-  if (is_steps_kwarg(key) && !(x >= 0 && x == std::floor(x) && x < 1e15))
-    return "must be a whole number of steps >= 0";
+  if (is_count_kwarg(key) && !(x >= 0 && x == std::floor(x) && x < 1e15))
+    return key == "patience" || key == "cooldown" ? "must be a whole number of evaluations >= 0"
+                                                  : "must be a whole number of steps >= 0";
+  if (kind == "reduce_lr_on_plateau" && key == "factor" && !(x > 0 && x < 1))
+    return "must be in (0, 1): the learning rate's share after a plateau (torch refuses 1 and above)";
+  if (kind == "reduce_lr_on_plateau" && (key == "min_lr" || key == "eps") && x < 0) return "must be >= 0";
   if (key == "min_lr_ratio" && !(x >= 0 && x <= 1))
     return "must be in [0, 1]: the share of the learning rate the warm-up starts from and the decay ends at";
   if (key == "lr_end" && !(x < learning_rate))
@@ -88,11 +110,24 @@ Schedule with_kwargs(Schedule s, const ScheduleKwargs& kwargs) {
     const std::string error = schedule_kwarg_error(s.kind, key, arg, s.learning_rate);
     MEMTUNE_CHECK(error.empty(), "training.lr_scheduler_kwargs.", key, ": ", arg_text(arg), ": ", error);
     given.push_back(key);
-    if (is_name_kwarg(key)) {
-      (key == "warmup_type" ? s.warmup_type : s.decay_type) = std::get<std::string>(arg);
+    if (!names_of(key).empty()) {
+      const std::string& name = std::get<std::string>(arg);
+      if (key == "warmup_type") s.warmup_type = name;
+      else if (key == "decay_type") s.decay_type = name;
+      else if (key == "mode") s.plateau.mode = name;
+      else if (key == "threshold_mode") s.plateau.threshold_mode = name;
       continue;
     }
     const double value = std::get<double>(arg);
+    if (s.kind == "reduce_lr_on_plateau") {
+      if (key == "factor") s.plateau.factor = value;
+      else if (key == "patience") s.plateau.patience = static_cast<int64_t>(value);
+      else if (key == "threshold") s.plateau.threshold = value;
+      else if (key == "cooldown") s.plateau.cooldown = static_cast<int64_t>(value);
+      else if (key == "min_lr") s.plateau.min_lr = value;
+      else if (key == "eps") s.plateau.eps = value;
+      continue;
+    }
     if (key == "num_cycles") s.num_cycles = value;
     else if (key == "lr_end") s.lr_end = value;
     else if (key == "power") s.power = value;
@@ -106,7 +141,64 @@ Schedule with_kwargs(Schedule s, const ScheduleKwargs& kwargs) {
   const std::string error = missing_kwarg_error(s.kind, given);
   MEMTUNE_CHECK(error.empty(), "training.lr_scheduler_kwargs: ", error);
   if (min_lr || min_lr_rate) s.min_lr_rate = min_lr ? *min_lr / s.learning_rate : *min_lr_rate;
+  s.plateau.start(s.learning_rate);
   return s;
+}
+
+void Plateau::start(double learning_rate) {
+  lr = learning_rate;
+  best = mode == "min" ? std::numeric_limits<double>::infinity() : -std::numeric_limits<double>::infinity();
+  bad_evaluations = cooldown_counter = evaluations = 0;
+}
+
+// torch's step, _is_better and _reduce_lr, in the same doubles.
+bool Plateau::step(double metric) {
+  ++evaluations;
+  const bool better = mode == "min" ? (threshold_mode == "rel" ? metric < best * (1.0 - threshold)
+                                                                : metric < best - threshold)
+                                    : (threshold_mode == "rel" ? metric > best * (threshold + 1.0)
+                                                                : metric > best + threshold);
+  if (better) {
+    best = metric;
+    bad_evaluations = 0;
+  } else {
+    ++bad_evaluations;
+  }
+  if (cooldown_counter > 0) {
+    --cooldown_counter;
+    bad_evaluations = 0;  // bad evaluations in cooldown do not count
+  }
+  if (bad_evaluations <= patience) return false;
+  cooldown_counter = cooldown;
+  bad_evaluations = 0;
+  const double lowered = std::max(lr * factor, min_lr);
+  if (!(lr - lowered > eps)) return false;
+  lr = lowered;
+  return true;
+}
+
+nlohmann::json Plateau::state() const {
+  // JSON has no infinity: before any evaluation best is torch's mode_worse, written null.
+  return {{"lr", lr},
+          {"best", std::isfinite(best) ? nlohmann::json(best) : nlohmann::json(nullptr)},
+          {"bad_evaluations", bad_evaluations},
+          {"cooldown_counter", cooldown_counter},
+          {"evaluations", evaluations}};
+}
+
+void Plateau::restore(const nlohmann::json& j, const std::string& origin) {
+  const std::string where = origin + ".lr_scheduler";
+  MEMTUNE_CHECK(j.is_object(), where, " is ", j.dump(), "; expected reduce_lr_on_plateau's state");
+  const nlohmann::json& l = json_field(j, "lr", where);
+  MEMTUNE_CHECK(l.is_number() && std::isfinite(l.get<double>()) && l.get<double>() >= 0, where, ".lr is ", l.dump(),
+                "; expected a learning rate");
+  const nlohmann::json& b = json_field(j, "best", where);
+  MEMTUNE_CHECK(b.is_null() || b.is_number(), where, ".best is ", b.dump(), "; expected a number or null");
+  start(l.get<double>());
+  if (b.is_number()) best = b.get<double>();
+  bad_evaluations = json_int(j, "bad_evaluations", 0, int64_t{1} << 53, where);
+  cooldown_counter = json_int(j, "cooldown_counter", 0, int64_t{1} << 53, where);
+  evaluations = json_int(j, "evaluations", 0, int64_t{1} << 53, where);
 }
 
 namespace {
@@ -141,6 +233,7 @@ double Schedule::lr(int64_t step) const {
   const double total = static_cast<double>(total_steps);
   if (kind == "constant") return learning_rate;
   if (kind == "warmup_stable_decay") return learning_rate * wsd_factor(*this, step);
+  if (kind == "reduce_lr_on_plateau") return plateau.lr;
   if (kind == "cosine_warmup_with_min_lr") {
     double factor;
     if (s < warmup) {

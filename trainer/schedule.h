@@ -12,16 +12,41 @@
 #include <variant>
 #include <vector>
 
+#include <nlohmann/json_fwd.hpp>
+
 namespace memtune::trainer {
 
 // A value of lr_scheduler_kwargs: a number, or a name (warmup_stable_decay's warmup_type
-// and decay_type).
+// and decay_type, reduce_lr_on_plateau's mode and threshold_mode).
 using ScheduleArg = std::variant<double, std::string>;
 using ScheduleKwargs = std::vector<std::pair<std::string, ScheduleArg>>;
 
+// reduce_lr_on_plateau: torch's ReduceLROnPlateau as transformers' Trainer steps it, once
+// after each periodic evaluation with its eval_loss (metric_for_best_model's default), the
+// learning rate in between what the last one left. Its settings (lr_scheduler_kwargs, torch's
+// defaults) and its state, which a checkpoint keeps.
+struct Plateau {
+  std::string mode = "min", threshold_mode = "rel";  // min | max; rel | abs
+  double factor = 0.1, threshold = 1e-4, min_lr = 0, eps = 1e-8;
+  int64_t patience = 10, cooldown = 0;
+
+  double lr = 0;       // the learning rate now
+  double best = 0;     // the best metric so far; before the first, torch's mode_worse (+-inf)
+  int64_t bad_evaluations = 0, cooldown_counter = 0, evaluations = 0;
+
+  void start(double learning_rate);  // the state before any evaluation
+  // One evaluation's metric, as torch's step(metrics); true where it lowered lr.
+  bool step(double metric);
+  nlohmann::json state() const;
+  // The state `state()` wrote; throws UserError naming `origin` where a field is missing or
+  // of another type.
+  void restore(const nlohmann::json& state, const std::string& origin);
+};
+
 struct Schedule {
   // constant | constant_with_warmup | linear | cosine | cosine_with_restarts | polynomial |
-  // inverse_sqrt | cosine_with_min_lr | cosine_warmup_with_min_lr | warmup_stable_decay
+  // inverse_sqrt | cosine_with_min_lr | cosine_warmup_with_min_lr | warmup_stable_decay |
+  // reduce_lr_on_plateau
   std::string kind = "linear";
   double learning_rate = 2e-4;
   int64_t warmup_steps = 0;
@@ -40,6 +65,8 @@ struct Schedule {
   int64_t decay_steps = 0;
   std::optional<int64_t> stable_steps;
   std::string warmup_type = "linear", decay_type = "cosine";  // linear | cosine | 1-sqrt
+
+  Plateau plateau;  // reduce_lr_on_plateau: lr(step) is its lr now
 
   // warmup_stable_decay's stable phase in steps, as transformers derives it.
   int64_t wsd_stable_steps() const { return stable_steps.value_or(total_steps - warmup_steps - decay_steps); }

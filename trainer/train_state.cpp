@@ -118,6 +118,7 @@ nlohmann::json TrainState::to_json() const {
                       {"eval_due", eval_due},
                       {"total_steps", total_steps}};
   if (data_samples > 0) j["data"] = {{"samples", data_samples}, {"target_tokens", data_target_tokens}};
+  if (!lr_scheduler.is_null()) j["lr_scheduler"] = lr_scheduler;
   return j;
 }
 
@@ -137,6 +138,7 @@ TrainState TrainState::from_json(const nlohmann::json& j, const std::string& ori
   }
   if (j.contains("world_size")) s.world_size = json_int(j, "world_size", 1, int64_t{1} << 20, origin);
   if (j.contains("total_steps")) s.total_steps = json_int(j, "total_steps", 0, int64_t{1} << 53, origin);
+  if (j.contains("lr_scheduler")) s.lr_scheduler = j["lr_scheduler"];  // its schedule checks it (Plateau::restore)
   if (j.contains("data")) {  // absent from checkpoints of earlier versions
     const auto& d = j["data"];
     const std::string where = std::string(origin) + ".data";

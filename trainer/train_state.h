@@ -40,6 +40,7 @@ struct TrainState {
   int64_t world_size = 0;               // ranks of the run that wrote it; 0 in old checkpoints (unknown)
   bool eval_due = false;                // a stop cut short the periodic evaluation at `step`: a resume runs it
   int64_t total_steps = 0;              // the run's length when it was written; 0 in old checkpoints
+  nlohmann::json lr_scheduler;          // a stateful schedule's state (reduce_lr_on_plateau); null otherwise
   // What data.train_file made for the run that wrote it: the sampler's order is a permutation
   // of that many samples, so a resume on data that makes another count of samples or target
   // tokens would not continue it. 0 in old checkpoints (unknown; state.json then has no "data").

@@ -175,6 +175,7 @@ class Trainer {
   void write_row(const StepRecord& r, double tokens_per_s);
   void save_checkpoint();
   bool evaluate_loss(const char* when);  // false: a signal stopped it before its row was written
+  void step_plateau();  // reduce_lr_on_plateau: the periodic evaluation's loss steps it
   void evaluate_accuracy(const char* when);
   int stop_signal() const;  // 0, or the signal to stop for (distributed: agreed in the step)
   void evaluate_periodic();
@@ -209,6 +210,7 @@ class Trainer {
   int64_t log_every_ = 1, save_every_ = 0, eval_every_ = 0;  // logging/save/eval_steps in steps (steps_of)
   int64_t saved_at_ = -1;  // the step of the last checkpoint written or resumed from
   bool eval_due_ = false;  // the periodic evaluation at step_ was stopped before its row was written
+  double last_eval_loss_ = 0;  // the last evaluation's eval_loss
   std::unique_ptr<data::Sampler> sampler_;
 
   Schedule schedule_;
@@ -812,6 +814,7 @@ void Trainer::resume() {
     data::from_json(ck.state.sampler, ss);
     sampler_->restore(ss);
     scaler_->load_state(ck.state.scaler);
+    if (schedule_.kind == "reduce_lr_on_plateau") schedule_.plateau.restore(ck.state.lr_scheduler, "state.json");
     if (ck.state.world_size <= 0 || ck.state.world_size == dist_.world_size)
       supervisor_->load_state(ck.state.supervisor);
     else  // its micro-batch was per rank of another split of the step
@@ -1139,6 +1142,7 @@ void Trainer::save_checkpoint() {
   state.world_size = dist_.world_size;
   state.eval_due = eval_due_;
   state.total_steps = total_steps_;
+  if (schedule_.kind == "reduce_lr_on_plateau") state.lr_scheduler = schedule_.plateau.state();
   state.data_samples = train_set_->stats().samples;
   state.data_target_tokens = train_set_->stats().target_tokens;
   const auto whole_state = shards > 0 ? std::vector<std::pair<std::string, at::Tensor>>{} : optimizer_->state_tensors();
@@ -1181,6 +1185,7 @@ bool Trainer::evaluate_loss(const char* when) {
   }
   spdlog::info("eval ({}): loss {:.4f}, perplexity {:.2f}, token accuracy {:.1f}%, {} tokens", when, r.loss,
                r.perplexity, 100.0 * r.token_accuracy, r.tokens);
+  last_eval_loss_ = r.loss;
   metrics_->write({{"step", step_},
                    {"when", when},
                    {"eval_loss", r.loss},
@@ -1214,10 +1219,24 @@ void Trainer::evaluate_accuracy(const char* when) {
 // with the evaluation due.
 void Trainer::evaluate_periodic() {
   eval_due_ = !evaluate_loss("periodic");
-  if (!pg_) return;
-  const auto any = pg_->allreduce(std::vector<int64_t>{g_stop_signal.load() != 0, eval_due_}, ReduceOp::max);
-  dist_stop_ = dist_stop_ || any[0] > 0;
-  eval_due_ = any[1] > 0;
+  if (pg_) {
+    const auto any = pg_->allreduce(std::vector<int64_t>{g_stop_signal.load() != 0, eval_due_}, ReduceOp::max);
+    dist_stop_ = dist_stop_ || any[0] > 0;
+    eval_due_ = any[1] > 0;
+  }
+  if (!eval_due_ && schedule_.kind == "reduce_lr_on_plateau") step_plateau();
+}
+
+// After the evaluation, as the Trainer's _evaluate steps ReduceLROnPlateau with eval_loss; the
+// next step takes the rate it leaves. distributed: every rank evaluated the whole eval set;
+// the ranks step with one value (the largest, should their last bits differ).
+void Trainer::step_plateau() {
+  const double metric = pg_ ? pg_->allreduce(std::vector<double>{last_eval_loss_}, ReduceOp::max)[0] : last_eval_loss_;
+  Plateau& p = schedule_.plateau;
+  const double before = p.lr;
+  if (p.step(metric))
+    spdlog::info("lr schedule reduce_lr_on_plateau: eval_loss {:.6g} is no better than {:.6g} for {} evaluations: "
+                 "learning rate {:.6g} -> {:.6g}", metric, p.best, p.patience + 1, before, p.lr);
 }
 
 // distributed: a rank stops only when the ranks agreed in this step's reduction, all at

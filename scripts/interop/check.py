@@ -810,6 +810,31 @@ class Check:
                                 f"{len(mine)} steps", f"{len(hf)} steps", len(mine) == len(hf) and mine == hf,
                                 "bit for bit" if mine == hf else f"max rel {worst:.1e}")
             self.guarded("schedules", name, run)
+        # reduce_lr_on_plateau: stepped by each evaluation's eval_loss (every step here), the
+        # rates against torch's ReduceLROnPlateau fed memtune's own eval losses.
+        for kwargs in ({"patience": 0, "factor": 0.5, "threshold": 0.02}, {"mode": "max", "patience": 1, "cooldown": 1,
+                                                                        "threshold_mode": "abs", "min_lr": 1e-4}):
+            def run(kwargs=kwargs):
+                out = f"run-schedule-plateau-{len(kwargs)}"
+                shutil.rmtree(self.path(out), ignore_errors=True)
+                with open(self.path(out + ".yaml"), "w") as f:
+                    json.dump({"model": {"name_or_path": "hf-llama-fp32"},
+                               "training": {"output_dir": out, "per_device_train_batch_size": 1, "max_steps": total,
+                                            "learning_rate": lr, "lr_scheduler_type": "reduce_lr_on_plateau",
+                                            "lr_scheduler_kwargs": kwargs, "eval_steps": 1},
+                               "data": {"train_file": "rows.bin", "eval_file": "rows.bin", "format": "tokens",
+                                        "max_seq_length": SEQ}}, f)
+                self.mt.run("train", out + ".yaml")
+                rows = [json.loads(line) for line in open(self.path(out + "/metrics.jsonl"))]
+                mine = [m["lr"] for m in rows if "loss" in m]
+                evals = [m["eval_loss"] for m in rows if m.get("when") == "periodic"]
+                hf = self.judge("plateau_lrs", lr=lr, total=total, kwargs=kwargs, eval_losses=evals)["lrs"]
+                cuts = sum(1 for a, b in zip(hf, hf[1:]) if b < a)
+                self.report.add("schedules", f"reduce_lr_on_plateau {json.dumps(kwargs)}: lr of {total} steps",
+                                f"{len(mine)} steps", f"{len(hf)} steps, {cuts} cuts",
+                                len(mine) == len(hf) and mine == hf and cuts > 0,
+                                "bit for bit" if mine == hf else f"mine {mine} torch {hf}")
+            self.guarded("schedules", "reduce_lr_on_plateau", run)
 
     # label_smoothing_factor: memtune's first step's loss (every row in one micro-batch, before
     # any update) and its eval loss before training, against transformers' LabelSmoother. The

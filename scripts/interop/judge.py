@@ -283,6 +283,21 @@ def op_interval_schedule(r):
     return out
 
 
+def op_plateau_lrs(r):
+    """The learning rate of each of `total` steps under torch's ReduceLROnPlateau stepped as
+    transformers' Trainer steps it: once after each step's evaluation, with its eval_loss
+    (r["eval_losses"][k] after step k + 1); the first step at lr."""
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=r["lr"])
+    sched = transformers.get_scheduler("reduce_lr_on_plateau", opt, scheduler_specific_kwargs=r["kwargs"])
+    lrs = []
+    for k in range(r["total"]):
+        lrs.append(opt.param_groups[0]["lr"])
+        if k < len(r["eval_losses"]):
+            sched.step(r["eval_losses"][k])
+    return {"lrs": lrs}
+
+
 def op_schedule_lrs(r):
     """The learning rate transformers' get_scheduler(name, ...) sets before each of `total`
     optimizer steps (an SGD over one parameter at lr, stepped as the Trainer steps them)."""

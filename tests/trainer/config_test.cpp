@@ -700,6 +700,26 @@ TEST(ConfigErrors, SchedulerKwargsAreTheScheduleFunctionsOwn) {
                  "min_lr_ratio", "1.5", "training.lr_scheduler_kwargs.min_lr_ratio", "1.5", "must be in [0, 1]");
   expect_invalid("training: {lr_scheduler_type: cosine, lr_scheduler_kwargs: {num_cycles: many}}", "num_cycles", "many",
                  "training.lr_scheduler_kwargs.num_cycles", "many", "expected a number");
+  // reduce_lr_on_plateau steps at the periodic evaluations (transformers: "requires an eval
+  // strategy") and takes no warm-up.
+  const std::string eval = "\ndata: {eval_file: e.jsonl}";
+  EXPECT_EQ(parse("training: {lr_scheduler_type: reduce_lr_on_plateau, eval_steps: 10, lr_scheduler_kwargs: "
+                  "{mode: max, patience: 3}}" + eval)
+                .training.lr_scheduler_kwargs,
+            (memtune::trainer::ScheduleKwargs{{"mode", "max"}, {"patience", 3.0}}));
+  EXPECT_HAS(error_of("training: {lr_scheduler_type: reduce_lr_on_plateau}" + eval),
+             "steps with each periodic evaluation's eval_loss, and this run has none");
+  EXPECT_HAS(error_of("training: {lr_scheduler_type: reduce_lr_on_plateau, eval_strategy: \"no\"}"),
+             "steps with each periodic evaluation's eval_loss");
+  expect_invalid("training: {lr_scheduler_type: reduce_lr_on_plateau, eval_steps: 10, warmup_steps: 5}" + eval,
+                 "warmup_steps", "5", "training.warmup_steps", "5", "reduce_lr_on_plateau has no warm-up");
+  expect_invalid("training: {lr_scheduler_type: reduce_lr_on_plateau, eval_steps: 10, lr_scheduler_kwargs: "
+                 "{factor: 1.5}}" + eval,
+                 "factor", "1.5", "training.lr_scheduler_kwargs.factor", "1.5", "must be in (0, 1)");
+  expect_invalid("training: {lr_scheduler_type: reduce_lr_on_plateau, eval_steps: 10, lr_scheduler_kwargs: "
+                 "{threshold_mode: relative}}" + eval,
+                 "threshold_mode", "relative", "training.lr_scheduler_kwargs.threshold_mode", "relative",
+                 "expected rel or abs");
 }
 
 TEST(ConfigErrors, NeftuneNoiseAlphaIsNotNegative) {

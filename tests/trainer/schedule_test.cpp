@@ -8,6 +8,10 @@
 // where the schedule defines them as transformers does (polynomial holds lr_end).
 #include <gtest/gtest.h>
 
+#include <limits>
+
+#include <nlohmann/json.hpp>
+
 #include "runtime/error.h"
 #include "trainer/schedule.h"
 
@@ -113,6 +117,81 @@ TEST(Schedule, KwargsTransformersRefusesAreRefused) {
   EXPECT_EQ(wsd.decay_steps, 2);
   EXPECT_EQ(wsd.decay_type, "1-sqrt");
   EXPECT_EQ(wsd.min_lr_rate, 0.5);
+}
+
+}  // namespace
+
+namespace {
+
+using memtune::trainer::Schedule;
+using memtune::trainer::ScheduleKwargs;
+using memtune::trainer::with_kwargs;
+
+// reduce_lr_on_plateau against torch's ReduceLROnPlateau (PyTorch 2.x, in transformers 5.12's
+// environment): the learning rate after each of its steps over a fixed sequence of metrics
+// (an SGD at 2e-4), and torch's best, num_bad_epochs and cooldown_counter after the last.
+TEST(Schedule, ReduceLrOnPlateauIsTorchs) {
+  struct PlateauCase {
+    ScheduleKwargs kwargs;
+    std::vector<double> metrics, torch_lrs;
+    double best;
+    int64_t bad, cooldown;
+  };
+  const std::vector<PlateauCase> cases = {
+      {{{"patience", 1.0}, {"factor", 0.5}},
+       {3.0, 2.9, 2.95, 2.96, 2.97, 2.5, 2.6, 2.7, 2.8},
+       {0.0002, 0.0002, 0.0002, 0.0001, 0.0001, 0.0001, 0.0001, 5e-05, 5e-05}, 2.5, 1, 0},
+      {{{"mode", "max"}, {"threshold_mode", "abs"}, {"threshold", 0.05}, {"patience", 0.0}, {"cooldown", 2.0},
+        {"min_lr", 3e-5}, {"factor", 0.3}},
+       {1.0, 1.02, 1.1, 1.12, 1.13, 1.14, 1.3, 1.31, 1.2, 1.0},
+       {0.0002, 6e-05, 6e-05, 6e-05, 3e-05, 3e-05, 3e-05, 3e-05, 3e-05, 3e-05}, 1.3, 0, 0},
+      // A cut smaller than eps leaves the rate (torch: old - new > eps).
+      {{{"factor", 0.9}, {"eps", 1e-4}, {"patience", 0.0}}, {2.0, 2.5, 2.6}, {0.0002, 0.0002, 0.0002}, 2.0, 0, 0},
+      {{{"threshold", 0.1}, {"patience", 2.0}},
+       {10.0, 9.5, 9.2, 8.9, 8.0, 7.9, 7.5, 7.3, 7.2},
+       {0.0002, 0.0002, 0.0002, 0.0002, 0.0002, 0.0002, 0.0002, 2e-05, 2e-05}, 8.0, 1, 0},
+  };
+  for (size_t c = 0; c < cases.size(); ++c) {
+    Schedule s;
+    s.kind = "reduce_lr_on_plateau";
+    s.learning_rate = 2e-4;
+    s = with_kwargs(s, cases[c].kwargs);
+    EXPECT_EQ(s.lr(0), 2e-4);
+    for (size_t i = 0; i < cases[c].metrics.size(); ++i) {
+      s.plateau.step(cases[c].metrics[i]);
+      EXPECT_EQ(s.lr(static_cast<int64_t>(i) + 1), cases[c].torch_lrs[i]) << "case " << c << " evaluation " << i;
+    }
+    EXPECT_EQ(s.plateau.best, cases[c].best) << c;
+    EXPECT_EQ(s.plateau.bad_evaluations, cases[c].bad) << c;
+    EXPECT_EQ(s.plateau.cooldown_counter, cases[c].cooldown) << c;
+  }
+}
+
+// A checkpoint keeps the state (best unset before the first evaluation: torch's infinity,
+// which JSON cannot hold); a resumed plateau steps as the uninterrupted one.
+TEST(Schedule, PlateauStateRoundTrips) {
+  Schedule s;
+  s.kind = "reduce_lr_on_plateau";
+  s.learning_rate = 1e-3;
+  s = with_kwargs(s, {{"patience", 1.0}, {"cooldown", 1.0}});
+  Schedule fresh = s;
+  fresh.plateau.restore(s.plateau.state(), "state.json");
+  EXPECT_EQ(fresh.plateau.best, std::numeric_limits<double>::infinity());
+  for (double m : {5.0, 5.0, 5.0}) s.plateau.step(m);
+  Schedule resumed = fresh;
+  resumed.plateau.restore(s.plateau.state(), "state.json");
+  for (double m : {4.0, 4.5, 4.5, 4.5, 4.5}) {
+    EXPECT_EQ(s.plateau.step(m), resumed.plateau.step(m));
+    EXPECT_EQ(s.lr(0), resumed.lr(0));
+    EXPECT_EQ(s.plateau.cooldown_counter, resumed.plateau.cooldown_counter);
+  }
+  EXPECT_LT(s.lr(0), 1e-3);
+  EXPECT_THROW(resumed.plateau.restore(nlohmann::json(nullptr), "state.json"), memtune::UserError);
+  EXPECT_THROW(resumed.plateau.restore({{"lr", "x"}}, "state.json"), memtune::UserError);
+  // torch refuses a factor of 1 or more; mode and threshold_mode are names.
+  EXPECT_THROW(with_kwargs(s, {{"factor", 1.0}}), memtune::UserError);
+  EXPECT_THROW(with_kwargs(s, {{"mode", "lowest"}}), memtune::UserError);
+  EXPECT_THROW(with_kwargs(s, {{"patience", 1.5}}), memtune::UserError);
 }
 
 }  // namespace

@@ -175,6 +175,28 @@ void expect_resume_equals_straight(const fs::path& d, const std::string& overrid
 
 TEST(Train, ResumeEqualsUninterruptedRun) { expect_resume_equals_straight(temp_dir(), ""); }
 
+// reduce_lr_on_plateau: its state (best loss, bad evaluations, the rate) is in the checkpoint,
+// so the resumed run's learning rates and losses are the straight run's. With patience 0 and
+// a threshold no evaluation meets (a 90 % drop), each evaluation after the first halves the
+// rate: step k > 1 trains at 1e-3 / 2^(k-1).
+TEST(Train, PlateauResumeEqualsUninterruptedRun) {
+  const fs::path d = temp_dir();
+  const std::string plateau =
+      "training.lr_scheduler_type=reduce_lr_on_plateau training.warmup_steps=0 training.eval_steps=1 "
+      "training.lr_scheduler_kwargs.patience=0 training.lr_scheduler_kwargs.factor=0.5 "
+      "training.lr_scheduler_kwargs.threshold=0.9 data.eval_file=" +
+      (source_dir() / "examples/data/tasks_eval.jsonl").string();
+  expect_resume_equals_straight(d, plateau);
+  for (const char* run : {"straight", "resumed"}) {
+    for (const json& row : metrics(d / run / "out")) {
+      if (!row.contains("loss")) continue;
+      const int64_t step = row["step"].get<int64_t>();
+      EXPECT_EQ(row["lr"].get<double>(), step <= 2 ? 1e-3 : 1e-3 / static_cast<double>(int64_t{1} << (step - 2)))
+          << run << " step " << step;
+    }
+  }
+}
+
 // With LoRA dropout: the resumed steps draw the masks the straight run drew (each sample's
 // masks are keyed by the step and the sample; the generator's state is saved too).
 TEST(Train, ResumeWithDropoutEqualsUninterruptedRun) {
