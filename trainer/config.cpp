@@ -967,9 +967,6 @@ void validate(const Config& config, const Checker& c) {
   c.check(!dora || !int8, "lora.use_dora", dora,
           "DoRA on LLM.int8 (load_in_8bit) weights is not supported by memtune. Hint: load_in_4bit, or a dense "
           "base");
-  c.check(!dora || config.distributed.sharding != "full", "lora.use_dora", dora,
-          "distributed.sharding: full keeps 1/W of each frozen weight per rank, and DoRA's magnitude starts at "
-          "the row norms of the whole weight, which rank 0 does not read. Hint: sharding: gradients");
   c.check(!int8 || config.distributed.sharding != "full", "model.quantization_config.load_in_8bit", int8,
           "distributed.sharding: full keeps 1/W of each frozen weight per rank and reads no other, and LLM.int8's "
           "quantization needs each weight whole. Hint: sharding: gradients, or load_in_4bit");

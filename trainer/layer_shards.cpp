@@ -424,4 +424,24 @@ std::string LayerShards::describe() const {
                  ") just before it runs, in forward and again in backward");
 }
 
+int share_dora_magnitudes(models::CausalLM& model, ProcessGroup& pg, bool trainable) {
+  const std::vector<int> owner = LayerShards::owners(model, pg.world_size(), trainable);
+  const auto& slots = model.tensors();
+  at::NoGradGuard no_grad;
+  int shared = 0;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const models::TensorSlot& s = slots[i];
+    if (s.role != models::TensorRole::kLinearWeight || !s.linear->lora || !s.linear->lora->dora()) continue;
+    at::Tensor& m = s.linear->lora->magnitude;
+    const int from = owner[i] >= 0 ? owner[i] : 0;  // outside the layers every rank read it
+    MEMTUNE_INTERNAL_ASSERT(pg.rank() != from || s.linear->weight_loaded(), s.name,
+                            ": its owner did not read it, and DoRA's magnitude needs it");
+    at::Tensor buffer = m.detach().to(pg.device()).contiguous();
+    pg.broadcast(buffer, from);
+    m.detach().copy_(buffer.to(m.device()));
+    ++shared;
+  }
+  return shared;
+}
+
 }  // namespace memtune::trainer

@@ -41,6 +41,13 @@
 
 namespace memtune::trainer {
 
+// DoRA's magnitudes start at the row norms of their projection's whole weight (PEFT's
+// DoraLinearLayer.update_layer), which only the weight's owner read (setup_model's skip,
+// LayerShards::owners): each owner's norms go to every rank, one broadcast per adapted
+// projection in the model's tensor order, before LayerShards takes the layers' trainable
+// tensors from rank 0. Every rank calls it. Returns the magnitudes shared.
+int share_dora_magnitudes(models::CausalLM& model, ProcessGroup& pg, bool trainable);
+
 class LayerShards : public models::LayerSource {
  public:
   // Shards every decoder layer of `model` over the group's ranks: this rank's tensors are

@@ -329,6 +329,8 @@ void Trainer::load_model() {
   // Each rank keeps its share of every layer's frozen weights, moved to the device before
   // the model is placed (the device never holds the whole base).
   if (shard_layers) {
+    if (const int n = share_dora_magnitudes(model, *pg_, c_.training.finetune == "full"))
+      spdlog::info("DoRA: {} magnitudes from the row norms of their weights' owners", n);
     layer_shards_ = std::make_unique<LayerShards>(model, *pg_);
     layer_shards_->set_prefetch(c_.distributed.prefetch);
     spdlog::info("{}", layer_shards_->describe());

@@ -312,9 +312,16 @@ void Linear::add_lora(const LoraOptions& o) {
     // PEFT's DoraLinearLayer.update_layer: m = ||W + s B A||, B being zero here (the base's row norms).
     MEMTUNE_CHECK(!int8(), name_, ": DoRA (use_dora) on an 8-bit (load_in_8bit) weight is not supported; "
                   "use load_in_4bit or a dense base");
-    lora->magnitude = dora_weight_norm();
+    // A weight another rank owns (not read here): NaN until its owner's norms arrive
+    // (trainer/layer_shards.h share_dora_magnitudes).
+    lora->magnitude = weight_loaded() ? dora_weight_norm() : at::full({out_}, NAN, at::kFloat);
     lora->magnitude.set_requires_grad(true);
   }
+}
+
+bool Linear::weight_loaded() const {
+  if (qweight_) return !qweight_->packed.is_meta();
+  return weight.defined() && !weight.is_meta();
 }
 
 void Linear::merge_lora() {

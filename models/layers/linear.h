@@ -52,6 +52,10 @@ class Linear {
   // weight_absmax their fp32 row absmax (SCB), runtime/int8.h.
   bool int8() const { return weight.defined() && weight.scalar_type() == at::kChar; }
   bool has_bias() const { return has_bias_; }
+  // Whether the weight was read: false for a placeholder of shape and dtype alone (a meta
+  // tensor, or 4-bit codes on the meta device), which distributed.sharding: full leaves for
+  // the projections another rank owns (trainer/layer_shards.h).
+  bool weight_loaded() const;
 
   // Tensors stay undefined until loaded or initialised (a model is built without memory).
   at::Tensor weight;  // dense weight as stored: [out, in], or [in, out] when fan_in_fan_out

@@ -235,6 +235,8 @@ INSTANTIATE_TEST_SUITE_P(
                            "model.quantization_config.load_in_4bit=false model.torch_dtype=bfloat16 training.bf16=true",
                            "_bf16_model"},
                       Case{"full", 3, "adamw", "lora", 1e-5, "distributed.prefetch=false", "_no_prefetch"},
+                      // DoRA's magnitudes gathered and trained inside the sharded layers.
+                      Case{"full", 2, "adamw", "lora", 1e-5, "lora.use_dora=true", "_qdora"},
                       // lora.bias: all: GPT-2's biases (its LayerNorms' too) trained inside the sharded
                       // layers beside the adapters, saved in the adapter.
                       Case{"full", 2, "adamw", "lora", 1e-5, "model.name_or_path=tiny-gpt2 lora.bias=all", "_gpt2_bias_all"},
@@ -404,6 +406,34 @@ TEST(ShardedFull, AFullFineTuneReadsItsShareOfTheLayers) {
   // third of the layers under the one process's, which read them all.
   const int64_t layers = 4 * (4 * (4 * 256 * 256 + 3 * 256 * 1024) + 2 * 256 * 4);
   EXPECT_LT(load_peak(d / "full/out"), load_peak(d / "one/out") - layers / 3);
+}
+
+// QDoRA under `full` (FSDP + QDoRA's recipe) from a Hugging Face directory: each rank reads
+// only its share of the layers' weights, and DoRA's magnitudes start at the row norms of
+// weights that only their owners read (share_dora_magnitudes: rank 0, whose values every
+// rank's adapters start from, has a third of them). The run equals one process. NF4, and a
+// dense base.
+TEST(ShardedFull, DoraMagnitudesComeFromEachWeightsOwner) {
+  MEMTUNE_REQUIRE_GLOO();
+  fs::path d = temp_dir();
+  ASSERT_NO_FATAL_FAILURE(init_llama(d, 4));
+  for (const char* base : {"true", "false"}) {
+    const fs::path run_dir = d / (std::string("nf4_") + base);
+    const std::string args = "model.name_or_path=" + (d / "model").string() +
+                             " model.quantization_config.load_in_4bit=" + base +
+                             " lora.use_dora=true training.optim=adamw training.max_steps=3 training.save_steps=0";
+    auto one = run(train_cmd(write_config(run_dir / "one"), args + " training.per_device_train_batch_size=3"), 600);
+    ASSERT_EQ(one.exit_code, 0) << one.output;
+    auto full = run(launch_cmd(3, write_config(run_dir / "full"),
+                               args + " training.per_device_train_batch_size=1 distributed.sharding=full"),
+                    600);
+    ASSERT_EQ(full.exit_code, 0) << full.output;
+    EXPECT_NE(full.output.find("[rank 0] DoRA: 28 magnitudes from the row norms of their weights' owners"),
+              std::string::npos) << full.output;
+    expect_same_losses(step_losses(run_dir / "one/out"), step_losses(run_dir / "full/out"), 1e-5);
+    expect_same_tensors(run_dir / "one/out/adapter/adapter_model.safetensors",
+                        run_dir / "full/out/adapter/adapter_model.safetensors", 1e-5);
+  }
 }
 
 // What each level keeps per rank, measured: a full fine-tune of tiny-llama with SGD (its

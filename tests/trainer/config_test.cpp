@@ -519,11 +519,11 @@ TEST(ConfigErrors, LoadIn8bitRefusesWhatItCannotDo) {
                  "model.quantization_config.load_in_8bit", "true", "8-bit weights stay frozen");
   expect_invalid(q + "distributed:\n  sharding: full\n", "load_in_8bit", "true",
                  "model.quantization_config.load_in_8bit", "true", "needs each weight whole");
-  // DoRA needs each weight whole: not on 8-bit weights, not under sharding: full.
+  // DoRA not on 8-bit weights; under sharding: full each weight's owner gives its norms
+  // (tests/tools/launch_sharding_itest.cpp).
   const std::string dora = "lora: {use_dora: true}\n";
   expect_invalid(q + dora, "use_dora", "true", "lora.use_dora", "true", "DoRA on LLM.int8 (load_in_8bit) weights");
-  expect_invalid(dora + "distributed:\n  sharding: full\n", "use_dora", "true", "lora.use_dora", "true",
-                 "which rank 0 does not read");
+  EXPECT_TRUE(parse(dora + "distributed:\n  sharding: full\n").lora.use_dora);
   EXPECT_TRUE(parse(dora + "distributed:\n  sharding: gradients\n").lora.use_dora);
   // Without load_in_8bit the 4-bit keys are the 4-bit run's.
   EXPECT_EQ(parse("model:\n  quantization_config:\n    bnb_4bit_quant_type: nf4\n")
