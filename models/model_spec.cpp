@@ -203,8 +203,9 @@ void read_gemma(const json& c, ModelSpec& s, const std::string& where) {
   const auto gemma2_default = [&](double v) { return gemma2 ? std::optional<double>(v) : std::nullopt; };
   s.attn_logit_softcapping = read_softcap(c, "attn_logit_softcapping", gemma2_default(50.0), where);
   s.final_logit_softcapping = read_softcap(c, "final_logit_softcapping", gemma2_default(30.0), where);
-  // Gemma2Config's and Gemma3TextConfig's own check, though their heads have head_dim of their own.
-  MEMTUNE_CHECK(s.hidden_size % s.num_heads == 0, where, ": hidden_size ", s.hidden_size,
+  // Gemma2Config's and Gemma3TextConfig's own check, though their heads have head_dim of their own
+  // (no heads at all: validate's message, below).
+  MEMTUNE_CHECK(s.num_heads <= 0 || s.hidden_size % s.num_heads == 0, where, ": hidden_size ", s.hidden_size,
                 " is not a multiple of num_attention_heads ", s.num_heads, ", which transformers' ", family,
                 " refuses");
   s.sandwich_norms = true;

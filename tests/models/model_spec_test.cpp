@@ -454,6 +454,8 @@ TEST(ModelSpecGemma, RefusesWhatItCannotHonour) {
   refused(g3, "layer_types", {"full_attention"}, "layer_types must be a list of num_hidden_layers (2)");
   refused(g3, "layer_types", {"full_attention", "chunked_attention"}, "layer_types[1] is \"chunked_attention\"");
   refused(g3, "num_attention_heads", 3, "not a multiple of num_attention_heads 3");
+  // fuzz/regressions/hf_config-d32d2907cd0c: no heads at all divided by zero in that check.
+  refused(small("gemma2"), "num_attention_heads", 0, "num_attention_heads");
   refused(g3, "rope_scaling", {{"type", "linear"}, {"factor", 8.0}}, "transformers 5's Gemma 3 ignores");
   refused(g3, "rope_parameters", {{"rope_type", "linear"}, {"factor", 8.0}}, "keyed by layer type");
   refused(g3, "rope_parameters", {{"sliding_attention", {{"rope_type", "linear"}, {"factor", 2.0}}}},
