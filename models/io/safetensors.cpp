@@ -427,20 +427,30 @@ std::string shard_name(const std::string& base, size_t i, size_t n) {
   std::snprintf(buf, sizeof(buf), "-%05zu-of-%05zu.safetensors", i + 1, n);
   return base + buf;
 }
+
+// Whether `p` exists; a path the system cannot look up (a name too long, a component that is
+// a file) is a UserError naming it, not filesystem_error.
+bool path_exists(const fs::path& p, const std::string& what) {
+  std::error_code ec;
+  const bool exists = fs::exists(p, ec);
+  MEMTUNE_CHECK(!ec, what, p, " cannot be looked up: ", ec.message());
+  return exists;
+}
 }  // namespace
 
 CheckpointReader::CheckpointReader(const fs::path& path, const std::string& base) {
   fs::path index_file, single_file;
-  if (fs::is_directory(path)) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) {
     index_file = path / (base + ".safetensors.index.json");
     single_file = path / (base + ".safetensors");
-    if (!fs::exists(index_file)) {
-      MEMTUNE_CHECK(fs::exists(single_file), "no checkpoint in ", path, ": neither ",
+    if (!path_exists(index_file, "checkpoint index ")) {
+      MEMTUNE_CHECK(path_exists(single_file, "checkpoint "), "no checkpoint in ", path, ": neither ",
                     single_file.filename(), " nor ", index_file.filename(), " exists");
       index_file.clear();
     }
   } else {
-    MEMTUNE_CHECK(fs::exists(path), "checkpoint ", path, " does not exist");
+    MEMTUNE_CHECK(path_exists(path, "checkpoint "), "checkpoint ", path, " does not exist");
     const std::string name = path.filename().string();
     if (name.size() > 5 && name.compare(name.size() - 5, 5, ".json") == 0)
       index_file = path;
@@ -497,7 +507,7 @@ CheckpointReader::CheckpointReader(const fs::path& path, const std::string& base
   const fs::path dir = index_file.parent_path();
   for (const auto& [file, tensors] : by_shard) {
     const fs::path shard_path = dir / file;
-    MEMTUNE_CHECK(fs::exists(shard_path), in, "shard ", shard_path, " (holding tensor '",
+    MEMTUNE_CHECK(path_exists(shard_path, in + "shard "), in, "shard ", shard_path, " (holding tensor '",
                   tensors.front(), "' and ", tensors.size() - 1,
                   " more) does not exist; the checkpoint is incomplete");
     shards_.emplace_back(shard_path);

@@ -584,6 +584,13 @@ TEST_F(CheckpointMalformed, IndexWithoutWeightMap) {
   expect_error([&] { CheckpointReader c(dir_); }, index_path(), {"weight_map"});
 }
 
+// Found by fuzz_safetensors_index: a shard name past the system's limit made the lookup
+// throw filesystem_error, not an error naming the index.
+TEST_F(CheckpointMalformed, ShardNameTooLongForTheSystem) {
+  index(R"({"a":")" + std::string(300, 'y') + R"(.safetensors"})");
+  expect_error([&] { CheckpointReader c(dir_); }, index_path(), {"cannot be looked up", "too long"});
+}
+
 // Found by fuzz_safetensors_index: an empty map left the reader with no shard, and
 // metadata() read the first of none.
 TEST_F(CheckpointMalformed, EmptyWeightMap) {
