@@ -132,6 +132,10 @@ bool gemma_models_key(const std::string& model_type, const std::string& key) {
 // it in): true for a sliding layer.
 std::vector<bool> gemma_sliding_layers(const json& c, bool gemma2, int64_t layers, const std::string& where) {
   const char* family = gemma2 ? "Gemma 2" : "Gemma 3";
+  // Before a flag per layer is made (validate_spec checks the sizes after this reader).
+  constexpr int64_t kMaxLayers = int64_t{1} << 24;
+  MEMTUNE_CHECK(layers > 0 && layers <= kMaxLayers, where, ": num_hidden_layers is ", layers,
+                "; it must be positive and at most ", kMaxLayers, " (no real model comes close); is config.json damaged?");
   std::vector<bool> sliding;
   if (c.contains("layer_types") && !c["layer_types"].is_null()) {
     const json& types = c["layer_types"];

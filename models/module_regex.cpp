@@ -33,8 +33,12 @@ std::string python_regex_problem(const std::string& pattern) {
       after_repeat = false;
       if (c == '[') {
         in_class = true;
+        const size_t start = i;
         if (i + 1 < pattern.size() && pattern[i + 1] == '^') ++i;
-        if (i + 1 < pattern.size() && pattern[i + 1] == ']') ++i;  // a leading ] is literal
+        if (i + 1 < pattern.size() && pattern[i + 1] == ']')  // Python: a literal; std::regex: the class's end
+          return str_cat("a ']' first in the character class at position ", start,
+                         ", which Python reads as a literal and std::regex as the end of an empty class; "
+                         "write \\] for the same pattern in both");
       }
       continue;
     }

@@ -8,7 +8,8 @@ namespace memtune::models {
 // Where Python's re refuses `pattern` and std::regex would take it: a repeat on a repeat
 // ("multiple repeat": `.**`, `a+{2}`; std::regex nests them, and matching `(x*)*`
 // backtracks exponentially), or Python 3.11's possessive `*+`, which std::regex reads as
-// such a nest. A `?` after a repeat makes it lazy, in both. "" where Python takes it.
+// such a nest; or a `]` first in a class (`[]a]`: a literal in Python, an empty class in
+// ECMAScript). A `?` after a repeat makes it lazy, in both. "" where Python takes it.
 std::string python_regex_problem(const std::string& pattern);
 
 // `source` compiled so that matching takes polynomial time where the library offers it

@@ -178,9 +178,10 @@ bool Plateau::step(double metric) {
 }
 
 nlohmann::json Plateau::state() const {
-  // JSON has no infinity: before any evaluation best is torch's mode_worse, written null.
+  // JSON has no infinity: before any evaluation best is torch's mode_worse, and a metric of
+  // inf may become it; written "inf" / "-inf".
   return {{"lr", lr},
-          {"best", std::isfinite(best) ? nlohmann::json(best) : nlohmann::json(nullptr)},
+          {"best", std::isfinite(best) ? nlohmann::json(best) : nlohmann::json(best > 0 ? "inf" : "-inf")},
           {"bad_evaluations", bad_evaluations},
           {"cooldown_counter", cooldown_counter},
           {"evaluations", evaluations}};
@@ -193,9 +194,11 @@ void Plateau::restore(const nlohmann::json& j, const std::string& origin) {
   MEMTUNE_CHECK(l.is_number() && std::isfinite(l.get<double>()) && l.get<double>() >= 0, where, ".lr is ", l.dump(),
                 "; expected a learning rate");
   const nlohmann::json& b = json_field(j, "best", where);
-  MEMTUNE_CHECK(b.is_null() || b.is_number(), where, ".best is ", b.dump(), "; expected a number or null");
+  MEMTUNE_CHECK(b.is_number() || b == "inf" || b == "-inf", where, ".best is ", b.dump(),
+                "; expected a number, \"inf\" or \"-inf\"");
   start(l.get<double>());
-  if (b.is_number()) best = b.get<double>();
+  best = b.is_number() ? b.get<double>()
+                       : (b == "inf" ? 1.0 : -1.0) * std::numeric_limits<double>::infinity();
   bad_evaluations = json_int(j, "bad_evaluations", 0, int64_t{1} << 53, where);
   cooldown_counter = json_int(j, "cooldown_counter", 0, int64_t{1} << 53, where);
   evaluations = json_int(j, "evaluations", 0, int64_t{1} << 53, where);

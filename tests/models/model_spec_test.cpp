@@ -456,6 +456,8 @@ TEST(ModelSpecGemma, RefusesWhatItCannotHonour) {
   refused(g3, "num_attention_heads", 3, "not a multiple of num_attention_heads 3");
   // fuzz/regressions/hf_config-d32d2907cd0c: no heads at all divided by zero in that check.
   refused(small("gemma2"), "num_attention_heads", 0, "num_attention_heads");
+  // And a layer count past any model's, which made a flag per layer before the sizes' check.
+  refused(small("gemma2"), "num_hidden_layers", int64_t{100000000000}, "num_hidden_layers is 100000000000");
   refused(g3, "rope_scaling", {{"type", "linear"}, {"factor", 8.0}}, "transformers 5's Gemma 3 ignores");
   refused(g3, "rope_parameters", {{"rope_type", "linear"}, {"factor", 8.0}}, "keyed by layer type");
   refused(g3, "rope_parameters", {{"sliding_attention", {{"rope_type", "linear"}, {"factor", 2.0}}}},

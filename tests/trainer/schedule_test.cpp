@@ -186,6 +186,14 @@ TEST(Schedule, PlateauStateRoundTrips) {
     EXPECT_EQ(s.plateau.cooldown_counter, resumed.plateau.cooldown_counter);
   }
   EXPECT_LT(s.lr(0), 1e-3);
+  // mode max: a metric of inf becomes the best (torch: inf > -inf), and stays it over a resume.
+  Schedule max = with_kwargs(s, {{"mode", "max"}, {"patience", 0.0}});
+  max.plateau.step(std::numeric_limits<double>::infinity());
+  Schedule max_resumed = max;
+  max_resumed.plateau.restore(max.plateau.state(), "state.json");
+  EXPECT_EQ(max_resumed.plateau.best, std::numeric_limits<double>::infinity());
+  EXPECT_EQ(max.plateau.step(3.0), max_resumed.plateau.step(3.0));
+  EXPECT_EQ(max.lr(0), max_resumed.lr(0));
   EXPECT_THROW(resumed.plateau.restore(nlohmann::json(nullptr), "state.json"), memtune::UserError);
   EXPECT_THROW(resumed.plateau.restore({{"lr", "x"}}, "state.json"), memtune::UserError);
   // torch refuses a factor of 1 or more; mode and threshold_mode are names.
