@@ -119,6 +119,10 @@ data:
 put("config", "plateau.yaml", """training:
   lr_scheduler_type: reduce_lr_on_plateau
   eval_steps: 5
+  save_steps: 10
+  metric_for_best_model: eval_loss
+  greater_is_better: false
+  load_best_model_at_end: true
   lr_scheduler_kwargs: {mode: min, factor: 0.5, patience: 2, threshold: 0.01, threshold_mode: abs, cooldown: 1,
                         min_lr: 1.0e-6, eps: 1.0e-9}
 data:
@@ -165,7 +169,8 @@ put("train_state", "state.json", json.dumps(state, indent=2))
 put("train_state", "old.json", json.dumps({k: v for k, v in state.items()
                                            if k not in ("checkpoint_layers", "world_size", "data")}))
 put("train_state", "plateau.json", json.dumps(dict(state, lr_scheduler={
-    "lr": 5e-4, "best": 2.25, "bad_evaluations": 1, "cooldown_counter": 0, "evaluations": 3})))
+    "lr": 5e-4, "best": 2.25, "bad_evaluations": 1, "cooldown_counter": 0, "evaluations": 3},
+    best={"metric": 2.25, "step": 2, "checkpoint": 2})))
 
 # adapter_config: PEFT's file as peft 0.x writes it, and memtune's own.
 adapter = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 8, "lora_alpha": 16, "lora_dropout": 0.05,

@@ -289,6 +289,19 @@ void TrainingConfig::fields(F&& f) {
   f("eval_accuracy_rows", eval_accuracy_rows,
     "> 0: before and after training, greedy exact-match accuracy on this many records of the "
     "instruction eval file");
+  f("metric_for_best_model", metric_for_best_model,
+    "the evaluation metric that ranks checkpoints and steps reduce_lr_on_plateau (HF's): loss, perplexity or "
+    "token_accuracy (eval_ prefix optional); unset: loss where load_best_model_at_end or reduce_lr_on_plateau "
+    "needs one",
+    Field::one_of({"", "loss", "eval_loss", "perplexity", "eval_perplexity", "token_accuracy", "eval_token_accuracy"},
+                  "memtune's evaluation metrics"));
+  f("greater_is_better", greater_is_better,
+    "whether a larger metric_for_best_model is better; unset: true unless the metric's name ends in loss (HF's)",
+    Field::one_of({"", "true", "false"}, "a boolean, or unset"));
+  f("load_best_model_at_end", load_best_model_at_end,
+    "at the end, the trainable tensors of the checkpoint with the best metric_for_best_model go into the final "
+    "evaluation and the saved adapter or model (HF's); save_total_limit keeps that checkpoint and the newest. "
+    "Needs checkpoints at evaluations: eval_strategy and save_strategy alike, save_steps a multiple of eval_steps");
   f("seed", seed, "seed of the sampler, dropout and LoRA initialisation");
   f("resume_from_checkpoint", resume_from_checkpoint,
     "latest (or true): the newest checkpoint in output_dir, or a fresh start when there is none yet (one "
@@ -934,6 +947,21 @@ void validate(const Config& config, const Checker& c) {
           "nothing would read the eval data that data." +
               std::string(config.data.eval_file.empty() ? "eval_split holds out" : "eval_file names") +
               "; drop it, or evaluate");
+  c.check(config.training.greater_is_better.empty() || !best_metric_name(config.training).empty(),
+          "training.greater_is_better", config.training.greater_is_better,
+          "ranks metric_for_best_model, and nothing here ranks evaluations; set metric_for_best_model, or drop it");
+  // load_best_model_at_end ranks the checkpoints written at evaluations: HF requires the
+  // strategies to match (the steps' multiple is checked when the run knows its intervals).
+  if (config.training.load_best_model_at_end) {
+    const std::string eval_kind = strategy.empty() ? "steps" : strategy;
+    const bool periodic = strategy == "steps" || strategy == "epoch" || (strategy.empty() && config.training.eval_steps > 0);
+    c.check(periodic && eval_data, "training.load_best_model_at_end", true,
+            "ranks the checkpoints by their evaluations, and this run has none; set eval_strategy: steps with "
+            "eval_steps (or epoch), and data.eval_file or data.eval_split");
+    c.check(config.training.save_strategy == eval_kind, "training.save_strategy", config.training.save_strategy,
+            str_cat("load_best_model_at_end needs a checkpoint at each evaluation: save_strategy must match "
+                    "eval_strategy (", eval_kind, "), as transformers requires"));
+  }
   // reduce_lr_on_plateau steps at the periodic evaluations (transformers requires an eval
   // strategy) and has no warm-up (get_scheduler returns it before warm-up is read).
   if (config.training.lr_scheduler_type == "reduce_lr_on_plateau") {
@@ -1107,6 +1135,19 @@ std::vector<std::string> compatibility_notes(const Config& config) {
                     "' matches modules whose name ends with it or that it matches in full as a regex "
                     "(PEFT reads a single string as a regex)");
   return notes;
+}
+
+std::string best_metric_name(const TrainingConfig& t) {
+  std::string m = t.metric_for_best_model;
+  if (m.rfind("eval_", 0) == 0) m = m.substr(5);
+  if (m.empty() && (t.load_best_model_at_end || t.lr_scheduler_type == "reduce_lr_on_plateau")) m = "loss";
+  return m;
+}
+
+bool best_is_greater(const TrainingConfig& t) {
+  if (!t.greater_is_better.empty()) return t.greater_is_better == "true";
+  const std::string m = best_metric_name(t);
+  return !(m.size() >= 4 && m.compare(m.size() - 4, 4, "loss") == 0);
 }
 
 int64_t steps_of(double value, int64_t total_steps) {

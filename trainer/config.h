@@ -147,6 +147,12 @@ struct TrainingConfig {
   double eval_steps = 0;                      // 0: no periodic evaluation
   std::string eval_strategy;                  // empty (memtune's: eval_steps) | steps | epoch | no
   int64_t eval_accuracy_rows = 0;             // > 0: exact-match accuracy on this many eval records (instruction data)
+  // The best evaluation (HF's): its metric ("" unset: loss where load_best_model_at_end or
+  // reduce_lr_on_plateau needs one), whether larger is better (unset: not a *loss), and the
+  // trainable tensors of its checkpoint in the final adapter or model.
+  std::string metric_for_best_model;
+  std::string greater_is_better;              // "" (unset) | true | false
+  bool load_best_model_at_end = false;
   uint64_t seed = 42;
   std::string resume_from_checkpoint;         // empty | latest | path to checkpoints/step-N
   double fp16_init_scale = 65536;             // loss scaler start
@@ -271,6 +277,13 @@ std::map<std::string, std::string> flatten(const Config& config);
 std::string config_help();
 // Lines to log once: keys accepted for compatibility that change nothing in this run.
 std::vector<std::string> compatibility_notes(const Config& config);
+
+// metric_for_best_model without its eval_ prefix (loss, perplexity or token_accuracy); unset,
+// "loss" where load_best_model_at_end or reduce_lr_on_plateau needs one (transformers'
+// default), else "": nothing ranks the evaluations.
+std::string best_metric_name(const TrainingConfig& t);
+// greater_is_better; unset, whether that name does not end in "loss" (transformers').
+bool best_is_greater(const TrainingConfig& t);
 
 // A *_steps key in steps for a run of `total_steps`: a value in (0, 1) is that share of them,
 // rounded up (transformers' TrainerState.compute_steps and TrainingArguments.get_warmup_steps),

@@ -1,6 +1,7 @@
 #include "trainer/train_state.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -119,6 +120,7 @@ nlohmann::json TrainState::to_json() const {
                       {"total_steps", total_steps}};
   if (data_samples > 0) j["data"] = {{"samples", data_samples}, {"target_tokens", data_target_tokens}};
   if (!lr_scheduler.is_null()) j["lr_scheduler"] = lr_scheduler;
+  if (best_metric) j["best"] = {{"metric", *best_metric}, {"step", best_step}, {"checkpoint", best_checkpoint}};
   return j;
 }
 
@@ -139,6 +141,17 @@ TrainState TrainState::from_json(const nlohmann::json& j, const std::string& ori
   if (j.contains("world_size")) s.world_size = json_int(j, "world_size", 1, int64_t{1} << 20, origin);
   if (j.contains("total_steps")) s.total_steps = json_int(j, "total_steps", 0, int64_t{1} << 53, origin);
   if (j.contains("lr_scheduler")) s.lr_scheduler = j["lr_scheduler"];  // its schedule checks it (Plateau::restore)
+  if (j.contains("best")) {  // absent from checkpoints of earlier versions and of runs that rank none
+    const auto& b = j["best"];
+    const std::string where = std::string(origin) + ".best";
+    MEMTUNE_CHECK(b.is_object(), where, " is ", b.dump(), "; expected an object");
+    const auto& m = json_field(b, "metric", where);
+    MEMTUNE_CHECK(m.is_number() && std::isfinite(m.get<double>()), where, ".metric is ", m.dump(),
+                  "; expected a finite number");
+    s.best_metric = m.get<double>();
+    s.best_step = json_int(b, "step", 0, int64_t{1} << 40, where);
+    s.best_checkpoint = json_int(b, "checkpoint", 0, int64_t{1} << 40, where);
+  }
   if (j.contains("data")) {  // absent from checkpoints of earlier versions
     const auto& d = j["data"];
     const std::string where = std::string(origin) + ".data";
@@ -200,10 +213,28 @@ fs::path save_training_checkpoint(const fs::path& output_dir, const TrainState& 
   if (optimizer_shards > 0) remove_tree(optimizer_shard_path(output_dir, state.step, 0, 1).parent_path().parent_path());
   remove_incomplete_checkpoints(output_dir);
   if (save_total_limit > 0) {
-    auto all = list_checkpoints(output_dir);
-    for (size_t i = 0; i + static_cast<size_t>(save_total_limit) < all.size(); ++i) prune(all[i].second);
+    const auto all = list_checkpoints(output_dir);
+    std::vector<int64_t> steps;
+    for (const auto& [step, path] : all) steps.push_back(step);
+    for (size_t i : checkpoints_to_prune(steps, save_total_limit, state.best_checkpoint)) prune(all[i].second);
   }
   return final_dir;
+}
+
+std::vector<size_t> checkpoints_to_prune(const std::vector<int64_t>& steps, int limit, int64_t best) {
+  std::vector<size_t> out;
+  if (limit <= 0 || steps.size() <= static_cast<size_t>(limit)) return out;
+  const auto is_kept = [&](size_t i) { return i + 1 == steps.size() || (best > 0 && steps[i] == best); };
+  size_t kept = 0;
+  for (size_t i = 0; i < steps.size(); ++i) kept += is_kept(i);
+  const size_t keep = std::max(static_cast<size_t>(limit), kept);
+  size_t remaining = steps.size();
+  for (size_t i = 0; i < steps.size() && remaining > keep; ++i)
+    if (!is_kept(i)) {
+      out.push_back(i);
+      --remaining;
+    }
+  return out;
 }
 
 fs::path optimizer_shard_path(const fs::path& output_dir, int64_t step, int rank, int world) {

@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -41,6 +42,12 @@ struct TrainState {
   bool eval_due = false;                // a stop cut short the periodic evaluation at `step`: a resume runs it
   int64_t total_steps = 0;              // the run's length when it was written; 0 in old checkpoints
   nlohmann::json lr_scheduler;          // a stateful schedule's state (reduce_lr_on_plateau); null otherwise
+  // metric_for_best_model's best value so far, the step of that evaluation, and the step of
+  // the checkpoint it names (HF's best_metric, best_global_step, best_model_checkpoint); 0:
+  // none. save_total_limit never prunes the best checkpoint.
+  std::optional<double> best_metric;
+  int64_t best_step = 0;
+  int64_t best_checkpoint = 0;
   // What data.train_file made for the run that wrote it: the sampler's order is a permutation
   // of that many samples, so a resume on data that makes another count of samples or target
   // tokens would not continue it. 0 in old checkpoints (unknown; state.json then has no "data").
@@ -61,6 +68,11 @@ struct TrainingCheckpoint {
   at::Tensor rng_state;                        // CPU generator state (uint8)
   std::string config_yaml;
 };
+
+// Which of the checkpoints at `steps` (ascending) save_total_limit `limit` (> 0) removes, as
+// transformers' rotate_checkpoints: the newest and the best (`best` > 0) stay, and the oldest
+// of the others go until at most max(limit, the kept) remain. Indices into `steps`.
+std::vector<size_t> checkpoints_to_prune(const std::vector<int64_t>& steps, int limit, int64_t best);
 
 // Writes checkpoints/step-<step>; prunes the oldest beyond save_total_limit (> 0) only after
 // the new one is complete. Returns the final directory. `optimizer_shards` > 0: the optimizer

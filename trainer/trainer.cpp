@@ -175,7 +175,11 @@ class Trainer {
   void write_row(const StepRecord& r, double tokens_per_s);
   void save_checkpoint();
   bool evaluate_loss(const char* when);  // false: a signal stopped it before its row was written
-  void step_plateau();  // reduce_lr_on_plateau: the periodic evaluation's loss steps it
+  void step_plateau(double metric);  // reduce_lr_on_plateau: the periodic evaluation's metric steps it
+  void track_best(double metric);    // metric_for_best_model: a new best evaluation
+  double agreed_metric() const;      // the last evaluation's metric_for_best_model, one value on every rank
+  void load_best();                  // load_best_model_at_end
+  void copy_trainable(const std::map<std::string, at::Tensor>& from, const fs::path& dir);
   void evaluate_accuracy(const char* when);
   int stop_signal() const;  // 0, or the signal to stop for (distributed: agreed in the step)
   void evaluate_periodic();
@@ -210,7 +214,11 @@ class Trainer {
   int64_t log_every_ = 1, save_every_ = 0, eval_every_ = 0;  // logging/save/eval_steps in steps (steps_of)
   int64_t saved_at_ = -1;  // the step of the last checkpoint written or resumed from
   bool eval_due_ = false;  // the periodic evaluation at step_ was stopped before its row was written
-  double last_eval_loss_ = 0;  // the last evaluation's eval_loss
+  EvalResult last_eval_;  // the last evaluation's figures
+  // metric_for_best_model (TrainState's best_*): the best value, its evaluation's step, and
+  // the checkpoint written at that step.
+  std::optional<double> best_metric_;
+  int64_t best_step_ = 0, best_checkpoint_ = 0;
   std::unique_ptr<data::Sampler> sampler_;
 
   Schedule schedule_;
@@ -456,6 +464,16 @@ void Trainer::load_data() {
                    "does: every step here (memtune's logging_steps defaults to 1, transformers' to 500). Hint: set "
                    "eval_steps");
   }
+  // transformers: "--load_best_model_at_end requires the saving steps to be a round multiple of
+  // the evaluation steps", so that each checkpoint has its evaluation.
+  MEMTUNE_CHECK(!t.load_best_model_at_end || (save_every_ > 0 && eval_every_ > 0 && save_every_ % eval_every_ == 0),
+                "training.load_best_model_at_end needs a checkpoint at evaluations: checkpoints every ", save_every_,
+                " steps and evaluations every ", eval_every_,
+                " (0: none); save_steps must be a round multiple of eval_steps, as transformers requires");
+  if (!best_metric_name(t).empty() && t.greater_is_better.empty() && best_is_greater(t))
+    spdlog::warn("training.metric_for_best_model: {} does not end in loss, so a larger value ranks better "
+                 "(transformers' default for greater_is_better){}", best_metric_name(t),
+                 best_metric_name(t) == "perplexity" ? "; for perplexity set greater_is_better: false" : "");
 }
 
 void Trainer::build_update() {
@@ -799,17 +817,7 @@ void Trainer::resume() {
   if (ck.state.data_samples == 0)
     spdlog::info("resume: {} names no data count (an earlier memtune wrote it): its sample order is not checked "
                  "against the data", dir.string());
-  at::NoGradGuard no_grad;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const auto& [name, p] = params_[i];
-    auto it = ck.trainable.find(name);
-    MEMTUNE_CHECK(it != ck.trainable.end(), dir.string(), ": the checkpoint lacks trainable tensor '", name, "'");
-    MEMTUNE_CHECK(it->second.sizes() == p.sizes(), dir.string(), ": '", name, "' has shape ", it->second.sizes(),
-                  ", the model's is ", p.sizes());
-    // A sharded layer's tensor: its owner's storage only (another rank's is a placeholder).
-    if (layer_shards_ && layer_shards_->holds(p) && !sharding_->owned()[i]) continue;
-    const_cast<at::Tensor&>(p).copy_(it->second);
-  }
+  copy_trainable(ck.trainable, dir);
   try {  // each owner checks its part of state.json; the message gains the file's name
     optimizer_->load_state(ck.optimizer, ck.state.optimizer);
     data::SamplerState ss;
@@ -817,6 +825,9 @@ void Trainer::resume() {
     sampler_->restore(ss);
     scaler_->load_state(ck.state.scaler);
     if (schedule_.kind == "reduce_lr_on_plateau") schedule_.plateau.restore(ck.state.lr_scheduler, "state.json");
+    best_metric_ = ck.state.best_metric;
+    best_step_ = ck.state.best_step;
+    best_checkpoint_ = ck.state.best_checkpoint;
     if (ck.state.world_size <= 0 || ck.state.world_size == dist_.world_size)
       supervisor_->load_state(ck.state.supervisor);
     else  // its micro-batch was per rank of another split of the step
@@ -1120,6 +1131,9 @@ void Trainer::with_trainable_whole(const std::function<void()>& fn) {
 }
 
 void Trainer::save_checkpoint() {
+  // transformers' _save_checkpoint: the best evaluation's checkpoint is this one when it was
+  // made at this step (evaluations run before the save of their step).
+  if (best_step_ > 0 && best_step_ == step_) best_checkpoint_ = step_;
   saved_at_ = step_;  // on every rank: each decides alike whether a stop saves again
   // distributed.sharding: every rank writes its optimizer state's shard first.
   const int shards = sharding_->write_state_shard(out_dir_, step_, *optimizer_);
@@ -1145,6 +1159,9 @@ void Trainer::save_checkpoint() {
   state.eval_due = eval_due_;
   state.total_steps = total_steps_;
   if (schedule_.kind == "reduce_lr_on_plateau") state.lr_scheduler = schedule_.plateau.state();
+  state.best_metric = best_metric_;
+  state.best_step = best_step_;
+  state.best_checkpoint = best_checkpoint_;
   state.data_samples = train_set_->stats().samples;
   state.data_target_tokens = train_set_->stats().target_tokens;
   const auto whole_state = shards > 0 ? std::vector<std::pair<std::string, at::Tensor>>{} : optimizer_->state_tensors();
@@ -1187,7 +1204,7 @@ bool Trainer::evaluate_loss(const char* when) {
   }
   spdlog::info("eval ({}): loss {:.4f}, perplexity {:.2f}, token accuracy {:.1f}%, {} tokens", when, r.loss,
                r.perplexity, 100.0 * r.token_accuracy, r.tokens);
-  last_eval_loss_ = r.loss;
+  last_eval_ = r;
   metrics_->write({{"step", step_},
                    {"when", when},
                    {"eval_loss", r.loss},
@@ -1226,19 +1243,78 @@ void Trainer::evaluate_periodic() {
     dist_stop_ = dist_stop_ || any[0] > 0;
     eval_due_ = any[1] > 0;
   }
-  if (!eval_due_ && schedule_.kind == "reduce_lr_on_plateau") step_plateau();
+  if (eval_due_ || best_metric_name(c_.training).empty()) return;
+  const double metric = agreed_metric();
+  track_best(metric);
+  if (schedule_.kind == "reduce_lr_on_plateau") step_plateau(metric);
 }
 
-// After the evaluation, as the Trainer's _evaluate steps ReduceLROnPlateau with eval_loss; the
-// next step takes the rate it leaves. distributed: every rank evaluated the whole eval set;
-// the ranks step with one value (the largest, should their last bits differ).
-void Trainer::step_plateau() {
-  const double metric = pg_ ? pg_->allreduce(std::vector<double>{last_eval_loss_}, ReduceOp::max)[0] : last_eval_loss_;
+// The value the Trainer reads as metrics["eval_" + metric_for_best_model]. distributed: every
+// rank evaluated the whole eval set; the ranks take one value (the largest, should their last
+// bits differ).
+double Trainer::agreed_metric() const {
+  const std::string name = best_metric_name(c_.training);
+  const double v = name == "perplexity" ? last_eval_.perplexity
+                   : name == "token_accuracy" ? last_eval_.token_accuracy
+                                              : last_eval_.loss;
+  return pg_ ? pg_->allreduce(std::vector<double>{v}, ReduceOp::max)[0] : v;
+}
+
+// The Trainer's _determine_best_metric: strictly better than the best so far (the first
+// evaluation always is). Its checkpoint is the one written at this step (save_checkpoint).
+void Trainer::track_best(double metric) {
+  const bool greater = best_is_greater(c_.training);
+  if (best_metric_ && !(greater ? metric > *best_metric_ : metric < *best_metric_)) return;
+  best_metric_ = metric;
+  best_step_ = step_;
+}
+
+// The trainable tensors from a checkpoint's (every one present, of the model's shape).
+void Trainer::copy_trainable(const std::map<std::string, at::Tensor>& from, const fs::path& dir) {
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& [name, p] = params_[i];
+    auto it = from.find(name);
+    MEMTUNE_CHECK(it != from.end(), dir.string(), ": the checkpoint lacks trainable tensor '", name, "'");
+    MEMTUNE_CHECK(it->second.sizes() == p.sizes(), dir.string(), ": '", name, "' has shape ", it->second.sizes(),
+                  ", the model's is ", p.sizes());
+    // A sharded layer's tensor: its owner's storage only (another rank's is a placeholder).
+    if (layer_shards_ && layer_shards_->holds(p) && !sharding_->owned()[i]) continue;
+    const_cast<at::Tensor&>(p).copy_(it->second);
+  }
+}
+
+// transformers' _load_best_model at the end of train(): the best checkpoint's trainable
+// tensors (its adapter, or its weights) replace the last step's, before the final evaluation
+// and the saved adapter or model. distributed: every rank reads them (as a resume does).
+void Trainer::load_best() {
+  if (best_checkpoint_ <= 0) {
+    spdlog::warn("training.load_best_model_at_end: no checkpoint was written at a best evaluation; the last step's "
+                 "weights stay");
+    return;
+  }
+  const std::string name = best_metric_name(c_.training);
+  if (best_checkpoint_ == step_) {
+    spdlog::info("load_best_model_at_end: the last step's evaluation is the best (eval_{} {:.6g}); its weights stay",
+                 name, *best_metric_);
+    return;
+  }
+  const fs::path dir = out_dir_ / "checkpoints" / str_cat("step-", best_checkpoint_);
+  const TrainingCheckpoint ck = load_training_checkpoint(dir, [](const std::string&) { return false; });
+  copy_trainable(ck.trainable, dir);
+  spdlog::info("load_best_model_at_end: the trainable tensors of {} (eval_{} {:.6g}, the best of the run's "
+               "evaluations) replace the last step's", dir.string(), name, *best_metric_);
+}
+
+// After the evaluation, as the Trainer's _evaluate steps ReduceLROnPlateau with
+// metric_for_best_model's value (eval_loss by default); the next step takes the rate it leaves.
+void Trainer::step_plateau(double metric) {
   Plateau& p = schedule_.plateau;
   const double before = p.lr;
   if (p.step(metric))
-    spdlog::info("lr schedule reduce_lr_on_plateau: eval_loss {:.6g} is no better than {:.6g} for {} evaluations: "
-                 "learning rate {:.6g} -> {:.6g}", metric, p.best, p.patience + 1, before, p.lr);
+    spdlog::info("lr schedule reduce_lr_on_plateau: eval_{} {:.6g} is no better than {:.6g} for {} evaluations: "
+                 "learning rate {:.6g} -> {:.6g}", best_metric_name(c_.training), metric, p.best, p.patience + 1,
+                 before, p.lr);
 }
 
 // distributed: a rank stops only when the ranks agreed in this step's reduction, all at
@@ -1261,6 +1337,7 @@ TrainResult Trainer::stop(int sig) {
 // The last checkpoint, the final evaluations, the adapter or model, the memory report.
 TrainResult Trainer::finish() {
   if (c_.training.save_strategy != "no") save_checkpoint();
+  if (c_.training.load_best_model_at_end) load_best();
   evaluate_loss(kFinalEval);
   evaluate_accuracy(kFinalAccuracy);
   // Stopped during the final evaluations: the last checkpoint is saved; the adapter or

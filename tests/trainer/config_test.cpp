@@ -722,6 +722,32 @@ TEST(ConfigErrors, SchedulerKwargsAreTheScheduleFunctionsOwn) {
                  "expected rel or abs");
 }
 
+// metric_for_best_model, greater_is_better and load_best_model_at_end as TrainingArguments
+// reads them: the metric's default ("loss" where something ranks evaluations), the default
+// of greater_is_better (not a *loss), and the strategies load_best_model_at_end needs.
+TEST(ConfigErrors, BestModelKeysAreTrainingArguments) {
+  const std::string eval = "\ndata: {eval_file: e.jsonl}";
+  using memtune::trainer::best_is_greater;
+  using memtune::trainer::best_metric_name;
+  const auto t = parse("training: {load_best_model_at_end: true, eval_steps: 2, save_steps: 4}" + eval).training;
+  EXPECT_EQ(best_metric_name(t), "loss");
+  EXPECT_FALSE(best_is_greater(t));
+  const auto a = parse("training: {metric_for_best_model: eval_token_accuracy}" + eval).training;
+  EXPECT_EQ(best_metric_name(a), "token_accuracy");
+  EXPECT_TRUE(best_is_greater(a));
+  EXPECT_TRUE(best_is_greater(parse("training: {metric_for_best_model: perplexity}").training));  // HF's default
+  EXPECT_FALSE(best_is_greater(parse("training: {metric_for_best_model: perplexity, greater_is_better: false}").training));
+  EXPECT_EQ(best_metric_name(parse("training: {}").training), "");
+  expect_invalid("training: {metric_for_best_model: bleu}", "metric_for_best_model", "bleu",
+                 "training.metric_for_best_model", "bleu", "loss");
+  expect_invalid("training: {greater_is_better: true}", "greater_is_better", "true", "training.greater_is_better", "true",
+                 "nothing here ranks evaluations");
+  EXPECT_HAS(error_of("training: {load_best_model_at_end: true}"), "ranks the checkpoints by their evaluations");
+  EXPECT_HAS(error_of("training: {load_best_model_at_end: true, eval_strategy: epoch, save_steps: 4}" + eval),
+             "training.save_strategy: invalid value 'steps': load_best_model_at_end needs a checkpoint at each "
+             "evaluation: save_strategy must match eval_strategy (epoch)");
+}
+
 TEST(ConfigErrors, NeftuneNoiseAlphaIsNotNegative) {
   EXPECT_EQ(parse("training: {neftune_noise_alpha: 5}").training.neftune_noise_alpha, 5);
   expect_invalid("training: {neftune_noise_alpha: -1}", "neftune_noise_alpha", "-1", "training.neftune_noise_alpha",

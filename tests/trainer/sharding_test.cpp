@@ -321,3 +321,32 @@ TEST(ShardedCheckpoint, ResumeKeepsTheSamplesOfAStepOverAllRanks) {
 
 }  // namespace
 }  // namespace memtune::trainer
+
+namespace memtune::trainer {
+namespace {
+
+// save_total_limit with a best checkpoint (metric_for_best_model): what transformers 5.12's
+// rotate_checkpoints leaves of checkpoint-<step> directories, run on each case below.
+TEST(CheckpointRotation, KeepsWhatTransformersKeeps) {
+  struct Case {
+    std::vector<int64_t> steps;
+    int limit;
+    int64_t best;
+    std::vector<int64_t> transformers_kept;
+  };
+  const std::vector<Case> cases = {
+      {{2, 4, 6, 8}, 2, 0, {6, 8}},       {{2, 4, 6, 8}, 2, 2, {2, 8}},        {{2, 4, 6, 8}, 1, 4, {4, 8}},
+      {{2, 4, 6, 8}, 1, 8, {8}},          {{2, 4, 6, 8, 10}, 3, 4, {4, 8, 10}}, {{2, 4}, 1, 2, {2, 4}},
+      {{5, 10, 15}, 5, 5, {5, 10, 15}},   {{3, 6, 9, 12}, 2, 12, {9, 12}},     {{3, 6, 9, 12}, 2, 6, {6, 12}},
+  };
+  for (const Case& c : cases) {
+    const std::vector<size_t> gone = checkpoints_to_prune(c.steps, c.limit, c.best);
+    std::vector<int64_t> kept;
+    for (size_t i = 0; i < c.steps.size(); ++i)
+      if (std::find(gone.begin(), gone.end(), i) == gone.end()) kept.push_back(c.steps[i]);
+    EXPECT_EQ(kept, c.transformers_kept) << "limit " << c.limit << " best " << c.best;
+  }
+}
+
+}  // namespace
+}  // namespace memtune::trainer

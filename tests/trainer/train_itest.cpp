@@ -197,6 +197,44 @@ TEST(Train, PlateauResumeEqualsUninterruptedRun) {
   }
 }
 
+// load_best_model_at_end, ranking the evaluations with greater_is_better: true on the eval
+// loss (the worst evaluation ranks best, so the best is not the last step): the saved adapter
+// is the best checkpoint's trainable tensors, the final evaluation measures them (the best
+// evaluation's loss again), and save_total_limit 1 keeps that checkpoint and the newest, as
+// transformers' rotation does.
+TEST(Train, LoadBestModelAtEndSavesTheBestCheckpointsAdapter) {
+  const fs::path d = temp_dir();
+  TrainRun r = train(d, "training.eval_steps=2 training.save_steps=2 training.save_total_limit=1 "
+                        "training.load_best_model_at_end=true training.greater_is_better=true data.eval_file=" +
+                            (source_dir() / "examples/data/tasks_eval.jsonl").string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  int64_t best_step = 0;
+  double best = -1, final_loss = -1;
+  for (const json& row : metrics(r.dir)) {
+    if (row.value("when", "") == "periodic" && row["eval_loss"].get<double>() > best)
+      best = row["eval_loss"].get<double>(), best_step = row["step"].get<int64_t>();
+    if (row.value("when", "") == "final") final_loss = row["eval_loss"].get<double>();
+  }
+  ASSERT_GT(best_step, 0);
+  ASSERT_LT(best_step, 6) << "the test needs a best evaluation before the last step";
+  EXPECT_NEAR(final_loss, best, 1e-6);
+  std::vector<std::string> kept;
+  for (const auto& e : fs::directory_iterator(r.dir / "checkpoints")) kept.push_back(e.path().filename().string());
+  std::sort(kept.begin(), kept.end());
+  EXPECT_EQ(kept, (std::vector<std::string>{"step-" + std::to_string(best_step), "step-6"}));
+  const auto ck = load_all_tensors(r.dir / "checkpoints" / ("step-" + std::to_string(best_step)) / "trainable.safetensors");
+  const auto adapter = load_all_tensors(r.dir / "adapter/adapter_model.safetensors");
+  ASSERT_EQ(ck.size(), adapter.size());
+  for (const auto& [key, t] : adapter) {
+    const std::string name = key.substr(std::string("base_model.model.").size());
+    ASSERT_TRUE(ck.count(name)) << name;
+    EXPECT_TRUE(at::equal(ck.at(name), t)) << name;
+  }
+  const json state = json::parse(read_file(r.dir / "checkpoints/step-6/state.json"));
+  EXPECT_EQ(state["best"]["checkpoint"], best_step);
+  EXPECT_NE(r.output.find("load_best_model_at_end: the trainable tensors of"), std::string::npos) << r.output;
+}
+
 // With LoRA dropout: the resumed steps draw the masks the straight run drew (each sample's
 // masks are keyed by the step and the sample; the generator's state is saved too).
 TEST(Train, ResumeWithDropoutEqualsUninterruptedRun) {
