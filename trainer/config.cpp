@@ -9,6 +9,7 @@
 
 #include "runtime/compat.h"
 #include "runtime/error.h"
+#include "trainer/best_model.h"
 #include "trainer/config_reflect.h"
 #include "trainer/schedule.h"
 
@@ -1135,19 +1136,6 @@ std::vector<std::string> compatibility_notes(const Config& config) {
                     "' matches modules whose name ends with it or that it matches in full as a regex "
                     "(PEFT reads a single string as a regex)");
   return notes;
-}
-
-std::string best_metric_name(const TrainingConfig& t) {
-  std::string m = t.metric_for_best_model;
-  if (m.rfind("eval_", 0) == 0) m = m.substr(5);
-  if (m.empty() && (t.load_best_model_at_end || t.lr_scheduler_type == "reduce_lr_on_plateau")) m = "loss";
-  return m;
-}
-
-bool best_is_greater(const TrainingConfig& t) {
-  if (!t.greater_is_better.empty()) return t.greater_is_better == "true";
-  const std::string m = best_metric_name(t);
-  return !(m.size() >= 4 && m.compare(m.size() - 4, 4, "loss") == 0);
 }
 
 int64_t steps_of(double value, int64_t total_steps) {

@@ -278,13 +278,6 @@ std::string config_help();
 // Lines to log once: keys accepted for compatibility that change nothing in this run.
 std::vector<std::string> compatibility_notes(const Config& config);
 
-// metric_for_best_model without its eval_ prefix (loss, perplexity or token_accuracy); unset,
-// "loss" where load_best_model_at_end or reduce_lr_on_plateau needs one (transformers'
-// default), else "": nothing ranks the evaluations.
-std::string best_metric_name(const TrainingConfig& t);
-// greater_is_better; unset, whether that name does not end in "loss" (transformers').
-bool best_is_greater(const TrainingConfig& t);
-
 // A *_steps key in steps for a run of `total_steps`: a value in (0, 1) is that share of them,
 // rounded up (transformers' TrainerState.compute_steps and TrainingArguments.get_warmup_steps),
 // any other the value itself.

@@ -40,6 +40,7 @@
 #include "runtime/threads.h"
 #include "runtime/units.h"
 #include "trainer/accuracy.h"
+#include "trainer/best_model.h"
 #include "trainer/estimate.h"
 #include "trainer/evaluate.h"
 #include "trainer/grad_scaler.h"

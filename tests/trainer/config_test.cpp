@@ -12,6 +12,7 @@
 #include "runtime/compat.h"
 #include "runtime/error.h"
 #include "test_util.h"
+#include "trainer/best_model.h"
 #include "trainer/config.h"
 #include "trainer/model_setup.h"
 #include "models/model_spec.h"
@@ -1099,6 +1100,9 @@ Config every_field_changed() {
   t.dataloader_num_workers = 2;
   t.remove_unused_columns = false;
   t.eval_strategy = "steps";
+  t.metric_for_best_model = "eval_perplexity";
+  t.greater_is_better = "false";
+  t.load_best_model_at_end = true;  // save_steps 50, a multiple of eval_steps 25
   t.group_by_length = true;
   t.train_sampling_strategy = "group_by_length";
   auto& d = c.data;
@@ -1157,6 +1161,8 @@ Config every_field_changed_b() {
   c.training.save_strategy = "epoch";
   c.training.eval_steps = 0;
   c.training.eval_strategy = "epoch";
+  c.training.metric_for_best_model = "token_accuracy";
+  c.training.greater_is_better = "true";
   c.training.per_device_train_batch_size = 4;  // NEFTune's scale follows a set micro-batch, not auto
   c.training.neftune_noise_alpha = 5;
   c.data.eval_split = 0.2;
@@ -1203,7 +1209,7 @@ TEST(ConfigRoundTrip, EveryFieldChangedIsComplete) {
   auto defaults = leaves(to_yaml(Config()));
   auto a = leaves(to_yaml(every_field_changed()));
   auto b = leaves(to_yaml(every_field_changed_b()));
-  EXPECT_EQ(defaults.size(), 116u);  // the leaves config.h declares: a new key belongs in every_field_changed()
+  EXPECT_EQ(defaults.size(), 119u);  // the leaves config.h declares: a new key belongs in every_field_changed()
   for (const auto& [path, value] : defaults) {
     if (kSingleValued.count(path)) continue;
     EXPECT_TRUE(a.at(path) != value || b.at(path) != value) << path << " is never changed from " << value;
@@ -1231,16 +1237,18 @@ TEST(ConfigRoundTrip, EqualityComparesEveryKey) {
       if (base.at(path) == value) continue;
       tried.insert(path);
       // A key valid only beside another is set on a base that has the other.
-      const std::map<std::string, std::string> needs = {
-          {"training.activation_offload", "training.gradient_checkpointing=true"},
-          {"training.eval_steps", "data.eval_file=data/eval.jsonl"},
-          {"training.eval_accuracy_rows", "data.eval_file=data/eval.jsonl"},
-          {"training.eval_strategy", "data.eval_file=data/eval.jsonl"},
-          {"training.lr_scheduler_kwargs", "training.lr_scheduler_type=cosine"},
-          {"training.momentum", "training.optim=sgd"},
-          {"model.quantization_config.llm_int8_skip_modules", "model.quantization_config.load_in_4bit=true"}};
-      const std::vector<std::string> base_overrides =
-          needs.count(path) ? std::vector<std::string>{needs.at(path)} : std::vector<std::string>{};
+      const std::map<std::string, std::vector<std::string>> needs = {
+          {"training.activation_offload", {"training.gradient_checkpointing=true"}},
+          {"training.eval_steps", {"data.eval_file=data/eval.jsonl"}},
+          {"training.eval_accuracy_rows", {"data.eval_file=data/eval.jsonl"}},
+          {"training.eval_strategy", {"data.eval_file=data/eval.jsonl"}},
+          {"training.lr_scheduler_kwargs", {"training.lr_scheduler_type=cosine"}},
+          {"training.momentum", {"training.optim=sgd"}},
+          {"training.greater_is_better", {"training.metric_for_best_model=loss"}},
+          {"training.load_best_model_at_end",
+           {"data.eval_file=data/eval.jsonl", "training.eval_steps=25", "training.save_steps=50"}},
+          {"model.quantization_config.llm_int8_skip_modules", {"model.quantization_config.load_in_4bit=true"}}};
+      const std::vector<std::string> base_overrides = needs.count(path) ? needs.at(path) : std::vector<std::string>{};
       std::vector<std::string> overrides = base_overrides;
       overrides.push_back(path + "=" + value);
       Config one = parse_config("", "x", overrides);
