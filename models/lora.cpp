@@ -18,27 +18,19 @@ bool is_plain_module_name(const std::string& s) {
 }
 
 std::regex target_regex(const std::string& pattern, const std::string& where) {
-  const std::string python = python_regex_problem(pattern);
-  MEMTUNE_CHECK(python.empty(), where, ": target_modules '", pattern, "' is not a valid regular expression (", python,
-                "); PEFT reads a single string as a regex over full module names");
-  try {
-    return module_regex(pattern);
-  } catch (const std::regex_error& e) {
-    fail(where, ": target_modules '", pattern, "' is not a valid regular expression (", e.what(),
-         "); PEFT reads a single string as a regex over full module names");
-  }
+  std::regex re;
+  const std::string problem = compile_module_regex(pattern, re);
+  MEMTUNE_CHECK(problem.empty(), where, ": target_modules '", pattern, "' is not a valid regular expression (",
+                problem, "); PEFT reads a single string as a regex over full module names");
+  return re;
 }
 
 std::regex lora_pattern_regex(const std::string& pattern, const std::string& where) {
-  const std::string python = python_regex_problem(pattern);
-  MEMTUNE_CHECK(python.empty(), where, ": pattern '", pattern, "' is not a valid regular expression (", python,
+  std::regex re;
+  const std::string problem = compile_module_regex(pattern, re, "(.*\\.)?(", ")");
+  MEMTUNE_CHECK(problem.empty(), where, ": pattern '", pattern, "' is not a valid regular expression (", problem,
                 "); PEFT matches it as (.*\\.)?(pattern)$ over full module names");
-  try {
-    return module_regex("(.*\\.)?(" + pattern + ")");
-  } catch (const std::regex_error& e) {
-    fail(where, ": pattern '", pattern, "' is not a valid regular expression (", e.what(),
-         "); PEFT matches it as (.*\\.)?(pattern)$ over full module names");
-  }
+  return re;
 }
 
 namespace {

@@ -65,4 +65,16 @@ std::regex module_regex(const std::string& source) {
 #endif
 }
 
+std::string compile_module_regex(const std::string& pattern, std::regex& out, const std::string& prefix,
+                                 const std::string& suffix) {
+  std::string problem = python_regex_problem(pattern);
+  if (!problem.empty()) return problem;
+  try {
+    out = module_regex(prefix + pattern + suffix);
+  } catch (const std::regex_error& e) {
+    problem = e.what();
+  }
+  return problem;
+}
+
 }  // namespace memtune::models

@@ -18,4 +18,10 @@ std::string python_regex_problem(const std::string& pattern);
 // over a 30-character name: seconds, in Python's re too). Throws std::regex_error.
 std::regex module_regex(const std::string& source);
 
+// Why `pattern` is no regular expression to Python's re and std::regex alike (python_regex_problem's
+// reason, or std::regex's), or "" with `out` holding prefix + pattern + suffix compiled by
+// module_regex (the affixes: the matching a caller wraps the pattern in).
+std::string compile_module_regex(const std::string& pattern, std::regex& out, const std::string& prefix = "",
+                                 const std::string& suffix = "");
+
 }  // namespace memtune::models

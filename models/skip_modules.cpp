@@ -11,14 +11,7 @@ SkipMatcher::SkipMatcher(const SkipModules& skip, const std::string& where) {
   patterns_ = *skip;
   regexes_.reserve(patterns_.size());
   for (const std::string& p : patterns_) {
-    std::string problem = python_regex_problem(p);
-    if (problem.empty()) {
-      try {
-        regexes_.push_back(module_regex(p));
-      } catch (const std::regex_error& e) {
-        problem = e.what();
-      }
-    }
+    const std::string problem = compile_module_regex(p, regexes_.emplace_back());
     MEMTUNE_CHECK(problem.empty(), where, ": '", p, "' is not a valid regular expression (", problem,
                   "); transformers matches each entry as a regex at the start of a module's name, or as the end of "
                   "the name. Hint: a module's name as written (model.layers.1.mlp), or escape the special characters");

@@ -951,12 +951,14 @@ void validate(const Config& config, const Checker& c) {
   c.check(config.training.greater_is_better.empty() || !best_metric_name(config.training).empty(),
           "training.greater_is_better", config.training.greater_is_better,
           "ranks metric_for_best_model, and nothing here ranks evaluations; set metric_for_best_model, or drop it");
+  // Periodic evaluations, which load_best_model_at_end and reduce_lr_on_plateau take their metric from.
+  const bool periodic_eval =
+      eval_data && (strategy == "steps" || strategy == "epoch" || (strategy.empty() && config.training.eval_steps > 0));
   // load_best_model_at_end ranks the checkpoints written at evaluations: HF requires the
   // strategies to match (the steps' multiple is checked when the run knows its intervals).
   if (config.training.load_best_model_at_end) {
     const std::string eval_kind = strategy.empty() ? "steps" : strategy;
-    const bool periodic = strategy == "steps" || strategy == "epoch" || (strategy.empty() && config.training.eval_steps > 0);
-    c.check(periodic && eval_data, "training.load_best_model_at_end", true,
+    c.check(periodic_eval, "training.load_best_model_at_end", true,
             "ranks the checkpoints by their evaluations, and this run has none; set eval_strategy: steps with "
             "eval_steps (or epoch), and data.eval_file or data.eval_split");
     c.check(config.training.save_strategy == eval_kind, "training.save_strategy", config.training.save_strategy,
@@ -966,16 +968,13 @@ void validate(const Config& config, const Checker& c) {
   // reduce_lr_on_plateau steps at the periodic evaluations (transformers requires an eval
   // strategy) and has no warm-up (get_scheduler returns it before warm-up is read).
   if (config.training.lr_scheduler_type == "reduce_lr_on_plateau") {
-    const bool periodic = strategy == "steps" || strategy == "epoch" || (strategy.empty() && config.training.eval_steps > 0);
-    c.check(periodic && eval_data, "training.lr_scheduler_type", config.training.lr_scheduler_type,
+    c.check(periodic_eval, "training.lr_scheduler_type", config.training.lr_scheduler_type,
             "steps with each periodic evaluation's eval_loss, and this run has none (transformers requires an eval "
             "strategy); set eval_strategy: steps with eval_steps (or epoch), and data.eval_file or data.eval_split");
-    c.check(config.training.warmup_steps == 0, "training.warmup_steps", config.training.warmup_steps,
-            "reduce_lr_on_plateau has no warm-up: transformers' get_scheduler returns it before reading "
-            "num_warmup_steps, so the key would change nothing; drop it");
-    c.check(config.training.warmup_ratio == 0, "training.warmup_ratio", config.training.warmup_ratio,
-            "reduce_lr_on_plateau has no warm-up: transformers' get_scheduler returns it before reading "
-            "num_warmup_steps, so the key would change nothing; drop it");
+    const std::string no_warmup = "reduce_lr_on_plateau has no warm-up: transformers' get_scheduler returns it "
+                                  "before reading num_warmup_steps, so the key would change nothing; drop it";
+    c.check(config.training.warmup_steps == 0, "training.warmup_steps", config.training.warmup_steps, no_warmup);
+    c.check(config.training.warmup_ratio == 0, "training.warmup_ratio", config.training.warmup_ratio, no_warmup);
   }
   c.check(strategy != "no" || config.training.eval_accuracy_rows == 0, "training.eval_strategy", strategy,
           "training.eval_accuracy_rows asks for an evaluation; drop one of them");
