@@ -348,5 +348,28 @@ TEST(CheckpointRotation, KeepsWhatTransformersKeeps) {
   }
 }
 
+// state.json's best (metric_for_best_model) round-trips, and a damaged one is refused naming
+// the field.
+TEST(CheckpointRotation, StateKeepsTheBestAndRefusesADamagedOne) {
+  TrainState s;
+  s.step = 6;
+  s.sampler = s.scaler = s.supervisor = s.optimizer = nlohmann::json::object();
+  s.world_size = 1;
+  s.best_metric = 2.5;
+  s.best_step = 4;
+  s.best_checkpoint = 4;
+  const TrainState back = TrainState::from_json(s.to_json(), "state.json");
+  EXPECT_EQ(back.best_metric, 2.5);
+  EXPECT_EQ(back.best_checkpoint, 4);
+  nlohmann::json bad = s.to_json();
+  bad["best"]["metric"] = "low";
+  try {
+    TrainState::from_json(bad, "state.json");
+    ADD_FAILURE() << "accepted";
+  } catch (const memtune::UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("state.json.best.metric is \"low\""), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace memtune::trainer
